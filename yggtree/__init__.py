@@ -1,0 +1,1 @@
+"""yggtree: latency-optimal tree speculative decoding with static graphs."""

@@ -1,0 +1,1 @@
+"""Offline tools: profiling, fitting, training, plan search, compilation."""

@@ -1,0 +1,1 @@
+"""Runtime: everything the decode loop needs. Never imports yggtree.offline."""
