@@ -1,0 +1,69 @@
+"""Structure and validation of the speed-of-light helpers. Tiny shapes; timings are never asserted."""
+
+import math
+
+import pytest
+import torch
+
+from yggtree.errors import YggError
+from yggtree.floor import copy_bandwidth_gbps, matmul_floor_ms, matmul_weights, weight_bytes
+
+KEYS = {"median_ms", "p10_ms", "p90_ms", "weight_bytes", "n_matmuls", "gbps", "width", "repeats"}
+
+
+def test_copy_bandwidth_is_a_positive_float():
+    gbps = copy_bandwidth_gbps(nbytes=1 << 16, repeats=3, warmup=1)
+    assert isinstance(gbps, float)
+    assert gbps > 0 and math.isfinite(gbps)
+
+
+@pytest.mark.parametrize("kwargs", [{"nbytes": 0}, {"repeats": 0}, {"warmup": -1}])
+def test_copy_bandwidth_rejects_bad_arguments(kwargs):
+    with pytest.raises(YggError):
+        copy_bandwidth_gbps(**{"nbytes": 1024, **kwargs})
+
+
+def test_weight_bytes_counts_all_tensors():
+    ws = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.float64)]
+    assert weight_bytes(ws) == 3 * 4 * 4 + 5 * 2 + 4 * 8
+    assert weight_bytes([]) == 0
+
+
+def test_matmul_weights_keeps_2d_in_order():
+    a, b, norm = torch.zeros(3, 4), torch.zeros(4, 3), torch.zeros(4)
+    assert [w.shape for w in matmul_weights([a, norm, b])] == [a.shape, b.shape]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 3])
+def test_matmul_floor_structure(dtype, width):
+    ws = [torch.randn(8, 4), torch.ones(8), torch.randn(6, 8), torch.randn(5, 4)]
+    ws = [w.to(dtype) if w.dim() == 2 else w for w in ws]
+    res = matmul_floor_ms(ws, width=width, repeats=4, warmup=1)
+    assert set(res) == KEYS
+    assert res["median_ms"] > 0 and res["p10_ms"] > 0 and res["gbps"] > 0
+    assert res["p10_ms"] <= res["median_ms"] <= res["p90_ms"]
+    assert res["n_matmuls"] == 3
+    assert res["weight_bytes"] == weight_bytes(matmul_weights(ws)) == (32 + 48 + 20) * ws[0].element_size()
+    assert res["width"] == width and res["repeats"] == 4
+
+
+def test_matmul_floor_leaves_global_rng_alone():
+    state = torch.get_rng_state()
+    matmul_floor_ms([torch.ones(2, 2)], width=1, repeats=1, warmup=0)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize(
+    "weights, kwargs",
+    [
+        ([torch.ones(2, 2)], {"width": 0}),
+        ([torch.ones(2, 2)], {"width": 1, "repeats": 0}),
+        ([torch.ones(2)], {"width": 1}),
+        ([], {"width": 1}),
+        ([torch.ones(2, 2, dtype=torch.int8)], {"width": 1}),
+    ],
+)
+def test_matmul_floor_rejects_bad_arguments(weights, kwargs):
+    with pytest.raises(YggError):
+        matmul_floor_ms(weights, **kwargs)
