@@ -1,0 +1,174 @@
+"""Acceptance: walk the verified tree with the target's choices; emit accepted tokens + a bonus.
+
+Input is a verified tree of ``W`` slots (pruned, locally indexed, root at 0, any order) and the
+target's logits at every node: ``target_logits[u]`` is the target's distribution for the token
+*after* node ``u``'s path. At node ``u`` the target chooses a token ``c(u)``; if a valid child of
+``u`` carries ``c(u)`` the walk moves there, otherwise ``c(u)`` is the bonus token and the walk
+stops. Example (tokens in brackets)::
+
+            0 [the]                 c(0) = cat   -> move to 1
+           /       \\                c(1) = sat   -> move to 3
+      1 [cat]     2 [dog]           c(3) = on    -> no child [on]: bonus
+       /    \\                      emitted: cat sat on   (n_accepted = 2)
+  3 [sat]  4 [ran]                  path = [0, 1, 3, 3]  (max_depth 3, padded)
+
+- Greedy: ``c(u) = argmax target_logits[u]`` (ties: lowest token id, like ``torch.argmax``).
+- Sampling: ``c(u) ~ filter_probs(target_logits[u], temperature, top_p)``, one independent draw
+  per node. This is the design's sibling-by-sibling scheme in closed form: the drafter's
+  candidates are deterministic (a point-mass proposal), so "accept child x with probability
+  p(x), else remove x, renormalise and try the next sibling, else sample from the residual"
+  accepts child x with probability exactly p(x) and emits a non-child y as the bonus with
+  probability exactly p(y) - the same joint law as one draw y ~ p, independent of sibling order.
+  Hence every emitted token is distributed exactly as the target's (lossless).
+
+Both walks are device-side: a fixed ``max_depth``-step loop of small tensor ops, no host sync
+(sampling uses ``torch.multinomial`` with the caller's generator, drawing for all W nodes at
+once). EOS and max-new-tokens are not handled here: see :func:`truncate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+import torch
+
+from yggtree.runtime.tree import Tree
+
+__all__ = ["Accepted", "filter_probs", "greedy_accept", "sample_accept", "truncate"]
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Result of one acceptance walk (``D`` = the walk's ``max_depth``)."""
+
+    path: torch.Tensor  # [D+1] int64, local node indices from the root; padded with the last one
+    n_accepted: torch.Tensor  # [] int64, accepted draft tokens (root excluded), in [0, D]
+    tokens: torch.Tensor  # [D+1] int64, tokens[:n_accepted+1] = accepted tokens, then the bonus;
+    #                       padded by repeating the bonus
+
+    def emitted(self) -> list[int]:
+        """The emitted tokens (accepted draft tokens + bonus) as a list. Syncs with the host."""
+        n = int(self.n_accepted)
+        return self.tokens[: n + 1].tolist()
+
+
+def filter_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Target sampling distribution: softmax(logits / temperature), then top-p (nucleus) filtering.
+
+    Top-p keeps the smallest set of highest-probability tokens whose cumulative probability
+    reaches ``top_p`` (a token is kept iff the mass strictly before it, in descending order,
+    is < ``top_p``; ties in order of token id) and renormalises. ``top_p >= 1`` keeps everything.
+    Plain sampling and :func:`sample_accept` must both use this function. Device-side.
+
+    Args:
+        logits: [..., V] float.
+        temperature: > 0 (use greedy decoding for temperature 0).
+        top_p: in (0, 1].
+
+    Returns:
+        [..., V] float32 probabilities.
+    """
+    if not temperature > 0:
+        raise ValueError(f"filter_probs: temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"filter_probs: top_p must be in (0, 1], got {top_p}")
+    probs = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
+    if top_p >= 1:
+        return probs
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _walk(tree: Tree, choice: torch.Tensor, max_depth: int) -> Accepted:
+    """Follow ``choice[u]`` (the target's token at node u) down the tree. Device-side."""
+    n = tree.num_nodes
+    dev = choice.device
+    can_enter = tree.valid & (torch.arange(n, device=dev) != 0)  # [W]
+    # u is a 1-element index tensor: indexing with a 0-dim tensor would call .item() (a sync)
+    u = torch.zeros(1, dtype=torch.int64, device=dev)  # [1]
+    alive = torch.ones(1, dtype=torch.bool, device=dev)  # [1]
+    n_acc = torch.zeros(1, dtype=torch.int64, device=dev)  # [1]
+    path = [u]
+    for _ in range(max_depth):
+        match = can_enter & (tree.parent == u) & (tree.token == choice[u])  # [W]
+        alive = alive & match.any()
+        nxt = torch.argmax(match.to(torch.int32), dim=0, keepdim=True)  # [1], first match
+        u = torch.where(alive, nxt, u)
+        n_acc = n_acc + alive.to(torch.int64)
+        path.append(u)
+    path_t = torch.cat(path)  # [D+1]
+    bonus = choice[u]  # [1]
+    i = torch.arange(max_depth + 1, device=dev)
+    nxt_tok = tree.token[path_t[(i + 1).clamp(max=max_depth)]]
+    tokens = torch.where(i < n_acc, nxt_tok, bonus)
+    n_acc = n_acc.squeeze(0)
+    return Accepted(path=path_t, n_accepted=n_acc, tokens=tokens)
+
+
+def _depth(tree: Tree, max_depth: int | None) -> int:
+    return tree.num_nodes - 1 if max_depth is None else max_depth
+
+
+def greedy_accept(tree: Tree, target_logits: torch.Tensor, max_depth: int | None = None) -> Accepted:
+    """Greedy acceptance: the target's argmax at every node. Device-side (no host sync).
+
+    Args:
+        tree: verified tree, W slots.
+        target_logits: [W, V] float, the target's logits at every node.
+        max_depth: static bound on the tree depth (the output length is max_depth + 1);
+            default W - 1, which always suffices.
+    """
+    return _walk(tree, target_logits.argmax(dim=-1), _depth(tree, max_depth))
+
+
+def sample_accept(
+    tree: Tree,
+    target_logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    max_depth: int | None = None,
+) -> Accepted:
+    """Lossless stochastic acceptance (see the module docstring for why). Device-side.
+
+    Args:
+        tree: verified tree, W slots.
+        target_logits: [W, V] float.
+        temperature: > 0.
+        top_p: in (0, 1].
+        generator: the source of all randomness (one multinomial draw per node).
+        max_depth: as in :func:`greedy_accept`.
+    """
+    probs = filter_probs(target_logits, temperature, top_p)  # [W, V]
+    choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [W]
+    return _walk(tree, choice, _depth(tree, max_depth))
+
+
+def truncate(
+    tokens: Sequence[int], eos_ids: Collection[int], remaining: int
+) -> tuple[list[int], str | None]:
+    """Cut an emission at the first EOS (kept) or at the remaining token budget.
+
+    Returns:
+        (tokens to emit, finish reason): ``"stop"`` if an EOS token is emitted, else
+        ``"length"`` if the budget is used up, else ``None`` (keep decoding).
+
+    >>> truncate([5, 2, 7], eos_ids={2}, remaining=10)
+    ([5, 2], 'stop')
+    >>> truncate([5, 6, 7], eos_ids={2}, remaining=2)
+    ([5, 6], 'length')
+    >>> truncate([5, 6], eos_ids={2}, remaining=5)
+    ([5, 6], None)
+    """
+    out = list(tokens[: max(remaining, 0)])
+    for i, t in enumerate(out):
+        if t in eos_ids:
+            return out[: i + 1], "stop"
+    if len(out) >= remaining:
+        return out, "length"
+    return out, None
