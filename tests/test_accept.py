@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from yggtree.runtime.accept import Accepted, filter_probs, greedy_accept, sample_accept, truncate
+from yggtree.runtime.accept import (
+    Accepted,
+    filter_probs,
+    greedy_accept,
+    sample_accept,
+    sample_tokens,
+    truncate,
+    walk,
+)
 from yggtree.runtime.tree import Tree, build_tree
 
 
@@ -153,7 +161,8 @@ def test_filter_probs_by_hand() -> None:
     assert out.shape == (1, 2, 4)
     torch.testing.assert_close(out[0, 1], torch.tensor([0, 0, 0.375, 0.625]))
     # ties are ordered by token id
-    torch.testing.assert_close(filter_probs(torch.zeros(4), 1.0, 0.5), torch.tensor([0.5, 0.5, 0, 0]))
+    tie = filter_probs(torch.zeros(4), 1.0, 0.5)
+    torch.testing.assert_close(tie, torch.tensor([0.5, 0.5, 0, 0]))
     with pytest.raises(ValueError):
         filter_probs(lg, 0.0, 1.0)
     with pytest.raises(ValueError):
@@ -169,6 +178,51 @@ def test_truncate() -> None:
     assert truncate([5, 2], {2, 3}, 2) == ([5, 2], "stop")  # EOS exactly at the budget
     assert truncate([3, 2], {2, 3}, 9) == ([3], "stop")
     assert truncate([5], {2}, 0) == ([], "length")
+
+
+def test_sample_tokens_inverts_the_cdf() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.25, 0.75, 0.0, 0.0]])
+    assert sample_tokens(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
+    assert sample_tokens(probs, torch.tensor([0.5, 0.2499])).tolist() == [3, 0]
+    assert sample_tokens(probs, torch.tensor([0.9999999, 0.25])).tolist() == [3, 1]
+    # out-of-contract u = 1 still never yields a zero-probability token
+    assert sample_tokens(probs, torch.tensor([1.0, 1.0])).tolist() == [3, 1]
+    # midpoint quadrature over [0, 1): the counts are the probabilities (unnormalised rows ok)
+    m = 4096
+    p = torch.tensor([0.125, 0.0, 0.375, 0.25, 0.25]) * 3
+    got = sample_tokens(p.expand(m, 5), (torch.arange(m) + 0.5) / m)
+    assert torch.bincount(got, minlength=5).tolist() == [512, 0, 1536, 1024, 1024]
+
+
+def test_sample_accept_uses_only_the_given_generator() -> None:
+    tree = build_tree([0, 0, 0, 1], [9, 3, 4, 5])
+    lg = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    a = [sample_accept(tree, lg, 0.8, 0.95, torch.Generator().manual_seed(5)) for _ in range(2)]
+    torch.manual_seed(123)  # the global generator must not matter
+    b = sample_accept(tree, lg, 0.8, 0.95, torch.Generator().manual_seed(5))
+    assert a[0].tokens.tolist() == a[1].tokens.tolist() == b.tokens.tolist()
+    # and it is the walk over inverse-CDF draws from the same uniforms
+    u = torch.rand(4, generator=torch.Generator().manual_seed(5))
+    c = walk(tree, sample_tokens(filter_probs(lg, 0.8, 0.95), u))
+    assert c.tokens.tolist() == b.tokens.tolist()
+
+
+def test_acceptance_traces_as_one_static_graph() -> None:
+    """No data-dependent Python control flow or host sync: dynamo captures a single graph."""
+    tree = build_tree([0, 0, 0, 1], [9, 3, 4, 5], size=6)
+    lg = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    u = torch.rand(6, generator=torch.Generator().manual_seed(1))
+
+    def step(tree: Tree, logits: torch.Tensor, uniform: torch.Tensor):
+        greedy = greedy_accept(tree, logits, max_depth=3)
+        sampled = walk(tree, sample_tokens(filter_probs(logits, 0.7, 0.9), uniform), 3)
+        return greedy.tokens, greedy.n_accepted, sampled.tokens, sampled.path
+
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="eager", fullgraph=True)(tree, lg, u)
+    want = step(tree, lg, u)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 # ---------------------------------------------------------------- losslessness

@@ -225,6 +225,28 @@ def test_device_side_on_meta() -> None:
     assert state.tree.token.device.type == "meta" and state.tree.token.shape == (7,)
 
 
+def test_drafting_and_pruning_trace_as_one_static_graph() -> None:
+    """D EGT steps + top-k pruning + re-indexing: dynamo captures one graph (no host sync)."""
+    from yggtree.runtime.prune import prune_topk, subtree
+
+    def draft(root, tk, tl, step_tok, step_lp):
+        state = egt_init(root, tk, tl, 3, 2)
+        for step in range(3):
+            state, fed = egt_select(state, step)
+            state = egt_expand(state, fed, step_tok[step], step_lp[step])
+        kept, ok = prune_topk(state.tree, state.tree.logp.exp(), 4)
+        sub = subtree(state.tree, kept, ok)
+        return sub.token, sub.parent, sub.valid
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.tensor(1), torch.tensor([2, 3]), torch.tensor([-0.1, -2.0]),
+            torch.randint(0, 9, (3, 2, 2), generator=g), -torch.rand(3, 2, 2, generator=g))
+    torch._dynamo.reset()
+    got = torch.compile(draft, backend="eager", fullgraph=True)(*args)
+    for a, b in zip(got, draft(*args)):
+        assert torch.equal(a, b)
+
+
 def test_select_rejects_bad_step() -> None:
     state = egt_init(torch.tensor(1), torch.tensor([2]), torch.tensor([0.0]), 2, 1)
     with pytest.raises(ValueError, match="step 2 outside"):

@@ -210,6 +210,9 @@ def test_base_tree_is_valid() -> None:
         ({"valid": (0, False)}, r"'root' violated at node 0: the root is invalid"),
         ({"depth": (0, 1)}, r"'root' violated at node 0"),
         ({"parent": (0, 2)}, r"'root' violated at node 0"),
+        ({"logp": (0, -0.5)}, r"'logp' violated at node 0"),
+        ({"logp": (4, float("nan"))}, r"'logp' violated at node 4: logp is NaN"),
+        ({"logp": (6, 0.0)}, r"'logp' violated at node 6: padded slot"),
     ],
 )
 def test_check_invariants_rejects(fields, pattern) -> None:

@@ -22,8 +22,8 @@ stops. Example (tokens in brackets)::
   Hence every emitted token is distributed exactly as the target's (lossless).
 
 Both walks are device-side: a fixed ``max_depth``-step loop of small tensor ops, no host sync
-(sampling uses ``torch.multinomial`` with the caller's generator, drawing for all W nodes at
-once). EOS and max-new-tokens are not handled here: see :func:`truncate`.
+(sampling draws one uniform per node, for all W nodes at once, from the caller's generator,
+and inverts the CDF). EOS and max-new-tokens are not handled here: see :func:`truncate`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,15 @@ import torch
 
 from yggtree.runtime.tree import Tree
 
-__all__ = ["Accepted", "filter_probs", "greedy_accept", "sample_accept", "truncate"]
+__all__ = [
+    "Accepted",
+    "filter_probs",
+    "sample_tokens",
+    "walk",
+    "greedy_accept",
+    "sample_accept",
+    "truncate",
+]
 
 
 @dataclass(frozen=True)
@@ -84,9 +92,43 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def _walk(tree: Tree, choice: torch.Tensor, max_depth: int) -> Accepted:
-    """Follow ``choice[u]`` (the target's token at node u) down the tree. Device-side."""
+def sample_tokens(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row of ``probs`` from uniforms in [0, 1). Device-side.
+
+    Token ``i`` is drawn iff ``cdf[i-1] <= uniform * cdf[-1] < cdf[i]``, so zero-probability
+    tokens are never drawn (rounding at the top end falls back to the last token with positive
+    probability). Resolution is that of float32 (2^-24). Taking the uniforms as an input keeps
+    this traceable by ``torch.compile(fullgraph=True)``, which cannot take a ``torch.Generator``.
+
+    Args:
+        probs: [..., V] float, non-negative, rows not all zero (need not sum to 1).
+        uniform: [...] float in [0, 1).
+
+    Returns:
+        [...] int64 token ids.
+    """
+    cdf = torch.cumsum(probs.to(torch.float32), dim=-1)  # [..., V]
+    x = (uniform.to(torch.float32) * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)  # [...]
+    v = probs.shape[-1]
+    last_pos = (v - 1) - torch.argmax((probs.flip(-1) > 0).to(torch.int32), dim=-1)  # [...]
+    return torch.minimum(idx, last_pos)
+
+
+def walk(tree: Tree, choice: torch.Tensor, max_depth: int | None = None) -> Accepted:
+    """Follow the target's choices down the tree. Device-side.
+
+    Args:
+        tree: verified tree, W slots.
+        choice: [W] int64, the target's token at every node (argmax, or a sample).
+        max_depth: static bound on the tree depth (the output length is max_depth + 1);
+            default W - 1, which always suffices.
+
+    The greedy and sampling acceptances are this walk with different ``choice``; a compiled
+    verify graph can call it directly with choices from :func:`sample_tokens`.
+    """
     n = tree.num_nodes
+    max_depth = n - 1 if max_depth is None else max_depth
     dev = choice.device
     can_enter = tree.valid & (torch.arange(n, device=dev) != 0)  # [W]
     # u is a 1-element index tensor: indexing with a 0-dim tensor would call .item() (a sync)
@@ -110,11 +152,9 @@ def _walk(tree: Tree, choice: torch.Tensor, max_depth: int) -> Accepted:
     return Accepted(path=path_t, n_accepted=n_acc, tokens=tokens)
 
 
-def _depth(tree: Tree, max_depth: int | None) -> int:
-    return tree.num_nodes - 1 if max_depth is None else max_depth
-
-
-def greedy_accept(tree: Tree, target_logits: torch.Tensor, max_depth: int | None = None) -> Accepted:
+def greedy_accept(
+    tree: Tree, target_logits: torch.Tensor, max_depth: int | None = None
+) -> Accepted:
     """Greedy acceptance: the target's argmax at every node. Device-side (no host sync).
 
     Args:
@@ -123,7 +163,7 @@ def greedy_accept(tree: Tree, target_logits: torch.Tensor, max_depth: int | None
         max_depth: static bound on the tree depth (the output length is max_depth + 1);
             default W - 1, which always suffices.
     """
-    return _walk(tree, target_logits.argmax(dim=-1), _depth(tree, max_depth))
+    return walk(tree, target_logits.argmax(dim=-1), max_depth)
 
 
 def sample_accept(
@@ -141,12 +181,18 @@ def sample_accept(
         target_logits: [W, V] float.
         temperature: > 0.
         top_p: in (0, 1].
-        generator: the source of all randomness (one multinomial draw per node).
+        generator: the source of all randomness (one uniform per node, drawn with
+            ``torch.rand``); None uses torch's default generator.
         max_depth: as in :func:`greedy_accept`.
+
+    Under ``torch.compile(fullgraph=True)`` (which cannot trace a generator), draw the uniforms
+    outside and compose ``walk(tree, sample_tokens(filter_probs(...), uniform))`` instead.
     """
     probs = filter_probs(target_logits, temperature, top_p)  # [W, V]
-    choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [W]
-    return _walk(tree, choice, _depth(tree, max_depth))
+    uniform = torch.rand(
+        probs.shape[:-1], generator=generator, device=probs.device, dtype=torch.float32
+    )  # [W]
+    return walk(tree, sample_tokens(probs, uniform), max_depth)
 
 
 def truncate(

@@ -161,7 +161,8 @@ def egt_expand(
     k = state.k
     node_logp = state.tree.logp[fed_idx]  # [w_d], -inf for invalid nodes
     ok = state.tree.valid[fed_idx]  # [w_d]
-    score = torch.where(ok[:, None], node_logp[:, None] + topk_logp.to(torch.float32), float("-inf"))
+    child = node_logp[:, None] + topk_logp.to(torch.float32)  # [w_d, k]
+    score = torch.where(ok[:, None], child, float("-inf"))
     slots = (fed_idx[:, None] * k + torch.arange(k, device=fed_idx.device)).reshape(-1)
     return replace(
         state,

@@ -57,7 +57,8 @@ def prune_topk(tree: Tree, value: torch.Tensor, w_v: int) -> tuple[torch.Tensor,
     # lexicographic sort by stable passes, least significant key first
     order = torch.sort(tree.depth, stable=True).indices
     order = order[torch.sort(val[order], descending=True, stable=True).indices]
-    order = order[torch.sort(tree.valid[order].to(torch.uint8), descending=True, stable=True).indices]
+    valid_first = torch.sort(tree.valid[order].to(torch.uint8), descending=True, stable=True)
+    order = order[valid_first.indices]
     if w_v > n:
         order = torch.cat([order, torch.zeros(w_v - n, dtype=torch.int64, device=dev)])
         ok = torch.cat([tree.valid[order[:n]], torch.zeros(w_v - n, dtype=torch.bool, device=dev)])

@@ -27,6 +27,7 @@ any device and never synchronise with the host.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -155,6 +156,7 @@ def check_invariants(tree: Tree) -> None:
     - ``'acyclicity'``: walking parents from every node reaches the root within N steps.
     - ``'validity closure'``: the parent of a valid node is valid.
     - ``'depth consistency'``: a valid non-root node has depth = depth of its parent + 1.
+    - ``'logp'``: the root's logp is 0.0, valid nodes' logp is not NaN, padded slots' is -inf.
     """
     fields = {
         "token": (tree.token, torch.int64),
@@ -173,6 +175,7 @@ def check_invariants(tree: Tree) -> None:
     parent = tree.parent.cpu().tolist()
     depth = tree.depth.cpu().tolist()
     valid = tree.valid.cpu().tolist()
+    logp = tree.logp.cpu().tolist()
 
     if not valid[0]:
         raise _violation("root", 0, "the root is invalid")
@@ -207,6 +210,14 @@ def check_invariants(tree: Tree) -> None:
                 i,
                 f"depth {depth[i]} but parent {parent[i]} has depth {depth[parent[i]]}",
             )
+
+    if logp[0] != 0.0:
+        raise _violation("logp", 0, f"the root has logp {logp[0]}, expected 0.0")
+    for i in range(n):
+        if valid[i] and math.isnan(logp[i]):
+            raise _violation("logp", i, "logp is NaN")
+        if not valid[i] and logp[i] != float("-inf"):
+            raise _violation("logp", i, f"padded slot has logp {logp[i]}, expected -inf")
 
 
 def build_tree(
