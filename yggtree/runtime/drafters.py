@@ -1,0 +1,133 @@
+"""Drafters: the method-neutral interface the decode loop talks to, and its implementations.
+
+The loop (see engine.py) drives a drafter through one speculation step like this::
+
+    head(root, committed, feats)        -> top-k children of the root        (1 input)
+    step(tokens, depth, node, anc, ...) -> top-k children of W_d tree nodes  (W_d inputs) x D
+    commit(src, dst, ...)               -> keep the accepted path, drop the rest
+
+Tree node j of the step's draft tree lives in the drafter's cache at slot ``committed + j``
+(the root is node 0), exactly as in the target's cache, so committing the accepted path is the
+same static gather on both sides. A drafter that reads target hidden states declares the layers
+in ``target_layers``; the loop then passes the target's features for the committed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..errors import YggError
+from . import steps
+from .graphs import Graphs
+from .model import Transformer
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The drafter's proposal for each fed node."""
+
+    token: torch.Tensor  # [W, k] int64, top-k next tokens (best first)
+    logp: torch.Tensor  # [W, k] float32, their drafter log-probabilities
+
+
+class Drafter(Protocol):
+    """What the decode loop needs from any drafter."""
+
+    vocab_size: int
+    target_layers: tuple[int, ...]  # target hidden states it reads (empty: none)
+
+    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
+        """Allocate state for ``n_slots`` cache slots and build graphs for these input widths."""
+
+    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
+        """Absorb the prompt ([n] int64; feats: target layers [n, H] each, or ())."""
+
+    def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
+        """Feed the root (last emitted token, [] int64) at position ``committed``: [1, k]."""
+
+    def step(
+        self,
+        tokens: torch.Tensor,  # [W] int64
+        depth: torch.Tensor,  # [W] int64
+        node: torch.Tensor,  # [W] int64 tree node index
+        anc: torch.Tensor,  # [W, N] bool visibility over the tree
+        committed: torch.Tensor,  # [] int64
+        k: int,
+    ) -> TopK:
+        """Feed W tree nodes at once and return the top-k children of each."""
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
+        """Keep the accepted path: move tree slots ``src`` [K] to committed slots ``dst`` [K]."""
+
+    def frozen(self):
+        """Context manager for the decode loop (no compiles allowed in compiled mode)."""
+
+
+def topk_logp(logits: torch.Tensor, k: int) -> TopK:
+    """[W, V] logits -> top-k tokens and log-probabilities."""
+    lp = torch.log_softmax(logits, dim=-1)
+    val, idx = torch.topk(lp, k, dim=-1)
+    return TopK(idx, val)
+
+
+class LMDrafter:
+    """A standalone causal LM sharing the target's tokenizer (Yggdrasil's setting).
+
+    ``LMDrafter(target.shared_copy())`` is the self-drafter used by tests: the target drafting for
+    itself, so every greedy draft on the kept path must be accepted.
+    """
+
+    target_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: Transformer, mode: str) -> None:
+        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self.graphs = Graphs(model, mode)
+
+    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
+        if self.model.cache_slots != n_slots:
+            self.model.setup_cache(1, n_slots)
+            self.graphs.widths.clear()
+        self.graphs.warm_up(widths + [prefill_chunk])
+        self.chunk = prefill_chunk
+
+    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
+        chunk = self.chunk
+        n = prompt.shape[0]
+        for start in range(0, n, chunk):
+            part = prompt[start : start + chunk]
+            pad = torch.zeros(chunk, dtype=torch.int64, device=prompt.device)
+            pad[: part.shape[0]] = part
+            steps.prefill_chunk(
+                self.model, pad[None], torch.tensor(start), torch.tensor(part.shape[0])
+            )
+
+    def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
+        zero = torch.zeros(1, dtype=torch.int64, device=root.device)
+        anc = torch.ones(1, 1, dtype=torch.bool, device=root.device)
+        logits, _, _ = steps.tree_step(self.model, root.reshape(1), zero, zero, anc, committed)
+        return topk_logp(logits, k)
+
+    def step(self, tokens, depth, node, anc, committed, k: int) -> TopK:
+        logits, _, _ = steps.tree_step(self.model, tokens, depth, node, anc, committed)
+        return topk_logp(logits, k)
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
+        steps.commit(self.model, src, dst)
+
+    def frozen(self):
+        return self.graphs.frozen()
+
+
+def check_pair(target_vocab: int, drafter_vocab: int, target_tok, drafter_tok, where: str) -> None:
+    """Refuse a drafter whose vocabulary or tokenizer differs from the target's."""
+    if target_vocab != drafter_vocab:
+        raise YggError(
+            f"drafter {where} has vocabulary size {drafter_vocab}, the target has {target_vocab}"
+        )
+    if target_tok is not None and drafter_tok is not None:
+        if target_tok.get_vocab() != drafter_tok.get_vocab():
+            raise YggError(f"drafter {where} uses a different tokenizer than the target")

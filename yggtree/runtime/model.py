@@ -1,0 +1,269 @@
+"""A compact Llama-family decoder with a static KV cache (gpt-fast style).
+
+Covers Llama, Mistral and Qwen2 (q/k/v bias): GQA, tied or untied embeddings, RoPE with the
+"default", "linear", "llama3" and "yarn" scaling types. Every shape inside ``forward`` is fixed by
+the shapes of its tensor arguments: nothing that varies between decode steps is a Python int, so one
+input width W gives one graph.
+
+The cache holds ``S`` slots per layer. A forward call writes the keys/values of its W tokens into the
+slots it is given and lets every token attend to the cache slots its mask allows:
+
+    tokens    [B, W]     token ids
+    positions [B, W]     RoPE positions
+    slots     [B, W]     cache slots to write (any slots; the caller owns the layout)
+    mask      [B, W, S]  True where token w may attend to cache slot s (after this call's writes)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as in HF configs ("rope_scaling" / "rope_parameters")."""
+
+    kind: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = 0.1 * ln(factor) + 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    arch: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float64) and the cos/sin magnitude for ``cfg``."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if rs.kind == "default":
+        return inv, 1.0
+    if rs.kind == "linear":
+        return inv / rs.factor, 1.0
+    if rs.kind == "llama3":
+        old = rs.original_max_position_embeddings
+        low_wavelen = old / rs.low_freq_factor
+        high_wavelen = old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled), 1.0
+    if rs.kind == "yarn":
+        old = rs.original_max_position_embeddings
+
+        def dim_for(rot: float) -> float:
+            return (d * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
+
+        low = max(math.floor(dim_for(rs.beta_fast)), 0)
+        high = min(math.ceil(dim_for(rs.beta_slow)), d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = inv / rs.factor * (1 - extrapolation) + inv * extrapolation
+        mscale = rs.attention_factor
+        if mscale is None:
+            mscale = 0.1 * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0
+        return inv, mscale
+    raise ValueError(f"unsupported rope scaling type {rs.kind!r}")
+
+
+def rope_table(cfg: ModelConfig, n_positions: int) -> torch.Tensor:
+    """cos/sin table [n_positions, head_dim // 2, 2] in float32."""
+    inv, mscale = rope_inv_freq(cfg)
+    angles = torch.arange(n_positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return (torch.stack([angles.cos(), angles.sin()], dim=-1) * mscale).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the HF/Llama convention). x [B, W, H, D]; cos, sin [B, W, 1, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.cache: KVCache | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, W, hidden]
+        cos: torch.Tensor,  # [B, W, 1, D/2]
+        sin: torch.Tensor,  # [B, W, 1, D/2]
+        slots: torch.Tensor,  # [B, W]
+        mask: torch.Tensor,  # [B, W, S] bool
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, w, _ = x.shape
+        hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        q = apply_rope(self.q_proj(x).view(bsz, w, cfg.num_heads, d), cos, sin)
+        k = apply_rope(self.k_proj(x).view(bsz, w, hkv, d), cos, sin)
+        v = self.v_proj(x).view(bsz, w, hkv, d)
+        assert self.cache is not None, "call Transformer.setup_cache() before forward()"
+        k_all, v_all = self.cache.write(slots, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+        # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
+        qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
+        scores = torch.matmul(qg, k_all.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+        scores = scores.view(bsz, hkv, g, w, -1).masked_fill(~mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v_all.dtype).view(bsz, hkv, g * w, -1)
+        out = torch.matmul(probs, v_all)  # [B, Hkv, G*W, D]
+        out = out.view(bsz, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(bsz, w, cfg.num_heads * d)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class ForwardOut:
+    """What one forward call returns."""
+
+    hidden: torch.Tensor  # [B, W, hidden] final-norm output (the LM head's input)
+    layers: tuple[torch.Tensor, ...]  # each [B, W, hidden]: outputs of the requested decoder layers
+
+
+class Transformer(nn.Module):
+    """Llama-family decoder. Parameter names follow HF (``model.layers.N....``) minus the ``model.``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope", torch.zeros(0, cfg.head_dim // 2, 2), persistent=False)
+        self.cache_slots = 0  # S; the rope table [S, D/2, 2] float32 covers positions 0..S-1
+
+    def setup_cache(self, batch_size: int, n_slots: int) -> None:
+        """Allocate (or reallocate) the static KV cache: ``n_slots`` slots per layer."""
+        p = self.embed_tokens.weight
+        cfg = self.cfg
+        for block in self.layers:
+            block.self_attn.cache = KVCache(
+                batch_size, cfg.num_kv_heads, n_slots, cfg.head_dim, p.dtype, p.device
+            )
+        self.rope = rope_table(cfg, n_slots).to(p.device)
+        self.cache_slots = n_slots
+
+    def shared_copy(self) -> "Transformer":
+        """A second model over the same weight tensors with its own (unallocated) cache."""
+        with torch.device("meta"):
+            twin = Transformer(self.cfg)
+        twin.load_state_dict(self.state_dict(), strict=False, assign=True)
+        if self.cfg.tie_word_embeddings:
+            twin.lm_head.weight = twin.embed_tokens.weight
+        twin.rope = torch.zeros(0, self.cfg.head_dim // 2, 2, device=self.embed_tokens.weight.device)
+        return twin.eval().requires_grad_(False)
+
+    def caches(self) -> list[KVCache]:
+        return [b.self_attn.cache for b in self.layers]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, W] int64
+        positions: torch.Tensor,  # [B, W] int64
+        slots: torch.Tensor,  # [B, W] int64
+        mask: torch.Tensor,  # [B, W, S] bool
+        capture: tuple[int, ...] = (),
+    ) -> ForwardOut:
+        cs = self.rope[positions]  # [B, W, D/2, 2]
+        cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)
+        x = self.embed_tokens(tokens)
+        captured = []
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, slots, mask)
+            if i in capture:
+                captured.append(x)
+        return ForwardOut(self.norm(x), tuple(captured))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab] float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """The 2-D weights one token's forward multiplies by (for the matmul floor)."""
+        ws = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
+        return ws

@@ -1,0 +1,86 @@
+"""The target's per-call step functions: the units that are captured as static graphs.
+
+Cache layout (batch 1): slots ``0..L-1`` hold the committed sequence (L = ``committed`` tensor);
+a step writes its W tokens at slots ``L..L+W-1``; the last slot ``S-1`` is a scratch slot that
+padded prefill tokens write to and nothing ever attends to. Every varying quantity is a tensor, so
+each function gives one graph per input width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import Transformer
+
+
+def prefill_chunk(
+    model: Transformer,
+    tokens: torch.Tensor,  # [1, C] int64, padded past n_valid
+    start: torch.Tensor,  # [] int64: slot/position of tokens[0, 0]
+    n_valid: torch.Tensor,  # [] int64: real tokens in this chunk (1..C)
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Run one causal prefill chunk.
+
+    Returns logits of the last real token [1, V] (float32), the final hidden states [1, C, H]
+    and the captured layers (each [1, C, H]).
+    """
+    c = tokens.shape[1]
+    n_slots = model.cache_slots
+    ar = torch.arange(c, device=tokens.device)
+    pos = (start + ar)[None]  # [1, C]
+    real = ar < n_valid
+    slots = torch.where(real, start + ar, n_slots - 1)[None]  # pads -> scratch slot
+    pos = torch.where(real[None], pos, start)  # keep pad positions in range
+    s = torch.arange(n_slots, device=tokens.device)
+    mask = (s[None, :] <= (start + ar)[:, None]) & (s[None, :] < n_slots - 1)  # [C, S]
+    out = model(tokens, pos, slots, mask[None], capture)
+    last = out.hidden[:, (n_valid - 1).reshape(1)]  # [1, 1, H]
+    return model.logits(last)[:, 0], out.hidden, out.layers
+
+
+def tree_mask(
+    committed: torch.Tensor,  # [] int64
+    anc: torch.Tensor,  # [W, N] bool: anc[i, j] = tree node j is visible to input i
+    n_slots: int,
+) -> torch.Tensor:
+    """[W, S] bool: the committed prefix, plus tree node j at slot committed + j where anc allows."""
+    n = anc.shape[1]
+    s = torch.arange(n_slots, device=anc.device)
+    rel = s - committed  # [S]
+    in_tree = (rel >= 0) & (rel < n)
+    tree_part = anc[:, rel.clamp(0, n - 1)] & in_tree[None, :]
+    return (s < committed)[None, :] | tree_part
+
+
+def tree_step(
+    model: Transformer,
+    tokens: torch.Tensor,  # [W] int64
+    depth: torch.Tensor,  # [W] int64, depth in the tree (root 0)
+    node: torch.Tensor,  # [W] int64, tree node index of each input (its slot is committed + node)
+    anc: torch.Tensor,  # [W, N] bool, anc[i, j]: input i sees tree node j (ancestor-or-self)
+    committed: torch.Tensor,  # [] int64, committed length = the root's position
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One model call over W tree nodes against the committed cache.
+
+    Node j of the tree lives at cache slot ``committed + j`` and RoPE position
+    ``committed + depth[j]``. Verification feeds the whole (pruned) tree: ``node = arange(W)``,
+    ``anc`` square; a drafter step feeds W_d nodes of a bigger tree; plain decoding is W = 1
+    (the root alone). Returns logits [W, V] float32, final hidden [W, H] and the captured layers
+    (each [W, H]).
+    """
+    pos = (committed + depth)[None]
+    slots = (committed + node)[None]
+    mask = tree_mask(committed, anc, model.cache_slots)
+    out = model(tokens[None], pos, slots, mask[None], capture)
+    return model.logits(out.hidden[0]), out.hidden[0], tuple(x[0] for x in out.layers)
+
+
+def commit(model: Transformer, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Move cache slots src [K] to dst [K] in every layer (accepted path -> contiguous prefix).
+
+    K is fixed (D_max); entries past the accepted length land beyond the new committed length,
+    where the prefix mask never looks, so no host-side length is needed."""
+    for cache in model.caches():
+        cache.move(src[None], dst[None])
