@@ -53,14 +53,24 @@ class Drafter(Protocol):
         tokens: torch.Tensor,  # [W] int64
         depth: torch.Tensor,  # [W] int64
         node: torch.Tensor,  # [W] int64 tree node index
+        parent: torch.Tensor,  # [W] int64 tree node index of each input's parent (root: 0)
         anc: torch.Tensor,  # [W, N] bool visibility over the tree
         committed: torch.Tensor,  # [] int64
         k: int,
     ) -> TopK:
         """Feed W tree nodes at once and return the top-k children of each."""
 
-    def commit(self, src: torch.Tensor, dst: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
-        """Keep the accepted path: move tree slots ``src`` [K] to committed slots ``dst`` [K]."""
+    def commit(
+        self,
+        src: torch.Tensor,  # [D] int64 cache slots of the accepted draft nodes (padded)
+        dst: torch.Tensor,  # [D] int64 their committed slots
+        path_tokens: torch.Tensor,  # [D+1] int64 root, accepted tokens, then padding
+        n_accepted: torch.Tensor,  # [] int64 accepted draft tokens (0..D)
+        feats: tuple[torch.Tensor, ...],  # target layers at the path nodes, each [D+1, H]
+    ) -> None:
+        """Keep the accepted path (slot ``src[i]`` -> ``dst[i]``) and drop the rest of the tree.
+
+        Called only when decoding continues; the next ``head`` gets the bonus token as root."""
 
     def frozen(self):
         """Context manager for the decode loop (no compiles allowed in compiled mode)."""
@@ -111,11 +121,11 @@ class LMDrafter:
         logits, _, _ = steps.tree_step(self.model, root.reshape(1), zero, zero, anc, committed)
         return topk_logp(logits, k)
 
-    def step(self, tokens, depth, node, anc, committed, k: int) -> TopK:
+    def step(self, tokens, depth, node, parent, anc, committed, k: int) -> TopK:
         logits, _, _ = steps.tree_step(self.model, tokens, depth, node, anc, committed)
         return topk_logp(logits, k)
 
-    def commit(self, src: torch.Tensor, dst: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
+    def commit(self, src, dst, path_tokens, n_accepted, feats) -> None:
         steps.commit(self.model, src, dst)
 
     def frozen(self):

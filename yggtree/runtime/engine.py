@@ -276,7 +276,7 @@ class Engine:
             for s in range(d):
                 state, fed = egt_select(state, s)
                 tokens, pos, rows = egt_feed_inputs(state, fed, L)
-                prop = drafter.step(tokens, pos - L, fed, rows, L, k)
+                prop = drafter.step(tokens, pos - L, fed, state.tree.parent[fed], rows, L, k)
                 state = egt_expand(state, fed, prop.token, prop.logp)
             counters["draft_calls"] += d + 1
             t2 = time.perf_counter()
@@ -312,7 +312,9 @@ class Engine:
                 path = acc.path[1:]  # [D] local verify-tree nodes of the accepted tokens (padded)
                 steps.commit(self.target, L + path, L + dst_off)
                 feats = tuple(x[acc.path] for x in caps)
-                drafter.commit(L + kept[path], L + dst_off, feats)
+                drafter.commit(
+                    L + kept[path], L + dst_off, vtree.token[acc.path], acc.n_accepted, feats
+                )
                 committed += 1 + n_acc
             t6 = time.perf_counter()
             for name, a, b in zip(STAGES, (t, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
