@@ -1,0 +1,142 @@
+"""``yggtree`` command line: one library call per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import YggError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line and exit code 2."""
+
+    def error(self, message: str):  # noqa: D102
+        sys.stderr.write(f"yggtree: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate text for a prompt")
+    p.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
+    p.add_argument("--raw", action="store_true", help="send the prompt untouched (no chat template)")
+    p.add_argument("--model", default="default", help="default | HF directory | .gguf file")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=_float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--mode", choices=["reference", "performance"], default="performance")
+    p.add_argument("--max-context", type=_positive_int, default=1024)
+    p.add_argument("--prefill-chunk", type=_positive_int, default=64)
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="self | HF directory | .gguf | EAGLE head directory (default: plain decoding)",
+    )
+    p.add_argument("--no-speculate", action="store_true", help="plain decoding even with a drafter")
+    p.add_argument("--draft-width", type=_positive_int, default=4, help="W_d")
+    p.add_argument("--draft-depth", type=_positive_int, default=4, help="D")
+    p.add_argument("--verify-width", type=_positive_int, default=16, help="W_v")
+    p.add_argument("--top-k", type=_positive_int, default=4)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+
+def _run(args) -> int:
+    from .runtime.build import EngineSpec, build_engine
+    from .runtime.engine import SamplingParams, TreeParams
+    from .runtime.loading import encode_prompt
+    from .streaming import TextStream
+
+    if not args.prompt.strip():
+        raise YggError("the prompt is empty")
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    params.validate()
+    tree = TreeParams(args.draft_width, args.draft_depth, args.verify_width, args.top_k)
+    drafter = None if args.no_speculate else args.drafter
+    if drafter:
+        tree.validate()
+    spec = EngineSpec(
+        model=args.model,
+        drafter=drafter,
+        dtype=args.dtype,
+        mode=args.mode,
+        max_context=args.max_context,
+        prefill_chunk=args.prefill_chunk,
+        tree=tree,
+    )
+    engine, tok = build_engine(spec)
+    ids = encode_prompt(tok, args.prompt, raw=args.raw)
+    if args.json:
+        res = engine.generate(ids, params)
+        text = tok.decode(res.token_ids, skip_special_tokens=True)
+        obj = {
+            "text": text,
+            "token_ids": res.token_ids,
+            "prompt_token_ids": res.prompt_token_ids,
+            "finish_reason": res.finish_reason,
+            "stats": res.stats,
+        }
+        print(json.dumps(obj))
+        return 0
+    stream = TextStream(tok, sys.stdout)
+    res = engine.generate(ids, params, on_tokens=stream.push)
+    stream.close()
+    s = res.stats
+    extra = f", aal {s['aal']:.2f}" if "aal" in s else ""
+    sys.stderr.write(
+        f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
+        f"tpot {s['tpot_ms']:.1f} ms{extra}, compile {s['compile_s']:.1f} s, "
+        f"finish: {res.finish_reason}]\n"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="yggtree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_run(sub)
+    try:
+        from .bench import add_bench_parser
+    except ImportError:
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        return args.func(args)
+    except YggError as e:
+        sys.stderr.write(f"yggtree: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("yggtree: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
