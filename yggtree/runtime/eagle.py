@@ -1,0 +1,574 @@
+"""A feature-conditioned drafter (EAGLE-1 style) behind the method-neutral :class:`Drafter` interface.
+
+The drafter reads the target's hidden states. Its input at draft position ``p`` is the pair
+``(t_{p+1}, f_p)``: the token at target position ``p+1`` and the target's feature at ``p`` (by
+default the output of the target's last decoder layer). One fused input, one decoder layer, a
+vocabulary projection::
+
+    x        = fc(cat(embed(t_{p+1}), f_p))          Linear 2H -> H (bias)
+    f̂_{p+1}  = Block(x)                              one Llama decoder layer, own KV cache
+    q(t_{p+2}) = softmax(lm_head(norm(f̂_{p+1})))     over the draft vocabulary (V_d ids)
+
+``f̂_{p+1}`` is the drafter's own guess of the target's feature at ``p+1``; inside a draft tree a
+node's token is paired with its *parent's* predicted feature. With several target layers their
+features are concatenated and reduced to H by a bias-free Linear first (as EAGLE-3 does).
+
+Slot layout (batch 1). The pair whose token sits at target position ``s`` lives in the drafter's
+cache at slot ``s`` with RoPE position ``s - 1``; slot 0 (token 0 has no preceding feature) is
+never written nor attended, the last slot ``S-1`` is scratch. So tree node ``j`` sits at slot
+``committed + j`` exactly as in the target, and the root (``t_L`` paired with ``f_{L-1}``) at
+slot ``L``::
+
+    target positions  0    1    2   ...  L-1    L (root)   L+1 ...  (tree)
+    drafter slot           1    2   ...  L-1    L          L+j
+    drafter pair          (t1,f0)(t2,f1) ...    (tL,f_{L-1}) (t_j, f̂_parent(j))
+
+Feature alignment (the EAGLE recompute). Drafting writes the tree's entries with *predicted*
+features. After acceptance of ``a`` draft tokens at root position ``L`` the true features
+``f_L .. f_{L+a}`` are known (the verify pass captured them), so :meth:`EagleDrafter.commit`
+stores the pending pairs ``(t_{L+i+1}, f_{L+i})`` for ``i = 0..a``; the last token is the bonus,
+which arrives as the next root. The next :meth:`EagleDrafter.head` feeds all of them in one call
+of fixed width ``D_max + 1`` (padded rows go to the scratch slot and see only it), overwriting
+slots ``L+1 .. L+a+1`` with entries computed from true features. Hence commit moves no KV at all:
+every accepted slot is rewritten, and the drafted entries beyond are unreachable by the mask.
+
+Static shapes: head has width ``D_max + 1``, a step has width ``W_d``, prefill the chunk width
+``C``; the accepted count is a tensor and only ever used through masks and gathers (no host sync).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import YggError
+from .drafters import TopK
+from .graphs import Graphs
+from .kv_cache import KVCache
+from .model import Block, ModelConfig, RMSNorm, RopeScaling, Transformer, rope_table
+from .steps import tree_mask
+
+__all__ = [
+    "EagleConfig",
+    "EagleNet",
+    "EagleDrafter",
+    "save_eagle",
+    "load_eagle",
+    "is_eagle_dir",
+]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Architecture of an EAGLE head and the target it was made for."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    target_layers: tuple[int, ...]  # target decoder layers whose outputs are the features
+    vocab_size: int  # the target's vocabulary (tokens are target ids)
+    draft_vocab_size: int  # V_d: rows of the drafter's LM head
+    target_hidden_size: int
+    target_num_layers: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    shares_embedding: bool = True  # use the target's embed_tokens (not stored with the head)
+
+    def layer_config(self) -> ModelConfig:
+        """The one decoder layer as a 1-layer :class:`ModelConfig`."""
+        return ModelConfig(
+            vocab_size=self.draft_vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "kind": "eagle",
+            "hidden_size": self.hidden_size,
+            "target_hidden_size": self.target_hidden_size,
+            "target_layers": list(self.target_layers),
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": asdict(self.rope_scaling),
+            "shares_embedding": self.shares_embedding,
+            "target": {
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.target_hidden_size,
+                "num_layers": self.target_num_layers,
+            },
+        }
+
+    @staticmethod
+    def from_json(d: dict, where: Path) -> "EagleConfig":
+        if not isinstance(d, dict) or d.get("kind") != "eagle":
+            raise YggError(f"{where} is not an EAGLE drafter config (expected \"kind\": \"eagle\")")
+        try:
+            tgt = d["target"]
+            return EagleConfig(
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_heads=int(d["num_heads"]),
+                num_kv_heads=int(d["num_kv_heads"]),
+                head_dim=int(d["head_dim"]),
+                target_layers=tuple(int(i) for i in d["target_layers"]),
+                vocab_size=int(d["vocab_size"]),
+                draft_vocab_size=int(d["draft_vocab_size"]),
+                target_hidden_size=int(d["target_hidden_size"]),
+                target_num_layers=int(tgt["num_layers"]),
+                rms_norm_eps=float(d["rms_norm_eps"]),
+                rope_theta=float(d["rope_theta"]),
+                rope_scaling=RopeScaling(**d.get("rope_scaling", {})),
+                shares_embedding=bool(d["shares_embedding"]),
+            )
+        except KeyError as e:
+            raise YggError(f"{where}: missing key {e}") from None
+        except (TypeError, ValueError) as e:
+            raise YggError(f"{where}: bad value: {e}") from None
+
+    def check_target(self, target: ModelConfig, where: Path) -> None:
+        """Refuse a target this head was not made for (naming ``where``)."""
+        if self.hidden_size != target.hidden_size or self.target_hidden_size != target.hidden_size:
+            raise YggError(
+                f"{where}: hidden size {self.hidden_size} (target hidden size "
+                f"{self.target_hidden_size}) does not match the target's hidden size "
+                f"{target.hidden_size}"
+            )
+        if self.vocab_size != target.vocab_size:
+            raise YggError(
+                f"{where}: made for a target vocabulary of {self.vocab_size}, "
+                f"the target has {target.vocab_size}"
+            )
+        if self.target_num_layers != target.num_layers:
+            raise YggError(
+                f"{where}: made for a target with {self.target_num_layers} layers, "
+                f"the target has {target.num_layers}"
+            )
+        if not self.target_layers:
+            raise YggError(f"{where}: target_layers is empty")
+        for i in self.target_layers:
+            if not 0 <= i < target.num_layers:
+                raise YggError(
+                    f"{where}: target layer index {i} is out of range "
+                    f"(the target has {target.num_layers} layers: 0..{target.num_layers - 1})"
+                )
+        if len(set(self.target_layers)) != len(self.target_layers):
+            raise YggError(f"{where}: target_layers {list(self.target_layers)} has duplicates")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise YggError(
+                f"{where}: draft_vocab_size {self.draft_vocab_size} is outside 1..{self.vocab_size}"
+            )
+
+
+# ----------------------------------------------------------------------------- the network
+
+
+class EagleNet(nn.Module):
+    """fc + one decoder layer + norm + LM head over the draft vocabulary, with a static KV cache.
+
+    ``layers`` is a one-element ModuleList so :class:`~yggtree.runtime.graphs.Graphs` compiles the
+    block regionally exactly as it does the target's blocks.
+    """
+
+    def __init__(self, cfg: EagleConfig, shared_embed: nn.Embedding | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        if cfg.shares_embedding:
+            if shared_embed is None:
+                raise ValueError("EagleNet: shares_embedding needs the target's embed_tokens")
+            # a plain attribute, not a submodule: no copy, and not part of the head's state dict
+            self.__dict__["shared_embed"] = shared_embed
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        n_feat = len(cfg.target_layers)
+        if n_feat > 1:
+            self.reduce = nn.Linear(n_feat * cfg.target_hidden_size, h, bias=False)
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layers = nn.ModuleList([Block(cfg.layer_config())])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        # draft id -> target id; persistent, saved with the weights
+        self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size), persistent=True)
+        self.register_buffer("rope", torch.zeros(0, cfg.head_dim // 2, 2), persistent=False)
+        self.cache_slots = 0
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        if self.cfg.shares_embedding:
+            return self.__dict__["shared_embed"].weight
+        return self.embed_tokens.weight
+
+    def setup_cache(self, n_slots: int) -> None:
+        p = self.fc.weight
+        lc = self.cfg.layer_config()
+        self.layers[0].self_attn.cache = KVCache(
+            1, lc.num_kv_heads, n_slots, lc.head_dim, p.dtype, p.device
+        )
+        self.rope = rope_table(lc, n_slots).to(p.device)
+        self.cache_slots = n_slots
+
+    def cache(self) -> KVCache:
+        return self.layers[0].self_attn.cache
+
+    def fuse_target(self, feats: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Target features (one [..., H_t] per target layer) -> the head's feature space [..., H]."""
+        if len(feats) != len(self.cfg.target_layers):
+            raise YggError(
+                f"EAGLE drafter reads {len(self.cfg.target_layers)} target layers, got {len(feats)}"
+            )
+        if len(feats) == 1:
+            return feats[0]
+        return self.reduce(torch.cat(feats, dim=-1))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [W] int64 target ids t_{p+1}
+        feat: torch.Tensor,  # [W, H] features f_p (true or predicted)
+        positions: torch.Tensor,  # [W] int64 RoPE positions p
+        slots: torch.Tensor,  # [W] int64 cache slots to write
+        mask: torch.Tensor,  # [W, S] bool
+    ) -> torch.Tensor:
+        """The layer output f̂_{p+1} [W, H] (before the final norm)."""
+        cs = self.rope[positions[None]]  # [1, W, D/2, 2]
+        cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)
+        e = F.embedding(tokens, self.embed_weight)  # [W, H]
+        x = self.fc(torch.cat([e, feat.to(e.dtype)], dim=-1))[None]  # [1, W, H]
+        x = self.layers[0](x, cos, sin, slots[None], mask[None])
+        return x[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V_d] float32 logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def head_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything that is stored in model.safetensors (the shared embedding is not)."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+
+class EagleDrafter:
+    """EAGLE-style feature-conditioned drafter implementing the :class:`Drafter` protocol.
+
+    Build one with :meth:`random` (random weights, for tests) or :func:`load_eagle`. ``max_depth``
+    (D_max) bounds the engine's draft depth: the head call has the static width ``D_max + 1``.
+    """
+
+    def __init__(self, net: EagleNet, target: Transformer, mode: str, max_depth: int = 8) -> None:
+        if max_depth < 1:
+            raise YggError(f"EAGLE max_depth must be >= 1, got {max_depth}")
+        net.cfg.check_target(target.cfg, Path("<EAGLE drafter>"))
+        self.net = net.eval().requires_grad_(False)
+        self.cfg = net.cfg
+        self.vocab_size = target.cfg.vocab_size
+        self.target_layers = tuple(net.cfg.target_layers)
+        self.max_depth = max_depth
+        self.mode = mode
+        self.graphs = Graphs(net, mode)  # regional compile of the one block in performance mode
+        self.chunk = 0
+        self._state_dev = net.fc.weight.device
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def random(
+        cls,
+        target: Transformer,
+        mode: str,
+        max_depth: int = 8,
+        draft_vocab: torch.Tensor | None = None,
+        seed: int = 0,
+        target_layers: tuple[int, ...] | None = None,
+        shares_embedding: bool = True,
+        intermediate_size: int | None = None,
+    ) -> "EagleDrafter":
+        """A head with random weights shaped for ``target`` (layer shapes copied from the target)."""
+        tc = target.cfg
+        layers = (tc.num_layers - 1,) if target_layers is None else tuple(target_layers)
+        v_d = tc.vocab_size if draft_vocab is None else int(draft_vocab.shape[0])
+        cfg = EagleConfig(
+            hidden_size=tc.hidden_size,
+            intermediate_size=intermediate_size or tc.intermediate_size,
+            num_heads=tc.num_heads,
+            num_kv_heads=tc.num_kv_heads,
+            head_dim=tc.head_dim,
+            target_layers=layers,
+            vocab_size=tc.vocab_size,
+            draft_vocab_size=v_d,
+            target_hidden_size=tc.hidden_size,
+            target_num_layers=tc.num_layers,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=tc.rope_theta,
+            rope_scaling=tc.rope_scaling,
+            shares_embedding=shares_embedding,
+        )
+        cfg.check_target(tc, Path("<random EAGLE drafter>"))
+        w = target.embed_tokens.weight
+        rng = torch.random.fork_rng(devices=[])
+        with rng:
+            torch.manual_seed(seed)
+            net = EagleNet(cfg, target.embed_tokens if shares_embedding else None)
+        net = net.to(device=w.device, dtype=w.dtype)
+        if draft_vocab is not None:
+            _check_vocab_map(draft_vocab, v_d, tc.vocab_size, Path("<draft_vocab argument>"))
+            net.draft_vocab.copy_(draft_vocab.to(torch.int64))
+        return cls(net, target, mode, max_depth)
+
+    # ---------------------------------------------------------------- Drafter protocol
+
+    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
+        """Allocate the cache (``n_slots`` slots, as the target) and build the graphs used:
+        prefill chunk ``C``, head ``D_max + 1``, and the draft width(s) in ``widths``."""
+        net = self.net
+        if net.cache_slots != n_slots:
+            net.setup_cache(n_slots)
+            self.graphs.widths.clear()
+        self.chunk = prefill_chunk
+        dev, h = self._state_dev, self.cfg.hidden_size
+        dtype = net.fc.weight.dtype
+        d1 = self.max_depth + 1
+        self.n_tree = 1 + self.max_depth * max(max(widths), 1)  # largest tree node count handled
+        # pending pairs for the next head call: tokens t_{L+i+1} (i < a), features f_{L+i} (i <= a)
+        self.pend_tok = torch.zeros(d1, dtype=torch.int64, device=dev)  # [D_max+1]
+        self.pend_feat = torch.zeros(d1, h, dtype=dtype, device=dev)  # [D_max+1, H]
+        self.pend_n = torch.zeros((), dtype=torch.int64, device=dev)  # [] a = accepted count
+        self.node_feat = torch.zeros(self.n_tree, h, dtype=dtype, device=dev)  # [N, H] f̂ per node
+        self._warm_up(sorted(set(widths) | {prefill_chunk, d1}))
+
+    def _warm_up(self, widths: list[int]) -> None:
+        todo = sorted(set(widths) - self.graphs.widths)
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        dev, s = self._state_dev, self.net.cache_slots
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
+            for w in todo:
+                ar = torch.arange(w, device=dev)
+                feat = torch.zeros(w, self.cfg.hidden_size, dtype=self.pend_feat.dtype, device=dev)
+                scratch = torch.full_like(ar, s - 1)
+                mask = torch.arange(s, device=dev)[None, :] == s - 1
+                self.net(ar, feat, ar, scratch, mask.expand(w, s))
+        self.graphs.widths.update(todo)
+        self.graphs.compile_s += time.perf_counter() - t0
+
+    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
+        """Pairs (t_{i+1}, f_i), i = 0..n-2, at slots 1..n-1 in chunks of ``C``; f_{n-1} pends."""
+        if self.chunk == 0:
+            raise YggError("EagleDrafter.setup() must be called before prefill()")
+        net, c = self.net, self.chunk
+        f = net.fuse_target(tuple(x.to(self.pend_feat.dtype) for x in feats))  # [n, H]
+        n = prompt.shape[0]
+        dev = self._state_dev
+        s = net.cache_slots
+        ar = torch.arange(c, device=dev)
+        cols = torch.arange(s, device=dev)
+        for start in range(1, n, c):  # start = slot of the chunk's first pair
+            m = min(c, n - start)
+            tok = torch.zeros(c, dtype=torch.int64, device=dev)
+            tok[:m] = prompt[start : start + m]
+            feat = torch.zeros(c, f.shape[-1], dtype=f.dtype, device=dev)
+            feat[:m] = f[start - 1 : start - 1 + m]
+            real = ar < m
+            slot = start + ar
+            slots = torch.where(real, slot, s - 1)
+            pos = torch.where(real, slot - 1, 0)
+            mask = torch.where(
+                real[:, None],
+                (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]),
+                cols[None, :] == s - 1,
+            )
+            net(tok, feat, pos, slots, mask)
+        self.pend_feat[0] = f[n - 1]
+        self.pend_n.zero_()
+
+    def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
+        """Feed the pending pairs, the last of which is (root, f_{L-1}) at slot L: [1, k]."""
+        self._check_k(k)
+        net, dev = self.net, self._state_dev
+        s = net.cache_slots
+        d1 = self.max_depth + 1
+        a = self.pend_n
+        i = torch.arange(d1, device=dev)
+        valid = i <= a
+        tok = torch.where(i < a, self.pend_tok, root.to(torch.int64))
+        tok = torch.where(valid, tok, 0)
+        slot = committed - a + i  # [D+1]; row a is the root at slot L
+        slots = torch.where(valid, slot, s - 1)
+        pos = torch.where(valid, slot - 1, 0)
+        cols = torch.arange(s, device=dev)
+        mask = torch.where(
+            valid[:, None],
+            (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]),
+            cols[None, :] == s - 1,
+        )
+        out = net(tok, self.pend_feat, pos, slots, mask)  # [D+1, H]
+        root_h = out.index_select(0, a.reshape(1))  # [1, H] f̂_L
+        self.node_feat[0] = root_h[0]
+        return self._topk(net.logits(root_h), k)
+
+    def step(self, tokens, depth, node, parent, anc, committed, k: int) -> TopK:
+        """W tree nodes: node j pairs its token with its parent's predicted feature; [W, k]."""
+        self._check_k(k)
+        if anc.shape[1] > self.n_tree:
+            raise YggError(
+                f"draft tree of {anc.shape[1]} nodes exceeds the EAGLE drafter's "
+                f"{self.n_tree} (max_depth {self.max_depth}); raise max_depth"
+            )
+        net = self.net
+        s = net.cache_slots
+        feat = self.node_feat.index_select(0, parent)  # [W, H]
+        cols = torch.arange(s, device=anc.device)
+        mask = tree_mask(committed, anc, s) & (cols[None, :] >= 1)
+        out = net(tokens, feat, committed + depth - 1, committed + node, mask)  # [W, H]
+        self.node_feat.index_copy_(0, node, out)
+        return self._topk(net.logits(out), k)
+
+    def commit(self, src, dst, path_tokens, n_accepted, feats) -> None:
+        """Store the accepted tokens and the true features f_L..f_{L+a} for the next head call.
+
+        No KV moves (``src``/``dst`` are unused): the next head rewrites every accepted slot from
+        true features, and the drafted entries beyond it are outside the committed prefix."""
+        d = path_tokens.shape[0] - 1
+        if d > self.max_depth:
+            raise YggError(
+                f"draft depth {d} exceeds the EAGLE drafter's max_depth {self.max_depth}"
+            )
+        f = self.net.fuse_target(tuple(x.to(self.pend_feat.dtype) for x in feats))  # [D+1, H]
+        self.pend_tok[:d] = path_tokens[1:]
+        self.pend_feat[: d + 1] = f
+        self.pend_n.copy_(n_accepted)
+
+    def frozen(self):
+        return self.graphs.frozen()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _check_k(self, k: int) -> None:
+        if not 1 <= k <= self.cfg.draft_vocab_size:
+            raise YggError(
+                f"top-k {k} is outside 1..{self.cfg.draft_vocab_size} (the draft vocabulary)"
+            )
+
+    def _topk(self, logits: torch.Tensor, k: int) -> TopK:
+        lp = torch.log_softmax(logits, dim=-1)
+        val, idx = torch.topk(lp, k, dim=-1)
+        return TopK(self.net.draft_vocab[idx], val)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _check_vocab_map(vmap: torch.Tensor, v_d: int, vocab: int, where: Path) -> None:
+    if vmap.dim() != 1 or vmap.shape[0] != v_d:
+        raise YggError(
+            f"{where}: draft_vocab has shape {list(vmap.shape)}, expected [{v_d}] "
+            f"(draft_vocab_size)"
+        )
+    if vmap.dtype.is_floating_point or vmap.dtype == torch.bool:
+        raise YggError(f"{where}: draft_vocab has dtype {vmap.dtype}, expected an integer type")
+    if v_d and (int(vmap.min()) < 0 or int(vmap.max()) >= vocab):
+        raise YggError(
+            f"{where}: draft_vocab maps to target ids {int(vmap.min())}..{int(vmap.max())}, "
+            f"outside the target vocabulary 0..{vocab - 1}"
+        )
+    if torch.unique(vmap).shape[0] != v_d:
+        raise YggError(f"{where}: draft_vocab maps two draft ids to the same target id")
+
+
+def is_eagle_dir(path: str | Path) -> bool:
+    """True if ``path`` is a directory holding an EAGLE head (config.json with kind "eagle")."""
+    p = Path(path) / CONFIG_FILE
+    try:
+        return p.is_file() and json.loads(p.read_text()).get("kind") == "eagle"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def save_eagle(drafter: EagleDrafter, path: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (weights + the ``draft_vocab`` map)."""
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    (p / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_json(), indent=2) + "\n")
+    state = {k: v.cpu() for k, v in drafter.net.head_state_dict().items()}
+    save_file(state, str(p / WEIGHTS_FILE), metadata={"format": "pt", "kind": "eagle"})
+
+
+def load_eagle(
+    path: str | Path, target: Transformer, mode: str, max_depth: int = 8
+) -> EagleDrafter:
+    """Load an EAGLE head for ``target``; refuse (YggError naming the file) anything that does not
+    fit: hidden size, target fingerprint, layer indices, vocabulary map, missing or bad tensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    cfg_path, w_path = p / CONFIG_FILE, p / WEIGHTS_FILE
+    if not cfg_path.is_file():
+        raise YggError(f"not an EAGLE drafter directory: {cfg_path} is missing")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise YggError(f"cannot read {cfg_path}: {e}") from None
+    cfg = EagleConfig.from_json(raw, cfg_path)
+    cfg.check_target(target.cfg, cfg_path)
+    if not w_path.is_file():
+        raise YggError(f"EAGLE weights {w_path} are missing")
+    try:
+        state = load_file(str(w_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise YggError(f"cannot read EAGLE weights {w_path}: {e}") from None
+    w = target.embed_tokens.weight
+    with torch.device("meta"):
+        net = EagleNet(cfg, target.embed_tokens if cfg.shares_embedding else None)
+    want = {k: v for k, v in net.state_dict().items()}
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise YggError(f"{w_path}: missing tensors {', '.join(missing)}")
+    extra = sorted(set(state) - set(want))
+    if extra:
+        raise YggError(f"{w_path}: unexpected tensors {', '.join(extra)}")
+    for k, v in want.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise YggError(
+                f"{w_path}: tensor {k} has shape {list(state[k].shape)}, expected {list(v.shape)}"
+            )
+    _check_vocab_map(state["draft_vocab"], cfg.draft_vocab_size, cfg.vocab_size, w_path)
+    cast = {
+        k: (v.to(torch.int64) if k == "draft_vocab" else v.to(w.dtype)).to(w.device)
+        for k, v in state.items()
+    }
+    net.load_state_dict(cast, strict=True, assign=True)
+    net.rope = torch.zeros(0, cfg.head_dim // 2, 2, device=w.device)
+    return EagleDrafter(net, target, mode, max_depth)
