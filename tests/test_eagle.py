@@ -1,0 +1,299 @@
+"""The EAGLE-style drafter on tiny random-weight targets: exact greedy output under the engine loop,
+reduced draft vocabularies, feature alignment after commits, and the head's file format."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from yggtree.errors import YggError
+from yggtree.runtime import steps
+from yggtree.runtime.eagle import EagleDrafter, is_eagle_dir, load_eagle, save_eagle
+from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+from yggtree.runtime.model import ModelConfig, Transformer
+
+CHUNK = 8
+MAX_DEPTH = 5
+NEW = 24
+PROMPTS = [[11], list(range(3, 11)), list(range(3, 12)), [(7 * i) % 90 + 3 for i in range(21)]]
+TREES = {
+    "chain": TreeParams(draft_width=1, draft_depth=4, verify_width=5, top_k=1),
+    "egt": TreeParams(draft_width=4, draft_depth=3, verify_width=8, top_k=3),
+    "full-binary": TreeParams(draft_width=2, draft_depth=3, verify_width=7, top_k=2),
+}
+
+
+def tiny(hidden: int = 64, seed: int = 0) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(seed)
+    return Transformer(cfg).eval().requires_grad_(False)
+
+
+def bigram_head(target: Transformer, draft_vocab=None, mode="reference") -> EagleDrafter:
+    """A random head bent towards the target's bigram prediction, so drafts are often accepted.
+
+    fc's token half is the identity (its feature half stays random, so features do change every
+    K/V entry), the block's residual branches are damped and norm/LM head are the target's: the
+    head then proposes roughly ``argmax target(embed(t))`` after token t, which the target (whose
+    own prediction is dominated by the current token) accepts some of the time, not always.
+    """
+    d = EagleDrafter.random(target, mode, max_depth=MAX_DEPTH, draft_vocab=draft_vocab, seed=1)
+    net, h = d.net, target.cfg.hidden_size
+    net.fc.weight[:, :h] = torch.eye(h)
+    net.fc.bias.zero_()
+    net.layers[0].self_attn.o_proj.weight.mul_(0.1)
+    net.layers[0].mlp.down_proj.weight.mul_(0.1)
+    net.norm.weight.copy_(target.norm.weight)
+    net.lm_head.weight.copy_(target.lm_head.weight[net.draft_vocab])
+    return d
+
+
+def engine(target, tree=None, drafter=None) -> Engine:
+    cfg = EngineConfig(mode="reference", max_context=128, prefill_chunk=CHUNK, tree=tree)
+    return Engine(target, cfg, drafter)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread avoids oversubscription on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> dict[int, list[int]]:
+    eng = engine(target)
+    return {i: eng.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for i, p in enumerate(PROMPTS)}
+
+
+# ---------------------------------------------------------------- exactness under the engine loop
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("kind", ["random", "bigram"])
+def test_greedy_speculation_equals_plain(target, plain, tree, kind):
+    if kind == "random":
+        drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH)
+    else:
+        drafter = bigram_head(target)
+    eng = engine(target, TREES[tree], drafter)
+    accepted = 0
+    for i, p in enumerate(PROMPTS):
+        res = eng.generate(p, SamplingParams(max_new_tokens=NEW))
+        assert res.token_ids == plain[i], f"prompt {i} (length {len(p)})"
+        accepted += res.stats["accepted_tokens"]
+    if kind == "bigram":  # the alignment bookkeeping is exercised with n_accepted > 0
+        assert accepted > 0
+
+
+def test_reduced_draft_vocabulary(target, plain):
+    gen = torch.Generator().manual_seed(3)
+    vmap = torch.randperm(97, generator=gen)[:40]
+    drafter = bigram_head(target, draft_vocab=vmap)
+    eng = engine(target, TREES["egt"], drafter)
+    proposed: set[int] = set()
+    orig_head, orig_step = drafter.head, drafter.step
+
+    def head(*a, **kw):
+        out = orig_head(*a, **kw)
+        proposed.update(out.token.flatten().tolist())
+        return out
+
+    def step(*a, **kw):
+        out = orig_step(*a, **kw)
+        proposed.update(out.token.flatten().tolist())
+        return out
+
+    drafter.head, drafter.step = head, step
+    for i, p in enumerate(PROMPTS):
+        assert eng.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids == plain[i]
+    assert proposed and proposed <= set(vmap.tolist())  # target ids from the map, never raw ids
+    assert drafter.vocab_size == 97
+
+
+def test_refuses_top_k_beyond_draft_vocabulary(target):
+    drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, draft_vocab=torch.arange(3))
+    with pytest.raises(YggError, match="top-k 4"):
+        engine(target, TreeParams(2, 2, 4, 4), drafter).generate([5, 6], SamplingParams(max_new_tokens=4))
+
+
+# ---------------------------------------------------------------- feature alignment
+
+
+def test_committed_cache_equals_causal_recompute(target):
+    """After several speculation steps, every committed drafter cache entry (slots 1..L, L = root
+    of the last head call) equals a causal run of the head over the committed sequence with the
+    target's true features: accepted drafts were recomputed with f_p, not the predicted f̂_p."""
+    drafter = bigram_head(target)
+    heads: list[tuple[int, torch.Tensor]] = []
+    orig_head = drafter.head
+
+    def head(root, committed, k):
+        out = orig_head(root, committed, k)
+        heads.append((int(committed), out.token.clone()))
+        return out
+
+    drafter.head = head
+    tree = TREES["full-binary"]
+    eng = engine(target, tree, drafter)
+    prompt = PROMPTS[3]
+    res = eng.generate(prompt, SamplingParams(max_new_tokens=30))
+    assert res.stats["accepted_tokens"] > 0, "no draft was ever accepted"
+    L, last_top = heads[-1]
+    seq = torch.tensor(prompt + res.token_ids)
+    assert L < seq.shape[0]
+
+    # true target features f_0 .. f_{L-1}: one causal pass of a fresh copy of the target
+    twin = target.shared_copy()
+    twin.setup_cache(1, eng.n_slots)
+    _, _, (feat,) = steps.prefill_chunk(
+        twin, seq[None, :L], torch.tensor(0), torch.tensor(L), drafter.target_layers
+    )
+    feat = feat[0]  # [L, H]
+
+    # a fresh head with the same weights, run causally over pairs (t_s, f_{s-1}) at slots 1..L
+    fresh = bigram_head(target)
+    fresh.setup(eng.n_slots, [CHUNK, 1, tree.draft_width], CHUNK)
+    s = eng.n_slots
+    slot = torch.arange(1, L + 1)
+    cols = torch.arange(s)
+    mask = (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None])
+    out = fresh.net(seq[1 : L + 1], feat, slot - 1, slot, mask)
+    top = torch.topk(fresh.net.logits(out[-1:]), tree.top_k, dim=-1).indices
+
+    got, want = drafter.net.cache(), fresh.net.cache()
+    torch.testing.assert_close(got.k[:, :, 1 : L + 1], want.k[:, :, 1 : L + 1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.v[:, :, 1 : L + 1], want.v[:, :, 1 : L + 1], atol=1e-5, rtol=1e-4)
+    assert torch.equal(last_top, fresh.net.draft_vocab[top])
+
+    # the check is sensitive to the alignment: pairing t_s with f_s instead of f_{s-1} differs
+    shifted = torch.cat([feat[1:], feat[-1:]])
+    fresh.net(seq[1 : L + 1], shifted, slot - 1, slot, mask)
+    assert not torch.allclose(got.k[:, :, 1 : L + 1], want.k[:, :, 1 : L + 1], atol=1e-3)
+
+
+# ---------------------------------------------------------------- files
+
+
+@pytest.fixture()
+def saved(tmp_path, target):
+    vmap = torch.randperm(97, generator=torch.Generator().manual_seed(5))[:50]
+    drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, draft_vocab=vmap, seed=7)
+    path = tmp_path / "eagle"
+    save_eagle(drafter, path)
+    return drafter, path
+
+
+def test_save_load_roundtrip(saved, target, plain):
+    drafter, path = saved
+    assert is_eagle_dir(path) and not is_eagle_dir(path.parent)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["kind"] == "eagle" and cfg["target"] == {"vocab_size": 97, "hidden_size": 64, "num_layers": 2}
+    assert "embed_tokens.weight" not in load_file(str(path / "model.safetensors"))  # shared
+    loaded = load_eagle(path, target, "reference", max_depth=MAX_DEPTH)
+    a, b = drafter.net.state_dict(), loaded.net.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert loaded.net.embed_weight is target.embed_tokens.weight  # no copy
+    eng = engine(target, TREES["egt"], loaded)
+    assert eng.generate(PROMPTS[2], SamplingParams(max_new_tokens=NEW)).token_ids == plain[2]
+
+
+def test_own_embedding_roundtrip(tmp_path, target):
+    drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, shares_embedding=False)
+    save_eagle(drafter, tmp_path)
+    loaded = load_eagle(tmp_path, target, "reference")
+    assert torch.equal(loaded.net.embed_weight, drafter.net.embed_weight)
+    assert loaded.net.embed_weight is not target.embed_tokens.weight
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_weights(path, fn):
+    state = load_file(str(path / "model.safetensors"))
+    fn(state)
+    save_file(state, str(path / "model.safetensors"))
+
+
+def test_refuses_wrong_hidden_size(saved):
+    _, path = saved
+    other = tiny(hidden=32)
+    with pytest.raises(YggError, match=re.escape(str(path / "config.json")) + ".*hidden size"):
+        load_eagle(path, other, "reference")
+
+
+def test_refuses_layer_index_out_of_range(saved, target):
+    _, path = saved
+    _edit_config(path, target_layers=[2])
+    with pytest.raises(YggError, match=re.escape(str(path / "config.json")) + ".*layer index 2"):
+        load_eagle(path, target, "reference")
+
+
+def test_refuses_vocab_map_out_of_range(saved, target):
+    _, path = saved
+
+    def bad(state):
+        state["draft_vocab"][0] = 97
+
+    _edit_weights(path, bad)
+    with pytest.raises(YggError, match=re.escape(str(path / "model.safetensors")) + ".*outside"):
+        load_eagle(path, target, "reference")
+
+
+def test_refuses_vocab_map_wrong_length(saved, target):
+    _, path = saved
+
+    def bad(state):
+        state["draft_vocab"] = state["draft_vocab"][:-1].clone()
+
+    _edit_weights(path, bad)
+    with pytest.raises(YggError, match=re.escape(str(path / "model.safetensors")) + ".*draft_vocab"):
+        load_eagle(path, target, "reference")
+
+
+def test_refuses_truncated_weights(saved, target):
+    _, path = saved
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(YggError, match=re.escape(str(f))):
+        load_eagle(path, target, "reference")
+
+
+def test_refuses_missing_tensor(saved, target):
+    _, path = saved
+    _edit_weights(path, lambda state: state.pop("fc.bias"))
+    with pytest.raises(YggError, match=re.escape(str(path / "model.safetensors")) + ".*fc.bias"):
+        load_eagle(path, target, "reference")
+
+
+def test_refuses_other_target(saved):
+    _, path = saved
+    cfg = tiny().cfg
+    three = Transformer(
+        ModelConfig(**{**cfg.__dict__, "num_layers": 3})
+    ).eval().requires_grad_(False)
+    with pytest.raises(YggError, match=re.escape(str(path / "config.json")) + ".*2 layers, the target has 3"):
+        load_eagle(path, three, "reference")
