@@ -15,6 +15,7 @@ from yggtree.runtime import steps
 from yggtree.runtime.eagle import EagleDrafter, is_eagle_dir, load_eagle, save_eagle
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.model import ModelConfig, Transformer
+from yggtree.runtime.tree import ancestor_mask
 
 CHUNK = 8
 MAX_DEPTH = 5
@@ -24,6 +25,7 @@ TREES = {
     "chain": TreeParams(draft_width=1, draft_depth=4, verify_width=5, top_k=1),
     "egt": TreeParams(draft_width=4, draft_depth=3, verify_width=8, top_k=3),
     "full-binary": TreeParams(draft_width=2, draft_depth=3, verify_width=7, top_k=2),
+    "deep-chain": TreeParams(draft_width=1, draft_depth=MAX_DEPTH, verify_width=6, top_k=2),
 }
 
 
@@ -42,7 +44,9 @@ def tiny(hidden: int = 64, seed: int = 0) -> Transformer:
     return Transformer(cfg).eval().requires_grad_(False)
 
 
-def bigram_head(target: Transformer, draft_vocab=None, mode="reference") -> EagleDrafter:
+def bigram_head(
+    target: Transformer, draft_vocab=None, mode="reference", max_depth=MAX_DEPTH, target_layers=None
+) -> EagleDrafter:
     """A random head bent towards the target's bigram prediction, so drafts are often accepted.
 
     fc's token half is the identity (its feature half stays random, so features do change every
@@ -50,7 +54,9 @@ def bigram_head(target: Transformer, draft_vocab=None, mode="reference") -> Eagl
     head then proposes roughly ``argmax target(embed(t))`` after token t, which the target (whose
     own prediction is dominated by the current token) accepts some of the time, not always.
     """
-    d = EagleDrafter.random(target, mode, max_depth=MAX_DEPTH, draft_vocab=draft_vocab, seed=1)
+    d = EagleDrafter.random(
+        target, mode, max_depth, draft_vocab=draft_vocab, seed=1, target_layers=target_layers
+    )
     net, h = d.net, target.cfg.hidden_size
     net.fc.weight[:, :h] = torch.eye(h)
     net.fc.bias.zero_()
@@ -90,19 +96,21 @@ def plain(target) -> dict[int, list[int]]:
 
 
 @pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("kind", ["random", "bigram"])
+@pytest.mark.parametrize("kind", ["random", "bigram", "bigram-2-layers"])
 def test_greedy_speculation_equals_plain(target, plain, tree, kind):
     if kind == "random":
         drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH)
-    else:
+    elif kind == "bigram":
         drafter = bigram_head(target)
+    else:  # features of both target layers, concatenated and reduced
+        drafter = bigram_head(target, target_layers=(0, 1))
     eng = engine(target, TREES[tree], drafter)
     accepted = 0
     for i, p in enumerate(PROMPTS):
         res = eng.generate(p, SamplingParams(max_new_tokens=NEW))
         assert res.token_ids == plain[i], f"prompt {i} (length {len(p)})"
         accepted += res.stats["accepted_tokens"]
-    if kind == "bigram":  # the alignment bookkeeping is exercised with n_accepted > 0
+    if kind != "random":  # the alignment bookkeeping is exercised with n_accepted > 0
         assert accepted > 0
 
 
@@ -140,11 +148,12 @@ def test_refuses_top_k_beyond_draft_vocabulary(target):
 # ---------------------------------------------------------------- feature alignment
 
 
-def test_committed_cache_equals_causal_recompute(target):
+@pytest.mark.parametrize("layers", [None, (0, 1)])
+def test_committed_cache_equals_causal_recompute(target, layers):
     """After several speculation steps, every committed drafter cache entry (slots 1..L, L = root
     of the last head call) equals a causal run of the head over the committed sequence with the
     target's true features: accepted drafts were recomputed with f_p, not the predicted f̂_p."""
-    drafter = bigram_head(target)
+    drafter = bigram_head(target, target_layers=layers)
     heads: list[tuple[int, torch.Tensor]] = []
     orig_head = drafter.head
 
@@ -166,13 +175,13 @@ def test_committed_cache_equals_causal_recompute(target):
     # true target features f_0 .. f_{L-1}: one causal pass of a fresh copy of the target
     twin = target.shared_copy()
     twin.setup_cache(1, eng.n_slots)
-    _, _, (feat,) = steps.prefill_chunk(
+    _, _, caps = steps.prefill_chunk(
         twin, seq[None, :L], torch.tensor(0), torch.tensor(L), drafter.target_layers
     )
-    feat = feat[0]  # [L, H]
+    feat = drafter.net.fuse_target(tuple(x[0] for x in caps))  # [L, H]
 
     # a fresh head with the same weights, run causally over pairs (t_s, f_{s-1}) at slots 1..L
-    fresh = bigram_head(target)
+    fresh = bigram_head(target, target_layers=layers)
     fresh.setup(eng.n_slots, [CHUNK, 1, tree.draft_width], CHUNK)
     s = eng.n_slots
     slot = torch.arange(1, L + 1)
@@ -190,6 +199,79 @@ def test_committed_cache_equals_causal_recompute(target):
     shifted = torch.cat([feat[1:], feat[-1:]])
     fresh.net(seq[1 : L + 1], shifted, slot - 1, slot, mask)
     assert not torch.allclose(got.k[:, :, 1 : L + 1], want.k[:, :, 1 : L + 1], atol=1e-3)
+
+
+def _full_logp(top, vocab=97) -> torch.Tensor:
+    """TopK over the whole vocabulary -> [W, V] log-probs indexed by target id."""
+    return torch.full((top.token.shape[0], vocab), float("-inf")).scatter(1, top.token, top.logp)
+
+
+def test_tree_steps_equal_per_path_causal_chains(target):
+    """head + two tree steps (one node attaching below the last level) equal, node by node, a
+    causal run of the head along that node's path, each token paired with the feature the head
+    predicted for its parent: tree attention, positions and the f̂ bookkeeping are right."""
+    n_slots, prompt, root = 48, torch.tensor(PROMPTS[3][:10]), torch.tensor(42)
+    L = prompt.shape[0]
+    twin = target.shared_copy()
+    twin.setup_cache(1, n_slots)
+    _, _, (feat,) = steps.prefill_chunk(
+        twin, prompt[None], torch.tensor(0), torch.tensor(L), (target.cfg.num_layers - 1,)
+    )
+    feat = feat[0]  # [L, H] true features f_0 .. f_{L-1}
+
+    d = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, seed=4)
+    d.setup(n_slots, [CHUNK, 1, 2], CHUNK)
+    d.prefill(prompt, (feat,))
+    head = d.head(root, torch.tensor(L), 97)
+    #   tree: 0 (root) -> 1 [5] -> 3 [7];  0 -> 2 [6];  0 -> 4 [8]   (node 4 is fed in step 2)
+    parent = torch.tensor([0, 0, 0, 1, 0])
+    token = torch.tensor([42, 5, 6, 7, 8])
+    depth = torch.tensor([0, 1, 1, 2, 1])
+    anc = ancestor_mask(parent, depth, torch.ones(5, dtype=torch.bool), 2)
+    got = {0: _full_logp(head)[0]}
+    for fed in (torch.tensor([1, 2]), torch.tensor([3, 4])):
+        top = d.step(token[fed], depth[fed], fed, parent[fed], anc[fed], torch.tensor(L), 97)
+        got.update(zip(fed.tolist(), _full_logp(top)))
+
+    ref = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, seed=4)
+    ref.setup(n_slots, [CHUNK, 1, 2], CHUNK)
+    net, cols = ref.net, torch.arange(n_slots)
+
+    def run(tok, f, slot):  # causal over slots 1..slot
+        mask = (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None])
+        return net(tok, f, slot - 1, slot, mask)
+
+    slot = torch.arange(1, L + 1)
+    root_h = run(torch.cat([prompt[1:], root[None]]), feat, slot)[-1:]  # f̂_L
+    want = {0: torch.log_softmax(net.logits(root_h), -1)[0]}
+    for leaf, path in ((2, [2]), (3, [1, 3]), (4, [4])):
+        h = root_h
+        for j in path:
+            h = run(token[j][None], h, torch.tensor([L + int(depth[j])]))
+            want[j] = torch.log_softmax(net.logits(h), -1)[0]
+    for j in range(5):
+        torch.testing.assert_close(got[j], want[j], atol=1e-5, rtol=1e-5, msg=f"node {j}")
+
+
+def test_refuses_draft_depth_beyond_max_depth(target):
+    drafter = EagleDrafter.random(target, "reference", max_depth=2)
+    eng = engine(target, TreeParams(1, 3, 4, 1), drafter)
+    with pytest.raises(YggError, match="draft depth 3 exceeds .* max_depth 2"):
+        eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=NEW))
+
+
+def test_compiled_matches_plain(plain):
+    """One small compiled run: every drafter shape is warmed up at setup (the loop runs under
+    fail_on_recompile) and the output is still exact."""
+    target = tiny()  # its own copy: compiling patches the blocks of the model it is given
+    tp = TreeParams(draft_width=2, draft_depth=3, verify_width=4, top_k=2)
+    drafter = bigram_head(target, mode="performance", max_depth=3)
+    cfg = EngineConfig(mode="performance", max_context=64, prefill_chunk=4, tree=tp)
+    eng = Engine(target, cfg, drafter)
+    assert drafter.graphs.widths == {1, 2, 4}
+    res = eng.generate(PROMPTS[3], SamplingParams(max_new_tokens=NEW))
+    assert res.token_ids == plain[3]
+    assert res.stats["accepted_tokens"] > 0
 
 
 # ---------------------------------------------------------------- files

@@ -376,8 +376,9 @@ class EagleDrafter:
                 ar = torch.arange(w, device=dev)
                 feat = torch.zeros(w, self.cfg.hidden_size, dtype=self.pend_feat.dtype, device=dev)
                 scratch = torch.full_like(ar, s - 1)
-                mask = torch.arange(s, device=dev)[None, :] == s - 1
-                self.net(ar, feat, ar, scratch, mask.expand(w, s))
+                # contiguous like every real mask (an expanded one would guard on strides)
+                mask = (torch.arange(s, device=dev)[None, :] == s - 1).repeat(w, 1)
+                self.net(ar, feat, ar, scratch, mask)
         self.graphs.widths.update(todo)
         self.graphs.compile_s += time.perf_counter() - t0
 
