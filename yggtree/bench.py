@@ -447,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_bench(args)
     except YggError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"yggtree bench: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
