@@ -1,0 +1,155 @@
+"""The model runtime against transformers on tiny random-weight checkpoints (HF directories)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from yggtree.errors import YggError
+from yggtree.runtime import steps
+from yggtree.runtime.loading import load_model, resolve_model
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+CASES = {
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "llama-untied-llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "llama-linear-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_scaling=dict(rope_type="linear", factor=2.0)),
+    ),
+    "llama-yarn-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+}
+
+
+def save_tiny(tmp_path, case: str, shard: bool = False):
+    cfg_cls, model_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(**TINY, **extra)
+    hf = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)  # large enough that wrong RoPE or bias handling is visible
+    hf.save_pretrained(tmp_path, max_shard_size="100KB" if shard else "10GB")
+    return hf
+
+
+def causal_logits(model, ids: list[int], capture=()):
+    model.setup_cache(1, 64)
+    n = len(ids)
+    pos = torch.arange(n)[None]
+    mask = (torch.arange(64)[None, :] <= torch.arange(n)[:, None])[None]
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), pos, pos, mask, capture)
+        return model.logits(out.hidden)[0], [x[0] for x in out.layers]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(tmp_path, case):
+    hf = save_tiny(tmp_path, case, shard=case == "llama-tied")
+    ours = load_model(resolve_model(str(tmp_path)))
+    ids = [3, 17, 99, 5, 64, 12, 7, 120, 33, 1, 2, 90] * 3
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    got, layers = causal_logits(ours, ids, capture=(0, 2))
+    torch.testing.assert_close(got, ref.logits[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layers[0], ref.hidden_states[1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    save_tiny(tmp_path, "llama-tied", shard=True)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert load_model(resolve_model(str(tmp_path))).cfg.num_layers == 3
+
+
+def test_chunked_prefill_then_decode_equals_full_forward(tmp_path):
+    """Prefill in padded chunks + one-token tree steps reproduce the full causal forward."""
+    save_tiny(tmp_path, "qwen2-bias")
+    model = load_model(resolve_model(str(tmp_path)))
+    ids = list(range(3, 30))
+    full, _ = causal_logits(model, ids)
+    model.setup_cache(1, 64)
+    with torch.no_grad():
+        c, n0 = 8, 19
+        for start in range(0, n0, c):
+            part = ids[start : min(start + c, n0)]
+            buf = torch.zeros(1, c, dtype=torch.int64)
+            buf[0, : len(part)] = torch.tensor(part)
+            last, _, _ = steps.prefill_chunk(model, buf, torch.tensor(start), torch.tensor(len(part)))
+        torch.testing.assert_close(last[0], full[n0 - 1], rtol=1e-4, atol=1e-4)
+        one = torch.ones(1, 1, dtype=torch.bool)
+        zero = torch.zeros(1, dtype=torch.int64)
+        for i in range(n0, len(ids)):
+            lg, _, _ = steps.tree_step(model, torch.tensor([ids[i]]), zero, zero, one, torch.tensor(i))
+            torch.testing.assert_close(lg[0], full[i], rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path):
+    save_tiny(tmp_path, "llama-tied")
+    ids = [5, 9, 13, 70, 2, 8]
+    f32, _ = causal_logits(load_model(resolve_model(str(tmp_path)), "float32"), ids)
+    bf16, _ = causal_logits(load_model(resolve_model(str(tmp_path)), "bfloat16"), ids)
+    assert bf16.dtype == torch.float32  # logits are always returned in float32
+    assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() > 0.5
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(YggError, match="unsupported architecture"):
+        load_model(resolve_model(str(tmp_path)))
+
+
+def test_bad_paths_are_refused(tmp_path):
+    with pytest.raises(YggError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing"))
+    with pytest.raises(YggError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "x.bin").write_text("x")
+    with pytest.raises(YggError, match="neither a HF directory nor a .gguf"):
+        resolve_model(str(tmp_path / "x.bin"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(YggError, match="cannot read GGUF"):
+        load_model(resolve_model(str(bad)))
+
+
+def test_truncated_safetensors_is_refused(tmp_path):
+    save_tiny(tmp_path, "llama-tied")
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(YggError, match="cannot read weights"):
+        load_model(resolve_model(str(tmp_path)))
