@@ -89,7 +89,8 @@ def target() -> Transformer:
 @pytest.fixture(scope="module")
 def plain(target) -> dict[int, list[int]]:
     eng = engine(target)
-    return {i: eng.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for i, p in enumerate(PROMPTS)}
+    params = SamplingParams(max_new_tokens=NEW)
+    return {i: eng.generate(p, params).token_ids for i, p in enumerate(PROMPTS)}
 
 
 # ---------------------------------------------------------------- exactness under the engine loop
@@ -140,9 +141,10 @@ def test_reduced_draft_vocabulary(target, plain):
 
 
 def test_refuses_top_k_beyond_draft_vocabulary(target):
-    drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, draft_vocab=torch.arange(3))
+    drafter = EagleDrafter.random(target, "reference", MAX_DEPTH, draft_vocab=torch.arange(3))
     with pytest.raises(YggError, match="top-k 4"):
-        engine(target, TreeParams(2, 2, 4, 4), drafter).generate([5, 6], SamplingParams(max_new_tokens=4))
+        eng = engine(target, TreeParams(2, 2, 4, 4), drafter)
+        eng.generate([5, 6], SamplingParams(max_new_tokens=4))
 
 
 # ---------------------------------------------------------------- feature alignment
@@ -191,8 +193,9 @@ def test_committed_cache_equals_causal_recompute(target, layers):
     top = torch.topk(fresh.net.logits(out[-1:]), tree.top_k, dim=-1).indices
 
     got, want = drafter.net.cache(), fresh.net.cache()
-    torch.testing.assert_close(got.k[:, :, 1 : L + 1], want.k[:, :, 1 : L + 1], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got.v[:, :, 1 : L + 1], want.v[:, :, 1 : L + 1], atol=1e-5, rtol=1e-4)
+    live = slice(1, L + 1)
+    torch.testing.assert_close(got.k[:, :, live], want.k[:, :, live], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.v[:, :, live], want.v[:, :, live], atol=1e-5, rtol=1e-4)
     assert torch.equal(last_top, fresh.net.draft_vocab[top])
 
     # the check is sensitive to the alignment: pairing t_s with f_s instead of f_{s-1} differs
@@ -280,7 +283,7 @@ def test_compiled_matches_plain(plain):
 @pytest.fixture()
 def saved(tmp_path, target):
     vmap = torch.randperm(97, generator=torch.Generator().manual_seed(5))[:50]
-    drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, draft_vocab=vmap, seed=7)
+    drafter = EagleDrafter.random(target, "reference", MAX_DEPTH, draft_vocab=vmap, seed=7)
     path = tmp_path / "eagle"
     save_eagle(drafter, path)
     return drafter, path
@@ -290,7 +293,8 @@ def test_save_load_roundtrip(saved, target, plain):
     drafter, path = saved
     assert is_eagle_dir(path) and not is_eagle_dir(path.parent)
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["kind"] == "eagle" and cfg["target"] == {"vocab_size": 97, "hidden_size": 64, "num_layers": 2}
+    assert cfg["kind"] == "eagle"
+    assert cfg["target"] == {"vocab_size": 97, "hidden_size": 64, "num_layers": 2}
     assert "embed_tokens.weight" not in load_file(str(path / "model.safetensors"))  # shared
     loaded = load_eagle(path, target, "reference", max_depth=MAX_DEPTH)
     a, b = drafter.net.state_dict(), loaded.net.state_dict()
@@ -352,7 +356,8 @@ def test_refuses_vocab_map_wrong_length(saved, target):
         state["draft_vocab"] = state["draft_vocab"][:-1].clone()
 
     _edit_weights(path, bad)
-    with pytest.raises(YggError, match=re.escape(str(path / "model.safetensors")) + ".*draft_vocab"):
+    where = re.escape(str(path / "model.safetensors"))
+    with pytest.raises(YggError, match=where + ".*draft_vocab"):
         load_eagle(path, target, "reference")
 
 
@@ -377,5 +382,6 @@ def test_refuses_other_target(saved):
     three = Transformer(
         ModelConfig(**{**cfg.__dict__, "num_layers": 3})
     ).eval().requires_grad_(False)
-    with pytest.raises(YggError, match=re.escape(str(path / "config.json")) + ".*2 layers, the target has 3"):
+    where = re.escape(str(path / "config.json"))
+    with pytest.raises(YggError, match=where + ".*2 layers, the target has 3"):
         load_eagle(path, three, "reference")

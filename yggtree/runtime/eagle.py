@@ -1,4 +1,4 @@
-"""A feature-conditioned drafter (EAGLE-1 style) behind the method-neutral :class:`Drafter` interface.
+"""A feature-conditioned drafter (EAGLE-1 style) behind the method-neutral ``Drafter`` interface.
 
 The drafter reads the target's hidden states. Its input at draft position ``p`` is the pair
 ``(t_{p+1}, f_p)``: the token at target position ``p+1`` and the target's feature at ``p`` (by
@@ -133,6 +133,13 @@ class EagleConfig:
             raise YggError(f"{where} is not an EAGLE drafter config (expected \"kind\": \"eagle\")")
         try:
             tgt = d["target"]
+            if int(tgt["vocab_size"]) != int(d["vocab_size"]) or int(tgt["hidden_size"]) != int(
+                d["target_hidden_size"]
+            ):
+                raise YggError(
+                    f"{where}: the target fingerprint {tgt} disagrees with vocab_size "
+                    f"{d['vocab_size']} / target_hidden_size {d['target_hidden_size']}"
+                )
             return EagleConfig(
                 hidden_size=int(d["hidden_size"]),
                 intermediate_size=int(d["intermediate_size"]),
@@ -240,7 +247,7 @@ class EagleNet(nn.Module):
         return self.layers[0].self_attn.cache
 
     def fuse_target(self, feats: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Target features (one [..., H_t] per target layer) -> the head's feature space [..., H]."""
+        """Target features (one [..., H_t] per target layer) -> the head's features [..., H]."""
         if len(feats) != len(self.cfg.target_layers):
             raise YggError(
                 f"EAGLE drafter reads {len(self.cfg.target_layers)} target layers, got {len(feats)}"
@@ -312,7 +319,7 @@ class EagleDrafter:
         shares_embedding: bool = True,
         intermediate_size: int | None = None,
     ) -> "EagleDrafter":
-        """A head with random weights shaped for ``target`` (layer shapes copied from the target)."""
+        """A head with random weights shaped for ``target`` (layer shapes copied from it)."""
         tc = target.cfg
         layers = (tc.num_layers - 1,) if target_layers is None else tuple(target_layers)
         v_d = tc.vocab_size if draft_vocab is None else int(draft_vocab.shape[0])
