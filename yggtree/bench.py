@@ -354,6 +354,10 @@ def run_bench(args) -> int:
         raise YggError(f"max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.repeats < 1:
         raise YggError(f"repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise YggError(f"threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)  # this process only; recorded in the JSON line
     dtypes = list(BENCH_DTYPES) if args.dtype == "both" else [args.dtype]
     src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
@@ -421,6 +425,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="timed repeats (medians are reported)")
     p.add_argument("--max-context", type=int, default=1024, help="yggtree engine context (static cache)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads for every system (default: torch's)"
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", metavar="DIR", help="also write results.csv and results.json here")
     p.add_argument("--json", action="store_true", help="print only the JSON line (no table)")
