@@ -1,0 +1,517 @@
+"""Plans: the YAML file that fixes every static shape of a deployment, and its compiled artifacts.
+
+A plan names its inputs (target, drafter, profile, predictor) and the finite set of shapes the
+engine may use: the prefill chunk, the draft widths W_d, the verify widths W_v and D_max.
+``yggtree compile plan.yaml`` builds one graph per shape into ``compile/<name>/``; a run with the
+plan loads those graphs and never compiles in the decode loop.
+
+Example (``yggtree/plans/default.yaml``)::
+
+    name: default
+    target: default          # the embedded SmolLM2-135M-Instruct
+    drafter: default         # the shipped EAGLE head; self | a path | null (plain decoding)
+    dtype: float32
+    backend: inductor-cpu
+    max_context: 1024
+    prefill_chunk: 64
+    draft_widths: [1, 2, 4, 8]
+    d_max: 6
+    top_k: 4
+    verify_widths: [4, 8, 16, 32]
+    sampling: {temperature: 0.0, top_p: 1.0, max_new_tokens: 128}
+    stages: sequential
+
+Schema (every key but ``name`` and ``target`` is optional; unknown keys are errors):
+
+============== ================ ============== ==================================================
+key            type             default        meaning
+============== ================ ============== ==================================================
+version        int              1              plan format version (only 1 exists)
+name           str              (required)     ``[A-Za-z0-9._-]+``; artifacts go to compile/<name>/
+target         str              (required)     ``default`` | HF directory | .gguf file
+drafter        str | null       null           ``default`` | ``self`` | path | null = plain
+dtype          str              float32        float32 | bfloat16
+backend        str              inductor-cpu   inductor-cpu | eager | cuda | npu
+max_context    int >= 2         1024           prompt + generated tokens (static KV cache)
+prefill_chunk  int >= 1         64             static prefill width C
+draft_widths   list[int >= 1]   [4]            compiled drafter step widths W_d
+d_max          int >= 1         4              most drafter calls per step D_max
+top_k          int >= 1         4              children proposed per fed node
+verify_widths  list[int >= 1]   [16]           compiled target verify widths W_v; each
+                                               <= 1 + d_max * max(draft_widths)
+sampling       mapping          see below      run defaults, overridable per request
+  .temperature float >= 0       0.0            0 = greedy
+  .top_p       float in (0, 1]  1.0
+  .max_new_tokens int >= 1      128            < max_context
+profile        path | null      null           hardware profile JSON (must exist)
+predictor      path | null      null           depth predictor (must exist)
+calibration    path | null      null           acceptance calibration (must exist)
+stages         str              sequential     stage plan; only ``sequential`` runs today
+============== ================ ============== ==================================================
+
+Relative paths (target, drafter, profile, predictor, calibration) are relative to the plan
+file's directory; :func:`load_plan` stores them absolute and :func:`save_plan` writes them
+relative to the new file, so a copied plan still names the same files.
+
+The artifacts of a compiled plan live in one directory (``compile/<name>/``)::
+
+    manifest.json      plan hash, model fingerprints, torch/python versions, backend, dtype,
+                       every graph (shapes, compile seconds), size on disk
+    plan.yaml          the plan as compiled (paths rewritten relative to this directory)
+    inductor-cache/    TORCHINDUCTOR_CACHE_DIR of the compile step and of runs with the plan
+
+:func:`check_artifacts` lists why a directory's artifacts do not match a plan (empty: usable).
+This module is light (no torch import at load time) so the CLI can validate a plan instantly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import YggError
+
+PLAN_VERSION = 1
+BACKENDS = ("inductor-cpu", "eager", "cuda", "npu")  # same as runtime.graphs.BACKENDS
+DTYPES = ("float32", "bfloat16")
+STAGE_PLANS = ("sequential",)  # the scheduling issue adds ahead-of-time variants
+PATH_KEYS = ("profile", "predictor", "calibration")
+MODEL_KEYS = ("target", "drafter")
+NON_PATH_MODELS = {"target": ("default",), "drafter": ("default", "self")}
+MANIFEST = "manifest.json"
+PLAN_COPY = "plan.yaml"
+CACHE_SUBDIR = "inductor-cache"
+DEFAULT_PLAN = Path(__file__).parent / "plans" / "default.yaml"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling defaults of a plan (a request may override them)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated plan. Build it with :func:`load_plan` or :func:`validate_plan`.
+
+    Path-valued fields (``target``/``drafter`` unless a keyword, ``profile``, ``predictor``,
+    ``calibration``) hold absolute paths. ``source`` is the file it was read from (not part of
+    the plan's identity or hash).
+    """
+
+    name: str
+    target: str
+    drafter: str | None = None
+    dtype: str = "float32"
+    backend: str = "inductor-cpu"
+    max_context: int = 1024
+    prefill_chunk: int = 64
+    draft_widths: tuple[int, ...] = (4,)
+    d_max: int = 4
+    top_k: int = 4
+    verify_widths: tuple[int, ...] = (16,)
+    sampling: Sampling = Sampling()
+    profile: str | None = None
+    predictor: str | None = None
+    calibration: str | None = None
+    stages: str = "sequential"
+    version: int = PLAN_VERSION
+    source: Path | None = field(default=None, compare=False)
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def max_tree(self) -> int:
+        """Nodes of the largest drafted tree: 1 + D_max * max(W_d)."""
+        return 1 + self.d_max * max(self.draft_widths)
+
+    @property
+    def target_widths(self) -> tuple[int, ...]:
+        """Input widths of the target's graphs: {prefill_chunk, 1} plus every W_v if speculative."""
+        ws = {self.prefill_chunk, 1}
+        if self.speculative:
+            ws |= set(self.verify_widths)
+        return tuple(sorted(ws))
+
+    def tree_params(
+        self,
+        draft_width: int | None = None,
+        verify_width: int | None = None,
+        draft_depth: int | None = None,
+    ):
+        """A :class:`~yggtree.runtime.engine.TreeParams` for one choice of widths from the plan.
+
+        ``None`` picks the largest compiled width (and ``d_max``). A width outside the compiled set
+        is refused: ``width X is not in the plan's compiled set {...}``.
+        """
+        from .runtime.engine import TreeParams
+
+        if not self.speculative:
+            raise YggError(f"plan {self.name!r} has no drafter (plain decoding): no tree widths")
+        wd = max(self.draft_widths) if draft_width is None else draft_width
+        wv = max(self.verify_widths) if verify_width is None else verify_width
+        d = self.d_max if draft_depth is None else draft_depth
+        _check_in_set("draft", wd, self.draft_widths)
+        _check_in_set("verify", wv, self.verify_widths)
+        if not 1 <= d <= self.d_max:
+            raise YggError(f"draft depth {d} is outside the plan's 1..d_max ({self.d_max})")
+        tp = TreeParams(draft_width=wd, draft_depth=d, verify_width=wv, top_k=self.top_k)
+        tp.validate()
+        return tp
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self, relative_to: str | Path | None = None) -> dict[str, Any]:
+        """Plain data in schema order; paths made relative to ``relative_to`` when given."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "source":
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, Sampling):
+                v = {g.name: getattr(v, g.name) for g in fields(v)}
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif relative_to is not None and _is_path_field(f.name, v):
+                v = os.path.relpath(v, Path(relative_to).resolve())
+            out[f.name] = v
+        return out
+
+    def hash(self) -> str:
+        """sha256 of the canonical plan (absolute paths, no source): its identity."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:
+    if w not in compiled:
+        shown = "{" + ", ".join(str(x) for x in sorted(compiled)) + "}"
+        raise YggError(f"{kind} width {w} is not in the plan's compiled set {shown}")
+
+
+def _is_path_field(name: str, v: Any) -> bool:
+    if v is None:
+        return False
+    if name in MODEL_KEYS:
+        return v not in NON_PATH_MODELS[name]
+    return name in PATH_KEYS
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _where(key: str, origin: str) -> str:
+    return f"{origin}: key {key!r}"
+
+
+def _int(d: dict, key: str, default: int, origin: str, lo: int = 1, prefix: str = "") -> int:
+    v = d.get(key, default)
+    name = prefix + key
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise YggError(f"{_where(name, origin)} must be an integer, got {v!r}")
+    if v < lo:
+        raise YggError(f"{_where(name, origin)} must be >= {lo}, got {v}")
+    return v
+
+
+def _float(d: dict, key: str, default: float, origin: str, prefix: str = "") -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise YggError(f"{_where(prefix + key, origin)} must be a number, got {v!r}")
+    return float(v)
+
+
+def _str(d: dict, key: str, default: str | None, origin: str, choices=None) -> str:
+    v = d.get(key, default)
+    if v is None:
+        raise YggError(f"{_where(key, origin)} is required")
+    if not isinstance(v, str) or not v:
+        raise YggError(f"{_where(key, origin)} must be a non-empty string, got {v!r}")
+    if choices is not None and v not in choices:
+        raise YggError(f"{_where(key, origin)}: unknown value {v!r} (choose from {', '.join(choices)})")
+    return v
+
+
+def _widths(d: dict, key: str, default: tuple[int, ...], origin: str) -> tuple[int, ...]:
+    v = d.get(key, list(default))
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise YggError(f"{_where(key, origin)} must be a non-empty list of integers, got {v!r}")
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise YggError(f"{_where(key, origin)} must hold integers, got {x!r}")
+        if x < 1:
+            raise YggError(f"{_where(key, origin)}: widths must be >= 1, got {x}")
+    if len(set(v)) != len(v):
+        raise YggError(f"{_where(key, origin)} lists a width twice: {v}")
+    return tuple(sorted(v))
+
+
+def _path(v: Any, key: str, base: Path, origin: str, keywords: tuple[str, ...] = ()) -> str | None:
+    if v is None or v in keywords:
+        return v
+    if not isinstance(v, str) or not v:
+        raise YggError(f"{_where(key, origin)} must be a path string or null, got {v!r}")
+    p = Path(v).expanduser()
+    if not p.is_absolute():
+        p = base / p
+    p = Path(os.path.normpath(p))
+    if not p.exists():
+        raise YggError(f"{_where(key, origin)}: file not found: {p}")
+    return str(p)
+
+
+def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Plan:
+    """Check plain data against the schema; relative paths resolve against ``base``.
+
+    Raises :class:`YggError` naming the bad key (``origin`` is the file, for the message)."""
+    if not isinstance(raw, dict):
+        raise YggError(f"{origin}: a plan must be a YAML mapping, got {type(raw).__name__}")
+    base = Path(base).resolve()
+    known = {f.name for f in fields(Plan)} - {"source"}
+    for k in raw:
+        if k not in known:
+            raise YggError(f"{origin}: unknown key {k!r} (known: {', '.join(sorted(known))})")
+    version = _int(raw, "version", PLAN_VERSION, origin)
+    if version != PLAN_VERSION:
+        raise YggError(f"{_where('version', origin)}: unsupported plan version {version} (this yggtree reads {PLAN_VERSION})")
+    name = _str(raw, "name", None, origin)
+    if not _NAME_RE.match(name):
+        raise YggError(f"{_where('name', origin)} must match [A-Za-z0-9][A-Za-z0-9._-]* (it names a directory), got {name!r}")
+    target = _path(_str(raw, "target", None, origin), "target", base, origin, NON_PATH_MODELS["target"])
+    drafter = raw.get("drafter")
+    if drafter is not None and not isinstance(drafter, str):
+        raise YggError(f"{_where('drafter', origin)} must be default, self, a path or null, got {drafter!r}")
+    drafter = _path(drafter, "drafter", base, origin, NON_PATH_MODELS["drafter"])
+    dtype = _str(raw, "dtype", "float32", origin, DTYPES)
+    backend = _str(raw, "backend", "inductor-cpu", origin, BACKENDS)
+    max_context = _int(raw, "max_context", 1024, origin, lo=2)
+    prefill_chunk = _int(raw, "prefill_chunk", 64, origin)
+    draft_widths = _widths(raw, "draft_widths", (4,), origin)
+    d_max = _int(raw, "d_max", 4, origin)
+    top_k = _int(raw, "top_k", 4, origin)
+    verify_widths = _widths(raw, "verify_widths", (16,), origin)
+    cap = 1 + d_max * max(draft_widths)
+    for w in verify_widths:
+        if w > cap:
+            raise YggError(
+                f"{_where('verify_widths', origin)}: W_v {w} exceeds the largest drafted tree "
+                f"1 + d_max * max(draft_widths) = 1 + {d_max} * {max(draft_widths)} = {cap}"
+            )
+    s = raw.get("sampling", {})
+    if s is None:
+        s = {}
+    if not isinstance(s, dict):
+        raise YggError(f"{_where('sampling', origin)} must be a mapping, got {s!r}")
+    sknown = {f.name for f in fields(Sampling)}
+    for k in s:
+        if k not in sknown:
+            raise YggError(f"{origin}: unknown key 'sampling.{k}' (known: {', '.join(sorted(sknown))})")
+    temperature = _float(s, "temperature", 0.0, origin, "sampling.")
+    if not temperature >= 0:
+        raise YggError(f"{_where('sampling.temperature', origin)} must be >= 0, got {temperature}")
+    top_p = _float(s, "top_p", 1.0, origin, "sampling.")
+    if not 0 < top_p <= 1:
+        raise YggError(f"{_where('sampling.top_p', origin)} must be in (0, 1], got {top_p}")
+    max_new = _int(s, "max_new_tokens", 128, origin, prefix="sampling.")
+    if max_new >= max_context:
+        raise YggError(
+            f"{_where('sampling.max_new_tokens', origin)} ({max_new}) must be below max_context ({max_context})"
+        )
+    paths = {}
+    for k in PATH_KEYS:
+        paths[k] = _path(raw.get(k), k, base, origin)
+    stages = _str(raw, "stages", "sequential", origin, STAGE_PLANS)
+    return Plan(
+        name=name,
+        target=target,
+        drafter=drafter,
+        dtype=dtype,
+        backend=backend,
+        max_context=max_context,
+        prefill_chunk=prefill_chunk,
+        draft_widths=draft_widths,
+        d_max=d_max,
+        top_k=top_k,
+        verify_widths=verify_widths,
+        sampling=Sampling(temperature, top_p, max_new),
+        stages=stages,
+        version=version,
+        **paths,
+    )
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; relative paths in it are relative to its directory."""
+    import yaml
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise YggError(f"plan file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise YggError(f"cannot read plan {p}: {e}") from None
+    except yaml.YAMLError as e:
+        msg = " ".join(str(e).split())
+        raise YggError(f"plan {p} is not valid YAML: {msg}") from None
+    plan = validate_plan(raw, p.resolve().parent, str(p))
+    return replace(plan, source=p.resolve())
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    """Write ``plan`` as YAML at ``path`` (paths relative to its directory). Returns the path."""
+    import yaml
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    body = yaml.safe_dump(plan.to_dict(relative_to=p.parent), sort_keys=False, default_flow_style=None)
+    p.write_text(f"# yggtree plan (schema: yggtree/plan.py)\n{body}")
+    return p
+
+
+def default_plan() -> Plan:
+    """The shipped plan for the embedded pair (``yggtree/plans/default.yaml``)."""
+    return load_plan(DEFAULT_PLAN)
+
+
+# ----------------------------------------------------------------------------- artifacts
+
+
+def artifact_dir(plan: Plan, compile_root: str | Path = "compile") -> Path:
+    """Where ``plan``'s artifacts live: ``<compile_root>/<name>/``, except that a plan read from
+    a compiled copy (``compile/<name>/plan.yaml`` next to a manifest) uses its own directory."""
+    src = plan.source
+    if src is not None and src.name == PLAN_COPY and src.parent.name == plan.name:
+        if (src.parent / MANIFEST).is_file():
+            return src.parent
+    return Path(compile_root) / plan.name
+
+
+def cache_dir(art_dir: str | Path) -> Path:
+    """The inductor cache directory inside an artifact directory."""
+    return Path(art_dir) / CACHE_SUBDIR
+
+
+def _file_print(p: Path, role: str) -> dict:
+    st = p.stat()
+    d = {"role": role, "path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if p.name == "config.json" or (p.suffix in (".json", ".yaml") and st.st_size < (1 << 20)):
+        d["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return d
+
+
+def _resolve_model_path(role: str, name: str | None) -> Path | None:
+    """The file or directory behind a plan's target/drafter (None: nothing on disk to track)."""
+    if name is None or name == "self":
+        return None
+    if name == "default":
+        if role == "target":
+            from .runtime.loading import default_model_path  # imports torch; only here
+
+            return default_model_path()
+        try:  # the shipped default drafter (issue 4) exposes its location here
+            from .runtime.build import default_drafter_path
+        except ImportError:
+            return None
+        return Path(default_drafter_path())
+    return Path(name)
+
+
+def model_fingerprints(plan: Plan) -> list[dict]:
+    """Size and mtime (plus sha256 of small config files) of every model file the plan uses.
+
+    A directory (HF checkpoint, EAGLE head) contributes every regular file at its top level."""
+    out = []
+    for role in MODEL_KEYS:
+        p = _resolve_model_path(role, getattr(plan, role))
+        if p is None:
+            continue
+        if not p.exists():
+            out.append({"role": role, "path": str(p), "missing": True})
+        elif p.is_dir():
+            out += [_file_print(f, role) for f in sorted(p.iterdir()) if f.is_file()]
+        else:
+            out.append(_file_print(p, role))
+    return out
+
+
+def versions() -> dict:
+    """What compiled graphs depend on besides the plan and the models."""
+    import torch
+
+    return {"torch": torch.__version__, "python": platform.python_version()}
+
+
+def read_manifest(art_dir: str | Path) -> dict | None:
+    """The manifest in ``art_dir``, or None if absent; YggError if unreadable."""
+    p = Path(art_dir) / MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        m = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise YggError(f"cannot read manifest {p}: {e}") from None
+    if not isinstance(m, dict):
+        raise YggError(f"manifest {p} is not a JSON object")
+    return m
+
+
+def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
+    """Reasons the artifacts in ``compile_dir`` (an artifact directory, e.g. ``compile/<name>``)
+    are missing or stale for ``plan``; an empty list means they match."""
+    d = Path(compile_dir)
+    try:
+        m = read_manifest(d)
+    except YggError as e:
+        return [str(e)]
+    if m is None:
+        return [f"no compiled artifacts: {d / MANIFEST} is missing"]
+    reasons = []
+    if m.get("plan_hash") != plan.hash():
+        what = _plan_diff(m.get("plan"), plan.to_dict())
+        reasons.append(f"the plan changed since it was compiled into {d}" + (f" ({what})" if what else ""))
+    now = versions()
+    for k, v in now.items():
+        was = m.get("versions", {}).get(k)
+        if was != v:
+            reasons.append(f"{k} version changed: compiled with {was}, running {v}")
+    was_prints = {(f["role"], f["path"]): f for f in m.get("models", [])}
+    now_prints = {(f["role"], f["path"]): f for f in model_fingerprints(plan)}
+    for key, f in now_prints.items():
+        old = was_prints.get(key)
+        if f.get("missing"):
+            reasons.append(f"{key[0]} model file is missing: {key[1]}")
+        elif old is None:
+            reasons.append(f"{key[0]} model file was not part of the compile: {key[1]}")
+        elif any(old.get(x) != f.get(x) for x in ("size", "mtime_ns", "sha256")):
+            reasons.append(f"{key[0]} model file changed since the compile: {key[1]}")
+    for key in was_prints.keys() - now_prints.keys():
+        reasons.append(f"{key[0]} model file of the compile is no longer used: {key[1]}")
+    if plan.backend not in ("eager",) and m.get("graphs"):
+        cd = cache_dir(d)
+        if not cd.is_dir() or not any(cd.iterdir()):
+            reasons.append(f"the compile cache {cd} is missing or empty")
+    return reasons
+
+
+def _plan_diff(old: Any, new: dict) -> str:
+    if not isinstance(old, dict):
+        return ""
+    keys = [k for k in new if old.get(k) != new[k]] + [k for k in old if k not in new]
+    return "changed: " + ", ".join(keys) if keys else ""
