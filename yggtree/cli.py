@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .bench import add_bench_parser
 from .errors import YggError
 
 
@@ -114,12 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="yggtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run(sub)
-    try:
-        from .bench import add_bench_parser
-    except ImportError:
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

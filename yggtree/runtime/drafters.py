@@ -112,17 +112,24 @@ class LMDrafter:
             pad = torch.zeros(chunk, dtype=torch.int64, device=prompt.device)
             pad[: part.shape[0]] = part
             steps.prefill_chunk(
-                self.model, pad[None], torch.tensor(start), torch.tensor(part.shape[0])
+                self.model,
+                pad[None],
+                torch.tensor(start),
+                torch.tensor(part.shape[0]),
+                (),
+                self.graphs.bucket(start + chunk),
             )
 
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
         zero = torch.zeros(1, dtype=torch.int64, device=root.device)
         anc = torch.ones(1, 1, dtype=torch.bool, device=root.device)
-        logits, _, _ = steps.tree_step(self.model, root.reshape(1), zero, zero, anc, committed)
+        n_ctx = self.graphs.bucket(int(committed) + 1)
+        logits, _, _ = steps.tree_step(self.model, root.reshape(1), zero, zero, anc, committed, (), n_ctx)
         return topk_logp(logits, k)
 
     def step(self, tokens, depth, node, parent, anc, committed, k: int) -> TopK:
-        logits, _, _ = steps.tree_step(self.model, tokens, depth, node, anc, committed)
+        n_ctx = self.graphs.bucket(int(committed) + anc.shape[1])
+        logits, _, _ = steps.tree_step(self.model, tokens, depth, node, anc, committed, (), n_ctx)
         return topk_logp(logits, k)
 
     def commit(self, src, dst, path_tokens, n_accepted, feats) -> None:

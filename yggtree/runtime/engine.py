@@ -165,7 +165,12 @@ class Engine:
             buf = torch.zeros(c, dtype=torch.int64)
             buf[: part.shape[0]] = part
             logits, _, caps = steps.prefill_chunk(
-                self.target, buf[None], torch.tensor(start), torch.tensor(part.shape[0]), layers
+                self.target,
+                buf[None],
+                torch.tensor(start),
+                torch.tensor(part.shape[0]),
+                layers,
+                self.graphs.bucket(start + c),
             )
             for f, x in zip(feats, caps):
                 f.append(x[0, : part.shape[0]])
@@ -246,7 +251,10 @@ class Engine:
         committed = n_prompt
         while True:
             root = torch.tensor([out[-1]])
-            logits, _, _ = steps.tree_step(self.target, root, zero, zero, anc, torch.tensor(committed))
+            logits, _, _ = steps.tree_step(
+                self.target, root, zero, zero, anc, torch.tensor(committed), (),
+                self.graphs.bucket(committed + 1),
+            )
             counters["verify_calls"] += 1
             committed += 1
             new, reason = truncate(
@@ -291,7 +299,8 @@ class Engine:
             t3 = time.perf_counter()
             node = torch.arange(wv)
             logits, _, caps = steps.tree_step(
-                self.target, vtree.token, vtree.depth, node, anc, L, layers
+                self.target, vtree.token, vtree.depth, node, anc, L, layers,
+                self.graphs.bucket(committed + wv),
             )
             counters["verify_calls"] += 1
             t4 = time.perf_counter()

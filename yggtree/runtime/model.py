@@ -11,7 +11,9 @@ slots it is given and lets every token attend to the cache slots its mask allows
     tokens    [B, W]     token ids
     positions [B, W]     RoPE positions
     slots     [B, W]     cache slots to write (any slots; the caller owns the layout)
-    mask      [B, W, S]  True where token w may attend to cache slot s (after this call's writes)
+    mask      [B, W, C]  True where token w may attend to cache slot s < C (after this call's
+                         writes); C <= S is a static context bucket, so attention reads only the
+                         first C slots of the cache
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [B, W, 1, D/2]
         sin: torch.Tensor,  # [B, W, 1, D/2]
         slots: torch.Tensor,  # [B, W]
-        mask: torch.Tensor,  # [B, W, S] bool
+        mask: torch.Tensor,  # [B, W, C] bool, C <= S (context bucket)
     ) -> torch.Tensor:
         cfg = self.cfg
         bsz, w, _ = x.shape
@@ -160,6 +162,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, w, hkv, d)
         assert self.cache is not None, "call Transformer.setup_cache() before forward()"
         k_all, v_all = self.cache.write(slots, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+        n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
+        k_all, v_all = k_all[:, :, :n_ctx], v_all[:, :, :n_ctx]
         # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
         scores = torch.matmul(qg, k_all.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
@@ -246,7 +250,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,  # [B, W] int64
         positions: torch.Tensor,  # [B, W] int64
         slots: torch.Tensor,  # [B, W] int64
-        mask: torch.Tensor,  # [B, W, S] bool
+        mask: torch.Tensor,  # [B, W, C] bool, C <= S (context bucket)
         capture: tuple[int, ...] = (),
     ) -> ForwardOut:
         cs = self.rope[positions]  # [B, W, D/2, 2]

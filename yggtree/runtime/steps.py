@@ -2,8 +2,9 @@
 
 Cache layout (batch 1): slots ``0..L-1`` hold the committed sequence (L = ``committed`` tensor);
 a step writes its W tokens at slots ``L..L+W-1``; the last slot ``S-1`` is a scratch slot that
-padded prefill tokens write to and nothing ever attends to. Every varying quantity is a tensor, so
-each function gives one graph per input width.
+padded prefill tokens write to and nothing ever attends to. Every varying quantity is a tensor
+except ``n_ctx``, the context bucket (how many leading cache slots attention reads; a few static
+sizes): each function gives one graph per (input width, bucket).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def prefill_chunk(
     start: torch.Tensor,  # [] int64: slot/position of tokens[0, 0]
     n_valid: torch.Tensor,  # [] int64: real tokens in this chunk (1..C)
     capture: tuple[int, ...] = (),
+    n_ctx: int | None = None,  # context bucket >= start + C (default: the whole cache)
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """Run one causal prefill chunk.
 
@@ -32,8 +34,8 @@ def prefill_chunk(
     real = ar < n_valid
     slots = torch.where(real, start + ar, n_slots - 1)[None]  # pads -> scratch slot
     pos = torch.where(real[None], pos, start)  # keep pad positions in range
-    s = torch.arange(n_slots, device=tokens.device)
-    mask = (s[None, :] <= (start + ar)[:, None]) & (s[None, :] < n_slots - 1)  # [C, S]
+    s = torch.arange(n_ctx or n_slots, device=tokens.device)
+    mask = (s[None, :] <= (start + ar)[:, None]) & (s[None, :] < n_slots - 1)  # [C, n_ctx]
     out = model(tokens, pos, slots, mask[None], capture)
     last = out.hidden[:, (n_valid - 1).reshape(1)]  # [1, 1, H]
     return model.logits(last)[:, 0], out.hidden, out.layers
@@ -42,12 +44,12 @@ def prefill_chunk(
 def tree_mask(
     committed: torch.Tensor,  # [] int64
     anc: torch.Tensor,  # [W, N] bool: anc[i, j] = tree node j is visible to input i
-    n_slots: int,
+    n_ctx: int,
 ) -> torch.Tensor:
-    """[W, S] bool: the committed prefix, plus tree node j at slot committed + j where anc allows."""
+    """[W, n_ctx] bool: the committed prefix, plus tree node j at slot committed + j where anc allows."""
     n = anc.shape[1]
-    s = torch.arange(n_slots, device=anc.device)
-    rel = s - committed  # [S]
+    s = torch.arange(n_ctx, device=anc.device)
+    rel = s - committed  # [n_ctx]
     in_tree = (rel >= 0) & (rel < n)
     tree_part = anc[:, rel.clamp(0, n - 1)] & in_tree[None, :]
     return (s < committed)[None, :] | tree_part
@@ -61,6 +63,7 @@ def tree_step(
     anc: torch.Tensor,  # [W, N] bool, anc[i, j]: input i sees tree node j (ancestor-or-self)
     committed: torch.Tensor,  # [] int64, committed length = the root's position
     capture: tuple[int, ...] = (),
+    n_ctx: int | None = None,  # context bucket >= committed + N (default: the whole cache)
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """One model call over W tree nodes against the committed cache.
 
@@ -72,7 +75,7 @@ def tree_step(
     """
     pos = (committed + depth)[None]
     slots = (committed + node)[None]
-    mask = tree_mask(committed, anc, model.cache_slots)
+    mask = tree_mask(committed, anc, n_ctx or model.cache_slots)
     out = model(tokens[None], pos, slots, mask[None], capture)
     return model.logits(out.hidden[0]), out.hidden[0], tuple(x[0] for x in out.layers)
 
