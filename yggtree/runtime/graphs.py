@@ -14,8 +14,10 @@ error, never a silent compile in the decode loop.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -51,20 +53,32 @@ class Graphs:
     mode: str
     widths: set[int] = field(default_factory=set)  # input widths warmed up so far
     compile_s: float = 0.0
+    backend: str = "inductor-cpu"  # performance mode only; see compile_options
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise YggError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
-        if self.mode == "performance":
+        opts = compile_options(self.backend) if self.mode == "performance" else None
+        if opts is not None:  # backend "eager" gives None: no graphs
             for block in self.model.layers:
-                block.compile(fullgraph=True, dynamic=False)
+                block.compile(**opts)
 
     @property
     def compiled(self) -> bool:
-        return self.mode == "performance"
+        return self.mode == "performance" and self.backend != "eager"
+
+    @property
+    def buckets(self) -> list[int]:
+        """Context buckets of the current cache: 256, 512, ... below S, then S itself."""
+        return context_buckets(self.model.cache_slots)
+
+    def bucket(self, need: int) -> int:
+        """The smallest context bucket holding ``need`` slots (host-side int, no sync)."""
+        return next(b for b in self.buckets if b >= need)
 
     def warm_up(self, widths: list[int], capture: tuple[int, ...] = ()) -> None:
-        """Build the graph of every width not built yet (writes scratch data into the cache)."""
+        """Build the graph of every (width, context bucket) not built yet (writes scratch data
+        into the cache, so call it before a prefill, never between decode steps)."""
         todo = sorted(set(widths) - self.widths)
         if not todo:
             return
@@ -75,7 +89,9 @@ class Graphs:
             for w in todo:
                 ar = torch.arange(w, device=dev)
                 anc = ar[None, :] <= ar[:, None]
-                steps.tree_step(self.model, ar, ar, ar, anc, zero, capture)
+                for n_ctx in self.buckets:
+                    if n_ctx >= w:
+                        steps.tree_step(self.model, ar, ar, ar, anc, zero, capture, n_ctx)
         self.widths.update(todo)
         self.compile_s += time.perf_counter() - t0
 
@@ -84,3 +100,74 @@ class Graphs:
         if self.compiled:
             return torch.compiler.set_stance("fail_on_recompile")
         return contextlib.nullcontext()
+
+
+def context_buckets(n_slots: int, smallest: int = 256) -> list[int]:
+    """Static context sizes attention may read: powers of two from ``smallest`` below
+    ``n_slots``, then ``n_slots``. Each is one graph per input width; attention over a short
+    context then reads a short cache instead of the whole preallocated one."""
+    out, b = [], smallest
+    while b < n_slots:
+        out.append(b)
+        b *= 2
+    return out + [n_slots]
+
+
+# ----------------------------------------------------------------------------- backends and caches
+# (added for plans / ``yggtree compile``: compile options per backend and the on-disk cache scope)
+
+
+def compile_options(backend: str) -> dict | None:
+    """``torch.compile`` keyword arguments of one block for ``backend``; None for ``eager``.
+
+    - ``inductor-cpu``: fullgraph, static shapes (the tested path).
+    - ``cuda``: the same plus ``mode="reduce-overhead"`` (inductor with CUDA graphs).
+    - ``npu``: torchair's graph-mode backend (torch_npu + torchair, imported lazily).
+
+    The cuda and npu paths cannot run on a CPU-only machine and are unverified here.
+    """
+    check_backend(backend)
+    static = dict(fullgraph=True, dynamic=False)
+    if backend == "eager":
+        return None
+    if backend == "cuda":
+        return dict(static, mode="reduce-overhead")
+    if backend == "npu":
+        import torchair
+
+        return dict(static, backend=torchair.get_npu_backend(compiler_config=torchair.CompilerConfig()))
+    return static
+
+
+def backend_device(backend: str) -> str:
+    """The torch device a backend's models and caches live on."""
+    return {"cuda": "cuda", "npu": "npu"}.get(backend, "cpu")
+
+
+@contextlib.contextmanager
+def inductor_cache(path: str | Path):
+    """Scope inductor's on-disk caches (FX graph cache, AOTAutograd cache, compiled kernels) to
+    ``path`` for the duration of the block: graphs compiled inside are persisted there, and a
+    later block over the same directory loads them instead of recompiling.
+
+    Inductor reads its cache root from ``TORCHINDUCTOR_CACHE_DIR`` at every lookup, so the
+    variable is set on entry and restored on exit (the process's previous value, or unset).
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    root = Path(path).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    key = "TORCHINDUCTOR_CACHE_DIR"
+    before = os.environ.get(key)
+    os.environ[key] = str(root)
+    try:
+        with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(
+            enable_autograd_cache=True
+        ):
+            yield root
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
