@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig, TreeParams
+from .graphs import check_backend, inductor_cache
 from .loading import load_model, load_tokenizer, resolve_model
 
 
@@ -22,6 +24,33 @@ class EngineSpec:
     max_context: int = 1024
     prefill_chunk: int = 64
     tree: TreeParams = TreeParams()
+
+    @classmethod
+    def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None) -> "EngineSpec":
+        """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`).
+
+        ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
+        caches so that every width of the plan fits, and :func:`warm_plan` then builds the rest.
+        ``mode`` defaults to performance, or reference for the eager backend."""
+        check_backend(plan.backend)
+        if plan.backend in ("cuda", "npu"):
+            raise YggError(
+                f"plan {plan.name!r}: the engine does not run backend {plan.backend!r} plans yet "
+                "(only inductor-cpu and eager)"
+            )
+        if mode is None:
+            mode = "reference" if plan.backend == "eager" else "performance"
+        if tree is None:
+            tree = plan.tree_params() if plan.speculative else TreeParams()
+        return cls(
+            model=plan.target,
+            drafter=plan.drafter,
+            dtype=plan.dtype,
+            mode=mode,
+            max_context=plan.max_context,
+            prefill_chunk=plan.prefill_chunk,
+            tree=tree,
+        )
 
 
 def load_drafter(spec: EngineSpec, target, tokenizer):
@@ -63,3 +92,68 @@ def build_engine(spec: EngineSpec):
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     )
     return Engine(target, cfg, drafter, eos), tokenizer
+
+
+# ----------------------------------------------------------------------------- plans
+# (added for plans / ``yggtree compile``: an engine with every width of a plan built)
+
+
+def plan_slots(plan) -> int:
+    """KV cache slots of an engine built from ``EngineSpec.from_plan(plan)``: mirrors
+    ``Engine.__init__`` (max_context + reserve + scratch) for the plan's envelope tree. Every
+    compiled graph's shapes depend on it, so ``yggtree compile`` builds with exactly this."""
+    reserve = plan.max_tree if plan.speculative else 1
+    return plan.max_context + reserve + 1
+
+
+def drafter_widths(plan) -> list[int]:
+    """Widths the engine asks its drafter to build (``Drafter.setup``): 1 (the head of a
+    standalone LM) and every W_d; the drafter adds its own (prefill chunk, EAGLE's D_max + 1)."""
+    return sorted({1, *plan.draft_widths})
+
+
+def warm_plan(engine: Engine, plan) -> None:
+    """Build every graph ``plan`` can need on an engine made from ``EngineSpec.from_plan(plan)``:
+    the target at {prefill_chunk, 1} and every W_v, the drafter at every W_d. Widths already
+    built are skipped, so this is cheap after the engine's own warm-up."""
+    if engine.n_slots != plan_slots(plan):
+        raise YggError(
+            f"this engine has {engine.n_slots} cache slots, plan {plan.name!r} needs "
+            f"{plan_slots(plan)}: build it with EngineSpec.from_plan(plan)"
+        )
+    engine.graphs.warm_up(list(plan.target_widths))
+    if engine.drafter is not None:
+        engine.drafter.setup(engine.n_slots, drafter_widths(plan), plan.prefill_chunk)
+
+
+def use_widths(
+    engine: Engine,
+    plan,
+    draft_width: int | None = None,
+    verify_width: int | None = None,
+    draft_depth: int | None = None,
+) -> TreeParams:
+    """Make the engine speculate with one choice of widths from the plan's compiled set (YggError
+    naming the set otherwise); None keeps the largest. Returns the TreeParams now in use.
+
+    Until the engine takes tree parameters per call this replaces ``engine.cfg.tree``; the caches
+    stay sized for the plan's envelope, so any compiled choice fits."""
+    if engine.drafter is None:
+        raise YggError(f"plan {plan.name!r} has no drafter: there are no tree widths to choose")
+    tp = plan.tree_params(draft_width, verify_width, draft_depth)
+    engine.cfg = replace(engine.cfg, tree=tp)
+    return tp
+
+
+def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None):
+    """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
+    plan's artifact directory, see ``yggtree.plan.artifact_dir``) graphs are loaded from / saved
+    to its inductor cache; check them first with ``yggtree.plan.check_artifacts``."""
+    from ..plan import cache_dir
+
+    spec = EngineSpec.from_plan(plan, mode)
+    scope = inductor_cache(cache_dir(artifacts)) if artifacts is not None else nullcontext()
+    with scope:
+        engine, tokenizer = build_engine(spec)
+        warm_plan(engine, plan)
+    return engine, tokenizer

@@ -1,0 +1,351 @@
+"""Plans: schema validation (errors name the key), relative paths, the shipped default plan,
+manifests and staleness, refusals. Nothing here compiles a graph (the eager backend writes a
+manifest without building anything)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from yggtree.errors import YggError
+from yggtree.offline.compile import compile_plan, prepare_run
+from yggtree.plan import (
+    DEFAULT_PLAN,
+    MANIFEST,
+    check_artifacts,
+    default_plan,
+    load_plan,
+    save_plan,
+    validate_plan,
+)
+from yggtree.runtime import graphs
+from yggtree.runtime.build import plan_slots, use_widths, warm_plan
+from yggtree.runtime.drafters import LMDrafter
+from yggtree.runtime.engine import Engine, EngineConfig
+from yggtree.runtime.model import ModelConfig, Transformer
+
+BASE = {
+    "name": "t",
+    "target": "default",
+    "drafter": "self",
+    "max_context": 64,
+    "prefill_chunk": 8,
+    "draft_widths": [1, 2],
+    "d_max": 2,
+    "top_k": 2,
+    "verify_widths": [1, 2, 4],
+    "sampling": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 16},
+}
+
+
+def write(tmp_path: Path, raw, name="plan.yaml") -> Path:
+    p = tmp_path / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    return p
+
+
+def with_(**kw) -> dict:
+    d = json.loads(json.dumps(BASE))
+    for k, v in kw.items():
+        if "." in k:
+            a, b = k.split(".")
+            d[a][b] = v
+        elif v is ...:
+            d.pop(k)
+        else:
+            d[k] = v
+    return d
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_default_plan_loads_and_validates():
+    p = default_plan()
+    assert p.source == DEFAULT_PLAN.resolve()
+    assert p.name == "default" and p.target == "default" and p.drafter == "default"
+    assert p.backend == "inductor-cpu" and p.stages == "sequential"
+    assert max(p.verify_widths) <= p.max_tree
+    assert set(p.target_widths) == {p.prefill_chunk, 1, *p.verify_widths}
+    assert p.hash() == load_plan(DEFAULT_PLAN).hash()  # deterministic identity
+
+
+def test_minimal_plan_gets_defaults(tmp_path):
+    p = load_plan(write(tmp_path, {"name": "m", "target": "default"}))
+    assert p.drafter is None and not p.speculative
+    assert p.target_widths == (1, p.prefill_chunk)
+
+
+BAD = {
+    "unknown top-level key": (with_(widht=3), "'widht'"),
+    "unknown sampling key": (with_(**{"sampling.temp": 0.5}), "'sampling.temp'"),
+    "wrong type int": (with_(max_context="big"), "'max_context'"),
+    "bool is not an int": (with_(d_max=True), "'d_max'"),
+    "wrong type list": (with_(draft_widths="4"), "'draft_widths'"),
+    "list of non-ints": (with_(verify_widths=[2, "x"]), "'verify_widths'"),
+    "wrong type float": (with_(**{"sampling.temperature": "hot"}), "'sampling.temperature'"),
+    "sampling not a mapping": (with_(sampling=[1]), "'sampling'"),
+    "draft width < 1": (with_(draft_widths=[0, 2]), "'draft_widths'"),
+    "verify width < 1": (with_(verify_widths=[0]), "'verify_widths'"),
+    "duplicate width": (with_(verify_widths=[2, 2]), "'verify_widths'"),
+    "d_max < 1": (with_(d_max=0), "'d_max'"),
+    "prefill_chunk < 1": (with_(prefill_chunk=0), "'prefill_chunk'"),
+    "top_k < 1": (with_(top_k=0), "'top_k'"),
+    "W_v beyond the tree": (with_(verify_widths=[6]), "'verify_widths'"),
+    "top_p out of range": (with_(**{"sampling.top_p": 0}), "'sampling.top_p'"),
+    "negative temperature": (with_(**{"sampling.temperature": -1}), "'sampling.temperature'"),
+    "max_new_tokens >= context": (with_(**{"sampling.max_new_tokens": 64}), "'sampling.max_new_tokens'"),
+    "unknown backend": (with_(backend="tpu"), "'backend'"),
+    "unknown dtype": (with_(dtype="float16"), "'dtype'"),
+    "unknown stage plan": (with_(stages="overlap-everything"), "'stages'"),
+    "missing name": (with_(name=...), "'name'"),
+    "bad name": (with_(name="../x"), "'name'"),
+    "missing target": (with_(target=...), "'target'"),
+    "drafter not a string": (with_(drafter=3), "'drafter'"),
+    "missing profile file": (with_(profile="profiles/nope.json"), "'profile'"),
+    "missing predictor file": (with_(predictor="nope/"), "'predictor'"),
+    "missing calibration file": (with_(calibration="cal.json"), "'calibration'"),
+    "missing target path": (with_(target="models/none"), "'target'"),
+    "missing drafter path": (with_(drafter="drafters/none"), "'drafter'"),
+    "bad version": (with_(version=2), "'version'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_plans_name_the_key(tmp_path, case):
+    raw, key = BAD[case]
+    path = write(tmp_path, raw)
+    with pytest.raises(YggError) as e:
+        load_plan(path)
+    msg = str(e.value)
+    assert key in msg, msg
+    assert str(path) in msg and "\n" not in msg
+
+
+def test_missing_file_error_names_the_resolved_path(tmp_path):
+    with pytest.raises(YggError, match=r"profile.*file not found: .*/sub/profiles/x\.json"):
+        load_plan(write(tmp_path, with_(profile="profiles/x.json"), "sub/plan.yaml"))
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "name: [unclosed\n", ""])
+def test_not_a_mapping_or_not_yaml(tmp_path, text):
+    with pytest.raises(YggError, match="plan"):
+        load_plan(write(tmp_path, text))
+
+
+def test_plan_file_not_found(tmp_path):
+    with pytest.raises(YggError, match="plan file not found"):
+        load_plan(tmp_path / "none.yaml")
+
+
+def test_backends_agree_with_the_runtime():
+    from yggtree import plan
+
+    assert plan.BACKENDS == graphs.BACKENDS
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def test_paths_are_relative_to_the_plan_file(tmp_path):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "hw.json").write_text("{}")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    raw = with_(profile="../profiles/hw.json", target="../m", drafter="../m")
+    p = load_plan(write(tmp_path, raw, "plans/plan.yaml"))
+    assert p.profile == str(tmp_path / "profiles" / "hw.json")
+    assert p.target == p.drafter == str(tmp_path / "m")
+    # a copy elsewhere names the same files (written relative to its own directory)
+    copy = save_plan(p, tmp_path / "elsewhere" / "deep" / "plan.yaml")
+    text = copy.read_text()
+    assert "../../profiles/hw.json" in text and str(tmp_path) not in text
+    q = load_plan(copy)
+    assert q == p and q.hash() == p.hash() and q.source != p.source
+
+
+def test_keywords_are_not_paths(tmp_path):
+    p = load_plan(write(tmp_path, with_(target="default", drafter="self")))
+    assert p.target == "default" and p.drafter == "self"
+    p = load_plan(write(tmp_path, with_(drafter=None)))
+    assert p.drafter is None
+
+
+# ----------------------------------------------------------------------------- widths
+
+
+def test_width_choice_must_be_in_the_compiled_set(tmp_path):
+    p = load_plan(write(tmp_path, BASE))
+    tp = p.tree_params(2, 4, 2)
+    assert (tp.draft_width, tp.verify_width, tp.draft_depth, tp.top_k) == (2, 4, 2, 2)
+    env = p.tree_params()  # the envelope: largest widths, D_max
+    assert (env.draft_width, env.verify_width, env.draft_depth) == (2, 4, 2)
+    with pytest.raises(YggError, match=r"^draft width 3 is not in the plan's compiled set \{1, 2\}$"):
+        p.tree_params(draft_width=3)
+    with pytest.raises(YggError, match=r"^verify width 8 is not in the plan's compiled set \{1, 2, 4\}$"):
+        p.tree_params(verify_width=8)
+    with pytest.raises(YggError, match="d_max"):
+        p.tree_params(draft_depth=3)
+
+
+def tiny(vocab=97, hidden=32, layers=2) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+        num_heads=4, num_kv_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return Transformer(cfg).eval().requires_grad_(False)
+
+
+def test_plan_engine_slots_widths_and_width_switching(tmp_path):
+    """plan_slots mirrors the Engine built with the plan's envelope (compiled shapes depend on
+    it); warm_plan builds every plan width; use_widths accepts only compiled choices."""
+    from yggtree.runtime.build import EngineSpec
+    from yggtree.runtime.engine import SamplingParams
+
+    p = load_plan(write(tmp_path, BASE))
+    spec = EngineSpec.from_plan(p, mode="reference")
+    target = tiny()
+    cfg = EngineConfig(mode="reference", max_context=p.max_context, prefill_chunk=p.prefill_chunk, tree=spec.tree)
+    eng = Engine(target, cfg, LMDrafter(target.shared_copy(), "reference"))
+    assert eng.n_slots == plan_slots(p)
+    warm_plan(eng, p)
+    assert eng.graphs.widths == set(p.target_widths)
+    assert eng.drafter.graphs.widths == {1, 2, p.prefill_chunk}
+    with pytest.raises(YggError, match="not in the plan's compiled set"):
+        use_widths(eng, p, draft_width=4)
+    for wd, wv in [(1, 1), (1, 2), (2, 4)]:
+        tp = use_widths(eng, p, wd, wv)
+        assert eng.cfg.tree == tp
+        eng.generate([3, 4, 5], SamplingParams(max_new_tokens=6))
+    small = Engine(tiny(), EngineConfig(mode="reference", max_context=p.max_context, prefill_chunk=8))
+    with pytest.raises(YggError, match="cache slots"):
+        warm_plan(small, p)
+
+
+def test_from_plan_modes_and_backends(tmp_path):
+    from yggtree.runtime.build import EngineSpec
+
+    p = load_plan(write(tmp_path, BASE))
+    assert EngineSpec.from_plan(p).mode == "performance"
+    e = load_plan(write(tmp_path, with_(backend="eager"), "e.yaml"))
+    assert EngineSpec.from_plan(e).mode == "reference"
+    g = graphs.Graphs(tiny(), "performance", backend="eager")
+    assert not g.compiled
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def eager_plan(tmp_path, **kw) -> Path:
+    """A plan over a small fake HF directory (the eager backend never loads it)."""
+    m = tmp_path / "model"
+    m.mkdir(exist_ok=True)
+    if not (m / "config.json").exists():
+        (m / "config.json").write_text('{"a": 1}')
+        (m / "model.safetensors").write_bytes(b"\0" * 64)
+    return write(tmp_path, with_(**{"target": "model", "backend": "eager", **kw}))
+
+
+def test_manifest_roundtrip_and_copy(tmp_path):
+    plan = load_plan(eager_plan(tmp_path))
+    out = tmp_path / "compile"
+    s = compile_plan(plan, out)
+    art = out / "t"
+    assert s["status"] == "compiled" and Path(s["dir"]) == art
+    m = json.loads((art / MANIFEST).read_text())
+    assert m["plan_hash"] == plan.hash() and m["plan"] == plan.to_dict()
+    assert m["versions"]["torch"] == torch.__version__ and m["graphs"] == []
+    assert {f["path"] for f in m["models"]} == {str(tmp_path / "model" / n) for n in ("config.json", "model.safetensors")}
+    assert "sha256" in next(f for f in m["models"] if f["path"].endswith("config.json"))
+    copy = load_plan(art / "plan.yaml")
+    assert copy.hash() == plan.hash()
+    assert check_artifacts(plan, art) == [] and check_artifacts(copy, art) == []
+    again = compile_plan(plan, out)
+    assert again["status"] == "up-to-date"
+
+
+def test_stale_detection(tmp_path):
+    plan = load_plan(eager_plan(tmp_path))
+    art = tmp_path / "compile" / "t"
+    assert check_artifacts(plan, art) == [f"no compiled artifacts: {art / MANIFEST} is missing"]
+    compile_plan(plan, tmp_path / "compile")
+    assert check_artifacts(plan, art) == []
+    # torch version
+    m = json.loads((art / MANIFEST).read_text())
+    m["versions"]["torch"] = "1.0.0"
+    (art / MANIFEST).write_text(json.dumps(m))
+    (r,) = check_artifacts(plan, art)
+    assert "torch version changed: compiled with 1.0.0" in r
+    compile_plan(plan, tmp_path / "compile")  # same plan: recompiles without --force
+    assert check_artifacts(plan, art) == []
+    # a model file touched
+    w = tmp_path / "model" / "model.safetensors"
+    st = w.stat()
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    (r,) = check_artifacts(plan, art)
+    assert "target model file changed" in r and str(w) in r
+    compile_plan(plan, tmp_path / "compile")
+    # the plan changed
+    other = load_plan(eager_plan(tmp_path, verify_widths=[1, 2]))
+    (r,) = check_artifacts(other, art)
+    assert "plan changed" in r and "verify_widths" in r
+    (art / MANIFEST).write_text("{not json")
+    assert "cannot read manifest" in check_artifacts(plan, art)[0]
+
+
+def test_refuses_to_overwrite_another_plans_artifacts(tmp_path):
+    out = tmp_path / "compile"
+    compile_plan(load_plan(eager_plan(tmp_path)), out)
+    other = load_plan(eager_plan(tmp_path, verify_widths=[1, 2]))
+    with pytest.raises(YggError, match=f"{out / 't'} holds the artifacts of a different plan.*--force"):
+        compile_plan(other, out)
+    assert compile_plan(other, out, force=True)["status"] == "compiled"
+    assert json.loads((out / "t" / MANIFEST).read_text())["plan_hash"] == other.hash()
+
+
+def test_refuses_a_foreign_directory(tmp_path):
+    out = tmp_path / "compile"
+    (out / "t").mkdir(parents=True)
+    (out / "t" / "notes.txt").write_text("mine")
+    plan = load_plan(eager_plan(tmp_path))
+    with pytest.raises(YggError, match="not empty and has no manifest.json"):
+        compile_plan(plan, out)
+    compile_plan(plan, out, force=True)
+    assert (out / "t" / "notes.txt").read_text() == "mine"  # --force never deletes user files
+
+
+@pytest.mark.parametrize("backend,hint", [("cuda", "CUDA"), ("npu", "torch_npu")])
+def test_unavailable_backend_is_refused(tmp_path, backend, hint):
+    if backend == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    plan = load_plan(eager_plan(tmp_path, backend=backend))
+    with pytest.raises(YggError, match=hint):
+        compile_plan(plan, tmp_path / "compile")
+    with pytest.raises(YggError, match=hint):
+        prepare_run(plan.source, compile_missing=True, compile_root=tmp_path / "compile")
+    assert not (tmp_path / "compile").exists()
+
+
+def test_prepare_run_refuses_missing_artifacts(tmp_path):
+    path = eager_plan(tmp_path, backend="inductor-cpu")
+    with pytest.raises(YggError, match=r"are not usable: no compiled artifacts.*yggtree compile.*--compile-missing"):
+        prepare_run(path, compile_missing=False, compile_root=tmp_path / "compile")
+    eager = eager_plan(tmp_path)  # eager runs need nothing compiled
+    assert prepare_run(eager, compile_missing=False, compile_root=tmp_path / "compile").backend == "eager"
+
+
+def test_compile_cli_errors_are_one_line(tmp_path, capsys):
+    from yggtree.offline.compile import main
+
+    bad = write(tmp_path, with_(widht=1))
+    assert main([str(bad)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'widht'" in err
