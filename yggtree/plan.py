@@ -425,11 +425,11 @@ def _resolve_model_path(role: str, name: str | None) -> Path | None:
             from .runtime.loading import default_model_path  # imports torch; only here
 
             return default_model_path()
-        try:  # the shipped default drafter (issue 4) exposes its location here
-            from .runtime.build import default_drafter_path
+        try:  # the shipped default drafter (issue 4)
+            from .runtime.build import DEFAULT_DRAFTER_DIR
         except ImportError:
             return None
-        return Path(default_drafter_path())
+        return Path(DEFAULT_DRAFTER_DIR)
     return Path(name)
 
 

@@ -145,8 +145,36 @@ def _roles_drafter(plan: Plan, w: int, head: int) -> str:
 # ----------------------------------------------------------------------------- the build
 
 
+class _ShapeRecorder:
+    """Records the (input width, context) of every forward call of a model's eager glue (the
+    compiled blocks inside are untouched): each distinct pair seen while warming one width is one
+    graph of the block. The context is the last dimension of the call's bool attention mask."""
+
+    def __init__(self, model) -> None:
+        self.model, self.seen = model, []
+        orig = model.forward
+
+        def forward(*args, **kwargs):
+            mask = next(a for a in (*args, *kwargs.values()) if getattr(a, "dtype", None) is not None
+                        and str(a.dtype) == "torch.bool")
+            pair = (int(args[0].shape[-1]), int(mask.shape[-1]))
+            if pair not in self.seen:
+                self.seen.append(pair)
+            return orig(*args, **kwargs)
+
+        model.forward = forward  # instance attribute: removed by close()
+
+    def take(self) -> list[tuple[int, int]]:
+        out, self.seen = self.seen, []
+        return out
+
+    def close(self) -> None:
+        self.model.__dict__.pop("forward", None)
+
+
 def _build_graphs(plan: Plan, progress, task) -> tuple[list[dict], dict]:
-    """Load the plan's models and build every graph; returns graph records and load timings."""
+    """Load the plan's models and build every graph; returns one record per built input width
+    (with its graphs: one per context bucket) and load timings."""
     import torch
 
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
@@ -179,22 +207,27 @@ def _build_graphs(plan: Plan, progress, task) -> tuple[list[dict], dict]:
 
     records: list[dict] = []
 
-    def timed(model_name: str, build, widths_before: set[int], graphs) -> None:
+    def timed(model_name: str, build, graphs, rec: _ShapeRecorder) -> None:
+        before = set(graphs.widths)
         c0 = _counters()
         t = time.perf_counter()
         with torch.no_grad():
             build()
         secs = time.perf_counter() - t
-        new = sorted(graphs.widths - widths_before)
+        new = sorted(graphs.widths - before)
         state = _cache_state(c0, _counters())
+        seen = rec.take()
         for w in new:
             roles = _roles_target(plan, w) if model_name == "target" else _roles_drafter(plan, w, head)
+            ctx = sorted(c for (ww, c) in seen if ww == w)
             records.append(
                 {
                     "model": model_name,
                     "role": roles,
                     "width": w,
-                    "shapes": {"x": [1, w, h], "mask": [1, w, n_slots], "slots": [1, w]},
+                    "contexts": ctx,
+                    "n_graphs": len(ctx),
+                    "shapes": {"x": [1, w, h], "mask": [[1, w, c] for c in ctx], "slots": [1, w]},
                     "dtype": dt,
                     "compile_s": round(secs / len(new), 4),
                     "cache": state,
@@ -205,19 +238,25 @@ def _build_graphs(plan: Plan, progress, task) -> tuple[list[dict], dict]:
             progress.update(task, advance=1, description=f"{model_name} W={w}")
 
     graphs = Graphs(target, "performance", backend=plan.backend)
-    for w in plan.target_widths:
-        progress.update(task, description=f"target W={w}")
-        timed("target", lambda w=w: graphs.warm_up([w]), set(graphs.widths), graphs)
+    rec = _ShapeRecorder(target)
+    try:
+        for w in plan.target_widths:
+            progress.update(task, description=f"target W={w}")
+            timed("target", lambda w=w: graphs.warm_up([w]), graphs, rec)
+    finally:
+        rec.close()
     if drafter is not None:
         dg = drafter.graphs
-        # first call: the drafter's own widths (prefill chunk; EAGLE's head), then one per W_d
-        progress.update(task, description="drafter prefill")
-        timed("drafter", lambda: drafter.setup(n_slots, [plan.prefill_chunk], plan.prefill_chunk),
-              set(dg.widths), dg)
-        for w in drafter_widths(plan):
-            progress.update(task, description=f"drafter W={w}")
-            timed("drafter", lambda w=w: drafter.setup(n_slots, [w], plan.prefill_chunk),
-                  set(dg.widths), dg)
+        rec = _ShapeRecorder(dg.model)
+        try:
+            # first call: the drafter's own widths (prefill chunk; EAGLE's head), then one per W_d
+            progress.update(task, description="drafter prefill")
+            timed("drafter", lambda: drafter.setup(n_slots, [plan.prefill_chunk], plan.prefill_chunk), dg, rec)
+            for w in drafter_widths(plan):
+                progress.update(task, description=f"drafter W={w}")
+                timed("drafter", lambda w=w: drafter.setup(n_slots, [w], plan.prefill_chunk), dg, rec)
+        finally:
+            rec.close()
     return records, {"load_s": round(load_s, 3), "n_slots": n_slots}
 
 
@@ -226,12 +265,19 @@ def compile_plan(
     out_root: str | Path = "compile",
     force: bool = False,
     console=None,
+    replace: bool = False,
 ) -> dict:
     """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
     ``status`` = ``compiled`` | ``up-to-date``, ``dir`` and ``wall_s``).
 
     Up to date (manifest matches: same plan hash, torch/python versions, model files) and not
-    ``force``: returns at once without loading anything."""
+    ``force``: returns at once without loading anything. Stale artifacts of the same plan are
+    rebuilt (inductor's cache is content-addressed, so still-valid graphs load from it).
+    A directory holding another plan's manifest is refused unless ``replace`` (keep the cache)
+    or ``force`` (start from an empty cache).
+
+    Graphs already compiled earlier in this process are reused by dynamo and not written to the
+    cache again: compile in a fresh process (as ``yggtree compile`` does)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -240,7 +286,7 @@ def compile_plan(
     t_start = time.perf_counter()
     check_backend(plan.backend)
     art = artifact_dir(plan, out_root)
-    _check_destination(plan, art, force)
+    _check_destination(plan, art, force or replace)
     if not force and read_manifest(art) is not None and not check_artifacts(plan, art):
         m = read_manifest(art)
         return {**m, "status": "up-to-date", "dir": str(art), "wall_s": time.perf_counter() - t_start}
@@ -262,7 +308,7 @@ def compile_plan(
         columns = (
             TextColumn("[bold]compile[/] {task.description:<22}"),
             BarColumn(),
-            TextColumn("{task.completed}/{task.total} graphs"),
+            TextColumn("{task.completed}/{task.total} widths"),
             TimeElapsedColumn(),
         )
         with inductor_cache(cache_dir(art)), Progress(*columns, console=console, transient=False) as progress:
@@ -281,7 +327,10 @@ def compile_plan(
         "n_slots": info["n_slots"],
         "cache_dir": CACHE_SUBDIR if plan.backend != "eager" else None,
         "graphs": records,
-        "n_graphs": len(records),
+        # distinct graphs compiled: a record "reused" had its graphs built already (a self-drafter
+        # shares the target's block graphs)
+        "n_graphs": sum(r["n_graphs"] for r in records if r["cache"] != "reused"),
+        "n_shapes": sum(r["n_graphs"] for r in records),
         "compile_s": round(sum(r["compile_s"] for r in records), 3),
         "load_s": info["load_s"],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -304,12 +353,14 @@ def graph_table(summary: dict):
         f"{summary['size_bytes'] / 1e6:.1f} MB in {summary.get('dir', '')} [{summary.get('status', '')}]"
     )
     t = Table(title=title)
-    for name in ("model", "graph", "W", "block inputs", "compile s", "cache"):
-        t.add_column(name, justify="right" if name in ("W", "compile s") else "left", no_wrap=True)
+    for name in ("model", "role", "W", "graphs", "block input x", "mask contexts C", "compile s", "cache"):
+        right = name in ("W", "graphs", "compile s")
+        t.add_column(name, justify="right" if right else "left", no_wrap=True)
     for r in summary["graphs"]:
-        s = r["shapes"]
-        shapes = f"x {s['x']} mask {s['mask']}".replace(" ", "").replace("mask", " mask ")
-        t.add_row(r["model"], r["role"], str(r["width"]), shapes, f"{r['compile_s']:.2f}", r["cache"])
+        x = "[" + ",".join(str(v) for v in r["shapes"]["x"]) + "]"
+        ctx = ",".join(str(c) for c in r["contexts"])
+        t.add_row(r["model"], r["role"], str(r["width"]), str(r["n_graphs"]), x, ctx,
+                  f"{r['compile_s']:.2f}", r["cache"])
     return t
 
 
@@ -359,7 +410,7 @@ def prepare_run(plan_path: str | Path, compile_missing: bool, compile_root: str 
         )
     sys.stderr.write(f"yggtree: compiling plan {plan.name!r} into {art}: {'; '.join(reasons)}\n")
     own_copy = plan.source is not None and plan.source == (art / PLAN_COPY).resolve()
-    compile_plan(plan, compile_root, force=own_copy)
+    compile_plan(plan, compile_root, replace=own_copy)  # an edited copy replaces its own dir
     return plan
 
 

@@ -1,0 +1,165 @@
+"""``yggtree compile`` on a tiny random HF checkpoint: two graphs are built (target widths 1 and
+2, one context bucket; the self-drafter reuses them), persisted, found up to date the second
+time, and loaded from the cache by a fresh process that then decodes with every width choice of
+the plan at temperatures 0 and 0.7 without a single recompile."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from yggtree.errors import YggError
+from yggtree.offline.compile import main, prepare_run
+from yggtree.plan import CACHE_SUBDIR, MANIFEST, check_artifacts, load_plan
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+PLAN = """\
+name: tiny
+target: model
+drafter: self
+max_context: 32
+prefill_chunk: 2
+draft_widths: [1, 2]
+d_max: 1
+top_k: 2
+verify_widths: [1, 2]
+sampling: {max_new_tokens: 8}
+"""
+
+
+def save_tiny_checkpoint(path: Path) -> None:
+    """A 2-layer random Llama (vocabulary 128) with a word-level tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", eos_token="t2").save_pretrained(path)
+
+
+def run_main(argv) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compile")
+    save_tiny_checkpoint(root / "model")
+    plan_path = root / "plan.yaml"
+    plan_path.write_text(PLAN)
+    code, stdout = run_main([plan_path, "--out", root / "compile"])
+    assert code == 0, stdout
+    return root, plan_path, stdout
+
+
+def test_compile_builds_every_graph_once(compiled):
+    root, plan_path, stdout = compiled
+    last = json.loads(stdout.strip().splitlines()[-1])  # one JSON line last
+    assert last["status"] == "compiled" and last["plan"] == "tiny"
+    assert "target" in stdout and "plain+verify" in stdout  # the per-graph table
+    art = root / "compile" / "tiny"
+    m = json.loads((art / MANIFEST).read_text())
+    plan = load_plan(plan_path)
+    assert m["plan_hash"] == plan.hash() == last["plan_hash"]
+    n_slots = plan.max_context + plan.max_tree + 1
+    assert m["n_slots"] == n_slots
+    target = [(r["width"], r["contexts"], r["cache"]) for r in m["graphs"] if r["model"] == "target"]
+    assert target == [(1, [n_slots], "miss"), (2, [n_slots], "miss")]  # each built exactly once
+    drafter = {r["width"]: r["cache"] for r in m["graphs"] if r["model"] == "drafter"}
+    assert drafter == {1: "reused", 2: "reused"}  # the self-drafter shares the target's graphs
+    assert m["n_graphs"] == last["graphs"] == 2
+    assert all(r["compile_s"] >= 0 for r in m["graphs"])
+    assert any((art / CACHE_SUBDIR).rglob("*")) and m["size_bytes"] > 0
+    copy = load_plan(art / "plan.yaml")
+    assert copy.hash() == plan.hash() and check_artifacts(copy, art) == []
+
+
+def test_second_compile_is_a_noop(compiled, monkeypatch):
+    root, plan_path, _ = compiled
+    import yggtree.runtime.loading as loading
+
+    def boom(*a, **k):
+        raise AssertionError("an up-to-date compile must not load models")
+
+    monkeypatch.setattr(loading, "load_model", boom)
+    code, stdout = run_main([plan_path, "--out", root / "compile", "--json"])
+    (line,) = stdout.strip().splitlines()
+    last = json.loads(line)
+    assert code == 0 and last["status"] == "up-to-date" and last["wall_s"] < 1.0
+
+
+WARM = textwrap.dedent(
+    """
+    import itertools, json, sys
+    from torch._dynamo.utils import counters
+    from yggtree.plan import artifact_dir, load_plan
+    from yggtree.runtime.build import build_plan_engine, use_widths
+    from yggtree.runtime.engine import SamplingParams
+
+    plan = load_plan(sys.argv[1])
+    engine, _ = build_plan_engine(plan, artifact_dir(plan))
+    after_warm = (counters["stats"]["unique_graphs"], sum(counters["recompiles"].values()))
+    runs = 0
+    for wd, wv, temp, prompt in itertools.product(
+        plan.draft_widths, plan.verify_widths, (0.0, 0.7), ([3, 4, 5], list(range(10, 23)))
+    ):
+        if wv > 1 + plan.d_max * wd:
+            continue
+        use_widths(engine, plan, wd, wv)
+        engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=temp, seed=1))
+        runs += 1
+    print(json.dumps({
+        "fx": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]), "runs": runs,
+        "graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
+        "after_warm": after_warm, "breaks": sum(counters["graph_break"].values()),
+    }))
+    """
+)
+
+
+def test_fresh_process_loads_graphs_from_the_cache_and_never_recompiles(compiled):
+    root, _, _ = compiled
+    copy = root / "compile" / "tiny" / "plan.yaml"
+    out = subprocess.run(
+        [sys.executable, "-c", WARM, str(copy)], capture_output=True, text=True, timeout=300, cwd=root
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["fx"].get("fxgraph_cache_miss", 0) == 0 and r["fx"].get("fxgraph_cache_hit", 0) == 2
+    assert r["aot"].get("autograd_cache_hit", 0) == 2
+    assert r["runs"] == 16
+    assert (r["graphs"], r["recompiles"]) == tuple(r["after_warm"]) and r["breaks"] == 0
+
+
+def test_prepare_run_refuses_or_compiles_stale_artifacts(compiled):
+    root, plan_path, _ = compiled
+    art = root / "compile" / "tiny"
+    copy = art / "plan.yaml"
+    assert prepare_run(copy, compile_missing=False) == load_plan(copy)
+    m = json.loads((art / MANIFEST).read_text())
+    m["versions"]["torch"] = "0.0.1"
+    (art / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(YggError, match=r"torch version changed: compiled with 0\.0\.1.*--compile-missing"):
+        prepare_run(copy, compile_missing=False)
+    plan = prepare_run(plan_path, compile_missing=True, compile_root=root / "compile")
+    assert check_artifacts(plan, art) == [] and check_artifacts(load_plan(copy), art) == []
