@@ -161,15 +161,16 @@ class Attention(nn.Module):
         k = apply_rope(self.k_proj(x).view(bsz, w, hkv, d), cos, sin)
         v = self.v_proj(x).view(bsz, w, hkv, d)
         assert self.cache is not None, "call Transformer.setup_cache() before forward()"
-        k_all, v_all = self.cache.write(slots, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+        k_all, v_all = self.cache.write(slots, k, v)  # [B, S, Hkv, D]
         n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
-        k_all, v_all = k_all[:, :, :n_ctx], v_all[:, :, :n_ctx]
+        k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1)  # [B, Hkv, D, C], a view
+        v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3)  # [B, Hkv, C, D], a view
         # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
-        scores = torch.matmul(qg, k_all.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+        scores = torch.matmul(qg, k_t).float() * (1.0 / math.sqrt(d))
         scores = scores.view(bsz, hkv, g, w, -1).masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v_all.dtype).view(bsz, hkv, g * w, -1)
-        out = torch.matmul(probs, v_all)  # [B, Hkv, G*W, D]
+        out = torch.matmul(probs, v_c)  # [B, Hkv, G*W, D]
         out = out.view(bsz, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(bsz, w, cfg.num_heads * d)
         return self.o_proj(out)
 
@@ -254,7 +255,7 @@ class Transformer(nn.Module):
         capture: tuple[int, ...] = (),
     ) -> ForwardOut:
         cs = self.rope[positions]  # [B, W, D/2, 2]
-        cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)
+        cos, sin = cs[..., 0].unsqueeze(2).contiguous(), cs[..., 1].unsqueeze(2).contiguous()
         x = self.embed_tokens(tokens)
         captured = []
         for i, block in enumerate(self.layers):
