@@ -13,6 +13,10 @@ from .graphs import check_backend, inductor_cache
 from .loading import load_model, load_tokenizer, resolve_model
 
 
+# the trained EAGLE head for the embedded default target (yggtree distill; see its manifest.json)
+DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m-eagle"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything needed to build an engine (the CLI's flags, a plan's fields)."""
@@ -59,10 +63,23 @@ def load_drafter(spec: EngineSpec, target, tokenizer):
     if name == "self":
         return LMDrafter(target.shared_copy(), spec.mode)
     if name == "default":
-        raise YggError(
-            "no trained default drafter ships yet; use --drafter self, a drafter path, "
-            "or --no-speculate"
-        )
+        # the shipped EAGLE head was trained for the embedded default target only
+        from .eagle import load_eagle
+        from .loading import default_model_path
+
+        is_default = spec.model == "default"
+        if not is_default:
+            try:
+                is_default = Path(spec.model).expanduser().resolve() == default_model_path().resolve()
+            except (OSError, YggError):
+                is_default = False
+        if not is_default:
+            raise YggError(
+                f"no default drafter exists for {spec.model} (the shipped one is for the embedded "
+                "default model); train one with `yggtree distill --model <target>` and pass its "
+                "directory, or use --drafter self / --no-speculate"
+            )
+        return load_eagle(DEFAULT_DRAFTER_DIR, target, spec.mode, max_depth=spec.tree.draft_depth)
     path = Path(name).expanduser()
     from .eagle import is_eagle_dir, load_eagle  # the feature-conditioned head
 

@@ -1,0 +1,254 @@
+"""Evaluate a drafter on the evaluation prompts: AAL per tree shape, equality with plain greedy
+decoding, and the cost of one drafter step against one target verify step.
+
+    python scripts/eval_drafter.py --drafter default --mtbench 40 --humaneval 40 \\
+        --max-new-tokens 128 --tree tree=8,6,32,8 --tree chain=1,4,5,1 --cost
+
+A tree is ``NAME=W_d,D,W_v,top_k`` (yggtree.runtime.engine.TreeParams). AAL (mean accepted tokens
+per verify step, bonus included) does not depend on the mode, so the default is the eager
+reference mode; ``--cost`` times the two steps in both modes (eager and compiled), interleaved,
+medians over ``--cost-repeats``.
+
+Output: a table on stdout, then ONE JSON line with every number. Progress on stderr.
+These prompts are for evaluation only: nothing here feeds back into training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from yggtree.bench import load_prompts, stderr_progress  # noqa: E402
+from yggtree.errors import YggError  # noqa: E402
+from yggtree.runtime import steps  # noqa: E402
+from yggtree.runtime.build import EngineSpec, load_drafter  # noqa: E402
+from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams  # noqa: E402
+from yggtree.runtime.loading import load_model, load_tokenizer, resolve_model  # noqa: E402
+
+
+def parse_tree(text: str) -> tuple[str, TreeParams]:
+    try:
+        name, spec = text.split("=", 1)
+        wd, d, wv, k = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise YggError(f"bad --tree {text!r}: expected NAME=W_d,D,W_v,top_k") from None
+    tp = TreeParams(draft_width=wd, draft_depth=d, verify_width=wv, top_k=k)
+    tp.validate()
+    return name, tp
+
+
+def eos_of(target, tokenizer) -> tuple[int, ...]:
+    return tuple(target.cfg.eos_token_ids) or (
+        (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    )
+
+
+def make_engine(args, src, tokenizer, tp: TreeParams | None):
+    target = load_model(src, args.dtype)
+    drafter = None
+    if tp is not None:
+        spec = EngineSpec(model=args.model, drafter=args.drafter, dtype=args.dtype, mode=args.mode,
+                          max_context=args.max_context, prefill_chunk=args.chunk, tree=tp)
+        drafter = load_drafter(spec, target, tokenizer)
+    cfg = EngineConfig(mode=args.mode, max_context=args.max_context, prefill_chunk=args.chunk, tree=tp)
+    return Engine(target, cfg, drafter, eos_of(target, tokenizer))
+
+
+def summarise(name: str, tp: TreeParams | None, recs: list[dict]) -> dict:
+    out = {"config": name, "tree": None if tp is None else [tp.draft_width, tp.draft_depth, tp.verify_width, tp.top_k]}
+    out["prompts"] = len(recs)
+    out["new_tokens"] = sum(r["n"] for r in recs)
+    if tp is None:
+        return out
+    acc = sum(r["accepted"] for r in recs)
+    ver = sum(r["verify"] for r in recs)
+    out["aal_mean"] = statistics.fmean(r["aal"] for r in recs)
+    out["aal_pooled"] = (acc + ver) / max(ver, 1)
+    for kind in ("mtbench", "humaneval"):
+        sub = [r for r in recs if r["id"].startswith(kind)]
+        if sub:
+            out[f"aal_{kind}"] = statistics.fmean(r["aal"] for r in sub)
+    d = tp.draft_depth
+    out["accept_by_position"] = [
+        sum(r["abp"][i] * r["verify"] for r in recs) / max(ver, 1) for i in range(d)
+    ]
+    out["identical"] = sum(1 for r in recs if r.get("equal"))
+    out["compared"] = sum(1 for r in recs if "equal" in r)
+    return out
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+@torch.no_grad()
+def measure_cost(args, src, tokenizer, mode: str, width: int, repeats: int, ctx: int) -> dict:
+    """Median ms of one drafter step at W_d = width and one target verify at W = width."""
+    tp = TreeParams(draft_width=width, draft_depth=4, verify_width=width, top_k=min(8, width))
+    sub = argparse.Namespace(**{**vars(args), "mode": mode})
+    eng = make_engine(sub, src, tokenizer, tp)
+    prompt = (load_prompts(1, 0, tokenizer)[0][1] * 64)[:ctx]
+    eng.generate(prompt, SamplingParams(max_new_tokens=4))  # fills both caches with a real context
+    target, drafter = eng.target, eng.drafter
+    L = torch.tensor(len(prompt))
+    n = drafter.n_tree
+    w = width
+    ar = torch.arange(w)
+    # drafter: W nodes 1..W, children of the root (their ancestors: the root and themselves)
+    anc_d = torch.zeros(w, n, dtype=torch.bool)
+    anc_d[:, 0] = True
+    anc_d[ar, ar + 1] = True
+    tok = torch.tensor(prompt[:w])
+    # target: a chain of W nodes (mask shape is what matters for cost)
+    anc_v = ar[None, :] <= ar[:, None]
+
+    def draft():
+        drafter.step(tok, torch.ones(w, dtype=torch.int64), ar + 1, torch.zeros(w, dtype=torch.int64), anc_d, L, tp.top_k)
+
+    def verify():
+        steps.tree_step(target, tok, ar, ar, anc_v, L, drafter.target_layers)
+
+    times = {"draft": [], "verify": []}
+    with eng.graphs.frozen(), drafter.frozen():
+        for _ in range(5):
+            draft()
+            verify()
+        for _ in range(repeats):
+            for name, fn in (("draft", draft), ("verify", verify)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    d = statistics.median(times["draft"]) * 1e3
+    v = statistics.median(times["verify"]) * 1e3
+    return {"mode": mode, "dtype": args.dtype, "width": width, "context": ctx, "draft_ms": d, "verify_ms": v, "ratio": d / v}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trees = [parse_tree(t) for t in (args.tree or ["tree=8,6,32,8", "chain=1,4,5,1"])]
+    src = resolve_model(args.model)
+    tokenizer = load_tokenizer(src)
+    prompts = load_prompts(args.mtbench, args.humaneval, tokenizer) if args.mtbench + args.humaneval else []
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    rows, costs, records = [], [], {}
+    t_start = time.perf_counter()
+    with stderr_progress() as progress:
+        if prompts:
+            engines = {} if args.no_plain else {"plain": (None, make_engine(args, src, tokenizer, None))}
+            for name, tp in trees:
+                engines[name] = (tp, make_engine(args, src, tokenizer, tp))
+            recs = {name: [] for name in engines}
+            task = progress.add_task("prompts", total=len(prompts))
+            for pid, ids in prompts:
+                plain = None
+                for name, (tp, eng) in engines.items():
+                    res = eng.generate(ids, params)
+                    r = {"id": pid, "n": len(res.token_ids)}
+                    if tp is None:
+                        plain = res.token_ids
+                    else:
+                        s = res.stats
+                        r.update(aal=s["aal"], accepted=s["accepted_tokens"], verify=s["verify_calls"],
+                                 abp=s["accept_by_position"])
+                        if plain is not None:
+                            r["equal"] = res.token_ids == plain
+                    recs[name].append(r)
+                progress.update(task, advance=1, description=f"prompts ({pid})")
+            for name, (tp, _) in engines.items():
+                rows.append(summarise(name, tp, recs[name]))
+            records = recs
+        if args.cost:
+            modes = ["reference", "performance"] if args.cost_mode == "both" else [args.cost_mode]
+            task = progress.add_task("cost", total=len(modes))
+            for mode in modes:
+                costs.append(measure_cost(args, src, tokenizer, mode, args.cost_width, args.cost_repeats, args.cost_context))
+                progress.update(task, advance=1)
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    if rows:
+        t = Table(title=f"{args.drafter} drafter, {len(prompts)} prompts, greedy, {args.dtype}, {args.max_new_tokens} new tokens")
+        for c in ("config", "W_d,D,W_v,k", "AAL mean", "AAL pooled", "AAL mt-bench", "AAL humaneval", "accept by position", "identical"):
+            t.add_column(c)
+        for r in rows:
+            if r["tree"] is None:
+                t.add_row(r["config"], "-", "-", "-", "-", "-", "-", f"{r['new_tokens']} tokens")
+                continue
+            t.add_row(
+                r["config"], ",".join(map(str, r["tree"])), f"{r['aal_mean']:.3f}", f"{r['aal_pooled']:.3f}",
+                f"{r.get('aal_mtbench', float('nan')):.3f}", f"{r.get('aal_humaneval', float('nan')):.3f}",
+                " ".join(f"{a:.2f}" for a in r["accept_by_position"]),
+                f"{r['identical']}/{r['compared']}" if r["compared"] else "-",
+            )
+        console.print(t)
+    if costs:
+        t = Table(title="one drafter step vs one target verify step (median ms)")
+        for c in ("mode", "dtype", "width", "context", "drafter ms", "verify ms", "ratio"):
+            t.add_column(c)
+        for c in costs:
+            t.add_row(c["mode"], c["dtype"], str(c["width"]), str(c["context"]), f"{c['draft_ms']:.2f}",
+                      f"{c['verify_ms']:.2f}", f"{c['ratio']:.3f}")
+        console.print(t)
+    summary = {
+        "eval": "drafter",
+        "drafter": args.drafter,
+        "model": str(src.path),
+        "dtype": args.dtype,
+        "mode": args.mode,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": [pid for pid, _ in prompts],
+        "rows": rows,
+        "cost": costs,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps({**summary, "per_prompt": records}, indent=2))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--drafter", default="default", help="'default', an EAGLE head directory, 'self', ...")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mode", default="reference", choices=["reference", "performance"])
+    p.add_argument("--mtbench", type=int, default=40)
+    p.add_argument("--humaneval", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--tree", action="append", help="NAME=W_d,D,W_v,top_k (repeatable)")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain greedy run (no equality check)")
+    p.add_argument("--cost", action="store_true", help="time one drafter step vs one target verify step")
+    p.add_argument("--cost-mode", default="both", choices=["reference", "performance", "both"])
+    p.add_argument("--cost-width", type=int, default=8)
+    p.add_argument("--cost-context", type=int, default=256)
+    p.add_argument("--cost-repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", help="also write the JSON (with per-prompt records) here")
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except YggError as e:
+        print(f"eval_drafter: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

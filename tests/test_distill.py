@@ -1,0 +1,308 @@
+"""Drafter distillation on a tiny random target: the unrolled training forward equals the runtime
+head, training lowers the loss, the draft vocabulary, the manifest, determinism; and the shipped
+default head (load, and refusal of a corrupted copy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from yggtree.errors import YggError
+from yggtree.offline import distill as D
+from yggtree.runtime import steps
+from yggtree.runtime.eagle import EagleDrafter, load_eagle
+from yggtree.runtime.model import ModelConfig, Transformer, rope_table
+
+DEFAULT_DIR = Path(D.__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m-eagle"
+
+
+def tiny(seed: int = 0) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+    )
+    torch.manual_seed(seed)
+    m = Transformer(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return tiny()
+
+
+def prompts(n: int = 24, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 6 + (i * 7) % 13
+        # a skewed token distribution, so frequencies are meaningful
+        out.append((torch.randint(3, 40, (length,), generator=g) // (1 + i % 3) + 3).tolist())
+    return out
+
+
+def small_cfg(tmp: Path, **kw) -> D.DistillConfig:
+    base = dict(
+        out=str(tmp / "out"),
+        cache_dir=str(tmp / "cache"),
+        prompts=24,
+        max_new_tokens=12,
+        gen_batch=5,
+        max_seq_len=40,
+        val_frac=0.2,
+        draft_vocab=48,
+        epochs=15.0,
+        batch_size=4,
+        lr=3e-3,
+        unroll=2,
+        eval_depth=3,
+        eval_every=10,
+        save_dtype="float32",
+        teacher_dtype="float32",
+    )
+    base.update(kw)
+    return D.DistillConfig(**base)
+
+
+# ---------------------------------------------------------------- the training forward
+
+
+def test_unrolled_forward_equals_runtime_chain(target):
+    """Step k of the unrolled forward at pair p equals a depth-k chain through the head's cache."""
+    layer = target.cfg.num_layers - 1
+    drafter = EagleDrafter.random(target, "reference", max_depth=4, seed=3)
+    net = drafter.net
+    seq = torch.tensor(prompts(1, seed=5)[0] + [7, 8, 9, 10, 11, 12])
+    n = seq.shape[0]
+    target.setup_cache(1, 64)
+    _, _, caps = steps.prefill_chunk(target, seq[None], torch.tensor(0), torch.tensor(n), (layer,))
+    f = caps[0][0]  # [n, H]
+    tok, feat = seq[1:], f[:-1]  # pairs p = 0..n-2
+    t = tok.shape[0]
+    rope = rope_table(net.cfg.layer_config(), 64)
+    outs = D.unrolled_forward(net, tok[None], feat[None], 3, rope)
+
+    s = 64
+    net.setup_cache(s)
+    cols = torch.arange(s)
+    for k in range(3):
+        for p in range(k, t):
+            # committed pairs 0..p-k with true features at slots 1..p-k+1
+            r = p - k
+            slot = torch.arange(1, r + 2)
+            mask = (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None])
+            out = net(tok[: r + 1], feat[: r + 1], slot - 1, slot, mask)
+            x = out[-1]
+            chain = [r + 1]  # slots on the path
+            for j in range(1, k + 1):
+                q = r + j
+                chain.append(q + 1)
+                m = ((cols >= 1) & (cols <= r + 1)) | torch.isin(cols, torch.tensor(chain))
+                x = net(tok[q : q + 1], x[None], torch.tensor([q]), torch.tensor([q + 1]), m[None])[0]
+            torch.testing.assert_close(outs[k][0, p], x, atol=2e-5, rtol=1e-4)
+
+
+def test_generate_batch_equals_single_rows(target):
+    """Batched greedy answers (padded prompts, early EOS) equal one-row runs, features included."""
+    ps = prompts(4, seed=9)
+    layer = 1
+    batched = D.generate_batch(target, ps, 10, (2,), layer)
+    for p, (toks, feats, n) in zip(ps, batched):
+        (one_t, one_f, one_n) = D.generate_batch(target, [p], 10, (2,), layer)[0]
+        assert toks == one_t and n == one_n == len(p)
+        assert feats.shape == (len(toks), target.cfg.hidden_size)
+        torch.testing.assert_close(feats, one_f, atol=1e-5, rtol=1e-4)
+        # features are the target's causal layer outputs
+        target.setup_cache(1, 64)
+        _, _, caps = steps.prefill_chunk(
+            target, torch.tensor([toks]), torch.tensor(0), torch.tensor(len(toks)), (layer,)
+        )
+        torch.testing.assert_close(feats, caps[0][0], atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- vocabulary
+
+
+def test_draft_vocab_covers_the_most_frequent_tokens():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.cat([torch.full((100 - i,), i) for i in range(60)])  # id i appears 100 - i times
+    tokens = tokens[torch.randperm(tokens.shape[0], generator=g)]
+    vmap = D.build_draft_vocab(tokens, 97, 20, specials=[2, 95])
+    assert vmap.tolist() == sorted(set(vmap.tolist())) and vmap.shape == (20,)
+    assert {2, 95} <= set(vmap.tolist())
+    assert set(range(18)) <= set(vmap.tolist())  # the 18 most frequent + the 2 specials (2 is one)
+    assert D.vocab_coverage(tokens, vmap, 97) > 0.3
+    with pytest.raises(YggError, match="smaller than"):
+        D.build_draft_vocab(tokens, 97, 1, specials=[2, 95])
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+@pytest.fixture(scope="module")
+def run_a(target, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distill_a")
+    cfg = small_cfg(tmp)
+    return tmp, D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
+
+
+def test_training_reduces_the_loss(run_a):
+    tmp, manifest = run_a
+    rows = list(csv_rows(tmp / "out" / "report" / "train_log.csv"))
+    for key in ("kl", "reg"):  # the target's entropy is a floor of the loss; KL and regression are not
+        first = sum(float(r[key]) for r in rows[:5]) / 5
+        last = sum(float(r[key]) for r in rows[-5:]) / 5
+        assert last < 0.7 * first, (key, first, last)
+    assert manifest["training"]["steps"] == len(rows)
+
+
+def csv_rows(path: Path):
+    import csv
+
+    with path.open() as f:
+        yield from csv.DictReader(f)
+
+
+def test_manifest_and_report(run_a, target):
+    tmp, manifest = run_a
+    out = tmp / "out"
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk == json.loads(json.dumps(manifest))
+    for key in ("seed", "hyperparameters", "data", "draft_vocab", "training", "wall_time_s", "torch", "target"):
+        assert key in on_disk, key
+    data = on_disk["data"]
+    for key in ("corpus_hash", "teacher_sha256", "n_tokens", "n_answer_tokens", "n_sequences", "teacher_cache"):
+        assert key in data, key
+    assert data["n_sequences"] == 24 and data["n_tokens"] > 24 * 6
+    assert on_disk["hyperparameters"]["lr"] == 3e-3
+    assert on_disk["torch"] == torch.__version__
+    assert 2 in on_disk["draft_vocab"]["specials"]
+    val = on_disk["training"]["val"]
+    assert len(val["accept_by_depth"]) == 3
+    assert all(0 <= a <= 1 for a in val["accept_by_depth"])
+    assert val["accept_by_depth"] == sorted(val["accept_by_depth"], reverse=True)
+    for f in ("loss.png", "acceptance.png", "train_log.csv", "acceptance.csv"):
+        assert (out / "report" / f).is_file(), f
+    # the head loads back for the target it was trained for
+    d = load_eagle(out, target, "reference", max_depth=3)
+    assert d.cfg.draft_vocab_size == 48
+    assert 2 in d.net.draft_vocab.tolist()
+
+
+def test_deterministic_given_the_seed(run_a, target, tmp_path):
+    tmp_a, manifest_a = run_a
+    # same seed, same teacher cache (reused), separate output
+    cfg = small_cfg(tmp_a, out=str(tmp_path / "again"))
+    manifest_b = D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
+    assert manifest_b["data"]["teacher_reused"] and not manifest_a["data"]["teacher_reused"]
+    assert manifest_b["data"]["teacher_sha256"] == manifest_a["data"]["teacher_sha256"]
+    a = weights(tmp_a / "out")
+    b = weights(tmp_path / "again")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a fresh teacher build gives the same data file
+    cfg = small_cfg(tmp_path, epochs=0.5, out=str(tmp_path / "fresh"))
+    manifest_c = D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
+    assert not manifest_c["data"]["teacher_reused"]
+    assert manifest_c["data"]["teacher_sha256"] == manifest_a["data"]["teacher_sha256"]
+    # another seed trains another head
+    cfg = small_cfg(tmp_a, seed=1, epochs=0.5, out=str(tmp_path / "seed1"))
+    D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
+    c = weights(tmp_path / "seed1")
+    assert not torch.equal(c["fc.weight"], a["fc.weight"])
+
+
+def weights(d: Path) -> dict[str, torch.Tensor]:
+    """The tensors (file bytes are not stable: safetensors orders its metadata map arbitrarily)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(d / "model.safetensors"))
+
+
+def test_bad_options_are_refused(target, tmp_path):
+    with pytest.raises(YggError, match="unroll"):
+        D.distill(small_cfg(tmp_path, unroll=0), target=target, prompt_ids=prompts())
+    with pytest.raises(YggError, match="target-layer"):
+        D.distill(small_cfg(tmp_path, target_layer=5), target=target, prompt_ids=prompts())
+    with pytest.raises(YggError, match="prompts given"):
+        D.distill(small_cfg(tmp_path, prompts=50), target=target, prompt_ids=prompts())
+
+
+def test_cli_parser_registers_distill():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    D.add_distill_parser(sub)
+    args = parser.parse_args(["distill", "--draft-vocab", "4096", "--unroll", "2"])
+    assert args.func is D.run_distill
+    cfg = D._cfg_from_args(args)
+    assert cfg.draft_vocab == 4096 and cfg.unroll == 2 and cfg.model == "default"
+
+
+# ---------------------------------------------------------------- the shipped default head
+
+
+@pytest.mark.slow
+def test_shipped_default_head_loads_and_corruption_is_refused(tmp_path):
+    from yggtree.runtime.build import EngineSpec, load_drafter
+    from yggtree.runtime.engine import TreeParams
+    from yggtree.runtime.loading import load_model, load_tokenizer, resolve_model
+
+    assert (DEFAULT_DIR / "model.safetensors").is_file(), "the default drafter is not shipped"
+    assert (DEFAULT_DIR / "model.safetensors").stat().st_size <= 25 * 1024 * 1024
+    manifest = json.loads((DEFAULT_DIR / "manifest.json").read_text())
+    assert manifest["data"]["corpus_hash"] and manifest["seed"] is not None
+    src = resolve_model("default")
+    target = load_model(src, "float32")
+    tok = load_tokenizer(src)
+    spec = EngineSpec(model="default", drafter="default", mode="reference", tree=TreeParams(2, 3, 6, 2))
+    drafter = load_drafter(spec, target, tok)
+    assert isinstance(drafter, EagleDrafter)
+    assert drafter.cfg.hidden_size == target.cfg.hidden_size
+    assert tok.convert_tokens_to_ids("<|im_end|>") in drafter.net.draft_vocab.tolist()
+
+    # a truncated copy is refused, naming the file (the shipped file is never touched)
+    bad = tmp_path / "bad"
+    shutil.copytree(DEFAULT_DIR, bad)
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(YggError, match=r"bad/model\.safetensors"):
+        load_eagle(bad, target, "reference")
+    # a config for another hidden size is refused, naming the config
+    cfgf = bad / "config.json"
+    cfg = json.loads((DEFAULT_DIR / "config.json").read_text())
+    cfg["hidden_size"] = cfg["target_hidden_size"] = cfg["target"]["hidden_size"] = 512
+    cfgf.write_text(json.dumps(cfg))
+    with pytest.raises(YggError, match=r"config\.json.*hidden size"):
+        load_eagle(bad, target, "reference")
+
+
+def test_default_drafter_refused_for_other_targets(target):
+    from yggtree.runtime.build import EngineSpec, load_drafter
+
+    spec = EngineSpec(model="/some/other/model", drafter="default")
+    with pytest.raises(YggError, match="no default drafter"):
+        load_drafter(spec, target, None)

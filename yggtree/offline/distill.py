@@ -1,0 +1,984 @@
+"""Train an EAGLE-style drafter head for a target by distillation (``yggtree distill``).
+
+Pipeline (every stage deterministic given ``--seed``; DESIGN.md sections 11 and 12)::
+
+    calibration chat prompts        data.calibration_chat_prompts (stdlib source / pydoc topics,
+      (chat template)               decontaminated against the evaluation prompts)
+    teacher data                    the target answers each prompt greedily (batched, static
+                                    cache); the last-layer features f_p of prompt and answer are
+                                    captured in the same pass -> safetensors cache on disk
+    draft vocabulary                the V_d most frequent target ids in the teacher data, plus
+                                    every special token (<|im_end|>, ...)
+    training                        the head sees pairs (t_{p+1}, f_p) and is trained to
+                                      - match the target's next-token distribution restricted to
+                                        the draft vocabulary (soft cross-entropy = KL + const)
+                                      - regress the target's next feature f_{p+1} (smooth L1)
+                                    unrolled over ``--unroll`` draft steps: step k feeds the
+                                    head's own predicted features exactly as a chain of depth k
+                                    does at run time (EAGLE-3's "training-time test")
+    output                          config.json + model.safetensors (save_eagle), manifest.json,
+                                    report/{loss.png, acceptance.png, train_log.csv,
+                                    acceptance.csv}
+
+The target's distribution is never stored: with the last-layer feature ``f`` the target's logits
+are ``lm_head(norm(f))``, recomputed on the draft vocabulary for each training batch.
+
+Teacher data cache: ``<cache-dir>/<key>/teacher.safetensors`` where ``key`` hashes the target's
+weights fingerprint, the prompt texts and the generation parameters; its sha256 goes into the
+manifest. A second run with the same data options reuses it (training only).
+
+Pair/slot layout of the head (see runtime/eagle.py): pair ``p`` is ``(t_{p+1}, f_p)`` at RoPE
+position ``p``; its output predicts ``f_{p+1}`` and the target's distribution at position
+``p + 1`` (i.e. of ``t_{p+2}``). In the unrolled step ``k`` pair ``p`` reads the step ``k-1``
+output at pair ``p-1`` instead of ``f_p`` and attends to the step-0 keys of pairs ``<= p-k`` and
+to the step-``j`` key of pair ``p-k+j`` for ``j = 1..k``: the path of a depth-``k`` draft node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import YggError
+
+TEACHER_FILE = "teacher.safetensors"
+TEACHER_FORMAT = 1
+
+
+# ----------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Every knob of one distillation run (written verbatim into the manifest)."""
+
+    model: str = "default"
+    out: str = "drafter-out"
+    seed: int = 0
+    # data
+    prompts: int = 640  # calibration chat prompts answered by the target
+    snippet_chars: int = 400  # max characters of the calibration snippet inside each prompt
+    max_new_tokens: int = 128  # greedy answer length cap
+    gen_batch: int = 16  # rows per batched generation call
+    teacher_dtype: str = "bfloat16"  # dtype of the target while building teacher data
+    max_seq_len: int = 640  # training window (tokens); longer sequences are cut
+    val_frac: float = 0.04  # held-out sequences (validation loss, acceptance estimate)
+    cache_dir: str | None = None  # teacher data cache (default ~/.cache/yggtree/distill)
+    # head
+    draft_vocab: int = 8192
+    target_layer: int = -1  # which target layer's output is the feature (-1: the last)
+    init_from_target: bool = True  # norm + LM head rows initialised from the target's
+    # training
+    epochs: float = 2.0
+    batch_size: int = 4  # sequences per step
+    lr: float = 6e-4
+    min_lr_frac: float = 0.05
+    warmup_frac: float = 0.03
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    unroll: int = 2  # training-time-test steps
+    unroll_decay: float = 0.8  # loss weight of step k: decay**k
+    ce_weight: float = 1.0
+    reg_weight: float = 1.0
+    prompt_weight: float = 0.5  # loss weight of positions inside the prompt (answers: 1)
+    feature_noise: float = 0.0  # uniform noise on the true input features, x feature std
+    eval_depth: int = 6  # depth of the offline acceptance estimate
+    eval_every: int = 80  # training steps between validation passes
+    save_dtype: str = "bfloat16"
+    threads: int | None = None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _progress():
+    from ..bench import stderr_progress
+
+    return stderr_progress()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def target_fingerprint(model) -> str:
+    """A short hash of the target's config and a sample of its weights."""
+    h = hashlib.sha256(json.dumps(asdict(model.cfg), sort_keys=True, default=str).encode())
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        h.update(name.encode())
+        h.update(flat[:: max(1, flat.numel() // 4096)].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def special_ids(tokenizer, model_cfg) -> list[int]:
+    """Every special token id the draft vocabulary must contain (EOS, chat markers)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids.update(model_cfg.eos_token_ids)
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            ids.add(v)
+    return sorted(i for i in ids if 0 <= i < model_cfg.vocab_size)
+
+
+# ----------------------------------------------------------------------------- teacher data
+
+
+@dataclass
+class TeacherData:
+    """Sequences concatenated: ``tokens[offsets[i]:offsets[i+1]]`` and their features."""
+
+    tokens: torch.Tensor  # [N] int64 target ids
+    feats: torch.Tensor  # [N, H] float16/float32: target layer output at each position
+    offsets: torch.Tensor  # [n_seq + 1] int64
+    n_prompt: torch.Tensor  # [n_seq] int64: prompt length of each sequence (answer follows)
+
+    @property
+    def n_seq(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def seq(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.feats[a:b]
+
+
+@torch.no_grad()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    layer: int,
+) -> list[tuple[list[int], torch.Tensor, int]]:
+    """Greedy answers for a batch of prompts, with the ``layer`` output of every position.
+
+    One static cache of batch ``B``: prompt ``b`` occupies slots ``0..n_b-1`` and its answer
+    continues at ``n_b``; padded prompt tokens write to the scratch slot. Returns per prompt
+    (prompt + answer tokens, features [len, H] of exactly those tokens, prompt length): the last
+    answer token's feature is computed too (one extra step), so every token has its feature.
+    """
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    w = int(lens.max())
+    s = w + max_new_tokens + 2  # + the scratch slot
+    model.setup_cache(b, s)
+    toks = torch.zeros(b, w, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = torch.tensor(p)
+    ar = torch.arange(w)
+    real = ar[None, :] < lens[:, None]  # [B, W]
+    slots = torch.where(real, ar[None, :], s - 1)
+    pos = torch.where(real, ar[None, :], 0)
+    cols = torch.arange(s)
+    mask = (cols[None, None, :] <= ar[None, :, None]) & (cols[None, None, :] < lens[:, None, None])
+    out = model(toks, pos, slots, mask, (layer,))
+    feats = [[out.layers[0][i, : lens[i]]] for i in range(b)]
+    last = out.hidden[torch.arange(b), lens - 1]  # [B, H]
+    nxt = model.logits(last).argmax(-1)  # [B]
+    answers: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    eos = torch.tensor(sorted(eos_ids) or [-1])
+    for step in range(max_new_tokens):
+        active = ~done  # rows that emit ``nxt`` at this step
+        for i in torch.nonzero(active).flatten().tolist():
+            answers[i].append(int(nxt[i]))
+        done |= active & torch.isin(nxt, eos)
+        # feed the emitted tokens: their features (and the next logits)
+        p = lens + step  # position = slot of the token fed now
+        m = cols[None, None, :] <= p[:, None, None]
+        o = model(nxt[:, None], p[:, None], p[:, None], m, (layer,))
+        for i in torch.nonzero(active).flatten().tolist():
+            feats[i].append(o.layers[0][i])
+        if bool(done.all()):
+            break
+        nxt = model.logits(o.hidden[:, 0]).argmax(-1)
+    return [
+        (list(prompts[i]) + answers[i], torch.cat(feats[i]), len(prompts[i])) for i in range(b)
+    ]
+
+
+def build_teacher(
+    model,
+    prompt_ids: list[list[int]],
+    cfg: DistillConfig,
+    eos_ids: tuple[int, ...],
+    layer: int,
+    progress,
+) -> TeacherData:
+    """Run the target over every prompt (batches of similar lengths, in a fixed order)."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
+    results: dict[int, tuple[list[int], torch.Tensor, int]] = {}
+    task = progress.add_task("teacher data (prompts)", total=len(order))
+    n_tok = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(order), cfg.gen_batch):
+        idx = order[start : start + cfg.gen_batch]
+        outs = generate_batch(model, [prompt_ids[i] for i in idx], cfg.max_new_tokens, eos_ids, layer)
+        for i, o in zip(idx, outs):
+            results[i] = o
+            n_tok += len(o[0])
+        rate = n_tok / (time.perf_counter() - t0)
+        progress.update(
+            task, advance=len(idx), description=f"teacher data ({n_tok} tokens, {rate:.0f} tok/s)"
+        )
+    seqs = [results[i] for i in range(len(prompt_ids))]
+    lengths = torch.tensor([len(t) for t, _, _ in seqs])
+    feats = torch.cat([f for _, f, _ in seqs]).float()
+    amax = float(feats.abs().max())
+    store = feats.to(torch.float16) if amax < 60000 else feats  # float16 keeps 11 mantissa bits
+    return TeacherData(
+        tokens=torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.int64),
+        feats=store,
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        n_prompt=torch.tensor([n for _, _, n in seqs], dtype=torch.int64),
+    )
+
+
+def teacher_hash(data: TeacherData) -> str:
+    """sha256 of the teacher tensors' bytes (the file's own bytes are not stable: safetensors
+    writes its metadata map in arbitrary order)."""
+    h = hashlib.sha256()
+    for name in ("tokens", "feats", "offsets", "n_prompt"):
+        t = getattr(data, name).contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_teacher(data: TeacherData, path: Path, meta: dict) -> str:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(
+        {
+            "tokens": data.tokens.to(torch.int32).contiguous(),
+            "feats": data.feats.contiguous(),
+            "offsets": data.offsets.contiguous(),
+            "n_prompt": data.n_prompt.to(torch.int32).contiguous(),
+        },
+        str(tmp),
+        metadata={"format": str(TEACHER_FORMAT), "meta": json.dumps(meta, sort_keys=True)},
+    )
+    tmp.replace(path)
+    return teacher_hash(data)
+
+
+def load_teacher(path: Path, hidden: int) -> TeacherData:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        st = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise YggError(f"cannot read teacher data {path}: {e}") from None
+    for k in ("tokens", "feats", "offsets", "n_prompt"):
+        if k not in st:
+            raise YggError(f"teacher data {path} lacks tensor {k!r}")
+    data = TeacherData(
+        st["tokens"].to(torch.int64), st["feats"], st["offsets"], st["n_prompt"].to(torch.int64)
+    )
+    if data.feats.shape != (data.tokens.shape[0], hidden) or int(data.offsets[-1]) != data.tokens.shape[0]:
+        raise YggError(f"teacher data {path} has inconsistent shapes (features for hidden {hidden})")
+    return data
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def build_draft_vocab(tokens: torch.Tensor, vocab_size: int, size: int, specials: list[int]) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``tokens`` (ties: lower id first) plus ``specials``,
+    sorted by id. Specials take the place of the least frequent picks."""
+    if not 1 <= size <= vocab_size:
+        raise YggError(f"draft vocabulary size {size} is outside 1..{vocab_size}")
+    specials = sorted(set(specials))
+    if len(specials) > size:
+        raise YggError(f"draft vocabulary size {size} is smaller than the {len(specials)} special tokens")
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    # stable order: by count descending, then id ascending
+    key = counts * (vocab_size + 1) - torch.arange(vocab_size, dtype=torch.float64)
+    key[specials] = float("inf")
+    top = torch.topk(key, size).indices
+    return torch.sort(top).values.to(torch.int64)
+
+
+def vocab_coverage(tokens: torch.Tensor, vmap: torch.Tensor, vocab_size: int) -> float:
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[vmap] = True
+    return float(inside[tokens].float().mean()) if tokens.numel() else 0.0
+
+
+# ----------------------------------------------------------------------------- the training forward
+
+
+def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rope: torch.Tensor) -> list[torch.Tensor]:
+    """The head over pairs ``p = 0..T-1`` (tok [B, T] = t_{p+1}, feat [B, T, H] = f_p), unrolled.
+
+    Returns ``steps`` outputs [B, T, H]; output ``k`` at pair ``p`` is what a depth-``k`` draft
+    node at pair ``p`` computes at run time (k = 0: the causal pass over true features). The
+    attention numerics follow runtime/model.py's Attention (float32 scores, GQA grouping).
+    """
+    from ..runtime.model import apply_rope
+
+    block = net.layers[0]
+    attn = block.self_attn
+    acfg = attn.cfg
+    bsz, t, _ = feat.shape
+    hq, hkv, d = acfg.num_heads, acfg.num_kv_heads, acfg.head_dim
+    g = hq // hkv
+    cs = rope[:t]
+    cos, sin = cs[None, :, None, :, 0], cs[None, :, None, :, 1]  # [1, T, 1, D/2]
+    e = F.embedding(tok, net.embed_weight)
+    p = torch.arange(t, device=tok.device)
+    keys: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    x_feat = feat
+    for k in range(steps):
+        if k > 0:
+            prev = outs[-1]
+            x_feat = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)
+        x = net.fc(torch.cat([e, x_feat.to(e.dtype)], dim=-1))
+        h = block.input_layernorm(x)
+        q = apply_rope(attn.q_proj(h).view(bsz, t, hq, d), cos, sin).transpose(1, 2)
+        kk = apply_rope(attn.k_proj(h).view(bsz, t, hkv, d), cos, sin).transpose(1, 2)
+        vv = attn.v_proj(h).view(bsz, t, hkv, d).transpose(1, 2)
+        keys.append(kk)
+        vals.append(vv)
+        # mask [T, (k+1) T]: step-0 keys of pairs <= p-k, step-j key of pair p-k+j
+        parts = [p[None, :] <= (p - k)[:, None]]
+        for j in range(1, k + 1):
+            parts.append(p[None, :] == (p - k + j)[:, None])
+        mask = torch.cat(parts, dim=1)
+        kall = torch.cat(keys, dim=2).repeat_interleave(g, dim=1)  # [B, Hq, (k+1)T, D]
+        vall = torch.cat(vals, dim=2).repeat_interleave(g, dim=1)
+        scores = torch.matmul(q, kall.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(vall.dtype)
+        o = torch.matmul(probs, vall).transpose(1, 2).reshape(bsz, t, hq * d)
+        x = x + attn.o_proj(o)
+        x = x + block.mlp(block.post_attention_layernorm(x))
+        outs.append(x)
+    return outs
+
+
+@dataclass
+class Batch:
+    tok: torch.Tensor  # [B, T] int64 t_{p+1}
+    feat: torch.Tensor  # [B, T, H] float32 f_p
+    nxt_feat: torch.Tensor  # [B, T, H] float32 f_{p+1}
+    valid: torch.Tensor  # [B, T] bool: pair p and its targets exist
+    greedy: torch.Tensor  # [B, T] bool: t_{p+2} is the target's argmax at p+1 (inside answers)
+    weight: torch.Tensor  # [B, T] float32 loss weight: 1 in answers, prompt_weight in prompts, 0 pad
+
+
+def make_batch(data: TeacherData, idx: list[int], max_len: int, prompt_weight: float = 1.0) -> Batch:
+    seqs = [data.seq(i) for i in idx]
+    n = max(min(len(t), max_len + 1) for t, _ in seqs) - 1
+    h = data.feats.shape[1]
+    b = len(idx)
+    tok = torch.zeros(b, n, dtype=torch.int64)
+    feat = torch.zeros(b, n, h)
+    nxt = torch.zeros(b, n, h)
+    valid = torch.zeros(b, n, dtype=torch.bool)
+    greedy = torch.zeros(b, n, dtype=torch.bool)
+    for r, (i, (t, f)) in enumerate(zip(idx, seqs)):
+        t, f = t[: max_len + 1], f[: max_len + 1].float()
+        m = len(t) - 1
+        tok[r, :m] = t[1:]
+        feat[r, :m] = f[:-1]
+        nxt[r, :m] = f[1:]
+        valid[r, :m] = True
+        # answer tokens t_{p+2} (p + 2 >= n_prompt) were chosen greedily by the target
+        npr = int(data.n_prompt[i])
+        greedy[r, max(npr - 2, 0) : max(m - 1, 0)] = True
+    weight = torch.where(valid, prompt_weight, 0.0)
+    for r, i in enumerate(idx):
+        weight[r, max(int(data.n_prompt[i]) - 2, 0) :] = 1.0
+    weight = weight * valid
+    return Batch(tok, feat, nxt, valid, greedy, weight)
+
+
+@dataclass(frozen=True)
+class TargetHead:
+    """The target's final norm and LM head rows on the draft vocabulary (frozen)."""
+
+    norm_weight: torch.Tensor  # [H]
+    eps: float
+    w_draft: torch.Tensor  # [V_d, H]
+    w_full: torch.Tensor  # [V, H]
+
+    def normed(self, f: torch.Tensor) -> torch.Tensor:
+        ff = f.float()
+        return self.norm_weight * (ff * torch.rsqrt(ff.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def draft_logits(self, f: torch.Tensor) -> torch.Tensor:
+        return self.normed(f) @ self.w_draft.T
+
+
+def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: float, cfg: DistillConfig):
+    """Weighted loss and per-step metrics (soft CE, KL, regression, top-1 agreement)."""
+    with torch.no_grad():
+        lp_t = torch.log_softmax(th.draft_logits(batch.nxt_feat), dim=-1)  # [B, T, V_d]
+        p_t = lp_t.exp()
+        ent = -(p_t * lp_t).sum(-1)
+        arg_t = lp_t.argmax(-1)
+    total = 0.0
+    wsum = 0.0
+    metrics = []
+    t = batch.tok.shape[1]
+    pidx = torch.arange(t)
+    for k, out in enumerate(outs):
+        m = batch.valid & (pidx[None, :] >= k)
+        mf = m.float() * batch.weight
+        denom = mf.sum().clamp(min=1)
+        lq = torch.log_softmax(net.logits(out), dim=-1)
+        ce = -(p_t * lq).sum(-1)
+        reg = F.smooth_l1_loss(out / feat_scale, batch.nxt_feat / feat_scale, reduction="none").mean(-1)
+        ce_m = (ce * mf).sum() / denom
+        reg_m = (reg * mf).sum() / denom
+        w = cfg.unroll_decay**k
+        total = total + w * (cfg.ce_weight * ce_m + cfg.reg_weight * reg_m)
+        wsum += w
+        with torch.no_grad():
+            kl = ((ce - ent) * mf).sum() / denom
+            top1 = ((lq.argmax(-1) == arg_t).float() * mf).sum() / denom
+        metrics.append({"ce": float(ce_m.detach()), "kl": float(kl), "reg": float(reg_m.detach()), "top1": float(top1)})
+    return total / wsum, metrics
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(net, th: TargetHead, data: TeacherData, idx: list[int], cfg: DistillConfig, feat_scale: float, rope) -> dict:
+    """Validation losses (step 0 and the unrolled steps) and the offline chain acceptance estimate.
+
+    Acceptance by depth ``d``: over roots ``r`` inside greedy answers (so the tokens after the root
+    are exactly what a fully accepted chain would feed), the fraction where the head's top-1 at
+    draft depth ``j`` (unrolled step ``j`` at pair ``r+j``) equals the target's full-vocabulary
+    argmax for every ``j < d``; and the same with top-k (k = 8) for the first miss."""
+    steps = max(cfg.eval_depth, cfg.unroll)
+    sums = None
+    n_batches = 0
+    acc_hits = torch.zeros(cfg.eval_depth)
+    acc_roots = 0
+    topk_hits = torch.zeros(cfg.eval_depth)
+    for s in range(0, len(idx), cfg.batch_size):
+        batch = make_batch(data, idx[s : s + cfg.batch_size], cfg.max_seq_len)
+        outs = unrolled_forward(net, batch.tok, batch.feat, steps, rope)
+        _, metrics = step_losses(net, th, outs[: cfg.unroll], batch, feat_scale, cfg)
+        sums = metrics if sums is None else [
+            {k: a[k] + b[k] for k in a} for a, b in zip(sums, metrics)
+        ]
+        n_batches += 1
+        # full-vocab argmax of the target at p+1
+        arg_full = (th.normed(batch.nxt_feat) @ th.w_full.T).argmax(-1)  # [B, T]
+        hit = []
+        hitk = []
+        for k in range(cfg.eval_depth):
+            lq = net.logits(outs[k])
+            top = net.draft_vocab[lq.topk(8, dim=-1).indices]  # [B, T, 8]
+            hit.append(top[..., 0] == arg_full)
+            hitk.append((top == arg_full[..., None]).any(-1))
+        t = batch.tok.shape[1]
+        d = cfg.eval_depth
+        n_roots = t - d
+        if n_roots > 0:
+            ok = batch.valid & batch.greedy
+            root_ok = ok.unfold(1, d, 1)[:, :n_roots].all(-1)  # [B, R]: window r..r+d-1 greedy
+            h1 = torch.stack([hit[j][:, j : j + n_roots] for j in range(d)])  # [d, B, R]
+            hk = torch.stack([hitk[j][:, j : j + n_roots] for j in range(d)])
+            chain = torch.cumprod(h1.int(), dim=0).bool()  # accepted through depth j
+            before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # reached depth j
+            acc_hits += (chain & root_ok).flatten(1).sum(1).float()
+            topk_hits += (before & hk & root_ok).flatten(1).sum(1).float()
+            acc_roots += int(root_ok.sum())
+    val = [{k: v / max(n_batches, 1) for k, v in m.items()} for m in (sums or [])]
+    acc = (acc_hits / max(acc_roots, 1)).tolist()
+    acck = (topk_hits / max(acc_roots, 1)).tolist()
+    return {
+        "val_ce": val[0]["ce"] if val else float("nan"),
+        "val_kl": val[0]["kl"] if val else float("nan"),
+        "val_reg": val[0]["reg"] if val else float("nan"),
+        "val_top1_by_step": [m["top1"] for m in val],
+        "val_kl_by_step": [m["kl"] for m in val],
+        "accept_by_depth": acc,  # P(chain accepts >= d tokens), d = 1..eval_depth
+        "top8_at_depth": acck,  # P(chain reached depth d-1 and the target's token is in the top 8)
+        "chain_roots": acc_roots,
+        "est_chain4_aal": 1.0 + sum(acc[:4]),
+    }
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: DistillConfig, progress, log) -> dict:
+    """AdamW + linear warm-up + cosine decay; returns the final validation metrics."""
+    from ..runtime.model import rope_table
+
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    rope = rope_table(net.cfg.layer_config(), cfg.max_seq_len + 8)
+    params = [p for p in net.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    steps_per_epoch = math.ceil(len(train_idx) / cfg.batch_size)
+    total = max(1, int(round(cfg.epochs * steps_per_epoch)))
+    warm = max(1, int(cfg.warmup_frac * total))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return cfg.lr * (step + 1) / warm
+        frac = (step - warm) / max(1, total - warm)
+        return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    # feature scale for the regression loss (scale-free smooth L1)
+    sample = data.feats[: min(len(data.feats), 20000)].float()
+    feat_scale = float(sample.std())
+    log["feat_scale"] = feat_scale
+    task = progress.add_task("training", total=total)
+    order: list[int] = []
+    step = 0
+    t0 = time.perf_counter()
+    rows = log.setdefault("curve", [])
+    ema = None
+    while step < total:
+        if not order:
+            order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=gen).tolist()]
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        batch = make_batch(data, idx, cfg.max_seq_len, cfg.prompt_weight)
+        if cfg.feature_noise > 0:
+            u = torch.rand(batch.feat.shape, generator=gen) * 2 - 1
+            batch.feat = batch.feat + u * (cfg.feature_noise * feat_scale)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        outs = unrolled_forward(net, batch.tok, batch.feat, cfg.unroll, rope)
+        loss, metrics = step_losses(net, th, outs, batch, feat_scale, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        lv = float(loss.detach())
+        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+        row = {
+            "step": step,
+            "epoch": step / steps_per_epoch,
+            "lr": lr_at(step - 1),
+            "loss": lv,
+            "ce": metrics[0]["ce"],
+            "kl": metrics[0]["kl"],
+            "reg": metrics[0]["reg"],
+            "top1": metrics[0]["top1"],
+            "top1_last_step": metrics[-1]["top1"],
+            "grad_norm": float(gnorm),
+            "elapsed_s": time.perf_counter() - t0,
+        }
+        if val_idx and (step % cfg.eval_every == 0 or step == total):
+            net.eval()
+            ev = evaluate(net, th, data, val_idx, cfg, feat_scale, rope)
+            row.update(val_ce=ev["val_ce"], val_kl=ev["val_kl"], val_reg=ev["val_reg"],
+                       val_top1=ev["val_top1_by_step"][0], est_chain4_aal=ev["est_chain4_aal"])
+            log["last_eval"] = ev
+        rows.append(row)
+        progress.update(
+            task,
+            advance=1,
+            description=f"training (loss {ema:.3f}, top1 {metrics[0]['top1']:.2f}"
+            + (f", val est. chain-4 AAL {log['last_eval']['est_chain4_aal']:.2f}" if "last_eval" in log else "")
+            + ")",
+        )
+    log["train_s"] = time.perf_counter() - t0
+    log["steps"] = total
+    log["steps_per_epoch"] = steps_per_epoch
+    return log.get("last_eval", {})
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def write_report(out: Path, curve: list[dict], ev: dict) -> None:
+    """loss.png, acceptance.png, train_log.csv, acceptance.csv under ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fields = sorted({k for r in curve for k in r}, key=lambda k: (k != "step", k))
+    with (out / "train_log.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(curve)
+    acc = ev.get("accept_by_depth", [])
+    topk = ev.get("top8_at_depth", [])
+    top1 = ev.get("val_top1_by_step", [])
+    with (out / "acceptance.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["depth", "accept_chain_top1", "top8_hit", "val_top1_unrolled_step"])
+        for d in range(len(acc)):
+            w.writerow([d + 1, acc[d], topk[d] if d < len(topk) else "", top1[d] if d < len(top1) else ""])
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in curve]
+    ax[0].plot(steps, [r["loss"] for r in curve], lw=0.6, alpha=0.5, label="train loss (weighted)")
+    ax[0].plot(steps, [r["kl"] for r in curve], lw=0.6, alpha=0.5, label="train KL (step 0)")
+    vs = [r for r in curve if "val_kl" in r]
+    if vs:
+        ax[0].plot([r["step"] for r in vs], [r["val_kl"] for r in vs], "o-", label="val KL (step 0)")
+        ax[0].plot([r["step"] for r in vs], [r["val_reg"] for r in vs], "s-", label="val feature reg.")
+    ax[0].set_xlabel("step")
+    ax[0].set_yscale("log")
+    ax[0].legend()
+    ax[0].set_title("loss")
+    ax[1].plot(steps, [r["top1"] for r in curve], lw=0.6, alpha=0.5, label="train top-1 (step 0)")
+    ax[1].plot(steps, [r["top1_last_step"] for r in curve], lw=0.6, alpha=0.5, label="train top-1 (last unrolled)")
+    if vs:
+        ax[1].plot([r["step"] for r in vs], [r["val_top1"] for r in vs], "o-", label="val top-1 (step 0)")
+    ax[1].set_xlabel("step")
+    ax[1].set_ylim(0, 1)
+    ax[1].legend()
+    ax[1].set_title("agreement with the target")
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    depth = list(range(1, len(acc) + 1))
+    ax.plot(depth, acc, "o-", label="P(chain accepts >= d)")
+    if topk:
+        ax.plot(depth, topk, "s--", label="P(reached d-1, target token in top 8)")
+    if top1:
+        ax.plot(list(range(1, len(top1) + 1)), top1, "^:", label="top-1 agreement at unrolled step d-1")
+    ax.set_xlabel("draft depth d")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"held-out acceptance (est. chain-4 AAL {ev.get('est_chain4_aal', float('nan')):.2f})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _cfg_from_args(args) -> DistillConfig:
+    fields = DistillConfig.__dataclass_fields__
+    return DistillConfig(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+
+
+def check_config(cfg: DistillConfig) -> None:
+    checks = [
+        (cfg.prompts >= 2, f"prompts must be >= 2, got {cfg.prompts}"),
+        (cfg.max_new_tokens >= 1, f"max-new-tokens must be >= 1, got {cfg.max_new_tokens}"),
+        (cfg.gen_batch >= 1, f"gen-batch must be >= 1, got {cfg.gen_batch}"),
+        (cfg.max_seq_len >= 8, f"max-seq-len must be >= 8, got {cfg.max_seq_len}"),
+        (0 <= cfg.val_frac < 1, f"val-frac must be in [0, 1), got {cfg.val_frac}"),
+        (cfg.epochs > 0, f"epochs must be > 0, got {cfg.epochs}"),
+        (cfg.batch_size >= 1, f"batch-size must be >= 1, got {cfg.batch_size}"),
+        (cfg.lr > 0, f"lr must be > 0, got {cfg.lr}"),
+        (cfg.unroll >= 1, f"unroll must be >= 1, got {cfg.unroll}"),
+        (cfg.eval_depth >= 1, f"eval-depth must be >= 1, got {cfg.eval_depth}"),
+        (cfg.save_dtype in ("float32", "bfloat16"), f"save-dtype must be float32 or bfloat16, got {cfg.save_dtype}"),
+        (cfg.teacher_dtype in ("float32", "bfloat16"), f"teacher-dtype must be float32 or bfloat16, got {cfg.teacher_dtype}"),
+        (cfg.snippet_chars >= 50, f"snippet-chars must be >= 50, got {cfg.snippet_chars}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise YggError(msg)
+
+
+def distill(
+    cfg: DistillConfig,
+    argv: list[str] | None = None,
+    target=None,
+    tokenizer=None,
+    prompt_ids: list[list[int]] | None = None,
+) -> dict:
+    """The whole pipeline; returns the manifest. ``target``, ``tokenizer`` and ``prompt_ids``
+    (token ids of chat-templated prompts) may be given directly: tests use a tiny random target."""
+    from ..data import calibration_chat_prompts, corpus_hash
+    from ..runtime.eagle import EagleDrafter, save_eagle
+    from ..runtime.loading import encode_prompt, load_model, load_tokenizer, resolve_model
+
+    check_config(cfg)
+    if cfg.threads is not None:
+        if cfg.threads < 1:
+            raise YggError(f"threads must be >= 1, got {cfg.threads}")
+        torch.set_num_threads(cfg.threads)
+    t_start = time.perf_counter()
+    out = Path(cfg.out).expanduser()
+    model_path = None
+    if target is None:
+        src = resolve_model(cfg.model)
+        model_path = str(src.path)
+        target = load_model(src, "float32")
+        tokenizer = load_tokenizer(src)
+    tc = target.cfg
+    layer = cfg.target_layer if cfg.target_layer >= 0 else tc.num_layers + cfg.target_layer
+    if not 0 <= layer < tc.num_layers:
+        raise YggError(f"target-layer {cfg.target_layer} is out of range for {tc.num_layers} layers")
+    if prompt_ids is None:
+        prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars)
+        prompt_texts = [p.text for p in prompts]
+        data_hash = corpus_hash(prompt_texts)
+        prompt_ids = [encode_prompt(tokenizer, t) for t in prompt_texts]
+    else:
+        if len(prompt_ids) < cfg.prompts:
+            raise YggError(f"{len(prompt_ids)} prompts given, asked for {cfg.prompts}")
+        prompt_ids = [list(p) for p in prompt_ids[: cfg.prompts]]
+        data_hash = corpus_hash([json.dumps(p) for p in prompt_ids])
+    max_prompt = cfg.max_seq_len  # prompts longer than the training window are cut on the left
+    prompt_ids = [p[-max_prompt:] for p in prompt_ids]
+    eos = tuple(tc.eos_token_ids) or (
+        (tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) is not None else ()
+    )
+    fp = target_fingerprint(target)
+    data_meta = {
+        "format": TEACHER_FORMAT,
+        "target_fingerprint": fp,
+        "target_layer": layer,
+        "prompts_hash": data_hash,
+        "prompt_ids_hash": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
+        "max_new_tokens": cfg.max_new_tokens,
+        "teacher_dtype": cfg.teacher_dtype,
+        "eos": list(eos),
+    }
+    key = hashlib.sha256(json.dumps(data_meta, sort_keys=True).encode()).hexdigest()[:20]
+    cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "yggtree" / "distill"
+    teacher_path = cache_root / key / TEACHER_FILE
+
+    progress = _progress()
+    with progress:
+        t0 = time.perf_counter()
+        reused = teacher_path.is_file()
+        if reused:
+            data = load_teacher(teacher_path, tc.hidden_size)
+            teacher_sha = teacher_hash(data)
+        else:
+            teacher = target
+            if cfg.teacher_dtype != "float32":
+                import copy
+
+                teacher = copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
+            data = build_teacher(teacher, prompt_ids, cfg, eos, layer, progress)
+            del teacher
+            teacher_sha = save_teacher(data, teacher_path, data_meta)
+        data_s = time.perf_counter() - t0
+
+        # split by a seeded permutation of sequences
+        gen = torch.Generator().manual_seed(cfg.seed)
+        perm = torch.randperm(data.n_seq, generator=gen).tolist()
+        n_val = int(round(cfg.val_frac * data.n_seq)) if cfg.val_frac > 0 else 0
+        n_val = min(max(n_val, 1 if cfg.val_frac > 0 else 0), data.n_seq - 1)
+        val_idx, train_idx = sorted(perm[:n_val]), perm[n_val:]
+        train_tokens = torch.cat([data.seq(i)[0] for i in train_idx])
+        val_tokens = torch.cat([data.seq(i)[0] for i in val_idx]) if val_idx else torch.zeros(0, dtype=torch.int64)
+
+        specials = special_ids(tokenizer, tc)
+        v_d = min(cfg.draft_vocab, tc.vocab_size)
+        vmap = build_draft_vocab(train_tokens, tc.vocab_size, v_d, specials)
+
+        drafter = EagleDrafter.random(
+            target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll), draft_vocab=vmap,
+            seed=cfg.seed, target_layers=(layer,),
+        )
+        net = drafter.net
+        with torch.no_grad():
+            if cfg.init_from_target:
+                net.norm.weight.copy_(target.norm.weight)
+                net.lm_head.weight.copy_(target.lm_head.weight[vmap])
+        net.train().requires_grad_(True)
+        torch.manual_seed(cfg.seed)
+        th = TargetHead(
+            norm_weight=target.norm.weight.detach().float(),
+            eps=tc.rms_norm_eps,
+            w_draft=target.lm_head.weight.detach()[vmap].float(),
+            w_full=target.lm_head.weight.detach().float(),
+        )
+        log: dict = {}
+        ev = train(net, th, data, train_idx, val_idx, cfg, progress, log)
+
+    net.eval().requires_grad_(False)
+    if cfg.save_dtype == "bfloat16":
+        net.to(torch.bfloat16)
+    final = EagleDrafter(net, target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll))
+    save_eagle(final, out)
+    write_report(out / "report", log.get("curve", []), ev)
+    curve = log.get("curve", [])
+    tail = curve[-20:]
+    n_answer = int(sum(int(data.offsets[i + 1] - data.offsets[i]) - int(data.n_prompt[i]) for i in range(data.n_seq)))
+    manifest = {
+        "kind": "eagle-distill",
+        "command": "yggtree distill " + " ".join(argv) if argv is not None else None,
+        "seed": cfg.seed,
+        "hyperparameters": asdict(cfg),
+        "target": {
+            "model": cfg.model,
+            "path": model_path,
+            "fingerprint": fp,
+            "feature_layer": layer,
+            "vocab_size": tc.vocab_size,
+            "hidden_size": tc.hidden_size,
+            "num_layers": tc.num_layers,
+        },
+        "data": {
+            "source": "yggtree.data.calibration_chat_prompts (stdlib source + pydoc topics, "
+            "decontaminated against MT-Bench and HumanEval), answered greedily by the target",
+            "corpus_hash": data_hash,
+            "n_prompts": len(prompt_ids),
+            "n_sequences": data.n_seq,
+            "n_tokens": int(data.tokens.shape[0]),
+            "n_answer_tokens": n_answer,
+            "n_train_sequences": len(train_idx),
+            "n_val_sequences": len(val_idx),
+            "n_train_tokens": int(train_tokens.shape[0]),
+            "teacher_cache": str(teacher_path),
+            "teacher_sha256": teacher_sha,
+            "teacher_reused": reused,
+            "teacher_meta": data_meta,
+        },
+        "draft_vocab": {
+            "size": int(vmap.shape[0]),
+            "specials": specials,
+            "train_coverage": vocab_coverage(train_tokens, vmap, tc.vocab_size),
+            "val_coverage": vocab_coverage(val_tokens, vmap, tc.vocab_size),
+        },
+        "training": {
+            "steps": log.get("steps"),
+            "steps_per_epoch": log.get("steps_per_epoch"),
+            "feature_scale": log.get("feat_scale"),
+            "train_loss": sum(r["loss"] for r in tail) / max(len(tail), 1),
+            "train_kl": sum(r["kl"] for r in tail) / max(len(tail), 1),
+            "train_top1": sum(r["top1"] for r in tail) / max(len(tail), 1),
+            "val": ev,
+        },
+        "wall_time_s": {
+            "data": data_s,
+            "train": log.get("train_s"),
+            "total": time.perf_counter() - t_start,
+        },
+        "weights_dtype": cfg.save_dtype,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def run_distill(args) -> int:
+    """The ``distill`` subcommand. Returns the exit code."""
+    cfg = _cfg_from_args(args)
+    manifest = distill(cfg, getattr(args, "argv", None))
+    tr = manifest["training"]
+    ev = tr.get("val") or {}
+    sys.stderr.write(
+        f"wrote {cfg.out}: {manifest['data']['n_tokens']} teacher tokens, "
+        f"{tr['steps']} steps in {manifest['wall_time_s']['train']:.0f} s, "
+        f"val KL {ev.get('val_kl', float('nan')):.3f}, "
+        f"est. chain-4 AAL {ev.get('est_chain4_aal', float('nan')):.2f}\n"
+    )
+    summary = {
+        "distill": str(cfg.out),
+        "n_tokens": manifest["data"]["n_tokens"],
+        "train_s": manifest["wall_time_s"]["train"],
+        "data_s": manifest["wall_time_s"]["data"],
+        "val_kl": ev.get("val_kl"),
+        "accept_by_depth": ev.get("accept_by_depth"),
+        "est_chain4_aal": ev.get("est_chain4_aal"),
+    }
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def add_distill_arguments(p: argparse.ArgumentParser) -> None:
+    d = DistillConfig()
+    p.add_argument("--model", default=d.model, help="target: 'default', a HF directory or a .gguf file")
+    p.add_argument("--out", default=d.out, help="output directory (config.json, model.safetensors, manifest.json, report/)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    g = p.add_argument_group("teacher data")
+    g.add_argument("--prompts", type=int, default=d.prompts, help="calibration chat prompts answered by the target")
+    g.add_argument("--snippet-chars", type=int, default=d.snippet_chars)
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap")
+    g.add_argument("--gen-batch", type=int, default=d.gen_batch)
+    g.add_argument("--teacher-dtype", default=d.teacher_dtype, choices=["float32", "bfloat16"],
+                   help="target dtype while answering the prompts (bfloat16: ~2x faster on AVX-512 BF16)")
+    g.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
+    g.add_argument("--val-frac", type=float, default=d.val_frac)
+    g.add_argument("--cache-dir", default=None, help="teacher data cache (default ~/.cache/yggtree/distill)")
+    g = p.add_argument_group("head")
+    g.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="reduced draft vocabulary size")
+    g.add_argument("--target-layer", type=int, default=d.target_layer)
+    g.add_argument("--no-init-from-target", dest="init_from_target", action="store_false")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=float, default=d.epochs)
+    g.add_argument("--batch-size", type=int, default=d.batch_size)
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--min-lr-frac", type=float, default=d.min_lr_frac)
+    g.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    g.add_argument("--unroll", type=int, default=d.unroll, help="training-time-test draft steps")
+    g.add_argument("--unroll-decay", type=float, default=d.unroll_decay)
+    g.add_argument("--ce-weight", type=float, default=d.ce_weight)
+    g.add_argument("--reg-weight", type=float, default=d.reg_weight)
+    g.add_argument("--prompt-weight", type=float, default=d.prompt_weight, help="loss weight inside prompts")
+    g.add_argument("--feature-noise", type=float, default=d.feature_noise)
+    g.add_argument("--eval-depth", type=int, default=d.eval_depth)
+    g.add_argument("--eval-every", type=int, default=d.eval_every)
+    g.add_argument("--save-dtype", default=d.save_dtype, choices=["float32", "bfloat16"])
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def add_distill_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``distill`` on a CLI's subparsers; the handler is ``args.func = run_distill``."""
+    p = subparsers.add_parser(
+        "distill",
+        help="train an EAGLE-style drafter head for a target from the calibration corpus",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_distill_arguments(p)
+    p.set_defaults(func=run_distill)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m yggtree.offline.distill ...``: the same options as ``yggtree distill``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.distill", description=__doc__)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_distill_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    try:
+        return run_distill(args)
+    except YggError as e:
+        print(f"yggtree distill: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
