@@ -112,6 +112,9 @@ def check(args) -> int:
         status = progress.add_task("loading yggtree and transformers weights", total=None)
         model = load_model(src, args.dtype)
         eos = tuple(model.cfg.eos_token_ids)
+        draft_model = None  # --drafter self: the target drafts for itself
+        if args.drafter != "self":  # a standalone LM drafter (HF dir or GGUF), loaded like the target
+            draft_model = load_model(resolve_model(args.drafter), args.drafter_dtype or args.dtype)
         hf = load_hf_model(src, args.dtype)
         progress.update(status, visible=False)
 
@@ -143,7 +146,8 @@ def check(args) -> int:
                 sname = f"spec-{text}-{mode}"
                 progress.update(status, visible=True, description=f"building {sname} engine")
                 target = model.shared_copy()
-                drafter = LMDrafter(target.shared_copy(), mode)  # --drafter self
+                draft = target if draft_model is None else draft_model
+                drafter = LMDrafter(draft.shared_copy(), mode)
                 engine = Engine(
                     target,
                     EngineConfig(mode=mode, max_context=args.max_context, tree=tp),
@@ -202,6 +206,7 @@ def check(args) -> int:
         "modes": list(args.modes),
         "specs": [s for s, _ in specs],
         "drafter": args.drafter,
+        "drafter_dtype": args.drafter_dtype,
         "rtol": args.rtol,
         "atol": args.atol,
         "prompts": [pid for pid, _ in prompts],
@@ -274,7 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         "--spec", action="extend", nargs="+", default=[], metavar="W_d,D,W_v,k",
         help="also check tree speculation with these tree parameters (several allowed)",
     )
-    p.add_argument("--drafter", default="self", choices=["self"], help="self: the target drafts for itself")
+    p.add_argument(
+        "--drafter",
+        default="self",
+        help="self (the target drafts for itself) | a standalone LM drafter: HF directory, .gguf or default",
+    )
+    p.add_argument(
+        "--drafter-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype of a standalone drafter (default: --dtype); bfloat16 makes the embedded model a "
+        "genuinely different drafter for a float32 target",
+    )
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--out", metavar="FILE", help="also write the full results (per prompt) as JSON")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -59,13 +60,15 @@ def _add_run(sub) -> None:
     p.add_argument("--verify-width", type=_positive_int, default=16, help="W_v")
     p.add_argument("--top-k", type=_positive_int, default=4)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument(
+        "--trace", metavar="FILE", help="write a JSONL record per decode step (reference mode only)"
+    )
 
 
 def _run(args) -> int:
     from .runtime.build import EngineSpec, build_engine
     from .runtime.engine import SamplingParams, TreeParams
     from .runtime.loading import encode_prompt
-    from .streaming import TextStream
 
     if not args.prompt.strip():
         raise YggError("the prompt is empty")
@@ -84,10 +87,35 @@ def _run(args) -> int:
         prefill_chunk=args.prefill_chunk,
         tree=tree,
     )
+    if args.trace and args.mode != "reference":
+        raise YggError("--trace needs --mode reference")
     engine, tok = build_engine(spec)
     ids = encode_prompt(tok, args.prompt, raw=args.raw)
+    with open_trace(args.trace) as trace:
+        return _generate(args, engine, tok, ids, params, trace)
+
+
+@contextlib.contextmanager
+def open_trace(path: str | None):
+    """A callable writing one JSON line per record to ``path`` (None: no trace)."""
+    if path is None:
+        yield None
+        return
+    try:
+        f = open(path, "x")  # never overwrite a user's file
+    except FileExistsError:
+        raise YggError(f"trace file already exists: {path}") from None
+    except OSError as e:
+        raise YggError(f"cannot write trace file {path}: {e.strerror}") from None
+    with f:
+        yield lambda rec: f.write(json.dumps(rec) + "\n")
+
+
+def _generate(args, engine, tok, ids, params, trace) -> int:
+    from .streaming import TextStream
+
     if args.json:
-        res = engine.generate(ids, params)
+        res = engine.generate(ids, params, trace=trace)
         text = tok.decode(res.token_ids, skip_special_tokens=True)
         obj = {
             "text": text,
@@ -99,7 +127,7 @@ def _run(args) -> int:
         print(json.dumps(obj))
         return 0
     stream = TextStream(tok, sys.stdout)
-    res = engine.generate(ids, params, on_tokens=stream.push)
+    res = engine.generate(ids, params, on_tokens=stream.push, trace=trace)
     stream.close()
     s = res.stats
     extra = f", aal {s['aal']:.2f}" if "aal" in s else ""

@@ -190,8 +190,14 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams = SamplingParams(),
         on_tokens: Callable[[list[int]], None] | None = None,
+        trace: Callable[[dict], None] | None = None,
     ) -> Result:
-        """Decode up to ``params.max_new_tokens`` tokens; ``on_tokens`` receives each emission."""
+        """Decode up to ``params.max_new_tokens`` tokens; ``on_tokens`` receives each emission.
+
+        ``trace`` (reference mode) receives one JSON-ready record per decode step: the drafted
+        tree, the kept nodes, the accepted path, the emitted tokens and the stage times."""
+        if trace is not None and self.cfg.mode != "reference":
+            raise YggError("step traces are written in reference mode only (--mode reference)")
         self._check_prompt(prompt_ids, params)
         gen = torch.Generator().manual_seed(params.seed)
         stats = {name: 0.0 for name in STAGES}
@@ -207,12 +213,14 @@ class Engine:
             counters = {"verify_calls": 0, "draft_calls": 0, "accepted_tokens": 0, "accept_hist": []}
             if reason is None:
                 if self.drafter is None:
-                    reason = self._plain_loop(out, len(prompt_ids), params, gen, on_tokens, counters)
+                    reason = self._plain_loop(
+                        out, len(prompt_ids), params, gen, on_tokens, counters, trace
+                    )
                 else:
                     with self.drafter.frozen():
                         self.drafter.prefill(prompt, feats)
                         reason = self._spec_loop(
-                            out, len(prompt_ids), params, gen, on_tokens, counters, stats
+                            out, len(prompt_ids), params, gen, on_tokens, counters, stats, trace
                         )
         total = time.perf_counter() - t0
         n = len(out)
@@ -245,7 +253,7 @@ class Engine:
             )
         return s
 
-    def _plain_loop(self, out, n_prompt, params, gen, on_tokens, counters) -> str:
+    def _plain_loop(self, out, n_prompt, params, gen, on_tokens, counters, trace) -> str:
         zero = torch.zeros(1, dtype=torch.int64)
         anc = torch.ones(1, 1, dtype=torch.bool)
         committed = n_prompt
@@ -263,10 +271,12 @@ class Engine:
             out.extend(new)
             if on_tokens and new:
                 on_tokens(new)
+            if trace:
+                trace({"step": counters["verify_calls"], "committed": committed - 1, "emitted": new})
             if reason is not None:
                 return reason
 
-    def _spec_loop(self, out, n_prompt, params, gen, on_tokens, counters, stage) -> str:
+    def _spec_loop(self, out, n_prompt, params, gen, on_tokens, counters, stage, trace) -> str:
         tp = self.cfg.tree
         drafter = self.drafter
         check = self.cfg.mode == "reference"
@@ -326,7 +336,31 @@ class Engine:
                 )
                 committed += 1 + n_acc
             t6 = time.perf_counter()
+            times = {}
             for name, a, b in zip(STAGES, (t, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
                 stage[name] += b - a
+                times[name] = (b - a) * 1e3
+            if trace:
+                trace(
+                    {
+                        "step": counters["verify_calls"],
+                        "committed": committed - (1 + n_acc if reason is None else 0),
+                        "root": int(root),
+                        "tree": {
+                            "token": tree.token.tolist(),
+                            "parent": tree.parent.tolist(),
+                            "depth": tree.depth.tolist(),
+                            "valid": tree.valid.tolist(),
+                            "logp": [round(x, 4) if x > float("-inf") else None for x in tree.logp.tolist()],
+                        },
+                        "kept": kept.tolist(),
+                        "kept_valid": kept_valid.tolist(),
+                        "accepted_path": acc.path.tolist(),
+                        "n_accepted": n_acc,
+                        "emitted": new,
+                        "finish": reason,
+                        "stage_ms": times,
+                    }
+                )
             if reason is not None:
                 return reason

@@ -80,7 +80,8 @@ class Graphs:
         """Build the graph of every (width, context bucket) not built yet (writes scratch data
         into the cache, so call it before a prefill, never between decode steps)."""
         todo = sorted(set(widths) - self.widths)
-        if not todo:
+        if not todo or not self.compiled:  # eager code needs no warm-up
+            self.widths.update(todo)
             return
         t0 = time.perf_counter()
         dev = self.model.embed_tokens.weight.device
