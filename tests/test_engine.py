@@ -260,3 +260,21 @@ def test_compiled_matches_reference_with_no_recompiles():
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup
     assert sum(counters["recompiles"].values()) == recompiles
     assert counters["graph_break"] == {} or sum(counters["graph_break"].values()) == 0
+
+
+def test_drafter_with_another_tokenizer_is_refused():
+    from yggtree.runtime.drafters import check_pair
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    same = {"a": 0, "b": 1}
+    check_pair(2, 2, Tok(same), Tok(dict(same)), "d")  # identical vocabularies pass
+    with pytest.raises(YggError, match="different tokenizer"):
+        check_pair(2, 2, Tok(same), Tok({"a": 1, "b": 0}), "d")
+    with pytest.raises(YggError, match="vocabulary size 3"):
+        check_pair(2, 3, Tok(same), Tok(same), "d")
