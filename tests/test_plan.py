@@ -286,6 +286,13 @@ def test_stale_detection(tmp_path):
     assert "torch version changed: compiled with 1.0.0" in r
     compile_plan(plan, tmp_path / "compile")  # same plan: recompiles without --force
     assert check_artifacts(plan, art) == []
+    # yggtree's runtime code (what graphs are traced from)
+    m = json.loads((art / MANIFEST).read_text())
+    m["versions"]["yggtree_runtime"] = "0" * 16
+    (art / MANIFEST).write_text(json.dumps(m))
+    (r,) = check_artifacts(plan, art)
+    assert r.startswith("yggtree runtime code changed")
+    compile_plan(plan, tmp_path / "compile")
     # a model file touched
     w = tmp_path / "model" / "model.safetensors"
     st = w.stat()

@@ -55,7 +55,8 @@ relative to the new file, so a copied plan still names the same files.
 
 The artifacts of a compiled plan live in one directory (``compile/<name>/``)::
 
-    manifest.json      plan hash, model fingerprints, torch/python versions, backend, dtype,
+    manifest.json      plan hash, model fingerprints, torch/python versions and a hash of
+                       yggtree's runtime sources, backend, dtype,
                        every graph (shapes, compile seconds), size on disk
     plan.yaml          the plan as compiled (paths rewritten relative to this directory)
     inductor-cache/    TORCHINDUCTOR_CACHE_DIR of the compile step and of runs with the plan
@@ -451,11 +452,23 @@ def model_fingerprints(plan: Plan) -> list[dict]:
     return out
 
 
+def runtime_code_hash() -> str:
+    """sha256 (16 hex digits) of yggtree's runtime sources: the code the graphs are traced from."""
+    h = hashlib.sha256()
+    for f in sorted((Path(__file__).parent / "runtime").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def versions() -> dict:
     """What compiled graphs depend on besides the plan and the models."""
     import torch
 
-    return {"torch": torch.__version__, "python": platform.python_version()}
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "yggtree_runtime": runtime_code_hash(),
+    }
 
 
 def read_manifest(art_dir: str | Path) -> dict | None:
@@ -490,7 +503,8 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
     for k, v in now.items():
         was = m.get("versions", {}).get(k)
         if was != v:
-            reasons.append(f"{k} version changed: compiled with {was}, running {v}")
+            what = "yggtree runtime code" if k == "yggtree_runtime" else f"{k} version"
+            reasons.append(f"{what} changed: compiled with {was}, running {v}")
     was_prints = {(f["role"], f["path"]): f for f in m.get("models", [])}
     now_prints = {(f["role"], f["path"]): f for f in model_fingerprints(plan)}
     for key, f in now_prints.items():
