@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
@@ -112,8 +113,11 @@ def measure_cost(args, src, tokenizer, mode: str, width: int, repeats: int, ctx:
     def draft():
         drafter.step(tok, torch.ones(w, dtype=torch.int64), ar + 1, torch.zeros(w, dtype=torch.int64), anc_d, L, tp.top_k)
 
+    # the engine's verify call: attention over the smallest context bucket holding the tree
+    bucket = eng.graphs.bucket(len(prompt) + w) if hasattr(eng.graphs, "bucket") else None
+
     def verify():
-        steps.tree_step(target, tok, ar, ar, anc_v, L, drafter.target_layers)
+        steps.tree_step(target, tok, ar, ar, anc_v, L, drafter.target_layers, bucket)
 
     times = {"draft": [], "verify": []}
     with eng.graphs.frozen(), drafter.frozen():
@@ -134,43 +138,50 @@ def measure_cost(args, src, tokenizer, mode: str, width: int, repeats: int, ctx:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    trees = [parse_tree(t) for t in (args.tree or ["tree=8,6,32,8", "chain=1,4,5,1"])]
+    if args.merge:
+        return merge(args)
+    trees = [] if args.plain_only else [parse_tree(t) for t in (args.tree or ["tree=8,6,32,8", "chain=1,4,5,1"])]
     src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
     prompts = load_prompts(args.mtbench, args.humaneval, tokenizer) if args.mtbench + args.humaneval else []
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    rows, costs, records = [], [], {}
+    costs, records, tree_of = [], {}, {}
     t_start = time.perf_counter()
     with stderr_progress() as progress:
         if prompts:
             engines = {} if args.no_plain else {"plain": (None, make_engine(args, src, tokenizer, None))}
+            if not engines and not trees:
+                raise YggError("nothing to run: --plain-only with --no-plain")
             for name, tp in trees:
                 engines[name] = (tp, make_engine(args, src, tokenizer, tp))
             recs = {name: [] for name in engines}
             task = progress.add_task("prompts", total=len(prompts))
             for pid, ids in prompts:
-                plain = None
                 for name, (tp, eng) in engines.items():
                     res = eng.generate(ids, params)
-                    r = {"id": pid, "n": len(res.token_ids)}
-                    if tp is None:
-                        plain = res.token_ids
-                    else:
+                    r = {"id": pid, "n": len(res.token_ids), "tokens": res.token_ids}
+                    if tp is not None:
                         s = res.stats
                         r.update(aal=s["aal"], accepted=s["accepted_tokens"], verify=s["verify_calls"],
                                  abp=s["accept_by_position"])
-                        if plain is not None:
-                            r["equal"] = res.token_ids == plain
                     recs[name].append(r)
                 progress.update(task, advance=1, description=f"prompts ({pid})")
-            for name, (tp, _) in engines.items():
-                rows.append(summarise(name, tp, recs[name]))
+                if args.out:  # partial results survive an interrupted run (usable by --merge)
+                    part = {
+                        "eval": "drafter", "partial": True, "drafter": args.drafter, "dtype": args.dtype,
+                        "mode": args.mode, "max_new_tokens": args.max_new_tokens,
+                        "trees": {k: (None if v is None else list(astuple(v))) for k, (v, _) in engines.items()},
+                        "per_prompt": recs,
+                    }
+                    Path(args.out).write_text(json.dumps(part))
+                if not sys.stderr.isatty():  # a log file: one line per prompt
+                    done = len(next(iter(recs.values())))
+                    aal = " ".join(f"{n}={recs[n][-1]['aal']:.2f}" for n in recs if "aal" in recs[n][-1])
+                    print(f"[{time.strftime('%H:%M:%S')}] {done}/{len(prompts)} {pid} {aal}", file=sys.stderr, flush=True)
             records = recs
+            tree_of = {name: tp for name, (tp, _) in engines.items()}
         if args.cost:
             modes = ["reference", "performance"] if args.cost_mode == "both" else [args.cost_mode]
             task = progress.add_task("cost", total=len(modes))
@@ -178,9 +189,42 @@ def run(args) -> int:
                 costs.append(measure_cost(args, src, tokenizer, mode, args.cost_width, args.cost_repeats, args.cost_context))
                 progress.update(task, advance=1)
 
+    summary = {
+        "eval": "drafter",
+        "drafter": args.drafter,
+        "model": str(src.path),
+        "dtype": args.dtype,
+        "mode": args.mode,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": [pid for pid, _ in prompts],
+        "trees": {k: (None if v is None else list(astuple(v))) for k, v in tree_of.items()},
+        "cost": costs,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    return report(summary, records, args.out)
+
+
+def report(summary: dict, records: dict, out: str | None) -> int:
+    """Summaries (equality against the "plain" records when present), table, JSON line last."""
+    from rich.console import Console
+    from rich.table import Table
+
+    plain = {r["id"]: r["tokens"] for r in records.get("plain", [])}
+    for name, recs in records.items():
+        if name != "plain" and plain:
+            for r in recs:
+                if r["id"] in plain:
+                    r["equal"] = r["tokens"] == plain[r["id"]]
+    trees = {k: (None if v is None else TreeParams(*v)) for k, v in summary["trees"].items()}
+    rows = [summarise(name, trees[name], recs) for name, recs in records.items()]
+    costs = summary.get("cost", [])
+    summary = {**summary, "rows": rows}
     console = Console(width=None if sys.stdout.isatty() else 140)
     if rows:
-        t = Table(title=f"{args.drafter} drafter, {len(prompts)} prompts, greedy, {args.dtype}, {args.max_new_tokens} new tokens")
+        n_prompts = max(r["prompts"] for r in rows)
+        t = Table(title=f"{summary['drafter']} drafter, {n_prompts} prompts, greedy, {summary['dtype']}, {summary['max_new_tokens']} new tokens")
         for c in ("config", "W_d,D,W_v,k", "AAL mean", "AAL pooled", "AAL mt-bench", "AAL humaneval", "accept by position", "identical"):
             t.add_column(c)
         for r in rows:
@@ -202,24 +246,38 @@ def run(args) -> int:
             t.add_row(c["mode"], c["dtype"], str(c["width"]), str(c["context"]), f"{c['draft_ms']:.2f}",
                       f"{c['verify_ms']:.2f}", f"{c['ratio']:.3f}")
         console.print(t)
-    summary = {
-        "eval": "drafter",
-        "drafter": args.drafter,
-        "model": str(src.path),
-        "dtype": args.dtype,
-        "mode": args.mode,
-        "max_new_tokens": args.max_new_tokens,
-        "prompts": [pid for pid, _ in prompts],
-        "rows": rows,
-        "cost": costs,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "wall_s": time.perf_counter() - t_start,
-    }
-    if args.out:
-        Path(args.out).write_text(json.dumps({**summary, "per_prompt": records}, indent=2))
+    if out:
+        Path(out).write_text(json.dumps({**summary, "per_prompt": records}, indent=2))
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def merge(args) -> int:
+    """Combine the --out files of runs split across processes (e.g. plain / tree / chain)."""
+    records: dict = {}
+    summary = None
+    for f in args.merge:
+        try:
+            d = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            raise YggError(f"cannot read {f}: {e}") from None
+        if summary is None:
+            summary = {k: v for k, v in d.items() if k not in ("rows", "per_prompt")}
+            summary["trees"] = {}
+            summary["cost"] = []
+            summary["merged_from"] = []
+        for k in ("drafter", "dtype", "max_new_tokens"):
+            if d.get(k) != summary.get(k):
+                raise YggError(f"{f}: {k} {d.get(k)!r} differs from {summary.get(k)!r}")
+        summary["trees"].update(d["trees"])
+        summary["cost"] += d.get("cost", [])
+        summary["merged_from"].append(str(f))
+        summary["wall_s"] = max(summary.get("wall_s", 0), d.get("wall_s", 0))
+        for name, recs in d.get("per_prompt", {}).items():
+            if name in records:
+                raise YggError(f"{f}: config {name!r} appears in two files")
+            records[name] = recs
+    return report(summary, records, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--tree", action="append", help="NAME=W_d,D,W_v,top_k (repeatable)")
     p.add_argument("--no-plain", action="store_true", help="skip the plain greedy run (no equality check)")
+    p.add_argument("--plain-only", action="store_true", help="run only plain greedy decoding (for --merge)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the --out files of split runs")
     p.add_argument("--cost", action="store_true", help="time one drafter step vs one target verify step")
     p.add_argument("--cost-mode", default="both", choices=["reference", "performance", "both"])
     p.add_argument("--cost-width", type=int, default=8)

@@ -96,6 +96,7 @@ class DistillConfig:
     eval_depth: int = 6  # depth of the offline acceptance estimate
     eval_every: int = 80  # training steps between validation passes
     save_dtype: str = "bfloat16"
+    train_autocast: str = "bfloat16"  # matmul dtype of the training forward (none | bfloat16)
     threads: int | None = None
 
 
@@ -106,6 +107,26 @@ def _progress():
     from ..bench import stderr_progress
 
     return stderr_progress()
+
+
+class _PlainLog:
+    """One stderr line per ``every`` seconds when stderr is not a terminal (rich draws nothing
+    live there), so a background run's log shows progress."""
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every = every
+        self.last = 0.0
+        self.on = not sys.stderr.isatty()
+
+    def __call__(self, msg: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.on and (force or now - self.last >= self.every):
+            self.last = now
+            sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+            sys.stderr.flush()
+
+
+_plain = _PlainLog()
 
 
 def _sha256_file(path: Path) -> str:
@@ -234,9 +255,9 @@ def build_teacher(
             results[i] = o
             n_tok += len(o[0])
         rate = n_tok / (time.perf_counter() - t0)
-        progress.update(
-            task, advance=len(idx), description=f"teacher data ({n_tok} tokens, {rate:.0f} tok/s)"
-        )
+        desc = f"teacher data ({n_tok} tokens, {rate:.0f} tok/s)"
+        progress.update(task, advance=len(idx), description=desc)
+        _plain(f"{desc}: {start + len(idx)}/{len(order)} prompts")
     seqs = [results[i] for i in range(len(prompt_ids))]
     lengths = torch.tensor([len(t) for t, _, _ in seqs])
     feats = torch.cat([f for _, f, _ in seqs]).float()
@@ -432,6 +453,16 @@ class TargetHead:
         return self.normed(f) @ self.w_draft.T
 
 
+def _autocast(cfg: DistillConfig):
+    """bfloat16 matmuls in the head's forward (about 2x faster on AVX-512 BF16); losses, the
+    target's distribution and the optimizer stay float32."""
+    import contextlib
+
+    if cfg.train_autocast == "bfloat16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: float, cfg: DistillConfig):
     """Weighted loss and per-step metrics (soft CE, KL, regression, top-1 agreement)."""
     with torch.no_grad():
@@ -448,8 +479,11 @@ def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: float, cfg:
         m = batch.valid & (pidx[None, :] >= k)
         mf = m.float() * batch.weight
         denom = mf.sum().clamp(min=1)
-        lq = torch.log_softmax(net.logits(out), dim=-1)
+        with _autocast(cfg):
+            logits = net.logits(out)
+        lq = torch.log_softmax(logits.float(), dim=-1)
         ce = -(p_t * lq).sum(-1)
+        out = out.float()
         reg = F.smooth_l1_loss(out / feat_scale, batch.nxt_feat / feat_scale, reduction="none").mean(-1)
         ce_m = (ce * mf).sum() / denom
         reg_m = (reg * mf).sum() / denom
@@ -573,7 +607,8 @@ def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: Disti
             batch.feat = batch.feat + u * (cfg.feature_noise * feat_scale)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        outs = unrolled_forward(net, batch.tok, batch.feat, cfg.unroll, rope)
+        with _autocast(cfg):
+            outs = unrolled_forward(net, batch.tok, batch.feat, cfg.unroll, rope)
         loss, metrics = step_losses(net, th, outs, batch, feat_scale, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -602,13 +637,13 @@ def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: Disti
                        val_top1=ev["val_top1_by_step"][0], est_chain4_aal=ev["est_chain4_aal"])
             log["last_eval"] = ev
         rows.append(row)
-        progress.update(
-            task,
-            advance=1,
-            description=f"training (loss {ema:.3f}, top1 {metrics[0]['top1']:.2f}"
+        desc = (
+            f"training (loss {ema:.3f}, top1 {metrics[0]['top1']:.2f}"
             + (f", val est. chain-4 AAL {log['last_eval']['est_chain4_aal']:.2f}" if "last_eval" in log else "")
-            + ")",
+            + ")"
         )
+        progress.update(task, advance=1, description=desc)
+        _plain(f"{desc}: step {step}/{total}", force="val_kl" in row)
     log["train_s"] = time.perf_counter() - t0
     log["steps"] = total
     log["steps_per_epoch"] = steps_per_epoch
@@ -701,6 +736,7 @@ def check_config(cfg: DistillConfig) -> None:
         (cfg.unroll >= 1, f"unroll must be >= 1, got {cfg.unroll}"),
         (cfg.eval_depth >= 1, f"eval-depth must be >= 1, got {cfg.eval_depth}"),
         (cfg.save_dtype in ("float32", "bfloat16"), f"save-dtype must be float32 or bfloat16, got {cfg.save_dtype}"),
+        (cfg.train_autocast in ("none", "bfloat16"), f"train-autocast must be none or bfloat16, got {cfg.train_autocast}"),
         (cfg.teacher_dtype in ("float32", "bfloat16"), f"teacher-dtype must be float32 or bfloat16, got {cfg.teacher_dtype}"),
         (cfg.snippet_chars >= 50, f"snippet-chars must be >= 50, got {cfg.snippet_chars}"),
     ]
@@ -949,6 +985,8 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--feature-noise", type=float, default=d.feature_noise)
     g.add_argument("--eval-depth", type=int, default=d.eval_depth)
     g.add_argument("--eval-every", type=int, default=d.eval_every)
+    g.add_argument("--train-autocast", default=d.train_autocast, choices=["none", "bfloat16"],
+                   help="matmul dtype of the training forward")
     g.add_argument("--save-dtype", default=d.save_dtype, choices=["float32", "bfloat16"])
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
