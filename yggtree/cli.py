@@ -55,10 +55,21 @@ def _add_run(sub) -> None:
         help="self | HF directory | .gguf | EAGLE head directory (default: plain decoding)",
     )
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with a drafter")
-    p.add_argument("--draft-width", type=_positive_int, default=4, help="W_d")
-    p.add_argument("--draft-depth", type=_positive_int, default=4, help="D")
-    p.add_argument("--verify-width", type=_positive_int, default=16, help="W_v")
+    p.add_argument("--draft-width", type=_positive_int, default=None, help="W_d (default 4)")
+    p.add_argument("--draft-depth", type=_positive_int, default=None, help="D (default 4)")
+    p.add_argument("--verify-width", type=_positive_int, default=None, help="W_v (default 16)")
     p.add_argument("--top-k", type=_positive_int, default=4)
+    p.add_argument(
+        "--plan",
+        metavar="PLAN_YAML",
+        help="run a compiled plan (its model, drafter, dtype, context and graphs); widths must be "
+        "in its compiled sets",
+    )
+    p.add_argument(
+        "--compile-missing",
+        action="store_true",
+        help="with --plan: compile missing or stale artifacts instead of refusing",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument(
         "--trace", metavar="FILE", help="write a JSONL record per decode step (reference mode only)"
@@ -66,15 +77,45 @@ def _add_run(sub) -> None:
 
 
 def _run(args) -> int:
-    from .runtime.build import EngineSpec, build_engine
-    from .runtime.engine import SamplingParams, TreeParams
+    from .runtime.engine import SamplingParams
     from .runtime.loading import encode_prompt
 
     if not args.prompt.strip():
         raise YggError("the prompt is empty")
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     params.validate()
-    tree = TreeParams(args.draft_width, args.draft_depth, args.verify_width, args.top_k)
+    if args.trace and args.mode != "reference":
+        raise YggError("--trace needs --mode reference")
+    if args.plan:
+        engine, tok = _plan_engine(args)
+    else:
+        engine, tok = _flag_engine(args)
+    ids = encode_prompt(tok, args.prompt, raw=args.raw)
+    with open_trace(args.trace) as trace:
+        return _generate(args, engine, tok, ids, params, trace)
+
+
+def _plan_engine(args):
+    from .offline.compile import prepare_run
+    from .plan import artifact_dir
+    from .runtime.build import build_plan_engine, use_widths
+
+    plan = prepare_run(args.plan, args.compile_missing)
+    art = artifact_dir(plan) if plan.backend != "eager" else None
+    mode = "reference" if args.mode == "reference" else None
+    engine, tok = build_plan_engine(plan, art, mode)
+    if engine.drafter is not None and not args.no_speculate:
+        use_widths(engine, plan, args.draft_width, args.verify_width, args.draft_depth)
+    return engine, tok
+
+
+def _flag_engine(args):
+    from .runtime.build import EngineSpec, build_engine
+    from .runtime.engine import TreeParams
+
+    tree = TreeParams(
+        args.draft_width or 4, args.draft_depth or 4, args.verify_width or 16, args.top_k
+    )
     drafter = None if args.no_speculate else args.drafter
     if drafter:
         tree.validate()
@@ -87,12 +128,7 @@ def _run(args) -> int:
         prefill_chunk=args.prefill_chunk,
         tree=tree,
     )
-    if args.trace and args.mode != "reference":
-        raise YggError("--trace needs --mode reference")
-    engine, tok = build_engine(spec)
-    ids = encode_prompt(tok, args.prompt, raw=args.raw)
-    with open_trace(args.trace) as trace:
-        return _generate(args, engine, tok, ids, params, trace)
+    return build_engine(spec)
 
 
 @contextlib.contextmanager
@@ -144,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run(sub)
     add_bench_parser(sub)
+    from .offline.compile import add_compile_parser
+    from .offline.distill import add_distill_parser
+
+    add_compile_parser(sub)
+    add_distill_parser(sub)
     return parser
 
 
