@@ -108,7 +108,7 @@ def context_buckets(n_slots: int, smallest: int = 256) -> list[int]:
     ``n_slots``, then ``n_slots``. Each is one graph per input width; attention over a short
     context then reads a short cache instead of the whole preallocated one."""
     out, b = [], smallest
-    while b < n_slots:
+    while b * 5 // 4 < n_slots:  # a bucket within 25% of S would only add graphs
         out.append(b)
         b *= 2
     return out + [n_slots]
