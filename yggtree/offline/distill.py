@@ -79,6 +79,7 @@ class DistillConfig:
     draft_vocab: int = 8192
     target_layer: int = -1  # which target layer's output is the feature (-1: the last)
     init_from_target: bool = True  # norm + LM head rows initialised from the target's
+    fc_init: str = "random"  # identity: fc passes f_p through (f_{p+1} ~ f_p), block damped
     # training
     epochs: float = 2.0
     batch_size: int = 4  # sequences per step
@@ -736,6 +737,7 @@ def check_config(cfg: DistillConfig) -> None:
         (cfg.unroll >= 1, f"unroll must be >= 1, got {cfg.unroll}"),
         (cfg.eval_depth >= 1, f"eval-depth must be >= 1, got {cfg.eval_depth}"),
         (cfg.save_dtype in ("float32", "bfloat16"), f"save-dtype must be float32 or bfloat16, got {cfg.save_dtype}"),
+        (cfg.fc_init in ("identity", "random"), f"fc-init must be identity or random, got {cfg.fc_init}"),
         (cfg.train_autocast in ("none", "bfloat16"), f"train-autocast must be none or bfloat16, got {cfg.train_autocast}"),
         (cfg.teacher_dtype in ("float32", "bfloat16"), f"teacher-dtype must be float32 or bfloat16, got {cfg.teacher_dtype}"),
         (cfg.snippet_chars >= 50, f"snippet-chars must be >= 50, got {cfg.snippet_chars}"),
@@ -845,6 +847,14 @@ def distill(
             if cfg.init_from_target:
                 net.norm.weight.copy_(target.norm.weight)
                 net.lm_head.weight.copy_(target.lm_head.weight[vmap])
+            if cfg.fc_init == "identity":
+                # the target's features are large (std ~40, outlier dims in the thousands for
+                # SmolLM2): start from f̂_{p+1} = f_p and let the block learn the change
+                h = tc.hidden_size
+                net.fc.weight[:, h:].copy_(torch.eye(h))
+                net.fc.bias.zero_()
+                net.layers[0].self_attn.o_proj.weight.mul_(0.1)
+                net.layers[0].mlp.down_proj.weight.mul_(0.1)
         net.train().requires_grad_(True)
         torch.manual_seed(cfg.seed)
         th = TargetHead(
@@ -969,6 +979,8 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="reduced draft vocabulary size")
     g.add_argument("--target-layer", type=int, default=d.target_layer)
     g.add_argument("--no-init-from-target", dest="init_from_target", action="store_false")
+    g.add_argument("--fc-init", default=d.fc_init, choices=["identity", "random"],
+                   help="identity: the fused input starts as the target feature itself")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=d.epochs)
     g.add_argument("--batch-size", type=int, default=d.batch_size)
