@@ -75,6 +75,7 @@ def summarise(name: str, tp: TreeParams | None, recs: list[dict]) -> dict:
     out["aal_pooled"] = (acc + ver) / max(ver, 1)
     for kind in ("mtbench", "humaneval"):
         sub = [r for r in recs if r["id"].startswith(kind)]
+        out[f"prompts_{kind}"] = len(sub)
         if sub:
             out[f"aal_{kind}"] = statistics.fmean(r["aal"] for r in sub)
     d = tp.draft_depth
@@ -223,16 +224,15 @@ def report(summary: dict, records: dict, out: str | None) -> int:
     summary = {**summary, "rows": rows}
     console = Console(width=None if sys.stdout.isatty() else 140)
     if rows:
-        n_prompts = max(r["prompts"] for r in rows)
-        t = Table(title=f"{summary['drafter']} drafter, {n_prompts} prompts, greedy, {summary['dtype']}, {summary['max_new_tokens']} new tokens")
-        for c in ("config", "W_d,D,W_v,k", "AAL mean", "AAL pooled", "AAL mt-bench", "AAL humaneval", "accept by position", "identical"):
+        t = Table(title=f"{summary['drafter']} drafter, greedy, {summary['dtype']}, {summary['max_new_tokens']} new tokens")
+        for c in ("config", "W_d,D,W_v,k", "prompts", "AAL mean", "AAL pooled", "AAL mt-bench", "AAL humaneval", "accept by position", "identical"):
             t.add_column(c)
         for r in rows:
             if r["tree"] is None:
-                t.add_row(r["config"], "-", "-", "-", "-", "-", "-", f"{r['new_tokens']} tokens")
+                t.add_row(r["config"], "-", str(r["prompts"]), "-", "-", "-", "-", "-", f"{r['new_tokens']} tokens")
                 continue
             t.add_row(
-                r["config"], ",".join(map(str, r["tree"])), f"{r['aal_mean']:.3f}", f"{r['aal_pooled']:.3f}",
+                r["config"], ",".join(map(str, r["tree"])), str(r["prompts"]), f"{r['aal_mean']:.3f}", f"{r['aal_pooled']:.3f}",
                 f"{r.get('aal_mtbench', float('nan')):.3f}", f"{r.get('aal_humaneval', float('nan')):.3f}",
                 " ".join(f"{a:.2f}" for a in r["accept_by_position"]),
                 f"{r['identical']}/{r['compared']}" if r["compared"] else "-",
@@ -269,14 +269,18 @@ def merge(args) -> int:
         for k in ("drafter", "dtype", "max_new_tokens"):
             if d.get(k) != summary.get(k):
                 raise YggError(f"{f}: {k} {d.get(k)!r} differs from {summary.get(k)!r}")
-        summary["trees"].update(d["trees"])
         summary["cost"] += d.get("cost", [])
         summary["merged_from"].append(str(f))
         summary["wall_s"] = max(summary.get("wall_s", 0), d.get("wall_s", 0))
         for name, recs in d.get("per_prompt", {}).items():
-            if name in records:
-                raise YggError(f"{f}: config {name!r} appears in two files")
-            records[name] = recs
+            if name in summary["trees"] and summary["trees"][name] != d["trees"][name]:
+                raise YggError(f"{f}: config {name!r} has another tree shape in an earlier file")
+            have = {r["id"] for r in records.get(name, [])}
+            dup = [r["id"] for r in recs if r["id"] in have]
+            if dup:
+                raise YggError(f"{f}: config {name!r} prompt {dup[0]} appears in two files")
+            records.setdefault(name, []).extend(recs)
+        summary["trees"].update(d["trees"])
     return report(summary, records, args.out)
 
 
