@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from yggtree.errors import YggError  # noqa: E402
+from yggtree.errors import YggError, run_reporting  # noqa: E402
 
 MODES = ("reference", "performance")
 
@@ -296,11 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", metavar="FILE", help="also write the full results (per prompt) as JSON")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     args = p.parse_args(argv)
-    try:
-        return check(args)
-    except YggError as e:
-        print(f"check_equivalence: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting("check_equivalence", check, args, 2)
 
 
 if __name__ == "__main__":

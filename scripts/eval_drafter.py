@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from yggtree.bench import load_prompts, stderr_progress  # noqa: E402
-from yggtree.errors import YggError  # noqa: E402
+from yggtree.errors import YggError, run_reporting  # noqa: E402
 from yggtree.runtime import steps  # noqa: E402
 from yggtree.runtime.build import EngineSpec, load_drafter  # noqa: E402
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams  # noqa: E402
@@ -307,11 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", help="also write the JSON (with per-prompt records) here")
     args = p.parse_args(argv)
-    try:
-        return run(args)
-    except YggError as e:
-        print(f"eval_drafter: error: {e}", file=sys.stderr)
-        return 1
+    return run_reporting("eval_drafter", run, args)
 
 
 if __name__ == "__main__":

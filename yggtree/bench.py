@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import YggError
+from .errors import YggError, run_reporting
 
 SYSTEMS = ("hf", "ygg-reference", "ygg-compiled")
 BENCH_DTYPES = ("float32", "bfloat16")
@@ -451,11 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add_bench_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run_bench(args)
-    except YggError as e:
-        print(f"yggtree bench: error: {e}", file=sys.stderr)
-        return 1
+    return run_reporting("yggtree bench", run_bench, args)
 
 
 if __name__ == "__main__":

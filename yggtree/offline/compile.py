@@ -39,7 +39,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import YggError
+from ..errors import YggError, run_reporting
 from ..plan import (
     CACHE_SUBDIR,
     MANIFEST,
@@ -457,11 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add_compile_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run_compile(args)
-    except YggError as e:
-        print(f"yggtree compile: error: {e}", file=sys.stderr)
-        return 1
+    return run_reporting("yggtree compile", run_compile, args)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import YggError
+from ..errors import YggError, run_reporting
 
 TEACHER_FILE = "teacher.safetensors"
 TEACHER_FORMAT = 1
@@ -1023,11 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
     add_distill_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = argv
-    try:
-        return run_distill(args)
-    except YggError as e:
-        print(f"yggtree distill: error: {e}", file=sys.stderr)
-        return 1
+    return run_reporting("yggtree distill", run_distill, args)
 
 
 if __name__ == "__main__":
