@@ -90,11 +90,16 @@ def small_cfg(tmp: Path, **kw) -> D.DistillConfig:
 # ---------------------------------------------------------------- the training forward
 
 
-def test_unrolled_forward_equals_runtime_chain(target):
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_unrolled_forward_equals_runtime_chain(target, input_norm):
     """Step k of the unrolled forward at pair p equals a depth-k chain through the head's cache."""
     layer = target.cfg.num_layers - 1
-    drafter = EagleDrafter.random(target, "reference", max_depth=4, seed=3)
+    drafter = EagleDrafter.random(target, "reference", max_depth=4, seed=3, input_norm=input_norm)
     net = drafter.net
+    if input_norm:  # non-trivial norm weights, so a missed norm would show
+        with torch.no_grad():
+            net.embed_norm.weight.uniform_(0.5, 1.5)
+            net.feat_norm.weight.uniform_(0.5, 1.5)
     seq = torch.tensor(prompts(1, seed=5)[0] + [7, 8, 9, 10, 11, 12])
     n = seq.shape[0]
     target.setup_cache(1, 64)

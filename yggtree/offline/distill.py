@@ -75,11 +75,14 @@ class DistillConfig:
     max_seq_len: int = 640  # training window (tokens); longer sequences are cut
     val_frac: float = 0.04  # held-out sequences (validation loss, acceptance estimate)
     cache_dir: str | None = None  # teacher data cache (default ~/.cache/yggtree/distill)
+    text_chars: int = 0  # raw calibration text (calibration_texts) teacher-forced, in characters
+    text_batch: int = 8  # sequences per teacher-forcing forward
     # head
     draft_vocab: int = 8192
     target_layer: int = -1  # which target layer's output is the feature (-1: the last)
     init_from_target: bool = True  # norm + LM head rows initialised from the target's
     fc_init: str = "random"  # identity: fc passes f_p through (f_{p+1} ~ f_p), block damped
+    input_norm: bool = True  # RMSNorm on the embedding and the feature before fc
     # training
     epochs: float = 2.0
     batch_size: int = 4  # sequences per step
@@ -272,6 +275,79 @@ def build_teacher(
     )
 
 
+@torch.no_grad()
+def teacher_force(model, seqs: list[list[int]], layer: int, batch: int, progress) -> TeacherData:
+    """The ``layer`` output at every position of fixed texts (one causal forward per batch of
+    similar lengths). No answer: ``n_prompt`` is the whole length, so these positions get the
+    prompt loss weight and never count as greedy answers in the acceptance estimate."""
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
+    feats: dict[int, torch.Tensor] = {}
+    task = progress.add_task("teacher forcing (texts)", total=len(order))
+    n_tok, t0 = 0, time.perf_counter()
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        lens = torch.tensor([len(seqs[i]) for i in idx])
+        w = int(lens.max())
+        model.setup_cache(len(idx), w + 1)
+        toks = torch.zeros(len(idx), w, dtype=torch.int64)
+        for r, i in enumerate(idx):
+            toks[r, : len(seqs[i])] = torch.tensor(seqs[i])
+        ar = torch.arange(w)
+        real = ar[None, :] < lens[:, None]
+        slots = torch.where(real, ar[None, :], w)
+        pos = torch.where(real, ar[None, :], 0)
+        cols = torch.arange(w + 1)
+        mask = (cols[None, None, :] <= ar[None, :, None]) & (cols[None, None, :] < lens[:, None, None])
+        mask = mask | (~real[:, :, None] & (cols[None, None, :] == w))  # padding sees the scratch slot
+        out = model(toks, pos, slots, mask, (layer,))
+        for r, i in enumerate(idx):
+            feats[i] = out.layers[0][r, : len(seqs[i])].float()
+        n_tok += int(lens.sum())
+        desc = f"teacher forcing ({n_tok} tokens, {n_tok / (time.perf_counter() - t0):.0f} tok/s)"
+        progress.update(task, advance=len(idx), description=desc)
+        _plain(f"{desc}: {start + len(idx)}/{len(order)} texts")
+    lengths = torch.tensor([len(t) for t in seqs], dtype=torch.int64)
+    f = torch.cat([feats[i] for i in range(len(seqs))])
+    return TeacherData(
+        tokens=torch.tensor([t for q in seqs for t in q], dtype=torch.int64),
+        feats=f.to(torch.float16) if float(f.abs().max()) < 60000 else f,
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        n_prompt=lengths.clone(),
+    )
+
+
+def concat_teacher(parts: list[TeacherData]) -> TeacherData:
+    """One :class:`TeacherData` holding the sequences of ``parts`` in order."""
+    parts = [d for d in parts if d.n_seq > 0]
+    if len(parts) == 1:
+        return parts[0]
+    dtype = torch.float16 if all(d.feats.dtype == torch.float16 for d in parts) else torch.float32
+    offs, base = [torch.zeros(1, dtype=torch.int64)], 0
+    for d in parts:
+        offs.append(d.offsets[1:] + base)
+        base += int(d.offsets[-1])
+    return TeacherData(
+        tokens=torch.cat([d.tokens for d in parts]),
+        feats=torch.cat([d.feats.to(dtype) for d in parts]),
+        offsets=torch.cat(offs),
+        n_prompt=torch.cat([d.n_prompt for d in parts]),
+    )
+
+
+def calibration_text_chunks(skip: int, max_chars: int, seed: int) -> list[str]:
+    """Calibration corpus chunks after the first ``skip`` (those become the chat prompts), whole
+    chunks up to ``max_chars`` characters in corpus order."""
+    from ..data import calibration_corpus
+
+    out, total = [], 0
+    for chunk in calibration_corpus(None, seed).chunks[skip:]:
+        if total + len(chunk.text) > max_chars:
+            break
+        out.append(chunk.text)
+        total += len(chunk.text)
+    return out
+
+
 def teacher_hash(data: TeacherData) -> str:
     """sha256 of the teacher tensors' bytes (the file's own bytes are not stable: safetensors
     writes its metadata map in arbitrary order)."""
@@ -376,7 +452,7 @@ def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rop
         if k > 0:
             prev = outs[-1]
             x_feat = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)
-        x = net.fc(torch.cat([e, x_feat.to(e.dtype)], dim=-1))
+        x = net.fuse_input(e, x_feat)
         h = block.input_layernorm(x)
         q = apply_rope(attn.q_proj(h).view(bsz, t, hq, d), cos, sin).transpose(1, 2)
         kk = apply_rope(attn.k_proj(h).view(bsz, t, hkv, d), cos, sin).transpose(1, 2)
@@ -464,7 +540,22 @@ def _autocast(cfg: DistillConfig):
     return contextlib.nullcontext()
 
 
-def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: float, cfg: DistillConfig):
+def reg_space(f: torch.Tensor, dim_std: torch.Tensor) -> torch.Tensor:
+    """The space of the feature regression: RMS-normalised, then each dimension divided by its
+    spread over the data, so SmolLM2's few outlier dimensions do not dominate the loss (and the
+    scale, which the head's input norm ignores, does not count)."""
+    ff = f.float()
+    return ff * torch.rsqrt(ff.pow(2).mean(-1, keepdim=True) + 1e-6) / dim_std
+
+
+def feature_dim_std(feats: torch.Tensor) -> torch.Tensor:
+    """[H] per-dimension std of the RMS-normalised features (a fixed sample of rows)."""
+    sample = feats[:: max(1, feats.shape[0] // 20000)].float()
+    rn = sample * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return rn.std(0).clamp(min=1e-3)
+
+
+def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: torch.Tensor, cfg: DistillConfig):
     """Weighted loss and per-step metrics (soft CE, KL, regression, top-1 agreement)."""
     with torch.no_grad():
         lp_t = torch.log_softmax(th.draft_logits(batch.nxt_feat), dim=-1)  # [B, T, V_d]
@@ -484,8 +575,9 @@ def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: float, cfg:
             logits = net.logits(out)
         lq = torch.log_softmax(logits.float(), dim=-1)
         ce = -(p_t * lq).sum(-1)
-        out = out.float()
-        reg = F.smooth_l1_loss(out / feat_scale, batch.nxt_feat / feat_scale, reduction="none").mean(-1)
+        reg = F.smooth_l1_loss(
+            reg_space(out, feat_scale), reg_space(batch.nxt_feat, feat_scale), reduction="none"
+        ).mean(-1)
         ce_m = (ce * mf).sum() / denom
         reg_m = (reg * mf).sum() / denom
         w = cfg.unroll_decay**k
@@ -502,7 +594,7 @@ def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: float, cfg:
 
 
 @torch.no_grad()
-def evaluate(net, th: TargetHead, data: TeacherData, idx: list[int], cfg: DistillConfig, feat_scale: float, rope) -> dict:
+def evaluate(net, th: TargetHead, data: TeacherData, idx: list[int], cfg: DistillConfig, feat_scale: torch.Tensor, rope) -> dict:
     """Validation losses (step 0 and the unrolled steps) and the offline chain acceptance estimate.
 
     Acceptance by depth ``d``: over roots ``r`` inside greedy answers (so the tokens after the root
@@ -589,9 +681,8 @@ def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: Disti
         return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
     # feature scale for the regression loss (scale-free smooth L1)
-    sample = data.feats[: min(len(data.feats), 20000)].float()
-    feat_scale = float(sample.std())
-    log["feat_scale"] = feat_scale
+    feat_scale = feature_dim_std(data.feats)
+    log["feat_scale"] = {"dim_std_min": float(feat_scale.min()), "dim_std_max": float(feat_scale.max())}
     task = progress.add_task("training", total=total)
     order: list[int] = []
     step = 0
@@ -605,7 +696,8 @@ def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: Disti
         batch = make_batch(data, idx, cfg.max_seq_len, cfg.prompt_weight)
         if cfg.feature_noise > 0:
             u = torch.rand(batch.feat.shape, generator=gen) * 2 - 1
-            batch.feat = batch.feat + u * (cfg.feature_noise * feat_scale)
+            rms = batch.feat.pow(2).mean(-1, keepdim=True).sqrt()
+            batch.feat = batch.feat + u * (cfg.feature_noise * rms)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with _autocast(cfg):
@@ -811,18 +903,60 @@ def distill(
     with progress:
         t0 = time.perf_counter()
         reused = teacher_path.is_file()
+        teacher = None
+
+        def teacher_model():
+            nonlocal teacher
+            if teacher is None:
+                teacher = target
+                if cfg.teacher_dtype != "float32":
+                    import copy
+
+                    teacher = copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
+            return teacher
+
         if reused:
             data = load_teacher(teacher_path, tc.hidden_size)
             teacher_sha = teacher_hash(data)
         else:
-            teacher = target
-            if cfg.teacher_dtype != "float32":
-                import copy
-
-                teacher = copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
-            data = build_teacher(teacher, prompt_ids, cfg, eos, layer, progress)
-            del teacher
+            data = build_teacher(teacher_model(), prompt_ids, cfg, eos, layer, progress)
             teacher_sha = save_teacher(data, teacher_path, data_meta)
+        text_info = None
+        if cfg.text_chars > 0:
+            texts = calibration_text_chunks(cfg.prompts, cfg.text_chars, cfg.seed)
+            text_ids = [tokenizer.encode(t)[: cfg.max_seq_len + 1] for t in texts]
+            text_ids = [t for t in text_ids if len(t) >= 8]
+            text_meta = {
+                "format": TEACHER_FORMAT,
+                "kind": "teacher-forced calibration texts",
+                "target_fingerprint": fp,
+                "target_layer": layer,
+                "texts_hash": corpus_hash(texts),
+                "ids_hash": hashlib.sha256(json.dumps(text_ids).encode()).hexdigest(),
+                "teacher_dtype": cfg.teacher_dtype,
+            }
+            tkey = hashlib.sha256(json.dumps(text_meta, sort_keys=True).encode()).hexdigest()[:20]
+            text_path = cache_root / tkey / TEACHER_FILE
+            text_reused = text_path.is_file()
+            if text_reused:
+                tdata = load_teacher(text_path, tc.hidden_size)
+                text_sha = teacher_hash(tdata)
+            else:
+                tdata = teacher_force(teacher_model(), text_ids, layer, cfg.text_batch, progress)
+                text_sha = save_teacher(tdata, text_path, text_meta)
+            text_info = {
+                "source": "yggtree.data.calibration_corpus chunks after those used by the chat "
+                "prompts, teacher-forced (no generation)",
+                "n_texts": len(text_ids),
+                "n_chars": sum(len(t) for t in texts),
+                "n_tokens": int(tdata.tokens.shape[0]),
+                "texts_hash": text_meta["texts_hash"],
+                "teacher_cache": str(text_path),
+                "teacher_sha256": text_sha,
+                "teacher_reused": text_reused,
+            }
+            data = concat_teacher([data, tdata])
+        del teacher
         data_s = time.perf_counter() - t0
 
         # split by a seeded permutation of sequences
@@ -840,7 +974,7 @@ def distill(
 
         drafter = EagleDrafter.random(
             target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll), draft_vocab=vmap,
-            seed=cfg.seed, target_layers=(layer,),
+            seed=cfg.seed, target_layers=(layer,), input_norm=cfg.input_norm,
         )
         net = drafter.net
         with torch.no_grad():
@@ -904,6 +1038,7 @@ def distill(
             "teacher_sha256": teacher_sha,
             "teacher_reused": reused,
             "teacher_meta": data_meta,
+            "texts": text_info,
         },
         "draft_vocab": {
             "size": int(vmap.shape[0]),
@@ -975,10 +1110,15 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
     g.add_argument("--val-frac", type=float, default=d.val_frac)
     g.add_argument("--cache-dir", default=None, help="teacher data cache (default ~/.cache/yggtree/distill)")
+    g.add_argument("--text-chars", type=int, default=d.text_chars,
+                   help="characters of raw calibration text teacher-forced through the target (cheap extra data)")
+    g.add_argument("--text-batch", type=int, default=d.text_batch, help="sequences per teacher-forcing forward")
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="reduced draft vocabulary size")
     g.add_argument("--target-layer", type=int, default=d.target_layer)
     g.add_argument("--no-init-from-target", dest="init_from_target", action="store_false")
+    g.add_argument("--no-input-norm", dest="input_norm", action="store_false",
+                   help="feed the raw embedding and feature to fc (no RMSNorm on either)")
     g.add_argument("--fc-init", default=d.fc_init, choices=["identity", "random"],
                    help="identity: the fused input starts as the target feature itself")
     g = p.add_argument_group("training")

@@ -88,6 +88,7 @@ class EagleConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
     shares_embedding: bool = True  # use the target's embed_tokens (not stored with the head)
+    input_norm: bool = False  # RMSNorm the embedding and the feature before fc (EAGLE-3 style)
 
     def layer_config(self) -> ModelConfig:
         """The one decoder layer as a 1-layer :class:`ModelConfig`."""
@@ -120,6 +121,7 @@ class EagleConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": asdict(self.rope_scaling),
             "shares_embedding": self.shares_embedding,
+            "input_norm": self.input_norm,
             "target": {
                 "vocab_size": self.vocab_size,
                 "hidden_size": self.target_hidden_size,
@@ -155,6 +157,7 @@ class EagleConfig:
                 rope_theta=float(d["rope_theta"]),
                 rope_scaling=RopeScaling(**d.get("rope_scaling", {})),
                 shares_embedding=bool(d["shares_embedding"]),
+                input_norm=bool(d.get("input_norm", False)),
             )
         except KeyError as e:
             raise YggError(f"{where}: missing key {e}") from None
@@ -219,6 +222,12 @@ class EagleNet(nn.Module):
         n_feat = len(cfg.target_layers)
         if n_feat > 1:
             self.reduce = nn.Linear(n_feat * cfg.target_hidden_size, h, bias=False)
+        if cfg.input_norm:
+            # SmolLM2's features carry a few outlier dimensions (mean |f| ~500 against a median
+            # ~17): normalising both inputs keeps them from swamping fc, and makes the head's
+            # own predicted feature (fed back at depth >= 1) scale-free
+            self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.feat_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layers = nn.ModuleList([Block(cfg.layer_config())])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -254,7 +263,16 @@ class EagleNet(nn.Module):
             )
         if len(feats) == 1:
             return feats[0]
+        if self.cfg.input_norm:  # parameter-free per-layer RMS scaling before the reduction
+            feats = tuple(x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) for x in feats)
         return self.reduce(torch.cat(feats, dim=-1))
+
+    def fuse_input(self, e: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """fc(cat(embedding, feature)) [..., H], both normalised first when ``input_norm``."""
+        feat = feat.to(e.dtype)
+        if self.cfg.input_norm:
+            e, feat = self.embed_norm(e), self.feat_norm(feat)
+        return self.fc(torch.cat([e, feat], dim=-1))
 
     def forward(
         self,
@@ -268,7 +286,7 @@ class EagleNet(nn.Module):
         cs = self.rope[positions[None]]  # [1, W, D/2, 2]
         cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)
         e = F.embedding(tokens, self.embed_weight)  # [W, H]
-        x = self.fc(torch.cat([e, feat.to(e.dtype)], dim=-1))[None]  # [1, W, H]
+        x = self.fuse_input(e, feat)[None]  # [1, W, H]
         x = self.layers[0](x, cos, sin, slots[None], mask[None])
         return x[0]
 
@@ -318,6 +336,7 @@ class EagleDrafter:
         target_layers: tuple[int, ...] | None = None,
         shares_embedding: bool = True,
         intermediate_size: int | None = None,
+        input_norm: bool = False,
     ) -> "EagleDrafter":
         """A head with random weights shaped for ``target`` (layer shapes copied from it)."""
         tc = target.cfg
@@ -338,6 +357,7 @@ class EagleDrafter:
             rope_theta=tc.rope_theta,
             rope_scaling=tc.rope_scaling,
             shares_embedding=shares_embedding,
+            input_norm=input_norm,
         )
         cfg.check_target(tc, Path("<random EAGLE drafter>"))
         w = target.embed_tokens.weight
