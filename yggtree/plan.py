@@ -59,7 +59,7 @@ The artifacts of a compiled plan live in one directory (``compile/<name>/``)::
                        yggtree's runtime sources, backend, dtype,
                        every graph (shapes, compile seconds), size on disk
     plan.yaml          the plan as compiled (paths rewritten relative to this directory)
-    inductor-cache/    TORCHINDUCTOR_CACHE_DIR of the compile step and of runs with the plan
+    graphs/            one AOTInductor package per block shape (block-<kind>-w<W>-c<C>.pt2)
 
 :func:`check_artifacts` lists why a directory's artifacts do not match a plan (empty: usable).
 This module is light (no torch import at load time) so the CLI can validate a plan instantly.
@@ -87,7 +87,8 @@ MODEL_KEYS = ("target", "drafter")
 NON_PATH_MODELS = {"target": ("default",), "drafter": ("default", "self")}
 MANIFEST = "manifest.json"
 PLAN_COPY = "plan.yaml"
-CACHE_SUBDIR = "inductor-cache"
+MANIFEST_FORMAT = 2  # 2: AOTInductor packages (1 was an inductor cache read through dynamo)
+CACHE_SUBDIR = "graphs"  # AOTInductor packages (one .pt2 per block shape)
 DEFAULT_PLAN = Path(__file__).parent / "plans" / "default.yaml"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -405,7 +406,7 @@ def artifact_dir(plan: Plan, compile_root: str | Path = "compile") -> Path:
 
 
 def cache_dir(art_dir: str | Path) -> Path:
-    """The inductor cache directory inside an artifact directory."""
+    """The directory of compiled graph packages inside an artifact directory."""
     return Path(art_dir) / CACHE_SUBDIR
 
 
@@ -496,6 +497,10 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
     if m is None:
         return [f"no compiled artifacts: {d / MANIFEST} is missing"]
     reasons = []
+    if m.get("format") != MANIFEST_FORMAT:
+        reasons.append(
+            f"the artifacts in {d} have format {m.get('format')}, this yggtree writes {MANIFEST_FORMAT}"
+        )
     if m.get("plan_hash") != plan.hash():
         what = _plan_diff(m.get("plan"), plan.to_dict())
         reasons.append(f"the plan changed since it was compiled into {d}" + (f" ({what})" if what else ""))
@@ -519,8 +524,9 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         reasons.append(f"{key[0]} model file of the compile is no longer used: {key[1]}")
     if plan.backend not in ("eager",) and m.get("graphs"):
         cd = cache_dir(d)
-        if not cd.is_dir() or not any(cd.iterdir()):
-            reasons.append(f"the compile cache {cd} is missing or empty")
+        gone = sorted({g.get("file", "?") for g in m["graphs"]} - {p.name for p in cd.glob("*.pt2")})
+        if gone:
+            reasons.append(f"{len(gone)} compiled graph file(s) missing in {cd} (e.g. {gone[0]})")
     return reasons
 
 

@@ -1,25 +1,27 @@
 """``yggtree compile plan.yaml``: build every static graph a plan can need, once, into compile/<name>/.
 
-The graphs (regional: one graph per input width of a decoder block, shared by all its layers):
+The graphs (regional: one graph per input shape of a decoder block, shared by all its layers,
+and one per context bucket C of the target's attention):
 
-    target   prefill chunk C, plain decoding 1, verify W_v for every W_v of the plan
-    drafter  prefill chunk C, head (1 for a standalone LM, D_max + 1 for an EAGLE head),
+    target   prefill chunk, plain decoding 1, verify W_v for every W_v of the plan
+    drafter  prefill chunk, head (1 for a standalone LM, D_max + 1 for an EAGLE head),
              one draft step W_d for every W_d of the plan
 
-A width that serves several roles (say C = W_v) is one graph. All of them share the KV cache size
-of the plan's envelope (``runtime.build.plan_slots``), exactly what ``build_plan_engine`` uses,
-so a run with the plan finds every graph in the cache.
+The shapes are found by running the engine's own warm-up eagerly with a recorder on every block
+(``runtime.aoti.ShapeRecorder``), so the compiled set is exactly what a run asks for. A shape that
+serves several roles (say a W_v equal to the prefill chunk, or a self-drafter's step) is one graph.
+All of them share the KV cache size of the plan's envelope (``runtime.build.plan_slots``).
 
 Backends:
 
-- ``inductor-cpu``: ``torch.compile(fullgraph=True, dynamic=False)``; inductor's on-disk caches
-  (FX graph cache, AOTAutograd cache, compiled C++ kernels) are pointed at
-  ``compile/<name>/inductor-cache/`` for the compile and for every run with the plan
-  (``runtime.graphs.inductor_cache``). A warm start still re-traces each graph with dynamo (about
-  a second per graph) but skips inductor's code generation and C++ compilation.
+- ``inductor-cpu``: each shape is exported (``torch.export``, the layer's weights and KV cache as
+  inputs, the cache written in place) and compiled by AOTInductor into a self-contained package
+  ``compile/<name>/graphs/block-<kind>-w<W>-c<C>.pt2``. A run loads the packages and calls them
+  directly (``runtime.aoti``): no dynamo tracing, no guards, no compile in the process.
+  Inductor's intermediate build files go to a scratch directory deleted after the compile.
 - ``eager``: nothing to build; the manifest (fingerprints, versions) is written alone.
-- ``cuda`` (CUDA graphs via ``mode="reduce-overhead"``) and ``npu`` (torchair): refused where the
-  runtime is missing, saying what to install; the code path exists but is unverified here.
+- ``cuda`` and ``npu``: refused where the runtime is missing, saying what to install; the engine
+  does not run them yet.
 
 Output: a rich progress bar (stderr), a per-graph compile-time table (stdout), then ONE JSON line.
 A second compile of the same plan finds a matching manifest and returns at once (``--force``
@@ -35,6 +37,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +46,7 @@ from ..errors import YggError, run_reporting
 from ..plan import (
     CACHE_SUBDIR,
     MANIFEST,
+    MANIFEST_FORMAT,
     PLAN_COPY,
     Plan,
     artifact_dir,
@@ -55,8 +59,7 @@ from ..plan import (
     versions,
 )
 
-MANIFEST_FORMAT = 1
-
+OLD_CACHE_SUBDIR = "inductor-cache"  # manifest format 1 (removed by a rebuild)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -67,7 +70,8 @@ def dir_size(path: Path) -> int:
 
 
 def _owned_entries(art: Path) -> set[str]:
-    return {MANIFEST, PLAN_COPY, CACHE_SUBDIR, MANIFEST + ".tmp"}
+    scratch = {p.name for p in art.glob("build-*") if p.is_dir()}  # left by an interrupted compile
+    return {MANIFEST, PLAN_COPY, CACHE_SUBDIR, MANIFEST + ".tmp", OLD_CACHE_SUBDIR} | scratch
 
 
 def _check_destination(plan: Plan, art: Path, force: bool) -> None:
@@ -96,28 +100,8 @@ def _clear(art: Path) -> None:
     """Remove the artifacts yggtree owns in ``art`` (never other files)."""
     for name in (MANIFEST, MANIFEST + ".tmp", PLAN_COPY):
         (art / name).unlink(missing_ok=True)
-    shutil.rmtree(art / CACHE_SUBDIR, ignore_errors=True)
-
-
-def _counters() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {
-        "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "fx_bypass": counters["inductor"]["fxgraph_cache_bypass"],
-        "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
-        "graphs": counters["stats"]["unique_graphs"],
-    }
-
-
-def _cache_state(before: dict, after: dict) -> str:
-    d = {k: after[k] - before[k] for k in before}
-    if d["graphs"] == 0:
-        return "reused"  # already compiled in this process (same block code, same shapes)
-    if d["fx_miss"] or d["fx_bypass"]:
-        return "miss" if not d["fx_bypass"] else "bypass"
-    return "hit" if d["fx_hit"] else "?"
+    for name in _owned_entries(art) - {MANIFEST, MANIFEST + ".tmp", PLAN_COPY}:
+        shutil.rmtree(art / name, ignore_errors=True)
 
 
 def _roles_target(plan: Plan, w: int) -> str:
@@ -145,38 +129,13 @@ def _roles_drafter(plan: Plan, w: int, head: int) -> str:
 # ----------------------------------------------------------------------------- the build
 
 
-class _ShapeRecorder:
-    """Records the (input width, context) of every forward call of a model's eager glue (the
-    compiled blocks inside are untouched): each distinct pair seen while warming one width is one
-    graph of the block. The context is the last dimension of the call's bool attention mask."""
-
-    def __init__(self, model) -> None:
-        self.model, self.seen = model, []
-        orig = model.forward
-
-        def forward(*args, **kwargs):
-            mask = next(a for a in (*args, *kwargs.values()) if getattr(a, "dtype", None) is not None
-                        and str(a.dtype) == "torch.bool")
-            pair = (int(args[0].shape[-1]), int(mask.shape[-1]))
-            if pair not in self.seen:
-                self.seen.append(pair)
-            return orig(*args, **kwargs)
-
-        model.forward = forward  # instance attribute: removed by close()
-
-    def take(self) -> list[tuple[int, int]]:
-        out, self.seen = self.seen, []
-        return out
-
-    def close(self) -> None:
-        self.model.__dict__.pop("forward", None)
-
-
-def _build_graphs(plan: Plan, progress, task) -> tuple[list[dict], dict]:
-    """Load the plan's models and build every graph; returns one record per built input width
-    (with its graphs: one per context bucket) and load timings."""
+def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], dict]:
+    """Load the plan's models, record every block shape the engine's warm-up asks for, and
+    compile one AOTInductor package per distinct (block kind, W, C) into ``out``. Returns one
+    record per (model, W, C) and load timings."""
     import torch
 
+    from ..runtime.aoti import ShapeRecorder, compile_package, install_recorder, package_name
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
     from ..runtime.graphs import Graphs, backend_device
     from ..runtime.loading import load_model, load_tokenizer, resolve_model
@@ -199,65 +158,58 @@ def _build_graphs(plan: Plan, progress, task) -> tuple[list[dict], dict]:
         drafter = load_drafter(spec, target, tokenizer)
     load_s = time.perf_counter() - t0
 
-    h, dt = target.cfg.hidden_size, plan.dtype
+    # 1. shapes: the engine's own warm-up code, run eagerly with a recorder on every block
+    progress.update(task, description="recording shapes")
+    rec = ShapeRecorder()
+    install_recorder(target, rec)
     head = getattr(drafter, "max_depth", 0) + 1  # EAGLE: D_max + 1; standalone LM: 1
-    d_extra = {plan.prefill_chunk, head}
-    total = len(plan.target_widths) + (len(d_extra | set(drafter_widths(plan))) if drafter else 0)
-    progress.update(task, total=total, completed=0)
-
-    records: list[dict] = []
-
-    def timed(model_name: str, build, graphs, rec: _ShapeRecorder) -> None:
-        before = set(graphs.widths)
-        c0 = _counters()
-        t = time.perf_counter()
-        with torch.no_grad():
-            build()
-        secs = time.perf_counter() - t
-        new = sorted(graphs.widths - before)
-        state = _cache_state(c0, _counters())
-        seen = rec.take()
-        for w in new:
-            roles = _roles_target(plan, w) if model_name == "target" else _roles_drafter(plan, w, head)
-            ctx = sorted(c for (ww, c) in seen if ww == w)
-            records.append(
-                {
-                    "model": model_name,
-                    "role": roles,
-                    "width": w,
-                    "contexts": ctx,
-                    "n_graphs": len(ctx),
-                    "shapes": {"x": [1, w, h], "mask": [[1, w, c] for c in ctx], "slots": [1, w]},
-                    "dtype": dt,
-                    "compile_s": round(secs / len(new), 4),
-                    "cache": state,
-                }
-            )
-            if len(new) > 1:
-                records[-1]["built_together"] = new
-            progress.update(task, advance=1, description=f"{model_name} W={w}")
-
-    graphs = Graphs(target, "performance", backend=plan.backend)
-    rec = _ShapeRecorder(target)
-    try:
+    uses: list[tuple[str, str, tuple[str, int, int]]] = []  # (model, role, shape)
+    with torch.no_grad():
+        graphs = Graphs(target, "performance", backend=plan.backend)
         for w in plan.target_widths:
-            progress.update(task, description=f"target W={w}")
-            timed("target", lambda w=w: graphs.warm_up([w]), graphs, rec)
-    finally:
-        rec.close()
-    if drafter is not None:
-        dg = drafter.graphs
-        rec = _ShapeRecorder(dg.model)
-        try:
-            # first call: the drafter's own widths (prefill chunk; EAGLE's head), then one per W_d
-            progress.update(task, description="drafter prefill")
-            timed("drafter", lambda: drafter.setup(n_slots, [plan.prefill_chunk], plan.prefill_chunk), dg, rec)
+            graphs.warm_up([w])
+            uses += [("target", _roles_target(plan, w), k) for k in rec.take()]
+        if drafter is not None:
+            install_recorder(drafter.graphs.model, rec)
+            drafter.setup(n_slots, [plan.prefill_chunk], plan.prefill_chunk)
+            uses += [("drafter", "prefill+head", k) for k in rec.take()]
             for w in drafter_widths(plan):
-                progress.update(task, description=f"drafter W={w}")
-                timed("drafter", lambda w=w: drafter.setup(n_slots, [w], plan.prefill_chunk), dg, rec)
-        finally:
-            rec.close()
-    return records, {"load_s": round(load_s, 3), "n_slots": n_slots}
+                drafter.setup(n_slots, [w], plan.prefill_chunk)
+                uses += [("drafter", _roles_drafter(plan, w, head), k) for k in rec.take()]
+
+    # 2. one package per distinct shape
+    todo = list(rec.examples)
+    progress.update(task, total=len(todo), completed=0)
+    secs: dict[tuple[str, int, int], float] = {}
+    for key in todo:
+        kind, w, c = key
+        progress.update(task, description=f"W={w} C={c}")
+        t = time.perf_counter()
+        compile_package(rec.blocks[kind], rec.examples[key], out / package_name(kind, w, c))
+        secs[key] = time.perf_counter() - t
+        progress.update(task, advance=1)
+
+    dt = plan.dtype
+    records, done = [], set()
+    for model_name, roles, key in uses:
+        kind, w, c = key
+        x = list(rec.examples[key][0].shape)
+        records.append(
+            {
+                "model": model_name,
+                "role": roles,
+                "key": kind,
+                "width": w,
+                "context": c,
+                "file": package_name(kind, w, c),
+                "shapes": {"x": x, "mask": [1, w, c], "slots": [1, w]},
+                "dtype": dt,
+                "compile_s": round(secs[key], 3) if key not in done else 0.0,
+                "cache": "compiled" if key not in done else "shared",
+            }
+        )
+        done.add(key)
+    return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads()}
 
 
 def compile_plan(
@@ -272,12 +224,9 @@ def compile_plan(
 
     Up to date (manifest matches: same plan hash, torch/python versions, model files) and not
     ``force``: returns at once without loading anything. Stale artifacts of the same plan are
-    rebuilt (inductor's cache is content-addressed, so still-valid graphs load from it).
+    rebuilt from scratch.
     A directory holding another plan's manifest is refused unless ``replace`` (keep the cache)
-    or ``force`` (start from an empty cache).
-
-    Graphs already compiled earlier in this process are reused by dynamo and not written to the
-    cache again: compile in a fresh process (as ``yggtree compile`` does)."""
+    or ``force`` (start from an empty cache)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -294,7 +243,8 @@ def compile_plan(
     if force:
         _clear(art)  # a forced rebuild starts from an empty cache
     else:
-        (art / MANIFEST).unlink(missing_ok=True)  # stale: rebuilt below (cache hits where valid)
+        (art / MANIFEST).unlink(missing_ok=True)  # stale: rebuilt below
+        shutil.rmtree(art / OLD_CACHE_SUBDIR, ignore_errors=True)
     art.mkdir(parents=True, exist_ok=True)
     prints = model_fingerprints(plan)
     missing = [f["path"] for f in prints if f.get("missing")]
@@ -302,18 +252,24 @@ def compile_plan(
         raise YggError(f"plan {plan.name!r}: model file not found: {missing[0]}")
 
     records: list[dict] = []
-    info: dict = {"load_s": 0.0, "n_slots": None}
+    info: dict = {"load_s": 0.0, "n_slots": None, "threads": None}
     if plan.backend != "eager":
         console = console or Console(stderr=True)
         columns = (
             TextColumn("[bold]compile[/] {task.description:<22}"),
             BarColumn(),
-            TextColumn("{task.completed}/{task.total} widths"),
+            TextColumn("{task.completed}/{task.total} graphs"),
             TimeElapsedColumn(),
         )
-        with inductor_cache(cache_dir(art)), Progress(*columns, console=console, transient=False) as progress:
+        out = cache_dir(art)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        # inductor's build files go to a scratch cache that is deleted afterwards: a package is
+        # self-contained, and runs never read an inductor cache
+        with tempfile.TemporaryDirectory(prefix="build-", dir=art) as scratch, inductor_cache(scratch), \
+                Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task("loading", total=None)
-            records, info = _build_graphs(plan, progress, task)
+            records, info = _build_graphs(plan, progress, task, out)
     save_plan(plan, art / PLAN_COPY)
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -325,12 +281,14 @@ def compile_plan(
         "versions": versions(),
         "models": prints,
         "n_slots": info["n_slots"],
+        # inductor's CPU kernels are built for the thread count of the compiling process
+        "threads": info["threads"],
         "cache_dir": CACHE_SUBDIR if plan.backend != "eager" else None,
         "graphs": records,
-        # distinct graphs compiled: a record "reused" had its graphs built already (a self-drafter
+        # distinct packages: a record "shared" uses one built for another model (a self-drafter
         # shares the target's block graphs)
-        "n_graphs": sum(r["n_graphs"] for r in records if r["cache"] != "reused"),
-        "n_shapes": sum(r["n_graphs"] for r in records),
+        "n_graphs": sum(r["cache"] == "compiled" for r in records),
+        "n_shapes": len(records),
         "compile_s": round(sum(r["compile_s"] for r in records), 3),
         "load_s": info["load_s"],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -353,13 +311,12 @@ def graph_table(summary: dict):
         f"{summary['size_bytes'] / 1e6:.1f} MB in {summary.get('dir', '')} [{summary.get('status', '')}]"
     )
     t = Table(title=title)
-    for name in ("model", "role", "W", "graphs", "block input x", "mask contexts C", "compile s", "cache"):
-        right = name in ("W", "graphs", "compile s")
+    for name in ("model", "role", "W", "C", "block input x", "compile s", "package"):
+        right = name in ("W", "C", "compile s")
         t.add_column(name, justify="right" if right else "left", no_wrap=True)
     for r in summary["graphs"]:
         x = "[" + ",".join(str(v) for v in r["shapes"]["x"]) + "]"
-        ctx = ",".join(str(c) for c in r["contexts"])
-        t.add_row(r["model"], r["role"], str(r["width"]), str(r["n_graphs"]), x, ctx,
+        t.add_row(r["model"], r["role"], str(r["width"]), str(r["context"]), x,
                   f"{r['compile_s']:.2f}", r["cache"])
     return t
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig, TreeParams
-from .graphs import check_backend, inductor_cache
+from .graphs import check_backend
 from .loading import load_model, load_tokenizer, resolve_model
 
 
@@ -91,14 +90,19 @@ def load_drafter(spec: EngineSpec, target, tokenizer):
     return LMDrafter(model, spec.mode)
 
 
-def build_engine(spec: EngineSpec):
-    """Load the target, its tokenizer and the drafter; build and warm up the engine."""
+def build_engine(spec: EngineSpec, prepare=None):
+    """Load the target, its tokenizer and the drafter; build and warm up the engine.
+
+    ``prepare(target, drafter)``, when given, runs after loading and before the engine is built
+    (``build_plan_engine`` installs the plan's compiled graphs there)."""
     if spec.drafter:
         spec.tree.validate()  # impossible trees are refused before anything loads
     src = resolve_model(spec.model)
     target = load_model(src, spec.dtype)
     tokenizer = load_tokenizer(src)
     drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
+    if prepare is not None:
+        prepare(target, drafter)
     cfg = EngineConfig(
         mode=spec.mode,
         max_context=spec.max_context,
@@ -164,13 +168,34 @@ def use_widths(
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
-    plan's artifact directory, see ``yggtree.plan.artifact_dir``) graphs are loaded from / saved
-    to its inductor cache; check them first with ``yggtree.plan.check_artifacts``."""
-    from ..plan import cache_dir
-
+    plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
+    ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
+    drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
+    Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start)."""
     spec = EngineSpec.from_plan(plan, mode)
-    scope = inductor_cache(cache_dir(artifacts)) if artifacts is not None else nullcontext()
-    with scope:
-        engine, tokenizer = build_engine(spec)
-        warm_plan(engine, plan)
+    prepare = None
+    if artifacts is not None and spec.mode == "performance" and plan.backend == "inductor-cpu":
+        prepare = _package_installer(Path(artifacts))
+    engine, tokenizer = build_engine(spec, prepare)
+    warm_plan(engine, plan)
     return engine, tokenizer
+
+
+def _package_installer(art: Path):
+    """``prepare`` hook of :func:`build_engine`: load the packages listed in ``art``'s manifest
+    and install them on the target's and the drafter's blocks."""
+    from ..plan import cache_dir, read_manifest
+    from .aoti import PackageSet, install_packages
+
+    manifest = read_manifest(art)
+    if manifest is None:
+        raise YggError(f"no compiled artifacts in {art}: run `yggtree compile` on the plan first")
+    entries = sorted({(g["key"], g["width"], g["context"]) for g in manifest["graphs"]})
+    packages = PackageSet.load(cache_dir(art), entries, manifest["n_slots"])
+
+    def prepare(target, drafter) -> None:
+        install_packages(target, packages)
+        if drafter is not None:
+            install_packages(drafter.graphs.model, packages)
+
+    return prepare

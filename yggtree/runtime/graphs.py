@@ -9,6 +9,11 @@ embedding, RoPE gather, mask construction, LM head) runs as a handful of eager o
 After :meth:`Graphs.warm_up` every shape the engine can request has a graph; decoding then runs
 under ``torch.compiler.set_stance("fail_on_recompile")`` so a shape that slipped through is an
 error, never a silent compile in the decode loop.
+
+A compiled plan replaces dynamo altogether: its blocks run AOTInductor packages loaded from
+``compile/<plan>/`` (:mod:`yggtree.runtime.aoti`, installed before the engine is built). Warm-up
+then only checks that every (width, context bucket) has a package; nothing is traced or compiled
+in the process, and a missing shape is a YggError.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from ..errors import YggError
 from . import steps
+from .aoti import PackageSet, static_blocks
 from .model import Transformer
 
 MODES = ("reference", "performance")
@@ -59,7 +65,7 @@ class Graphs:
         if self.mode not in MODES:
             raise YggError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         opts = compile_options(self.backend) if self.mode == "performance" else None
-        if opts is not None:  # backend "eager" gives None: no graphs
+        if opts is not None and static_blocks(self.model) is None:  # "eager" gives None: no graphs
             for block in self.model.layers:
                 block.compile(**opts)
 
@@ -84,6 +90,11 @@ class Graphs:
             self.widths.update(todo)
             return
         t0 = time.perf_counter()
+        if isinstance(static_blocks(self.model), PackageSet):  # loaded packages: check only
+            self._require_packages(todo)
+            self.widths.update(todo)
+            self.compile_s += time.perf_counter() - t0
+            return
         dev = self.model.embed_tokens.weight.device
         zero = torch.zeros((), dtype=torch.int64, device=dev)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
@@ -96,13 +107,31 @@ class Graphs:
         self.widths.update(todo)
         self.compile_s += time.perf_counter() - t0
 
+    def _require_packages(self, widths: list[int]) -> None:
+        """YggError unless every (width, bucket) of ``widths`` has a loaded package."""
+        packages = static_blocks(self.model)
+        if self.model.cache_slots != packages.n_slots:
+            raise YggError(
+                f"the compiled graphs are for a {packages.n_slots}-slot KV cache, this engine has "
+                f"{self.model.cache_slots}: build the engine from its plan"
+            )
+        runners = self.model.layers[0].forward.runners  # every layer has the same kind
+        have = sorted({w for w, _ in runners})
+        for w in widths:
+            for c in self.buckets:
+                if c >= w and (w, c) not in runners:
+                    raise YggError(
+                        f"width {w} is not in the compiled set {have} (context {c}); add it to "
+                        "the plan and recompile"
+                    )
+
     def frozen(self):
         """Context for the decode loop: compiled mode may not compile anything new.
 
         Every shape the loop can request was built by :meth:`warm_up`, so dynamo only needs the
         guards that tell those graphs apart (``skip_guard_eval_unsafe``): full guard evaluation
         costs ~0.1-0.3 ms per block call, i.e. several percent of a decode step on a CPU."""
-        if self.compiled:
+        if self.compiled and static_blocks(self.model) is None:
             return torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()
 

@@ -1,0 +1,188 @@
+"""AOTInductor packages of decoder blocks: compiled ahead of time, loaded at run time with no dynamo.
+
+One package per (block kind, input width W, context C). A block kind is the block's class and the
+shapes and dtypes of its weights and KV cache (:func:`block_key`), so every layer of a model --
+and a self-drafter's copy of it -- shares one package per shape: the package takes the layer's
+weights and KV cache as inputs and writes the cache in place (an exported input mutation).
+
+    block inputs   x [1, W, H], cos [1, W, 1, D/2] f32, sin [1, W, 1, D/2] f32, slots [1, W] i64,
+                   mask [1, W, C] bool, then the cache k, v [1, S, Hkv, D] (mutated), then the
+                   weights in ``named_parameters`` order
+    block output   [1, W, H]
+
+Compile side (``yggtree compile``): :class:`ShapeRecorder` runs the engine's usual warm-up
+eagerly and records every (kind, W, C) a block is called with; :func:`compile_package` exports
+and compiles each. Run side: :func:`install_packages` makes every block of a model call its
+packages (:class:`PackagedForward`); a shape with no package is a YggError, never a compile.
+Activation inputs are made contiguous at the call (a no-op for the target, whose inputs already
+are), because a package assumes the strides it was compiled for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import YggError
+
+N_ACT = 5  # x, cos, sin, slots, mask
+
+
+def block_key(block: nn.Module) -> str:
+    """12 hex digits naming a block's kind: class, heads, weight shapes and dtypes. The cache
+    size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
+    cfg = block.self_attn.cfg
+    parts = [type(block).__qualname__, f"heads{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"]
+    parts += [f"{n}{tuple(p.shape)}{p.dtype}" for n, p in block.named_parameters()]
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
+
+
+def package_name(key: str, width: int, context: int) -> str:
+    return f"block-{key}-w{width}-c{context}.pt2"
+
+
+class _BlockFn(nn.Module):
+    """A block as a function of its activations, KV cache and weights (what is exported)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.names = [n for n, _ in block.named_parameters()]
+
+    def forward(self, x, cos, sin, slots, mask, k, v, *weights):
+        state = dict(zip(self.names, weights))
+        state["self_attn.cache.k"], state["self_attn.cache.v"] = k, v
+        return torch.func.functional_call(self.block, state, (x, cos, sin, slots, mask))
+
+
+def _block_args(block: nn.Module, acts) -> list[torch.Tensor]:
+    cache = block.self_attn.cache
+    return [*acts, cache.k, cache.v, *(p for _, p in block.named_parameters())]
+
+
+def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> Path:
+    """Export ``block`` at the shapes of ``example`` (its 5 activation inputs) and compile it into
+    the AOTInductor package ``path``. The block's own cache is only read for its shape."""
+    cache = block.self_attn.cache
+    acts = tuple(a.contiguous() for a in example)
+    args = (*acts, cache.k.clone(), cache.v.clone(), *(p.detach() for _, p in block.named_parameters()))
+    with torch.no_grad():
+        ep = torch.export.export(_BlockFn(block), args, strict=False)
+        out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    return Path(out)
+
+
+# ----------------------------------------------------------------------------- compile side
+
+
+class ShapeRecorder:
+    """Installed on a model's blocks while ``yggtree compile`` warms an engine up: every block
+    call runs eagerly and records its (kind, W, C) with example activations."""
+
+    def __init__(self) -> None:
+        self.examples: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
+        self.blocks: dict[str, nn.Module] = {}  # one block of each kind (to export)
+        self.seen: list[tuple[str, int, int]] = []  # shapes called since the last take()
+
+    def forward_of(self, block: nn.Module):
+        orig, key0 = block.forward, block_key(block)
+
+        def forward(x, cos, sin, slots, mask):
+            key = (key0, int(x.shape[1]), int(mask.shape[-1]))
+            if key not in self.examples:
+                self.examples[key] = tuple(t.detach().clone() for t in (x, cos, sin, slots, mask))
+                self.blocks.setdefault(key0, block)
+            if key not in self.seen:
+                self.seen.append(key)
+            return orig(x, cos, sin, slots, mask)
+
+        return forward
+
+    def take(self) -> list[tuple[str, int, int]]:
+        out, self.seen = self.seen, []
+        return out
+
+
+# ----------------------------------------------------------------------------- run side
+
+
+@dataclass(frozen=True)
+class PackageSet:
+    """Loaded packages: (block key, W, C) -> AOTI model runner, all for a cache of ``n_slots``."""
+
+    runners: dict  # (str, int, int) -> torch._C._aoti.AOTIModelPackageLoader
+    n_slots: int
+
+    @classmethod
+    def load(cls, root: Path, entries: list[tuple[str, int, int]], n_slots: int) -> "PackageSet":
+        from torch._C._aoti import AOTIModelPackageLoader
+
+        runners = {}
+        for key, w, c in entries:
+            path = Path(root) / package_name(key, w, c)
+            if not path.is_file():
+                raise YggError(f"compiled graph {path} is missing: recompile the plan (yggtree compile --force)")
+            runners[(key, w, c)] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        return cls(runners, n_slots)
+
+    def shapes(self, key: str) -> list[tuple[int, int]]:
+        return sorted((w, c) for (k, w, c) in self.runners if k == key)
+
+
+class PackagedForward:
+    """A block's forward that runs its compiled package for the call's (W, C)."""
+
+    def __init__(self, block: nn.Module, packages: PackageSet) -> None:
+        self.block = block
+        self.key = block_key(block)
+        self.weights = [p for _, p in block.named_parameters()]
+        self.runners = {(w, c): r for (k, w, c), r in packages.runners.items() if k == self.key}
+        if not self.runners:
+            raise YggError(f"no compiled graph matches this model's blocks (kind {self.key}); recompile the plan")
+
+    def __call__(self, x, cos, sin, slots, mask):
+        runner = self.runners.get((x.shape[1], mask.shape[-1]))
+        if runner is None:
+            have = sorted({w for w, _ in self.runners})
+            raise YggError(
+                f"no compiled graph for block input width {x.shape[1]} at context {mask.shape[-1]} "
+                f"(compiled widths: {have}); add the width to the plan and recompile"
+            )
+        cache = self.block.self_attn.cache
+        acts = (x.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous(), mask.contiguous())
+        return runner.run([*acts, cache.k, cache.v, *self.weights])[0]
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    return list(model.layers)
+
+
+def install_recorder(model: nn.Module, recorder: ShapeRecorder) -> None:
+    """Record (and run eagerly) every block call of ``model`` (see :class:`ShapeRecorder`)."""
+    for block in blocks_of(model):
+        _uncompile(block)
+        block.forward = recorder.forward_of(block)
+    model.static_blocks = recorder
+
+
+def install_packages(model: nn.Module, packages: PackageSet) -> None:
+    """Make every block of ``model`` run its compiled packages (no dynamo, no compile)."""
+    for block in blocks_of(model):
+        _uncompile(block)
+        block.forward = PackagedForward(block, packages)
+    model.static_blocks = packages
+
+
+def static_blocks(model: nn.Module):
+    """What runs ``model``'s blocks: a PackageSet, a ShapeRecorder, or None (dynamo / eager)."""
+    return getattr(model, "static_blocks", None)
+
+
+def _uncompile(block: nn.Module) -> None:
+    # ``nn.Module.compile`` stores its wrapper here; None restores the plain call path, so the
+    # instance ``forward`` set next is what runs
+    block._compiled_call_impl = None
