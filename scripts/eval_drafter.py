@@ -63,6 +63,16 @@ def make_engine(args, src, tokenizer, tp: TreeParams | None):
     return Engine(target, cfg, drafter, eos_of(target, tokenizer))
 
 
+def interleave(prompts: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """MT-Bench and HumanEval prompts alternately (each set in its own order)."""
+    mt = [p for p in prompts if p[0].startswith("mtbench")]
+    he = [p for p in prompts if not p[0].startswith("mtbench")]
+    out = []
+    for i in range(max(len(mt), len(he))):
+        out += mt[i : i + 1] + he[i : i + 1]
+    return out
+
+
 def summarise(name: str, tp: TreeParams | None, recs: list[dict]) -> dict:
     out = {"config": name, "tree": None if tp is None else [tp.draft_width, tp.draft_depth, tp.verify_width, tp.top_k]}
     out["prompts"] = len(recs)
@@ -147,6 +157,8 @@ def run(args) -> int:
     src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
     prompts = load_prompts(args.mtbench, args.humaneval, tokenizer) if args.mtbench + args.humaneval else []
+    if args.interleave:  # MT-Bench and HumanEval alternate, so a stopped run has both sets
+        prompts = interleave(prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     costs, records, tree_of = [], {}, {}
     t_start = time.perf_counter()
@@ -293,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbench", type=int, default=40)
     p.add_argument("--humaneval", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate MT-Bench and HumanEval prompts (a stopped run keeps both sets)")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--tree", action="append", help="NAME=W_d,D,W_v,top_k (repeatable)")
