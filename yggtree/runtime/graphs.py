@@ -122,7 +122,7 @@ class Graphs:
                 if c >= w and (w, c) not in runners:
                     raise YggError(
                         f"width {w} is not in the compiled set {have} (context {c}); add it to "
-                        "the plan and recompile"
+                        "the plan and recompile (yggtree compile --force if the plan lists it)"
                     )
 
     def frozen(self):
