@@ -39,6 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -177,7 +178,10 @@ def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], di
                 drafter.setup(n_slots, [w], plan.prefill_chunk)
                 uses += [("drafter", _roles_drafter(plan, w, head), k) for k in rec.take()]
 
-    # 2. one package per distinct shape
+    # 2. one package per distinct shape, exported from blocks with their plain forward again
+    for model in (target, drafter.graphs.model if drafter is not None else None):
+        for block in model.layers if model is not None else ():
+            block.__dict__.pop("forward", None)
     todo = list(rec.examples)
     progress.update(task, total=len(todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
@@ -185,7 +189,9 @@ def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], di
         kind, w, c = key
         progress.update(task, description=f"W={w} C={c}")
         t = time.perf_counter()
-        compile_package(rec.blocks[kind], rec.examples[key], out / package_name(kind, w, c))
+        with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
+            compile_package(rec.blocks[kind], rec.examples[key], out / package_name(kind, w, c))
         secs[key] = time.perf_counter() - t
         progress.update(task, advance=1)
 

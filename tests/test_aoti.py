@@ -1,0 +1,113 @@
+"""The package runtime (``yggtree.runtime.aoti``) without compiling anything: every block of a tiny
+engine runs fake "packages" that call the exported function (:class:`_BlockFn`: weights and KV cache
+as inputs, the cache written in place) eagerly. Greedy tokens equal the reference engine's for a
+self-drafter and an EAGLE drafter, dynamo never runs, and a shape with no package is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yggtree.errors import YggError
+from yggtree.runtime.aoti import PackageSet, _BlockFn, block_key, install_packages, static_blocks
+from yggtree.runtime.drafters import LMDrafter
+from yggtree.runtime.eagle import EagleDrafter
+from yggtree.runtime.kv_cache import KVCache
+from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+from yggtree.runtime.model import ModelConfig, Transformer
+
+TREE = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+CHUNK, MAX_CTX = 8, 60
+N_SLOTS = MAX_CTX + max(TREE.verify_width, TREE.tree_size) + 1
+PROMPTS = [list(range(5, 12)), [(7 * i) % 90 + 3 for i in range(23)]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared, loaded machine: tiny matmuls on 2 threads crawl
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(seed=0) -> Transformer:
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    m = Transformer(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m.eval().requires_grad_(False)
+
+
+class FakeRunner:
+    """Stands in for an AOTIModelPackageLoader of one (kind, W, C): checks the shape it was
+    'compiled' for and runs the exported function eagerly on the flat inputs."""
+
+    def __init__(self, block, w, c) -> None:
+        self.fn, self.w, self.c, self.calls = _BlockFn(block), w, c, 0
+
+    def run(self, args):
+        assert args[0].shape[1] == self.w and args[4].shape[-1] == self.c
+        assert all(a.is_contiguous() for a in args[:5])
+        self.calls += 1
+        return [self.fn(*args)]
+
+
+def fake_packages(blocks, shapes) -> PackageSet:
+    """Runners for each block kind; each runs a fresh copy of the block class (every weight and
+    the cache come from the call's inputs, so any block of the kind will do)."""
+    runners = {}
+    for b in blocks:
+        cfg = b.self_attn.cfg
+        clean = type(b)(cfg).eval().requires_grad_(False)
+        clean.self_attn.cache = KVCache(1, cfg.num_kv_heads, 1, cfg.head_dim, torch.float32, "cpu")
+        for w, c in shapes:
+            runners[(block_key(b), w, c)] = FakeRunner(clean, w, c)
+    return PackageSet(runners, N_SLOTS)
+
+
+def make(mode, drafter_kind, packages_for=None):
+    target = tiny()
+    if drafter_kind == "self":
+        drafter = LMDrafter(target.shared_copy(), mode)
+    else:
+        drafter = EagleDrafter.random(target, mode, max_depth=TREE.draft_depth, seed=3)
+    if packages_for is not None:
+        dmodel = drafter.graphs.model
+        pset = fake_packages([target.layers[0], dmodel.layers[0]], packages_for)
+        install_packages(target, pset)
+        install_packages(dmodel, pset)
+    cfg = EngineConfig(mode=mode, max_context=MAX_CTX, prefill_chunk=CHUNK, tree=TREE)
+    return Engine(target, cfg, drafter)
+
+
+@pytest.mark.parametrize("drafter_kind", ["self", "eagle"])
+def test_packaged_engine_equals_reference_without_dynamo(drafter_kind):
+    from torch._dynamo.utils import counters
+
+    widths = {CHUNK, 1, TREE.verify_width, TREE.draft_width, TREE.draft_depth + 1}
+    eng = make("performance", drafter_kind, packages_for=[(w, N_SLOTS) for w in widths])
+    assert isinstance(static_blocks(eng.target), PackageSet)
+    ref = make("reference", drafter_kind)
+    frames = counters["frames"]["total"]
+    for p in PROMPTS:
+        params = SamplingParams(max_new_tokens=12)
+        assert eng.generate(p, params).token_ids == ref.generate(p, params).token_ids
+    assert counters["frames"]["total"] == frames  # dynamo never ran
+    runners = eng.target.layers[0].forward.runners
+    assert sum(r.calls for r in runners.values()) > 0
+
+
+def test_missing_width_is_refused():
+    with pytest.raises(YggError, match=r"width 6 is not in the compiled set \[1, 2, 4, 8\]"):
+        make("performance", "self", packages_for=[(w, N_SLOTS) for w in (1, 2, 4, CHUNK)])
+
+
+def test_wrong_cache_size_is_refused():
+    pset = fake_packages([tiny().layers[0]], [(1, 99)])
+    target = tiny()
+    install_packages(target, PackageSet(pset.runners, 99))
+    with pytest.raises(YggError, match="99-slot KV cache"):
+        Engine(target, EngineConfig(mode="performance", max_context=MAX_CTX, prefill_chunk=1))
