@@ -27,6 +27,9 @@ class EngineSpec:
     max_context: int = 1024
     prefill_chunk: int = 64
     tree: TreeParams = TreeParams()
+    # a plan's compiled width sets (the envelope a step policy chooses from; empty: tree's own)
+    draft_widths: tuple[int, ...] = ()
+    verify_widths: tuple[int, ...] = ()
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None) -> "EngineSpec":
@@ -53,6 +56,8 @@ class EngineSpec:
             max_context=plan.max_context,
             prefill_chunk=plan.prefill_chunk,
             tree=tree,
+            draft_widths=tuple(plan.draft_widths) if plan.speculative else (),
+            verify_widths=tuple(plan.verify_widths) if plan.speculative else (),
         )
 
 
@@ -108,6 +113,8 @@ def build_engine(spec: EngineSpec, prepare=None):
         max_context=spec.max_context,
         prefill_chunk=spec.prefill_chunk,
         tree=spec.tree if drafter is not None else None,
+        draft_widths=spec.draft_widths if drafter is not None else (),
+        verify_widths=spec.verify_widths if drafter is not None else (),
     )
     eos = tuple(target.cfg.eos_token_ids) or (
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -145,6 +152,10 @@ def warm_plan(engine: Engine, plan) -> None:
     engine.graphs.warm_up(list(plan.target_widths))
     if engine.drafter is not None:
         engine.drafter.setup(engine.n_slots, drafter_widths(plan), plan.prefill_chunk)
+        # a step policy may now choose any of the plan's widths
+        engine.draft_widths = tuple(sorted({*engine.draft_widths, *plan.draft_widths}))
+        engine.verify_widths = tuple(sorted({*engine.verify_widths, *plan.verify_widths}))
+        engine.d_max = max(engine.d_max, plan.d_max)
 
 
 def use_widths(
@@ -157,8 +168,9 @@ def use_widths(
     """Make the engine speculate with one choice of widths from the plan's compiled set (YggError
     naming the set otherwise); None keeps the largest. Returns the TreeParams now in use.
 
-    Until the engine takes tree parameters per call this replaces ``engine.cfg.tree``; the caches
-    stay sized for the plan's envelope, so any compiled choice fits."""
+    This sets ``engine.cfg.tree``, the shape used when ``generate`` gets no step policy (a
+    :class:`~yggtree.runtime.policy.StepPolicy` chooses per step instead); the caches stay sized
+    for the plan's envelope, so any compiled choice fits."""
     if engine.drafter is None:
         raise YggError(f"plan {plan.name!r} has no drafter: there are no tree widths to choose")
     tp = plan.tree_params(draft_width, verify_width, draft_depth)

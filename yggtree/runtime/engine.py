@@ -8,6 +8,10 @@ One speculation step (DESIGN section 2)::
     verify target over the W_v nodes, tree mask                   -> logits at every node
     accept greedy or lossless sampling                            -> accepted path + bonus
     commit move the accepted path's KV to contiguous slots (target and drafter)
+
+The tree shape may change every step: a :class:`~yggtree.runtime.policy.StepPolicy` picks
+(D, W_d) before drafting and W_v after it, among the compiled widths; the caches are sized for
+the envelope (D_max, largest W_d, largest W_v). Without a policy every step uses ``cfg.tree``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from .drafters import Drafter
 from .egt import egt_expand, egt_feed_inputs, egt_init, egt_select
 from .graphs import Graphs
 from .model import Transformer
+from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 from .prune import prune_topk, subtree
 from .tree import ancestor_mask, check_invariants
 
-STAGES = ("head", "draft", "prune", "verify", "accept", "commit")
+STAGES = ("head", "draft", "prune", "verify", "accept", "commit", "policy", "resync")
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,12 @@ class EngineConfig:
     mode: str = "performance"  # reference (eager, checks) | performance (compiled)
     max_context: int = 1024  # prompt + generated tokens
     prefill_chunk: int = 64
-    tree: TreeParams | None = None  # None: plain decoding
+    tree: TreeParams | None = None  # None: plain decoding; else the shape used without a policy
+    # the envelope a step policy may choose from (each also includes cfg.tree's own value;
+    # W_v = 1 is always available): caches and graphs are built for all of it
+    draft_widths: tuple[int, ...] = ()  # compiled W_d choices
+    verify_widths: tuple[int, ...] = ()  # compiled W_v choices
+    d_max: int = 0  # most drafter calls per step (0: cfg.tree.draft_depth)
 
 
 @dataclass
@@ -122,12 +132,28 @@ class Engine:
         self.eos_ids = tuple(eos_ids)
         self.graphs = Graphs(target, cfg.mode)
         tree = cfg.tree
-        reserve = max(tree.verify_width, tree.tree_size) if tree else 1
+        if tree is not None:
+            self.draft_widths = tuple(sorted({tree.draft_width, *cfg.draft_widths}))
+            self.verify_widths = tuple(sorted({1, tree.verify_width, *cfg.verify_widths}))
+            self.d_max = max(tree.draft_depth, cfg.d_max)
+            bad = [w for w in self.draft_widths + self.verify_widths if w < 1]
+            if bad:
+                raise YggError(f"tree widths must be >= 1, got {bad[0]}")
+            reserve = max(max(self.verify_widths), 1 + self.d_max * max(self.draft_widths))
+        else:
+            self.draft_widths, self.verify_widths, self.d_max = (), (1,), 0
+            reserve = 1
         self.n_slots = cfg.max_context + reserve + 1  # + scratch slot
         target.setup_cache(1, self.n_slots)
-        self.graphs.warm_up([cfg.prefill_chunk, 1] + ([tree.verify_width] if tree else []))
+        self.graphs.warm_up([cfg.prefill_chunk, 1, *self.verify_widths])
+        self._feat_buf: tuple[torch.Tensor, ...] = ()  # per drafter layer [n_slots, H]
         if drafter is not None:
-            drafter.setup(self.n_slots, [cfg.prefill_chunk, 1, tree.draft_width], cfg.prefill_chunk)
+            drafter.setup(self.n_slots, [cfg.prefill_chunk, 1, *self.draft_widths], cfg.prefill_chunk)
+            w = target.embed_tokens.weight
+            self._feat_buf = tuple(
+                torch.zeros(self.n_slots, target.cfg.hidden_size, dtype=w.dtype, device=w.device)
+                for _ in drafter.target_layers
+            )
 
     @property
     def compile_s(self) -> float:
@@ -153,18 +179,21 @@ class Engine:
         if bad:
             raise YggError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
-    def _prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Chunked prefill of the target. Returns last logits [V] and captured layers [n, H]."""
+    def _prefill(
+        self, prompt: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Chunked prefill of the target. Returns last logits [V], the last token's final hidden
+        state [H] and captured layers [n, H]."""
         c = self.cfg.prefill_chunk
         n = prompt.shape[0]
         layers = self.drafter.target_layers if self.drafter is not None else ()
         feats: list[list[torch.Tensor]] = [[] for _ in layers]
-        logits = None
+        logits = hidden = None
         for start in range(0, n, c):
             part = prompt[start : start + c]
             buf = torch.zeros(c, dtype=torch.int64)
             buf[: part.shape[0]] = part
-            logits, _, caps = steps.prefill_chunk(
+            logits, hidden, caps = steps.prefill_chunk(
                 self.target,
                 buf[None],
                 torch.tensor(start),
@@ -174,7 +203,8 @@ class Engine:
             )
             for f, x in zip(feats, caps):
                 f.append(x[0, : part.shape[0]])
-        return logits[0], tuple(torch.cat(f) for f in feats)
+            last = hidden[0, part.shape[0] - 1]
+        return logits[0], last, tuple(torch.cat(f) for f in feats)
 
     @staticmethod
     def _choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -191,43 +221,56 @@ class Engine:
         params: SamplingParams = SamplingParams(),
         on_tokens: Callable[[list[int]], None] | None = None,
         trace: Callable[[dict], None] | None = None,
+        policy: StepPolicy | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
     ) -> Result:
         """Decode up to ``params.max_new_tokens`` tokens; ``on_tokens`` receives each emission.
 
         ``trace`` (reference mode) receives one JSON-ready record per decode step: the drafted
-        tree, the kept nodes, the accepted path, the emitted tokens and the stage times."""
+        tree, the kept nodes, the accepted path, the emitted tokens and the stage times.
+        ``policy`` chooses (D, W_d, W_v) every speculation step (None: ``cfg.tree`` every step);
+        ``on_step`` receives a :class:`StepRecord` per speculation step."""
         if trace is not None and self.cfg.mode != "reference":
             raise YggError("step traces are written in reference mode only (--mode reference)")
+        if (policy is not None or on_step is not None) and self.drafter is None:
+            raise YggError("a step policy or on_step callback needs a speculative engine (a drafter)")
         self._check_prompt(prompt_ids, params)
         gen = torch.Generator().manual_seed(params.seed)
         stats = {name: 0.0 for name in STAGES}
         t0 = time.perf_counter()
         with torch.no_grad(), self.graphs.frozen():
             prompt = torch.tensor(prompt_ids, dtype=torch.int64)
-            logits, feats = self._prefill(prompt)
+            logits, h_root, feats = self._prefill(prompt)
             first = self._choose(logits, params, gen)
             ttft = time.perf_counter() - t0
             out, reason = truncate([first], self.eos_ids, params.max_new_tokens)
             if on_tokens:
                 on_tokens(out)
-            counters = {"verify_calls": 0, "draft_calls": 0, "accepted_tokens": 0, "accept_hist": []}
+            counters = {
+                "verify_calls": 0, "draft_calls": 0, "accepted_tokens": 0, "accept_hist": [],
+                "plain_steps": 0, "resyncs": 0,
+            }
             if reason is None:
                 if self.drafter is None:
                     reason = self._plain_loop(
                         out, len(prompt_ids), params, gen, on_tokens, counters, trace
                     )
                 else:
+                    for buf, x in zip(self._feat_buf, feats):
+                        buf[: x.shape[0]] = x
                     with self.drafter.frozen():
                         self.drafter.prefill(prompt, feats)
                         reason = self._spec_loop(
-                            out, len(prompt_ids), params, gen, on_tokens, counters, stats, trace
+                            out, prompt_ids, params, gen, on_tokens, counters, stats, trace,
+                            policy, on_step, h_root,
                         )
         total = time.perf_counter() - t0
         n = len(out)
-        stats = self._stats(n, total, ttft, counters, stats)
+        d = self.d_max if policy is not None else (self.cfg.tree.draft_depth if self.cfg.tree else 0)
+        stats = self._stats(n, total, ttft, counters, stats, d)
         return Result(out, list(prompt_ids), reason, stats)
 
-    def _stats(self, n: int, total: float, ttft: float, c: dict, stage: dict) -> dict:
+    def _stats(self, n: int, total: float, ttft: float, c: dict, stage: dict, d: int) -> dict:
         verify = max(c["verify_calls"], 1)
         s = {
             "new_tokens": n,
@@ -241,9 +284,10 @@ class Engine:
         }
         if self.drafter is not None:
             hist = c["accept_hist"]
-            d = self.cfg.tree.draft_depth
             s.update(
                 draft_calls=c["draft_calls"],
+                plain_steps=c["plain_steps"],
+                resyncs=c["resyncs"],
                 accepted_tokens=c["accepted_tokens"],
                 aal=(c["accepted_tokens"] + c["verify_calls"]) / verify,
                 accept_by_position=[
@@ -276,18 +320,106 @@ class Engine:
             if reason is not None:
                 return reason
 
-    def _spec_loop(self, out, n_prompt, params, gen, on_tokens, counters, stage, trace) -> str:
-        tp = self.cfg.tree
+    def _check_fixed(self, tp: TreeParams) -> None:
+        """``cfg.tree`` (set by the caller, e.g. ``use_widths``) must fit the caches."""
+        room = self.n_slots - self.cfg.max_context - 1
+        if tp.draft_depth > self.d_max or max(tp.tree_size, tp.verify_width) > room:
+            raise YggError(
+                f"tree {tp} does not fit this engine's envelope (d_max {self.d_max}, "
+                f"{room} tree slots)"
+            )
+
+    def _check_choice(self, choice: StepChoice) -> tuple[int, int]:
+        d, wd = choice.draft_depth, choice.draft_width
+        if not 0 <= d <= self.d_max:
+            raise YggError(f"policy chose draft depth {d}, outside the engine's 0..{self.d_max}")
+        if d > 0 and wd not in self.draft_widths:
+            raise YggError(
+                f"policy chose draft width {wd}, not in the compiled set {list(self.draft_widths)}"
+            )
+        return d, wd
+
+    def _check_verify(self, wv: int) -> None:
+        if wv not in self.verify_widths:
+            raise YggError(
+                f"policy chose verify width {wv}, not in the compiled set {list(self.verify_widths)}"
+            )
+
+    def _resync(self, prompt_ids: list[int], out: list[int], committed: int) -> None:
+        """Re-absorb the committed sequence into the drafter after plain steps skipped it."""
+        seq = torch.tensor(list(prompt_ids) + out[:-1], dtype=torch.int64)
+        assert seq.shape[0] == committed
+        self.drafter.prefill(seq, tuple(buf[:committed] for buf in self._feat_buf))
+
+    def _spec_loop(
+        self, out, prompt_ids, params, gen, on_tokens, counters, stage, trace, policy, on_step, h_root
+    ) -> str:
         drafter = self.drafter
         check = self.cfg.mode == "reference"
-        d, wd, k, wv = tp.draft_depth, tp.draft_width, tp.top_k, tp.verify_width
-        committed = n_prompt
-        dst_off = torch.arange(1, d + 1)
+        k = self.cfg.tree.top_k
+        committed = len(prompt_ids)
         layers = drafter.target_layers
+        keep_feats = policy is not None  # a policy may take plain steps: keep features to resync
+        checked = policy is not None  # cfg.tree is checked once (use_widths may set it)
+        if policy is None:
+            self._check_fixed(self.cfg.tree)
+            policy = FixedPolicy.of(self.cfg.tree)
+        synced = True
+        zero = torch.zeros(1, dtype=torch.int64)
+        anc1 = torch.ones(1, 1, dtype=torch.bool)
         while True:
             t = time.perf_counter()
             L = torch.tensor(committed)
             root = torch.tensor(out[-1])
+            choice = policy.choose_draft(h_root, committed)
+            d, wd = self._check_choice(choice) if checked else (choice.draft_depth, choice.draft_width)
+            times = {name: 0.0 for name in STAGES}
+            tp = time.perf_counter()
+            times["policy"] = tp - t
+            if d == 0:  # plain step: the target verifies the root alone, the drafter rests
+                logits, hidden, caps = steps.tree_step(
+                    self.target, root.reshape(1), zero, zero, anc1, L, layers,
+                    self.graphs.bucket(committed + 1),
+                )
+                counters["verify_calls"] += 1
+                counters["plain_steps"] += 1
+                counters["accept_hist"].append(0)
+                for buf, x in zip(self._feat_buf, caps):
+                    buf[committed] = x[0]
+                t4 = time.perf_counter()
+                new, reason = truncate(
+                    [self._choose(logits[0], params, gen)], self.eos_ids,
+                    params.max_new_tokens - len(out),
+                )
+                out.extend(new)
+                if on_tokens and new:
+                    on_tokens(new)
+                synced = False
+                h_next = hidden[0]
+                times["verify"], times["accept"] = t4 - tp, time.perf_counter() - t4
+                for name, v in times.items():
+                    stage[name] += v
+                if on_step:
+                    on_step(StepRecord(
+                        h_root.float(), committed, StepChoice(0, wd), 1, 0,
+                        {n: v * 1e3 for n, v in times.items()},
+                    ))
+                if trace:
+                    trace({"step": counters["verify_calls"], "committed": committed,
+                           "plain": True, "emitted": new, "finish": reason,
+                           "stage_ms": {n: v * 1e3 for n, v in times.items()}})
+                committed += 1
+                h_root = h_next
+                if reason is not None:
+                    return reason
+                continue
+            if not synced:
+                self._resync(prompt_ids, out, committed)
+                counters["resyncs"] += 1
+                synced = True
+                tr = time.perf_counter()
+                times["resync"] = tr - tp
+                tp = tr
             head = drafter.head(root, L, k)
             t1 = time.perf_counter()
             state = egt_init(root, head.token[0], head.logp[0], d, wd)
@@ -299,6 +431,10 @@ class Engine:
             counters["draft_calls"] += d + 1
             t2 = time.perf_counter()
             tree = state.tree
+            wv = policy.choose_verify(tree, StepChoice(d, wd), committed)
+            if checked:
+                self._check_verify(wv)
+            tq = time.perf_counter()
             if check:
                 check_invariants(tree)
             kept, kept_valid = prune_topk(tree, tree.logp, wv)
@@ -308,7 +444,7 @@ class Engine:
                 check_invariants(vtree)
             t3 = time.perf_counter()
             node = torch.arange(wv)
-            logits, _, caps = steps.tree_step(
+            logits, hidden, caps = steps.tree_step(
                 self.target, vtree.token, vtree.depth, node, anc, L, layers,
                 self.graphs.bucket(committed + wv),
             )
@@ -329,23 +465,36 @@ class Engine:
             t5 = time.perf_counter()
             if reason is None:
                 path = acc.path[1:]  # [D] local verify-tree nodes of the accepted tokens (padded)
+                dst_off = torch.arange(1, d + 1)
                 steps.commit(self.target, L + path, L + dst_off)
                 feats = tuple(x[acc.path] for x in caps)
                 drafter.commit(
                     L + kept[path], L + dst_off, vtree.token[acc.path], acc.n_accepted, feats
                 )
-                committed += 1 + n_acc
+                if keep_feats:
+                    rows = L + torch.arange(d + 1)
+                    for buf, x in zip(self._feat_buf, feats):
+                        buf.index_copy_(0, rows, x)
             t6 = time.perf_counter()
-            times = {}
-            for name, a, b in zip(STAGES, (t, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
-                stage[name] += b - a
-                times[name] = (b - a) * 1e3
+            times["policy"] += tq - t2
+            for name, a, b in zip(STAGES, (tp, t1, tq, t3, t4, t5), (t1, t2, t3, t4, t5, t6)):
+                times[name] += b - a
+            for name, v in times.items():
+                stage[name] += v
+            times = {name: v * 1e3 for name, v in times.items()}
+            h_next = hidden[acc.path[n_acc]]
+            if on_step:
+                on_step(StepRecord(
+                    h_root.float(), committed, StepChoice(d, wd), wv, n_acc, times,
+                    tree, kept, kept_valid, logits.argmax(dim=-1),
+                ))
             if trace:
                 trace(
                     {
                         "step": counters["verify_calls"],
-                        "committed": committed - (1 + n_acc if reason is None else 0),
+                        "committed": committed,
                         "root": int(root),
+                        "choice": {"draft_depth": d, "draft_width": wd, "verify_width": wv},
                         "tree": {
                             "token": tree.token.tolist(),
                             "parent": tree.parent.tolist(),
@@ -364,3 +513,6 @@ class Engine:
                 )
             if reason is not None:
                 return reason
+            committed += 1 + n_acc
+            h_root = h_next
+

@@ -1,0 +1,173 @@
+"""The step-policy hook: a policy changing (D, W_d, W_v) every step, plain steps included, keeps
+greedy output identical to plain decoding; on_step records; widths outside the set are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_eagle import bigram_head
+from test_engine import tiny
+from yggtree.errors import YggError
+from yggtree.runtime.drafters import LMDrafter
+from yggtree.runtime.eagle import EagleDrafter
+from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+from yggtree.runtime.policy import FixedPolicy, StepChoice, StepRecord
+
+NEW = 30
+PROMPTS = [list(range(5, 12)), [(7 * i) % 90 + 3 for i in range(23)], [1] * 20]
+DRAFT_WIDTHS = (1, 2, 4)
+VERIFY_WIDTHS = (2, 4, 8)
+D_MAX = 4
+TREE = TreeParams(draft_width=4, draft_depth=D_MAX, verify_width=8, top_k=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_engine(target, drafter, tree=TREE) -> Engine:
+    cfg = EngineConfig(
+        mode="reference", max_context=160, prefill_chunk=8, tree=tree,
+        draft_widths=DRAFT_WIDTHS, verify_widths=VERIFY_WIDTHS, d_max=D_MAX,
+    )
+    return Engine(target, cfg, drafter)
+
+
+class Cycling:
+    """A different (D, W_d, W_v) every step, with plain steps (D = 0) and W_v = 1 mixed in."""
+
+    CHOICES = [(2, 1, 2), (0, 1, 1), (4, 4, 8), (1, 2, 4), (0, 4, 1), (0, 2, 1), (3, 2, 1), (4, 1, 4),
+               (2, 4, 8), (1, 1, 8)]
+
+    def __init__(self) -> None:
+        self.i = 0
+        self.asked: list[tuple] = []
+
+    def choose_draft(self, h_root, committed):
+        d, wd, _ = self.CHOICES[self.i % len(self.CHOICES)]
+        self.asked.append(("draft", committed, tuple(h_root.shape), h_root.dtype))
+        return StepChoice(d, wd)
+
+    def choose_verify(self, tree, choice, committed):
+        wv = self.CHOICES[self.i % len(self.CHOICES)][2]
+        self.i += 1
+        assert tree.num_nodes == 1 + choice.draft_depth * choice.draft_width
+        self.asked.append(("verify", committed))
+        return wv
+
+    # a plain step asks choose_draft only: advance there too
+    def advance_if_plain(self, rec: StepRecord) -> None:
+        if rec.choice.draft_depth == 0:
+            self.i += 1
+
+
+def drafters(target):
+    return {
+        "self": LMDrafter(target.shared_copy(), "reference"),
+        "other-lm": LMDrafter(tiny(seed=1, std=0.25), "reference"),
+        "eagle-random": EagleDrafter.random(target, "reference", max_depth=D_MAX),
+    }
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    eng = Engine(target, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
+    return [eng.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["self", "other-lm", "eagle-random", "eagle-bigram"])
+def test_changing_policy_keeps_greedy_output(target, plain, kind):
+    if kind == "eagle-bigram":
+        from test_eagle import tiny as eagle_tiny
+
+        tgt = eagle_tiny()
+        ref = Engine(tgt, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
+        want = [ref.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for p in PROMPTS]
+        drafter = bigram_head(tgt, max_depth=D_MAX)
+    else:
+        tgt, want, drafter = target, plain, drafters(target)[kind]
+    eng = make_engine(tgt, drafter)
+    for i, p in enumerate(PROMPTS):
+        pol = Cycling()
+        records: list[StepRecord] = []
+
+        def on_step(rec):
+            records.append(rec)
+            pol.advance_if_plain(rec)
+
+        res = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=pol, on_step=on_step)
+        assert res.token_ids == want[i], f"prompt {i}"
+        # one record per step, committed lengths chain up, choices as asked
+        assert len(records) == res.stats["verify_calls"]
+        committed = len(p)
+        for j, rec in enumerate(records):
+            d, wd, wv = Cycling.CHOICES[j % len(Cycling.CHOICES)]
+            assert rec.committed == committed
+            assert rec.choice == StepChoice(d, wd if d else wd)
+            assert rec.verify_width == (wv if d else 1)
+            assert rec.h_root.shape == (tgt.cfg.hidden_size,) and rec.h_root.dtype == torch.float32
+            assert 0 <= rec.n_accepted <= d
+            assert set(rec.stage_ms) >= {"head", "draft", "verify", "accept", "commit", "policy"}
+            if d:
+                assert rec.kept.shape == (wv,) and rec.target_argmax.shape == (wv,)
+            committed += 1 + rec.n_accepted
+        assert res.stats["plain_steps"] == sum(r.choice.draft_depth == 0 for r in records)
+        assert res.stats["resyncs"] >= 1
+
+
+def test_h_root_is_the_hidden_state_behind_the_root(target):
+    """h_root through the target's LM head gives the root token (greedy)."""
+    eng = make_engine(target, LMDrafter(target.shared_copy(), "reference"))
+    pol = Cycling()
+    recs = []
+    res = eng.generate(
+        PROMPTS[1], SamplingParams(max_new_tokens=NEW), policy=pol,
+        on_step=lambda r: (recs.append(r), pol.advance_if_plain(r)),
+    )
+    seq = PROMPTS[1] + res.token_ids
+    for r in recs:
+        root = seq[r.committed]
+        assert int(target.logits(r.h_root).argmax()) == root
+
+
+def test_fixed_policy_equals_no_policy(target):
+    drafter = LMDrafter(tiny(seed=1, std=0.25), "reference")
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=4, top_k=3)
+    eng = make_engine(target, drafter, tree)
+    for p in PROMPTS:
+        a = eng.generate(p, SamplingParams(max_new_tokens=NEW))
+        b = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=FixedPolicy.of(tree))
+        assert a.token_ids == b.token_ids
+        assert a.stats["accepted_tokens"] == b.stats["accepted_tokens"]
+        assert a.stats["verify_calls"] == b.stats["verify_calls"]
+
+
+@pytest.mark.parametrize(
+    "choice, wv, match",
+    [
+        ((2, 3, 4), None, r"draft width 3, not in the compiled set \[1, 2, 4\]"),
+        ((5, 1, 4), None, r"draft depth 5, outside the engine's 0..4"),
+        ((2, 2, 16), None, r"verify width 16, not in the compiled set \[1, 2, 4, 8\]"),
+    ],
+)
+def test_widths_outside_the_compiled_set_are_refused(target, choice, wv, match):
+    eng = make_engine(target, LMDrafter(target.shared_copy(), "reference"))
+    pol = FixedPolicy(StepChoice(choice[0], choice[1]), choice[2])
+    with pytest.raises(YggError, match=match):
+        eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=5), policy=pol)
+
+
+def test_policy_needs_a_drafter(target):
+    eng = Engine(target, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
+    with pytest.raises(YggError, match="needs a speculative engine"):
+        eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=5), policy=FixedPolicy(StepChoice(1, 1), 2))

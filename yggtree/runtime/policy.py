@@ -1,0 +1,78 @@
+"""Per-step tree choices: the hook through which a policy steers the decode loop.
+
+Each speculation step the engine asks its policy twice::
+
+    choice = policy.choose_draft(h_root, committed)       before drafting: D and W_d
+    w_v    = policy.choose_verify(tree, choice, committed)  after drafting: W_v
+
+and reports the step to ``on_step(StepRecord)``. The engine's caches and graphs are sized for the
+envelope (D_max, largest W_d, largest W_v), so any choice from the compiled sets fits; a width
+outside them is a YggError.
+
+``draft_depth = 0`` is a plain decoding step: no drafter call, the target verifies the root
+alone (W_v = 1, ``choose_verify`` is not asked). The drafter then falls behind; the engine
+re-absorbs the committed sequence into it (``Drafter.prefill``) before the next drafted step, a
+cost reported as the ``resync`` stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .tree import Tree
+
+__all__ = ["StepChoice", "StepRecord", "StepPolicy", "FixedPolicy"]
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    draft_depth: int  # D: drafter calls this step (1..D_max; 0 = plain step, no drafting)
+    draft_width: int  # W_d: one of the compiled draft widths (ignored when D = 0)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One speculation step, reported to ``on_step`` callbacks."""
+
+    h_root: torch.Tensor  # [H] float32: target final hidden state (final-norm output) at the
+    #                       position whose logits produced the root token (last prompt token after
+    #                       prefill, else the last accepted node of the previous verify)
+    committed: int  # committed length before this step
+    choice: StepChoice
+    verify_width: int  # W_v used
+    n_accepted: int  # drafted tokens accepted this step (bonus excluded)
+    stage_ms: dict  # per-stage wall times of this step
+    tree: Tree | None = None  # the drafted tree (N = 1 + D * W_d slots); None for a plain step
+    kept: torch.Tensor | None = None  # [W_v] int64 tree nodes verified (padding = 0)
+    kept_valid: torch.Tensor | None = None  # [W_v] bool, False for padding
+    target_argmax: torch.Tensor | None = None  # [W_v] int64 target's greedy next token per kept node
+
+
+class StepPolicy(Protocol):
+    def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice: ...
+
+    def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:  # W_v
+        ...
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """The same (D, W_d, W_v) every step: the engine's behaviour without a policy."""
+
+    choice: StepChoice
+    verify_width: int
+
+    @classmethod
+    def of(cls, tree_params) -> "FixedPolicy":
+        """From a :class:`~yggtree.runtime.engine.TreeParams`."""
+        tp = tree_params
+        return cls(StepChoice(tp.draft_depth, tp.draft_width), tp.verify_width)
+
+    def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
+        return self.choice
+
+    def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
+        return self.verify_width
