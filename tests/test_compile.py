@@ -1,8 +1,8 @@
 """``yggtree compile`` on a tiny random HF checkpoint: two AOTInductor packages are built (target
 widths 1 and 2, one context bucket; the self-drafter shares them), found up to date the second
-time, and loaded by a fresh process that then decodes with every width choice of the plan, three
-prompts of different lengths, temperatures 0 and 0.7, without dynamo ever running (no graph, no
-recompile, no graph break) and with the reference engine's greedy tokens."""
+time, and loaded by a fresh process in which a step policy drives every (D, W_d, W_v) choice of
+the plan over three prompts of different lengths at temperatures 0 and 0.7, without dynamo ever
+running (no frame, graph, recompile or graph break) and with the reference engine's greedy tokens."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ drafter: self
 max_context: 32
 prefill_chunk: 2
 draft_widths: [1, 2]
-d_max: 1
+d_max: 2
 top_k: 2
 verify_widths: [1, 2]
 sampling: {max_new_tokens: 8}
@@ -118,8 +118,30 @@ WARM = textwrap.dedent(
     from torch._dynamo.utils import counters
     from yggtree.errors import YggError
     from yggtree.plan import artifact_dir, load_plan
-    from yggtree.runtime.build import build_plan_engine, use_widths
+    from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
+    from yggtree.runtime.policy import StepChoice
+
+    class EveryChoice:  # steps through every (D, W_d, W_v) of the plan, plain steps (D = 0) included
+        def __init__(self, plan):
+            self.choices = [(0, 1, 1)] + [
+                (d, wd, wv) for d, wd, wv in itertools.product(
+                    range(1, plan.d_max + 1), plan.draft_widths, plan.verify_widths)
+                if wv <= 1 + d * wd
+            ]
+            self.i, self.used = 0, set()
+
+        def choose_draft(self, h_root, committed):
+            d, wd, _ = self.choices[self.i % len(self.choices)]
+            return StepChoice(d, wd)
+
+        def choose_verify(self, tree, choice, committed):
+            return self.choices[self.i % len(self.choices)][2]
+
+        def on_step(self, rec):
+            self.i += 1
+            d = rec.choice.draft_depth
+            self.used.add((d, rec.choice.draft_width if d else 1, rec.verify_width))
 
     torch.set_num_threads(1)
     plan = load_plan(sys.argv[1])
@@ -127,15 +149,12 @@ WARM = textwrap.dedent(
     reference, _ = build_plan_engine(plan, None, mode="reference")
     prompts = ([3, 4, 5], list(range(10, 23)), list(range(30, 37)))
     runs, same = 0, 0
-    for wd, wv, temp, prompt in itertools.product(plan.draft_widths, plan.verify_widths, (0.0, 0.7), prompts):
-        if wv > 1 + plan.d_max * wd:
-            continue
-        use_widths(engine, plan, wd, wv)
-        params = SamplingParams(max_new_tokens=6, temperature=temp, seed=1)
-        out = engine.generate(prompt, params)
+    policy = EveryChoice(plan)
+    for temp, prompt in itertools.product((0.0, 0.7), prompts):
+        params = SamplingParams(max_new_tokens=8, temperature=temp, seed=1)
+        out = engine.generate(prompt, params, policy=policy, on_step=policy.on_step)
         runs += 1
         if temp == 0.0:
-            use_widths(reference, plan, wd, wv)
             same += out.token_ids == reference.generate(prompt, params).token_ids
     try:
         engine.graphs.warm_up([3])
@@ -143,7 +162,8 @@ WARM = textwrap.dedent(
     except YggError as e:
         refused = str(e)
     print(json.dumps({
-        "runs": runs, "greedy_runs": runs // 2, "same": same, "refused": refused,
+        "runs": runs, "same": same, "refused": refused,
+        "used": sorted(policy.used), "choices": sorted(policy.choices),
         "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
         "recompiles": sum(counters["recompiles"].values()), "breaks": sum(counters["graph_break"].values()),
         "inductor": dict(counters["inductor"]),
@@ -160,8 +180,11 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["runs"] == 24 and r["same"] == r["greedy_runs"] == 12  # performance == reference
-    # every W_d x W_v choice, 3 prompt lengths, temperatures 0 and 0.7: dynamo never ran
+    assert r["runs"] == 6 and r["same"] == 3  # performance == reference, greedy
+    # a step policy drove every (D, W_d, W_v) of the plan, plain steps included, over 3 prompt
+    # lengths at temperatures 0 and 0.7 ...
+    assert r["used"] == r["choices"] and len(r["choices"]) == 9
+    # ... and dynamo never ran: no frame, no graph, no recompile, no graph break
     assert (r["frames"], r["graphs"], r["recompiles"], r["breaks"]) == (0, 0, 0, 0)
     assert r["inductor"] == {}
     assert "width 3 is not in the compiled set [1, 2]" in r["refused"]

@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compile_parser(sub)
     add_distill_parser(sub)
+    from .offline.fit import add_calibrate_parser
+    from .offline.profile import add_profile_parser
+
+    add_profile_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -1,0 +1,293 @@
+"""The latency objective: calibrated path values, AAL per W_v, the W_v / (D, W_d) choices against
+brute force on synthetic costs, pruning by top-k == DP == brute force on calibrated values, and
+refusal of missing / malformed / foreign profiles and calibrations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_prune import prune_bruteforce, random_parents
+from yggtree.errors import YggError
+from yggtree.plan import validate_plan
+from yggtree.runtime.objective import (
+    CALIBRATION_KIND, FORMAT_VERSION, PROFILE_KIND, Calibration, CostModel, Curve,
+    ObjectivePolicy, aal_by_width, best_verify, pair_identity, path_values, timing_identity,
+)
+from yggtree.runtime.policy import StepChoice
+from yggtree.runtime.prune import prune_dp, prune_topk
+from yggtree.runtime.tree import Tree
+
+
+def topo_tree(parent: list[int], logq: list[float]) -> Tree:
+    """A Tree whose node i has parent[i] < i (slot order like EGT) and edge log-prob logq[i]."""
+    n = len(parent)
+    depth, logp = [0] * n, [0.0] * n
+    for i in range(1, n):
+        depth[i] = depth[parent[i]] + 1
+        logp[i] = logp[parent[i]] + logq[i]
+    return Tree(
+        token=torch.arange(n), parent=torch.tensor(parent), depth=torch.tensor(depth),
+        valid=torch.ones(n, dtype=torch.bool), logp=torch.tensor(logp, dtype=torch.float32),
+    )
+
+
+def topo_parents(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [0] + [rng.randrange(i) for i in range(1, n)]
+
+
+CAL = Calibration((0.0, 0.3, 1.0), (0.05, 0.2, 0.9))
+
+
+def cal_scalar(q: float) -> float:
+    xs, ys = CAL.xs, CAL.ys
+    q = min(max(q, xs[0]), xs[-1])
+    for a, b, ya, yb in zip(xs, xs[1:], ys, ys[1:]):
+        if a <= q <= b:
+            return ya + (q - a) / (b - a) * (yb - ya)
+    return ys[-1]
+
+
+trees = st.tuples(st.integers(1, 9), st.integers(0, 2**31 - 1),
+                  st.lists(st.floats(0.01, 1.0), min_size=9, max_size=9))
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees)
+def test_path_values_equal_products_along_paths(t):
+    n, seed, qs = t
+    parent = topo_parents(seed, n)
+    tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    got = path_values(tree, CAL.edge_prob, d_max=n).tolist()
+    for i in range(n):
+        want, u = 1.0, i
+        while u != 0:
+            want *= cal_scalar(qs[u])
+            u = parent[u]
+        assert got[i] == pytest.approx(want, rel=1e-5, abs=1e-7)
+    # monotone along paths: the device top-k is exact for them
+    assert all(got[i] <= got[parent[i]] + 1e-7 for i in range(1, n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees, st.integers(1, 10))
+def test_topk_dp_bruteforce_agree_on_calibrated_values(t, w_v):
+    n, seed, qs = t
+    parent = topo_parents(seed, n)
+    tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    val = path_values(tree, CAL.edge_prob, d_max=n)
+    kept, ok = prune_topk(tree, val, w_v)
+    topk_value = float(val[kept[ok]].sum())
+    dp_value, _ = prune_dp(parent, val.tolist(), w_v)
+    brute = prune_bruteforce(parent, val.tolist(), w_v)
+    assert topk_value == pytest.approx(dp_value, rel=1e-5)
+    assert dp_value == pytest.approx(brute, rel=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees)
+def test_aal_by_width_is_one_plus_top_values_by_key(t):
+    n, seed, qs = t
+    parent = topo_parents(seed, n)
+    tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    val = path_values(tree, CAL.edge_prob, d_max=n)
+    widths = [1, 2, 3, 5, 8, 16]
+    got = aal_by_width(val, tree, widths)
+    # brute force: the engine keeps prune_topk(tree, logp, w); AAL = 1 + their values (root 1)
+    for w, a in zip(widths, got):
+        kept, ok = prune_topk(tree, tree.logp, w)
+        assert a == pytest.approx(float(val[kept[ok]].sum()), rel=1e-5)
+
+
+def test_best_verify_is_the_argmax():
+    widths = [1, 4, 8, 16]
+    aal = [1.0, 1.8, 2.1, 2.2]
+    step = [30.0, 40.0, 44.0, 60.0]
+    w, s = best_verify(aal, widths, step, 30.0)
+    cands = [a * 30.0 / t for a, t in zip(aal, step)]
+    assert w == widths[cands.index(max(cands))] and s == pytest.approx(max(cands))
+
+
+# ----------------------------------------------------------------------------- synthetic costs
+
+
+def flat_curve(ms_at: dict[int, float], buckets=(256, 1024)) -> Curve:
+    xs = tuple(float(w) for w in sorted(ms_at))
+    ys = tuple(ms_at[w] for w in sorted(ms_at))
+    return Curve(tuple(buckets), (xs, xs), (ys, tuple(y * 1.2 for y in ys)))
+
+
+def cost_model(draft_ms=2.0) -> CostModel:
+    verify = flat_curve({1: 30.0, 4: 31.0, 8: 33.0, 16: 38.0, 32: 48.0})
+    draft = flat_curve({1: draft_ms, 2: draft_ms * 1.05, 4: draft_ms * 1.1, 8: draft_ms * 1.3})
+    head = Curve((256, 1024), ((7.0,), (7.0,)), ((draft_ms,), (draft_ms,)))
+    stages = {"egt": {"1": 0.05, "8": 0.08}, "prune": {"4": 0.1, "32": 0.2}, "accept": 0.1,
+              "commit": 0.1, "policy": 0.2, "plain_accept": 0.05}
+    return CostModel(verify, draft, head, stages)
+
+
+def table(aal_fn, wds=(1, 2, 4, 8), d_max=6, wvs=(4, 8, 16, 32)) -> dict:
+    return {str(wd): [[aal_fn(wd, d, wv) for wv in wvs] for d in range(1, d_max + 1)] for wd in wds}
+
+
+def policy(calib, draft_ms=2.0) -> ObjectivePolicy:
+    return ObjectivePolicy(cost_model(draft_ms), calib, (1, 2, 4, 8), (4, 8, 16, 32), 6)
+
+
+def brute_plan(pol: ObjectivePolicy, ctx: int) -> tuple[StepChoice, float]:
+    plain = pol.cost.plain_ms(ctx)
+    best = (StepChoice(0, 1), 1.0)
+    for d in range(1, 7):
+        for wd in (1, 2, 4, 8):
+            for wv in (1, 4, 8, 16, 32):
+                a = 1.0 if wv == 1 else pol.calib.expected_aal(wd, d, wv)
+                s = a * plain / pol.cost.step_ms(d, wd, wv, ctx)
+                if s > best[1]:
+                    best = (StepChoice(d, wd), s)
+    return best
+
+
+def test_weak_drafter_means_plain_steps():
+    weak = Calibration((0.0, 1.0), (0.0, 0.02), table(lambda wd, d, wv: 1.02), (4, 8, 16, 32))
+    pol = policy(weak)
+    assert pol.choose_draft(torch.zeros(8), 100) == StepChoice(0, 1)
+    assert brute_plan(pol, 100)[0] == StepChoice(0, 1)
+
+
+@pytest.mark.parametrize("draft_ms", [0.5, 2.0, 8.0])
+def test_draft_choice_equals_brute_force(draft_ms):
+    def aal(wd, d, wv):  # grows with depth and width, saturating
+        return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
+    pol = policy(cal, draft_ms)
+    for ctx in (100, 600):
+        want, s = brute_plan(pol, ctx)
+        got, s2 = pol.plan_choice(ctx)
+        assert got == want and s2 == pytest.approx(s)
+        assert pol.choose_draft(torch.zeros(8), ctx) == want
+    assert want.draft_depth > 0  # a good, cheap drafter speculates
+
+
+def test_given_depth_chooses_width_only():
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + 0.3 * d + 0.1 * wd),
+                      (4, 8, 16, 32))
+    pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, depth_fn=lambda h, c: 3)
+    assert pol.choose_draft(torch.zeros(8), 100).draft_depth == 3
+    pol0 = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, depth_fn=lambda h, c: 0)
+    assert pol0.choose_draft(torch.zeros(8), 100).draft_depth == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(1, 6), (2, 4), (4, 3), (8, 2)]),
+       st.lists(st.floats(0.01, 1.0), min_size=49, max_size=49))
+def test_verify_choice_equals_brute_force(seed, shape, qs):
+    wd, d = shape
+    n = 1 + wd * d
+    parent = topo_parents(seed, n)
+    tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    cal = Calibration((0.0, 0.5, 1.0), (0.0, 0.6, 0.95))
+    pol = policy(cal)
+    wv = pol.choose_verify(tree, StepChoice(d, wd), 100)
+    vals = path_values(tree, cal.edge_prob, n)
+    best, best_s = None, -1.0
+    for w in (1, 4, 8, 16, 32):
+        kept, ok = prune_topk(tree, tree.logp, w)
+        s = float(vals[kept[ok]].sum()) * pol.cost.plain_ms(100) / pol.cost.step_ms(d, wd, w, 100)
+        if s > best_s + 1e-9:
+            best, best_s = w, s
+    assert wv == best
+    assert pol.log[-1][1] == pytest.approx(best_s, rel=1e-5)
+
+
+def test_curve_interpolates_knots_and_picks_buckets():
+    c = Curve((256, 1074), ((1.0, 8.0, 32.0), (1.0, 8.0, 32.0)), ((10.0, 12.0, 20.0), (15.0, 18.0, 30.0)))
+    assert c.predict(8, 100) == 12.0
+    assert c.predict(16, 100) == pytest.approx(12 + 8 / 24 * 8)
+    assert c.predict(8, 300) == 18.0  # ctx + W beyond 256: the next bucket
+    assert c.predict(64, 2000) == pytest.approx(30 + 12 / 24 * 32)  # extrapolated, last bucket
+
+
+# ----------------------------------------------------------------------------- files
+
+
+@pytest.fixture
+def plan(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"x" * 100)
+    return validate_plan({"name": "t", "target": str(model), "drafter": "self", "dtype": "float32",
+                          "draft_widths": [1, 2], "d_max": 2, "verify_widths": [2, 4]})
+
+
+def profile_dict(plan) -> dict:
+    c = {"buckets": [256], "xs": [[1, 4]], "ys": [[10.0, 11.0]]}
+    return {"kind": PROFILE_KIND, "version": FORMAT_VERSION, "name": "cpu-test",
+            "identity": timing_identity(plan), "fit": {"verify": c, "draft": c, "head": c},
+            "stage_ms": {"policy": 0.1}}
+
+
+def write(tmp_path, d, name="p.json"):
+    p = tmp_path / name
+    p.write_text(d if isinstance(d, str) else json.dumps(d))
+    return p
+
+
+def test_profile_loads_for_its_plan(tmp_path, plan):
+    cm = CostModel.from_profile(write(tmp_path, profile_dict(plan)), plan)
+    assert cm.t_verify(4, 10) == 11.0 and cm.plain_ms(10) == 10.0
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (None, "does not exist"),
+        ("{not json", "not valid JSON"),
+        (lambda d: d | {"kind": "other"}, "is not a yggtree-profile file"),
+        (lambda d: d | {"version": 99}, "format version 99"),
+        (lambda d: d | {"identity": d["identity"] | {"dtype": "bfloat16"}}, "another setup .*dtype"),
+        (lambda d: d | {"identity": d["identity"] | {"target": [{"name": "other.gguf", "size": 1}]}},
+         "another setup .*target"),
+        (lambda d: {k: v for k, v in d.items() if k != "fit"}, "no 'fit' section"),
+        (lambda d: d | {"fit": d["fit"] | {"verify": {"buckets": [256], "xs": [[4, 1]], "ys": [[1, 2]]}}},
+         "malformed latency curve"),
+        (lambda d: d | {"fit": d["fit"] | {"draft": {"buckets": [256]}}}, "malformed latency curve"),
+    ],
+)
+def test_bad_profiles_are_refused(tmp_path, plan, mutate, match):
+    if mutate is None:
+        path = tmp_path / "missing.json"
+    elif isinstance(mutate, str):
+        path = write(tmp_path, mutate)
+    else:
+        path = write(tmp_path, mutate(profile_dict(plan)))
+    with pytest.raises(YggError, match=match):
+        CostModel.from_profile(path, plan)
+
+
+def calib_dict(plan) -> dict:
+    return {"kind": CALIBRATION_KIND, "version": FORMAT_VERSION, "identity": pair_identity(plan),
+            "map": {"x": [0.0, 1.0], "y": [0.1, 0.8]}, "verify_widths": [2, 4],
+            "aal": {"1": [[1.1, 1.2], [1.2, 1.3]]}}
+
+
+def test_calibration_loads_and_refuses(tmp_path, plan):
+    cal = Calibration.load(write(tmp_path, calib_dict(plan)), plan)
+    assert cal.expected_aal(1, 2, 4) == 1.3 and cal.expected_aal(2, 1, 4) is None
+    assert torch.allclose(cal.edge_prob(torch.tensor([0.0, 0.5, 1.0])), torch.tensor([0.1, 0.45, 0.8]))
+    bad = calib_dict(plan)
+    bad["identity"] = bad["identity"] | {"dtype": "bfloat16"}
+    with pytest.raises(YggError, match="another target/drafter/dtype"):
+        Calibration.load(write(tmp_path, bad, "b.json"), plan)
+    bad = calib_dict(plan) | {"map": {"x": [0.5, 0.1], "y": [0.1, 0.2]}}
+    with pytest.raises(YggError, match="malformed map"):
+        Calibration.load(write(tmp_path, bad, "c.json"), plan)
+    with pytest.raises(YggError, match="does not exist"):
+        Calibration.load(tmp_path / "none.json", plan)

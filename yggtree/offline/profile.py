@@ -1,0 +1,518 @@
+"""``yggtree profile --hw NAME``: measure this machine's latency curves for a plan's pair.
+
+What is timed is exactly what the decode loop calls, on the compiled graphs the runtime uses
+(an engine built from the plan, every grid width warmed, run under the frozen stance):
+
+- verify  ``T_v(W, ctx)``: the target over W tree nodes (tree mask, LM head, captured layers)
+- draft   ``T_d(W, ctx)``: one drafter step over W nodes (its timing depends on shapes only)
+- head    the drafter's head call (fixed width)
+- stages  the non-model work of a step: EGT select/expand per call, pruning (top-k, re-index,
+  ancestor table) per W_v, the objective's W_v choice, acceptance per W_v, KV commit
+
+for W in 1..128 (powers of two and the plan's widths) and one context per context bucket
+(attention reads the whole bucket, so that is where latency changes). Each point: warm-up calls,
+then ``repeats`` timed calls; median, 10th and 90th percentile. The fitted curves
+(:mod:`yggtree.offline.fit`), their held-out error, the hardware and software are written to
+``profiles/NAME.json`` with a CSV of every point and a PNG of the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+from ..errors import YggError, run_reporting
+
+ACCEL_NAME = re.compile(
+    r"^(a\d{2,3}|h\d{2,3}|b\d{3}|v100|p100|k80|l4|l40s?|t4|a10g?|rtx.*|gtx.*|titan.*|quadro.*|"
+    r"gh200|mi\d{2,3}x?|tpu.*|npu.*|ascend.*|910[a-c]?|cuda.*|gpu.*)([-_].*)?$",
+    re.IGNORECASE,
+)
+NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+# ----------------------------------------------------------------------------- the machine
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def detect_device() -> dict:
+    """What this process can run on: kind (cpu | cuda | npu) and its name."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"kind": "cuda", "name": torch.cuda.get_device_name(0)}
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return {"kind": "npu", "name": torch.npu.get_device_name(0)}  # type: ignore[attr-defined]
+    except ImportError:
+        pass
+    return {"kind": "cpu", "name": cpu_model()}
+
+
+def check_hw_name(name: str, device: dict, force: bool) -> None:
+    """Refuse a profile name that claims hardware this process is not running on."""
+    if not NAME_OK.match(name):
+        raise YggError(
+            f"--hw {name!r}: use letters, digits, '.', '_' or '-' (it names profiles/<hw>.json)"
+        )
+    if force:
+        return
+    accel = ACCEL_NAME.match(name) is not None
+    if accel and device["kind"] == "cpu":
+        raise YggError(
+            f"--hw {name!r} names an accelerator, but this process runs on a CPU "
+            f"({device['name']}); name the profile after this machine (e.g. cpu-{os.cpu_count()}core) "
+            "or pass --force"
+        )
+    if accel and device["kind"] != "cpu":
+        token = re.split(r"[-_]", name.lower())[0]
+        if token not in device["name"].lower().replace(" ", ""):
+            raise YggError(
+                f"--hw {name!r} does not match this {device['kind']} device ({device['name']}); "
+                "pass --force to name it anyway"
+            )
+    if not accel and device["kind"] != "cpu" and re.match(r"^(cpu|xeon|epyc)", name, re.I):
+        raise YggError(
+            f"--hw {name!r} names a CPU, but this process measures a {device['kind']} device "
+            f"({device['name']}); pass --force to name it anyway"
+        )
+
+
+def hardware_info(threads: int) -> dict:
+    dev = detect_device()
+    return {
+        "device": dev["kind"],
+        "device_name": dev["name"],
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "platform": platform.platform(),
+    }
+
+
+def software_info(plan, mode: str) -> dict:
+    import numpy
+    import torch
+
+    from ..plan import versions
+
+    return versions() | {
+        "numpy": numpy.__version__,
+        "dtype": plan.dtype,
+        "backend": plan.backend,
+        "mode": mode,
+        "graphs": "dynamo regional compile (inductor), frozen stance" if mode == "performance" else "eager",
+    }
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def grid_widths(plan, max_width: int) -> list[int]:
+    ws = {1 << i for i in range(0, 12) if 1 << i <= max_width}
+    ws |= {w for w in (*plan.draft_widths, *plan.verify_widths) if w <= max_width}
+    return sorted(ws)
+
+
+def grid_contexts(buckets: list[int], max_context: int, max_width: int) -> list[int]:
+    """One committed length per context bucket such that ctx + W stays in that bucket for
+    every grid width (the last bucket: the longest context a run can have)."""
+    out = []
+    for i, b in enumerate(buckets):
+        lo = buckets[i - 1] if i else 0
+        ctx = min(b - max_width, max_context - 1)
+        if ctx > lo or (i == 0 and ctx >= 1):
+            out.append(ctx)
+    return sorted(set(out))
+
+
+def time_ms(fn, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def summarise(samples: list[float]) -> dict:
+    import numpy as np
+
+    a = np.asarray(samples)
+    return {
+        "median_ms": float(np.median(a)),
+        "p10_ms": float(np.percentile(a, 10)),
+        "p90_ms": float(np.percentile(a, 90)),
+        "repeats": len(samples),
+    }
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def model_calls(engine, plan, widths: list[int], contexts: list[int]):
+    """(kind, width, context, bucket, thunk) for every model-call grid point."""
+    import torch
+
+    from ..runtime import steps
+
+    target, drafter = engine.target, engine.drafter
+    layers = drafter.target_layers
+    k = plan.top_k
+    vocab = target.cfg.vocab_size
+    out = []
+    for ctx in contexts:
+        L = torch.tensor(ctx)
+        for w in widths:
+            ar = torch.arange(w)
+            anc = ar[None, :] <= ar[:, None]  # a chain: the mask's values do not change the cost
+            bucket = engine.graphs.bucket(ctx + w)
+
+            def verify(ar=ar, anc=anc, L=L, bucket=bucket):
+                logits, _, _ = steps.tree_step(target, ar % vocab, ar, ar, anc, L, layers, bucket)
+                return logits
+
+            out.append(("verify", w, ctx, bucket, verify))
+            n = 1 + plan.d_max * w
+            node = 1 + ar
+            danc = torch.zeros(w, n, dtype=torch.bool)
+            danc[:, 0] = True
+            danc[ar, node] = True
+
+            def draft(ar=ar, node=node, danc=danc, L=L):
+                return drafter.step(ar % vocab, torch.ones_like(ar), node, torch.zeros_like(ar), danc, L, k)
+
+            dbucket = drafter.graphs.bucket(ctx + n) if hasattr(drafter, "graphs") else bucket
+            out.append(("draft", w, ctx, dbucket, draft))
+        root = torch.tensor(1)
+
+        def head(root=root, L=L):
+            return drafter.head(root, L, k)
+
+        out.append(("head", plan.d_max + 1, ctx, engine.graphs.bucket(ctx + 1), head))
+    return out
+
+
+def random_tree(plan, wd: int, seed: int = 0):
+    """A full EGT tree of the plan's envelope depth at width ``wd`` with random proposals."""
+    import torch
+
+    from ..runtime.egt import egt_expand, egt_init, egt_select
+
+    g = torch.Generator().manual_seed(seed)
+    k = plan.top_k
+
+    def topk(rows):
+        lp = torch.log_softmax(torch.randn(rows, 4 * k, generator=g), -1)
+        val, idx = torch.topk(lp, k, -1)
+        return idx, val
+
+    tok, lp = topk(1)
+    state = egt_init(torch.tensor(0), tok[0], lp[0], plan.d_max, wd)
+    for s in range(plan.d_max):
+        state, fed = egt_select(state, s)
+        tok, lp = topk(wd)
+        state = egt_expand(state, fed, tok, lp)
+    return state
+
+
+def stage_calls(engine, plan):
+    """(stage, key, thunk) for the non-model work of a step at the plan's widths."""
+    import torch
+
+    from ..runtime import steps
+    from ..runtime.accept import greedy_accept
+    from ..runtime.egt import egt_expand, egt_feed_inputs, egt_select
+    from ..runtime.objective import Calibration, aal_by_width, best_verify, path_values
+    from ..runtime.prune import prune_topk, subtree
+    from ..runtime.tree import ancestor_mask
+
+    d, k = plan.d_max, plan.top_k
+    vocab = engine.target.cfg.vocab_size
+    out = []
+    for wd in plan.draft_widths:
+        state = random_tree(plan, wd)
+        tok = torch.zeros(wd, k, dtype=torch.int64)
+        lp = torch.full((wd, k), -1.0)
+
+        def egt(state=state, tok=tok, lp=lp):
+            st, fed = egt_select(state, d - 1)
+            egt_feed_inputs(st, fed, torch.tensor(100))
+            return egt_expand(st, fed, tok, lp)
+
+        out.append(("egt", wd, egt))
+    big = random_tree(plan, max(plan.draft_widths)).tree
+    calib = Calibration((0.0, 1.0), (0.0, 0.8))
+    widths = [1, *plan.verify_widths]
+    for wv in plan.verify_widths:
+        def prune(wv=wv):
+            kept, ok = prune_topk(big, big.logp, wv)
+            v = subtree(big, kept, ok)
+            return ancestor_mask(v.parent, v.depth, v.valid, d)
+
+        out.append(("prune", wv, prune))
+        kept, ok = prune_topk(big, big.logp, wv)
+        vtree = subtree(big, kept, ok)
+        logits = torch.randn(wv, vocab)
+
+        def accept(vtree=vtree, logits=logits):
+            return greedy_accept(vtree, logits, max_depth=d).emitted()
+
+        out.append(("accept", wv, accept))
+
+    def policy():
+        vals = path_values(big, calib.edge_prob, d)
+        aal = aal_by_width(vals, big, widths)
+        return best_verify(aal, widths, [1.0 + w for w in widths], 1.0)
+
+    out.append(("policy", None, policy))
+    plain_logits = torch.randn(1, vocab)
+    out.append(("plain_accept", None, lambda: int(plain_logits[0].argmax())))
+    target, drafter = engine.target, engine.drafter
+    h = target.cfg.hidden_size
+    feats = tuple(torch.zeros(d + 1, h, dtype=target.embed_tokens.weight.dtype)
+                  for _ in drafter.target_layers)
+    src = torch.arange(2, d + 2) + 100
+    dst = torch.arange(1, d + 1) + 100
+    path_tok = torch.zeros(d + 1, dtype=torch.int64)
+
+    def commit():
+        steps.commit(target, src, dst)
+        drafter.commit(src, dst, path_tok, torch.tensor(1), feats)
+
+    out.append(("commit", None, commit))
+    return out
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def run_profile(args) -> int:
+    import torch
+
+    from ..plan import default_plan, load_plan
+    from ..runtime.graphs import context_buckets
+    from .fit import fit_profile, plot_profile
+
+    torch.set_num_threads(args.threads)
+    device = detect_device()
+    check_hw_name(args.hw, device, args.force)
+    out_dir = Path(args.out_dir)
+    dst = out_dir / f"{args.hw}.json"
+    if dst.exists() and not args.force:
+        raise YggError(f"profile {dst} already exists (pass --force to overwrite it)")
+    plan = load_plan(args.plan) if args.plan else default_plan()
+    if not plan.speculative:
+        raise YggError(f"plan {plan.name!r} has no drafter: there is no tree to profile")
+    if plan.backend in ("cuda", "npu") and device["kind"] == "cpu":
+        raise YggError(f"plan {plan.name!r} is for backend {plan.backend!r}; this machine has no such device")
+    quick = args.quick
+    max_w = 16 if quick else args.max_width
+    warmup, repeats = (1, 3) if quick else (args.warmup, args.repeats)
+    t_start = time.perf_counter()
+
+    from ..bench import stderr_progress
+    from ..runtime.build import EngineSpec, build_engine, plan_slots
+    from ..runtime.graphs import inductor_cache
+
+    mode = "reference" if plan.backend == "eager" else "performance"
+    widths = grid_widths(plan, max_w)
+    n_slots = plan_slots(plan)
+    buckets = context_buckets(n_slots)
+    contexts = grid_contexts(buckets, plan.max_context, max_w)
+    if quick:
+        contexts = contexts[:2]
+    cache = Path(args.cache_dir)
+    sys.stderr.write(
+        f"profile {args.hw}: plan {plan.name!r} ({plan.dtype}, {mode}), widths {widths}, contexts "
+        f"{contexts}, {warmup} warm-up + {repeats} timed calls each; compiling graphs "
+        f"(inductor cache {cache})...\n"
+    )
+    with inductor_cache(cache):
+        engine, _ = build_engine(EngineSpec.from_plan(plan, mode))
+        if engine.n_slots != n_slots:
+            raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
+        t0 = time.perf_counter()
+        engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)))
+        engine.drafter.setup(n_slots, sorted(set(widths) | {1, *plan.draft_widths}), plan.prefill_chunk)
+    compile_s = time.perf_counter() - t0 + engine.compile_s
+    rows, stages = [], {}
+    with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen():
+        calls = model_calls(engine, plan, widths, contexts)
+        scalls = stage_calls(engine, plan)
+        with stderr_progress() as progress:
+            task = progress.add_task("timing", total=len(calls) + len(scalls))
+            for kind, w, ctx, bucket, fn in calls:
+                s = summarise(time_ms(fn, warmup, repeats))
+                rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | s)
+                progress.advance(task)
+            for name, key, fn in scalls:
+                s = summarise(time_ms(fn, warmup, max(repeats * 3, 10)))
+                if key is None:
+                    stages[name] = s["median_ms"]
+                else:
+                    stages.setdefault(name, {})[str(key)] = s["median_ms"]
+                progress.advance(task)
+    from ..runtime.objective import FORMAT_VERSION, PROFILE_KIND, timing_identity
+
+    fit, errors = fit_profile(rows)
+    profile = {
+        "kind": PROFILE_KIND,
+        "version": FORMAT_VERSION,
+        "name": args.hw,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": "yggtree profile " + " ".join(args.argv),
+        "identity": timing_identity(plan),
+        "hardware": hardware_info(args.threads),
+        "software": software_info(plan, mode),
+        "plan": {
+            "name": plan.name, "hash": plan.hash(), "draft_widths": list(plan.draft_widths),
+            "verify_widths": list(plan.verify_widths), "d_max": plan.d_max, "top_k": plan.top_k,
+            "max_context": plan.max_context, "n_slots": n_slots, "buckets": buckets,
+        },
+        "grid": {"widths": widths, "contexts": contexts, "warmup": warmup, "repeats": repeats,
+                 "quick": quick},
+        "compile_s": round(compile_s, 1),
+        "points": rows,
+        "stage_ms": stages,
+        "fit": fit,
+        "fit_error": errors,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import pandas as pd
+
+    from ..runtime.objective import CostModel
+
+    cost = CostModel.from_profile_dict(profile)
+    profile["pruning_share"] = pruning_share(cost, plan, contexts)
+    dst.write_text(json.dumps(profile, indent=1) + "\n")
+    pd.DataFrame(rows).to_csv(out_dir / f"{args.hw}.csv", index=False)
+    png = plot_profile(profile, out_dir / f"{args.hw}.png")
+    print_table(profile)
+    summary = {
+        "profile": str(dst),
+        "hw": args.hw,
+        "device": device["name"],
+        "threads": args.threads,
+        "dtype": plan.dtype,
+        "points": len(rows),
+        "verify_ms_w1": {str(c): round(cost.t_verify(1, c), 2) for c in contexts},
+        "fit_median_rel_err": errors["overall"]["median_rel"],
+        "fit_max_rel_err": errors["overall"]["max_rel"],
+        "pruning_share_max": max(v["share"] for v in profile["pruning_share"]),
+        "plot": str(png),
+        "compile_s": round(compile_s, 1),
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def pruning_share(cost, plan, contexts: list[int]) -> list[dict]:
+    """Pruning + the W_v choice as a share of the predicted step, per (W_d, W_v) at D_max."""
+    out = []
+    policy = cost._stage("policy")
+    for wd in plan.draft_widths:
+        for wv in plan.verify_widths:
+            ctx = contexts[0]
+            step = cost.step_ms(plan.d_max, wd, wv, ctx)
+            prune = cost._stage("prune", wv) + policy
+            out.append({"draft_width": wd, "verify_width": wv, "context": ctx,
+                        "prune_ms": round(prune, 4), "step_ms": round(step, 3),
+                        "share": round(prune / step, 4)})
+    return out
+
+
+def print_table(profile: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    contexts = profile["grid"]["contexts"]
+    t = Table(title=f"profile {profile['name']}: median ms (p10-p90)")
+    t.add_column("call")
+    t.add_column("width", justify="right")
+    for c in contexts:
+        t.add_column(f"ctx {c}", justify="right")
+    by = {(r["kind"], r["width"], r["context"]): r for r in profile["points"]}
+    for kind in ("verify", "draft", "head"):
+        for w in sorted({r["width"] for r in profile["points"] if r["kind"] == kind}):
+            cells = []
+            for c in contexts:
+                r = by.get((kind, w, c))
+                cells.append("" if r is None else f"{r['median_ms']:.2f} ({r['p10_ms']:.2f}-{r['p90_ms']:.2f})")
+            t.add_row(kind, str(w), *cells)
+    console = Console(file=sys.stdout, width=160)
+    console.print(t)
+    s = Table(title="non-model stages (median ms)")
+    s.add_column("stage")
+    s.add_column("per width / value")
+    for k, v in profile["stage_ms"].items():
+        s.add_row(k, ", ".join(f"{w}: {x:.3f}" for w, x in v.items()) if isinstance(v, dict) else f"{v:.3f}")
+    console.print(s)
+    e = profile["fit_error"]
+    console.print(
+        "fit (held-out widths, leave-one-out): "
+        + ", ".join(f"{k} median {v['median_rel']:.1%} max {v['max_rel']:.1%}" for k, v in e.items())
+    )
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hw", required=True, help="profile name, e.g. cpu-2core (checked against this device)")
+    p.add_argument("--plan", default=None, help="plan YAML (default: the embedded default plan)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing profile / accept any --hw name")
+    p.add_argument("--quick", action="store_true", help="a small grid (widths <= 16, 2 contexts, 3 repeats)")
+    p.add_argument("--max-width", type=int, default=128, help="largest width measured (default 128)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--out-dir", default="profiles")
+    p.add_argument("--cache-dir", default="compile/_inductor-profile",
+                   help="inductor cache for the profiled graphs (reused by later runs)")
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="measure latency curves of a plan's pair on this machine")
+    add_profile_arguments(p)
+    p.set_defaults(func=_run_with_argv)
+    return p
+
+
+def _run_with_argv(args) -> int:
+    if not hasattr(args, "argv"):
+        args.argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "profile" else []
+    if args.threads < 1:
+        raise YggError(f"--threads must be >= 1, got {args.threads}")
+    if not 1 <= args.max_width <= 1024 or args.repeats < 1 or args.warmup < 0:
+        raise YggError("--max-width must be in 1..1024, --repeats >= 1, --warmup >= 0")
+    return run_profile(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.profile", description=__doc__)
+    add_profile_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    return run_reporting("yggtree profile", _run_with_argv, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""The latency-aware objective (DESIGN section 5) and the policy that maximises it every step.
+
+    speedup(W_d, D, W_v) = AAL(tree, W_v) * T_plain(ctx) / T_step(D, W_d, W_v, ctx)
+    T_step               = T_head + D * (T_d(W_d) + egt(W_d)) + prune + T_v(W_v) + accept + commit
+    AAL(tree, W_v)       = 1 + sum over the W_v kept nodes (root excluded) of P(path accepted)
+
+Latencies come from a measured profile (``yggtree profile``), never from constants:
+:class:`CostModel` reads the fitted curves (monotone piecewise-linear in width, one curve per
+context bucket: attention reads the whole bucket, so within a bucket the context length does not
+matter). ``P(path accepted)`` is the product of calibrated per-edge acceptance probabilities:
+:class:`Calibration` maps the drafter's probability of a token to its measured acceptance rate
+(``yggtree calibrate``). Both files are refused when they were measured for other models or
+another dtype than the plan's. Nothing here imports the offline package or scikit-learn.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import YggError
+from .graphs import context_buckets
+from .policy import StepChoice
+from .tree import Tree
+
+__all__ = [
+    "PROFILE_KIND", "CALIBRATION_KIND", "Curve", "CostModel", "Calibration", "timing_identity",
+    "pair_identity", "path_values", "aal_by_width", "best_verify", "ObjectivePolicy",
+]
+
+PROFILE_KIND = "yggtree-profile"
+CALIBRATION_KIND = "yggtree-acceptance-calibration"
+FORMAT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- identities
+
+
+def _entries(plan, role: str) -> list[dict]:
+    from ..plan import model_fingerprints
+
+    return [f for f in model_fingerprints(plan) if f["role"] == role]
+
+
+def timing_identity(plan) -> dict:
+    """What latency depends on: dtype, backend, the target's files (name, size, config hashes)
+    and the drafter's shapes (its config and weight file sizes; retrained weights keep it)."""
+    out = {"dtype": plan.dtype, "backend": plan.backend, "target": [], "drafter": []}
+    for f in _entries(plan, "target"):
+        out["target"].append({k: f[k] for k in ("size", "sha256", "missing") if k in f}
+                             | {"name": Path(f["path"]).name})
+    for f in _entries(plan, "drafter"):
+        name = Path(f["path"]).name
+        if name == "config.json" or name.endswith((".safetensors", ".gguf", ".bin")):
+            out["drafter"].append({k: f[k] for k in ("size", "sha256") if k in f} | {"name": name})
+    if plan.drafter == "self":
+        out["drafter"] = "self"
+    return out
+
+
+def pair_identity(plan) -> dict:
+    """What acceptance depends on: the timing identity plus the drafter's weights (sha256)."""
+    import hashlib
+
+    ident = timing_identity(plan)
+    weights = []
+    for f in _entries(plan, "drafter"):
+        p = Path(f["path"])
+        if p.suffix in (".safetensors", ".gguf", ".bin"):
+            weights.append({"name": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()})
+    return ident | {"drafter_weights": weights}
+
+
+def _diff(have: dict, want: dict) -> str:
+    for k in sorted(set(have) | set(want)):
+        if have.get(k) != want.get(k):
+            return k
+    return "?"
+
+
+def _read_json(path: str | Path, what: str, kind: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise YggError(f"{what} {p} does not exist")
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise YggError(f"{what} {p} is not valid JSON: {e}") from None
+    if not isinstance(d, dict) or d.get("kind") != kind:
+        raise YggError(f"{what} {p} is not a {kind} file")
+    if d.get("version") != FORMAT_VERSION:
+        raise YggError(f"{what} {p} has format version {d.get('version')!r}, expected {FORMAT_VERSION}")
+    return d
+
+
+# ----------------------------------------------------------------------------- latency
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A latency curve: per context bucket, monotone piecewise-linear knots in width (ms)."""
+
+    buckets: tuple[int, ...]  # ascending context buckets (cache slots attention reads)
+    xs: tuple[tuple[float, ...], ...]  # per bucket: widths of the knots (ascending)
+    ys: tuple[tuple[float, ...], ...]  # per bucket: ms at the knots (non-decreasing)
+
+    def bucket(self, need: int) -> int:
+        return next((i for i, b in enumerate(self.buckets) if b >= need), len(self.buckets) - 1)
+
+    def predict(self, width: float, ctx: int) -> float:
+        """ms for ``width`` inputs with ``ctx`` committed tokens (the bucket holds ctx + width);
+        linear extrapolation past the last knot."""
+        i = self.bucket(int(ctx + width))
+        x, y = self.xs[i], self.ys[i]
+        if width > x[-1] and len(x) > 1:
+            slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+            return float(y[-1] + max(slope, 0.0) * (width - x[-1]))
+        return float(np.interp(width, x, y))
+
+    def to_json(self) -> dict:
+        return {"buckets": list(self.buckets), "xs": [list(x) for x in self.xs],
+                "ys": [list(y) for y in self.ys]}
+
+    @staticmethod
+    def from_json(d, where: str) -> "Curve":
+        try:
+            c = Curve(tuple(int(b) for b in d["buckets"]),
+                      tuple(tuple(float(v) for v in x) for x in d["xs"]),
+                      tuple(tuple(float(v) for v in y) for y in d["ys"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise YggError(f"{where}: malformed latency curve ({e!r})") from None
+        ok = len(c.buckets) >= 1 and len(c.xs) == len(c.ys) == len(c.buckets)
+        ok = ok and all(len(x) == len(y) >= 1 for x, y in zip(c.xs, c.ys))
+        ok = ok and all(np.all(np.diff(x) > 0) and np.all(np.isfinite(y)) and min(y) >= 0
+                        for x, y in zip(c.xs, c.ys))
+        if not ok:
+            raise YggError(f"{where}: malformed latency curve (knots must be ascending, ms finite >= 0)")
+        return c
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted step latency of every tree choice, from a measured profile."""
+
+    verify: Curve  # T_v(W, ctx): target over W tree nodes (LM head included)
+    draft: Curve  # T_d(W_d, ctx): one drafter step over W_d nodes
+    head: Curve  # the drafter's head call (its width is fixed; x is a single knot)
+    stage_ms: dict = field(default_factory=dict)  # non-model stages, see step_ms
+    name: str = ""
+
+    def t_verify(self, w: int, ctx: int) -> float:
+        return self.verify.predict(w, ctx)
+
+    def t_draft(self, w: int, ctx: int) -> float:
+        return self.draft.predict(w, ctx)
+
+    def _stage(self, name: str, key: int | None = None) -> float:
+        v = self.stage_ms.get(name, 0.0)
+        if isinstance(v, dict):
+            ks = sorted(int(k) for k in v)
+            if not ks:
+                return 0.0
+            return float(np.interp(key, ks, [v[str(k)] for k in ks]))
+        return float(v)
+
+    def overhead_ms(self, d: int, wd: int, wv: int) -> float:
+        """Non-model stages of one speculation step (EGT, pruning, acceptance, commit, policy)."""
+        return (d * self._stage("egt", wd) + self._stage("prune", wv) + self._stage("accept", wv)
+                + self._stage("commit") + self._stage("policy"))
+
+    def step_ms(self, d: int, wd: int, wv: int, ctx: int) -> float:
+        """Predicted wall time of one speculation step; d = 0 is a plain step."""
+        if d == 0:
+            return self.plain_ms(ctx)
+        head = self.head.predict(self.head.xs[0][0], ctx)
+        return (head + d * self.t_draft(wd, ctx) + self.t_verify(wv, ctx)
+                + self.overhead_ms(d, wd, wv))
+
+    def plain_ms(self, ctx: int) -> float:
+        """One plain decoding step: the target at width 1 plus choosing the token."""
+        return self.t_verify(1, ctx) + self._stage("plain_accept")
+
+    @classmethod
+    def from_profile(cls, path: str | Path, plan) -> "CostModel":
+        """Load ``path`` for ``plan``; YggError if missing, malformed, or measured for other
+        models / another dtype or backend than the plan's."""
+        d = _read_json(path, "profile", PROFILE_KIND)
+        where = f"profile {path}"
+        ident = d.get("identity")
+        want = timing_identity(plan)
+        if not isinstance(ident, dict) or ident != want:
+            key = _diff(ident, want) if isinstance(ident, dict) else "identity"
+            raise YggError(
+                f"{where} was measured for another setup than plan {plan.name!r} (differs in "
+                f"{key}: profile {ident.get(key) if isinstance(ident, dict) else None!r} vs plan "
+                f"{want.get(key)!r}); run `yggtree profile --plan ...` for this plan"
+            )
+        return cls.from_profile_dict(d, where)
+
+    @classmethod
+    def from_profile_dict(cls, d: dict, where: str = "profile") -> "CostModel":
+        """The curves of an already identity-checked profile dict."""
+        fit = d.get("fit")
+        if not isinstance(fit, dict):
+            raise YggError(f"{where}: no 'fit' section (re-run yggtree profile)")
+        for key in ("verify", "draft", "head"):
+            if key not in fit:
+                raise YggError(f"{where}: the fit has no {key!r} curve")
+        stages = d.get("stage_ms", {})
+        if not isinstance(stages, dict):
+            raise YggError(f"{where}: malformed stage_ms")
+        return cls(
+            Curve.from_json(fit["verify"], where),
+            Curve.from_json(fit["draft"], where),
+            Curve.from_json(fit["head"], where),
+            stages,
+            str(d.get("name", "")),
+        )
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Monotone map q (drafter probability of a drafted token) -> P(target accepts it), and the
+    measured mean accepted length of every (W_d, D, W_v) on the calibration prompts."""
+
+    xs: tuple[float, ...]  # knots in q (ascending, within [0, 1])
+    ys: tuple[float, ...]  # acceptance probability at the knots (non-decreasing, within [0, 1])
+    aal: dict = field(default_factory=dict)  # {W_d: [[AAL for W_v in verify_widths] for D=1..]}
+    verify_widths: tuple[int, ...] = ()  # columns of ``aal``
+
+    def edge_prob(self, q: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance probability of edges with drafter probability ``q`` (any shape)."""
+        x = torch.tensor(self.xs, dtype=torch.float32, device=q.device)
+        y = torch.tensor(self.ys, dtype=torch.float32, device=q.device)
+        qc = q.to(torch.float32).clamp(x[0], x[-1])
+        i = torch.searchsorted(x, qc.contiguous()).clamp(1, max(len(self.xs) - 1, 1))
+        if len(self.xs) == 1:
+            return torch.full_like(qc, self.ys[0])
+        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+        t = torch.where(x1 > x0, (qc - x0) / (x1 - x0).clamp_min(1e-12), torch.zeros_like(qc))
+        return y0 + t * (y1 - y0)
+
+    def expected_aal(self, wd: int, d: int, wv: int) -> float | None:
+        table = self.aal.get(str(wd))
+        if table is None or not 1 <= d <= len(table) or wv not in self.verify_widths:
+            return None
+        return float(table[d - 1][self.verify_widths.index(wv)])
+
+    @classmethod
+    def load(cls, path: str | Path, plan) -> "Calibration":
+        d = _read_json(path, "calibration", CALIBRATION_KIND)
+        where = f"calibration {path}"
+        ident, want = d.get("identity"), pair_identity(plan)
+        if not isinstance(ident, dict) or ident != want:
+            key = _diff(ident, want) if isinstance(ident, dict) else "identity"
+            raise YggError(
+                f"{where} was fitted for another target/drafter/dtype than plan {plan.name!r} "
+                f"(differs in {key}); run `yggtree calibrate --plan ...` for this plan"
+            )
+        try:
+            xs = tuple(float(v) for v in d["map"]["x"])
+            ys = tuple(float(v) for v in d["map"]["y"])
+            aal = {str(k): [[float(v) for v in row] for row in t] for k, t in d.get("aal", {}).items()}
+            vw = tuple(int(w) for w in d.get("verify_widths", ()))
+        except (KeyError, TypeError, ValueError) as e:
+            raise YggError(f"{where}: malformed ({e!r})") from None
+        ok = len(xs) == len(ys) >= 1 and all(0 <= v <= 1 for v in xs + ys)
+        ok = ok and all(b >= a for a, b in zip(xs, xs[1:])) and all(b >= a for a, b in zip(ys, ys[1:]))
+        if not ok:
+            raise YggError(f"{where}: malformed map (knots must be ascending within [0, 1])")
+        return cls(xs, ys, aal, vw)
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def path_values(tree: Tree, edge_prob: Callable[[torch.Tensor], torch.Tensor], d_max: int) -> torch.Tensor:
+    """[N] float32 calibrated P(path from the root accepted) per node: root 1, invalid 0.
+
+    Edge probability of node u = ``edge_prob(exp(logp[u] - logp[parent[u]]))``; a path value is
+    the product along the path, so values never increase from parent to child (the top-k of them
+    is a connected subtree, see prune.py). ``d_max`` bounds the depth (static loop count)."""
+    n = tree.num_nodes
+    root = torch.arange(n, device=tree.logp.device) == 0
+    lp = torch.where(tree.valid, tree.logp, 0.0)
+    q = torch.exp((lp - lp[tree.parent]).clamp(max=0.0))
+    edge = torch.where(tree.valid & ~root, edge_prob(q), 0.0)
+    edge = torch.where(root, 1.0, edge)
+    val = edge.clone()
+    anc = tree.parent
+    for _ in range(d_max):  # multiply in one more ancestor's edge each pass
+        val = val * torch.where(anc == 0, 1.0, edge[anc])
+        anc = tree.parent[anc]
+    return torch.where(tree.valid, val, 0.0)
+
+
+def aal_by_width(values: torch.Tensor, tree: Tree, widths: list[int]) -> list[float]:
+    """Expected accepted length (bonus included) of the nodes the engine keeps at each W_v in
+    ``widths`` (``prune_topk(tree, tree.logp, w)``: same key and tie-breaks), i.e. the root's 1
+    plus the kept nodes' ``values``."""
+    n = values.shape[0]
+    idx = torch.arange(n, device=values.device)
+    key = torch.where(idx == 0, float("inf"), tree.logp.to(torch.float32))
+    order = torch.sort(tree.depth, stable=True).indices
+    order = order[torch.sort(key[order], descending=True, stable=True).indices]
+    order = order[torch.sort(tree.valid[order].to(torch.uint8), descending=True, stable=True).indices]
+    csum = torch.cumsum(torch.where(tree.valid, values, 0.0)[order], 0)  # csum[i]: first i+1 kept
+    return [float(csum[min(w, n) - 1]) for w in widths]
+
+
+def best_verify(
+    aal: list[float], widths: list[int], step_ms: list[float], plain_ms: float
+) -> tuple[int, float]:
+    """(W_v, predicted speed-up vs plain) maximising ``aal * plain_ms / step_ms`` (first wins ties)."""
+    best, best_s = widths[0], -1.0
+    for w, a, t in zip(widths, aal, step_ms):
+        s = a * plain_ms / t
+        if s > best_s:
+            best, best_s = w, s
+    return best, best_s
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+@dataclass
+class ObjectivePolicy:
+    """A :class:`~yggtree.runtime.policy.StepPolicy` maximising the latency objective.
+
+    - ``choose_draft``: D from ``depth_fn(h_root)`` when given (the depth predictor), else the
+      D maximising the calibration's measured expected speed-up; W_d among the draft widths
+      maximising ``max_{W_v} AAL(W_d, D, W_v) * T_plain / T_step``. If no tree beats plain
+      decoding (predicted speed-up <= 1), the step is plain (D = 0).
+    - ``choose_verify``: W_v among the verify widths (and 1) maximising the objective on the
+      drafted tree's calibrated path probabilities, the drafting cost being already spent.
+
+    ``log`` collects (committed, predicted speed-up of the step) for benches.
+    """
+
+    cost: CostModel
+    calib: Calibration
+    draft_widths: tuple[int, ...]
+    verify_widths: tuple[int, ...]
+    d_max: int
+    depth_fn: Callable[[torch.Tensor, int], int] | None = None
+    allow_plain: bool = True
+    log: list = field(default_factory=list)
+    _table: dict = field(default_factory=dict)  # (bucket index) -> StepChoice
+
+    def plan_choice(self, ctx: int, d: int | None = None) -> tuple[StepChoice, float]:
+        """The best (D, W_d) before drafting at context ``ctx`` and its expected speed-up."""
+        plain = self.cost.plain_ms(ctx)
+        best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if self.allow_plain else -1.0
+        depths = [d] if d is not None else list(range(1, self.d_max + 1))
+        for dd in depths:
+            for wd in self.draft_widths:
+                for wv in (1, *self.verify_widths):
+                    a = self.calib.expected_aal(wd, dd, wv) if wv > 1 else 1.0
+                    if a is None:
+                        continue
+                    s = a * plain / self.cost.step_ms(dd, wd, wv, ctx)
+                    if s > best_s:
+                        best, best_s = StepChoice(dd, wd), s
+        return best, best_s
+
+    def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
+        if self.depth_fn is not None:
+            d = int(self.depth_fn(h_root, committed))
+            if d == 0:
+                return StepChoice(0, self.draft_widths[0])
+            return self.plan_choice(committed, d)[0]
+        key = self.cost.verify.bucket(committed + max(self.verify_widths))
+        if key not in self._table:
+            self._table[key] = self.plan_choice(committed)[0]
+        return self._table[key]
+
+    def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
+        d, wd = choice.draft_depth, choice.draft_width
+        widths = [1, *self.verify_widths]
+        vals = path_values(tree, self.calib.edge_prob, d)
+        aal = aal_by_width(vals, tree, widths)
+        steps = [self.cost.step_ms(d, wd, w, committed) for w in widths]
+        wv, s = best_verify(aal, widths, steps, self.cost.plain_ms(committed))
+        self.log.append((committed, s))
+        return wv
