@@ -4,6 +4,8 @@ refusal of missing / malformed / foreign profiles and calibrations."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import math
 
@@ -196,6 +198,7 @@ def test_verify_choice_equals_brute_force(seed, shape, qs):
     tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
     cal = Calibration((0.0, 0.5, 1.0), (0.0, 0.6, 0.95))
     pol = policy(cal)
+    d = max(int(tree.depth.max()), 1)  # a drafted tree is never deeper than D
     wv = pol.choose_verify(tree, StepChoice(d, wd), 100)
     vals = path_values(tree, cal.edge_prob, n)
     best, best_s = None, -1.0
@@ -205,7 +208,7 @@ def test_verify_choice_equals_brute_force(seed, shape, qs):
         if s > best_s + 1e-9:
             best, best_s = w, s
     assert wv == best
-    assert pol.log[-1][1] == pytest.approx(best_s, rel=1e-5)
+    assert pol.log[-1].speedup == pytest.approx(best_s, rel=1e-5)
 
 
 def test_curve_interpolates_knots_and_picks_buckets():
@@ -291,3 +294,21 @@ def test_calibration_loads_and_refuses(tmp_path, plan):
         Calibration.load(write(tmp_path, bad, "c.json"), plan)
     with pytest.raises(YggError, match="does not exist"):
         Calibration.load(tmp_path / "none.json", plan)
+
+
+def test_plan_policy_needs_both_files_and_checks_them(tmp_path):
+    from yggtree.plan import default_plan
+    from yggtree.runtime.objective import plan_policy
+
+    base = default_plan()
+    assert plan_policy(base) is None  # neither file: one fixed tree
+    prof = tmp_path / "p.json"
+    prof.write_text("{}")
+    with pytest.raises(YggError, match="names a profile but no calibration.*yggtree calibrate"):
+        plan_policy(replace(base, profile=str(prof)))
+    with pytest.raises(YggError, match="names a calibration but no profile.*yggtree profile"):
+        plan_policy(replace(base, calibration=str(prof)))
+    with pytest.raises(YggError, match=f"profile {prof} is not a yggtree-profile file"):
+        plan_policy(replace(base, profile=str(prof), calibration=str(prof)))
+    with pytest.raises(YggError, match="does not exist"):
+        plan_policy(replace(base, profile=str(tmp_path / "nope.json"), calibration=str(prof)))

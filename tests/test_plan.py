@@ -308,6 +308,24 @@ def test_stale_detection(tmp_path):
     assert "cannot read manifest" in check_artifacts(plan, art)[0]
 
 
+def test_non_graph_fields_keep_the_artifacts(tmp_path):
+    """Sampling defaults, profile, calibration, predictor and stages do not change any graph: the
+    artifacts stay usable, and compiling the edited plan refreshes the copy without rebuilding."""
+    out = tmp_path / "compile"
+    plan = load_plan(eager_plan(tmp_path))
+    compile_plan(plan, out)
+    (tmp_path / "prof.json").write_text("{}")
+    edited = load_plan(eager_plan(tmp_path, sampling={"temperature": 0.7, "max_new_tokens": 8}, profile="prof.json"))
+    assert edited.hash() != plan.hash() and edited.graph_hash() == plan.graph_hash()
+    assert check_artifacts(edited, out / "t") == []
+    created = json.loads((out / "t" / MANIFEST).read_text())["created"]
+    s = compile_plan(edited, out)
+    assert s["status"] == "plan-updated" and s["created"] == created  # nothing rebuilt
+    assert load_plan(out / "t" / "plan.yaml").hash() == edited.hash()
+    assert compile_plan(edited, out)["status"] == "up-to-date"
+    assert check_artifacts(plan, out / "t") == []
+
+
 def test_refuses_to_overwrite_another_plans_artifacts(tmp_path):
     out = tmp_path / "compile"
     compile_plan(load_plan(eager_plan(tmp_path)), out)

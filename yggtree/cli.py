@@ -86,13 +86,14 @@ def _run(args) -> int:
     params.validate()
     if args.trace and args.mode != "reference":
         raise YggError("--trace needs --mode reference")
+    policy = None
     if args.plan:
-        engine, tok = _plan_engine(args)
+        engine, tok, policy = _plan_engine(args)
     else:
         engine, tok = _flag_engine(args)
     ids = encode_prompt(tok, args.prompt, raw=args.raw)
     with open_trace(args.trace) as trace:
-        return _generate(args, engine, tok, ids, params, trace)
+        return _generate(args, engine, tok, ids, params, trace, policy)
 
 
 def _plan_engine(args):
@@ -103,10 +104,18 @@ def _plan_engine(args):
     plan = prepare_run(args.plan, args.compile_missing)
     art = artifact_dir(plan) if plan.backend != "eager" else None
     mode = "reference" if args.mode == "reference" else None
+    from .runtime.objective import plan_policy
+
+    fixed = (args.draft_width, args.verify_width, args.draft_depth) != (None, None, None)
+    policy = None if fixed or args.no_speculate else plan_policy(plan)  # checked before loading
     engine, tok = build_plan_engine(plan, art, mode)
-    if engine.drafter is not None and not args.no_speculate:
+    if engine.drafter is not None and not args.no_speculate and policy is None:
         use_widths(engine, plan, args.draft_width, args.verify_width, args.draft_depth)
-    return engine, tok
+    if args.no_speculate and engine.drafter is not None:
+        from .runtime.policy import FixedPolicy, StepChoice
+
+        policy = FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1)  # plain steps only
+    return engine, tok, policy
 
 
 def _flag_engine(args):
@@ -147,11 +156,26 @@ def open_trace(path: str | None):
         yield lambda rec: f.write(json.dumps(rec) + "\n")
 
 
-def _generate(args, engine, tok, ids, params, trace) -> int:
+def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     from .streaming import TextStream
 
+    steps: dict[str, int] = {}
+
+    def on_step(rec) -> None:  # how often each (D, W_d, W_v) ran
+        d = rec.choice.draft_depth
+        key = f"{d},{rec.choice.draft_width if d else 0},{rec.verify_width}"
+        steps[key] = steps.get(key, 0) + 1
+
+    kw = {"policy": policy, "on_step": on_step} if policy is not None else {}
     if args.json:
-        res = engine.generate(ids, params, trace=trace)
+        res = engine.generate(ids, params, trace=trace, **kw)
+        if policy is not None:
+            res.stats["steps_by_choice"] = dict(sorted(steps.items()))
+            log = getattr(policy, "log", None)  # the objective's prediction of every step
+            if log:
+                from .runtime.objective import predicted_speedup
+
+                res.stats["predicted_speedup"] = round(predicted_speedup(log), 4)
         text = tok.decode(res.token_ids, skip_special_tokens=True)
         obj = {
             "text": text,
@@ -163,7 +187,7 @@ def _generate(args, engine, tok, ids, params, trace) -> int:
         print(json.dumps(obj))
         return 0
     stream = TextStream(tok, sys.stdout)
-    res = engine.generate(ids, params, on_tokens=stream.push, trace=trace)
+    res = engine.generate(ids, params, on_tokens=stream.push, trace=trace, **kw)
     stream.close()
     s = res.stats
     extra = f", aal {s['aal']:.2f}" if "aal" in s else ""

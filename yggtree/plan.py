@@ -198,6 +198,25 @@ class Plan:
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
+    def graph_hash(self) -> str:
+        """sha256 of the fields the compiled graphs depend on (:data:`GRAPH_FIELDS`): a plan that
+        changes only its sampling defaults, profile, predictor, calibration or stage plan keeps
+        its compiled artifacts."""
+        return graph_hash_of(self.to_dict())
+
+
+# the plan fields that decide which graphs exist and what they compute
+GRAPH_FIELDS = ("version", "name", "target", "drafter", "dtype", "backend", "max_context",
+                "prefill_chunk", "draft_widths", "d_max", "top_k", "verify_widths")
+
+
+def graph_hash_of(plan_dict: Any) -> str | None:
+    """:meth:`Plan.graph_hash` of a ``Plan.to_dict()`` (as stored in a manifest); None if malformed."""
+    if not isinstance(plan_dict, dict) or any(k not in plan_dict for k in GRAPH_FIELDS):
+        return None
+    text = json.dumps({k: plan_dict[k] for k in GRAPH_FIELDS}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
 
 def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:
     if w not in compiled:
@@ -508,8 +527,8 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         reasons.append(
             f"the artifacts in {d} have format {m.get('format')}, this yggtree writes {MANIFEST_FORMAT}"
         )
-    if m.get("plan_hash") != plan.hash():
-        what = _plan_diff(m.get("plan"), plan.to_dict())
+    if graph_hash_of(m.get("plan")) != plan.graph_hash():
+        what = _plan_diff(m.get("plan"), plan.to_dict(), GRAPH_FIELDS)
         reasons.append(f"the plan changed since it was compiled into {d}" + (f" ({what})" if what else ""))
     now = versions()
     for k, v in now.items():
@@ -537,8 +556,10 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
     return reasons
 
 
-def _plan_diff(old: Any, new: dict) -> str:
+def _plan_diff(old: Any, new: dict, only: tuple[str, ...] | None = None) -> str:
     if not isinstance(old, dict):
         return ""
     keys = [k for k in new if old.get(k) != new[k]] + [k for k in old if k not in new]
+    if only is not None:
+        keys = [k for k in keys if k in only]
     return "changed: " + ", ".join(keys) if keys else ""

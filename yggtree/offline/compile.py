@@ -53,6 +53,7 @@ from ..plan import (
     artifact_dir,
     cache_dir,
     check_artifacts,
+    graph_hash_of,
     load_plan,
     model_fingerprints,
     read_manifest,
@@ -83,7 +84,7 @@ def _check_destination(plan: Plan, art: Path, force: bool) -> None:
         raise YggError(f"{art} exists and is not a directory")
     m = read_manifest(art)
     if m is not None:
-        if m.get("plan_hash") != plan.hash() and not force:
+        if graph_hash_of(m.get("plan")) != plan.graph_hash() and not force:
             raise YggError(
                 f"{art} holds the artifacts of a different plan (name {m.get('plan_name')!r}, hash "
                 f"{str(m.get('plan_hash'))[:12]}); pass --force to replace them, or rename the plan"
@@ -244,7 +245,18 @@ def compile_plan(
     _check_destination(plan, art, force or replace)
     if not force and read_manifest(art) is not None and not check_artifacts(plan, art):
         m = read_manifest(art)
-        return {**m, "status": "up-to-date", "dir": str(art), "wall_s": time.perf_counter() - t_start}
+        status = "up-to-date"
+        if m.get("plan_hash") != plan.hash():
+            # only fields the graphs do not depend on changed (sampling, profile, calibration,
+            # predictor, stages): refresh the plan copy and the manifest, keep every package
+            save_plan(plan, art / PLAN_COPY)
+            m = {**m, "plan_hash": plan.hash(), "plan": plan.to_dict(),
+                 "plan_updated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            tmp = art / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(m, indent=2) + "\n")
+            tmp.replace(art / MANIFEST)
+            status = "plan-updated"
+        return {**m, "status": status, "dir": str(art), "wall_s": time.perf_counter() - t_start}
     stale = check_artifacts(plan, art) if read_manifest(art) is not None else []
     if force:
         _clear(art)  # a forced rebuild starts from an empty cache

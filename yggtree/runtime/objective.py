@@ -30,7 +30,7 @@ from .tree import Tree
 
 __all__ = [
     "PROFILE_KIND", "CALIBRATION_KIND", "Curve", "CostModel", "Calibration", "timing_identity",
-    "pair_identity", "path_values", "aal_by_width", "best_verify", "ObjectivePolicy",
+    "pair_identity", "path_values", "aal_by_width", "best_verify", "ObjectivePolicy", "Prediction", "predicted_speedup", "plan_policy",
 ]
 
 PROFILE_KIND = "yggtree-profile"
@@ -331,6 +331,29 @@ def best_verify(
 # ----------------------------------------------------------------------------- the policy
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """What the objective expected of one step (the engine's view of a step is a StepRecord)."""
+
+    committed: int  # committed length before the step
+    draft_depth: int  # D chosen (0: a plain step)
+    verify_width: int  # W_v chosen (1 for a plain step)
+    aal: float  # expected tokens emitted (bonus included; 1 for a plain step)
+    step_ms: float  # predicted wall time of the step
+    plain_ms: float  # predicted wall time of one plain step at this context
+
+    @property
+    def speedup(self) -> float:
+        return self.aal * self.plain_ms / self.step_ms
+
+
+def predicted_speedup(preds: list[Prediction]) -> float:
+    """Predicted speed-up of a run of steps over plain decoding: the plain time of the tokens
+    expected to be emitted over the predicted time of the steps."""
+    t = sum(p.step_ms for p in preds)
+    return sum(p.aal * p.plain_ms for p in preds) / t if t > 0 else float("nan")
+
+
 @dataclass
 class ObjectivePolicy:
     """A :class:`~yggtree.runtime.policy.StepPolicy` maximising the latency objective.
@@ -342,7 +365,7 @@ class ObjectivePolicy:
     - ``choose_verify``: W_v among the verify widths (and 1) maximising the objective on the
       drafted tree's calibrated path probabilities, the drafting cost being already spent.
 
-    ``log`` collects (committed, predicted speed-up of the step) for benches.
+    ``log`` collects one :class:`Prediction` per step (plain steps included) for benches.
     """
 
     cost: CostModel
@@ -374,13 +397,16 @@ class ObjectivePolicy:
     def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
         if self.depth_fn is not None:
             d = int(self.depth_fn(h_root, committed))
-            if d == 0:
-                return StepChoice(0, self.draft_widths[0])
-            return self.plan_choice(committed, d)[0]
-        key = self.cost.verify.bucket(committed + max(self.verify_widths))
-        if key not in self._table:
-            self._table[key] = self.plan_choice(committed)[0]
-        return self._table[key]
+            choice = StepChoice(0, self.draft_widths[0]) if d == 0 else self.plan_choice(committed, d)[0]
+        else:
+            key = self.cost.verify.bucket(committed + max(self.verify_widths))
+            if key not in self._table:
+                self._table[key] = self.plan_choice(committed)[0]
+            choice = self._table[key]
+        if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
+            plain = self.cost.plain_ms(committed)
+            self.log.append(Prediction(committed, 0, 1, 1.0, plain, plain))
+        return choice
 
     def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
         d, wd = choice.draft_depth, choice.draft_width
@@ -388,6 +414,31 @@ class ObjectivePolicy:
         vals = path_values(tree, self.calib.edge_prob, d)
         aal = aal_by_width(vals, tree, widths)
         steps = [self.cost.step_ms(d, wd, w, committed) for w in widths]
-        wv, s = best_verify(aal, widths, steps, self.cost.plain_ms(committed))
-        self.log.append((committed, s))
+        plain = self.cost.plain_ms(committed)
+        wv, _ = best_verify(aal, widths, steps, plain)
+        i = widths.index(wv)
+        self.log.append(Prediction(committed, d, wv, aal[i], steps[i], plain))
         return wv
+
+def plan_policy(plan) -> ObjectivePolicy | None:
+    """The latency-objective policy of ``plan`` (a :class:`yggtree.plan.Plan`): its profile and
+    calibration loaded and checked against the plan. None when the plan names neither (the
+    engine then runs one fixed tree); a YggError when it names only one of them, or when either
+    is missing, malformed, or measured for other models or another dtype."""
+    if plan.profile is None and plan.calibration is None:
+        return None
+    if plan.profile is None or plan.calibration is None:
+        have, need, cmd = (("calibration", "profile", "yggtree profile --hw NAME --plan PLAN")
+                           if plan.profile is None else
+                           ("profile", "calibration", "yggtree calibrate --plan PLAN"))
+        raise YggError(f"plan {plan.name!r} names a {have} but no {need}: the latency objective needs "
+                       f"both (make one with `{cmd}`)")
+    if not plan.speculative:
+        raise YggError(f"plan {plan.name!r} has no drafter: a profile and calibration have nothing to choose")
+    return ObjectivePolicy(
+        CostModel.from_profile(plan.profile, plan),
+        Calibration.load(plan.calibration, plan),
+        tuple(plan.draft_widths),
+        tuple(plan.verify_widths),
+        plan.d_max,
+    )
