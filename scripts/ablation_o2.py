@@ -47,20 +47,6 @@ def plan_for(base, dtype: str):
     return replace(base, dtype=dtype, name=f"{base.name}-{dtype}")
 
 
-def ready_artifacts(plan, compile_root: str, compile_missing: bool) -> Path:
-    from yggtree.offline.compile import compile_plan
-    from yggtree.plan import artifact_dir, check_artifacts
-
-    art = artifact_dir(plan, compile_root)
-    reasons = check_artifacts(plan, art)
-    if reasons:
-        if not compile_missing:
-            raise YggError(f"plan {plan.name!r} is not compiled in {art}: {'; '.join(reasons)} (pass --compile-missing)")
-        sys.stderr.write(f"compiling plan {plan.name!r} into {art}: {'; '.join(reasons)}\n")
-        compile_plan(plan, compile_root)
-    return art
-
-
 def engines_for(plan, tree, art: Path, jit: bool) -> dict:
     from yggtree.runtime.build import build_plan_engine, use_widths
 
@@ -100,6 +86,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from yggtree.bench import load_prompts, stderr_progress
+    from yggtree.offline.compile import ensure_artifacts
     from yggtree.plan import load_plan
     from yggtree.runtime.engine import SamplingParams
 
@@ -117,7 +104,7 @@ def run(args) -> int:
     results, meta = {}, {}
     for dtype in dtypes:
         plan = plan_for(base, dtype)
-        art = ready_artifacts(plan, args.compile_root, args.compile_missing)
+        art = ensure_artifacts(plan, args.compile_missing, args.compile_root)
         engines, tok = engines_for(plan, tree, art, args.jit)
         systems = list(engines)
         prompts = load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok)

@@ -362,31 +362,38 @@ def summary_line(summary: dict) -> dict:
 
 
 def prepare_run(plan_path: str | Path, compile_missing: bool, compile_root: str | Path = "compile") -> Plan:
-    """Load a plan for ``yggtree run --plan`` and make sure its compiled artifacts are usable.
-
-    Artifacts missing or stale (see :func:`yggtree.plan.check_artifacts`): with
-    ``compile_missing`` they are compiled now (the reasons go to stderr), otherwise a YggError
-    lists the reasons. A plan never silently runs with other graphs. The artifact directory is
-    ``yggtree.plan.artifact_dir(plan, compile_root)``; pass it to ``build_plan_engine``."""
+    """Load a plan for ``yggtree run --plan`` and make sure its compiled artifacts are usable
+    (:func:`ensure_artifacts`). The artifact directory is ``yggtree.plan.artifact_dir(plan,
+    compile_root)``; pass it to ``build_plan_engine``."""
     plan = load_plan(plan_path)
+    ensure_artifacts(plan, compile_missing, compile_root, shown_as=str(plan_path))
+    return plan
+
+
+def ensure_artifacts(plan: Plan, compile_missing: bool, compile_root: str | Path = "compile",
+                     shown_as: str | None = None) -> Path | None:
+    """The plan's artifact directory, its artifacts checked (None for the eager backend, which
+    uses none). Missing or stale (see :func:`yggtree.plan.check_artifacts`): with
+    ``compile_missing`` they are compiled now (the reasons go to stderr), otherwise a YggError
+    lists the reasons. A plan never silently runs with other graphs."""
     from ..runtime.graphs import check_backend
 
     check_backend(plan.backend)
     if plan.backend == "eager":
-        return plan  # nothing compiled is used
+        return None  # nothing compiled is used
     art = artifact_dir(plan, compile_root)
     reasons = check_artifacts(plan, art)
     if not reasons:
-        return plan
+        return art
     if not compile_missing:
         raise YggError(
             f"compiled artifacts of plan {plan.name!r} in {art} are not usable: {'; '.join(reasons)}. "
-            f"Run `yggtree compile {plan_path}` or pass --compile-missing"
+            f"Run `yggtree compile {shown_as or plan.source or 'PLAN'}` or pass --compile-missing"
         )
     sys.stderr.write(f"yggtree: compiling plan {plan.name!r} into {art}: {'; '.join(reasons)}\n")
     own_copy = plan.source is not None and plan.source == (art / PLAN_COPY).resolve()
     compile_plan(plan, compile_root, replace=own_copy)  # an edited copy replaces its own dir
-    return plan
+    return art
 
 
 # ----------------------------------------------------------------------------- command line

@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""The latency objective against fixed trees (Yggdrasil section 4.1-4.2): one run, same prompts.
+
+Systems, all on ONE engine built from the plan (its compiled AOTInductor packages, its cache
+envelope), greedy:
+
+- ``plain``:     plain decoding (every step D = 0: the target at width 1);
+- ``objective``: the plan's latency objective (its profile and calibration) choosing D and W_d
+  before drafting and W_v after, every step;
+- ``fixed``:     the single (W_d, D, W_v) of the plan with the highest calibrated accepted length
+  (chosen by accepted length alone, as a latency-blind system would; ``--fixed`` overrides);
+- ``chain``:     a chain (W_d = 1) of the length the profile and calibration predict fastest
+  (``--chain D,W_v`` overrides).
+
+The fixed choices come from the calibration (calibration prompts), never from the evaluation
+prompts. Prompts (MT-Bench first turns, HumanEval, chat template) run one at a time, every system
+on a prompt before the next prompt, the order of the systems rotating per prompt so the drift of
+a shared machine hits all alike. Per prompt set and system: decode tokens/s (prefill excluded),
+measured speed-up over plain (ratio of decode ms/token), the objective's predicted speed-up (the
+cost model's plain time of the expected tokens over the predicted step times, summed over the
+steps actually taken), AAL, and greedy outputs equal to plain. A table, then ONE JSON line.
+
+    python scripts/bench_objective.py --plan my_plan.yaml --prompts-mtbench 40 --prompts-humaneval 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from yggtree.errors import YggError, run_reporting  # noqa: E402
+
+
+def parse_ints(text: str | None, n: int, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        v = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        v = ()
+    if len(v) != n:
+        raise YggError(f"{flag} wants {n} comma-separated integers, got {text!r}")
+    return v
+
+
+def fixed_by_aal(calib, plan) -> tuple[int, int, int]:
+    """(W_d, D, W_v) of the plan with the highest calibrated AAL (ties: the cheaper tree)."""
+    best, best_a = None, -1.0
+    for wd in sorted(plan.draft_widths):
+        for d in range(1, plan.d_max + 1):
+            for wv in sorted(plan.verify_widths):
+                a = calib.expected_aal(wd, d, wv)
+                if a is not None and wv <= 1 + d * wd and a > best_a + 1e-9:
+                    best, best_a = (wd, d, wv), a
+    if best is None:
+        raise YggError("the calibration has no AAL table for the plan's widths (re-run yggtree calibrate)")
+    return best
+
+
+def best_chain(cost, calib, plan, ctx: int) -> tuple[int, int]:
+    """(D, W_v) of the chain (W_d = 1) with the best predicted speed-up at context ``ctx``."""
+    if 1 not in plan.draft_widths:
+        raise YggError(f"plan {plan.name!r} has no draft width 1: no chain to compare with")
+    best, best_s = None, -1.0
+    for d in range(1, plan.d_max + 1):
+        for wv in plan.verify_widths:
+            a = calib.expected_aal(1, d, wv)
+            if a is None or wv > 1 + d:
+                continue
+            s = a * cost.plain_ms(ctx) / cost.step_ms(d, 1, wv, ctx)
+            if s > best_s:
+                best, best_s = (d, wv), s
+    if best is None:
+        raise YggError(f"plan {plan.name!r}: no verify width fits a chain (W_v <= 1 + D)")
+    return best
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from yggtree.bench import load_prompts, stderr_progress
+    from yggtree.offline.compile import ensure_artifacts
+    from yggtree.plan import load_plan
+    from yggtree.runtime.build import build_plan_engine
+    from yggtree.runtime.engine import SamplingParams
+    from yggtree.runtime.objective import Prediction, plan_policy, predicted_speedup
+    from yggtree.runtime.policy import FixedPolicy, StepChoice
+
+    torch.set_num_threads(args.threads)
+    plan = load_plan(args.plan)
+    objective = plan_policy(plan)
+    if objective is None:
+        raise YggError(f"plan {args.plan} names no profile and calibration: there is no objective to bench")
+    cost, calib = objective.cost, objective.calib
+    wd, d, wv = parse_ints(args.fixed, 3, "--fixed") or fixed_by_aal(calib, plan)
+    cd, cwv = parse_ints(args.chain, 2, "--chain") or best_chain(cost, calib, plan, 256)
+    for name, (w1, dd, w2) in (("--fixed", (wd, d, wv)), ("--chain", (1, cd, cwv))):
+        plan.tree_params(w1, w2, dd)  # refuses widths outside the compiled sets
+    art = ensure_artifacts(plan, args.compile_missing, args.compile_root)
+    engine, tok = build_plan_engine(plan, art)
+    policies = {
+        "plain": FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1),
+        "objective": objective,
+        "fixed": FixedPolicy(StepChoice(d, wd), wv),
+        "chain": FixedPolicy(StepChoice(cd, 1), cwv),
+    }
+    settings = {"plain": "D=0", "objective": "adaptive", "fixed": f"{wd},{d},{wv}", "chain": f"1,{cd},{cwv}"}
+    prompts = load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    names = list(policies)
+    rows = []
+
+    def predictions(name, recs) -> list[Prediction]:
+        if name == "objective":
+            return list(objective.log)
+        out = []
+        for r in recs:  # what the cost model and calibration expected of the fixed choice
+            dd, w1 = r.choice.draft_depth, r.choice.draft_width
+            plain = cost.plain_ms(r.committed)
+            if dd == 0:
+                out.append(Prediction(r.committed, 0, 1, 1.0, plain, plain))
+            else:
+                a = calib.expected_aal(w1, dd, r.verify_width)
+                out.append(Prediction(r.committed, dd, r.verify_width, a, cost.step_ms(dd, w1, r.verify_width, r.committed), plain))
+        return out
+
+    with stderr_progress() as progress:
+        task = progress.add_task("objective bench", total=len(prompts))
+        for i, (pid, ids) in enumerate(prompts):
+            row = {"prompt": pid, "set": pid.split("/")[0]}
+            order = names[i % len(names):] + names[: i % len(names)]
+            for name in order:
+                recs: list = []
+                objective.log.clear()
+                res = engine.generate(ids, params, policy=policies[name], on_step=recs.append)
+                preds = predictions(name, recs)
+                s = res.stats
+                n = len(res.token_ids)
+                row[name] = {
+                    "new_tokens": n, "decode_s": (s["total_ms"] - s["ttft_ms"]) / 1e3,
+                    "steps": len(recs), "tokens": res.token_ids,
+                    "pred_plain_ms": sum(p.aal * p.plain_ms for p in preds),
+                    "pred_step_ms": sum(p.step_ms for p in preds),
+                    "choices": sorted({(r.choice.draft_depth, r.choice.draft_width if r.choice.draft_depth else 0,
+                                        r.verify_width) for r in recs}),
+                    "n_plain_steps": sum(r.choice.draft_depth == 0 for r in recs),
+                }
+            rows.append(row)
+            progress.advance(task)
+
+    sets = sorted({r["set"] for r in rows}) + ["all"]
+    summary = {}
+    for st in sets:
+        sel = [r for r in rows if st == "all" or r["set"] == st]
+        res = {}
+        for name in names:
+            dec_n = sum(max(r[name]["new_tokens"] - 1, 0) for r in sel)
+            dec_s = sum(r[name]["decode_s"] for r in sel)
+            steps = sum(r[name]["steps"] for r in sel)
+            res[name] = {
+                "decode_tok_s": dec_n / dec_s if dec_s else 0.0,
+                "ms_per_token": dec_s / dec_n * 1e3 if dec_n else float("nan"),
+                "aal": sum(r[name]["new_tokens"] - 1 for r in sel) / steps if steps else float("nan"),
+                "predicted_speedup": (sum(r[name]["pred_plain_ms"] for r in sel)
+                                      / max(sum(r[name]["pred_step_ms"] for r in sel), 1e-9)),
+                "same_as_plain": sum(r[name]["tokens"] == r["plain"]["tokens"] for r in sel),
+                "plain_step_share": (sum(r[name]["n_plain_steps"] for r in sel) / steps) if steps else 0.0,
+            }
+        for name in names:
+            res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
+            p, m = res[name]["predicted_speedup"], res[name]["measured_speedup"]
+            res[name]["prediction_error"] = abs(p - m) / m
+        summary[st] = res
+
+    table = Table(title=f"latency objective vs fixed trees: plan {plan.name} ({plan.dtype}), "
+                        f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.threads} thread(s), one run")
+    for c in ("set", "system", "W_d,D,W_v", "decode tok/s", "x plain", "x plain predicted", "pred. error",
+              "AAL", "plain steps", "= plain"):
+        table.add_column(c, justify="left" if c in ("set", "system", "W_d,D,W_v") else "right")
+    for st, res in summary.items():
+        n = len([r for r in rows if st == "all" or r["set"] == st])
+        for name, r in res.items():
+            table.add_row(st, name, settings[name], f"{r['decode_tok_s']:.2f}", f"{r['measured_speedup']:.3f}",
+                          f"{r['predicted_speedup']:.3f}", f"{100 * r['prediction_error']:.1f}%",
+                          f"{r['aal']:.2f}", f"{100 * r['plain_step_share']:.0f}%", f"{r['same_as_plain']}/{n}")
+    Console(width=None if sys.stdout.isatty() else 170).print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, default=list) + "\n")
+    line = {
+        "command": "bench_objective", "plan": plan.name, "dtype": plan.dtype, "threads": args.threads,
+        "prompts": {"mtbench": args.prompts_mtbench, "humaneval": args.prompts_humaneval},
+        "max_new_tokens": args.max_new_tokens, "settings": settings, "torch": torch.__version__,
+        "summary": {st: {n: {k: round(v, 4) for k, v in r.items()} for n, r in res.items()}
+                    for st, res in summary.items()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    print(json.dumps(line), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", required=True, help="plan YAML naming a profile and a calibration")
+    p.add_argument("--prompts-mtbench", type=int, default=40)
+    p.add_argument("--prompts-humaneval", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fixed", help="W_d,D,W_v of the fixed system (default: highest calibrated AAL)")
+    p.add_argument("--chain", help="D,W_v of the chain (default: best predicted chain)")
+    p.add_argument("--compile-root", default="compile")
+    p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
+    p.add_argument("--out", help="also write every prompt's record as JSON")
+    return run_reporting("bench_objective", run, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
