@@ -244,7 +244,11 @@ def write(tmp_path, d, name="p.json"):
 
 
 def test_profile_loads_for_its_plan(tmp_path, plan):
-    cm = CostModel.from_profile(write(tmp_path, profile_dict(plan)), plan)
+    from yggtree.runtime.device import detect_device
+
+    here = detect_device()
+    d = profile_dict(plan) | {"hardware": {"device": here["kind"], "device_name": here["name"]}}
+    cm = CostModel.from_profile(write(tmp_path, d), plan)
     assert cm.t_verify(4, 10) == 11.0 and cm.plain_ms(10) == 10.0
 
 
@@ -262,6 +266,8 @@ def test_profile_loads_for_its_plan(tmp_path, plan):
         (lambda d: d | {"fit": d["fit"] | {"verify": {"buckets": [256], "xs": [[4, 1]], "ys": [[1, 2]]}}},
          "malformed latency curve"),
         (lambda d: d | {"fit": d["fit"] | {"draft": {"buckets": [256]}}}, "malformed latency curve"),
+        (lambda d: d | {"hardware": {"device": "cuda", "device_name": "NVIDIA A100-SXM4-80GB"}},
+         "measured on cuda 'NVIDIA A100-SXM4-80GB', this process runs on cpu .*yggtree profile"),
     ],
 )
 def test_bad_profiles_are_refused(tmp_path, plan, mutate, match):

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..errors import YggError, run_reporting
+from ..runtime.device import cpu_model, detect_device
 
 ACCEL_NAME = re.compile(
     r"^(a\d{2,3}|h\d{2,3}|b\d{3}|v100|p100|k80|l4|l40s?|t4|a10g?|rtx.*|gtx.*|titan.*|quadro.*|"
@@ -38,32 +39,6 @@ NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 # ----------------------------------------------------------------------------- the machine
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def detect_device() -> dict:
-    """What this process can run on: kind (cpu | cuda | npu) and its name."""
-    import torch
-
-    if torch.cuda.is_available():
-        return {"kind": "cuda", "name": torch.cuda.get_device_name(0)}
-    try:
-        import torch_npu  # noqa: F401
-
-        if torch.npu.is_available():  # type: ignore[attr-defined]
-            return {"kind": "npu", "name": torch.npu.get_device_name(0)}  # type: ignore[attr-defined]
-    except ImportError:
-        pass
-    return {"kind": "cpu", "name": cpu_model()}
 
 
 def check_hw_name(name: str, device: dict, force: bool) -> None:

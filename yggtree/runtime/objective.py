@@ -200,6 +200,17 @@ class CostModel:
                 f"{key}: profile {ident.get(key) if isinstance(ident, dict) else None!r} vs plan "
                 f"{want.get(key)!r}); run `yggtree profile --plan ...` for this plan"
             )
+        hw = d.get("hardware")
+        if isinstance(hw, dict) and hw.get("device_name") is not None:
+            from .device import detect_device
+
+            here = detect_device()
+            if (hw.get("device"), hw.get("device_name")) != (here["kind"], here["name"]):
+                raise YggError(
+                    f"{where} was measured on {hw.get('device')} {hw.get('device_name')!r}, this process "
+                    f"runs on {here['kind']} {here['name']!r}; profile this machine with `yggtree profile "
+                    "--hw NAME --plan ...` (latency curves do not transfer between devices)"
+                )
         return cls.from_profile_dict(d, where)
 
     @classmethod
