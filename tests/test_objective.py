@@ -318,3 +318,49 @@ def test_plan_policy_needs_both_files_and_checks_them(tmp_path):
         plan_policy(replace(base, profile=str(prof), calibration=str(prof)))
     with pytest.raises(YggError, match="does not exist"):
         plan_policy(replace(base, profile=str(tmp_path / "nope.json"), calibration=str(prof)))
+
+
+def test_run_with_a_plan_decodes_with_the_objective(tmp_path, capsys):
+    """`yggtree run --plan` with a profile and a calibration: the objective chooses every step,
+    the output equals plain decoding, and --json reports the choices and the prediction."""
+    pytest.importorskip("transformers")
+    from test_compile import save_tiny_checkpoint
+
+    from yggtree.cli import main
+    from yggtree.plan import load_plan
+    from yggtree.runtime.device import detect_device
+
+    save_tiny_checkpoint(tmp_path / "model")
+    (tmp_path / "plan.yaml").write_text(
+        "name: obj\ntarget: model\ndrafter: self\nbackend: eager\nmax_context: 64\nprefill_chunk: 4\n"
+        "draft_widths: [1, 2]\nd_max: 2\ntop_k: 2\nverify_widths: [2, 4]\n"
+        "sampling: {max_new_tokens: 12}\nprofile: prof.json\ncalibration: cal.json\n"
+    )
+    write(tmp_path, "{}", "prof.json")
+    write(tmp_path, "{}", "cal.json")
+    bare = load_plan(tmp_path / "plan.yaml")
+    here = detect_device()
+    cheap = {"buckets": [128], "xs": [[1, 8]], "ys": [[10.0, 10.5]]}  # wide steps cost ~ one token
+    write(tmp_path, {"kind": PROFILE_KIND, "version": FORMAT_VERSION, "name": "t",
+                     "identity": timing_identity(bare), "fit": {"verify": cheap, "draft": cheap | {"ys": [[0.5, 0.6]]},
+                                                                "head": cheap | {"ys": [[0.5, 0.6]]}},
+                     "hardware": {"device": here["kind"], "device_name": here["name"]}}, "prof.json")
+    write(tmp_path, {"kind": CALIBRATION_KIND, "version": FORMAT_VERSION, "identity": pair_identity(bare),
+                     "map": {"x": [0.0, 1.0], "y": [0.2, 0.9]}, "verify_widths": [2, 4],
+                     "aal": {"1": [[1.5, 1.5], [1.6, 2.2]], "2": [[1.7, 1.7], [1.9, 2.6]]}}, "cal.json")
+    args = ["run", "--plan", str(tmp_path / "plan.yaml"), "--raw", "--prompt", "t3 t4 t5 t6",
+            "--max-new-tokens", "12", "--json"]
+    assert main(args) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert main(args + ["--no-speculate"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+    chosen = spec["stats"]["steps_by_choice"]
+    assert chosen and all(k.split(",")[0] != "0" for k in chosen)  # speculation pays here
+    assert spec["stats"]["predicted_speedup"] > 1
+    assert set(plain["stats"]["steps_by_choice"]) == {"0,0,1"}
+    # one of the two files alone is refused with one line
+    (tmp_path / "half.yaml").write_text((tmp_path / "plan.yaml").read_text().replace("calibration: cal.json\n", ""))
+    assert main(["run", "--plan", str(tmp_path / "half.yaml"), "--raw", "--prompt", "t3"]) != 0
+    err = capsys.readouterr().err
+    assert "names a profile but no calibration" in err and len(err.strip().splitlines()) == 1
