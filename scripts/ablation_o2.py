@@ -8,12 +8,12 @@ compiled choice of the plan) on an engine built from the same plan (same cache e
 - ``compiled``: performance mode running the plan's AOTInductor packages from compile/<name>/;
 - ``jit`` (only with ``--jit``): performance mode compiling with torch.compile/dynamo in-process.
 
-For each dtype, prompts (the first MT-Bench first turns and HumanEval prompts, chat template)
-are run one at a time, every system on the prompt before the next prompt, alternating the order
-of the systems per prompt, so drift of a shared machine hits all systems alike. Reported per
+Prompts (the first MT-Bench first turns and HumanEval prompts, chat template, the two sets
+alternating) run one at a time, every (dtype, system) on the prompt before the next prompt, the
+order rotating per prompt, so drift of a shared machine hits all systems alike. Reported per
 dtype and system: tokens/s (new tokens / wall time of ``generate``), AAL, and how many greedy
-outputs equal the eager system's; the ratio compiled/eager is the O2 speed-up. Output: a table,
-then ONE JSON line. One run; timings from different runs are not comparable.
+outputs equal the eager system's; the ratio compiled/eager is the O2 speed-up. ``--rows`` keeps
+every prompt's timings as it finishes. Output: a table, then ONE JSON line. One run; timings from different runs are not comparable.
 
     python scripts/ablation_o2.py --prompts-mtbench 5 --prompts-humaneval 5 --max-new-tokens 64 \\
         --dtypes float32,bfloat16 --threads 1 --compile-missing
@@ -62,6 +62,16 @@ def engines_for(plan, tree, art: Path, jit: bool) -> dict:
     return out, tok
 
 
+def interleave(prompts: list) -> list:
+    """MT-Bench and HumanEval alternating, so a stopped run covers both sets."""
+    mt = [p for p in prompts if p[0].startswith("mtbench/")]
+    he = [p for p in prompts if not p[0].startswith("mtbench/")]
+    out = []
+    for i in range(max(len(mt), len(he))):
+        out += mt[i:i + 1] + he[i:i + 1]
+    return out
+
+
 def summarise(rows: list[dict], systems: list[str]) -> dict:
     res = {}
     for s in systems:
@@ -101,29 +111,33 @@ def run(args) -> int:
         raise YggError(f"plan {base.name!r} has no drafter: nothing to speculate with")
     dtypes = args.dtypes.split(",")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    results, meta = {}, {}
-    for dtype in dtypes:
+    engines, meta, tok = {}, {}, None
+    for dtype in dtypes:  # every graph is ready before the first prompt runs
         plan = plan_for(base, dtype)
         art = ensure_artifacts(plan, args.compile_missing, args.compile_root)
-        engines, tok = engines_for(plan, tree, art, args.jit)
-        systems = list(engines)
-        prompts = load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok)
-        rows = []
-        with stderr_progress() as progress:
-            task = progress.add_task(f"{dtype}", total=len(prompts))
-            for i, (pid, ids) in enumerate(prompts):
-                row = {"prompt": pid}
-                order = systems if i % 2 == 0 else systems[::-1]
-                for s in order:
-                    t0 = time.perf_counter()
-                    res = engines[s][0].generate(ids, params)
-                    row[s] = {"total_s": time.perf_counter() - t0, "new_tokens": len(res.token_ids),
-                              "verify_calls": res.stats.get("verify_calls", 0), "tokens": res.token_ids}
-                rows.append(row)
-                progress.advance(task)
-        results[dtype] = summarise(rows, systems)
-        meta[dtype] = {"plan": plan.name, "build_s": {s: round(e[1], 2) for s, e in engines.items()}}
-        del engines
+        engines[dtype], tok = engines_for(plan, tree, art, args.jit)
+        meta[dtype] = {"plan": plan.name, "build_s": {s: round(e[1], 2) for s, e in engines[dtype].items()}}
+    systems = list(engines[dtypes[0]])
+    prompts = interleave(load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok))
+    rows: dict[str, list[dict]] = {d: [] for d in dtypes}
+    runs = [(d, s) for d in dtypes for s in systems]
+    with stderr_progress() as progress:
+        task = progress.add_task("prompts", total=len(prompts))
+        for i, (pid, ids) in enumerate(prompts):
+            row = {d: {"prompt": pid} for d in dtypes}
+            # every (dtype, system) on this prompt before the next prompt, the order rotating
+            for d, s in runs[i % len(runs):] + runs[: i % len(runs)]:
+                t0 = time.perf_counter()
+                res = engines[d][s][0].generate(ids, params)
+                row[d][s] = {"total_s": time.perf_counter() - t0, "new_tokens": len(res.token_ids),
+                             "verify_calls": res.stats.get("verify_calls", 0), "tokens": res.token_ids}
+            for d in dtypes:
+                rows[d].append(row[d])
+                if args.rows:  # one line per prompt as it finishes: a stopped run keeps its rows
+                    with open(args.rows, "a") as f:
+                        f.write(json.dumps({"dtype": d, **row[d]}) + "\n")
+            progress.advance(task)
+    results = {d: summarise(rows[d], systems) for d in dtypes}
 
     table = Table(title=f"O2 ablation: tree {args.tree} (W_d,D,W_v), {len(prompts)} prompts x {args.max_new_tokens} tokens, "
                         f"{args.threads} thread(s), one run")
@@ -159,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile-root", default="compile")
     p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
+    p.add_argument("--rows", metavar="FILE", help="append each prompt's timings to FILE (JSON lines) as it finishes")
     p.add_argument("--jit", action="store_true", help="also time dynamo's in-process compile (slow to build)")
     return run_reporting("ablation_o2", run, p.parse_args(argv))
 
