@@ -91,6 +91,53 @@ def summarise(rows: list[dict], systems: list[str]) -> dict:
     return res
 
 
+def report(args, results: dict, meta: dict, n_prompts: int, partial: bool = False) -> None:
+    """The table and the JSON line of a run (or of a --summarise'd rows file)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"O2 ablation: tree {args.tree} (W_d,D,W_v), {n_prompts} prompts x {args.max_new_tokens} tokens, "
+                        f"{args.threads} thread(s), one run")
+    for c in ("dtype", "system", "tok/s", "x eager", "median per-prompt x", "AAL", "= eager tokens", "build s"):
+        table.add_column(c, justify="left" if c in ("dtype", "system") else "right")
+    for dtype, res in results.items():
+        for s, r in res.items():
+            table.add_row(dtype, s, f"{r['tok_s']:.2f}", f"{r['tok_s'] / res['eager']['tok_s']:.3f}",
+                          f"{1 / r['per_prompt_ratio_median']:.3f}", f"{r['aal']:.2f}",
+                          f"{r['same_as_eager']}/{n_prompts}", f"{meta.get(dtype, {}).get('build_s', {}).get(s, float('nan')):.1f}")
+    Console(width=None if sys.stdout.isatty() else 150).print(table)
+    line = {
+        "command": "ablation_o2", "tree": args.tree, "threads": args.threads,
+        "prompts": {"mtbench": args.prompts_mtbench, "humaneval": args.prompts_humaneval},
+        "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+        "results": {d: {s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                        for s, r in res.items()} for d, res in results.items()},
+        "speedup": {d: round(res["compiled"]["tok_s"] / res["eager"]["tok_s"], 4) for d, res in results.items()},
+        "meta": meta,
+        "partial": partial, "prompts_done": n_prompts,
+    }
+    print(json.dumps(line), flush=True)
+
+
+def summarise_rows(args) -> int:
+    """Table and JSON line from a --rows file (a stopped run: only the prompts it finished)."""
+    by_dtype: dict[str, list[dict]] = {}
+    try:
+        lines = Path(args.summarise).read_text().splitlines()
+    except OSError as e:
+        raise YggError(f"cannot read rows file {args.summarise}: {e.strerror}") from None
+    if not lines:
+        raise YggError(f"rows file {args.summarise} is empty: no prompt finished")
+    for line in lines:
+        r = json.loads(line)
+        by_dtype.setdefault(r.pop("dtype"), []).append(r)
+    n = min(len(v) for v in by_dtype.values())
+    systems = [k for k in by_dtype[next(iter(by_dtype))][0] if k != "prompt"]
+    results = {d: summarise(rows[:n], systems) for d, rows in by_dtype.items()}
+    report(args, results, {}, n, partial=True)
+    return 0
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -139,26 +186,7 @@ def run(args) -> int:
             progress.advance(task)
     results = {d: summarise(rows[d], systems) for d in dtypes}
 
-    table = Table(title=f"O2 ablation: tree {args.tree} (W_d,D,W_v), {len(prompts)} prompts x {args.max_new_tokens} tokens, "
-                        f"{args.threads} thread(s), one run")
-    for c in ("dtype", "system", "tok/s", "x eager", "median per-prompt x", "AAL", "= eager tokens", "build s"):
-        table.add_column(c, justify="left" if c in ("dtype", "system") else "right")
-    for dtype, res in results.items():
-        for s, r in res.items():
-            table.add_row(dtype, s, f"{r['tok_s']:.2f}", f"{r['tok_s'] / res['eager']['tok_s']:.3f}",
-                          f"{1 / r['per_prompt_ratio_median']:.3f}", f"{r['aal']:.2f}",
-                          f"{r['same_as_eager']}/{len(prompts)}", f"{meta[dtype]['build_s'][s]:.1f}")
-    Console(width=None if sys.stdout.isatty() else 150).print(table)
-    line = {
-        "command": "ablation_o2", "tree": args.tree, "threads": args.threads,
-        "prompts": {"mtbench": args.prompts_mtbench, "humaneval": args.prompts_humaneval},
-        "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-        "results": {d: {s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
-                        for s, r in res.items()} for d, res in results.items()},
-        "speedup": {d: round(res["compiled"]["tok_s"] / res["eager"]["tok_s"], 4) for d, res in results.items()},
-        "meta": meta,
-    }
-    print(json.dumps(line), flush=True)
+    report(args, results, meta, len(prompts))
     return 0
 
 
@@ -174,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-root", default="compile")
     p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
     p.add_argument("--rows", metavar="FILE", help="append each prompt's timings to FILE (JSON lines) as it finishes")
+    p.add_argument("--summarise", metavar="FILE", help="only report a --rows file of an earlier (stopped) run")
     p.add_argument("--jit", action="store_true", help="also time dynamo's in-process compile (slow to build)")
-    return run_reporting("ablation_o2", run, p.parse_args(argv))
+    args = p.parse_args(argv)
+    return run_reporting("ablation_o2", summarise_rows if args.summarise else run, args)
 
 
 if __name__ == "__main__":
