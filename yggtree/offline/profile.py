@@ -168,6 +168,8 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int]):
 
             out.append(("verify", w, ctx, bucket, verify))
             n = 1 + plan.d_max * w
+            if ctx + n > engine.n_slots:
+                continue  # a draft tree this wide does not fit the cache at this context
             node = 1 + ar
             danc = torch.zeros(w, n, dtype=torch.bool)
             danc[:, 0] = True
