@@ -214,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_parser(sub)
     add_calibrate_parser(sub)
+    from .offline.train_predictor import add_train_predictor_parser
+    add_train_predictor_parser(sub)
     return parser
 
 

@@ -1,0 +1,348 @@
+"""Depth predictor: monotone outputs, the depth choice against brute force, training on synthetic
+data beating the constant predictor, load refusals (hidden size, pair identity, corrupt files),
+records round-trip, and records from a tiny engine. Tiny random models and synthetic data only."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from test_eagle import bigram_head, tiny
+from test_objective import cost_model, flat_curve, policy, table
+from yggtree.errors import YggError
+from yggtree.offline.train_predictor import (
+    MLPParams, Records, collect_records, constant_p_ge, data_hash, evaluate, fit_baseline,
+    holdout_mask, length_targets, load_records, save_predictor, save_records, sidecar_path, train_mlp,
+)
+from yggtree.plan import validate_plan
+from yggtree.runtime.engine import Engine, EngineConfig, TreeParams
+from yggtree.runtime.objective import Calibration, CostModel, Curve
+from yggtree.runtime.predictor import (
+    MANIFEST_FILE, MODEL_FILES, DepthFn, DepthPredictor, LinearDepthPredictor, choose_depth,
+    depth_fn_for, expected_aal, load_predictor, policy_with_predictor, verify_width_for,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def randomised(model: torch.nn.Module, seed: int, scale: float = 3.0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.named_buffers():
+            if name == "std":
+                t.copy_(torch.rand(t.shape, generator=g) + 0.1)
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) * scale)
+        for t in model.parameters():
+            t.copy_(torch.randn(t.shape, generator=g) * scale)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "logistic"])
+@pytest.mark.parametrize("seed", range(5))
+def test_outputs_are_probabilities_non_increasing_in_depth(kind, seed):
+    model = DepthPredictor(16, 6, units=8) if kind == "mlp" else LinearDepthPredictor(16, 6)
+    model = randomised(model, seed)
+    h = torch.randn(200, 16, generator=torch.Generator().manual_seed(100 + seed)) * 4
+    p = model(h)
+    assert p.shape == (200, 6)
+    assert bool(((p >= 0) & (p <= 1)).all())
+    assert bool((p[:, 1:] <= p[:, :-1]).all())
+    one = model(h[7])  # a single hidden state, as at run time
+    assert torch.allclose(one, p[7])
+    assert torch.allclose(expected_aal(p), 1 + torch.cumsum(p, -1))
+
+
+# ----------------------------------------------------------------------------- the depth choice
+
+
+def random_cost(rng: random.Random) -> CostModel:
+    plain = rng.uniform(20, 80)
+    vw = sorted(rng.sample([2, 4, 8, 16, 32, 64], 4))
+    v_ms = {1: plain}
+    for w in vw:
+        v_ms[w] = v_ms[max(k for k in v_ms if k < w)] + rng.uniform(0, 10)
+    d_ms = {1: rng.uniform(0.5, 15)}
+    for w in (2, 4, 8):
+        d_ms[w] = d_ms[w // 2] + rng.uniform(0, 3)
+    h = rng.uniform(0, 10)
+    head = Curve((256, 1024), ((7.0,), (7.0,)), ((h,), (h * 1.2,)))
+    stages = {"egt": rng.uniform(0, 1), "prune": rng.uniform(0, 1), "accept": 0.1, "commit": 0.1,
+              "policy": rng.uniform(0, 0.5), "plain_accept": rng.uniform(0, 0.2)}
+    return CostModel(flat_curve(v_ms), flat_curve(d_ms), head, stages)
+
+
+def brute_depth(p: list[float], cost: CostModel, ctx: int, wd: int, wvs: list[int], extra: float) -> int:
+    cands = [(1.0, 0)]  # (speed-up, D); plain decoding is speed-up 1
+    for d in range(1, len(p) + 1):
+        aal = 1 + sum(p[:d])
+        cands.append((aal * cost.plain_ms(ctx) / (cost.step_ms(d, wd, wvs[d - 1], ctx) + extra), d))
+    best = max(s for s, _ in cands)
+    if best <= 1.0:
+        return 0
+    return min(d for s, d in cands if s == best)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_choose_depth_equals_brute_force(seed):
+    rng = random.Random(seed)
+    cost = random_cost(rng)
+    d_max = rng.randint(1, 8)
+    p = [1.0]
+    for _ in range(d_max):
+        p.append(p[-1] * rng.random() ** rng.choice([0.2, 1, 3]))
+    p = p[1:]
+    wd = rng.choice([1, 2, 4, 8])
+    verify = sorted(w for w in cost.verify.xs[0] if w > 1)
+    wvs = [verify_width_for(d, wd, [int(w) for w in verify]) for d in range(1, d_max + 1)]
+    ctx, extra = rng.randint(1, 900), rng.choice([0.0, 0.05, 1.0])
+    got = choose_depth(torch.tensor(p), cost, ctx, wd, wvs, extra)
+    assert got == brute_depth(p, cost, ctx, wd, wvs, extra)
+
+
+def test_choose_depth_plain_when_nothing_pays():
+    cost = cost_model(draft_ms=2.0)
+    assert choose_depth([0.01] * 6, cost, 100, 4, [8, 16, 16, 32, 32, 32]) == 0
+    assert choose_depth([0.99] * 6, cost, 100, 4, [8, 16, 16, 32, 32, 32]) > 0
+
+
+def test_verify_width_for_holds_the_tree_or_takes_the_largest():
+    assert [verify_width_for(d, 4, (4, 8, 16, 32)) for d in range(1, 9)] == [8, 16, 16, 32, 32, 32, 32, 32]
+    assert verify_width_for(1, 1, (4, 8)) == 4
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def synthetic(n_prompts: int = 30, steps: int = 25, h: int = 16, d_max: int = 6, seed: int = 0) -> Records:
+    """Lengths driven by two feature directions plus noise; per-prompt offsets in the features."""
+    g = torch.Generator().manual_seed(seed)
+    s = n_prompts * steps
+    prompt = torch.arange(n_prompts).repeat_interleave(steps)
+    x = torch.randn(s, h, generator=g) + 0.3 * torch.randn(n_prompts, h, generator=g)[prompt]
+    score = 2.5 + 1.6 * x[:, 0] - 1.0 * torch.relu(x[:, 1]) + 0.5 * torch.randn(s, generator=g)
+    n_acc = score.round().clamp(0, d_max).to(torch.int64)
+    lbd = torch.minimum(n_acc[:, None], torch.arange(1, d_max + 1)[None])
+    return Records(x * 3 + 1, n_acc, lbd, prompt, torch.arange(s) + 50)
+
+
+def test_mlp_beats_constant_on_held_out_prompts():
+    rec = synthetic()
+    hold = holdout_mask(rec.prompt, 8)
+    tr, te = rec.select(~hold), rec.select(hold)
+    hp = MLPParams(units=16, dropout=0.1, lr=3e-3, weight_decay=1e-2, epochs=30, batch=64)
+    mlp = train_mlp(tr.h, tr.n_accepted, 6, hp, seed=0)
+    base = fit_baseline(tr.h, tr.n_accepted, 6)
+    const = constant_p_ge(tr.n_accepted, 6)
+    m_mlp = evaluate(mlp(te.h), te.n_accepted)
+    m_base = evaluate(base(te.h), te.n_accepted)
+    m_const = evaluate(const.expand(te.h.shape[0], 6), te.n_accepted)
+    assert abs(const.sum().item() - tr.n_accepted.float().mean().item()) < 1e-5  # mean length
+    assert m_mlp["mae"] < 0.75 * m_const["mae"]
+    assert m_base["mae"] < m_const["mae"]
+    assert m_mlp["steps"] == te.h.shape[0] == 8 * 25
+
+
+def test_length_targets_and_holdout_by_prompt():
+    y = length_targets(torch.tensor([0, 2, 6]), 4)
+    assert y.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    m = holdout_mask(torch.tensor([0, 0, 1, 2, 2, 3]), 2)
+    assert m.tolist() == [False, False, False, True, True, True]
+    m = holdout_mask(torch.tensor([40, 41, 7, 7, 43, 41]), 2)  # global prompt indices, any order
+    assert m.tolist() == [False, True, False, False, True, True]
+
+
+# ----------------------------------------------------------------------------- files
+
+
+@pytest.fixture
+def plan(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"x" * 100)
+    return validate_plan({"name": "t", "target": str(model), "drafter": "self", "dtype": "float32",
+                          "draft_widths": [1, 2, 4], "d_max": 3, "verify_widths": [4, 8, 12]})
+
+
+@pytest.fixture
+def saved(tmp_path, plan):
+    mlp = randomised(DepthPredictor(16, 3, units=8, draft_width=2), 0, scale=0.5)
+    base = randomised(LinearDepthPredictor(16, 3, draft_width=2), 1, scale=0.5)
+    out = tmp_path / "pred"
+    save_predictor(out, plan, mlp, base, {"metrics": {}})
+    return out, mlp, base
+
+
+def test_saved_predictor_loads_identically(saved, plan):
+    out, mlp, base = saved
+    h = torch.randn(5, 16)
+    got = load_predictor(out, plan, hidden_size=16)
+    assert torch.equal(got(h), mlp(h)) and got.draft_width == 2
+    assert torch.equal(load_predictor(out / MANIFEST_FILE, plan, "baseline")(h), base(h))
+
+
+def test_refuses_other_hidden_size(saved, plan):
+    out, _, _ = saved
+    with pytest.raises(YggError, match=re.escape(str(out / MANIFEST_FILE)) + ".*hidden size 16, the target has 32"):
+        load_predictor(out, plan, hidden_size=32)
+    m = json.loads((out / MANIFEST_FILE).read_text())
+    m["feature"]["hidden_size"] = 32  # manifest and weights disagree
+    (out / MANIFEST_FILE).write_text(json.dumps(m))
+    with pytest.raises(YggError, match=re.escape(str(out / MODEL_FILES["mlp"])) + ": tensor mean has shape"):
+        load_predictor(out, plan)
+
+
+def test_depth_fn_refuses_hidden_state_of_other_size(saved, plan):
+    out, _, _ = saved
+    fn = depth_fn_for(load_predictor(out, plan), cost_model(), plan, overhead_ms=0.0)
+    with pytest.raises(YggError, match="hidden size 16, the target's hidden state has 24"):
+        fn(torch.zeros(24), 100)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"dtype": "bfloat16"}, "dtype"),
+    ({"drafter": None}, "drafter"),
+])
+def test_refuses_other_pair(saved, plan, change, key):
+    out, _, _ = saved
+    with pytest.raises(YggError, match=f"trained for another target/drafter/dtype .*differs in {key}"):
+        load_predictor(out, replace(plan, **change))
+
+
+def test_refuses_other_target(saved, plan, tmp_path):
+    out, _, _ = saved
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"y" * 200)
+    with pytest.raises(YggError, match="another target/drafter/dtype .*differs in target"):
+        load_predictor(out, replace(plan, target=str(other)))
+
+
+def test_refuses_truncated_or_edited_weights(saved, plan):
+    out, _, _ = saved
+    f = out / MODEL_FILES["mlp"]
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(YggError, match="cannot read depth predictor weights " + re.escape(str(f))):
+        load_predictor(out, plan)
+    f.write_bytes(data[:-4] + b"\0\0\0\0")  # same size, last weight bytes changed
+    with pytest.raises(YggError, match=re.escape(str(f)) + " do not match .*sha256"):
+        load_predictor(out, plan)
+
+
+def test_refuses_missing_or_foreign_manifest(tmp_path, plan):
+    with pytest.raises(YggError, match="manifest .* does not exist .*yggtree train-predictor"):
+        load_predictor(tmp_path, plan)
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"kind": "yggtree-profile", "version": 1}))
+    with pytest.raises(YggError, match="is not a yggtree-depth-predictor file"):
+        load_predictor(tmp_path, plan)
+
+
+def test_policy_with_predictor(saved, plan):
+    out, mlp, _ = saved
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + 0.4 * d, wds=(1, 2, 4), d_max=3,
+                                                    wvs=(4, 8, 12)), (4, 8, 12))
+    pol = replace(policy(cal), draft_widths=(1, 2, 4), verify_widths=(4, 8, 12), d_max=3)
+    assert policy_with_predictor(plan, pol) is pol  # the plan names no predictor
+    with_pred = replace(plan, predictor=str(out))
+    with pytest.raises(YggError, match="names a depth predictor but no profile and calibration"):
+        policy_with_predictor(with_pred, None)
+    got = policy_with_predictor(with_pred, pol, hidden_size=16)
+    fn = got.depth_fn
+    assert isinstance(fn, DepthFn) and fn.draft_width == 2 and fn.verify_widths == (4, 8, 8)
+    assert fn.overhead_ms > 0 and pol.depth_fn is None
+    h = torch.randn(16)
+    d = choose_depth(mlp(h), pol.cost, 100, 2, (4, 8, 8), fn.overhead_ms)
+    assert fn(h, 100) == d
+    choice = got.choose_draft(h, 100)
+    assert choice.draft_depth == (0 if d == 0 else got.plan_choice(100, d)[0].draft_depth)
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def test_records_round_trip_and_tamper(tmp_path):
+    rec = synthetic(n_prompts=3, steps=4)
+    p = save_records(tmp_path / "r.safetensors", rec, {"seed": 7, "identity": {"dtype": "float32"}})
+    got, meta = load_records(p)
+    for k, v in rec.tensors().items():
+        assert torch.equal(getattr(got, k), v)
+    assert meta["seed"] == 7 and meta["data_hash"] == data_hash(rec) and meta["steps"] == 12
+    side = json.loads(sidecar_path(p).read_text())
+    side["data_hash"] = "0" * 64
+    sidecar_path(p).write_text(json.dumps(side))
+    with pytest.raises(YggError, match="do not match .*data hash differs"):
+        load_records(p)
+    p.write_bytes(p.read_bytes()[:100])
+    with pytest.raises(YggError, match="cannot read depth records"):
+        load_records(p)
+
+
+def test_records_from_a_tiny_engine():
+    target = tiny()
+    wd, d_max = 2, 3
+    tree = TreeParams(draft_width=wd, draft_depth=d_max, verify_width=1 + wd * d_max, top_k=2)
+    cfg = EngineConfig(mode="reference", max_context=128, prefill_chunk=8, tree=tree)
+    engine = Engine(target, cfg, bigram_head(target, max_depth=d_max))
+    prompts = [list(range(5, 14)), [(7 * i) % 90 + 3 for i in range(15)]]
+    rec = collect_records(engine, prompts, d_max, wd, max_new_tokens=20)
+    s = rec.h.shape[0]
+    assert rec.h.shape == (s, 64) and rec.h.dtype == torch.float32
+    assert torch.equal(rec.len_by_depth[:, -1], rec.n_accepted)
+    assert bool((rec.len_by_depth[:, 1:] >= rec.len_by_depth[:, :-1]).all())
+    assert bool((rec.len_by_depth <= torch.arange(1, d_max + 1)).all())
+    assert sorted(set(rec.prompt.tolist())) == [0, 1]
+    assert int(rec.n_accepted.sum()) > 0  # the bigram head gets accepted sometimes
+    first = rec.committed[rec.prompt == 1][0]
+    assert int(first) == len(prompts[1])  # the first step starts right after the prefill
+
+
+def test_train_command_on_stored_records(tmp_path, capsys):
+    """``train-predictor --records A B``: two disjoint record files -> a loadable predictor, the
+    metrics and one JSON line; outputs are not overwritten without --force."""
+    import yaml
+
+    from yggtree.offline.train_predictor import main
+    from yggtree.plan import load_plan
+    from yggtree.runtime.objective import pair_identity
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"x" * 100)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump({"name": "t", "target": "model.gguf", "drafter": "self",
+                                         "draft_widths": [1, 2], "d_max": 6, "verify_widths": [4, 8]}))
+    plan = load_plan(plan_path)
+    rec = synthetic(n_prompts=12, steps=20)
+    meta = {"identity": pair_identity(plan), "d_max": 6, "draft_width": 2, "verify_width": 13}
+    a = save_records(tmp_path / "a.safetensors", rec.select(rec.prompt < 8), meta)
+    b = save_records(tmp_path / "b.safetensors", rec.select(rec.prompt >= 8), meta)
+    out = tmp_path / "out"
+    argv = ["--plan", str(plan_path), "--records", str(a), str(b), "--epochs", "3", "--holdout", "3",
+            "--out-dir", str(out)]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 240 and summary["heldout_prompts"] == 3 and summary["heldout_steps"] == 60
+    man = json.loads((out / MANIFEST_FILE).read_text())
+    assert man["data"]["data_hash"] == data_hash(rec) and man["draft_width"] == 2
+    assert man["feature"] == man["feature"] | {"layer": "final_norm", "hidden_size": 16}
+    assert set(man["metrics"]["heldout"]) == {"mlp", "baseline", "constant"}
+    assert load_predictor(out, plan).d_max == 6 and load_predictor(out, plan, "baseline").d_max == 6
+    for f in ("depth_metrics.csv", "depth_calibration.png"):
+        assert (out / f).stat().st_size > 0
+    assert main(argv) == 1  # exists: refused without --force
+    assert "already exists (pass --force" in capsys.readouterr().err
+    assert main(argv + ["--force"]) == 0
+    assert main(["--plan", str(plan_path), "--records", str(a), str(a), "--out-dir", str(tmp_path / "o2")]) == 1
+    assert "share prompts" in capsys.readouterr().err

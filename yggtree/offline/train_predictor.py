@@ -1,0 +1,632 @@
+"""``yggtree train-predictor``: records and training of the depth predictor (DESIGN section 6).
+
+1. Records: the plan's pair decodes calibration prompts (never evaluation prompts) with one deep
+   tree every step (D = D_max calls at one draft width W_d, the whole tree verified, greedy,
+   reference mode: acceptance does not depend on the mode). Per step: the target's final-norm
+   hidden state at the root, the realised accepted length, and the length it would have had with
+   only D = 1..D_max calls (same tree, first D calls' nodes). Stored as safetensors with a JSON
+   sidecar (pair identity, plan hash, drafter, seed, prompts, data hash).
+2. Training: the MLP (:class:`yggtree.runtime.predictor.DepthPredictor`) with a per-head BCE on
+   y_d = 1[len >= d]; a scikit-learn baseline (``LogisticRegression`` per depth on the same
+   standardised features); a constant predictor (the training rows' length distribution, whose
+   expected length is the mean length). The last prompts are held out (by prompt, not by step).
+3. Report: held-out MAE of the expected accepted length for the three, per-depth Brier scores, a
+   calibration plot (predicted vs realised P(len >= d) per depth), a metrics CSV, the predictor's
+   inference cost, and ``depth_manifest.json`` next to the weights (``predictors/<pair>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import YggError, run_reporting
+
+if TYPE_CHECKING:
+    import torch
+
+RECORDS_KIND = "yggtree-depth-records"
+RECORDS_VERSION = 1
+OUTPUT_FILES = ("depth_manifest.json", "depth_predictor.safetensors", "depth_baseline.safetensors",
+                "depth_metrics.csv", "depth_calibration.png")
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Records:
+    """One row per speculation step of the record run."""
+
+    h: torch.Tensor  # [S, H] float32 target final-norm hidden state at the root
+    n_accepted: torch.Tensor  # [S] int64 drafted tokens accepted with D_max calls (bonus excluded)
+    len_by_depth: torch.Tensor  # [S, D_max] int64 accepted length had the step made D = 1.. calls
+    prompt: torch.Tensor  # [S] int64 index of the prompt in calibration_chat_prompts order
+    committed: torch.Tensor  # [S] int64 committed length before the step
+
+    @property
+    def d_max(self) -> int:
+        return int(self.len_by_depth.shape[1])
+
+    def tensors(self) -> dict:
+        return {k: getattr(self, k).contiguous() for k in ("h", "n_accepted", "len_by_depth",
+                                                            "prompt", "committed")}
+
+    def select(self, mask) -> "Records":
+        return Records(**{k: v[mask] for k, v in self.tensors().items()})
+
+
+def concat_records(parts: list[Records]) -> Records:
+    """Rows of several record sets, in order (prompt indices kept: they are global)."""
+    import torch
+
+    return Records(**{k: torch.cat([getattr(r, k) for r in parts]) for k in parts[0].tensors()})
+
+
+def step_lengths(rec, d_max: int, wd: int) -> list[int]:
+    """Accepted length (bonus excluded) of one recorded step had it drafted only D = 1..d_max calls
+    (EGT's first D calls fill slots 1..D*W_d; the whole tree is verified)."""
+    from .fit import measured_aal, step_edges
+
+    e = step_edges(rec, d_max)
+    full = 1 + d_max * wd
+    return [int(round(r[0])) - 1 for r in measured_aal(e["tree"], e["path_ok"], wd, d_max, [full])]
+
+
+def collect_records(engine, prompt_ids: list[list[int]], d_max: int, wd: int, max_new_tokens: int,
+                    advance=None, first_index: int = 0) -> Records:
+    """Decode every prompt with D = d_max calls at width ``wd`` (whole tree verified) and record
+    each step (prompt i gets index ``first_index + i``); ``advance()`` is called after each prompt."""
+    import torch
+
+    from ..runtime.engine import SamplingParams
+    from ..runtime.policy import FixedPolicy, StepChoice
+
+    pol = FixedPolicy(StepChoice(d_max, wd), 1 + d_max * wd)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    rows: dict[str, list] = {"h": [], "n_accepted": [], "len_by_depth": [], "prompt": [], "committed": []}
+    for i, x in enumerate(prompt_ids):
+        recs = []
+        engine.generate(x, params, policy=pol, on_step=recs.append)
+        for r in recs:
+            rows["h"].append(r.h_root.detach().to(torch.float32).clone())
+            rows["n_accepted"].append(r.n_accepted)
+            rows["len_by_depth"].append(step_lengths(r, d_max, wd))
+            rows["prompt"].append(first_index + i)
+            rows["committed"].append(r.committed)
+        if advance is not None:
+            advance()
+    if not rows["h"]:
+        raise YggError("the record run produced no speculation steps")
+    return Records(
+        torch.stack(rows["h"]),
+        torch.tensor(rows["n_accepted"], dtype=torch.int64),
+        torch.tensor(rows["len_by_depth"], dtype=torch.int64),
+        torch.tensor(rows["prompt"], dtype=torch.int64),
+        torch.tensor(rows["committed"], dtype=torch.int64),
+    )
+
+
+def data_hash(rec: Records) -> str:
+    """sha256 over the record tensors (names, dtypes, shapes, bytes), in a fixed order."""
+    h = hashlib.sha256()
+    for k, v in rec.tensors().items():
+        h.update(f"{k}:{v.dtype}:{list(v.shape)};".encode())
+        h.update(v.numpy().tobytes())
+    return h.hexdigest()
+
+
+def sidecar_path(path: str | Path) -> Path:
+    return Path(path).with_suffix(".json")
+
+
+def save_records(path: str | Path, rec: Records, meta: dict) -> Path:
+    """``path`` (safetensors) and its JSON sidecar (``meta`` + kind, version, data hash)."""
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    save_file(rec.tensors(), str(p))
+    side = {"kind": RECORDS_KIND, "version": RECORDS_VERSION, "data_hash": data_hash(rec),
+            "steps": int(rec.h.shape[0]), "hidden_size": int(rec.h.shape[1]), "d_max": rec.d_max} | meta
+    sidecar_path(p).write_text(json.dumps(side, indent=1) + "\n")
+    return p
+
+
+def load_records(path: str | Path) -> tuple[Records, dict]:
+    """Records and their sidecar; YggError if either is missing, corrupt, or they disagree."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p, side_p = Path(path), sidecar_path(path)
+    for f in (p, side_p):
+        if not f.is_file():
+            raise YggError(f"depth records {f} do not exist")
+    try:
+        meta = json.loads(side_p.read_text())
+    except (OSError, ValueError) as e:
+        raise YggError(f"depth records sidecar {side_p} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("kind") != RECORDS_KIND or meta.get("version") != RECORDS_VERSION:
+        raise YggError(f"{side_p} is not a {RECORDS_KIND} v{RECORDS_VERSION} sidecar")
+    try:
+        t = load_file(str(p))
+        rec = Records(t["h"], t["n_accepted"], t["len_by_depth"], t["prompt"], t["committed"])
+    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:
+        raise YggError(f"cannot read depth records {p}: {e!r}") from None
+    s = rec.h.shape[0]
+    if rec.h.ndim != 2 or rec.len_by_depth.ndim != 2 or any(
+            v.shape[0] != s for v in rec.tensors().values()):
+        raise YggError(f"depth records {p}: tensors of inconsistent shapes")
+    if data_hash(rec) != meta.get("data_hash"):
+        raise YggError(f"depth records {p} do not match {side_p} (data hash differs)")
+    return rec, meta
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class MLPParams:
+    """Defaults chosen by 5-fold grouped (by prompt) cross-validation on the training prompts of
+    the default pair's records: the data is small (a few thousand steps from tens of prompts), so
+    a narrow, heavily regularised encoder trained briefly generalises best."""
+
+    units: int = 16  # encoder width
+    dropout: float = 0.5
+    lr: float = 3e-4
+    weight_decay: float = 1.0  # AdamW
+    epochs: int = 20
+    batch: int = 128
+
+
+def length_targets(n_accepted, d_max: int):
+    """[S] int lengths -> [S, d_max] float32 targets y_d = 1[len >= d], d = 1..d_max."""
+    import torch
+
+    d = torch.arange(1, d_max + 1)
+    return (n_accepted[:, None] >= d).to(torch.float32)
+
+
+def standardiser(x) -> tuple:
+    """[S, H] -> ([H] mean, [H] std) of the rows; std floored so constant features stay finite."""
+    mean = x.mean(0)
+    std = x.std(0, unbiased=False)
+    return mean, std.clamp_min(1e-3 * float(std.max()) + 1e-6)
+
+
+def bce_ge(log_p, y):
+    """Per-head BCE of log P(len >= d) [S, D] against y [S, D], averaged over heads and rows."""
+    import torch
+
+    log_p = log_p.clamp(max=-1e-6)
+    log_q = torch.log(-torch.expm1(log_p))  # log(1 - p), stable
+    return -(y * log_p + (1 - y) * log_q).mean()
+
+
+def train_mlp(x, n_accepted, d_max: int, hp: MLPParams, seed: int = 0, draft_width: int = 0):
+    """A DepthPredictor fitted to (x [S, H], lengths [S]) with AdamW on :func:`bce_ge`."""
+    import torch
+
+    from ..runtime.predictor import DepthPredictor
+
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = DepthPredictor(x.shape[1], d_max, hp.units, hp.dropout, draft_width)
+    mean, std = standardiser(x)
+    model.mean.copy_(mean)
+    model.std.copy_(std)
+    y = length_targets(n_accepted, d_max)
+    opt = torch.optim.AdamW(model.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+    n = x.shape[0]
+    model.train()
+    for _ in range(hp.epochs):
+        perm = torch.randperm(n, generator=g)
+        for i in range(0, n, hp.batch):
+            idx = perm[i : i + hp.batch]
+            loss = bce_ge(model.log_p_ge(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.eval().requires_grad_(False)
+
+
+def fit_baseline(x, n_accepted, d_max: int, c: float = 1.0, seed: int = 0, draft_width: int = 0):
+    """scikit-learn LogisticRegression per depth on the standardised features, as a
+    LinearDepthPredictor (a depth whose training targets are all equal gets a constant)."""
+    import torch
+    from sklearn.linear_model import LogisticRegression
+
+    from ..runtime.predictor import LinearDepthPredictor
+
+    mean, std = standardiser(x)
+    z = ((x - mean) / std).numpy().astype(np.float64)
+    y = length_targets(n_accepted, d_max).numpy()
+    model = LinearDepthPredictor(x.shape[1], d_max, draft_width)
+    model.mean.copy_(mean)
+    model.std.copy_(std)
+    for d in range(d_max):
+        if y[:, d].min() == y[:, d].max():
+            p = float(np.clip(y[:, d].mean(), 1e-4, 1 - 1e-4))
+            model.bias[d] = float(np.log(p / (1 - p)))
+            continue
+        lr = LogisticRegression(C=c, max_iter=2000, random_state=seed).fit(z, y[:, d])
+        model.weight[d] = torch.from_numpy(lr.coef_[0]).to(torch.float32)
+        model.bias[d] = float(lr.intercept_[0])
+    return model.eval().requires_grad_(False)
+
+
+def constant_p_ge(n_accepted, d_max: int):
+    """[D] the training rows' P(len >= d): the constant predictor (expected length = mean length)."""
+    return length_targets(n_accepted, d_max).mean(0)
+
+
+def evaluate(p_ge, n_accepted) -> dict:
+    """Expected-length MAE and per-depth Brier scores of predictions p_ge [S, D] vs lengths [S]."""
+    y = length_targets(n_accepted, p_ge.shape[1])
+    exp_len = p_ge.sum(-1)
+    true = n_accepted.to(exp_len.dtype)
+    return {
+        "mae": float((exp_len - true).abs().mean()),
+        "mean_pred_len": float(exp_len.mean()),
+        "mean_true_len": float(true.mean()),
+        "brier": [float(v) for v in ((p_ge - y) ** 2).mean(0)],
+        "steps": int(true.shape[0]),
+    }
+
+
+def holdout_mask(prompt, n_hold: int):
+    """[S] bool, True for rows of the ``n_hold`` last prompts (highest prompt indices)."""
+    import torch
+
+    ids = torch.unique(prompt)  # sorted
+    return prompt >= ids[len(ids) - n_hold] if n_hold > 0 else torch.zeros_like(prompt, dtype=torch.bool)
+
+
+def depth_bias(p_ge, rec: Records) -> list[dict]:
+    """Per D: predicted 1 + sum_{d<=D} p_ge (the objective's AAL) vs the realised mean accepted
+    length + 1 of a D-call tree (the approximation behind using D_max-tree lengths for every D)."""
+    aal = 1.0 + p_ge.cumsum(-1).mean(0)
+    real = 1.0 + rec.len_by_depth.to(p_ge.dtype).mean(0)
+    return [{"depth": d + 1, "pred_aal": float(aal[d]), "realised_aal": float(real[d])}
+            for d in range(p_ge.shape[1])]
+
+
+def calibration_bins(p, y, bins: int = 10) -> tuple[list[float], list[float], list[int]]:
+    """Equal-width bins of predicted probability p [S]: (mean predicted, realised rate, count)."""
+    idx = np.clip((np.asarray(p) * bins).astype(int), 0, bins - 1)
+    xs, ys, ns = [], [], []
+    for b in range(bins):
+        m = idx == b
+        if m.sum() > 0:
+            xs.append(float(np.asarray(p)[m].mean()))
+            ys.append(float(np.asarray(y)[m].mean()))
+            ns.append(int(m.sum()))
+    return xs, ys, ns
+
+
+def plot_calibration(preds: dict, n_accepted, path: Path, title: str) -> Path:
+    """One panel per model: predicted vs realised P(len >= d) per depth on held-out rows, plus
+    predicted expected length against the realised length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(preds)
+    fig, axes = plt.subplots(1, len(names) + 1, figsize=(5 * (len(names) + 1), 4.5))
+    for ax, name in zip(axes, names):
+        p = preds[name].numpy()
+        y = length_targets(n_accepted, p.shape[1]).numpy()
+        for d in range(p.shape[1]):
+            xs, ys, ns = calibration_bins(p[:, d], y[:, d])
+            keep = [i for i, n in enumerate(ns) if n >= 5]
+            ax.plot([xs[i] for i in keep], [ys[i] for i in keep], "o-", ms=3, lw=0.8, label=f"d = {d + 1}")
+        ax.plot([0, 1], [0, 1], ":", color="grey")
+        ax.set_xlabel("predicted P(len >= d)")
+        ax.set_ylabel("realised rate")
+        ax.set_title(f"{name}: held-out calibration (bins with >= 5 steps)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    true = n_accepted.numpy()
+    for name in names:
+        e = preds[name].sum(-1).numpy()
+        means = [e[true == k].mean() if (true == k).any() else np.nan for k in range(int(true.max()) + 1)]
+        ax.plot(range(len(means)), means, "o-", label=name)
+    ax.plot([0, true.max()], [0, true.max()], ":", color="grey")
+    ax.set_xlabel("realised accepted length")
+    ax.set_ylabel("mean predicted expected length")
+    ax.set_title("expected vs realised length (held out)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_metrics_csv(path: Path, metrics: dict) -> Path:
+    """Rows: model, split, steps, mae, mean_pred_len, mean_true_len, brier_d1..brier_dD."""
+    d_max = len(next(iter(next(iter(metrics.values())).values()))["brier"])
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "split", "steps", "mae_expected_length", "mean_pred_len", "mean_true_len",
+                    *[f"brier_d{d}" for d in range(1, d_max + 1)]])
+        for split, by_model in metrics.items():
+            for model, m in by_model.items():
+                w.writerow([model, split, m["steps"], f"{m['mae']:.4f}", f"{m['mean_pred_len']:.4f}",
+                            f"{m['mean_true_len']:.4f}", *[f"{b:.4f}" for b in m["brier"]]])
+    return path
+
+
+def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None = None) -> Path:
+    """Write the MLP and the baseline (safetensors) and ``depth_manifest.json`` for ``plan``'s pair
+    (identity, feature layer, hidden size, D_max, training W_d, file hashes, plus ``extra``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..runtime.objective import pair_identity
+    from ..runtime.predictor import (
+        FEATURE_LAYER, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILES, PREDICTOR_KIND, file_sha256,
+        predictor_state,
+    )
+
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    models = {}
+    for name, model, kind in (("mlp", mlp, "mlp"), ("baseline", baseline, "logistic")):
+        f = d / MODEL_FILES[name]
+        save_file(predictor_state(model), str(f), metadata={"kind": PREDICTOR_KIND, "model": name})
+        models[name] = {"type": kind, "file": f.name, "sha256": file_sha256(f)}
+        if kind == "mlp":
+            models[name]["units"] = model.units
+    manifest = {
+        "kind": PREDICTOR_KIND,
+        "version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "identity": pair_identity(plan),
+        "plan": {"name": plan.name, "hash": plan.hash(), "d_max": plan.d_max,
+                 "draft_widths": list(plan.draft_widths), "verify_widths": list(plan.verify_widths)},
+        "feature": {"layer": FEATURE_LAYER, "description": "target final-norm output at the root "
+                    "position (StepRecord.h_root), standardised with the stored mean/std",
+                    "hidden_size": mlp.hidden_size, "dtype": str(torch.float32).removeprefix("torch.")},
+        "d_max": mlp.d_max,
+        "draft_width": mlp.draft_width,
+        "target": "P(accepted length >= d), d = 1..d_max, tree of D_max calls, whole tree verified",
+        "models": models,
+    } | (extra or {})
+    path = d / MANIFEST_FILE
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _record(args, plan, rec_path: Path | None) -> tuple[Records, dict]:
+    """Records from ``--records`` (checked against the plan) or a fresh record run."""
+    import torch
+
+    from ..runtime.objective import pair_identity
+
+    want = {"identity": pair_identity(plan), "d_max": plan.d_max}
+    if args.records:
+        parts, metas = [], []
+        for f in args.records:
+            rec, meta = load_records(f)
+            for k, v in want.items():
+                if meta.get(k) != v:
+                    raise YggError(f"depth records {f} were made for another pair or D_max than plan "
+                                   f"{plan.name!r} (differs in {k})")
+            if metas and meta.get("draft_width") != metas[0].get("draft_width"):
+                raise YggError(f"depth records {f} were made at W_d {meta.get('draft_width')}, "
+                               f"{args.records[0]} at W_d {metas[0].get('draft_width')}")
+            parts.append(rec)
+            metas.append(meta)
+        rec = concat_records(parts)
+        if len(torch.unique(rec.prompt)) != sum(len(torch.unique(r.prompt)) for r in parts):
+            raise YggError("the --records files share prompts (pass disjoint prompt ranges)")
+        meta = metas[0] | {"data_hash": data_hash(rec),
+                           "files": [{"path": str(f), "data_hash": m["data_hash"],
+                                      "prompts": m.get("prompts")} for f, m in zip(args.records, metas)]}
+        return rec, meta
+    from dataclasses import replace
+
+    from ..bench import stderr_progress
+    from ..data import calibration_chat_prompts
+    from ..runtime.build import EngineSpec, build_engine
+    from ..runtime.engine import TreeParams
+    from ..runtime.loading import encode_prompt
+
+    wd = args.draft_width
+    full = 1 + plan.d_max * wd
+    k = args.first_prompt
+    prompts = calibration_chat_prompts(k + args.prompts, seed=args.seed)[k:]
+    spec = replace(EngineSpec.from_plan(plan, mode="reference"),
+                   tree=TreeParams(wd, plan.d_max, full, plan.top_k),
+                   draft_widths=(wd,), verify_widths=(full,))
+    engine, tok = build_engine(spec)
+    cap = plan.max_context - args.max_new_tokens - 1
+    ids = [encode_prompt(tok, p.text)[-cap:] for p in prompts]
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    with stderr_progress() as progress:
+        task = progress.add_task("records (D_max tree per step)", total=len(ids))
+        rec = collect_records(engine, ids, plan.d_max, wd, args.max_new_tokens,
+                              lambda: progress.advance(task), first_index=k)
+    meta = want | {
+        "plan": {"name": plan.name, "hash": plan.hash()},
+        "target": plan.target, "drafter": plan.drafter, "dtype": plan.dtype,
+        "draft_width": wd, "verify_width": full, "top_k": plan.top_k, "mode": "reference",
+        "sampling": "greedy", "feature_layer": "final_norm",
+        "prompts": {"source": "yggtree.data.calibration_chat_prompts", "first": k, "n": len(ids),
+                    "seed": args.seed, "ids": [p.id for p in prompts]},
+        "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+        "collect_s": round(time.perf_counter() - t0, 1),
+        "torch": torch.__version__,
+    }
+    if rec_path is not None:
+        save_records(rec_path, rec, meta)
+        meta = json.loads(sidecar_path(rec_path).read_text())
+    else:
+        meta = meta | {"data_hash": data_hash(rec)}
+    return rec, meta
+
+
+def run_train_predictor(args) -> int:
+    import torch
+
+    from ..plan import default_plan, load_plan
+    from ..runtime.predictor import measure_ms
+    from .fit import pair_dir
+
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    plan = load_plan(args.plan) if args.plan else default_plan()
+    if not plan.speculative:
+        raise YggError(f"plan {plan.name!r} has no drafter: there is no depth to predict")
+    if args.draft_width < 1:
+        raise YggError(f"--draft-width must be >= 1, got {args.draft_width}")
+    out_dir = Path(args.out_dir) if args.out_dir else pair_dir(plan)
+    clash = [out_dir / f for f in OUTPUT_FILES if (out_dir / f).exists()]
+    rec_path = None if args.records else Path(args.save_records or out_dir / "depth_records.safetensors")
+    if rec_path is not None and (rec_path.exists() or sidecar_path(rec_path).exists()):
+        clash.append(rec_path)
+    if clash and not args.force:
+        raise YggError(f"{clash[0]} already exists (pass --force to overwrite)")
+    rec, meta = _record(args, plan, rec_path)
+    d_max, wd = rec.d_max, int(meta.get("draft_width", args.draft_width))
+    n_prompts = len(torch.unique(rec.prompt))
+    n_hold = args.holdout if args.holdout is not None else max(1, n_prompts // 4)
+    if not 1 <= n_hold < n_prompts:
+        raise YggError(f"--holdout must be 1..{n_prompts - 1} (prompts recorded: {n_prompts}), got {n_hold}")
+    hold = holdout_mask(rec.prompt, n_hold)
+    tr, te = rec.select(~hold), rec.select(hold)
+    hp = MLPParams(units=args.units, epochs=args.epochs)
+    torch.manual_seed(args.seed)
+    mlp = train_mlp(tr.h, tr.n_accepted, d_max, hp, args.seed, wd)
+    base = fit_baseline(tr.h, tr.n_accepted, d_max, args.baseline_c, args.seed, wd)
+    const = constant_p_ge(tr.n_accepted, d_max)
+    metrics: dict[str, dict] = {}
+    held_preds = {}
+    for split, part in (("train", tr), ("heldout", te)):
+        with torch.inference_mode():
+            preds = {"mlp": mlp(part.h), "baseline": base(part.h),
+                     "constant": const.expand(part.h.shape[0], d_max)}
+        metrics[split] = {k: evaluate(p, part.n_accepted) for k, p in preds.items()}
+        if split == "heldout":
+            held_preds = preds
+    bias = {k: depth_bias(p, te) for k, p in held_preds.items() if k != "constant"}
+    z = rec.h[0].clone()
+    with torch.inference_mode():
+        cost_ms = {"mlp": measure_ms(lambda: mlp(z), 300), "baseline": measure_ms(lambda: base(z), 300)}
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = plot_calibration({"mlp": held_preds["mlp"], "baseline": held_preds["baseline"]},
+                           te.n_accepted, out_dir / "depth_calibration.png",
+                           f"depth predictor, plan {plan.name}: {n_hold} held-out calibration prompts "
+                           f"({te.h.shape[0]} steps), D_max {d_max}, W_d {wd}")
+    csv_path = write_metrics_csv(out_dir / "depth_metrics.csv", metrics)
+    import sklearn
+
+    man_path = save_predictor(out_dir, plan, mlp, base, {
+        "verify_width": int(meta.get("verify_width", 1 + d_max * wd)),
+        "data": {"records": [str(f) for f in args.records] if args.records else [str(rec_path)],
+                 "data_hash": meta["data_hash"], "files": meta.get("files"),
+                 "steps": int(rec.h.shape[0]), "prompts": n_prompts,
+                 "prompt_source": meta.get("prompts", {}).get("source"),
+                 "prompt_seed": meta.get("prompts", {}).get("seed"),
+                 "max_new_tokens": meta.get("max_new_tokens"),
+                 "train_prompts": n_prompts - n_hold, "heldout_prompts": n_hold,
+                 "train_steps": int(tr.h.shape[0]), "heldout_steps": int(te.h.shape[0])},
+        "metrics": metrics,
+        "depth_bias_heldout": bias,
+        "inference_ms": {k: round(v, 4) for k, v in cost_ms.items()},
+        "hyperparameters": asdict(hp) | {"loss": "per-head BCE on cumprod of conditional sigmoids",
+                                         "optimizer": "AdamW", "baseline": "sklearn LogisticRegression",
+                                         "baseline_C": args.baseline_c},
+        "seed": args.seed,
+        "software": {"torch": torch.__version__, "sklearn": sklearn.__version__,
+                     "python": sys.version.split()[0]},
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    })
+    h = metrics["heldout"]
+    summary = {
+        "manifest": str(man_path), "plot": str(png), "metrics_csv": str(csv_path),
+        "records": args.records or [str(rec_path)], "steps": int(rec.h.shape[0]),
+        "heldout_prompts": n_hold, "heldout_steps": int(te.h.shape[0]),
+        "mae_mlp": round(h["mlp"]["mae"], 4), "mae_baseline": round(h["baseline"]["mae"], 4),
+        "mae_constant": round(h["constant"]["mae"], 4),
+        "mean_len_heldout": round(h["constant"]["mean_true_len"], 4),
+        "inference_ms_mlp": round(cost_ms["mlp"], 4),
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def add_train_predictor_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", default=None, help="plan YAML (default: the embedded default plan)")
+    p.add_argument("--prompts", type=int, default=32, help="calibration prompts to record (default 32)")
+    p.add_argument("--first-prompt", type=int, default=0,
+                   help="index of the first calibration prompt to record (to extend earlier records)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-width", type=int, default=4, help="W_d of the recorded trees (default 4)")
+    p.add_argument("--holdout", type=int, default=None,
+                   help="last prompts held out for evaluation (default: a quarter)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=MLPParams.epochs)
+    p.add_argument("--units", type=int, default=MLPParams.units, help="MLP encoder width")
+    p.add_argument("--baseline-c", type=float, default=0.003,
+                   help="inverse L2 strength of the logistic baseline (sklearn C; default 0.003, "
+                   "chosen like the MLP's defaults by grouped cross-validation)")
+    p.add_argument("--out-dir", default=None, help="default predictors/<target>__<drafter>__<dtype>/")
+    p.add_argument("--records", nargs="+", default=None, metavar="FILE",
+                   help="reuse these records (.safetensors, each with its .json sidecar; disjoint "
+                   "prompts) instead of decoding")
+    p.add_argument("--save-records", default=None,
+                   help="where fresh records go (default <out-dir>/depth_records.safetensors)")
+    p.add_argument("--force", action="store_true", help="overwrite existing outputs")
+
+
+def _checked(args) -> int:
+    if min(args.prompts, args.max_new_tokens, args.threads, args.epochs, args.units) < 1:
+        raise YggError("--prompts, --max-new-tokens, --threads, --epochs and --units must be >= 1")
+    if args.first_prompt < 0:
+        raise YggError(f"--first-prompt must be >= 0, got {args.first_prompt}")
+    if args.records is None and args.prompts < 2:
+        raise YggError("--prompts must be >= 2 (the last ones are held out)")
+    if not args.baseline_c > 0:
+        raise YggError(f"--baseline-c must be > 0, got {args.baseline_c}")
+    return run_train_predictor(args)
+
+
+def add_train_predictor_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train-predictor",
+        help="record deep-tree acceptance on calibration prompts and train the depth predictor",
+    )
+    add_train_predictor_arguments(p)
+    p.set_defaults(func=_checked)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.train_predictor", description=__doc__)
+    add_train_predictor_arguments(parser)
+    return run_reporting("yggtree train-predictor", _checked, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

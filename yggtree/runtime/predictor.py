@@ -1,0 +1,327 @@
+"""Depth predictor (DESIGN section 6): how many drafter calls to run, from the target's hidden state.
+
+Each speculation step the engine hands the policy ``h_root`` [H], the target's final-norm hidden
+state at the root. A predictor maps it to ``p_ge`` [D_max]: ``p_ge[d-1] = P(accepted length >= d)``
+for a tree drafted D_max calls deep (trained offline by ``yggtree train-predictor`` on calibration
+prompts). Expected accepted length with D calls, bonus token included::
+
+    AAL(D) = 1 + sum_{d <= D} p_ge[d-1]
+
+and :func:`choose_depth` picks the D maximising ``AAL(D) * T_plain / T_step(D)`` (0: a plain step
+when no D beats plain decoding). D only changes how many times the same drafter graph runs: no
+recompilation. Files (one directory per (target, drafter, dtype), ``predictors/<pair>/``)::
+
+    depth_manifest.json          kind, version, pair identity, feature layer, D_max, W_d used,
+                                 data hash, metrics, hyperparameters; the models below
+    depth_predictor.safetensors  the MLP (:class:`DepthPredictor`)
+    depth_baseline.safetensors   logistic regression per depth (:class:`LinearDepthPredictor`)
+
+A predictor trained for another target, drafter, dtype or hidden size, or a corrupt file, is
+refused with one line naming the file. Nothing here imports the offline package or scikit-learn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import YggError
+
+__all__ = [
+    "PREDICTOR_KIND", "FORMAT_VERSION", "MANIFEST_FILE", "MODEL_FILES", "FEATURE_LAYER",
+    "DepthPredictor", "LinearDepthPredictor", "expected_aal", "verify_width_for", "choose_depth",
+    "load_predictor", "DepthFn", "measure_ms", "depth_fn_for", "policy_with_predictor", "predictor_state", "file_sha256",
+]
+
+PREDICTOR_KIND = "yggtree-depth-predictor"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "depth_manifest.json"
+MODEL_FILES = {"mlp": "depth_predictor.safetensors", "baseline": "depth_baseline.safetensors"}
+FEATURE_LAYER = "final_norm"  # StepRecord.h_root: the target's final-norm output at the root
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class DepthPredictor(nn.Module):
+    """Two-layer MLP encoder over the standardised hidden state, one head per depth.
+
+    Head d outputs the logit of the conditional P(len >= d | len >= d-1); ``forward`` returns
+    their cumulative product, P(len >= d), which is monotone non-increasing in d by construction
+    (training applies a per-head BCE to exactly these products)."""
+
+    def __init__(
+        self, hidden_size: int, d_max: int, units: int = 64, dropout: float = 0.0, draft_width: int = 0
+    ) -> None:
+        super().__init__()
+        self.hidden_size, self.d_max, self.units = hidden_size, d_max, units
+        self.draft_width = draft_width  # W_d of the trees it was trained on (0: unknown)
+        self.register_buffer("mean", torch.zeros(hidden_size))  # [H] feature mean (training rows)
+        self.register_buffer("std", torch.ones(hidden_size))  # [H] feature std (> 0)
+        self.fc1 = nn.Linear(hidden_size, units)
+        self.fc2 = nn.Linear(units, units)
+        self.heads = nn.Linear(units, d_max)
+        self.drop = nn.Dropout(dropout)
+
+    def log_p_ge(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., D_max] log P(len >= d)."""
+        x = (h - self.mean) / self.std
+        x = self.drop(nn.functional.gelu(self.fc1(x)))
+        x = self.drop(nn.functional.gelu(self.fc2(x)))
+        return torch.cumsum(nn.functional.logsigmoid(self.heads(x)), dim=-1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] float32 -> [..., D_max] P(len >= d), non-increasing in d."""
+        return torch.exp(self.log_p_ge(h))
+
+
+class LinearDepthPredictor(nn.Module):
+    """Independent logistic regressions per depth on the standardised hidden state (the
+    scikit-learn baseline, stored as tensors); monotone at inference by a running minimum."""
+
+    def __init__(self, hidden_size: int, d_max: int, draft_width: int = 0) -> None:
+        super().__init__()
+        self.hidden_size, self.d_max = hidden_size, d_max
+        self.draft_width = draft_width  # W_d of the trees it was trained on (0: unknown)
+        self.register_buffer("mean", torch.zeros(hidden_size))  # [H] feature mean
+        self.register_buffer("std", torch.ones(hidden_size))  # [H] feature std (> 0)
+        self.register_buffer("weight", torch.zeros(d_max, hidden_size))  # [D_max, H] coefficients
+        self.register_buffer("bias", torch.zeros(d_max))  # [D_max] intercepts
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] float32 -> [..., D_max] P(len >= d), non-increasing in d."""
+        z = ((h - self.mean) / self.std) @ self.weight.T + self.bias
+        return torch.cummin(torch.sigmoid(z), dim=-1).values
+
+
+MODEL_TYPES = {"mlp": DepthPredictor, "logistic": LinearDepthPredictor}
+
+
+def predictor_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a predictor's safetensors file holds (contiguous float32 tensors)."""
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def expected_aal(p_ge: torch.Tensor) -> torch.Tensor:
+    """[..., D_max] P(len >= d) -> [..., D_max] expected tokens emitted with D = 1..D_max calls
+    (bonus included): ``1 + cumsum(p_ge)``."""
+    return 1.0 + torch.cumsum(p_ge, dim=-1)
+
+
+def verify_width_for(d: int, wd: int, verify_widths: Sequence[int]) -> int:
+    """The verify width assumed for a tree of D calls at W_d: the smallest compiled width holding
+    all of its 1 + D * W_d nodes, else the largest (the tree is then pruned)."""
+    need = 1 + d * wd
+    fits = [w for w in sorted(verify_widths) if w >= need]
+    return fits[0] if fits else max(verify_widths)
+
+
+def choose_depth(
+    p_ge: torch.Tensor | Sequence[float],
+    cost,
+    committed: int,
+    wd: int,
+    wv_for_depth: Sequence[int],
+    overhead_ms: float = 0.0,
+) -> int:
+    """The D in 1..len(p_ge) maximising ``AAL(D) * T_plain / (T_step(D) + overhead_ms)``, or 0
+    (a plain step) when none beats plain decoding (speed-up <= 1). First D wins ties.
+
+    ``p_ge`` [D_max] P(len >= d); ``cost`` a :class:`~yggtree.runtime.objective.CostModel`;
+    ``wv_for_depth[D-1]`` the verify width of a D-call tree; ``overhead_ms`` extra time of a
+    speculation step (the predictor's own cost)."""
+    p = [float(v) for v in p_ge]
+    plain = cost.plain_ms(committed)
+    best, best_s, aal = 0, 1.0, 1.0
+    for d in range(1, len(p) + 1):
+        aal += p[d - 1]
+        s = aal * plain / (cost.step_ms(d, wd, wv_for_depth[d - 1], committed) + overhead_ms)
+        if s > best_s:
+            best, best_s = d, s
+    return best
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _diff(have: dict, want: dict) -> str:
+    for k in sorted(set(have) | set(want)):
+        if have.get(k) != want.get(k):
+            return k
+    return "?"
+
+
+def _manifest(path: Path) -> dict:
+    if not path.is_file():
+        raise YggError(f"depth predictor manifest {path} does not exist (train one with "
+                       "`yggtree train-predictor --plan PLAN`)")
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise YggError(f"depth predictor manifest {path} is not valid JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("kind") != PREDICTOR_KIND:
+        raise YggError(f"depth predictor manifest {path} is not a {PREDICTOR_KIND} file")
+    if m.get("version") != FORMAT_VERSION:
+        raise YggError(f"depth predictor manifest {path} has format version {m.get('version')!r}, "
+                       f"expected {FORMAT_VERSION}")
+    return m
+
+
+def _predictor_dir(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    return p.parent if p.is_file() else p
+
+
+def load_predictor(
+    path: str | Path, plan, which: str = "mlp", hidden_size: int | None = None
+) -> nn.Module:
+    """The predictor ``which`` ("mlp" or "baseline") stored in directory ``path`` (or next to the
+    file ``path``) for ``plan``, in eval mode. YggError (one line, naming the file) when the
+    manifest or weights are missing, corrupt or truncated, or were trained for another target,
+    drafter or dtype than the plan's (:func:`~yggtree.runtime.objective.pair_identity`), or for
+    another hidden size than ``hidden_size`` (the target's; not checked when None)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .objective import pair_identity
+
+    d = _predictor_dir(path)
+    mpath = d / MANIFEST_FILE
+    m = _manifest(mpath)
+    ident, want = m.get("identity"), pair_identity(plan)
+    if not isinstance(ident, dict) or ident != want:
+        key = _diff(ident, want) if isinstance(ident, dict) else "identity"
+        raise YggError(f"depth predictor {mpath} was trained for another target/drafter/dtype than "
+                       f"plan {plan.name!r} (differs in {key}); run `yggtree train-predictor --plan ...`")
+    try:
+        entry = m["models"][which]
+        kind, fname = entry["type"], entry["file"]
+        h, dm = int(m["feature"]["hidden_size"]), int(m["d_max"])
+        args = {"draft_width": int(m.get("draft_width", 0))}
+        if kind == "mlp":
+            args["units"] = int(entry["units"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise YggError(f"depth predictor manifest {mpath} is malformed or has no model {which!r} "
+                       f"({e!r})") from None
+    if h < 1 or dm < 1:
+        raise YggError(f"depth predictor manifest {mpath}: hidden size {h} and D_max {dm} must be >= 1")
+    if kind not in MODEL_TYPES or Path(fname).name != fname:
+        raise YggError(f"depth predictor manifest {mpath}: unknown model type {kind!r} or bad file name")
+    if hidden_size is not None and h != hidden_size:
+        raise YggError(f"depth predictor {mpath} was trained on hidden size {h}, the target has "
+                       f"{hidden_size}")
+    wpath = d / fname
+    if not wpath.is_file():
+        raise YggError(f"depth predictor weights {wpath} are missing")
+    try:
+        state = load_file(str(wpath))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise YggError(f"cannot read depth predictor weights {wpath}: {e}") from None
+    with torch.device("meta"):
+        model = MODEL_TYPES[kind](h, dm, **args)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if set(state) != set(shapes):
+        odd = sorted(set(state) ^ set(shapes))
+        raise YggError(f"{wpath}: tensors differ from a {kind} predictor ({', '.join(odd)})")
+    for k, s in shapes.items():
+        if tuple(state[k].shape) != s:
+            raise YggError(f"{wpath}: tensor {k} has shape {list(state[k].shape)}, expected "
+                           f"{list(s)} (hidden size {h}, D_max {dm} in the manifest)")
+    if entry.get("sha256") not in (None, file_sha256(wpath)):
+        raise YggError(f"depth predictor weights {wpath} do not match {mpath} (sha256 differs)")
+    if not all(torch.isfinite(v).all() for v in state.values()) or not bool((state["std"] > 0).all()):
+        raise YggError(f"{wpath}: non-finite weights or a non-positive std")
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- run time
+
+
+@dataclass(frozen=True)
+class DepthFn:
+    """``depth_fn(h_root, committed) -> D`` for an :class:`~yggtree.runtime.objective.ObjectivePolicy`:
+    the predictor's P(len >= d) for d = 1..d_max, then :func:`choose_depth`."""
+
+    predictor: nn.Module  # [H] float32 -> [D_max] P(len >= d)
+    cost: object  # CostModel
+    draft_width: int  # W_d assumed when costing a D-call tree
+    verify_widths: tuple[int, ...]  # [d_max] W_v assumed for D = 1..d_max
+    overhead_ms: float = 0.0  # the predictor's own cost per step, added to every tree step
+
+    @property
+    def d_max(self) -> int:
+        return len(self.verify_widths)
+
+    def p_ge(self, h_root: torch.Tensor) -> torch.Tensor:
+        """[H] -> [d_max] P(len >= d); YggError on a hidden state of another size."""
+        h = self.predictor.hidden_size
+        if h_root.shape[-1] != h:
+            raise YggError(f"the depth predictor was trained on hidden size {h}, the target's "
+                           f"hidden state has {h_root.shape[-1]}")
+        with torch.inference_mode():
+            return self.predictor(h_root.to(torch.float32))[: self.d_max]
+
+    def __call__(self, h_root: torch.Tensor, committed: int) -> int:
+        return choose_depth(self.p_ge(h_root).tolist(), self.cost, committed, self.draft_width,
+                            self.verify_widths, self.overhead_ms)
+
+
+def measure_ms(fn: Callable[[], object], repeats: int = 30) -> float:
+    """Median wall time of ``fn()`` in ms."""
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def depth_fn_for(
+    predictor: nn.Module, cost, plan, wd: int | None = None, overhead_ms: float | None = None
+) -> DepthFn:
+    """The ``depth_fn`` for ``plan``: depths up to min(the predictor's D_max, the plan's), draft
+    width ``wd`` (default: the W_d the predictor was trained with when it is one of the plan's,
+    else the plan's median width), verify widths from :func:`verify_width_for`. ``overhead_ms``,
+    the predictor's own cost included in the objective, is measured here when None (median of
+    30 calls of the whole choice)."""
+    d_max = min(predictor.d_max, plan.d_max)
+    widths = sorted(plan.draft_widths)
+    if wd is None:
+        wd = predictor.draft_width if predictor.draft_width in widths else widths[len(widths) // 2]
+    wvs = tuple(verify_width_for(d, wd, plan.verify_widths) for d in range(1, d_max + 1))
+    fn = DepthFn(predictor, cost, wd, wvs, 0.0)
+    if overhead_ms is None:
+        z = torch.zeros(predictor.hidden_size)
+        overhead_ms = measure_ms(lambda: fn(z, 64))
+    return replace(fn, overhead_ms=float(overhead_ms))
+
+
+def policy_with_predictor(plan, policy, which: str = "mlp", hidden_size: int | None = None):
+    """``policy`` (an ObjectivePolicy from :func:`~yggtree.runtime.objective.plan_policy`) with the
+    depth predictor named by ``plan.predictor`` as its ``depth_fn``; ``policy`` unchanged when the
+    plan names no predictor. YggError when it names one but there is no objective policy (the
+    predictor needs the plan's profile and calibration), or the predictor does not fit the plan
+    (see :func:`load_predictor`). Pass the target's ``hidden_size`` to check it at load."""
+    if plan.predictor is None:
+        return policy
+    if policy is None:
+        raise YggError(f"plan {plan.name!r} names a depth predictor but no profile and calibration: "
+                       "choosing a depth needs the latency objective (run `yggtree profile` and "
+                       "`yggtree calibrate`, and name both in the plan)")
+    model = load_predictor(plan.predictor, plan, which, hidden_size)
+    return replace(policy, depth_fn=depth_fn_for(model, policy.cost, plan), _table={}, log=[])
