@@ -364,3 +364,12 @@ def test_run_with_a_plan_decodes_with_the_objective(tmp_path, capsys):
     assert main(["run", "--plan", str(tmp_path / "half.yaml"), "--raw", "--prompt", "t3"]) != 0
     err = capsys.readouterr().err
     assert "names a profile but no calibration" in err and len(err.strip().splitlines()) == 1
+    # --depth N fixes D and keeps the objective's widths; outside 1..d_max it is refused
+    assert main(args + ["--depth", "1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["token_ids"] == plain["token_ids"]
+    assert all(k.startswith("1,") for k in one["stats"]["steps_by_choice"])
+    for bad, msg in (("3", "--depth 3 is outside the plan's 1..d_max (2)"), ("x", "--depth must be auto")):
+        assert main(args + ["--depth", bad]) != 0
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1

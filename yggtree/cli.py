@@ -60,6 +60,12 @@ def _add_run(sub) -> None:
     p.add_argument("--verify-width", type=_positive_int, default=None, help="W_v (default 16)")
     p.add_argument("--top-k", type=_positive_int, default=4)
     p.add_argument(
+        "--depth",
+        default="auto",
+        help="with --plan: draft depth D per step; auto (default) = the plan's depth predictor if it "
+        "names one, else the latency objective's choice; N = always N drafter calls (1..d_max)",
+    )
+    p.add_argument(
         "--plan",
         metavar="PLAN_YAML",
         help="run a compiled plan (its model, drafter, dtype, context and graphs); widths must be "
@@ -86,6 +92,8 @@ def _run(args) -> int:
     params.validate()
     if args.trace and args.mode != "reference":
         raise YggError("--trace needs --mode reference")
+    if args.depth != "auto" and not args.plan:
+        raise YggError("--depth needs --plan (without a plan, --draft-depth sets a fixed tree)")
     policy = None
     if args.plan:
         engine, tok, policy = _plan_engine(args)
@@ -107,8 +115,20 @@ def _plan_engine(args):
     from .runtime.objective import plan_policy
 
     fixed = (args.draft_width, args.verify_width, args.draft_depth) != (None, None, None)
+    depth = _depth_flag(args.depth, plan)
     policy = None if fixed or args.no_speculate else plan_policy(plan)  # checked before loading
+    if depth is not None and policy is None and not args.no_speculate:
+        fixed, args.draft_depth = True, depth  # no objective: one fixed tree of depth N
     engine, tok = build_plan_engine(plan, art, mode)
+    if policy is not None:
+        from dataclasses import replace
+
+        from .runtime.predictor import policy_with_predictor
+
+        if depth is None:
+            policy = policy_with_predictor(plan, policy, hidden_size=engine.target.cfg.hidden_size)
+        else:
+            policy = replace(policy, depth_fn=lambda h_root, committed: depth)
     if engine.drafter is not None and not args.no_speculate and policy is None:
         use_widths(engine, plan, args.draft_width, args.verify_width, args.draft_depth)
     if args.no_speculate and engine.drafter is not None:
@@ -116,6 +136,21 @@ def _plan_engine(args):
 
         policy = FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1)  # plain steps only
     return engine, tok, policy
+
+
+def _depth_flag(text: str, plan) -> int | None:
+    """``--depth``: None for auto, else N checked against the plan's 1..d_max."""
+    if text == "auto":
+        return None
+    try:
+        d = int(text)
+    except ValueError:
+        raise YggError(f"--depth must be auto or an integer, got {text!r}") from None
+    if not plan.speculative:
+        raise YggError(f"--depth {d}: plan {plan.name!r} has no drafter")
+    if not 1 <= d <= plan.d_max:
+        raise YggError(f"--depth {d} is outside the plan's 1..d_max ({plan.d_max})")
+    return d
 
 
 def _flag_engine(args):
