@@ -10,7 +10,12 @@ envelope), greedy:
 - ``fixed``:     the single (W_d, D, W_v) of the plan with the highest calibrated accepted length
   (chosen by accepted length alone, as a latency-blind system would; ``--fixed`` overrides);
 - ``chain``:     a chain (W_d = 1) of the length the profile and calibration predict fastest
-  (``--chain D,W_v`` overrides).
+  (``--chain D,W_v`` overrides);
+- ``predictor`` / ``baseline`` (when the plan names a depth predictor): the objective with D
+  chosen every step by the MLP depth predictor / its scikit-learn (logistic) baseline;
+- ``depth=N`` (``--depths N,M,...``): the objective with D fixed to N (W_d, W_v still chosen).
+
+``--systems`` keeps a subset (plain always runs: it is the baseline of every ratio).
 
 The fixed choices come from the calibration (calibration prompts), never from the evaluation
 prompts. Prompts (MT-Bench first turns, HumanEval, chat template) run one at a time, every system
@@ -29,6 +34,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -113,14 +119,31 @@ def run(args) -> int:
         "chain": FixedPolicy(StepChoice(cd, 1), cwv),
     }
     settings = {"plain": "D=0", "objective": "adaptive", "fixed": f"{wd},{d},{wv}", "chain": f"1,{cd},{cwv}"}
+    if plan.predictor is not None:  # the depth predictor and its scikit-learn baseline
+        from yggtree.runtime.predictor import depth_fn_for, load_predictor
+
+        h = engine.target.cfg.hidden_size
+        for name, which in (("predictor", "mlp"), ("baseline", "baseline")):
+            model = load_predictor(plan.predictor, plan, which, h)
+            policies[name] = replace(objective, depth_fn=depth_fn_for(model, cost, plan), _table={}, log=[])
+            settings[name] = f"objective, D by {which}"
+    for dd in args.depths:  # the objective with one fixed depth
+        policies[f"depth={dd}"] = replace(objective, depth_fn=lambda h_root, c, dd=dd: dd, _table={}, log=[])
+        settings[f"depth={dd}"] = f"objective, D={dd}"
+    unknown = [n for n in args.systems if n not in policies]
+    if unknown:
+        raise YggError(f"--systems: unknown {', '.join(unknown)} (have {', '.join(policies)})")
+    if args.systems:
+        policies = {n: p for n, p in policies.items() if n == "plain" or n in args.systems}
     prompts = load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     names = list(policies)
+    settings = {n: settings[n] for n in names}
     rows = []
 
     def predictions(name, recs) -> list[Prediction]:
-        if name == "objective":
-            return list(objective.log)
+        if hasattr(policies[name], "log"):  # an objective policy: its own predictions
+            return list(policies[name].log)
         out = []
         for r in recs:  # what the cost model and calibration expected of the fixed choice
             dd, w1 = r.choice.draft_depth, r.choice.draft_width
@@ -139,7 +162,8 @@ def run(args) -> int:
             order = names[i % len(names):] + names[: i % len(names)]
             for name in order:
                 recs: list = []
-                objective.log.clear()
+                if hasattr(policies[name], "log"):
+                    policies[name].log.clear()
                 res = engine.generate(ids, params, policy=policies[name], on_step=recs.append)
                 preds = predictions(name, recs)
                 s = res.stats
@@ -215,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fixed", help="W_d,D,W_v of the fixed system (default: highest calibrated AAL)")
     p.add_argument("--chain", help="D,W_v of the chain (default: best predicted chain)")
+    p.add_argument("--depths", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
+                   help="also the objective with these fixed depths, e.g. 2,3,4")
+    p.add_argument("--systems", type=lambda t: t.split(","), default=[],
+                   help="only these systems (plain always runs): objective,fixed,chain,predictor,baseline,depth=N")
     p.add_argument("--compile-root", default="compile")
     p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
     p.add_argument("--out", help="also write every prompt's record as JSON")
