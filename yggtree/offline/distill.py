@@ -850,7 +850,7 @@ def distill(
     (token ids of chat-templated prompts) may be given directly: tests use a tiny random target."""
     from ..data import calibration_chat_prompts, corpus_hash
     from ..runtime.eagle import EagleDrafter, save_eagle
-    from ..runtime.loading import encode_prompt, load_model, load_tokenizer, resolve_model
+    from ..runtime.loading import encode_auto, load_model, load_tokenizer, resolve_model
 
     check_config(cfg)
     if cfg.threads is not None:
@@ -873,7 +873,7 @@ def distill(
         prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars)
         prompt_texts = [p.text for p in prompts]
         data_hash = corpus_hash(prompt_texts)
-        prompt_ids = [encode_prompt(tokenizer, t) for t in prompt_texts]
+        prompt_ids = [encode_auto(tokenizer, t) for t in prompt_texts]
     else:
         if len(prompt_ids) < cfg.prompts:
             raise YggError(f"{len(prompt_ids)} prompts given, asked for {cfg.prompts}")

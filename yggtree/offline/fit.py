@@ -203,7 +203,7 @@ def run_calibrate(args) -> int:
     from ..plan import default_plan, load_plan
     from ..runtime.build import EngineSpec, build_engine
     from ..runtime.engine import SamplingParams, TreeParams
-    from ..runtime.loading import encode_prompt
+    from ..runtime.loading import encode_auto
     from ..runtime.objective import CALIBRATION_KIND, FORMAT_VERSION, pair_identity
     from ..runtime.policy import FixedPolicy, StepChoice
 
@@ -225,7 +225,7 @@ def run_calibrate(args) -> int:
     spec = replace(spec, tree=TreeParams(max(wds), d_max, max(full), plan.top_k),
                    draft_widths=tuple(wds), verify_widths=tuple(full))
     engine, tok = build_engine(spec)
-    ids = [encode_prompt(tok, p.text) for p in prompts]
+    ids = [encode_auto(tok, p.text) for p in prompts]
     cap = plan.max_context - args.max_new_tokens - 1
     ids = [x[-cap:] for x in ids]
     widths = list(plan.verify_widths)

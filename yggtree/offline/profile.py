@@ -268,8 +268,9 @@ def stage_calls(engine, plan):
     h = target.cfg.hidden_size
     feats = tuple(torch.zeros(d + 1, h, dtype=target.embed_tokens.weight.dtype)
                   for _ in drafter.target_layers)
-    src = torch.arange(2, d + 2) + 100
-    dst = torch.arange(1, d + 1) + 100
+    base = max(0, min(100, engine.n_slots - d - 3))  # a realistic committed length that fits
+    src = torch.arange(2, d + 2) + base
+    dst = torch.arange(1, d + 1) + base
     path_tok = torch.zeros(d + 1, dtype=torch.int64)
 
     def commit():

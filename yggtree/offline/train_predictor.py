@@ -446,7 +446,7 @@ def _record(args, plan, rec_path: Path | None) -> tuple[Records, dict]:
     from ..data import calibration_chat_prompts
     from ..runtime.build import EngineSpec, build_engine
     from ..runtime.engine import TreeParams
-    from ..runtime.loading import encode_prompt
+    from ..runtime.loading import encode_auto
 
     wd = args.draft_width
     full = 1 + plan.d_max * wd
@@ -457,7 +457,7 @@ def _record(args, plan, rec_path: Path | None) -> tuple[Records, dict]:
                    draft_widths=(wd,), verify_widths=(full,))
     engine, tok = build_engine(spec)
     cap = plan.max_context - args.max_new_tokens - 1
-    ids = [encode_prompt(tok, p.text)[-cap:] for p in prompts]
+    ids = [encode_auto(tok, p.text)[-cap:] for p in prompts]
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     with stderr_progress() as progress:

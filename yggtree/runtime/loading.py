@@ -369,3 +369,9 @@ def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
         )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(text)["input_ids"]
+
+
+def encode_auto(tokenizer, text: str) -> list[int]:
+    """Token ids for an offline prompt (calibration, distillation): in the chat template when the
+    model has one, untouched for a base model without one."""
+    return encode_prompt(tokenizer, text, raw=not getattr(tokenizer, "chat_template", None))

@@ -1,0 +1,96 @@
+"""``yggtree profile`` and ``yggtree calibrate`` end to end on a tiny random checkpoint (eager
+backend: nothing compiles): the files they write load back for their plan through the runtime's
+checks, nothing is overwritten without --force, and profile names that claim other hardware are
+refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from yggtree.errors import YggError
+from yggtree.offline.profile import check_hw_name
+from yggtree.runtime.device import detect_device
+
+transformers = pytest.importorskip("transformers")
+
+PLAN = """\
+name: tiny
+target: model
+drafter: self
+backend: eager
+max_context: 96
+prefill_chunk: 4
+draft_widths: [1, 2]
+d_max: 2
+top_k: 2
+verify_widths: [2, 4]
+sampling: {max_new_tokens: 8}
+"""
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory):
+    from test_compile import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("prof")
+    save_tiny_checkpoint(root / "model")
+    (root / "plan.yaml").write_text(PLAN)
+    return root / "plan.yaml"
+
+
+def test_hw_names_must_match_the_device():
+    cpu = {"kind": "cpu", "name": "Intel(R) Xeon(R) Processor"}
+    for name in ("a100", "h100-sxm", "rtx4090", "ascend910b"):
+        with pytest.raises(YggError, match="names an accelerator, but this process runs on a CPU"):
+            check_hw_name(name, cpu, force=False)
+        check_hw_name(name, cpu, force=True)  # --force: the user insists
+    check_hw_name("cpu-2core", cpu, force=False)
+    with pytest.raises(YggError, match="does not match this cuda device"):
+        check_hw_name("h100", {"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB"}, force=False)
+    with pytest.raises(YggError, match="use letters, digits"):
+        check_hw_name("../etc", cpu, force=False)
+
+
+def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_path, capsys):
+    from yggtree.cli import main
+    from yggtree.plan import load_plan
+    from yggtree.runtime.objective import CostModel
+
+    out = tmp_path / "profiles"
+    args = ["profile", "--hw", "cpu-test", "--plan", str(plan_path), "--quick", "--out-dir", str(out),
+            "--cache-dir", str(tmp_path / "cache")]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["device"] == detect_device()["name"] and summary["points"] > 0
+    prof = json.loads((out / "cpu-test.json").read_text())
+    assert prof["hardware"]["device_name"] == detect_device()["name"]
+    assert {r["kind"] for r in prof["points"]} == {"verify", "draft", "head"}
+    assert (out / "cpu-test.csv").is_file() and (out / "cpu-test.png").is_file()
+    cost = CostModel.from_profile(out / "cpu-test.json", load_plan(plan_path))
+    assert cost.t_verify(4, 10) > 0 and cost.plain_ms(10) > 0
+    before = (out / "cpu-test.json").read_text()
+    assert main(args) == 1  # exists: refused, file untouched
+    assert "already exists (pass --force" in capsys.readouterr().err
+    assert (out / "cpu-test.json").read_text() == before
+    assert main(["profile", "--hw", "a100", "--plan", str(plan_path), "--out-dir", str(out)]) == 1
+    assert "names an accelerator" in capsys.readouterr().err
+    assert not (out / "a100.json").exists()
+
+
+def test_calibrate_writes_a_loadable_calibration(plan_path, tmp_path, capsys):
+    from yggtree.cli import main
+    from yggtree.plan import load_plan
+    from yggtree.runtime.objective import Calibration
+
+    out = tmp_path / "pair"
+    args = ["calibrate", "--plan", str(plan_path), "--prompts", "2", "--max-new-tokens", "6",
+            "--out-dir", str(out)]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["prompts"] == 2 and summary["edges"] > 0
+    cal = Calibration.load(out / "calibration.json", load_plan(plan_path))
+    # the self-drafter's greedy proposals are the target's: its top-1 edges are always accepted
+    assert cal.expected_aal(1, 2, 4) is not None and cal.expected_aal(1, 1, 2) >= 1.0
+    assert main(args) == 1 and "already exists" in capsys.readouterr().err
