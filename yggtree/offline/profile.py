@@ -101,7 +101,9 @@ def software_info(plan, mode: str) -> dict:
 
 
 def grid_widths(plan, max_width: int) -> list[int]:
-    ws = {1 << i for i in range(0, 12) if 1 << i <= max_width}
+    """Powers of two, their 1.5x midpoints (3, 6, 12, ...: the curves have kernel-switch kinks
+    a sparser grid would miss) and the plan's widths, up to ``max_width``."""
+    ws = {m << i for i in range(0, 12) for m in (2, 3) if m << i <= max_width} | {1}
     ws |= {w for w in (*plan.draft_widths, *plan.verify_widths) if w <= max_width}
     return sorted(ws)
 
