@@ -88,10 +88,81 @@ def best_chain(cost, calib, plan, ctx: int) -> tuple[int, int]:
     return best
 
 
-def run(args) -> int:
+def summarise(rows: list[dict], names: list[str]) -> dict:
+    """Per prompt set (and "all"): decode tok/s, measured and predicted speed-up over plain,
+    prediction error, AAL, share of plain steps, outputs equal to plain."""
+    summary = {}
+    for st in sorted({r["set"] for r in rows}) + ["all"]:
+        sel = [r for r in rows if st == "all" or r["set"] == st]
+        res = {}
+        for name in names:
+            dec_n = sum(max(r[name]["new_tokens"] - 1, 0) for r in sel)
+            dec_s = sum(r[name]["decode_s"] for r in sel)
+            steps = sum(r[name]["steps"] for r in sel)
+            res[name] = {
+                "decode_tok_s": dec_n / dec_s if dec_s else 0.0,
+                "ms_per_token": dec_s / dec_n * 1e3 if dec_n else float("nan"),
+                "aal": sum(r[name]["new_tokens"] - 1 for r in sel) / steps if steps else float("nan"),
+                "predicted_speedup": (sum(r[name]["pred_plain_ms"] for r in sel)
+                                      / max(sum(r[name]["pred_step_ms"] for r in sel), 1e-9)),
+                "same_as_plain": sum(r[name]["tokens"] == r["plain"]["tokens"] for r in sel),
+                "plain_step_share": (sum(r[name]["n_plain_steps"] for r in sel) / steps) if steps else 0.0,
+            }
+        for name in names:
+            res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
+            p, m = res[name]["predicted_speedup"], res[name]["measured_speedup"]
+            res[name]["prediction_error"] = abs(p - m) / m
+        summary[st] = res
+    return summary
+
+
+def report(rows: list[dict], names: list[str], settings: dict, what: str, args, partial: bool = False) -> None:
+    """The table, then ONE JSON line."""
     from rich.console import Console
     from rich.table import Table
 
+    summary = summarise(rows, names)
+    table = Table(title=f"latency objective vs fixed trees: {what}, {len(rows)} prompts x "
+                        f"{args.max_new_tokens} tokens, {args.threads} thread(s), one run")
+    for c in ("set", "system", "W_d,D,W_v", "decode tok/s", "x plain", "x plain predicted", "pred. error",
+              "AAL", "plain steps", "= plain"):
+        table.add_column(c, justify="left" if c in ("set", "system", "W_d,D,W_v") else "right")
+    for st, res in summary.items():
+        n = len([r for r in rows if st == "all" or r["set"] == st])
+        for name, r in res.items():
+            table.add_row(st, name, settings.get(name, name), f"{r['decode_tok_s']:.2f}",
+                          f"{r['measured_speedup']:.3f}", f"{r['predicted_speedup']:.3f}",
+                          f"{100 * r['prediction_error']:.1f}%", f"{r['aal']:.2f}",
+                          f"{100 * r['plain_step_share']:.0f}%", f"{r['same_as_plain']}/{n}")
+    Console(width=None if sys.stdout.isatty() else 170).print(table)
+    line = {
+        "command": "bench_objective", "what": what, "threads": args.threads, "prompts": len(rows),
+        "max_new_tokens": args.max_new_tokens, "settings": settings, "torch": torch.__version__,
+        "summary": {st: {n: {k: round(v, 4) for k, v in r.items()} for n, r in res.items()}
+                    for st, res in summary.items()},
+        "partial": partial, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    print(json.dumps(line), flush=True)
+
+
+def summarise_rows(args) -> int:
+    """--summarise: the report of one or more rows files (e.g. one per prompt set, run in
+    parallel processes; each process's timings are interleaved per prompt, so ratios hold)."""
+    rows = []
+    for path in args.summarise:
+        try:
+            rows += [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+        except (OSError, ValueError) as e:
+            raise YggError(f"cannot read rows file {path}: {e}") from None
+    if not rows:
+        raise YggError("the rows files hold no prompt")
+    names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    names = [n for n in names if all(n in r for r in rows)]
+    report(rows, names, {}, "rows of " + ", ".join(Path(p).name for p in args.summarise), args)
+    return 0
+
+
+def run(args) -> int:
     from yggtree.bench import load_prompts, stderr_progress
     from yggtree.offline.compile import ensure_artifacts
     from yggtree.plan import load_plan
@@ -101,6 +172,8 @@ def run(args) -> int:
     from yggtree.runtime.policy import FixedPolicy, StepChoice
 
     torch.set_num_threads(args.threads)
+    if not args.plan:
+        raise YggError("--plan is required (a plan naming a profile and a calibration)")
     plan = load_plan(args.plan)
     objective = plan_policy(plan)
     if objective is None:
@@ -178,61 +251,20 @@ def run(args) -> int:
                     "n_plain_steps": sum(r.choice.draft_depth == 0 for r in recs),
                 }
             rows.append(row)
+            if args.out:  # every finished prompt is kept, so a stopped run can still be read
+                with open(args.out + ".rows.jsonl", "a") as f:
+                    f.write(json.dumps(row, default=list) + "\n")
             progress.advance(task)
 
-    sets = sorted({r["set"] for r in rows}) + ["all"]
-    summary = {}
-    for st in sets:
-        sel = [r for r in rows if st == "all" or r["set"] == st]
-        res = {}
-        for name in names:
-            dec_n = sum(max(r[name]["new_tokens"] - 1, 0) for r in sel)
-            dec_s = sum(r[name]["decode_s"] for r in sel)
-            steps = sum(r[name]["steps"] for r in sel)
-            res[name] = {
-                "decode_tok_s": dec_n / dec_s if dec_s else 0.0,
-                "ms_per_token": dec_s / dec_n * 1e3 if dec_n else float("nan"),
-                "aal": sum(r[name]["new_tokens"] - 1 for r in sel) / steps if steps else float("nan"),
-                "predicted_speedup": (sum(r[name]["pred_plain_ms"] for r in sel)
-                                      / max(sum(r[name]["pred_step_ms"] for r in sel), 1e-9)),
-                "same_as_plain": sum(r[name]["tokens"] == r["plain"]["tokens"] for r in sel),
-                "plain_step_share": (sum(r[name]["n_plain_steps"] for r in sel) / steps) if steps else 0.0,
-            }
-        for name in names:
-            res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
-            p, m = res[name]["predicted_speedup"], res[name]["measured_speedup"]
-            res[name]["prediction_error"] = abs(p - m) / m
-        summary[st] = res
-
-    table = Table(title=f"latency objective vs fixed trees: plan {plan.name} ({plan.dtype}), "
-                        f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.threads} thread(s), one run")
-    for c in ("set", "system", "W_d,D,W_v", "decode tok/s", "x plain", "x plain predicted", "pred. error",
-              "AAL", "plain steps", "= plain"):
-        table.add_column(c, justify="left" if c in ("set", "system", "W_d,D,W_v") else "right")
-    for st, res in summary.items():
-        n = len([r for r in rows if st == "all" or r["set"] == st])
-        for name, r in res.items():
-            table.add_row(st, name, settings[name], f"{r['decode_tok_s']:.2f}", f"{r['measured_speedup']:.3f}",
-                          f"{r['predicted_speedup']:.3f}", f"{100 * r['prediction_error']:.1f}%",
-                          f"{r['aal']:.2f}", f"{100 * r['plain_step_share']:.0f}%", f"{r['same_as_plain']}/{n}")
-    Console(width=None if sys.stdout.isatty() else 170).print(table)
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary}, default=list) + "\n")
-    line = {
-        "command": "bench_objective", "plan": plan.name, "dtype": plan.dtype, "threads": args.threads,
-        "prompts": {"mtbench": args.prompts_mtbench, "humaneval": args.prompts_humaneval},
-        "max_new_tokens": args.max_new_tokens, "settings": settings, "torch": torch.__version__,
-        "summary": {st: {n: {k: round(v, 4) for k, v in r.items()} for n, r in res.items()}
-                    for st, res in summary.items()},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    print(json.dumps(line), flush=True)
+        Path(args.out).write_text(json.dumps({"rows": rows, "settings": settings}, default=list) + "\n")
+    report(rows, names, settings, f"plan {plan.name} ({plan.dtype})", args)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plan", required=True, help="plan YAML naming a profile and a calibration")
+    p.add_argument("--plan", help="plan YAML naming a profile and a calibration")
     p.add_argument("--prompts-mtbench", type=int, default=40)
     p.add_argument("--prompts-humaneval", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -245,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="only these systems (plain always runs): objective,fixed,chain,predictor,baseline,depth=N")
     p.add_argument("--compile-root", default="compile")
     p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
-    p.add_argument("--out", help="also write every prompt's record as JSON")
-    return run_reporting("bench_objective", run, p.parse_args(argv))
+    p.add_argument("--out", help="also write every prompt's record as JSON (and OUT.rows.jsonl as it runs)")
+    p.add_argument("--summarise", nargs="+", metavar="ROWS", help="only report OUT.rows.jsonl file(s) of earlier runs")
+    args = p.parse_args(argv)
+    return run_reporting("bench_objective", summarise_rows if args.summarise else run, args)
 
 
 if __name__ == "__main__":
