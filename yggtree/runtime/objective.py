@@ -30,7 +30,7 @@ from .tree import Tree
 
 __all__ = [
     "PROFILE_KIND", "CALIBRATION_KIND", "Curve", "CostModel", "Calibration", "timing_identity",
-    "pair_identity", "path_values", "aal_by_width", "best_verify", "ObjectivePolicy", "Prediction", "predicted_speedup", "plan_policy",
+    "pair_identity", "read_artifact", "path_values", "aal_by_width", "best_verify", "ObjectivePolicy", "Prediction", "predicted_speedup", "plan_policy",
 ]
 
 PROFILE_KIND = "yggtree-profile"
@@ -83,18 +83,22 @@ def _diff(have: dict, want: dict) -> str:
     return "?"
 
 
-def _read_json(path: str | Path, what: str, kind: str) -> dict:
+def read_artifact(path: str | Path, what: str, kind: str, version: int = FORMAT_VERSION,
+                  missing_hint: str = "") -> dict:
+    """The JSON object of an offline artifact (profile, calibration, predictor manifest):
+    YggError naming ``what`` and the file when it is missing, not JSON, of another kind or of
+    another format version."""
     p = Path(path)
     if not p.is_file():
-        raise YggError(f"{what} {p} does not exist")
+        raise YggError(f"{what} {p} does not exist{missing_hint}")
     try:
         d = json.loads(p.read_text())
     except (OSError, ValueError) as e:
         raise YggError(f"{what} {p} is not valid JSON: {e}") from None
     if not isinstance(d, dict) or d.get("kind") != kind:
         raise YggError(f"{what} {p} is not a {kind} file")
-    if d.get("version") != FORMAT_VERSION:
-        raise YggError(f"{what} {p} has format version {d.get('version')!r}, expected {FORMAT_VERSION}")
+    if d.get("version") != version:
+        raise YggError(f"{what} {p} has format version {d.get('version')!r}, expected {version}")
     return d
 
 
@@ -189,7 +193,7 @@ class CostModel:
     def from_profile(cls, path: str | Path, plan) -> "CostModel":
         """Load ``path`` for ``plan``; YggError if missing, malformed, or measured for other
         models / another dtype or backend than the plan's."""
-        d = _read_json(path, "profile", PROFILE_KIND)
+        d = read_artifact(path, "profile", PROFILE_KIND)
         where = f"profile {path}"
         ident = d.get("identity")
         want = timing_identity(plan)
@@ -267,7 +271,7 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path, plan) -> "Calibration":
-        d = _read_json(path, "calibration", CALIBRATION_KIND)
+        d = read_artifact(path, "calibration", CALIBRATION_KIND)
         where = f"calibration {path}"
         ident, want = d.get("identity"), pair_identity(plan)
         if not isinstance(ident, dict) or ident != want:

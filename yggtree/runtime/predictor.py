@@ -166,19 +166,10 @@ def _diff(have: dict, want: dict) -> str:
 
 
 def _manifest(path: Path) -> dict:
-    if not path.is_file():
-        raise YggError(f"depth predictor manifest {path} does not exist (train one with "
-                       "`yggtree train-predictor --plan PLAN`)")
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise YggError(f"depth predictor manifest {path} is not valid JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("kind") != PREDICTOR_KIND:
-        raise YggError(f"depth predictor manifest {path} is not a {PREDICTOR_KIND} file")
-    if m.get("version") != FORMAT_VERSION:
-        raise YggError(f"depth predictor manifest {path} has format version {m.get('version')!r}, "
-                       f"expected {FORMAT_VERSION}")
-    return m
+    from .objective import read_artifact
+
+    return read_artifact(path, "depth predictor manifest", PREDICTOR_KIND, FORMAT_VERSION,
+                         " (train one with `yggtree train-predictor --plan PLAN`)")
 
 
 def _predictor_dir(path: str | Path) -> Path:
