@@ -171,3 +171,39 @@ def test_policy_needs_a_drafter(target):
     eng = Engine(target, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
     with pytest.raises(YggError, match="needs a speculative engine"):
         eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=5), policy=FixedPolicy(StepChoice(1, 1), 2))
+
+
+def test_resync_after_plain_steps_keeps_the_self_drafter_exact(target, plain):
+    """The self-drafter proposes the target's own greedy tokens, so a drafted chain is accepted
+    whole exactly when the drafter holds the committed sequence: after every run of plain steps
+    (resynced incrementally from the last drafted root) each chain must still be accepted whole."""
+    # top-k 1 with W_d = 1: each draft step extends the chain (with k > 1 a sibling may win)
+    eng = make_engine(target, drafters(target)["self"], TreeParams(draft_width=4, draft_depth=D_MAX,
+                                                                   verify_width=8, top_k=1))
+    pattern = [(0, 1, 1), (1, 1, 2), (0, 1, 1), (0, 1, 1), (0, 1, 1), (3, 1, 4), (1, 1, 2), (0, 1, 1)]
+
+    class Alternating:
+        i = 0
+
+        def choose_draft(self, h_root, committed):
+            return StepChoice(*pattern[self.i % len(pattern)][:2])
+
+        def choose_verify(self, tree, choice, committed):
+            return pattern[self.i % len(pattern)][2]
+
+    for i, p in enumerate(PROMPTS):
+        pol, records = Alternating(), []
+
+        def on_step(rec):
+            records.append(rec)
+            pol.i += 1
+
+        res = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=pol, on_step=on_step)
+        assert res.token_ids == plain[i]
+        assert res.stats["resyncs"] >= 2
+        left = NEW - 1  # the first token comes from the prefill
+        for rec in records:
+            d = rec.choice.draft_depth
+            if d:  # whole chain accepted, unless the token budget cut it short
+                assert rec.n_accepted == min(d, left - 1), (i, rec.committed, d, rec.n_accepted)
+            left -= 1 + rec.n_accepted

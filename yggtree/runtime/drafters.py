@@ -42,8 +42,12 @@ class Drafter(Protocol):
     def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
         """Allocate state for ``n_slots`` cache slots and build graphs for these input widths."""
 
-    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
-        """Absorb the prompt ([n] int64; feats: target layers [n, H] each, or ())."""
+    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
+        """Absorb the prompt ([n] int64; feats: target layers [n, H] each, or ()).
+
+        ``start`` > 0 resumes: the drafter already holds ``prompt[:start]`` from an earlier
+        prefill or drafted step (the engine passes the root position of its last drafted step
+        when it re-syncs after plain steps); implementations may redo some positions before it."""
 
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
         """Feed the root (last emitted token, [] int64) at position ``committed``: [1, k]."""
@@ -104,10 +108,11 @@ class LMDrafter:
         self.graphs.warm_up(widths + [prefill_chunk])
         self.chunk = prefill_chunk
 
-    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
+    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
         chunk = self.chunk
         n = prompt.shape[0]
-        for start in range(0, n, chunk):
+        first = (start // chunk) * chunk  # the chunk grid of a full prefill: the same graphs
+        for start in range(first, n, chunk):
             part = prompt[start : start + chunk]
             pad = torch.zeros(chunk, dtype=torch.int64, device=prompt.device)
             pad[: part.shape[0]] = part

@@ -409,23 +409,27 @@ class EagleDrafter:
         self.graphs.widths.update(todo)
         self.graphs.compile_s += time.perf_counter() - t0
 
-    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...]) -> None:
-        """Pairs (t_{i+1}, f_i), i = 0..n-2, at slots 1..n-1 in chunks of ``C``; f_{n-1} pends."""
+    def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
+        """Pairs (t_{i+1}, f_i), i = 0..n-2, at slots 1..n-1 in chunks of ``C``; f_{n-1} pends.
+        ``start``: slots below it already hold their pairs (resume on the full prefill's grid)."""
         if self.chunk == 0:
             raise YggError("EagleDrafter.setup() must be called before prefill()")
         net, c = self.net, self.chunk
-        f = net.fuse_target(tuple(x.to(self.pend_feat.dtype) for x in feats))  # [n, H]
         n = prompt.shape[0]
+        first = 1 + ((max(start, 1) - 1) // c) * c  # first chunk of the full grid to redo
+        first = min(first, max(n - 1, 1))
+        base = first - 1  # f[j] below is the fused feature of position base + j
+        f = net.fuse_target(tuple(x[base:n].to(self.pend_feat.dtype) for x in feats))  # [n - base, H]
         dev = self._state_dev
         s = net.cache_slots
         ar = torch.arange(c, device=dev)
         cols = torch.arange(s, device=dev)
-        for start in range(1, n, c):  # start = slot of the chunk's first pair
+        for start in range(first, n, c):  # start = slot of the chunk's first pair
             m = min(c, n - start)
             tok = torch.zeros(c, dtype=torch.int64, device=dev)
             tok[:m] = prompt[start : start + m]
             feat = torch.zeros(c, f.shape[-1], dtype=f.dtype, device=dev)
-            feat[:m] = f[start - 1 : start - 1 + m]
+            feat[:m] = f[start - 1 - base : start - 1 - base + m]
             real = ar < m
             slot = start + ar
             slots = torch.where(real, slot, s - 1)
@@ -436,7 +440,7 @@ class EagleDrafter:
                 cols[None, :] == s - 1,
             )
             net(tok, feat, pos, slots, mask)
-        self.pend_feat[0] = f[n - 1]
+        self.pend_feat[0] = f[n - 1 - base]
         self.pend_n.zero_()
 
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:

@@ -345,11 +345,13 @@ class Engine:
                 f"policy chose verify width {wv}, not in the compiled set {list(self.verify_widths)}"
             )
 
-    def _resync(self, prompt_ids: list[int], out: list[int], committed: int) -> None:
-        """Re-absorb the committed sequence into the drafter after plain steps skipped it."""
+    def _resync(self, prompt_ids: list[int], out: list[int], committed: int, start: int) -> None:
+        """Absorb into the drafter what plain steps skipped: the committed sequence from ``start``
+        (the root position of the last drafted step, or the prompt length), which the drafter
+        already holds below."""
         seq = torch.tensor(list(prompt_ids) + out[:-1], dtype=torch.int64)
         assert seq.shape[0] == committed
-        self.drafter.prefill(seq, tuple(buf[:committed] for buf in self._feat_buf))
+        self.drafter.prefill(seq, tuple(buf[:committed] for buf in self._feat_buf), start)
 
     def _spec_loop(
         self, out, prompt_ids, params, gen, on_tokens, counters, stage, trace, policy, on_step, h_root
@@ -364,7 +366,7 @@ class Engine:
         if policy is None:
             self._check_fixed(self.cfg.tree)
             policy = FixedPolicy.of(self.cfg.tree)
-        synced = True
+        synced, sync_from = True, committed  # the drafter holds everything below sync_from
         zero = torch.zeros(1, dtype=torch.int64)
         anc1 = torch.ones(1, 1, dtype=torch.bool)
         while True:
@@ -414,12 +416,13 @@ class Engine:
                     return reason
                 continue
             if not synced:
-                self._resync(prompt_ids, out, committed)
+                self._resync(prompt_ids, out, committed, sync_from)
                 counters["resyncs"] += 1
                 synced = True
                 tr = time.perf_counter()
                 times["resync"] = tr - tp
                 tp = tr
+            sync_from = committed  # this step's root: the drafter will hold everything below it
             head = drafter.head(root, L, k)
             t1 = time.perf_counter()
             state = egt_init(root, head.token[0], head.logp[0], d, wd)
