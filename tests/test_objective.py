@@ -369,7 +369,8 @@ def test_run_with_a_plan_decodes_with_the_objective(tmp_path, capsys):
     one = json.loads(capsys.readouterr().out)
     assert one["token_ids"] == plain["token_ids"]
     assert all(k.startswith("1,") for k in one["stats"]["steps_by_choice"])
-    for bad, msg in (("3", "--depth 3 is outside the plan's 1..d_max (2)"), ("x", "--depth must be auto")):
-        assert main(args + ["--depth", bad]) != 0
+    for bad, msg in (("3", "--depth 3 is outside the plan's 1..d_max (2)"), ("x", "--depth must be auto"),
+                     ("1 --draft-depth 1", "--depth and --draft-depth exclude each other")):
+        assert main(args + ["--depth", *bad.split()]) != 0
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1

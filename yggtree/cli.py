@@ -94,6 +94,9 @@ def _run(args) -> int:
         raise YggError("--trace needs --mode reference")
     if args.depth != "auto" and not args.plan:
         raise YggError("--depth needs --plan (without a plan, --draft-depth sets a fixed tree)")
+    if args.depth != "auto" and args.draft_depth is not None:
+        raise YggError("--depth and --draft-depth exclude each other (--depth keeps the objective's "
+                       "widths, --draft-depth fixes the whole tree)")
     policy = None
     if args.plan:
         engine, tok, policy = _plan_engine(args)
@@ -117,6 +120,9 @@ def _plan_engine(args):
     fixed = (args.draft_width, args.verify_width, args.draft_depth) != (None, None, None)
     depth = _depth_flag(args.depth, plan)
     policy = None if fixed or args.no_speculate else plan_policy(plan)  # checked before loading
+    if policy is None and plan.predictor is not None and not (fixed or args.no_speculate):
+        raise YggError(f"plan {plan.name!r} names a depth predictor but no profile and calibration: "
+                       "choosing a depth needs the latency objective")
     if depth is not None and policy is None and not args.no_speculate:
         fixed, args.draft_depth = True, depth  # no objective: one fixed tree of depth N
     engine, tok = build_plan_engine(plan, art, mode)
