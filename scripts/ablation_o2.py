@@ -62,16 +62,6 @@ def engines_for(plan, tree, art: Path, jit: bool) -> dict:
     return out, tok
 
 
-def interleave(prompts: list) -> list:
-    """MT-Bench and HumanEval alternating, so a stopped run covers both sets."""
-    mt = [p for p in prompts if p[0].startswith("mtbench/")]
-    he = [p for p in prompts if not p[0].startswith("mtbench/")]
-    out = []
-    for i in range(max(len(mt), len(he))):
-        out += mt[i:i + 1] + he[i:i + 1]
-    return out
-
-
 def summarise(rows: list[dict], systems: list[str]) -> dict:
     res = {}
     for s in systems:
@@ -142,7 +132,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from yggtree.bench import load_prompts, stderr_progress
+    from yggtree.bench import interleave, load_prompts, stderr_progress
     from yggtree.offline.compile import ensure_artifacts
     from yggtree.plan import load_plan
     from yggtree.runtime.engine import SamplingParams

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from yggtree.bench import load_prompts, stderr_progress  # noqa: E402
+from yggtree.bench import interleave, load_prompts, stderr_progress  # noqa: E402
 from yggtree.errors import YggError, run_reporting  # noqa: E402
 from yggtree.runtime import steps  # noqa: E402
 from yggtree.runtime.build import EngineSpec, load_drafter  # noqa: E402
@@ -61,16 +61,6 @@ def make_engine(args, src, tokenizer, tp: TreeParams | None):
         drafter = load_drafter(spec, target, tokenizer)
     cfg = EngineConfig(mode=args.mode, max_context=args.max_context, prefill_chunk=args.chunk, tree=tp)
     return Engine(target, cfg, drafter, eos_of(target, tokenizer))
-
-
-def interleave(prompts: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
-    """MT-Bench and HumanEval prompts alternately (each set in its own order)."""
-    mt = [p for p in prompts if p[0].startswith("mtbench")]
-    he = [p for p in prompts if not p[0].startswith("mtbench")]
-    out = []
-    for i in range(max(len(mt), len(he))):
-        out += mt[i : i + 1] + he[i : i + 1]
-    return out
 
 
 def summarise(name: str, tp: TreeParams | None, recs: list[dict]) -> dict:

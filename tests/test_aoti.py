@@ -22,12 +22,7 @@ N_SLOTS = MAX_CTX + max(TREE.verify_width, TREE.tree_size) + 1
 PROMPTS = [list(range(5, 12)), [(7 * i) % 90 + 3 for i in range(23)]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared, loaded machine: tiny matmuls on 2 threads crawl
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed=0) -> Transformer:

@@ -22,12 +22,7 @@ D_MAX = 4
 TREE = TreeParams(draft_width=4, draft_depth=D_MAX, verify_width=8, top_k=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_engine(target, drafter, tree=TREE) -> Engine:

@@ -173,6 +173,17 @@ def load_prompts(n_mtbench: int, n_humaneval: int, tokenizer, raw: bool = False)
     return [(p.id, encode_prompt(tokenizer, p.text, raw)) for p in eval_prompts(n_mtbench, n_humaneval)]
 
 
+def interleave(prompts: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """MT-Bench and HumanEval prompts alternately (each set in its own order), so a stopped run
+    covers both sets."""
+    mt = [p for p in prompts if p[0].startswith("mtbench/")]
+    he = [p for p in prompts if not p[0].startswith("mtbench/")]
+    out = []
+    for i in range(max(len(mt), len(he))):
+        out += mt[i : i + 1] + he[i : i + 1]
+    return out
+
+
 def stderr_progress():
     """A rich progress bar on stderr (stdout stays for the table and the JSON line)."""
     from rich.console import Console

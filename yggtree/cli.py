@@ -123,8 +123,8 @@ def _plan_engine(args):
     if policy is None and plan.predictor is not None and not (fixed or args.no_speculate):
         raise YggError(f"plan {plan.name!r} names a depth predictor but no profile and calibration: "
                        "choosing a depth needs the latency objective")
-    if depth is not None and policy is None and not args.no_speculate:
-        fixed, args.draft_depth = True, depth  # no objective: one fixed tree of depth N
+    # without an objective, --depth N is the depth of one fixed tree
+    draft_depth = args.draft_depth if policy is not None or depth is None else depth
     engine, tok = build_plan_engine(plan, art, mode)
     if policy is not None:
         from dataclasses import replace
@@ -136,7 +136,7 @@ def _plan_engine(args):
         else:
             policy = replace(policy, depth_fn=lambda h_root, committed: depth)
     if engine.drafter is not None and not args.no_speculate and policy is None:
-        use_widths(engine, plan, args.draft_width, args.verify_width, args.draft_depth)
+        use_widths(engine, plan, args.draft_width, args.verify_width, draft_depth)
     if args.no_speculate and engine.drafter is not None:
         from .runtime.policy import FixedPolicy, StepChoice
 

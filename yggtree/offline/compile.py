@@ -76,6 +76,13 @@ def _owned_entries(art: Path) -> set[str]:
     return {MANIFEST, PLAN_COPY, CACHE_SUBDIR, MANIFEST + ".tmp", OLD_CACHE_SUBDIR} | scratch
 
 
+def _write_manifest(art: Path, manifest: dict) -> None:
+    """Write ``art``'s manifest atomically (a stopped write never leaves half a manifest)."""
+    tmp = art / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(art / MANIFEST)
+
+
 def _check_destination(plan: Plan, art: Path, force: bool) -> None:
     """Refuse to overwrite another plan's artifacts (or foreign files) without ``force``."""
     if not art.exists():
@@ -252,9 +259,7 @@ def compile_plan(
             save_plan(plan, art / PLAN_COPY)
             m = {**m, "plan_hash": plan.hash(), "plan": plan.to_dict(),
                  "plan_updated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-            tmp = art / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(m, indent=2) + "\n")
-            tmp.replace(art / MANIFEST)
+            _write_manifest(art, m)
             status = "plan-updated"
         return {**m, "status": status, "dir": str(art), "wall_s": time.perf_counter() - t_start}
     stale = check_artifacts(plan, art) if read_manifest(art) is not None else []
@@ -313,9 +318,7 @@ def compile_plan(
         "replaced_because": stale,
     }
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)
-    tmp = art / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(art / MANIFEST)
+    _write_manifest(art, manifest)
     return {**manifest, "status": "compiled", "dir": str(art), "wall_s": time.perf_counter() - t_start}
 
 

@@ -148,15 +148,11 @@ def load_records(path: str | Path) -> tuple[Records, dict]:
     from safetensors.torch import load_file
 
     p, side_p = Path(path), sidecar_path(path)
-    for f in (p, side_p):
-        if not f.is_file():
-            raise YggError(f"depth records {f} do not exist")
-    try:
-        meta = json.loads(side_p.read_text())
-    except (OSError, ValueError) as e:
-        raise YggError(f"depth records sidecar {side_p} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("kind") != RECORDS_KIND or meta.get("version") != RECORDS_VERSION:
-        raise YggError(f"{side_p} is not a {RECORDS_KIND} v{RECORDS_VERSION} sidecar")
+    from ..runtime.objective import read_artifact
+
+    if not p.is_file():
+        raise YggError(f"depth records {p} do not exist")
+    meta = read_artifact(side_p, "depth records sidecar", RECORDS_KIND, RECORDS_VERSION)
     try:
         t = load_file(str(p))
         rec = Records(t["h"], t["n_accepted"], t["len_by_depth"], t["prompt"], t["committed"])
