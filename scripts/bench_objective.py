@@ -6,7 +6,9 @@ envelope), greedy:
 
 - ``plain``:     plain decoding (every step D = 0: the target at width 1);
 - ``objective``: the plan's latency objective (its profile and calibration) choosing D and W_d
-  before drafting and W_v after, every step;
+  before drafting and W_v after, every step, correcting its model from the measured steps
+  (``Feedback``);
+- ``offline``: the same objective on the offline profile and calibration alone (no feedback);
 - ``fixed``:     the single (W_d, D, W_v) of the plan with the highest calibrated accepted length
   (chosen by accepted length alone, as a latency-blind system would; ``--fixed`` overrides);
 - ``chain``:     a chain (W_d = 1) of the length the profile and calibration predict fastest
@@ -21,9 +23,11 @@ The fixed choices come from the calibration (calibration prompts), never from th
 prompts. Prompts (MT-Bench first turns, HumanEval, chat template) run one at a time, every system
 on a prompt before the next prompt, the order of the systems rotating per prompt so the drift of
 a shared machine hits all alike. Per prompt set and system: decode tokens/s (prefill excluded),
-measured speed-up over plain (ratio of decode ms/token), the objective's predicted speed-up (the
-cost model's plain time of the expected tokens over the predicted step times, summed over the
-steps actually taken), AAL, and greedy outputs equal to plain. A table, then ONE JSON line.
+measured speed-up over plain (ratio of decode ms/token), the predicted speed-up (the plain time
+of the expected tokens over the predicted step times, summed over the steps actually taken) of
+the offline model and, for feedback systems, of the online-corrected one (each step's
+prediction is made before it runs), AAL, and greedy outputs equal to plain. A table, then ONE
+JSON line.
 
     python scripts/bench_objective.py --plan my_plan.yaml --prompts-mtbench 40 --prompts-humaneval 40
 """
@@ -34,7 +38,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -105,13 +108,17 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
                 "aal": sum(r[name]["new_tokens"] - 1 for r in sel) / steps if steps else float("nan"),
                 "predicted_speedup": (sum(r[name]["pred_plain_ms"] for r in sel)
                                       / max(sum(r[name]["pred_step_ms"] for r in sel), 1e-9)),
+                "predicted_online": (sum(r[name].get("pred_plain_ms_online", r[name]["pred_plain_ms"]) for r in sel)
+                                     / max(sum(r[name].get("pred_step_ms_online", r[name]["pred_step_ms"])
+                                               for r in sel), 1e-9)),
                 "same_as_plain": sum(r[name]["tokens"] == r["plain"]["tokens"] for r in sel),
                 "plain_step_share": (sum(r[name]["n_plain_steps"] for r in sel) / steps) if steps else 0.0,
             }
         for name in names:
             res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
-            p, m = res[name]["predicted_speedup"], res[name]["measured_speedup"]
-            res[name]["prediction_error"] = abs(p - m) / m
+            m = res[name]["measured_speedup"]
+            res[name]["prediction_error"] = abs(res[name]["predicted_speedup"] - m) / m
+            res[name]["online_error"] = abs(res[name]["predicted_online"] - m) / m
         summary[st] = res
     return summary
 
@@ -124,17 +131,18 @@ def report(rows: list[dict], names: list[str], settings: dict, what: str, args, 
     summary = summarise(rows, names)
     table = Table(title=f"latency objective vs fixed trees: {what}, {len(rows)} prompts x "
                         f"{args.max_new_tokens} tokens, {args.threads} thread(s), one run")
-    for c in ("set", "system", "W_d,D,W_v", "decode tok/s", "x plain", "x plain predicted", "pred. error",
-              "AAL", "plain steps", "= plain"):
+    for c in ("set", "system", "W_d,D,W_v", "decode tok/s", "x plain", "predicted offline", "error",
+              "predicted online", "error ", "AAL", "plain steps", "= plain"):
         table.add_column(c, justify="left" if c in ("set", "system", "W_d,D,W_v") else "right")
     for st, res in summary.items():
         n = len([r for r in rows if st == "all" or r["set"] == st])
         for name, r in res.items():
             table.add_row(st, name, settings.get(name, name), f"{r['decode_tok_s']:.2f}",
                           f"{r['measured_speedup']:.3f}", f"{r['predicted_speedup']:.3f}",
-                          f"{100 * r['prediction_error']:.1f}%", f"{r['aal']:.2f}",
+                          f"{100 * r['prediction_error']:.1f}%", f"{r['predicted_online']:.3f}",
+                          f"{100 * r['online_error']:.1f}%", f"{r['aal']:.2f}",
                           f"{100 * r['plain_step_share']:.0f}%", f"{r['same_as_plain']}/{n}")
-    Console(width=None if sys.stdout.isatty() else 170).print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     line = {
         "command": "bench_objective", "what": what, "threads": args.threads, "prompts": len(rows),
         "max_new_tokens": args.max_new_tokens, "settings": settings, "torch": torch.__version__,
@@ -188,20 +196,21 @@ def run(args) -> int:
     policies = {
         "plain": FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1),
         "objective": objective,
+        "offline": objective.fresh(feedback=None),
         "fixed": FixedPolicy(StepChoice(d, wd), wv),
         "chain": FixedPolicy(StepChoice(cd, 1), cwv),
     }
-    settings = {"plain": "D=0", "objective": "adaptive", "fixed": f"{wd},{d},{wv}", "chain": f"1,{cd},{cwv}"}
+    settings = {"plain": "D=0", "objective": "adaptive", "offline": "adaptive, no feedback", "fixed": f"{wd},{d},{wv}", "chain": f"1,{cd},{cwv}"}
     if plan.predictor is not None:  # the depth predictor and its scikit-learn baseline
         from yggtree.runtime.predictor import depth_fn_for, load_predictor
 
         h = engine.target.cfg.hidden_size
         for name, which in (("predictor", "mlp"), ("baseline", "baseline")):
             model = load_predictor(plan.predictor, plan, which, h)
-            policies[name] = replace(objective, depth_fn=depth_fn_for(model, cost, plan), _table={}, log=[])
+            policies[name] = objective.fresh(depth_fn=depth_fn_for(model, cost, plan))
             settings[name] = f"objective, D by {which}"
     for dd in args.depths:  # the objective with one fixed depth
-        policies[f"depth={dd}"] = replace(objective, depth_fn=lambda h_root, c, dd=dd: dd, _table={}, log=[])
+        policies[f"depth={dd}"] = objective.fresh(depth_fn=lambda h_root, c, dd=dd: dd)
         settings[f"depth={dd}"] = f"objective, D={dd}"
     unknown = [n for n in args.systems if n not in policies]
     if unknown:
@@ -246,6 +255,8 @@ def run(args) -> int:
                     "steps": len(recs), "tokens": res.token_ids,
                     "pred_plain_ms": sum(p.aal * p.plain_ms for p in preds),
                     "pred_step_ms": sum(p.step_ms for p in preds),
+                    "pred_plain_ms_online": sum(a * pl for a, _, pl in (p.terms(True) for p in preds)),
+                    "pred_step_ms_online": sum(p.terms(True)[1] for p in preds),
                     "choices": sorted({(r.choice.draft_depth, r.choice.draft_width if r.choice.draft_depth else 0,
                                         r.verify_width) for r in recs}),
                     "n_plain_steps": sum(r.choice.draft_depth == 0 for r in recs),

@@ -349,7 +349,7 @@ def test_run_with_a_plan_decodes_with_the_objective(tmp_path, capsys):
                      "map": {"x": [0.0, 1.0], "y": [0.2, 0.9]}, "verify_widths": [2, 4],
                      "aal": {"1": [[1.5, 1.5], [1.6, 2.2]], "2": [[1.7, 1.7], [1.9, 2.6]]}}, "cal.json")
     args = ["run", "--plan", str(tmp_path / "plan.yaml"), "--raw", "--prompt", "t3 t4 t5 t6",
-            "--max-new-tokens", "12", "--json"]
+            "--max-new-tokens", "12", "--json", "--no-feedback"]  # deterministic choices
     assert main(args) == 0
     spec = json.loads(capsys.readouterr().out)
     assert main(args + ["--no-speculate"]) == 0
@@ -374,3 +374,59 @@ def test_run_with_a_plan_decodes_with_the_objective(tmp_path, capsys):
         assert main(args + ["--depth", *bad.split()]) != 0
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- online feedback
+
+
+def _record(choice: StepChoice, n_accepted: int, ms: float):
+    from yggtree.runtime.policy import StepRecord
+
+    return StepRecord(torch.zeros(8), 100, choice, 1, n_accepted, {"verify": ms})
+
+
+def test_feedback_tracks_measured_ratios():
+    from yggtree.runtime.objective import Feedback, Prediction
+
+    fb = Feedback(alpha=0.2)
+    spec = Prediction(100, 2, 8, aal=3.0, step_ms=40.0, plain_ms=30.0)
+    plain = Prediction(100, 0, 1, aal=1.0, step_ms=30.0, plain_ms=30.0)
+    for _ in range(200):  # the drafter delivers half of what was expected; steps run 1.5x longer
+        fb.update(spec, n_accepted=1, step_ms=60.0)
+        fb.update(plain, n_accepted=0, step_ms=33.0)
+    assert fb.accept_scale == pytest.approx(0.5)
+    assert fb.spec_time == pytest.approx(1.5) and fb.plain_time == pytest.approx(1.1)
+    assert fb.aal(3.0) == pytest.approx(2.0)
+    assert Feedback().accept_scale == 1.0 and Feedback().aal(2.5) == 2.5  # starts at the offline model
+
+
+def test_feedback_falls_back_to_plain_and_probes():
+    """Speculation predicted to pay but measured not to: the policy turns to plain steps, and
+    every ``probe_every`` plain steps tries the best tree once."""
+    from yggtree.runtime.objective import Feedback, predicted_speedup
+
+    def aal(wd, d, wv):
+        return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
+    pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
+                          feedback=Feedback(alpha=0.5), probe_every=4)
+    offline = policy(cal)
+    tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
+    choices = []
+    for _ in range(30):
+        c = pol.choose_draft(torch.zeros(8), 100)
+        choices.append(c.draft_depth)
+        if c.draft_depth:
+            pol.choose_verify(tree, c, 100)
+            pol.observe(_record(c, 0, 500.0))  # nothing accepted, and 10x slower than predicted
+        else:
+            pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
+    assert offline.choose_draft(torch.zeros(8), 100).draft_depth > 0  # offline: speculate
+    assert choices[0] > 0 and choices[1] == 0  # one bad step suffices (alpha 0.5)
+    spec_at = [i for i, d in enumerate(choices) if d]
+    assert spec_at == list(range(0, 30, 5))  # a probe after every 4 plain steps
+    assert pol.feedback.accept_scale < 0.1 and pol.feedback.spec_time > 5
+    assert predicted_speedup(pol.log, online=True) < predicted_speedup(pol.log)
+    fresh = pol.fresh()
+    assert fresh.feedback is not pol.feedback and fresh.feedback.spec_time == 1.0 and not fresh.log

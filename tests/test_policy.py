@@ -120,6 +120,33 @@ def test_changing_policy_keeps_greedy_output(target, plain, kind):
         assert res.stats["resyncs"] >= 1
 
 
+class Observing(Cycling):
+    """Cycling, learning of every finished step through ``observe`` (no on_step callback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[StepRecord] = []
+
+    def observe(self, rec: StepRecord) -> None:
+        self.seen.append(rec)
+        self.advance_if_plain(rec)
+
+
+def test_policy_observes_every_step(target, plain):
+    """A policy with ``observe`` gets one record per step, in order, before the next choice."""
+    eng = make_engine(target, LMDrafter(target.shared_copy(), "reference"))
+    pol = Observing()
+    res = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=NEW), policy=pol)
+    assert res.token_ids == plain[0]
+    assert len(pol.seen) == res.stats["verify_calls"]
+    committed = len(PROMPTS[0])
+    for j, rec in enumerate(pol.seen):
+        d, wd, wv = Cycling.CHOICES[j % len(Cycling.CHOICES)]
+        assert rec.committed == committed and rec.choice.draft_depth == d
+        assert rec.verify_width == (wv if d else 1) and rec.target_argmax is None
+        committed += 1 + rec.n_accepted
+
+
 def test_h_root_is_the_hidden_state_behind_the_root(target):
     """h_root through the target's LM head gives the root token (greedy)."""
     eng = make_engine(target, LMDrafter(target.shared_copy(), "reference"))

@@ -72,6 +72,12 @@ def _add_run(sub) -> None:
         "in its compiled sets",
     )
     p.add_argument(
+        "--no-feedback",
+        action="store_true",
+        help="with --plan: the objective uses its offline profile and calibration only, without "
+        "correcting them from the measured steps",
+    )
+    p.add_argument(
         "--compile-missing",
         action="store_true",
         help="with --plan: compile missing or stale artifacts instead of refusing",
@@ -119,7 +125,8 @@ def _plan_engine(args):
 
     fixed = (args.draft_width, args.verify_width, args.draft_depth) != (None, None, None)
     depth = _depth_flag(args.depth, plan)
-    policy = None if fixed or args.no_speculate else plan_policy(plan)  # checked before loading
+    policy = (None if fixed or args.no_speculate  # checked before loading
+              else plan_policy(plan, feedback=not args.no_feedback))
     if policy is None and plan.predictor is not None and not (fixed or args.no_speculate):
         raise YggError(f"plan {plan.name!r} names a depth predictor but no profile and calibration: "
                        "choosing a depth needs the latency objective")
@@ -127,14 +134,12 @@ def _plan_engine(args):
     draft_depth = args.draft_depth if policy is not None or depth is None else depth
     engine, tok = build_plan_engine(plan, art, mode)
     if policy is not None:
-        from dataclasses import replace
-
         from .runtime.predictor import policy_with_predictor
 
         if depth is None:
             policy = policy_with_predictor(plan, policy, hidden_size=engine.target.cfg.hidden_size)
         else:
-            policy = replace(policy, depth_fn=lambda h_root, committed: depth)
+            policy = policy.fresh(depth_fn=lambda h_root, committed: depth)
     if engine.drafter is not None and not args.no_speculate and policy is None:
         use_widths(engine, plan, args.draft_width, args.verify_width, draft_depth)
     if args.no_speculate and engine.drafter is not None:

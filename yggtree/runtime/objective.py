@@ -30,7 +30,7 @@ from .tree import Tree
 
 __all__ = [
     "PROFILE_KIND", "CALIBRATION_KIND", "Curve", "CostModel", "Calibration", "timing_identity",
-    "pair_identity", "read_artifact", "path_values", "aal_by_width", "best_verify", "ObjectivePolicy", "Prediction", "predicted_speedup", "plan_policy",
+    "pair_identity", "read_artifact", "path_values", "aal_by_width", "best_verify", "ObjectivePolicy", "Prediction", "predicted_speedup", "Feedback", "plan_policy",
 ]
 
 PROFILE_KIND = "yggtree-profile"
@@ -348,7 +348,12 @@ def best_verify(
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the objective expected of one step (the engine's view of a step is a StepRecord)."""
+    """What the objective expected of one step (the engine's view of a step is a StepRecord).
+
+    ``aal``, ``step_ms`` and ``plain_ms`` come from the offline model alone (profile +
+    calibration); the ``*_online`` fields are the same quantities after the policy's
+    :class:`Feedback` correction from the steps already run (equal to the offline ones without
+    feedback). Both are made before the step runs."""
 
     committed: int  # committed length before the step
     draft_depth: int  # D chosen (0: a plain step)
@@ -356,17 +361,69 @@ class Prediction:
     aal: float  # expected tokens emitted (bonus included; 1 for a plain step)
     step_ms: float  # predicted wall time of the step
     plain_ms: float  # predicted wall time of one plain step at this context
+    aal_online: float | None = None
+    step_ms_online: float | None = None
+    plain_ms_online: float | None = None
+
+    def terms(self, online: bool = False) -> tuple[float, float, float]:
+        """(aal, step_ms, plain_ms), offline or feedback-corrected."""
+        if not online or self.aal_online is None:
+            return self.aal, self.step_ms, self.plain_ms
+        return self.aal_online, self.step_ms_online, self.plain_ms_online
 
     @property
     def speedup(self) -> float:
         return self.aal * self.plain_ms / self.step_ms
 
 
-def predicted_speedup(preds: list[Prediction]) -> float:
+def predicted_speedup(preds: list[Prediction], online: bool = False) -> float:
     """Predicted speed-up of a run of steps over plain decoding: the plain time of the tokens
-    expected to be emitted over the predicted time of the steps."""
-    t = sum(p.step_ms for p in preds)
-    return sum(p.aal * p.plain_ms for p in preds) / t if t > 0 else float("nan")
+    expected to be emitted over the predicted time of the steps (``online``: with the feedback
+    correction each prediction had when it was made)."""
+    terms = [p.terms(online) for p in preds]
+    t = sum(s for _, s, _ in terms)
+    return sum(a * pl for a, _, pl in terms) / t if t > 0 else float("nan")
+
+
+@dataclass
+class Feedback:
+    """Online correction of the offline model from the steps actually run.
+
+    The profile times each stage in isolation and the calibration measures acceptance on
+    calibration prompts; on a real workload a step also pays loop overhead and cache misses, and
+    the prompts may be easier or harder for the drafter than the calibration's. Three
+    exponential moving averages (weight ``alpha`` per step, starting at "the offline model is
+    right") track what the offline model misses:
+
+    - ``accept_scale``: realised / expected drafted tokens accepted per drafted step (AAL - 1),
+      as a ratio of two EMAs;
+    - ``spec_time``, ``plain_time``: measured / predicted wall time of drafted and plain steps.
+
+    Corrected: AAL' = 1 + (AAL - 1) * accept_scale, T' = T * spec_time (plain_time for plain)."""
+
+    alpha: float = 0.1
+    spec_time: float = 1.0
+    plain_time: float = 1.0
+    _accepted: float = 1.0  # EMA of realised drafted tokens accepted per drafted step
+    _expected: float = 1.0  # EMA of expected ones (AAL - 1 of the prediction)
+
+    @property
+    def accept_scale(self) -> float:
+        return self._accepted / self._expected if self._expected > 1e-6 else 1.0
+
+    def aal(self, aal):
+        """Corrected expected accepted length (float or numpy array)."""
+        return 1.0 + (aal - 1.0) * self.accept_scale
+
+    def update(self, pred: Prediction, n_accepted: int, step_ms: float) -> None:
+        """Fold in one step: its prediction, drafted tokens accepted, measured wall time."""
+        a = self.alpha
+        if pred.draft_depth == 0:
+            self.plain_time += a * (step_ms / pred.plain_ms - self.plain_time)
+            return
+        self.spec_time += a * (step_ms / pred.step_ms - self.spec_time)
+        self._accepted += a * (n_accepted - self._accepted)
+        self._expected += a * (pred.aal - 1.0 - self._expected)
 
 
 @dataclass
@@ -379,6 +436,10 @@ class ObjectivePolicy:
       decoding (predicted speed-up <= 1), the step is plain (D = 0).
     - ``choose_verify``: W_v among the verify widths (and 1) maximising the objective on the
       drafted tree's calibrated path probabilities, the drafting cost being already spent.
+    - ``observe``: with ``feedback``, every finished step corrects the offline model (see
+      :class:`Feedback`). After ``probe_every`` plain steps in a row the best tree runs once,
+      so a policy that fell back to plain decoding keeps measuring whether speculation pays
+      again (depth-predictor steps are not probed: the predictor sees every context).
 
     ``log`` collects one :class:`Prediction` per step (plain steps included) for benches.
     """
@@ -390,23 +451,50 @@ class ObjectivePolicy:
     d_max: int
     depth_fn: Callable[[torch.Tensor, int], int] | None = None
     allow_plain: bool = True
+    feedback: Feedback | None = None
+    probe_every: int = 16
     log: list = field(default_factory=list)
-    _table: dict = field(default_factory=dict)  # (bucket index) -> StepChoice
+    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, AAL [n], step ms [n], plain ms)
+    _plain_run: int = 0  # plain steps in a row
+    _pending: Prediction | None = None  # the prediction of the step under way
 
-    def plan_choice(self, ctx: int, d: int | None = None) -> tuple[StepChoice, float]:
-        """The best (D, W_d) before drafting at context ``ctx`` and its expected speed-up."""
-        plain = self.cost.plain_ms(ctx)
-        best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if self.allow_plain else -1.0
-        depths = [d] if d is not None else list(range(1, self.d_max + 1))
-        for dd in depths:
-            for wd in self.draft_widths:
-                for wv in (1, *self.verify_widths):
-                    a = self.calib.expected_aal(wd, dd, wv) if wv > 1 else 1.0
-                    if a is None:
-                        continue
-                    s = a * plain / self.cost.step_ms(dd, wd, wv, ctx)
-                    if s > best_s:
-                        best, best_s = StepChoice(dd, wd), s
+    def _choices(self, ctx: int):
+        """Every (D, W_d, W_v) with a calibrated AAL, their AAL and predicted step times, and
+        the plain time: the costs depend on ``ctx`` only through the context bucket."""
+        key = self.cost.verify.bucket(ctx + max(self.verify_widths))
+        if key not in self._grid:
+            rows, aal, ms = [], [], []
+            for dd in range(1, self.d_max + 1):
+                for wd in self.draft_widths:
+                    for wv in (1, *self.verify_widths):
+                        a = self.calib.expected_aal(wd, dd, wv) if wv > 1 else 1.0
+                        if a is None:
+                            continue
+                        rows.append((dd, wd, wv))
+                        aal.append(a)
+                        ms.append(self.cost.step_ms(dd, wd, wv, ctx))
+            self._grid[key] = (rows, np.array(aal), np.array(ms), self.cost.plain_ms(ctx))
+        return self._grid[key]
+
+    def _scales(self) -> tuple[Feedback | None, float, float]:
+        fb = self.feedback
+        return fb, (fb.spec_time if fb else 1.0), (fb.plain_time if fb else 1.0)
+
+    def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None
+                    ) -> tuple[StepChoice, float]:
+        """The best (D, W_d) before drafting at context ``ctx`` and its expected speed-up
+        (``d``: only that depth; first of equals wins, deeper and wider choices after)."""
+        allow = self.allow_plain if allow_plain is None else allow_plain
+        rows, aal, ms, plain = self._choices(ctx)
+        fb, rs, rp = self._scales()
+        s = (fb.aal(aal) if fb else aal) * (plain * rp) / (ms * rs)
+        if d is not None:
+            s = np.where([r[0] == d for r in rows], s, -np.inf)
+        best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if allow else -1.0
+        if len(rows):
+            i = int(np.argmax(s))  # the first maximum, as a sequential scan would keep
+            if s[i] > best_s:
+                best, best_s = StepChoice(rows[i][0], rows[i][1]), float(s[i])
         return best, best_s
 
     def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
@@ -414,13 +502,16 @@ class ObjectivePolicy:
             d = int(self.depth_fn(h_root, committed))
             choice = StepChoice(0, self.draft_widths[0]) if d == 0 else self.plan_choice(committed, d)[0]
         else:
-            key = self.cost.verify.bucket(committed + max(self.verify_widths))
-            if key not in self._table:
-                self._table[key] = self.plan_choice(committed)[0]
-            choice = self._table[key]
+            choice = self.plan_choice(committed)[0]
+            if choice.draft_depth == 0 and self.feedback is not None and self._plain_run >= self.probe_every:
+                choice = self.plan_choice(committed, allow_plain=False)[0]  # probe
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
+            self._plain_run += 1
             plain = self.cost.plain_ms(committed)
-            self.log.append(Prediction(committed, 0, 1, 1.0, plain, plain))
+            _, _, rp = self._scales()
+            self._log(Prediction(committed, 0, 1, 1.0, plain, plain, 1.0, plain * rp, plain * rp))
+        else:
+            self._plain_run = 0
         return choice
 
     def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
@@ -430,12 +521,34 @@ class ObjectivePolicy:
         aal = aal_by_width(vals, tree, widths)
         steps = [self.cost.step_ms(d, wd, w, committed) for w in widths]
         plain = self.cost.plain_ms(committed)
-        wv, _ = best_verify(aal, widths, steps, plain)
+        fb, rs, rp = self._scales()
+        aal_on = [fb.aal(a) for a in aal] if fb else aal
+        wv, _ = best_verify(aal_on, widths, [t * rs for t in steps], plain * rp)
         i = widths.index(wv)
-        self.log.append(Prediction(committed, d, wv, aal[i], steps[i], plain))
+        self._log(Prediction(committed, d, wv, aal[i], steps[i], plain,
+                             aal_on[i], steps[i] * rs, plain * rp))
         return wv
 
-def plan_policy(plan) -> ObjectivePolicy | None:
+    def fresh(self, **changes) -> "ObjectivePolicy":
+        """A copy with ``changes`` applied and no state carried over (log, feedback, caches)."""
+        from dataclasses import replace
+
+        fb = Feedback(self.feedback.alpha) if self.feedback is not None else None
+        changes = {"feedback": fb} | changes
+        return replace(self, log=[], _grid={}, _plain_run=0, _pending=None, **changes)
+
+    def _log(self, pred: Prediction) -> None:
+        self.log.append(pred)
+        self._pending = pred
+
+    def observe(self, rec) -> None:
+        """The engine's report of the step just run (a StepRecord): fold it into the feedback."""
+        pred, self._pending = self._pending, None
+        if self.feedback is not None and pred is not None:
+            self.feedback.update(pred, rec.n_accepted, sum(rec.stage_ms.values()))
+
+
+def plan_policy(plan, feedback: bool = True) -> ObjectivePolicy | None:
     """The latency-objective policy of ``plan`` (a :class:`yggtree.plan.Plan`): its profile and
     calibration loaded and checked against the plan. None when the plan names neither (the
     engine then runs one fixed tree); a YggError when it names only one of them, or when either
@@ -456,4 +569,5 @@ def plan_policy(plan) -> ObjectivePolicy | None:
         tuple(plan.draft_widths),
         tuple(plan.verify_widths),
         plan.d_max,
+        feedback=Feedback() if feedback else None,
     )

@@ -5,7 +5,8 @@ Each speculation step the engine asks its policy twice::
     choice = policy.choose_draft(h_root, committed)       before drafting: D and W_d
     w_v    = policy.choose_verify(tree, choice, committed)  after drafting: W_v
 
-and reports the step to ``on_step(StepRecord)``. The engine's caches and graphs are sized for the
+and reports the step to ``on_step(StepRecord)`` and, when the policy has one, to its
+``observe(StepRecord)`` method (a policy correcting its model from measured steps). The engine's caches and graphs are sized for the
 envelope (D_max, largest W_d, largest W_v), so any choice from the compiled sets fits; a width
 outside them is a YggError.
 

@@ -315,4 +315,4 @@ def policy_with_predictor(plan, policy, which: str = "mlp", hidden_size: int | N
                        "choosing a depth needs the latency objective (run `yggtree profile` and "
                        "`yggtree calibrate`, and name both in the plan)")
     model = load_predictor(plan.predictor, plan, which, hidden_size)
-    return replace(policy, depth_fn=depth_fn_for(model, policy.cost, plan), _table={}, log=[])
+    return policy.fresh(depth_fn=depth_fn_for(model, policy.cost, plan))
