@@ -423,10 +423,11 @@ def test_feedback_falls_back_to_plain_and_probes():
         else:
             pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
     assert offline.choose_draft(torch.zeros(8), 100).draft_depth > 0  # offline: speculate
-    assert choices[0] > 0 and choices[1] == 0  # one bad step suffices (alpha 0.5)
-    spec_at = [i for i, d in enumerate(choices) if d]
-    assert spec_at == list(range(0, 30, 5))  # a probe after every 4 plain steps
-    assert pol.feedback.accept_scale < 0.1 and pol.feedback.spec_time > 5
+    first = choices.index(0)
+    assert 1 <= first <= 3  # a few bad steps suffice (alpha 0.5; time ratios clipped to 1.5x)
+    spec_at = [i for i, d in enumerate(choices) if d and i >= first]
+    assert spec_at == list(range(first + 4, 30, 5))  # then a probe after every 4 plain steps
+    assert pol.feedback.accept_scale < 0.1 and pol.feedback.spec_time > 4  # rises 1.25x per step
     assert predicted_speedup(pol.log, online=True) < predicted_speedup(pol.log)
     fresh = pol.fresh()
     assert fresh.feedback is not pol.feedback and fresh.feedback.spec_time == 1.0 and not fresh.log

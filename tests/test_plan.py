@@ -374,3 +374,33 @@ def test_compile_cli_errors_are_one_line(tmp_path, capsys):
     assert main([str(bad)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'widht'" in err
+
+
+def test_find_tuned_plan_picks_a_compiled_plan_for_this_device(tmp_path):
+    """`yggtree run` without --plan looks for a plan tuned for this device and dtype: usable
+    artifacts make it ``ready``, missing ones ``uncompiled``; other devices, dtypes, targets or
+    plans without a profile and calibration never match."""
+    from yggtree.plan import find_tuned_plan
+    from yggtree.runtime.device import detect_device
+
+    here = detect_device()
+    (tmp_path / "here.json").write_text(json.dumps({"hardware": {"device": here["kind"], "device_name": here["name"]}}))
+    (tmp_path / "there.json").write_text(json.dumps({"hardware": {"device": "cuda", "device_name": "A100"}}))
+    (tmp_path / "cal.json").write_text("{}")
+    body = ("name: {name}\ntarget: {target}\ndrafter: default\ndtype: {dtype}\nbackend: {backend}\n"
+            "profile: {prof}\ncalibration: cal.json\n")
+
+    def plan(file, name, prof="here.json", dtype="bfloat16", backend="eager", target="default"):
+        (tmp_path / file).write_text(body.format(name=name, prof=prof, dtype=dtype, backend=backend, target=target))
+
+    plan("a_other_device.yaml", "a", prof="there.json")
+    plan("b_other_dtype.yaml", "b", dtype="float32")
+    plan("c_other_target.yaml", "c", target="model.gguf")
+    plan("d_uncompiled.yaml", "d", backend="inductor-cpu")
+    (tmp_path / "e_broken.yaml").write_text("name: [")
+    assert find_tuned_plan("bfloat16", here, (tmp_path,), tmp_path / "compile") == (None, tmp_path / "d_uncompiled.yaml")
+    plan("f_ready.yaml", "f")  # the eager backend needs no artifacts
+    assert find_tuned_plan("bfloat16", here, (tmp_path,), tmp_path / "compile") == (
+        tmp_path / "f_ready.yaml", tmp_path / "d_uncompiled.yaml")
+    assert find_tuned_plan("float32", here, (tmp_path,)) == (tmp_path / "b_other_dtype.yaml", None)
+    assert find_tuned_plan("bfloat16", {"kind": "npu", "name": "x"}, (tmp_path,)) == (None, None)

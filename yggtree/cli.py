@@ -45,10 +45,13 @@ def _add_run(sub) -> None:
     p.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: the default plan's (float32)")
     p.add_argument("--mode", choices=["reference", "performance"], default="performance")
-    p.add_argument("--max-context", type=_positive_int, default=1024)
-    p.add_argument("--prefill-chunk", type=_positive_int, default=64)
+    p.add_argument("--max-context", type=_positive_int, default=None,
+                   help="default: the default plan's (1024)")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help="default: the default plan's (64)")
     p.add_argument(
         "--drafter",
         default=None,
@@ -58,7 +61,7 @@ def _add_run(sub) -> None:
     p.add_argument("--draft-width", type=_positive_int, default=None, help="W_d (default 4)")
     p.add_argument("--draft-depth", type=_positive_int, default=None, help="D (default 4)")
     p.add_argument("--verify-width", type=_positive_int, default=None, help="W_v (default 16)")
-    p.add_argument("--top-k", type=_positive_int, default=4)
+    p.add_argument("--top-k", type=_positive_int, default=None, help="default: the default plan's (4)")
     p.add_argument(
         "--depth",
         default="auto",
@@ -69,7 +72,9 @@ def _add_run(sub) -> None:
         "--plan",
         metavar="PLAN_YAML",
         help="run a compiled plan (its model, drafter, dtype, context and graphs); widths must be "
-        "in its compiled sets",
+        "in its compiled sets. Default: a plan in profiles/ tuned for this device and --dtype if "
+        "one is compiled, else the default plan (yggtree/plans/default.yaml), which decodes "
+        "plainly on a device it has no latency profile for",
     )
     p.add_argument(
         "--no-feedback",
@@ -104,6 +109,8 @@ def _run(args) -> int:
         raise YggError("--depth and --draft-depth exclude each other (--depth keeps the objective's "
                        "widths, --draft-depth fixes the whole tree)")
     policy = None
+    if not args.plan:
+        _pick_plan(args)
     if args.plan:
         engine, tok, policy = _plan_engine(args)
     else:
@@ -111,6 +118,40 @@ def _run(args) -> int:
     ids = encode_prompt(tok, args.prompt, raw=args.raw)
     with open_trace(args.trace) as trace:
         return _generate(args, engine, tok, ids, params, trace, policy)
+
+
+def _pick_plan(args) -> None:
+    """Without --plan: the default plan's settings fill the flags left unset, and when the run
+    asks for nothing but the embedded default (no model, drafter or tree flags), a compiled plan
+    tuned for this device and dtype (``yggtree.plan.find_tuned_plan``) is used instead: it
+    speculates by its measured latency objective. With none, decoding is plain: on a device
+    without a latency profile nothing says that speculation would pay."""
+    from .plan import default_plan, find_tuned_plan
+
+    base = default_plan()
+    for flag, value in (("dtype", base.dtype), ("max_context", base.max_context),
+                        ("prefill_chunk", base.prefill_chunk), ("top_k", base.top_k)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    only_defaults = (args.model == "default" and args.drafter is None and not args.no_speculate
+                     and args.mode == "performance"
+                     and (args.draft_width, args.draft_depth, args.verify_width) == (None, None, None))
+    if not only_defaults:
+        return
+    from .runtime.device import detect_device
+
+    device = detect_device()
+    ready, waiting = find_tuned_plan(args.dtype, device)
+    if ready is not None:
+        sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
+        args.plan = str(ready)
+        args.no_default_note = None
+    elif waiting is not None:
+        args.no_default_note = (f"plan {waiting} is tuned for this {device['kind']} but not compiled: "
+                                f"`yggtree compile {waiting}` once to speculate with it")
+    else:
+        args.no_default_note = (f"no latency profile for this {device['kind']} in {args.dtype}: "
+                                "`yggtree profile` and `yggtree calibrate` make one")
 
 
 def _plan_engine(args):
@@ -237,6 +278,9 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     stream.close()
     s = res.stats
     extra = f", aal {s['aal']:.2f}" if "aal" in s else ""
+    note = getattr(args, "no_default_note", None)
+    if note and "aal" not in s:
+        extra += f", plain decoding ({note})"
     sys.stderr.write(
         f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
         f"tpot {s['tpot_ms']:.1f} ms{extra}, compile {s['compile_s']:.1f} s, "

@@ -411,6 +411,41 @@ def default_plan() -> Plan:
     return load_plan(DEFAULT_PLAN)
 
 
+TUNED_PLAN_DIR = Path(__file__).resolve().parent.parent / "profiles"  # a checkout's profiles/
+
+
+def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] = (TUNED_PLAN_DIR,),
+                    compile_root: str | Path = "compile") -> tuple[Path | None, Path | None]:
+    """Plans tuned for this device: ``(ready, uncompiled)``, each the first such plan file in
+    ``search`` (sorted by name) or None.
+
+    A tuned plan is a plan YAML for the embedded pair (target and drafter ``default``) in
+    ``dtype`` naming a profile measured on ``device`` (``{"kind", "name"}`` as from
+    ``yggtree.runtime.device.detect_device``) and a calibration. ``ready``: its compiled
+    artifacts are usable (or it needs none); ``uncompiled``: one that would be, once compiled.
+    Unreadable files are skipped: this only looks for something better than the default plan."""
+    ready = waiting = None
+    for d in search:
+        for f in sorted(Path(d).glob("*.yaml")) if Path(d).is_dir() else ():
+            try:
+                plan = load_plan(f)
+                if (plan.target, plan.drafter, plan.dtype) != ("default", "default", dtype):
+                    continue
+                if plan.profile is None or plan.calibration is None:
+                    continue
+                hw = json.loads(Path(plan.profile).read_text()).get("hardware", {})
+            except (YggError, OSError, ValueError, AttributeError):
+                continue
+            if (hw.get("device"), hw.get("device_name")) != (device["kind"], device["name"]):
+                continue
+            usable = plan.backend == "eager" or not check_artifacts(plan, artifact_dir(plan, compile_root))
+            if usable and ready is None:
+                ready = f
+            elif not usable and waiting is None:
+                waiting = f
+    return ready, waiting
+
+
 # ----------------------------------------------------------------------------- artifacts
 
 

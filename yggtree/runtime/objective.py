@@ -399,9 +399,12 @@ class Feedback:
       as a ratio of two EMAs;
     - ``spec_time``, ``plain_time``: measured / predicted wall time of drafted and plain steps.
 
-    Corrected: AAL' = 1 + (AAL - 1) * accept_scale, T' = T * spec_time (plain_time for plain)."""
+    Corrected: AAL' = 1 + (AAL - 1) * accept_scale, T' = T * spec_time (plain_time for plain).
+    A time ratio enters clipped to within ``clip`` x the current estimate, so one outlier step
+    (a page fault, another process) moves an estimate by at most ``alpha * (clip - 1)``."""
 
     alpha: float = 0.1
+    clip: float = 1.5
     spec_time: float = 1.0
     plain_time: float = 1.0
     _accepted: float = 1.0  # EMA of realised drafted tokens accepted per drafted step
@@ -417,11 +420,15 @@ class Feedback:
 
     def update(self, pred: Prediction, n_accepted: int, step_ms: float) -> None:
         """Fold in one step: its prediction, drafted tokens accepted, measured wall time."""
-        a = self.alpha
+        a, c = self.alpha, self.clip
+
+        def toward(est: float, ratio: float) -> float:
+            return est + a * (min(max(ratio, est / c), est * c) - est)
+
         if pred.draft_depth == 0:
-            self.plain_time += a * (step_ms / pred.plain_ms - self.plain_time)
+            self.plain_time = toward(self.plain_time, step_ms / pred.plain_ms)
             return
-        self.spec_time += a * (step_ms / pred.step_ms - self.spec_time)
+        self.spec_time = toward(self.spec_time, step_ms / pred.step_ms)
         self._accepted += a * (n_accepted - self._accepted)
         self._expected += a * (pred.aal - 1.0 - self._expected)
 
@@ -533,7 +540,7 @@ class ObjectivePolicy:
         """A copy with ``changes`` applied and no state carried over (log, feedback, caches)."""
         from dataclasses import replace
 
-        fb = Feedback(self.feedback.alpha) if self.feedback is not None else None
+        fb = Feedback(self.feedback.alpha, self.feedback.clip) if self.feedback is not None else None
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _plain_run=0, _pending=None, **changes)
 
