@@ -7,7 +7,8 @@ weights and KV cache as inputs and writes the cache in place (an exported input 
 
     block inputs   x [1, W, H], cos [1, W, 1, D/2] f32, sin [1, W, 1, D/2] f32, slots [1, W] i64,
                    mask [1, W, C] bool, then the cache k, v [1, S, Hkv, D] (mutated), then the
-                   weights in ``named_parameters`` order
+                   weights in ``named_parameters`` order, then the buffers (the oneDNN-packed
+                   weights of a packed model, see :mod:`yggtree.runtime.packed`)
     block output   [1, W, H]
 
 Compile side (``yggtree compile``): :class:`ShapeRecorder` runs the engine's usual warm-up
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import YggError
+from . import packed as _packed  # noqa: F401  (registers yggtree::packed_linear, which packages call)
 
 N_ACT = 5  # x, cos, sin, slots, mask
 
@@ -37,8 +39,13 @@ def block_key(block: nn.Module) -> str:
     size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
     cfg = block.self_attn.cfg
     parts = [type(block).__qualname__, f"heads{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"]
-    parts += [f"{n}{tuple(p.shape)}{p.dtype}" for n, p in block.named_parameters()]
+    parts += [f"{n}{tuple(p.shape)}{p.dtype}" for n, p in block_tensors(block)]
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
+
+
+def block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A block's weights as package inputs: parameters, then buffers (packed weights)."""
+    return [*block.named_parameters(), *block.named_buffers()]
 
 
 def package_name(key: str, width: int, context: int) -> str:
@@ -51,7 +58,7 @@ class _BlockFn(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
-        self.names = [n for n, _ in block.named_parameters()]
+        self.names = [n for n, _ in block_tensors(block)]
 
     def forward(self, x, cos, sin, slots, mask, k, v, *weights):
         state = dict(zip(self.names, weights))
@@ -61,7 +68,7 @@ class _BlockFn(nn.Module):
 
 def _block_args(block: nn.Module, acts) -> list[torch.Tensor]:
     cache = block.self_attn.cache
-    return [*acts, cache.k, cache.v, *(p for _, p in block.named_parameters())]
+    return [*acts, cache.k, cache.v, *(p for _, p in block_tensors(block))]
 
 
 def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> Path:
@@ -69,10 +76,21 @@ def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: P
     the AOTInductor package ``path``. The block's own cache is only read for its shape."""
     cache = block.self_attn.cache
     acts = tuple(a.contiguous() for a in example)
-    args = (*acts, cache.k.clone(), cache.v.clone(), *(p.detach() for _, p in block.named_parameters()))
-    with torch.no_grad():
-        ep = torch.export.export(_BlockFn(block), args, strict=False)
-        out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    args = (*acts, cache.k.clone(), cache.v.clone(), *(p.detach() for _, p in block_tensors(block)))
+    fn = _BlockFn(block)
+    # the packed (mkldnn) buffers reach the graph as inputs; while exporting, the module's own
+    # slots hold empty dense stand-ins, which export can copy (it cannot copy mkldnn tensors)
+    opaque = [(m, n, b) for m in block.modules() for n, b in m._buffers.items()
+              if b is not None and b.is_mkldnn]
+    try:
+        for m, n, b in opaque:
+            m._buffers[n] = torch.empty(0, dtype=b.dtype)
+        with torch.no_grad():
+            ep = torch.export.export(fn, args, strict=False)
+            out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    finally:
+        for m, n, b in opaque:
+            m._buffers[n] = b
     return Path(out)
 
 
@@ -139,7 +157,7 @@ class PackagedForward:
     def __init__(self, block: nn.Module, packages: PackageSet) -> None:
         self.block = block
         self.key = block_key(block)
-        self.weights = [p for _, p in block.named_parameters()]
+        self.weights = [p for _, p in block_tensors(block)]
         self.runners = {(w, c): r for (k, w, c), r in packages.runners.items() if k == self.key}
         if not self.runners:
             raise YggError(f"no compiled graph matches this model's blocks (kind {self.key}); recompile the plan")

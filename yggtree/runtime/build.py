@@ -10,6 +10,7 @@ from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig, TreeParams
 from .graphs import check_backend
 from .loading import load_model, load_tokenizer, resolve_model
+from .packed import pack_linears
 
 
 # the trained EAGLE head for the embedded default target (yggtree distill; see its manifest.json)
@@ -30,6 +31,7 @@ class EngineSpec:
     # a plan's compiled width sets (the envelope a step policy chooses from; empty: tree's own)
     draft_widths: tuple[int, ...] = ()
     verify_widths: tuple[int, ...] = ()
+    pack: bool = True  # oneDNN-packed linear layers where the device supports them
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None) -> "EngineSpec":
@@ -106,6 +108,10 @@ def build_engine(spec: EngineSpec, prepare=None):
     target = load_model(src, spec.dtype)
     tokenizer = load_tokenizer(src)
     drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
+    if spec.pack:  # oneDNN-packed block weights on a CPU (see runtime/packed.py)
+        pack_linears(target)
+        if drafter is not None:
+            pack_linears(drafter.graphs.model)
     if prepare is not None:
         prepare(target, drafter)
     cfg = EngineConfig(
