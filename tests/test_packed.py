@@ -48,19 +48,21 @@ def test_packed_rows_are_batch_invariant(dtype):
             assert torch.equal(y[i : i + 1], rows[i]), (m, i)
 
 
-def test_pack_linears_swaps_block_linears_only():
+def test_pack_linears_swaps_block_linears_and_the_head():
     m = tiny()
     keys = set(m.state_dict())
     x = torch.tensor([[3, 5, 7]])
-    assert pack_linears(m) == 7 * len(m.layers)
+    assert pack_linears(m) == 7 * len(m.layers) + 1  # and the LM head
     assert pack_linears(m) == 0  # already packed
-    assert type(m.lm_head) is nn.Linear and set(m.state_dict()) == keys
+    assert isinstance(m.lm_head, PackedLinear) and m.lm_head.weight is m.embed_tokens.weight
+    assert type(m.embed_tokens) is nn.Embedding and set(m.state_dict()) == keys
     assert all(isinstance(b.mlp.up_proj, PackedLinear) for b in m.layers)
     ref = tiny()
     m.setup_cache(1, 16)
     ref.setup_cache(1, 16)
     pos, mask = torch.arange(3)[None], torch.ones(1, 3, 16, dtype=torch.bool).tril()
     torch.testing.assert_close(m(x, pos, pos, mask).hidden, ref(x, pos, pos, mask).hidden)
+    torch.testing.assert_close(m.logits(m(x, pos, pos, mask).hidden), ref.logits(ref(x, pos, pos, mask).hidden))
 
 
 def test_packed_block_compiles_and_packages(tmp_path):

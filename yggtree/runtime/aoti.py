@@ -44,8 +44,10 @@ def block_key(block: nn.Module) -> str:
 
 
 def block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """A block's weights as package inputs: parameters, then buffers (packed weights)."""
-    return [*block.named_parameters(), *block.named_buffers()]
+    """A block's weights as package inputs: parameters, then buffers (packed weights), without
+    the KV cache (its own inputs; present or not depending on when the cache was set up)."""
+    bufs = [(n, b) for n, b in block.named_buffers() if not n.startswith("self_attn.cache.")]
+    return [*block.named_parameters(), *bufs]
 
 
 def package_name(key: str, width: int, context: int) -> str:

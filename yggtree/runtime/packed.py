@@ -9,7 +9,7 @@ while oneDNN with its weights reordered once into its blocked layout streams the
 an M-row product is bitwise the same as the one-row product of row i, so verifying a tree
 computes every node exactly as a plain step would compute it (checked in tests/test_packed.py).
 
-:func:`pack_linears` swaps every ``nn.Linear`` inside a model's decoder blocks for a
+:func:`pack_linears` swaps every ``nn.Linear`` inside a model's decoder blocks (and its LM head) for a
 :class:`PackedLinear` that keeps the original weight (state dict, tying, checks) and adds the
 packed copy as a non-persistent buffer (so packed models hold their block weights twice). The
 product runs through the custom op ``yggtree::packed_linear``, which torch.compile and
@@ -75,16 +75,18 @@ def can_pack(model: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap the ``nn.Linear`` layers of ``model.layers`` (its decoder blocks) for
-    :class:`PackedLinear` in place; returns how many were packed (0 where :func:`can_pack` is
-    False, or when they are packed already). The LM head and other glue stay as they are."""
+    """Swap the ``nn.Linear`` layers of ``model.layers`` (its decoder blocks) and its
+    ``lm_head`` for :class:`PackedLinear` in place; returns how many were packed (0 where
+    :func:`can_pack` is False, or when they are packed already).
+
+    The LM head matters most: verifying 4 tokens through a 49152 x 576 fp32 head costs 53 ms
+    with ``F.linear`` and 15 ms packed on this project's EPYC CPU (one token: ~18-22 ms)."""
     if not can_pack(model):
         return 0
     n = 0
-    for block in model.layers:
-        for name, mod in list(block.named_modules()):
-            for child_name, child in list(mod.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(mod, child_name, PackedLinear.of(child))
-                    n += 1
+    for mod in [*(m for block in model.layers for m in block.modules()), model]:
+        for child_name, child in list(mod.named_children()):
+            if type(child) is nn.Linear and (mod is not model or child_name == "lm_head"):
+                setattr(mod, child_name, PackedLinear.of(child))
+                n += 1
     return n
