@@ -215,8 +215,9 @@ def run(args) -> int:
     unknown = [n for n in args.systems if n not in policies]
     if unknown:
         raise YggError(f"--systems: unknown {', '.join(unknown)} (have {', '.join(policies)})")
-    if args.systems:
-        policies = {n: p for n, p in policies.items() if n == "plain" or n in args.systems}
+    if args.systems:  # plain is every ratio's baseline; --depths asked for its own systems
+        keep = {"plain", *args.systems, *(f"depth={d}" for d in args.depths)}
+        policies = {n: p for n, p in policies.items() if n in keep}
     prompts = load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     names = list(policies)
