@@ -437,10 +437,11 @@ class Feedback:
 class ObjectivePolicy:
     """A :class:`~yggtree.runtime.policy.StepPolicy` maximising the latency objective.
 
-    - ``choose_draft``: D from ``depth_fn(h_root)`` when given (the depth predictor), else the
-      D maximising the calibration's measured expected speed-up; W_d among the draft widths
-      maximising ``max_{W_v} AAL(W_d, D, W_v) * T_plain / T_step``. If no tree beats plain
-      decoding (predicted speed-up <= 1), the step is plain (D = 0).
+    - ``choose_draft``: D from ``depth_fn(h_root)`` when given (the depth predictor, which
+      returns 0 for a plain step; a fixed depth), else the D maximising the calibration's
+      measured expected speed-up, the step being plain (D = 0) when no tree beats plain
+      decoding (predicted speed-up <= 1); W_d among the draft widths maximising
+      ``max_{W_v} AAL(W_d, D, W_v) * T_plain / T_step``.
     - ``choose_verify``: W_v among the verify widths (and 1) maximising the objective on the
       drafted tree's calibrated path probabilities, the drafting cost being already spent.
     - ``observe``: with ``feedback``, every finished step corrects the offline model (see
@@ -506,8 +507,9 @@ class ObjectivePolicy:
 
     def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
         if self.depth_fn is not None:
-            d = int(self.depth_fn(h_root, committed))
-            choice = StepChoice(0, self.draft_widths[0]) if d == 0 else self.plan_choice(committed, d)[0]
+            d = int(self.depth_fn(h_root, committed))  # D > 0: drafting was decided, pick W_d
+            choice = (StepChoice(0, self.draft_widths[0]) if d == 0
+                      else self.plan_choice(committed, d, allow_plain=False)[0])
         else:
             choice = self.plan_choice(committed)[0]
             if choice.draft_depth == 0 and self.feedback is not None and self._plain_run >= self.probe_every:
