@@ -404,3 +404,27 @@ def test_find_tuned_plan_picks_a_compiled_plan_for_this_device(tmp_path):
         tmp_path / "f_ready.yaml", tmp_path / "d_uncompiled.yaml")
     assert find_tuned_plan("float32", here, (tmp_path,)) == (tmp_path / "b_other_dtype.yaml", None)
     assert find_tuned_plan("bfloat16", {"kind": "npu", "name": "x"}, (tmp_path,)) == (None, None)
+
+
+def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(monkeypatch, tmp_path):
+    """`yggtree run --prompt ...`: the default plan fills unset flags; a ready tuned plan is used
+    only when no model, drafter, tree or context flag says otherwise."""
+    import yggtree.plan as plan_mod
+    from yggtree.cli import _pick_plan, build_parser
+
+    ready = tmp_path / "tuned.yaml"
+    monkeypatch.setattr(plan_mod, "find_tuned_plan", lambda dtype, device, *a, **k: (ready, None))
+    parse = build_parser().parse_args
+    args = parse(["run", "--prompt", "hi"])
+    _pick_plan(args)
+    assert args.plan == str(ready) and args.dtype == "float32"
+    for extra in (["--max-context", "512"], ["--drafter", "self"], ["--no-speculate"],
+                  ["--top-k", "2"], ["--mode", "reference"], ["--model", "x.gguf"]):
+        args = parse(["run", "--prompt", "hi", *extra])
+        _pick_plan(args)
+        assert args.plan is None, extra
+        assert (args.max_context, args.prefill_chunk) == ((512 if "512" in extra else 1024), 64)
+    monkeypatch.setattr(plan_mod, "find_tuned_plan", lambda dtype, device, *a, **k: (None, ready))
+    args = parse(["run", "--prompt", "hi", "--dtype", "bfloat16"])
+    _pick_plan(args)
+    assert args.plan is None and "yggtree compile" in args.no_default_note and args.dtype == "bfloat16"

@@ -122,20 +122,21 @@ def _run(args) -> int:
 
 def _pick_plan(args) -> None:
     """Without --plan: the default plan's settings fill the flags left unset, and when the run
-    asks for nothing but the embedded default (no model, drafter or tree flags), a compiled plan
+    asks for nothing but the embedded default (no model, drafter, tree or context flags), a compiled plan
     tuned for this device and dtype (``yggtree.plan.find_tuned_plan``) is used instead: it
     speculates by its measured latency objective. With none, decoding is plain: on a device
     without a latency profile nothing says that speculation would pay."""
     from .plan import default_plan, find_tuned_plan
 
     base = default_plan()
+    shaped = (args.max_context, args.prefill_chunk, args.top_k, args.draft_width, args.draft_depth,
+              args.verify_width) != (None,) * 6  # flags a plan would otherwise decide
     for flag, value in (("dtype", base.dtype), ("max_context", base.max_context),
                         ("prefill_chunk", base.prefill_chunk), ("top_k", base.top_k)):
         if getattr(args, flag) is None:
             setattr(args, flag, value)
     only_defaults = (args.model == "default" and args.drafter is None and not args.no_speculate
-                     and args.mode == "performance"
-                     and (args.draft_width, args.draft_depth, args.verify_width) == (None, None, None))
+                     and args.mode == "performance" and not shaped)
     if not only_defaults:
         return
     from .runtime.device import detect_device
