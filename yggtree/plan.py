@@ -510,7 +510,7 @@ def model_fingerprints(plan: Plan) -> list[dict]:
 # the runtime sources compiled graphs are traced from (decoder block, KV cache, the export
 # wrapper); the rest of the runtime only decides which shapes are called, and a shape without a
 # graph is refused loudly at warm-up
-GRAPH_SOURCES = ("aoti.py", "kv_cache.py", "model.py")
+GRAPH_SOURCES = ("aoti.py", "kv_cache.py", "model.py", "packed.py")  # packed.py: the custom op packages call
 
 
 def runtime_code_hash() -> str:
