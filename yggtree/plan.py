@@ -424,6 +424,8 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] = (TUNED_
     ``yggtree.runtime.device.detect_device``) and a calibration. ``ready``: its compiled
     artifacts are usable (or it needs none); ``uncompiled``: one that would be, once compiled.
     Unreadable files are skipped: this only looks for something better than the default plan."""
+    from .runtime.device import measured_on
+
     ready = waiting = None
     for d in search:
         for f in sorted(Path(d).glob("*.yaml")) if Path(d).is_dir() else ():
@@ -436,7 +438,7 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] = (TUNED_
                 hw = json.loads(Path(plan.profile).read_text()).get("hardware", {})
             except (YggError, OSError, ValueError, AttributeError):
                 continue
-            if (hw.get("device"), hw.get("device_name")) != (device["kind"], device["name"]):
+            if not isinstance(hw, dict) or not measured_on(hw, device):
                 continue
             usable = plan.backend == "eager" or not check_artifacts(plan, artifact_dir(plan, compile_root))
             if usable and ready is None:

@@ -166,11 +166,9 @@ def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], di
                               plan.prefill_chunk, plan.tree_params())
         drafter = load_drafter(spec, target, tokenizer)
     if spec is None or spec.pack:  # as build_engine does: the packages take the packed weights
-        from ..runtime.packed import pack_linears
+        from ..runtime.build import pack_models
 
-        pack_linears(target)
-        if drafter is not None:
-            pack_linears(drafter.graphs.model)
+        pack_models(target, drafter)
     load_s = time.perf_counter() - t0
 
     # 1. shapes: the engine's own warm-up code, run eagerly with a recorder on every block

@@ -97,6 +97,14 @@ def load_drafter(spec: EngineSpec, target, tokenizer):
     return LMDrafter(model, spec.mode)
 
 
+def pack_models(target, drafter=None) -> None:
+    """oneDNN-packed weights (runtime/packed.py) for an engine's target and its drafter's model,
+    before any graph or package is built for them (``build_engine`` and ``yggtree compile``)."""
+    pack_linears(target)
+    if drafter is not None:
+        pack_linears(drafter.graphs.model)
+
+
 def build_engine(spec: EngineSpec, prepare=None):
     """Load the target, its tokenizer and the drafter; build and warm up the engine.
 
@@ -109,9 +117,7 @@ def build_engine(spec: EngineSpec, prepare=None):
     tokenizer = load_tokenizer(src)
     drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
     if spec.pack:  # oneDNN-packed block weights on a CPU (see runtime/packed.py)
-        pack_linears(target)
-        if drafter is not None:
-            pack_linears(drafter.graphs.model)
+        pack_models(target, drafter)
     if prepare is not None:
         prepare(target, drafter)
     cfg = EngineConfig(

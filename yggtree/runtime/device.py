@@ -30,3 +30,9 @@ def detect_device() -> dict:
     except ImportError:
         pass
     return {"kind": "cpu", "name": cpu_model()}
+
+
+def measured_on(hardware: dict, device: dict) -> bool:
+    """True when a profile's ``hardware`` record (``device``, ``device_name``) names ``device``
+    (``{"kind", "name"}`` as from :func:`detect_device`)."""
+    return (hardware.get("device"), hardware.get("device_name")) == (device["kind"], device["name"])

@@ -366,7 +366,8 @@ class Engine:
         if policy is None:
             self._check_fixed(self.cfg.tree)
             policy = FixedPolicy.of(self.cfg.tree)
-        observe = getattr(policy, "observe", None)  # a policy learning from the steps it ran
+        # who hears of each finished step: the caller, and a policy learning from its steps
+        report = [fn for fn in (on_step, getattr(policy, "observe", None)) if fn is not None]
         synced, sync_from = True, committed  # the drafter holds everything below sync_from
         zero = torch.zeros(1, dtype=torch.int64)
         anc1 = torch.ones(1, 1, dtype=torch.bool)
@@ -402,14 +403,13 @@ class Engine:
                 times["verify"], times["accept"] = t4 - tp, time.perf_counter() - t4
                 for name, v in times.items():
                     stage[name] += v
-                if on_step or observe:
+                if report:
                     rec = StepRecord(
                         h_root.float(), committed, StepChoice(0, wd), 1, 0,
                         {n: v * 1e3 for n, v in times.items()},
                     )
-                    for fn in (on_step, observe):
-                        if fn:
-                            fn(rec)
+                    for fn in report:
+                        fn(rec)
                 if trace:
                     trace({"step": counters["verify_calls"], "committed": committed,
                            "plain": True, "emitted": new, "finish": reason,
@@ -490,14 +490,13 @@ class Engine:
                 stage[name] += v
             times = {name: v * 1e3 for name, v in times.items()}
             h_next = hidden[acc.path[n_acc]]
-            if on_step or observe:
+            if report:
                 rec = StepRecord(
                     h_root.float(), committed, StepChoice(d, wd), wv, n_acc, times,
                     tree, kept, kept_valid, logits.argmax(dim=-1) if on_step else None,
                 )
-                for fn in (on_step, observe):
-                    if fn:
-                        fn(rec)
+                for fn in report:
+                    fn(rec)
             if trace:
                 trace(
                     {

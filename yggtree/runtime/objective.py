@@ -206,10 +206,10 @@ class CostModel:
             )
         hw = d.get("hardware")
         if isinstance(hw, dict) and hw.get("device_name") is not None:
-            from .device import detect_device
+            from .device import detect_device, measured_on
 
             here = detect_device()
-            if (hw.get("device"), hw.get("device_name")) != (here["kind"], here["name"]):
+            if not measured_on(hw, here):
                 raise YggError(
                     f"{where} was measured on {hw.get('device')} {hw.get('device_name')!r}, this process "
                     f"runs on {here['kind']} {here['name']!r}; profile this machine with `yggtree profile "
@@ -462,12 +462,12 @@ class ObjectivePolicy:
     feedback: Feedback | None = None
     probe_every: int = 16
     log: list = field(default_factory=list)
-    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, AAL [n], step ms [n], plain ms)
+    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, D [n], AAL [n], step ms [n], plain ms)
     _plain_run: int = 0  # plain steps in a row
     _pending: Prediction | None = None  # the prediction of the step under way
 
     def _choices(self, ctx: int):
-        """Every (D, W_d, W_v) with a calibrated AAL, their AAL and predicted step times, and
+        """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
         the plain time: the costs depend on ``ctx`` only through the context bucket."""
         key = self.cost.verify.bucket(ctx + max(self.verify_widths))
         if key not in self._grid:
@@ -481,7 +481,8 @@ class ObjectivePolicy:
                         rows.append((dd, wd, wv))
                         aal.append(a)
                         ms.append(self.cost.step_ms(dd, wd, wv, ctx))
-            self._grid[key] = (rows, np.array(aal), np.array(ms), self.cost.plain_ms(ctx))
+            depth = np.array([r[0] for r in rows], dtype=np.int64)
+            self._grid[key] = (rows, depth, np.array(aal), np.array(ms), self.cost.plain_ms(ctx))
         return self._grid[key]
 
     def _scales(self) -> tuple[Feedback | None, float, float]:
@@ -493,11 +494,11 @@ class ObjectivePolicy:
         """The best (D, W_d) before drafting at context ``ctx`` and its expected speed-up
         (``d``: only that depth; first of equals wins, deeper and wider choices after)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
-        rows, aal, ms, plain = self._choices(ctx)
+        rows, depth, aal, ms, plain = self._choices(ctx)
         fb, rs, rp = self._scales()
         s = (fb.aal(aal) if fb else aal) * (plain * rp) / (ms * rs)
         if d is not None:
-            s = np.where([r[0] == d for r in rows], s, -np.inf)
+            s = np.where(depth == d, s, -np.inf)
         best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if allow else -1.0
         if len(rows):
             i = int(np.argmax(s))  # the first maximum, as a sequential scan would keep
