@@ -38,6 +38,17 @@ from yggtree.errors import YggError, run_reporting  # noqa: E402
 MODES = ("reference", "performance")
 
 
+def built(model, mode: str):
+    """A copy of ``model`` over the same weights as the engine of ``mode`` runs it: in performance
+    mode with oneDNN-packed linear layers on a CPU, as ``yggtree run`` builds it."""
+    from yggtree.runtime.packed import pack_linears
+
+    copy = model.shared_copy()
+    if mode == "performance":
+        pack_linears(copy)
+    return copy
+
+
 def parse_spec(text: str):
     """``"W_d,D,W_v,k"`` -> TreeParams (validated)."""
     from yggtree.runtime.engine import TreeParams
@@ -137,7 +148,7 @@ def check(args) -> int:
         for mode in args.modes:
             name = f"ygg-{mode}"
             progress.update(status, visible=True, description=f"building {name} engine")
-            engine = Engine(model.shared_copy(), EngineConfig(mode=mode, max_context=args.max_context), eos_ids=eos)
+            engine = Engine(built(model, mode), EngineConfig(mode=mode, max_context=args.max_context), eos_ids=eos)
             compile_s[name] = engine.compile_s
             progress.update(status, visible=False)
             systems[name] = run_engine(engine, prompts, args.max_new_tokens, progress, name)
@@ -145,9 +156,9 @@ def check(args) -> int:
             for text, tp in specs:
                 sname = f"spec-{text}-{mode}"
                 progress.update(status, visible=True, description=f"building {sname} engine")
-                target = model.shared_copy()
-                draft = target if draft_model is None else draft_model
-                drafter = LMDrafter(draft.shared_copy(), mode)
+                target = built(model, mode)
+                draft = model if draft_model is None else draft_model
+                drafter = LMDrafter(built(draft, mode), mode)
                 engine = Engine(
                     target,
                     EngineConfig(mode=mode, max_context=args.max_context, tree=tp),

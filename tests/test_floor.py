@@ -7,8 +7,9 @@ import torch
 
 from yggtree.errors import YggError
 from yggtree.floor import copy_bandwidth_gbps, matmul_floor_ms, matmul_weights, weight_bytes
+from yggtree.runtime.packed import can_pack
 
-KEYS = {"median_ms", "p10_ms", "p90_ms", "weight_bytes", "n_matmuls", "gbps", "width", "repeats"}
+KEYS = {"median_ms", "p10_ms", "p90_ms", "weight_bytes", "n_matmuls", "gbps", "width", "repeats", "kernel"}
 
 
 def test_copy_bandwidth_is_a_positive_float():
@@ -45,7 +46,15 @@ def test_matmul_floor_structure(dtype, width):
     assert res["p10_ms"] <= res["median_ms"] <= res["p90_ms"]
     assert res["n_matmuls"] == 3
     assert res["weight_bytes"] == weight_bytes(matmul_weights(ws)) == (32 + 48 + 20) * ws[0].element_size()
-    assert res["width"] == width and res["repeats"] == 4
+    assert res["width"] == width and res["repeats"] == 4 and res["kernel"] == "linear"
+
+
+@pytest.mark.skipif(not can_pack(torch.nn.Linear(2, 2)), reason="oneDNN packing unavailable")
+def test_packed_matmul_floor_times_the_same_weights():
+    ws = [torch.randn(8, 4), torch.ones(8), torch.randn(6, 8)]
+    res = matmul_floor_ms(ws, width=2, repeats=3, warmup=1, kernel="packed")
+    assert set(res) == KEYS and res["kernel"] == "packed"
+    assert res["n_matmuls"] == 2 and res["weight_bytes"] == (32 + 48) * 4 and res["median_ms"] > 0
 
 
 def test_matmul_floor_leaves_global_rng_alone():
@@ -62,6 +71,7 @@ def test_matmul_floor_leaves_global_rng_alone():
         ([torch.ones(2)], {"width": 1}),
         ([], {"width": 1}),
         ([torch.ones(2, 2, dtype=torch.int8)], {"width": 1}),
+        ([torch.ones(2, 2)], {"width": 1, "kernel": "cublas"}),
     ],
 )
 def test_matmul_floor_rejects_bad_arguments(weights, kwargs):

@@ -165,7 +165,7 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int]):
             bucket = engine.graphs.bucket(ctx + w)
 
             def verify(ar=ar, anc=anc, L=L, bucket=bucket):
-                logits, _, _ = steps.tree_step(target, ar % vocab, ar, ar, anc, L, layers, bucket)
+                logits, _, _ = engine.graphs.tree_step(ar % vocab, ar, ar, anc, L, layers, bucket)
                 return logits
 
             out.append(("verify", w, ctx, bucket, verify))
@@ -332,7 +332,7 @@ def run_profile(args) -> int:
         if engine.n_slots != n_slots:
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
         t0 = time.perf_counter()
-        engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)))
+        engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)), engine.drafter.target_layers)
         engine.drafter.setup(n_slots, sorted(set(widths) | {1, *plan.draft_widths}), plan.prefill_chunk)
     compile_s = time.perf_counter() - t0 + engine.compile_s
     rows, stages = [], {}

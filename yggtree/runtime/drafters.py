@@ -105,7 +105,8 @@ class LMDrafter:
         if self.model.cache_slots != n_slots:
             self.model.setup_cache(1, n_slots)
             self.graphs.widths.clear()
-        self.graphs.warm_up(widths + [prefill_chunk])
+            self.graphs.prefill_widths.clear()
+        self.graphs.warm_up(widths, prefill=prefill_chunk)
         self.chunk = prefill_chunk
 
     def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
@@ -116,8 +117,7 @@ class LMDrafter:
             part = prompt[start : start + chunk]
             pad = torch.zeros(chunk, dtype=torch.int64, device=prompt.device)
             pad[: part.shape[0]] = part
-            steps.prefill_chunk(
-                self.model,
+            self.graphs.prefill_chunk(
                 pad[None],
                 torch.tensor(start),
                 torch.tensor(part.shape[0]),
@@ -129,12 +129,12 @@ class LMDrafter:
         zero = torch.zeros(1, dtype=torch.int64, device=root.device)
         anc = torch.ones(1, 1, dtype=torch.bool, device=root.device)
         n_ctx = self.graphs.bucket(int(committed) + 1)
-        logits, _, _ = steps.tree_step(self.model, root.reshape(1), zero, zero, anc, committed, (), n_ctx)
+        logits, _, _ = self.graphs.tree_step(root.reshape(1), zero, zero, anc, committed, (), n_ctx)
         return topk_logp(logits, k)
 
     def step(self, tokens, depth, node, parent, anc, committed, k: int) -> TopK:
         n_ctx = self.graphs.bucket(int(committed) + anc.shape[1])
-        logits, _, _ = steps.tree_step(self.model, tokens, depth, node, anc, committed, (), n_ctx)
+        logits, _, _ = self.graphs.tree_step(tokens, depth, node, anc, committed, (), n_ctx)
         return topk_logp(logits, k)
 
     def commit(self, src, dst, path_tokens, n_accepted, feats) -> None:

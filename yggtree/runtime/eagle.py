@@ -319,7 +319,7 @@ class EagleDrafter:
         self.target_layers = tuple(net.cfg.target_layers)
         self.max_depth = max_depth
         self.mode = mode
-        self.graphs = Graphs(net, mode)  # regional compile of the one block in performance mode
+        self.graphs = Graphs(net, mode, scope="block")  # regional compile of the one block in performance mode
         self.chunk = 0
         self._state_dev = net.fc.weight.device
 

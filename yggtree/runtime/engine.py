@@ -145,7 +145,8 @@ class Engine:
             reserve = 1
         self.n_slots = cfg.max_context + reserve + 1  # + scratch slot
         target.setup_cache(1, self.n_slots)
-        self.graphs.warm_up([cfg.prefill_chunk, 1, *self.verify_widths])
+        capture = drafter.target_layers if drafter is not None else ()
+        self.graphs.warm_up([1, *self.verify_widths], capture, prefill=cfg.prefill_chunk)
         self._feat_buf: tuple[torch.Tensor, ...] = ()  # per drafter layer [n_slots, H]
         if drafter is not None:
             drafter.setup(self.n_slots, [cfg.prefill_chunk, 1, *self.draft_widths], cfg.prefill_chunk)
@@ -193,8 +194,7 @@ class Engine:
             part = prompt[start : start + c]
             buf = torch.zeros(c, dtype=torch.int64)
             buf[: part.shape[0]] = part
-            logits, hidden, caps = steps.prefill_chunk(
-                self.target,
+            logits, hidden, caps = self.graphs.prefill_chunk(
                 buf[None],
                 torch.tensor(start),
                 torch.tensor(part.shape[0]),
@@ -303,8 +303,8 @@ class Engine:
         committed = n_prompt
         while True:
             root = torch.tensor([out[-1]])
-            logits, _, _ = steps.tree_step(
-                self.target, root, zero, zero, anc, torch.tensor(committed), (),
+            logits, _, _ = self.graphs.tree_step(
+                root, zero, zero, anc, torch.tensor(committed), (),
                 self.graphs.bucket(committed + 1),
             )
             counters["verify_calls"] += 1
@@ -381,8 +381,8 @@ class Engine:
             tp = time.perf_counter()
             times["policy"] = tp - t
             if d == 0:  # plain step: the target verifies the root alone, the drafter rests
-                logits, hidden, caps = steps.tree_step(
-                    self.target, root.reshape(1), zero, zero, anc1, L, layers,
+                logits, hidden, caps = self.graphs.tree_step(
+                    root.reshape(1), zero, zero, anc1, L, layers,
                     self.graphs.bucket(committed + 1),
                 )
                 counters["verify_calls"] += 1
@@ -451,8 +451,8 @@ class Engine:
                 check_invariants(vtree)
             t3 = time.perf_counter()
             node = torch.arange(wv)
-            logits, hidden, caps = steps.tree_step(
-                self.target, vtree.token, vtree.depth, node, anc, L, layers,
+            logits, hidden, caps = self.graphs.tree_step(
+                vtree.token, vtree.depth, node, anc, L, layers,
                 self.graphs.bucket(committed + wv),
             )
             counters["verify_calls"] += 1

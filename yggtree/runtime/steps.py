@@ -73,9 +73,24 @@ def tree_step(
     (the root alone). Returns logits [W, V] float32, final hidden [W, H] and the captured layers
     (each [W, H]).
     """
+    mask = tree_mask(committed, anc, n_ctx or model.cache_slots)
+    return masked_step(model, torch.stack([tokens, depth, node]), mask, committed, capture)
+
+
+def masked_step(
+    model: Transformer,
+    ids: torch.Tensor,  # [3, W] int64: tree_step's tokens, depth and node, stacked
+    mask: torch.Tensor,  # [W, C] bool: tree_mask(committed, anc, C)
+    committed: torch.Tensor,  # [] int64
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`tree_step` once its mask is built: the part compiled as one graph per (W, C). The
+    ancestor matrix's width N (which grows with every draft depth) stays outside the graph, and
+    the stacked ids keep callers' aliasing (plain steps pass one zero as depth and node) out of
+    dynamo's guards."""
+    tokens, depth, node = ids
     pos = (committed + depth)[None]
     slots = (committed + node)[None]
-    mask = tree_mask(committed, anc, n_ctx or model.cache_slots)
     out = model(tokens[None], pos, slots, mask[None], capture)
     return model.logits(out.hidden[0]), out.hidden[0], tuple(x[0] for x in out.layers)
 
