@@ -93,7 +93,10 @@ def software_info(plan, mode: str) -> dict:
         "dtype": plan.dtype,
         "backend": plan.backend,
         "mode": mode,
-        "graphs": "dynamo regional compile (inductor), frozen stance" if mode == "performance" else "eager",
+        "graphs": (
+            "dynamo whole-step graphs (inductor; EAGLE head per block), frozen stance"
+            if mode == "performance" else "eager"
+        ),
     }
 
 
