@@ -9,6 +9,8 @@ import torch
 
 from yggtree.errors import YggError
 from yggtree.runtime import steps
+from yggtree.runtime.kv_cache import KVCache
+from yggtree.runtime.model import Attention, ModelConfig
 from yggtree.runtime.loading import load_model, resolve_model
 
 transformers = pytest.importorskip("transformers")
@@ -153,3 +155,25 @@ def test_truncated_safetensors_is_refused(tmp_path):
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(YggError, match="cannot read weights"):
         load_model(resolve_model(str(tmp_path)))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (9, 3)])
+def test_one_query_attention_equals_the_batched_path(heads, kv_heads):
+    """The fused one-query path (plain decode steps) computes what the bmm path computes for the
+    same query when it is one row of a wider call (the rows a tree verification feeds)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=1,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=16)
+    attn = Attention(cfg).requires_grad_(False)
+    attn.cache = KVCache(1, kv_heads, 40, 16, torch.float32, "cpu")
+    attn.cache.k.normal_()
+    attn.cache.v.normal_()
+    x = torch.randn(1, 3, 48)
+    cos, sin = torch.rand(1, 3, 1, 8), torch.rand(1, 3, 1, 8)
+    slots = torch.tensor([[20, 21, 22]])
+    mask = torch.rand(1, 3, 32) < 0.7
+    mask[..., 20:23] = False
+    mask[0, 0, 20] = True  # row 0 sees its own slot and a random part of the prefix
+    wide = attn(x, cos, sin, slots, mask)  # [1, 3, 48]: three rows, the bmm path
+    one = attn(x[:, :1], cos[:, :1], sin[:, :1], slots[:, :1], mask[:, :1])  # the fused path
+    torch.testing.assert_close(one[0, 0], wide[0, 0], rtol=1e-5, atol=1e-5)
