@@ -122,7 +122,7 @@ class LMDrafter:
                 torch.tensor(start),
                 torch.tensor(part.shape[0]),
                 (),
-                self.graphs.prefill_bucket(start + chunk),
+                self.graphs.bucket(start + chunk),
             )
 
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:

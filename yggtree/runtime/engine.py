@@ -199,7 +199,7 @@ class Engine:
                 torch.tensor(start),
                 torch.tensor(part.shape[0]),
                 layers,
-                self.graphs.prefill_bucket(start + c),
+                self.graphs.bucket(start + c),
             )
             for f, x in zip(feats, caps):
                 f.append(x[0, : part.shape[0]])
