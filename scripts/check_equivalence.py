@@ -41,11 +41,11 @@ MODES = ("reference", "performance")
 def built(model, mode: str):
     """A copy of ``model`` over the same weights as the engine of ``mode`` runs it: in performance
     mode with oneDNN-packed linear layers on a CPU, as ``yggtree run`` builds it."""
-    from yggtree.runtime.packed import pack_linears
+    from yggtree.runtime.build import pack_models
 
     copy = model.shared_copy()
     if mode == "performance":
-        pack_linears(copy)
+        pack_models(copy)
     return copy
 
 

@@ -254,7 +254,8 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     from .floor import matmul_floor_ms
     from .runtime.engine import Engine, EngineConfig
     from .runtime.loading import load_model
-    from .runtime.packed import can_pack, pack_linears
+    from .runtime.build import pack_models
+    from .runtime.packed import can_pack
 
     status = progress.add_task(f"[{dtype}] loading yggtree weights", total=None)
     model = load_model(src, dtype)
@@ -275,7 +276,7 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
         progress.update(status, description=f"[{dtype}] building {system} engine")
         m = model.shared_copy()
         if mode == "performance":
-            pack_linears(m)  # as `yggtree run` builds it (runtime/build.py); a no-op off CPUs
+            pack_models(m)  # as `yggtree run` builds it; a no-op off CPUs
         engine = Engine(
             m,
             EngineConfig(mode=mode, max_context=args.max_context),

@@ -97,12 +97,8 @@ class Graphs:
     def tree_step(self, tokens, depth, node, anc, committed, capture=(), n_ctx=None):
         """:func:`steps.tree_step` on this model (in step scope: the mask is built eagerly, the
         rest is one compiled graph per (W, n_ctx))."""
-        fns = self._compiled_fns()
-        if "masked_step" not in fns:
-            return steps.tree_step(self.model, tokens, depth, node, anc, committed, capture, n_ctx)
-        mask = steps.tree_mask(committed, anc, n_ctx or self.model.cache_slots)
-        ids = torch.stack([tokens, depth, node])
-        return fns["masked_step"](self.model, ids, mask, committed, capture)
+        run = self._compiled_fns().get("masked_step")
+        return steps.tree_step(self.model, tokens, depth, node, anc, committed, capture, n_ctx, run)
 
     def prefill_chunk(self, *args):
         """:func:`steps.prefill_chunk` on this model (its compiled graph in step scope)."""

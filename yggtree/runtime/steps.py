@@ -64,6 +64,7 @@ def tree_step(
     committed: torch.Tensor,  # [] int64, committed length = the root's position
     capture: tuple[int, ...] = (),
     n_ctx: int | None = None,  # context bucket >= committed + N (default: the whole cache)
+    run=None,  # masked_step or a compiled copy of it (graphs.Graphs); None: masked_step
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """One model call over W tree nodes against the committed cache.
 
@@ -74,7 +75,7 @@ def tree_step(
     (each [W, H]).
     """
     mask = tree_mask(committed, anc, n_ctx or model.cache_slots)
-    return masked_step(model, torch.stack([tokens, depth, node]), mask, committed, capture)
+    return (run or masked_step)(model, torch.stack([tokens, depth, node]), mask, committed, capture)
 
 
 def masked_step(
