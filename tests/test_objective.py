@@ -402,7 +402,8 @@ def test_feedback_tracks_measured_ratios():
 
 def test_feedback_falls_back_to_plain_and_probes():
     """Speculation predicted to pay but measured not to: the policy turns to plain steps, and
-    every ``probe_every`` plain steps tries the best tree once."""
+    after ``probe_every`` plain steps tries the best tree once; each losing probe doubles the
+    gap to the next (up to ``probe_max``)."""
     from yggtree.runtime.objective import Feedback, predicted_speedup
 
     def aal(wd, d, wv):
@@ -410,11 +411,11 @@ def test_feedback_falls_back_to_plain_and_probes():
 
     cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
     pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
-                          feedback=Feedback(alpha=0.5), probe_every=4)
+                          feedback=Feedback(alpha=0.5), probe_every=4, probe_max=16)
     offline = policy(cal)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
     choices = []
-    for _ in range(30):
+    for _ in range(80):
         c = pol.choose_draft(torch.zeros(8), 100)
         choices.append(c.draft_depth)
         if c.draft_depth:
@@ -426,8 +427,14 @@ def test_feedback_falls_back_to_plain_and_probes():
     first = choices.index(0)
     assert 1 <= first <= 3  # a few bad steps suffice (alpha 0.5; time ratios clipped to 1.5x)
     spec_at = [i for i, d in enumerate(choices) if d and i >= first]
-    assert spec_at == list(range(first + 4, 30, 5))  # then a probe after every 4 plain steps
+    gaps = [b - a - 1 for a, b in zip([first - 1, *spec_at], spec_at)]  # plain steps before each probe
+    assert gaps == [4, 8, 16, 16, 16] and len(choices) - spec_at[-1] - 1 < 16  # every probe lost: back off
     assert pol.feedback.accept_scale < 0.1 and pol.feedback.spec_time > 4  # rises 1.25x per step
     assert predicted_speedup(pol.log, online=True) < predicted_speedup(pol.log)
     fresh = pol.fresh()
     assert fresh.feedback is not pol.feedback and fresh.feedback.spec_time == 1.0 and not fresh.log
+    while not (c := pol.choose_draft(torch.zeros(8), 100)).draft_depth:  # up to the next probe
+        pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
+    pol.choose_verify(tree, c, 100)
+    pol.observe(_record(c, 4, 1.0))  # this one wins: probes come every 4 plain steps again
+    assert pol._probe_gap == 4

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from test_aoti import tiny
-from yggtree.runtime.packed import PackedLinear, can_pack, pack_linears
+from yggtree.runtime.packed import PackedConcat, PackedLinear, can_pack, pack_linears
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -36,6 +36,23 @@ def test_packed_linear_is_f_linear(dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [(False, False), (True, True), (True, False)])
+def test_packed_concat_is_the_parts_side_by_side(dtype, bias):
+    torch.manual_seed(2)
+    parts = [nn.Linear(64, n, bias=b).to(dtype).requires_grad_(False) for n, b in zip((96, 32), bias)]
+    fused = PackedConcat(parts)
+    assert fused.sizes == (96, 32) and not set(fused.state_dict())  # the parts own the weights
+    x = torch.randn(2, 5, 64).to(dtype)
+    want = torch.cat([nn.functional.linear(x, p.weight, p.bias) for p in parts], -1)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused(x), want, **tol)
+    rows = [fused(x[:, i : i + 1]) for i in range(5)]  # batch-invariant rows, as PackedLinear's
+    assert all(torch.equal(fused(x)[:, i : i + 1], rows[i]) for i in range(5))
+    with pytest.raises(ValueError, match="input width"):
+        PackedConcat([nn.Linear(64, 8), nn.Linear(32, 8)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_rows_are_batch_invariant(dtype):
     """What makes a verified tree node's logits the ones a plain step computes."""
     torch.manual_seed(1)
@@ -48,15 +65,26 @@ def test_packed_rows_are_batch_invariant(dtype):
             assert torch.equal(y[i : i + 1], rows[i]), (m, i)
 
 
-def test_pack_linears_swaps_block_linears_and_the_head():
+@pytest.mark.parametrize("fuse", [True, False])
+def test_pack_linears_swaps_block_linears_and_the_head(fuse):
     m = tiny()
     keys = set(m.state_dict())
+    n_floor = len(m.matmul_weights())
     x = torch.tensor([[3, 5, 7]])
-    assert pack_linears(m) == 7 * len(m.layers) + 1  # and the LM head
-    assert pack_linears(m) == 0  # already packed
+    assert pack_linears(m, fuse=fuse) == 7 * len(m.layers) + 1  # and the LM head
+    assert pack_linears(m, fuse=fuse) == 0 and pack_linears(m, fuse=not fuse) == 0  # already packed
     assert isinstance(m.lm_head, PackedLinear) and m.lm_head.weight is m.embed_tokens.weight
     assert type(m.embed_tokens) is nn.Embedding and set(m.state_dict()) == keys
-    assert all(isinstance(b.mlp.up_proj, PackedLinear) for b in m.layers)
+    for b in m.layers:
+        assert isinstance(b.mlp.down_proj, PackedLinear) and isinstance(b.self_attn.o_proj, PackedLinear)
+        if fuse:  # the parts stay plain (state dict, checks); their forward is the concatenation's
+            assert isinstance(b.self_attn.qkv, PackedConcat) and isinstance(b.mlp.gate_up, PackedConcat)
+            assert type(b.self_attn.q_proj) is nn.Linear and type(b.mlp.up_proj) is nn.Linear
+        else:
+            assert b.self_attn.qkv is None and b.mlp.gate_up is None
+            assert isinstance(b.mlp.up_proj, PackedLinear)
+    # the floor times one product per call the forward makes: 4 per layer fused, 7 not, + the head
+    assert len(m.matmul_weights()) == (4 if fuse else 7) * len(m.layers) + 1 and n_floor == 7 * len(m.layers) + 1
     ref = tiny()
     m.setup_cache(1, 16)
     ref.setup_cache(1, 16)

@@ -19,8 +19,12 @@ Definitions (every number is a median over ``--repeats``; one repeat runs every 
     vs hf        tok/s of the system / tok/s of hf, same dtype, same repeat, same prompts
     x floor      ms/token / matmul floor at width 1 (1.0 = decoding as fast as the weight
                  matmuls alone; see yggtree.floor.matmul_floor_ms): the faster of the two
-                 kernels timed, ``x @ w.T`` and the oneDNN-packed product (CPU); the JSON line
-                 has both under ``matmul_floor_width1.<dtype>.kernel_ms``
+                 kernels timed, ``x @ w.T`` over the model's 7 weights per layer (as eager code
+                 runs them) and the oneDNN-packed product over the compiled system's own products
+                 (q/k/v and gate/up stacked: 4 per layer, CPU); the JSON line has both under
+                 ``matmul_floor_width1.<dtype>.kernel_ms``. The floor is sampled between the
+                 prompts of the timed repeats (FLOOR_SAMPLES per prompt and kernel), so it sees
+                 the same machine load as the systems; its median is over all those samples
     identical    prompts whose generated token ids equal hf's exactly, out of all prompts
 
 Systems are interleaved per prompt (prompt 1 on every system, then prompt 2, ...) so that load from
@@ -55,6 +59,7 @@ from .errors import YggError, run_reporting
 SYSTEMS = ("hf", "ygg-reference", "ygg-compiled")
 BENCH_DTYPES = ("float32", "bfloat16")
 WARMUP_TOKENS = 8  # new tokens of the untimed warm-up generate
+FLOOR_SAMPLES = 3  # matmul-floor samples per kernel after each prompt of each timed repeat
 
 CSV_FIELDS = (
     "system",
@@ -251,7 +256,7 @@ def aggregate(timings: list[Timing]) -> dict[str, float]:
 
 def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], list[dict], dict]:
     """All systems at one dtype: (table rows, per-prompt records, the matmul floor measurement)."""
-    from .floor import matmul_floor_ms
+    from .floor import _time_calls, floor_summary, matmul_floor_step
     from .runtime.engine import Engine, EngineConfig
     from .runtime.loading import load_model
     from .runtime.build import pack_models
@@ -260,23 +265,20 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     status = progress.add_task(f"[{dtype}] loading yggtree weights", total=None)
     model = load_model(src, dtype)
     eos = tuple(model.cfg.eos_token_ids)
-    progress.update(status, description=f"[{dtype}] matmul floor (width 1)")
-    kernels = ["linear", "packed"] if can_pack(model) else ["linear"]  # packed: what ygg runs
-    by_kernel = {k: matmul_floor_ms(model.matmul_weights(), 1, kernel=k) for k in kernels}
-    floor = dict(min(by_kernel.values(), key=lambda f: f["median_ms"]))  # the stricter floor
-    floor["kernel_ms"] = {k: f["median_ms"] for k, f in by_kernel.items()}
-
     runners = {}
     compile_s = {}
     if not args.no_hf:
         progress.update(status, description=f"[{dtype}] loading transformers model")
         hf = load_hf_model(src, dtype)
         runners["hf"] = lambda ids, n: time_hf(hf, ids, n, eos)
+    floor_weights = {"linear": model.matmul_weights()}  # the 7 products per layer eager code runs
     for system, mode in (("ygg-reference", "reference"), ("ygg-compiled", "performance")):
         progress.update(status, description=f"[{dtype}] building {system} engine")
         m = model.shared_copy()
         if mode == "performance":
             pack_models(m)  # as `yggtree run` builds it; a no-op off CPUs
+            if can_pack(m):  # the products the compiled system runs (q/k/v, gate/up fused)
+                floor_weights["packed"] = m.matmul_weights()
         engine = Engine(
             m,
             EngineConfig(mode=mode, max_context=args.max_context),
@@ -284,14 +286,18 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
         )
         compile_s[system] = engine.compile_s
         runners[system] = lambda ids, n, e=engine: time_ygg(e, ids, n)
+    floor_steps = {k: matmul_floor_step(ws, 1, kernel=k) for k, ws in floor_weights.items()}
 
     for system, run in runners.items():
         progress.update(status, description=f"[{dtype}] warm-up {system}")
         run(prompts[0][1], min(WARMUP_TOKENS, args.max_new_tokens))
+    for step, _ in floor_steps.values():  # warm-up of the floor (oneDNN primitives, caches)
+        _time_calls(step, FLOOR_SAMPLES, 1, torch.device("cpu"))
     progress.update(status, description=f"[{dtype}] done warming up", total=1, completed=1)
 
     task = progress.add_task(f"[{dtype}] timing", total=args.repeats * len(prompts) * len(runners))
     per_repeat: dict[str, list[dict]] = {s: [] for s in runners}
+    floor_ms: dict[str, list[float]] = {k: [] for k in floor_steps}
     last: dict[str, list[Timing]] = {}
     for _ in range(args.repeats):
         timings: dict[str, list[Timing]] = {s: [] for s in runners}
@@ -299,9 +305,15 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
             for system, run in runners.items():
                 timings[system].append(run(ids, args.max_new_tokens))
                 progress.advance(task)
+            for k, (step, _) in floor_steps.items():
+                floor_ms[k] += [t * 1e3 for t in _time_calls(step, FLOOR_SAMPLES, 0, torch.device("cpu"))]
         for system, ts in timings.items():
             per_repeat[system].append(aggregate(ts))
         last = timings
+    by_kernel = {k: floor_summary(floor_ms[k], floor_steps[k][1], 1, k) for k in floor_steps}
+    floor = dict(min(by_kernel.values(), key=lambda f: f["median_ms"]))  # the stricter floor
+    floor["kernel_ms"] = {k: f["median_ms"] for k, f in by_kernel.items()}
+    floor["kernel_p10_ms"] = {k: f["p10_ms"] for k, f in by_kernel.items()}
 
     rows = []
     hf_tok_s = [r["tok_s"] for r in per_repeat["hf"]] if "hf" in per_repeat else None

@@ -86,6 +86,74 @@ def matmul_weights(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 KERNELS = ("linear", "packed")
 
 
+def matmul_floor_step(
+    weights: Sequence[torch.Tensor], width: int, kernel: str = "linear"
+) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """One step's weight matmuls at ``width`` tokens as a callable (see :func:`matmul_floor_ms`),
+    and the 2-D weights it multiplies by. Inputs and packed weights are prepared once, so a
+    benchmark can time the step between its own runs (same machine state as the system timed)."""
+    if kernel not in KERNELS:
+        raise YggError(f"unknown matmul kernel {kernel!r} (choose from {', '.join(KERNELS)})")
+    if width < 1:
+        raise YggError(f"width must be >= 1, got {width}")
+    mats = matmul_weights(weights)
+    if not mats:
+        raise YggError("matmul_floor_ms needs at least one 2-D weight")
+    bad = sorted({str(w.dtype) for w in mats if not w.is_floating_point()})
+    if bad:
+        raise YggError(f"matmul_floor_ms needs floating-point weights, got {', '.join(bad)}")
+    devices = {w.device for w in mats}
+    if len(devices) != 1:
+        raise YggError(f"all weights must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+
+    gen = torch.Generator(device=device).manual_seed(0)  # local: the global RNG is left alone
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    for w in mats:
+        key = (w.shape[1], w.dtype)
+        if key not in inputs:
+            inputs[key] = torch.randn(width, w.shape[1], generator=gen, device=device).to(w.dtype)
+    if kernel == "packed":
+        from .runtime.packed import can_pack, packed_linear
+
+        if device.type != "cpu" or not all(can_pack(torch.nn.Linear(1, 1).to(w.dtype)) for w in mats):
+            raise YggError("the packed matmul floor needs oneDNN on a CPU for these weight dtypes")
+        prods = [(inputs[(w.shape[1], w.dtype)], torch.ops.mkldnn._reorder_linear_weight(w.detach(), None),
+                  w.shape[0]) for w in mats]
+
+        @torch.no_grad()
+        def step() -> None:
+            for x, p, n in prods:
+                packed_linear(x, p, n)
+    else:
+        plan = [(inputs[(w.shape[1], w.dtype)], w.detach().t()) for w in mats]
+
+        @torch.no_grad()
+        def step() -> None:
+            for x, wt in plan:
+                x @ wt
+
+    return step, mats
+
+
+def floor_summary(samples_ms: Sequence[float], mats: Sequence[torch.Tensor], width: int, kernel: str) -> dict:
+    """The dict :func:`matmul_floor_ms` returns, from per-step samples in ms."""
+    samples = np.asarray(samples_ms, dtype=float)
+    nbytes = weight_bytes(mats)
+    median = float(np.median(samples))
+    return {
+        "median_ms": median,
+        "p10_ms": float(np.percentile(samples, 10)),
+        "p90_ms": float(np.percentile(samples, 90)),
+        "weight_bytes": nbytes,
+        "n_matmuls": len(mats),
+        "gbps": nbytes / (median / 1e3) / 1e9,
+        "width": width,
+        "repeats": len(samples),
+        "kernel": kernel,
+    }
+
+
 def matmul_floor_ms(
     weights: Sequence[torch.Tensor], width: int, repeats: int = 20, warmup: int = 3, kernel: str = "linear"
 ) -> dict[str, float | int]:
@@ -100,7 +168,8 @@ def matmul_floor_ms(
     For each 2-D weight ``w`` of shape [out, in] (other tensors are ignored), compute ``x @ w.T`` with
     ``x`` of shape [width, in] in ``w``'s dtype and device (output allocated, as in a model's forward); all
     weights in sequence are one sample (one decoding step's worth of matmuls). Pass the weights the model
-    multiplies by, including the vocabulary projection (tied or not) and excluding embedding lookups.
+    multiplies by, one per product, including the vocabulary projection (tied or not) and excluding
+    embedding lookups (``Transformer.matmul_weights``).
 
     Returns a dict:
 
@@ -109,59 +178,8 @@ def matmul_floor_ms(
     - ``gbps``: ``weight_bytes / median`` in 1e9 bytes/s, the weight-streaming rate achieved;
     - ``width``, ``repeats``, ``kernel``: echoed.
     """
-    if kernel not in KERNELS:
-        raise YggError(f"unknown matmul kernel {kernel!r} (choose from {', '.join(KERNELS)})")
-    if width < 1:
-        raise YggError(f"width must be >= 1, got {width}")
     _check_counts(repeats, warmup)
-    mats = matmul_weights(weights)
-    if not mats:
-        raise YggError("matmul_floor_ms needs at least one 2-D weight")
-    bad = sorted({str(w.dtype) for w in mats if not w.is_floating_point()})
-    if bad:
-        raise YggError(f"matmul_floor_ms needs floating-point weights, got {', '.join(bad)}")
-    devices = {w.device for w in mats}
-    if len(devices) != 1:
-        raise YggError(f"all weights must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-
-    with torch.no_grad():
-        gen = torch.Generator(device=device).manual_seed(0)  # local: the global RNG is left alone
-        inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        for w in mats:
-            key = (w.shape[1], w.dtype)
-            if key not in inputs:
-                inputs[key] = torch.randn(width, w.shape[1], generator=gen, device=device).to(w.dtype)
-        if kernel == "packed":
-            from .runtime.packed import can_pack, packed_linear
-
-            if device.type != "cpu" or not all(can_pack(torch.nn.Linear(1, 1).to(w.dtype)) for w in mats):
-                raise YggError("the packed matmul floor needs oneDNN on a CPU for these weight dtypes")
-            prods = [(inputs[(w.shape[1], w.dtype)], w, torch.ops.mkldnn._reorder_linear_weight(w, None))
-                     for w in mats]
-
-            def step() -> None:
-                for x, w, p in prods:
-                    packed_linear(x, w, p)
-        else:
-            plan = [(inputs[(w.shape[1], w.dtype)], w.t()) for w in mats]
-
-            def step() -> None:
-                for x, wt in plan:
-                    x @ wt
-
-        samples_ms = np.array(_time_calls(step, repeats, warmup, device)) * 1e3
-
-    nbytes = weight_bytes(mats)
-    median = float(np.median(samples_ms))
-    return {
-        "median_ms": median,
-        "p10_ms": float(np.percentile(samples_ms, 10)),
-        "p90_ms": float(np.percentile(samples_ms, 90)),
-        "weight_bytes": nbytes,
-        "n_matmuls": len(mats),
-        "gbps": nbytes / (median / 1e3) / 1e9,
-        "width": width,
-        "repeats": repeats,
-        "kernel": kernel,
-    }
+    step, mats = matmul_floor_step(weights, width, kernel)
+    device = mats[0].device
+    samples_ms = np.array(_time_calls(step, repeats, warmup, device)) * 1e3
+    return floor_summary(samples_ms, mats, width, kernel)

@@ -31,6 +31,10 @@ from torch import nn
 from ..errors import YggError
 from . import packed as _packed  # noqa: F401  (registers yggtree::packed_linear, which packages call)
 
+# inductor settings of CPU graphs, torch.compile'd and AOTInductor-packaged alike: no per-call
+# size/stride asserts (Python checks of every input and extern-kernel output; see graphs.compile_options)
+INDUCTOR_CPU_CONFIG = {"size_asserts": False}
+
 N_ACT = 5  # x, cos, sin, slots, mask
 
 
@@ -89,7 +93,8 @@ def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: P
             m._buffers[n] = torch.empty(0, dtype=b.dtype)
         with torch.no_grad():
             ep = torch.export.export(fn, args, strict=False)
-            out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+            out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
+                                                           inductor_configs=dict(INDUCTOR_CPU_CONFIG))
     finally:
         for m, n, b in opaque:
             m._buffers[n] = b

@@ -144,6 +144,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.qkv: nn.Module | None = None  # q/k/v as one product (runtime.packed.pack_linears)
         self.cache: KVCache | None = None
 
     def forward(
@@ -157,9 +158,13 @@ class Attention(nn.Module):
         cfg = self.cfg
         bsz, w, _ = x.shape
         hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        q = apply_rope(self.q_proj(x).view(bsz, w, cfg.num_heads, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(bsz, w, hkv, d), cos, sin)
-        v = self.v_proj(x).view(bsz, w, hkv, d)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv(x).split([cfg.num_heads * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rope(q.view(bsz, w, cfg.num_heads, d), cos, sin)
+        k = apply_rope(k.view(bsz, w, hkv, d), cos, sin)
+        v = v.view(bsz, w, hkv, d)
         assert self.cache is not None, "call Transformer.setup_cache() before forward()"
         k_all, v_all = self.cache.write(slots, k, v)  # [B, S, Hkv, D]
         n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
@@ -208,9 +213,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: nn.Module | None = None  # gate/up as one product (runtime.packed.pack_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -307,6 +317,16 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()
 
     def matmul_weights(self) -> list[torch.Tensor]:
-        """The 2-D weights one token's forward multiplies by (for the matmul floor)."""
-        ws = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
-        return ws
+        """The 2-D weights one token's forward multiplies by, one per product as the forward runs
+        them (for the matmul floor): fused projections (``qkv``, ``gate_up``) give their parts'
+        weights stacked, a new tensor."""
+        ws = []
+        for block in self.layers:
+            a, m = block.self_attn, block.mlp
+            qkv = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+            ws += [torch.cat(qkv)] if a.qkv is not None else qkv
+            ws.append(a.o_proj.weight)
+            gu = [m.gate_proj.weight, m.up_proj.weight]
+            ws += [torch.cat(gu)] if m.gate_up is not None else gu
+            ws.append(m.down_proj.weight)
+        return [*ws, self.lm_head.weight]
