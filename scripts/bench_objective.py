@@ -207,7 +207,7 @@ def run(args) -> int:
         h = engine.target.cfg.hidden_size
         for name, which in (("predictor", "mlp"), ("baseline", "baseline")):
             model = load_predictor(plan.predictor, plan, which, h)
-            policies[name] = objective.fresh(depth_fn=depth_fn_for(model, cost, plan))
+            policies[name] = objective.fresh(predictor=depth_fn_for(model, cost, plan))
             settings[name] = f"objective, D by {which}"
     for dd in args.depths:  # the objective with one fixed depth
         policies[f"depth={dd}"] = objective.fresh(depth_fn=lambda h_root, c, dd=dd: dd)

@@ -10,6 +10,7 @@ import re
 from dataclasses import replace
 
 import pytest
+import numpy as np
 import torch
 
 from test_eagle import bigram_head, tiny
@@ -255,14 +256,30 @@ def test_policy_with_predictor(saved, plan):
     with pytest.raises(YggError, match="names a depth predictor but no profile and calibration"):
         policy_with_predictor(with_pred, None)
     got = policy_with_predictor(with_pred, pol, hidden_size=16)
-    fn = got.depth_fn
+    fn = got.predictor
     assert isinstance(fn, DepthFn) and fn.draft_width == 2 and fn.verify_widths == (4, 8, 8)
-    assert fn.overhead_ms > 0 and pol.depth_fn is None
+    assert fn.overhead_ms > 0 and pol.predictor is None and got.depth_fn is None
     h = torch.randn(16)
     d = choose_depth(mlp(h), pol.cost, 100, 2, (4, 8, 8), fn.overhead_ms)
     assert fn(h, 100) == d
+    # the predictor scales the calibration's drafted tokens per depth: its expectation for this
+    # context over the calibration's for its own tree shape (W_d 2, W_v 4, 8, 8)
+    scale = np.cumsum(fn.p_ge(h).double().numpy()) / np.array([cal.expected_aal(2, dd, wv) - 1
+                                                           for dd, wv in ((1, 4), (2, 8), (3, 8))])
+    np.testing.assert_array_equal(fn.aal_scale(h, cal), scale)
+    best, best_s = (0, None), 1.0  # brute force over the policy's (D, W_d, W_v), in its order
+    for dd in (1, 2, 3):
+        for wd in (1, 2, 4):
+            for wv in (1, 4, 8, 12):
+                a = cal.expected_aal(wd, dd, wv) if wv > 1 else 1.0
+                if a is None:
+                    continue
+                sp = (1 + (a - 1) * scale[dd - 1]) * pol.cost.plain_ms(100) / (
+                    pol.cost.step_ms(dd, wd, wv, 100) + fn.overhead_ms)
+                if sp > best_s:
+                    best, best_s = (dd, wd), sp
     choice = got.choose_draft(h, 100)
-    assert choice.draft_depth == (0 if d == 0 else got.plan_choice(100, d)[0].draft_depth)
+    assert (choice.draft_depth, choice.draft_width if choice.draft_depth else None) == best
 
 
 # ----------------------------------------------------------------------------- records

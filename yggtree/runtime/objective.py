@@ -437,11 +437,15 @@ class Feedback:
 class ObjectivePolicy:
     """A :class:`~yggtree.runtime.policy.StepPolicy` maximising the latency objective.
 
-    - ``choose_draft``: D from ``depth_fn(h_root)`` when given (the depth predictor, which
-      returns 0 for a plain step; a fixed depth), else the D maximising the calibration's
-      measured expected speed-up, the step being plain (D = 0) when no tree beats plain
-      decoding (predicted speed-up <= 1); W_d among the draft widths maximising
-      ``max_{W_v} AAL(W_d, D, W_v) * T_plain / T_step``.
+    - ``choose_draft``: (D, W_d) maximising ``max_{W_v} AAL(W_d, D, W_v) * T_plain / T_step``
+      over the plan's depths and draft widths, the step being plain (D = 0) when no tree beats
+      plain decoding (predicted speed-up <= 1). AAL is the calibration's expectation; with a
+      depth ``predictor`` (:class:`~yggtree.runtime.predictor.DepthFn`) its drafted part
+      (AAL - 1) at depth D is scaled by what the predictor expects of this context (from the
+      target's hidden state at the root) over what the calibration expects of the predictor's
+      tree shape, so the context picks D (and W_d) and the predictor's own cost joins every
+      tree step's time. ``depth_fn`` (a fixed depth, ``--depth N``) forces D instead
+      (0: a plain step).
     - ``choose_verify``: W_v among the verify widths (and 1) maximising the objective on the
       drafted tree's calibrated path probabilities, the drafting cost being already spent.
     - ``observe``: with ``feedback``, every finished step corrects the offline model (see
@@ -462,6 +466,7 @@ class ObjectivePolicy:
     verify_widths: tuple[int, ...]
     d_max: int
     depth_fn: Callable[[torch.Tensor, int], int] | None = None
+    predictor: object | None = None  # a predictor.DepthFn: per-context AAL by depth
     allow_plain: bool = True
     feedback: Feedback | None = None
     probe_every: int = 16
@@ -472,6 +477,7 @@ class ObjectivePolicy:
     _probe_gap: int = 0  # plain steps before the next probe (0: probe_every)
     _probing: bool = False  # the step under way is a probe
     _pending: Prediction | None = None  # the prediction of the step under way
+    _scale: np.ndarray | None = None  # [d_max] the predictor's AAL factors of the step under way
 
     def _choices(self, ctx: int):
         """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
@@ -496,14 +502,21 @@ class ObjectivePolicy:
         fb = self.feedback
         return fb, (fb.spec_time if fb else 1.0), (fb.plain_time if fb else 1.0)
 
-    def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None
-                    ) -> tuple[StepChoice, float]:
+    def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None,
+                    scale: np.ndarray | None = None, extra_ms: float = 0.0) -> tuple[StepChoice, float]:
         """The best (D, W_d) before drafting at context ``ctx`` and its expected speed-up
-        (``d``: only that depth; first of equals wins, deeper and wider choices after)."""
+        (``d``: only that depth; ``scale`` [n <= d_max]: factors on AAL - 1 for D = 1..n, deeper
+        trees excluded; ``extra_ms`` added to every tree step; first of equals wins, deeper and
+        wider choices after)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
         rows, depth, aal, ms, plain = self._choices(ctx)
         fb, rs, rp = self._scales()
-        s = (fb.aal(aal) if fb else aal) * (plain * rp) / (ms * rs)
+        if scale is not None:
+            f = np.full(self.d_max + 1, np.nan)
+            f[1 : len(scale) + 1] = scale[: self.d_max]
+            aal = 1.0 + (aal - 1.0) * f[depth]
+        s = (fb.aal(aal) if fb else aal) * (plain * rp) / ((ms + extra_ms) * rs)
+        s = np.where(np.isnan(s), -np.inf, s)
         if d is not None:
             s = np.where(depth == d, s, -np.inf)
         best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if allow else -1.0
@@ -514,13 +527,16 @@ class ObjectivePolicy:
         return best, best_s
 
     def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
+        self._scale, self._probing = None, False
         if self.depth_fn is not None:
             d = int(self.depth_fn(h_root, committed))  # D > 0: drafting was decided, pick W_d
             choice = (StepChoice(0, self.draft_widths[0]) if d == 0
                       else self.plan_choice(committed, d, allow_plain=False)[0])
+        elif self.predictor is not None:  # the predictor sees every context: no probes
+            self._scale = self.predictor.aal_scale(h_root, self.calib)
+            choice = self.plan_choice(committed, scale=self._scale, extra_ms=self.predictor.overhead_ms)[0]
         else:
             choice = self.plan_choice(committed)[0]
-            self._probing = False
             if choice.draft_depth > 0:
                 self._probe_gap = self.probe_every  # speculation pays again
             elif self.feedback is not None and self._plain_run >= (self._probe_gap or self.probe_every):
@@ -541,6 +557,9 @@ class ObjectivePolicy:
         vals = path_values(tree, self.calib.edge_prob, d)
         aal = aal_by_width(vals, tree, widths)
         steps = [self.cost.step_ms(d, wd, w, committed) for w in widths]
+        if self._scale is not None:  # the predictor's view of this context, as in choose_draft
+            aal = [1.0 + (a - 1.0) * float(self._scale[d - 1]) for a in aal]
+            steps = [t + self.predictor.overhead_ms for t in steps]
         plain = self.cost.plain_ms(committed)
         fb, rs, rp = self._scales()
         aal_on = [fb.aal(a) for a in aal] if fb else aal
@@ -557,7 +576,7 @@ class ObjectivePolicy:
         fb = Feedback(self.feedback.alpha, self.feedback.clip) if self.feedback is not None else None
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _plain_run=0, _probe_gap=0, _probing=False,
-                       _pending=None, **changes)
+                       _pending=None, _scale=None, **changes)
 
     def _log(self, pred: Prediction) -> None:
         self.log.append(pred)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -271,6 +272,16 @@ class DepthFn:
         return choose_depth(self.p_ge(h_root).tolist(), self.cost, committed, self.draft_width,
                             self.verify_widths, self.overhead_ms)
 
+    def aal_scale(self, h_root: torch.Tensor, calib) -> np.ndarray:
+        """[d_max] factors on the calibration's expected drafted tokens (AAL - 1) of a D-call
+        tree, D = 1..d_max: the predictor's expectation for this context, ``cumsum(P(len >=
+        d))``, over the calibration's (``calib``, an objective.Calibration) for the tree shape the
+        predictor was trained on (W_d, W_v(D)); 1 where the calibration expects nothing."""
+        base = np.array([(calib.expected_aal(self.draft_width, d, wv) or 1.0) - 1.0
+                         for d, wv in enumerate(self.verify_widths, 1)])
+        pred = np.cumsum(self.p_ge(h_root).numpy().astype(np.float64))
+        return np.where(base > 1e-6, pred / np.maximum(base, 1e-6), 1.0)
+
 
 def measure_ms(fn: Callable[[], object], repeats: int = 30) -> float:
     """Median wall time of ``fn()`` in ms."""
@@ -315,4 +326,4 @@ def policy_with_predictor(plan, policy, which: str = "mlp", hidden_size: int | N
                        "choosing a depth needs the latency objective (run `yggtree profile` and "
                        "`yggtree calibrate`, and name both in the plan)")
     model = load_predictor(plan.predictor, plan, which, hidden_size)
-    return policy.fresh(depth_fn=depth_fn_for(model, policy.cost, plan))
+    return policy.fresh(predictor=depth_fn_for(model, policy.cost, plan))
