@@ -400,6 +400,19 @@ def test_feedback_tracks_measured_ratios():
     assert Feedback().accept_scale == 1.0 and Feedback().aal(2.5) == 2.5  # starts at the offline model
 
 
+def test_feedback_machine_factor_follows_the_verify_calls_of_drafted_steps():
+    """With no plain step at all, the plain-time estimate still follows the machine: drafted
+    steps' verify calls run 1.3x slower than profiled, so plain steps would too."""
+    from yggtree.runtime.objective import Feedback, Prediction
+
+    fb = Feedback(alpha=0.2)
+    spec = Prediction(100, 2, 8, aal=3.0, step_ms=40.0, plain_ms=30.0, verify_ms=32.0)
+    for _ in range(200):  # verify 1.3x the profile; the whole step 1.3 x 1.2 x the prediction
+        fb.update(spec, n_accepted=2, step_ms=40.0 * 1.3 * 1.2, verify_ms=32.0 * 1.3)
+    assert fb.plain_time == pytest.approx(1.3) and fb.spec_extra == pytest.approx(1.2)
+    assert fb.spec_time == pytest.approx(1.3 * 1.2)
+
+
 def test_feedback_falls_back_to_plain_and_probes():
     """Speculation predicted to pay but measured not to: the policy turns to plain steps, and
     after ``probe_every`` plain steps tries the best tree once; each losing probe doubles the

@@ -364,6 +364,7 @@ class Prediction:
     aal_online: float | None = None
     step_ms_online: float | None = None
     plain_ms_online: float | None = None
+    verify_ms: float | None = None  # predicted time of the step's verify call (T_v(W_v) at ctx)
 
     def terms(self, online: bool = False) -> tuple[float, float, float]:
         """(aal, step_ms, plain_ms), offline or feedback-corrected."""
@@ -390,25 +391,41 @@ class Feedback:
     """Online correction of the offline model from the steps actually run.
 
     The profile times each stage in isolation and the calibration measures acceptance on
-    calibration prompts; on a real workload a step also pays loop overhead and cache misses, and
-    the prompts may be easier or harder for the drafter than the calibration's. Three
-    exponential moving averages (weight ``alpha`` per step, starting at "the offline model is
-    right") track what the offline model misses:
+    calibration prompts; on a real workload the machine may be slower or faster than when it was
+    profiled (other processes), a drafted step also pays loop overhead and the drafter's catch-up
+    after plain steps, and the prompts may be easier or harder for the drafter than the
+    calibration's. Exponential moving averages (weight ``alpha`` per step, starting at "the
+    offline model is right") track what the offline model misses:
 
+    - ``machine``: measured / predicted time of the target's call, learnt from EVERY step (a
+      plain step's wall time; a drafted step's verify stage), so it follows the machine's load
+      whichever kind of step dominates;
+    - ``spec_extra``: measured / (``machine`` x predicted) wall time of drafted steps, what a
+      drafted step costs beyond the profile's stages on this machine;
     - ``accept_scale``: realised / expected drafted tokens accepted per drafted step (AAL - 1),
-      as a ratio of two EMAs;
-    - ``spec_time``, ``plain_time``: measured / predicted wall time of drafted and plain steps.
+      as a ratio of two EMAs.
 
-    Corrected: AAL' = 1 + (AAL - 1) * accept_scale, T' = T * spec_time (plain_time for plain).
-    A time ratio enters clipped to within ``clip`` x the current estimate, so one outlier step
-    (a page fault, another process) moves an estimate by at most ``alpha * (clip - 1)``."""
+    Corrected: AAL' = 1 + (AAL - 1) * accept_scale, T_plain' = T_plain * plain_time and
+    T_step' = T_step * spec_time, with plain_time = machine and spec_time = machine * spec_extra.
+    (Separate plain and drafted time ratios went stale on prompts where one kind of step is
+    rare: the rare kind then looked cheaper or dearer than it was by the machine's drift.)
+    A ratio enters clipped to within ``clip`` x the current estimate, so one outlier step (a page
+    fault, another process) moves an estimate by at most ``alpha * (clip - 1)``."""
 
     alpha: float = 0.1
     clip: float = 1.5
-    spec_time: float = 1.0
-    plain_time: float = 1.0
+    machine: float = 1.0
+    spec_extra: float = 1.0
     _accepted: float = 1.0  # EMA of realised drafted tokens accepted per drafted step
     _expected: float = 1.0  # EMA of expected ones (AAL - 1 of the prediction)
+
+    @property
+    def plain_time(self) -> float:
+        return self.machine
+
+    @property
+    def spec_time(self) -> float:
+        return self.machine * self.spec_extra
 
     @property
     def accept_scale(self) -> float:
@@ -418,17 +435,20 @@ class Feedback:
         """Corrected expected accepted length (float or numpy array)."""
         return 1.0 + (aal - 1.0) * self.accept_scale
 
-    def update(self, pred: Prediction, n_accepted: int, step_ms: float) -> None:
-        """Fold in one step: its prediction, drafted tokens accepted, measured wall time."""
+    def update(self, pred: Prediction, n_accepted: int, step_ms: float, verify_ms: float | None = None) -> None:
+        """Fold in one step: its prediction, drafted tokens accepted, measured wall time, and
+        (drafted steps) the measured time of its verify stage."""
         a, c = self.alpha, self.clip
 
         def toward(est: float, ratio: float) -> float:
             return est + a * (min(max(ratio, est / c), est * c) - est)
 
         if pred.draft_depth == 0:
-            self.plain_time = toward(self.plain_time, step_ms / pred.plain_ms)
+            self.machine = toward(self.machine, step_ms / pred.plain_ms)
             return
-        self.spec_time = toward(self.spec_time, step_ms / pred.step_ms)
+        if verify_ms is not None and pred.verify_ms:
+            self.machine = toward(self.machine, verify_ms / pred.verify_ms)
+        self.spec_extra = toward(self.spec_extra, step_ms / (self.machine * pred.step_ms))
         self._accepted += a * (n_accepted - self._accepted)
         self._expected += a * (pred.aal - 1.0 - self._expected)
 
@@ -566,7 +586,7 @@ class ObjectivePolicy:
         wv, _ = best_verify(aal_on, widths, [t * rs for t in steps], plain * rp)
         i = widths.index(wv)
         self._log(Prediction(committed, d, wv, aal[i], steps[i], plain,
-                             aal_on[i], steps[i] * rs, plain * rp))
+                             aal_on[i], steps[i] * rs, plain * rp, self.cost.t_verify(wv, committed)))
         return wv
 
     def fresh(self, **changes) -> "ObjectivePolicy":
@@ -594,7 +614,7 @@ class ObjectivePolicy:
             gap = self._probe_gap or self.probe_every
             self._probe_gap = self.probe_every if won else min(2 * gap, self.probe_max)
             self._probing = False
-        self.feedback.update(pred, rec.n_accepted, step_ms)
+        self.feedback.update(pred, rec.n_accepted, step_ms, rec.stage_ms.get("verify"))
 
 
 def plan_policy(plan, feedback: bool = True) -> ObjectivePolicy | None:
