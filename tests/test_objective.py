@@ -10,6 +10,7 @@ import json
 import math
 
 import pytest
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -400,6 +401,23 @@ def test_feedback_tracks_measured_ratios():
     assert Feedback().accept_scale == 1.0 and Feedback().aal(2.5) == 2.5  # starts at the offline model
 
 
+def test_feedback_scales_acceptance_per_depth():
+    """Deep trees deliver half the calibrated tokens, one-call trees all of them: each depth
+    keeps its own scale, and a depth not run yet keeps the offline model's."""
+    from yggtree.runtime.objective import Feedback, Prediction
+
+    fb = Feedback(alpha=0.2)
+    deep = Prediction(100, 3, 16, aal=3.0, step_ms=40.0, plain_ms=30.0)
+    one = Prediction(100, 1, 4, aal=1.6, step_ms=35.0, plain_ms=30.0)
+    for _ in range(200):
+        fb.update(deep, n_accepted=1, step_ms=40.0)  # expected 2 drafted tokens
+        fb.update(one, n_accepted=0.6, step_ms=35.0)  # expected 0.6 (a mean over steps)
+    assert fb.accept_scale_at(3) == pytest.approx(0.5) and fb.accept_scale_at(1) == pytest.approx(1.0)
+    assert fb.accept_scale_at(2) == 1.0 and fb.aal(2.0, 2) == 2.0
+    assert fb.aal(3.0, 3) == pytest.approx(2.0) and fb.aal(1.6, 1) == pytest.approx(1.6)
+    np.testing.assert_allclose(fb.aal(np.array([3.0, 1.6, 2.0]), np.array([3, 1, 2])), [2.0, 1.6, 2.0])
+
+
 def test_feedback_machine_factor_follows_the_verify_calls_of_drafted_steps():
     """With no plain step at all, the plain-time estimate still follows the machine: drafted
     steps' verify calls run 1.3x slower than profiled, so plain steps would too."""
@@ -438,7 +456,8 @@ def test_feedback_falls_back_to_plain_and_probes():
             pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
     assert offline.choose_draft(torch.zeros(8), 100).draft_depth > 0  # offline: speculate
     first = choices.index(0)
-    assert 1 <= first <= 3  # a few bad steps suffice (alpha 0.5; time ratios clipped to 1.5x)
+    assert 1 <= first <= 6  # a few bad steps suffice (alpha 0.5, time ratios clipped to 1.5x; each
+    # depth tried keeps its own acceptance scale, so a second depth may be tried first)
     spec_at = [i for i, d in enumerate(choices) if d and i >= first]
     gaps = [b - a - 1 for a, b in zip([first - 1, *spec_at], spec_at)]  # plain steps before each probe
     assert gaps == [4, 8, 16, 16, 16] and len(choices) - spec_at[-1] - 1 < 16  # every probe lost: back off

@@ -403,9 +403,11 @@ class Feedback:
     - ``spec_extra``: measured / (``machine`` x predicted) wall time of drafted steps, what a
       drafted step costs beyond the profile's stages on this machine;
     - ``accept_scale``: realised / expected drafted tokens accepted per drafted step (AAL - 1),
-      as a ratio of two EMAs.
+      as a ratio of two EMAs, overall and per draft depth D (``accept_scale_at(D)``, starting
+      at 1 for a depth not run yet): the calibration may over-rate deep trees on some text and
+      rate shallow ones right, and one scale for all depths would punish both alike.
 
-    Corrected: AAL' = 1 + (AAL - 1) * accept_scale, T_plain' = T_plain * plain_time and
+    Corrected: AAL' = 1 + (AAL - 1) * accept_scale_at(D), T_plain' = T_plain * plain_time and
     T_step' = T_step * spec_time, with plain_time = machine and spec_time = machine * spec_extra.
     (Separate plain and drafted time ratios went stale on prompts where one kind of step is
     rare: the rare kind then looked cheaper or dearer than it was by the machine's drift.)
@@ -418,6 +420,7 @@ class Feedback:
     spec_extra: float = 1.0
     _accepted: float = 1.0  # EMA of realised drafted tokens accepted per drafted step
     _expected: float = 1.0  # EMA of expected ones (AAL - 1 of the prediction)
+    _by_depth: dict = field(default_factory=dict)  # D -> [EMA accepted, EMA expected] of D-deep steps
 
     @property
     def plain_time(self) -> float:
@@ -431,9 +434,20 @@ class Feedback:
     def accept_scale(self) -> float:
         return self._accepted / self._expected if self._expected > 1e-6 else 1.0
 
-    def aal(self, aal):
-        """Corrected expected accepted length (float or numpy array)."""
-        return 1.0 + (aal - 1.0) * self.accept_scale
+    def accept_scale_at(self, d: int) -> float:
+        acc, exp = self._by_depth.get(d, (1.0, 1.0))
+        return acc / exp if exp > 1e-6 else 1.0
+
+    def aal(self, aal, depth=None):
+        """Corrected expected accepted length (float or numpy array) of trees of ``depth`` draft
+        calls (an int, or an int array like ``aal``; None: the overall scale)."""
+        if depth is None:
+            return 1.0 + (aal - 1.0) * self.accept_scale
+        if np.ndim(depth) == 0:
+            return 1.0 + (aal - 1.0) * self.accept_scale_at(int(depth))
+        depth = np.asarray(depth)
+        scales = np.array([self.accept_scale_at(d) for d in range(int(depth.max()) + 1)])
+        return 1.0 + (aal - 1.0) * scales[depth]
 
     def update(self, pred: Prediction, n_accepted: int, step_ms: float, verify_ms: float | None = None) -> None:
         """Fold in one step: its prediction, drafted tokens accepted, measured wall time, and
@@ -451,6 +465,8 @@ class Feedback:
         self.spec_extra = toward(self.spec_extra, step_ms / (self.machine * pred.step_ms))
         self._accepted += a * (n_accepted - self._accepted)
         self._expected += a * (pred.aal - 1.0 - self._expected)
+        acc, exp = self._by_depth.get(pred.draft_depth, (1.0, 1.0))
+        self._by_depth[pred.draft_depth] = (acc + a * (n_accepted - acc), exp + a * (pred.aal - 1.0 - exp))
 
 
 @dataclass
@@ -535,7 +551,7 @@ class ObjectivePolicy:
             f = np.full(self.d_max + 1, np.nan)
             f[1 : len(scale) + 1] = scale[: self.d_max]
             aal = 1.0 + (aal - 1.0) * f[depth]
-        s = (fb.aal(aal) if fb else aal) * (plain * rp) / ((ms + extra_ms) * rs)
+        s = (fb.aal(aal, depth) if fb else aal) * (plain * rp) / ((ms + extra_ms) * rs)
         s = np.where(np.isnan(s), -np.inf, s)
         if d is not None:
             s = np.where(depth == d, s, -np.inf)
@@ -582,7 +598,7 @@ class ObjectivePolicy:
             steps = [t + self.predictor.overhead_ms for t in steps]
         plain = self.cost.plain_ms(committed)
         fb, rs, rp = self._scales()
-        aal_on = [fb.aal(a) for a in aal] if fb else aal
+        aal_on = [fb.aal(a, d) for a in aal] if fb else aal
         wv, _ = best_verify(aal_on, widths, [t * rs for t in steps], plain * rp)
         i = widths.index(wv)
         self._log(Prediction(committed, d, wv, aal[i], steps[i], plain,
@@ -607,7 +623,10 @@ class ObjectivePolicy:
         pred, self._pending = self._pending, None
         if self.feedback is None or pred is None:
             return
-        step_ms = sum(rec.stage_ms.values())
+        # the drafter's catch-up after plain steps ("resync") is left out: it is the price of the
+        # plain steps before, grows with their number, and counted against speculation it made
+        # every later probe look worse (a feedback loop that kept a policy on plain steps)
+        step_ms = sum(v for k, v in rec.stage_ms.items() if k != "resync")
         if self._probing:  # did the probe beat the plain steps its tokens would have taken?
             plain_ms = pred.plain_ms * self.feedback.plain_time
             won = (1 + rec.n_accepted) * plain_ms > step_ms
