@@ -380,10 +380,12 @@ def test_run_with_a_plan_decodes_with_the_objective(tmp_path, capsys):
 # ----------------------------------------------------------------------------- online feedback
 
 
-def _record(choice: StepChoice, n_accepted: int, ms: float):
+def _record(choice: StepChoice, n_accepted: int, ms: float, verify_ms: float | None = None):
+    """A finished step of ``ms`` in all, ``verify_ms`` of it (default: all) in the verify call."""
     from yggtree.runtime.policy import StepRecord
 
-    return StepRecord(torch.zeros(8), 100, choice, 1, n_accepted, {"verify": ms})
+    v = ms if verify_ms is None else verify_ms
+    return StepRecord(torch.zeros(8), 100, choice, 1, n_accepted, {"verify": v, "draft": ms - v})
 
 
 def test_feedback_tracks_measured_ratios():
@@ -451,7 +453,7 @@ def test_feedback_falls_back_to_plain_and_probes():
         choices.append(c.draft_depth)
         if c.draft_depth:
             pol.choose_verify(tree, c, 100)
-            pol.observe(_record(c, 0, 500.0))  # nothing accepted, and 10x slower than predicted
+            pol.observe(_record(c, 0, 500.0, 40.0))  # nothing accepted, drafting 10x slower than predicted
         else:
             pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
     assert offline.choose_draft(torch.zeros(8), 100).draft_depth > 0  # offline: speculate

@@ -400,8 +400,9 @@ class Feedback:
     - ``machine``: measured / predicted time of the target's call, learnt from EVERY step (a
       plain step's wall time; a drafted step's verify stage), so it follows the machine's load
       whichever kind of step dominates;
-    - ``spec_extra``: measured / (``machine`` x predicted) wall time of drafted steps, what a
-      drafted step costs beyond the profile's stages on this machine;
+    - ``spec_extra``: measured / (``machine`` x predicted) wall time of drafted steps (their
+      verify call counted at ``machine`` x its predicted time), what a drafted step costs beyond
+      the profile's stages on this machine;
     - ``accept_scale``: realised / expected drafted tokens accepted per drafted step (AAL - 1),
       as a ratio of two EMAs, overall and per draft depth D (``accept_scale_at(D)``, starting
       at 1 for a depth not run yet): the calibration may over-rate deep trees on some text and
@@ -462,6 +463,9 @@ class Feedback:
             return
         if verify_ms is not None and pred.verify_ms:
             self.machine = toward(self.machine, verify_ms / pred.verify_ms)
+            # the step's own verify call counts at the machine's learnt speed: a loaded machine
+            # makes single calls vary 2-3x, and that noise belongs to ``machine``, not here
+            step_ms = step_ms - verify_ms + self.machine * pred.verify_ms
         self.spec_extra = toward(self.spec_extra, step_ms / (self.machine * pred.step_ms))
         self._accepted += a * (n_accepted - self._accepted)
         self._expected += a * (pred.aal - 1.0 - self._expected)
