@@ -391,7 +391,7 @@ def _record(choice: StepChoice, n_accepted: int, ms: float, verify_ms: float | N
 def test_feedback_tracks_measured_ratios():
     from yggtree.runtime.objective import Feedback, Prediction
 
-    fb = Feedback(alpha=0.2)
+    fb = Feedback(alpha=0.2, accept_alpha=0.2)
     spec = Prediction(100, 2, 8, aal=3.0, step_ms=40.0, plain_ms=30.0)
     plain = Prediction(100, 0, 1, aal=1.0, step_ms=30.0, plain_ms=30.0)
     for _ in range(200):  # the drafter delivers half of what was expected; steps run 1.5x longer
@@ -408,7 +408,7 @@ def test_feedback_scales_acceptance_per_depth():
     keeps its own scale, and a depth not run yet keeps the offline model's."""
     from yggtree.runtime.objective import Feedback, Prediction
 
-    fb = Feedback(alpha=0.2)
+    fb = Feedback(alpha=0.2, accept_alpha=0.2)
     deep = Prediction(100, 3, 16, aal=3.0, step_ms=40.0, plain_ms=30.0)
     one = Prediction(100, 1, 4, aal=1.6, step_ms=35.0, plain_ms=30.0)
     for _ in range(200):
@@ -425,7 +425,7 @@ def test_feedback_machine_factor_follows_the_verify_calls_of_drafted_steps():
     steps' verify calls run 1.3x slower than profiled, so plain steps would too."""
     from yggtree.runtime.objective import Feedback, Prediction
 
-    fb = Feedback(alpha=0.2)
+    fb = Feedback(alpha=0.2, accept_alpha=0.2)
     spec = Prediction(100, 2, 8, aal=3.0, step_ms=40.0, plain_ms=30.0, verify_ms=32.0)
     for _ in range(200):  # verify 1.3x the profile; the whole step 1.3 x 1.2 x the prediction
         fb.update(spec, n_accepted=2, step_ms=40.0 * 1.3 * 1.2, verify_ms=32.0 * 1.3)
@@ -444,7 +444,7 @@ def test_feedback_falls_back_to_plain_and_probes():
 
     cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
     pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
-                          feedback=Feedback(alpha=0.5), probe_every=4, probe_max=16)
+                          feedback=Feedback(alpha=0.5, accept_alpha=0.5), probe_every=4, probe_max=16)
     offline = policy(cal)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
     choices = []

@@ -395,7 +395,10 @@ class Feedback:
     profiled (other processes), a drafted step also pays loop overhead and the drafter's catch-up
     after plain steps, and the prompts may be easier or harder for the drafter than the
     calibration's. Exponential moving averages (weight ``alpha`` per step, starting at "the
-    offline model is right") track what the offline model misses:
+    offline model is right") track what the offline model misses (acceptance with the slower
+    ``accept_alpha``: whether a drafted token lands is a coin toss per step, and a fast average
+    of it wanders far enough that a policy would talk itself into plain steps, where it no
+    longer learns anything about acceptance):
 
     - ``machine``: measured / predicted time of the target's call, learnt from EVERY step (a
       plain step's wall time; a drafted step's verify stage), so it follows the machine's load
@@ -417,6 +420,7 @@ class Feedback:
 
     alpha: float = 0.1
     clip: float = 1.5
+    accept_alpha: float = 0.02  # acceptance is a coin per step: a 0.1 EMA of it wanders +-20%
     machine: float = 1.0
     spec_extra: float = 1.0
     _accepted: float = 1.0  # EMA of realised drafted tokens accepted per drafted step
@@ -467,10 +471,11 @@ class Feedback:
             # makes single calls vary 2-3x, and that noise belongs to ``machine``, not here
             step_ms = step_ms - verify_ms + self.machine * pred.verify_ms
         self.spec_extra = toward(self.spec_extra, step_ms / (self.machine * pred.step_ms))
-        self._accepted += a * (n_accepted - self._accepted)
-        self._expected += a * (pred.aal - 1.0 - self._expected)
+        b = self.accept_alpha
+        self._accepted += b * (n_accepted - self._accepted)
+        self._expected += b * (pred.aal - 1.0 - self._expected)
         acc, exp = self._by_depth.get(pred.draft_depth, (1.0, 1.0))
-        self._by_depth[pred.draft_depth] = (acc + a * (n_accepted - acc), exp + a * (pred.aal - 1.0 - exp))
+        self._by_depth[pred.draft_depth] = (acc + b * (n_accepted - acc), exp + b * (pred.aal - 1.0 - exp))
 
 
 @dataclass
@@ -613,7 +618,8 @@ class ObjectivePolicy:
         """A copy with ``changes`` applied and no state carried over (log, feedback, caches)."""
         from dataclasses import replace
 
-        fb = Feedback(self.feedback.alpha, self.feedback.clip) if self.feedback is not None else None
+        fb = (Feedback(self.feedback.alpha, self.feedback.clip, self.feedback.accept_alpha)
+              if self.feedback is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _plain_run=0, _probe_gap=0, _probing=False,
                        _pending=None, _scale=None, **changes)
