@@ -256,7 +256,7 @@ def aggregate(timings: list[Timing]) -> dict[str, float]:
 
 def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], list[dict], dict]:
     """All systems at one dtype: (table rows, per-prompt records, the matmul floor measurement)."""
-    from .floor import _time_calls, floor_summary, matmul_floor_step
+    from .floor import floor_summary, matmul_floor_step, time_calls
     from .runtime.engine import Engine, EngineConfig
     from .runtime.loading import load_model
     from .runtime.build import pack_models
@@ -291,8 +291,8 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     for system, run in runners.items():
         progress.update(status, description=f"[{dtype}] warm-up {system}")
         run(prompts[0][1], min(WARMUP_TOKENS, args.max_new_tokens))
-    for step, _ in floor_steps.values():  # warm-up of the floor (oneDNN primitives, caches)
-        _time_calls(step, FLOOR_SAMPLES, 1, torch.device("cpu"))
+    for step, ws in floor_steps.values():  # warm-up of the floor (oneDNN primitives, caches)
+        time_calls(step, FLOOR_SAMPLES, 1, ws[0].device)
     progress.update(status, description=f"[{dtype}] done warming up", total=1, completed=1)
 
     task = progress.add_task(f"[{dtype}] timing", total=args.repeats * len(prompts) * len(runners))
@@ -305,8 +305,8 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
             for system, run in runners.items():
                 timings[system].append(run(ids, args.max_new_tokens))
                 progress.advance(task)
-            for k, (step, _) in floor_steps.items():
-                floor_ms[k] += [t * 1e3 for t in _time_calls(step, FLOOR_SAMPLES, 0, torch.device("cpu"))]
+            for k, (step, ws) in floor_steps.items():
+                floor_ms[k] += [t * 1e3 for t in time_calls(step, FLOOR_SAMPLES, 0, ws[0].device)]
         for system, ts in timings.items():
             per_repeat[system].append(aggregate(ts))
         last = timings

@@ -39,7 +39,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_calls(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> list[float]:
     """Seconds per call of fn: ``warmup`` untimed calls, then ``repeats`` timed ones."""
     for _ in range(warmup):
         fn()
@@ -69,7 +69,7 @@ def copy_bandwidth_gbps(
     device = torch.device(device)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)  # touch every page before timing
     dst = torch.zeros_like(src)
-    samples = _time_calls(lambda: dst.copy_(src), repeats, warmup, device)
+    samples = time_calls(lambda: dst.copy_(src), repeats, warmup, device)
     return nbytes / float(np.median(samples)) / 1e9
 
 
@@ -181,5 +181,5 @@ def matmul_floor_ms(
     _check_counts(repeats, warmup)
     step, mats = matmul_floor_step(weights, width, kernel)
     device = mats[0].device
-    samples_ms = np.array(_time_calls(step, repeats, warmup, device)) * 1e3
+    samples_ms = np.array(time_calls(step, repeats, warmup, device)) * 1e3
     return floor_summary(samples_ms, mats, width, kernel)

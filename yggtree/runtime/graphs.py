@@ -228,7 +228,6 @@ def compile_options(backend: str) -> dict | None:
     return dict(static, options=dict(INDUCTOR_CPU_CONFIG))
 
 
-
 def backend_device(backend: str) -> str:
     """The torch device a backend's models and caches live on."""
     return {"cuda": "cuda", "npu": "npu"}.get(backend, "cpu")

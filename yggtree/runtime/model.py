@@ -223,6 +223,14 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+# The projections a block's forward can run as one product (runtime.packed.pack_linears fills
+# the hook): (submodule of the block, its hook attribute, the linears the hook stands in for).
+FUSED_PROJECTIONS = (
+    ("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
+    ("mlp", "gate_up", ("gate_proj", "up_proj")),
+)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -322,11 +330,9 @@ class Transformer(nn.Module):
         weights stacked, a new tensor."""
         ws = []
         for block in self.layers:
-            a, m = block.self_attn, block.mlp
-            qkv = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
-            ws += [torch.cat(qkv)] if a.qkv is not None else qkv
-            ws.append(a.o_proj.weight)
-            gu = [m.gate_proj.weight, m.up_proj.weight]
-            ws += [torch.cat(gu)] if m.gate_up is not None else gu
-            ws.append(m.down_proj.weight)
+            for mod_name, hook, names in FUSED_PROJECTIONS:
+                mod = getattr(block, mod_name)
+                parts = [getattr(mod, k).weight for k in names]
+                ws += [torch.cat(parts)] if getattr(mod, hook) is not None else parts
+            ws += [block.self_attn.o_proj.weight, block.mlp.down_proj.weight]
         return [*ws, self.lm_head.weight]

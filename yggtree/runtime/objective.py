@@ -642,7 +642,6 @@ class ObjectivePolicy:
             won = (1 + rec.n_accepted) * plain_ms > step_ms
             gap = self._probe_gap or self.probe_every
             self._probe_gap = self.probe_every if won else min(2 * gap, self.probe_max)
-            self._probing = False
         self.feedback.update(pred, rec.n_accepted, step_ms, rec.stage_ms.get("verify"))
 
 

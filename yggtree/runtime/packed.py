@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .model import FUSED_PROJECTIONS
+
 __all__ = ["packed_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears"]
 
 
@@ -116,10 +118,6 @@ def can_pack(model: nn.Module) -> bool:
     return w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# (module of a decoder block, its fusion hook, the linears the hook replaces in its forward)
-FUSIONS = (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up", ("gate_proj", "up_proj")))
-
-
 def pack_linears(model: nn.Module, fuse: bool = True) -> int:
     """Pack the ``nn.Linear`` layers of ``model.layers`` (its decoder blocks) and its
     ``lm_head`` in place; returns how many linear layers were packed (0 where :func:`can_pack`
@@ -135,7 +133,7 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
         return 0
     n, fused_parts = 0, set()
     for block in model.layers:
-        for mod_name, attr, names in FUSIONS:
+        for mod_name, attr, names in FUSED_PROJECTIONS:
             mod = getattr(block, mod_name, None)
             if getattr(mod, attr, False) is None and fuse:  # a fusion hook, not yet fused
                 parts = [getattr(mod, k, None) for k in names]
