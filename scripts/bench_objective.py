@@ -15,7 +15,9 @@ envelope), greedy:
   (``--chain D,W_v`` overrides);
 - ``predictor`` / ``baseline`` (when the plan names a depth predictor): the objective with D
   chosen every step by the MLP depth predictor / its scikit-learn (logistic) baseline;
-- ``depth=N`` (``--depths N,M,...``): the objective with D fixed to N (W_d, W_v still chosen).
+- ``depth=N`` (``--depths N,M,...``): the objective with D fixed to N (W_d, W_v still chosen);
+- ``chain=N`` (``--chain-depths N,M,...``): chains of length N (W_d = 1, the smallest verify
+  width holding N + 1 nodes), so "a chain of the best fixed length" is measured, not predicted.
 
 ``--systems`` keeps a subset (plain always runs: it is the baseline of every ratio).
 
@@ -209,6 +211,13 @@ def run(args) -> int:
             model = load_predictor(plan.predictor, plan, which, h)
             policies[name] = objective.fresh(predictor=depth_fn_for(model, cost, plan))
             settings[name] = f"objective, D by {which}"
+    for dd in args.chain_depths:  # chains of other lengths than the predicted best
+        w2 = min((w for w in plan.verify_widths if w >= 1 + dd), default=None)
+        if w2 is None or dd > plan.d_max:
+            raise YggError(f"--chain-depths: no verify width of plan {plan.name!r} holds a chain of {dd}")
+        plan.tree_params(1, w2, dd)
+        policies[f"chain={dd}"] = FixedPolicy(StepChoice(dd, 1), w2)
+        settings[f"chain={dd}"] = f"1,{dd},{w2}"
     for dd in args.depths:  # the objective with one fixed depth
         policies[f"depth={dd}"] = objective.fresh(depth_fn=lambda h_root, c, dd=dd: dd)
         settings[f"depth={dd}"] = f"objective, D={dd}"
@@ -216,7 +225,8 @@ def run(args) -> int:
     if unknown:
         raise YggError(f"--systems: unknown {', '.join(unknown)} (have {', '.join(policies)})")
     if args.systems:  # plain is every ratio's baseline; --depths asked for its own systems
-        keep = {"plain", *args.systems, *(f"depth={d}" for d in args.depths)}
+        keep = {"plain", *args.systems, *(f"depth={d}" for d in args.depths),
+                *(f"chain={d}" for d in args.chain_depths)}
         policies = {n: p for n, p in policies.items() if n in keep}
     prompts = load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
@@ -291,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chain", help="D,W_v of the chain (default: best predicted chain)")
     p.add_argument("--depths", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
                    help="also the objective with these fixed depths, e.g. 2,3,4")
+    p.add_argument("--chain-depths", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
+                   help="also chains of these lengths, e.g. 1,2")
     p.add_argument("--systems", type=lambda t: t.split(","), default=[],
                    help="only these systems (plain always runs): objective,fixed,chain,predictor,baseline,depth=N")
     p.add_argument("--compile-root", default="compile")

@@ -235,6 +235,8 @@ class Engine:
         if (policy is not None or on_step is not None) and self.drafter is None:
             raise YggError("a step policy or on_step callback needs a speculative engine (a drafter)")
         self._check_prompt(prompt_ids, params)
+        if (start := getattr(policy, "start_request", None)) is not None:
+            start()  # a learning policy hears where one request's text ends and the next begins
         gen = torch.Generator().manual_seed(params.seed)
         stats = {name: 0.0 for name in STAGES}
         t0 = time.perf_counter()

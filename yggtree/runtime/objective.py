@@ -392,56 +392,83 @@ class Feedback:
 
     The profile times each stage in isolation and the calibration measures acceptance on
     calibration prompts; on a real workload the machine may be slower or faster than when it was
-    profiled (other processes), a drafted step also pays loop overhead and the drafter's catch-up
-    after plain steps, and the prompts may be easier or harder for the drafter than the
-    calibration's. Exponential moving averages (weight ``alpha`` per step, starting at "the
-    offline model is right") track what the offline model misses (acceptance with the slower
-    ``accept_alpha``: whether a drafted token lands is a coin toss per step, and a fast average
-    of it wanders far enough that a policy would talk itself into plain steps, where it no
-    longer learns anything about acceptance):
+    profiled (other processes), one graph width may run relatively faster or slower than it did
+    then, a drafted step pays loop overhead the stage timings miss, and the prompts may be easier
+    or harder for the drafter than the calibration's. Moving averages, starting at "the offline
+    model is right", track what the offline model misses:
 
-    - ``machine``: measured / predicted time of the target's call, learnt from EVERY step (a
-      plain step's wall time; a drafted step's verify stage), so it follows the machine's load
+    - ``machine`` (fast, ``alpha``): measured / predicted time of the target's call, learnt from
+      EVERY step (a plain step; a drafted step's verify stage), so it follows the machine's load
       whichever kind of step dominates;
-    - ``spec_extra``: measured / (``machine`` x predicted) wall time of drafted steps (their
-      verify call counted at ``machine`` x its predicted time), what a drafted step costs beyond
-      the profile's stages on this machine;
-    - ``accept_scale``: realised / expected drafted tokens accepted per drafted step (AAL - 1),
-      as a ratio of two EMAs, overall and per draft depth D (``accept_scale_at(D)``, starting
-      at 1 for a depth not run yet): the calibration may over-rate deep trees on some text and
-      rate shallow ones right, and one scale for all depths would punish both alike.
+    - per verify width W, a relative factor (slow, ``slow_alpha``): what remains of the measured /
+      predicted ratio of width-W calls after ``machine``. On the EPYC CPU the width-1 (plain)
+      graph ran ~7% slower than the width-4 one next to it while the profile had them equal; with
+      one machine factor that error went into the drafted step's overhead and the objective
+      under-rated a D = 1 tree by ~8% and chose plain steps where the tree paid 1.07x;
+    - ``spec_extra`` (fast): measured / (``machine`` x predicted) time of the drafted step's
+      non-verify part (drafter head and steps, tree building, pruning, acceptance, commit, the
+      policy), the part the profile times stage by stage;
+    - acceptance per draft depth D: realised / expected drafted tokens accepted (AAL - 1) over
+      D-deep steps, as discounted sums (weight ``1 - accept_alpha`` per step of that depth: per
+      step acceptance is a coin toss) with ``prior_tokens`` pseudo-tokens at the scale of depth
+      D - 1 (1 for D = 1): a depth not run yet inherits what the shallower trees showed, as a
+      deeper tree multiplies more over-rated edges, instead of the offline model's optimism
+      (which made the policy try every depth in turn on text the drafter does badly on);
+    - and per request (``start_request``): the same sums over this request's steps alone, with
+      ``request_prior_tokens`` pseudo-tokens at the all-requests scale. How well a drafter does
+      is a property of the text: on MT-Bench with the default pair, a one-call tree paid 0.98x
+      on one prompt and 1.25x on the next, and a policy that carried one prompt's bad luck into
+      the next stayed on plain steps where the tree paid 1.07x over the set.
 
-    Corrected: AAL' = 1 + (AAL - 1) * accept_scale_at(D), T_plain' = T_plain * plain_time and
-    T_step' = T_step * spec_time, with plain_time = machine and spec_time = machine * spec_extra.
-    (Separate plain and drafted time ratios went stale on prompts where one kind of step is
-    rare: the rare kind then looked cheaper or dearer than it was by the machine's drift.)
+    Corrected: AAL' = 1 + (AAL - 1) x scale(D); T_plain' = machine x rel(1) x T_plain;
+    T_step' = machine x (rel(W_v) x T_v(W_v) + spec_extra x (T_step - T_v(W_v))).
     A ratio enters clipped to within ``clip`` x the current estimate, so one outlier step (a page
     fault, another process) moves an estimate by at most ``alpha * (clip - 1)``."""
 
     alpha: float = 0.1
     clip: float = 1.5
-    accept_alpha: float = 0.02  # acceptance is a coin per step: a 0.1 EMA of it wanders +-20%
+    accept_alpha: float = 0.02
+    slow_alpha: float = 0.02
+    prior_tokens: float = 2.0
+    request_prior_tokens: float = 3.0
     machine: float = 1.0
     spec_extra: float = 1.0
+    _width: dict = field(default_factory=dict)  # W -> relative factor of width-W target calls
     _accepted: float = 1.0  # EMA of realised drafted tokens accepted per drafted step
     _expected: float = 1.0  # EMA of expected ones (AAL - 1 of the prediction)
-    _by_depth: dict = field(default_factory=dict)  # D -> [EMA accepted, EMA expected] of D-deep steps
+    _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
+    _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
 
-    @property
-    def plain_time(self) -> float:
-        return self.machine
+    def start_request(self) -> None:
+        """A new request begins: its own acceptance starts at the all-requests estimate."""
+        self._request = {}
 
-    @property
-    def spec_time(self) -> float:
-        return self.machine * self.spec_extra
+    def width_factor(self, w: int) -> float:
+        return self._width.get(int(w), 1.0)
+
+    def plain_ms(self, plain_ms: float) -> float:
+        """Corrected time of a plain step predicted at ``plain_ms``."""
+        return self.machine * self.width_factor(1) * plain_ms
+
+    def step_ms(self, step_ms, verify_ms, wv):
+        """Corrected time of drafted steps predicted at ``step_ms`` with ``verify_ms`` of it in the
+        verify call at width ``wv`` (floats, or numpy arrays alike)."""
+        rel = (np.array([self.width_factor(w) for w in np.ravel(wv)]).reshape(np.shape(wv))
+               if np.ndim(wv) else self.width_factor(wv))
+        return self.machine * (rel * verify_ms + self.spec_extra * (step_ms - verify_ms))
 
     @property
     def accept_scale(self) -> float:
         return self._accepted / self._expected if self._expected > 1e-6 else 1.0
 
+    def global_scale_at(self, d: int) -> float:
+        """Acceptance scale of D-deep trees over all requests (prior: depth D - 1's)."""
+        prior = 1.0 if d <= 1 else self.global_scale_at(d - 1)
+        return _shrunk(self._by_depth.get(d), self.prior_tokens, prior)
+
     def accept_scale_at(self, d: int) -> float:
-        acc, exp = self._by_depth.get(d, (1.0, 1.0))
-        return acc / exp if exp > 1e-6 else 1.0
+        """Acceptance scale of D-deep trees in this request (prior: all requests')."""
+        return _shrunk(self._request.get(d), self.request_prior_tokens, self.global_scale_at(d))
 
     def aal(self, aal, depth=None):
         """Corrected expected accepted length (float or numpy array) of trees of ``depth`` draft
@@ -456,26 +483,40 @@ class Feedback:
 
     def update(self, pred: Prediction, n_accepted: int, step_ms: float, verify_ms: float | None = None) -> None:
         """Fold in one step: its prediction, drafted tokens accepted, measured wall time, and
-        (drafted steps) the measured time of its verify stage."""
-        a, c = self.alpha, self.clip
-
-        def toward(est: float, ratio: float) -> float:
-            return est + a * (min(max(ratio, est / c), est * c) - est)
+        (drafted steps) the measured time of its verify stage. A plain step is all target call."""
+        def toward(est: float, ratio: float, a: float) -> float:
+            return est + a * (min(max(ratio, est / self.clip), est * self.clip) - est)
 
         if pred.draft_depth == 0:
-            self.machine = toward(self.machine, step_ms / pred.plain_ms)
+            w, v_ms, v_pred = 1, step_ms, pred.plain_ms
+        else:
+            w = pred.verify_width
+            have = verify_ms is not None and pred.verify_ms
+            v_ms, v_pred = (verify_ms, pred.verify_ms) if have else (None, 0.0)
+        if v_ms is not None and v_pred > 0:
+            # the machine first: the slow width factor then learns only what the machine's
+            # factor does not explain (it still takes a small share of a change in the
+            # machine's speed while ``machine`` catches up)
+            self.machine = toward(self.machine, v_ms / (self.width_factor(w) * v_pred), self.alpha)
+            self._width[int(w)] = toward(self.width_factor(w), v_ms / (self.machine * v_pred), self.slow_alpha)
+        if pred.draft_depth == 0:
             return
-        if verify_ms is not None and pred.verify_ms:
-            self.machine = toward(self.machine, verify_ms / pred.verify_ms)
-            # the step's own verify call counts at the machine's learnt speed: a loaded machine
-            # makes single calls vary 2-3x, and that noise belongs to ``machine``, not here
-            step_ms = step_ms - verify_ms + self.machine * pred.verify_ms
-        self.spec_extra = toward(self.spec_extra, step_ms / (self.machine * pred.step_ms))
+        rest, rest_pred = step_ms - (v_ms or 0.0), pred.step_ms - v_pred
+        if rest_pred > 0:
+            self.spec_extra = toward(self.spec_extra, rest / (self.machine * rest_pred), self.alpha)
         b = self.accept_alpha
         self._accepted += b * (n_accepted - self._accepted)
         self._expected += b * (pred.aal - 1.0 - self._expected)
-        acc, exp = self._by_depth.get(pred.draft_depth, (1.0, 1.0))
-        self._by_depth[pred.draft_depth] = (acc + b * (n_accepted - acc), exp + b * (pred.aal - 1.0 - exp))
+        acc, exp = self._by_depth.get(pred.draft_depth, (0.0, 0.0))
+        self._by_depth[pred.draft_depth] = ((1 - b) * acc + n_accepted, (1 - b) * exp + pred.aal - 1.0)
+        acc, exp = self._request.get(pred.draft_depth, (0.0, 0.0))
+        self._request[pred.draft_depth] = (acc + n_accepted, exp + pred.aal - 1.0)
+
+
+def _shrunk(sums: tuple[float, float] | None, k: float, prior: float) -> float:
+    """(accepted + k x prior) / (expected + k) of ``sums`` = (accepted, expected)."""
+    acc, exp = sums or (0.0, 0.0)
+    return prior if exp + k < 1e-9 else (acc + k * prior) / (exp + k)
 
 
 @dataclass
@@ -517,7 +558,7 @@ class ObjectivePolicy:
     probe_every: int = 16
     probe_max: int = 256
     log: list = field(default_factory=list)
-    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, D [n], AAL [n], step ms [n], plain ms)
+    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, D [n], AAL [n], step ms [n], verify ms [n], W_v [n], plain ms)
     _plain_run: int = 0  # plain steps in a row
     _probe_gap: int = 0  # plain steps before the next probe (0: probe_every)
     _probing: bool = False  # the step under way is a probe
@@ -529,7 +570,7 @@ class ObjectivePolicy:
         the plain time: the costs depend on ``ctx`` only through the context bucket."""
         key = self.cost.verify.bucket(ctx + max(self.verify_widths))
         if key not in self._grid:
-            rows, aal, ms = [], [], []
+            rows, aal, ms, vms = [], [], [], []
             for dd in range(1, self.d_max + 1):
                 for wd in self.draft_widths:
                     for wv in (1, *self.verify_widths):
@@ -539,28 +580,35 @@ class ObjectivePolicy:
                         rows.append((dd, wd, wv))
                         aal.append(a)
                         ms.append(self.cost.step_ms(dd, wd, wv, ctx))
+                        vms.append(self.cost.t_verify(wv, ctx))
             depth = np.array([r[0] for r in rows], dtype=np.int64)
-            self._grid[key] = (rows, depth, np.array(aal), np.array(ms), self.cost.plain_ms(ctx))
+            wvs = np.array([r[2] for r in rows], dtype=np.int64)
+            self._grid[key] = (rows, depth, np.array(aal), np.array(ms), np.array(vms), wvs,
+                               self.cost.plain_ms(ctx))
         return self._grid[key]
 
-    def _scales(self) -> tuple[Feedback | None, float, float]:
-        fb = self.feedback
-        return fb, (fb.spec_time if fb else 1.0), (fb.plain_time if fb else 1.0)
+    def _online_plain(self, plain_ms: float) -> float:
+        return self.feedback.plain_ms(plain_ms) if self.feedback else plain_ms
+
+    def _online_step(self, step_ms, verify_ms, wv):
+        return self.feedback.step_ms(step_ms, verify_ms, wv) if self.feedback else step_ms
 
     def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None,
                     scale: np.ndarray | None = None, extra_ms: float = 0.0) -> tuple[StepChoice, float]:
         """The best (D, W_d) before drafting at context ``ctx`` and its expected speed-up
         (``d``: only that depth; ``scale`` [n <= d_max]: factors on AAL - 1 for D = 1..n, deeper
-        trees excluded; ``extra_ms`` added to every tree step; first of equals wins, deeper and
-        wider choices after)."""
+        trees excluded; ``extra_ms``, paid by every step whatever it does (the depth predictor),
+        added to plain and tree steps alike; first of equals wins, deeper and wider choices
+        after)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
-        rows, depth, aal, ms, plain = self._choices(ctx)
-        fb, rs, rp = self._scales()
+        rows, depth, aal, ms, vms, wvs, plain = self._choices(ctx)
+        fb = self.feedback
         if scale is not None:
             f = np.full(self.d_max + 1, np.nan)
             f[1 : len(scale) + 1] = scale[: self.d_max]
             aal = 1.0 + (aal - 1.0) * f[depth]
-        s = (fb.aal(aal, depth) if fb else aal) * (plain * rp) / ((ms + extra_ms) * rs)
+        plain_on = self._online_plain(plain) + extra_ms
+        s = (fb.aal(aal, depth) if fb else aal) * plain_on / (self._online_step(ms, vms, wvs) + extra_ms)
         s = np.where(np.isnan(s), -np.inf, s)
         if d is not None:
             s = np.where(depth == d, s, -np.inf)
@@ -590,8 +638,8 @@ class ObjectivePolicy:
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
             self._plain_run += 1
             plain = self.cost.plain_ms(committed)
-            _, _, rp = self._scales()
-            self._log(Prediction(committed, 0, 1, 1.0, plain, plain, 1.0, plain * rp, plain * rp))
+            on = self._online_plain(plain)
+            self._log(Prediction(committed, 0, 1, 1.0, plain, plain, 1.0, on, on, plain))
         else:
             self._plain_run = 0
         return choice
@@ -602,27 +650,40 @@ class ObjectivePolicy:
         vals = path_values(tree, self.calib.edge_prob, d)
         aal = aal_by_width(vals, tree, widths)
         steps = [self.cost.step_ms(d, wd, w, committed) for w in widths]
+        vms = [self.cost.t_verify(w, committed) for w in widths]
+        extra = 0.0
         if self._scale is not None:  # the predictor's view of this context, as in choose_draft
             aal = [1.0 + (a - 1.0) * float(self._scale[d - 1]) for a in aal]
-            steps = [t + self.predictor.overhead_ms for t in steps]
+            extra = self.predictor.overhead_ms
         plain = self.cost.plain_ms(committed)
-        fb, rs, rp = self._scales()
+        fb = self.feedback
         aal_on = [fb.aal(a, d) for a in aal] if fb else aal
-        wv, _ = best_verify(aal_on, widths, [t * rs for t in steps], plain * rp)
+        steps_on = [self._online_step(t, v, w) + extra for t, v, w in zip(steps, vms, widths)]
+        plain_on = self._online_plain(plain) + extra
+        wv, _ = best_verify(aal_on, widths, steps_on, plain_on)
         i = widths.index(wv)
-        self._log(Prediction(committed, d, wv, aal[i], steps[i], plain,
-                             aal_on[i], steps[i] * rs, plain * rp, self.cost.t_verify(wv, committed)))
+        # logged against plain decoding without a predictor, as the bench's plain system runs
+        self._log(Prediction(committed, d, wv, aal[i], steps[i] + extra, plain,
+                             aal_on[i], steps_on[i], self._online_plain(plain), vms[i]))
         return wv
 
     def fresh(self, **changes) -> "ObjectivePolicy":
         """A copy with ``changes`` applied and no state carried over (log, feedback, caches)."""
         from dataclasses import replace
 
-        fb = (Feedback(self.feedback.alpha, self.feedback.clip, self.feedback.accept_alpha)
-              if self.feedback is not None else None)
+        f = self.feedback
+        fb = (Feedback(f.alpha, f.clip, f.accept_alpha, f.slow_alpha, f.prior_tokens,
+                       f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _plain_run=0, _probe_gap=0, _probing=False,
                        _pending=None, _scale=None, **changes)
+
+    def start_request(self) -> None:
+        """The engine starts a request: its acceptance is learnt afresh (from the all-requests
+        estimate) and a policy that fell back to plain steps probes again from the start."""
+        self._plain_run, self._probe_gap, self._probing, self._pending = 0, 0, False, None
+        if self.feedback is not None:
+            self.feedback.start_request()
 
     def _log(self, pred: Prediction) -> None:
         self.log.append(pred)
@@ -638,10 +699,11 @@ class ObjectivePolicy:
         # every later probe look worse (a feedback loop that kept a policy on plain steps)
         step_ms = sum(v for k, v in rec.stage_ms.items() if k != "resync")
         if self._probing:  # did the probe beat the plain steps its tokens would have taken?
-            plain_ms = pred.plain_ms * self.feedback.plain_time
-            won = (1 + rec.n_accepted) * plain_ms > step_ms
+            won = (1 + rec.n_accepted) * self.feedback.plain_ms(pred.plain_ms) > step_ms
             gap = self._probe_gap or self.probe_every
             self._probe_gap = self.probe_every if won else min(2 * gap, self.probe_max)
+        if pred.draft_depth == 0:  # the target call and choosing its token, as plain_ms predicts
+            step_ms = rec.stage_ms.get("verify", step_ms) + rec.stage_ms.get("accept", 0.0)
         self.feedback.update(pred, rec.n_accepted, step_ms, rec.stage_ms.get("verify"))
 
 
