@@ -109,6 +109,29 @@ def test_greedy_speculation_equals_plain(target, plain, tree, kind):
         assert accepted > 0
 
 
+@pytest.mark.parametrize("tree", ["egt", "deep-chain"])
+def test_last_level_is_not_fed(target, plain, tree):
+    """An EAGLE head's D-deep tree costs the head and D - 1 steps: feeding the last level as
+    well (what a KV-cache drafter needs) drafts the very same trees and emits the same tokens."""
+    tp = TREES[tree]
+    runs = {}
+    for feeds in (False, True):
+        drafter = bigram_head(target)
+        drafter.feeds_leaves = feeds
+        calls = []
+        step = drafter.step
+        drafter.step = lambda *a, **kw: (calls.append(1), step(*a, **kw))[1]
+        trees, out = [], []
+        for p in PROMPTS:
+            res = engine(target, tp, drafter).generate(
+                p, SamplingParams(max_new_tokens=NEW), trace=lambda r: trees.append(r.get("tree")))
+            out.append(res.token_ids)
+        runs[feeds] = (trees, out, len(calls), sum(t is not None for t in trees))
+    (t0, o0, c0, n0), (t1, o1, c1, n1) = runs[False], runs[True]
+    assert t0 == t1 and o0 == o1 == [plain[i] for i in range(len(PROMPTS))]
+    assert c0 == n0 * (tp.draft_depth - 1) and c1 == n1 * tp.draft_depth
+
+
 def test_reduced_draft_vocabulary(target, plain):
     gen = torch.Generator().manual_seed(3)
     vmap = torch.randperm(97, generator=gen)[:40]

@@ -137,6 +137,18 @@ def cost_model(draft_ms=2.0) -> CostModel:
     return CostModel(verify, draft, head, stages)
 
 
+def test_step_cost_counts_the_drafter_calls_a_tree_makes():
+    """A KV-cache drafter feeds all D levels after its head; an EAGLE head skips the last one."""
+    from dataclasses import replace
+
+    lm = cost_model()
+    eagle = replace(lm, feeds_leaves=False)
+    for d in (1, 3, 6):
+        assert lm.step_ms(d, 4, 8, 100) - eagle.step_ms(d, 4, 8, 100) == pytest.approx(lm.t_draft(4, 100))
+    assert eagle.step_ms(1, 4, 4, 100) == pytest.approx(
+        2.0 + 31.0 + eagle.overhead_ms(1, 4, 4))  # the head, the verify call, the stages
+
+
 def table(aal_fn, wds=(1, 2, 4, 8), d_max=6, wvs=(4, 8, 16, 32)) -> dict:
     return {str(wd): [[aal_fn(wd, d, wv) for wv in wvs] for d in range(1, d_max + 1)] for wd in wds}
 

@@ -147,6 +147,22 @@ def test_policy_observes_every_step(target, plain):
         committed += 1 + rec.n_accepted
 
 
+def test_policy_hears_each_request_start_before_its_first_choice(target):
+    """``start_request`` (when a policy has it) runs once per generate, before any choice."""
+    eng = make_engine(target, LMDrafter(target.shared_copy(), "reference"))
+
+    class Starting(Observing):
+        def start_request(self) -> None:
+            self.asked.append(("start",))
+
+    pol = Starting()
+    for p in PROMPTS[:2]:
+        eng.generate(p, SamplingParams(max_new_tokens=5), policy=pol)
+    starts = [i for i, a in enumerate(pol.asked) if a[0] == "start"]
+    assert len(starts) == 2 and starts[0] == 0 and pol.asked[1][0] == "draft"
+    assert pol.asked[starts[1] - 1][0] != "start" and pol.asked[starts[1] + 1][0] == "draft"
+
+
 def test_h_root_is_the_hidden_state_behind_the_root(target):
     """h_root through the target's LM head gives the root token (greedy)."""
     eng = make_engine(target, LMDrafter(target.shared_copy(), "reference"))

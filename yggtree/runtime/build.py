@@ -97,6 +97,19 @@ def load_drafter(spec: EngineSpec, target, tokenizer):
     return LMDrafter(model, spec.mode)
 
 
+def drafter_feeds_leaves(plan) -> bool:
+    """``Drafter.feeds_leaves`` of the drafter ``plan`` names, without loading it: False for an
+    EAGLE head (the shipped default or a head directory), True for a standalone LM."""
+    if plan.drafter in (None, "self"):
+        return True
+    if plan.drafter == "default":
+        return False
+    from .eagle import is_eagle_dir
+
+    path = Path(plan.drafter).expanduser()
+    return not (path.is_dir() and is_eagle_dir(path))
+
+
 def pack_models(target, drafter=None) -> None:
     """oneDNN-packed weights (runtime/packed.py) for an engine's target and its drafter's model,
     before any graph or package is built for them (``build_engine`` and ``yggtree compile``)."""

@@ -38,6 +38,10 @@ class Drafter(Protocol):
 
     vocab_size: int
     target_layers: tuple[int, ...]  # target hidden states it reads (empty: none)
+    # True: ``commit`` needs the drafter's own state (KV) of every drafted node, so the engine
+    # feeds the last level too; False: the last level's feed is skipped, its proposals (the
+    # children of the last level) are never picked, so a D-deep tree costs the head + D - 1 steps
+    feeds_leaves: bool
 
     def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
         """Allocate state for ``n_slots`` cache slots and build graphs for these input widths."""
@@ -95,6 +99,7 @@ class LMDrafter:
     """
 
     target_layers: tuple[int, ...] = ()
+    feeds_leaves = True  # commit moves the accepted nodes' KV entries, the last level's included
 
     def __init__(self, model: Transformer, mode: str) -> None:
         self.model = model

@@ -309,6 +309,8 @@ class EagleDrafter:
     (D_max) bounds the engine's draft depth: the head call has the static width ``D_max + 1``.
     """
 
+    feeds_leaves = False  # commit rewrites accepted slots from the target's true features
+
     def __init__(self, net: EagleNet, target: Transformer, mode: str, max_depth: int = 8) -> None:
         if max_depth < 1:
             raise YggError(f"EAGLE max_depth must be >= 1, got {max_depth}")

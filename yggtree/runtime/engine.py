@@ -434,10 +434,12 @@ class Engine:
             state = egt_init(root, head.token[0], head.logp[0], d, wd)
             for s in range(d):
                 state, fed = egt_select(state, s)
+                if s == d - 1 and not drafter.feeds_leaves:
+                    break  # the children of the last level would never be picked
                 tokens, pos, rows = egt_feed_inputs(state, fed, L)
                 prop = drafter.step(tokens, pos - L, fed, state.tree.parent[fed], rows, L, k)
                 state = egt_expand(state, fed, prop.token, prop.logp)
-            counters["draft_calls"] += d + 1
+            counters["draft_calls"] += d + int(drafter.feeds_leaves)
             t2 = time.perf_counter()
             tree = state.tree
             wv = policy.choose_verify(tree, StepChoice(d, wd), committed)

@@ -156,6 +156,7 @@ class CostModel:
     head: Curve  # the drafter's head call (its width is fixed; x is a single knot)
     stage_ms: dict = field(default_factory=dict)  # non-model stages, see step_ms
     name: str = ""
+    feeds_leaves: bool = True  # the drafter's Drafter.feeds_leaves: D or D - 1 steps after the head
 
     def t_verify(self, w: int, ctx: int) -> float:
         return self.verify.predict(w, ctx)
@@ -182,7 +183,8 @@ class CostModel:
         if d == 0:
             return self.plain_ms(ctx)
         head = self.head.predict(self.head.xs[0][0], ctx)
-        return (head + d * self.t_draft(wd, ctx) + self.t_verify(wv, ctx)
+        calls = d if self.feeds_leaves else d - 1
+        return (head + calls * self.t_draft(wd, ctx) + self.t_verify(wv, ctx)
                 + self.overhead_ms(d, wd, wv))
 
     def plain_ms(self, ctx: int) -> float:
@@ -192,7 +194,8 @@ class CostModel:
     @classmethod
     def from_profile(cls, path: str | Path, plan) -> "CostModel":
         """Load ``path`` for ``plan``; YggError if missing, malformed, or measured for other
-        models / another dtype or backend than the plan's."""
+        models / another dtype or backend than the plan's. The plan's drafter sets
+        ``feeds_leaves``."""
         d = read_artifact(path, "profile", PROFILE_KIND)
         where = f"profile {path}"
         ident = d.get("identity")
@@ -215,7 +218,11 @@ class CostModel:
                     f"runs on {here['kind']} {here['name']!r}; profile this machine with `yggtree profile "
                     "--hw NAME --plan ...` (latency curves do not transfer between devices)"
                 )
-        return cls.from_profile_dict(d, where)
+        from dataclasses import replace
+
+        from .build import drafter_feeds_leaves
+
+        return replace(cls.from_profile_dict(d, where), feeds_leaves=drafter_feeds_leaves(plan))
 
     @classmethod
     def from_profile_dict(cls, d: dict, where: str = "profile") -> "CostModel":
