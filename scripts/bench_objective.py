@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,11 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
                 "same_as_plain": sum(r[name]["tokens"] == r["plain"]["tokens"] for r in sel),
                 "plain_step_share": (sum(r[name]["n_plain_steps"] for r in sel) / steps) if steps else 0.0,
             }
+            if steps and all("depth_counts" in r[name] for r in sel):  # share of steps per D
+                c = Counter()
+                for r in sel:
+                    c.update({int(k): v for k, v in r[name]["depth_counts"].items()})
+                res[name]["depth_share"] = {str(k): c[k] / steps for k in sorted(c)}
         for name in names:
             res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
             m = res[name]["measured_speedup"]
@@ -148,7 +154,9 @@ def report(rows: list[dict], names: list[str], settings: dict, what: str, args, 
     line = {
         "command": "bench_objective", "what": what, "threads": args.threads, "prompts": len(rows),
         "max_new_tokens": args.max_new_tokens, "settings": settings, "torch": torch.__version__,
-        "summary": {st: {n: {k: round(v, 4) for k, v in r.items()} for n, r in res.items()}
+        "summary": {st: {n: {k: (round(v, 4) if isinstance(v, float) else
+                                 {d: round(x, 4) for d, x in v.items()} if isinstance(v, dict) else v)
+                             for k, v in r.items()} for n, r in res.items()}
                     for st, res in summary.items()},
         "partial": partial, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -277,6 +285,7 @@ def run(args) -> int:
                     "choices": sorted({(r.choice.draft_depth, r.choice.draft_width if r.choice.draft_depth else 0,
                                         r.verify_width) for r in recs}),
                     "n_plain_steps": sum(r.choice.draft_depth == 0 for r in recs),
+                    "depth_counts": dict(Counter(r.choice.draft_depth for r in recs)),
                 }
             rows.append(row)
             if args.out:  # every finished prompt is kept, so a stopped run can still be read

@@ -1,7 +1,8 @@
 """The latency-aware objective (DESIGN section 5) and the policy that maximises it every step.
 
     speedup(W_d, D, W_v) = AAL(tree, W_v) * T_plain(ctx) / T_step(D, W_d, W_v, ctx)
-    T_step               = T_head + D * (T_d(W_d) + egt(W_d)) + prune + T_v(W_v) + accept + commit
+    T_step               = T_head + n_D * T_d(W_d) + D * egt(W_d) + prune + T_v(W_v) + accept + commit
+    n_D                  = D - 1 for an EAGLE head (the last level is not fed), D for an LM drafter
     AAL(tree, W_v)       = 1 + sum over the W_v kept nodes (root excluded) of P(path accepted)
 
 Latencies come from a measured profile (``yggtree profile``), never from constants:

@@ -1,0 +1,46 @@
+"""scripts/bench_objective.py's summary: ratios of summed times, AAL, shares, equality with plain."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_objective.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_objective", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def row(set_, plain_s, tree_s, tree_steps, tree_plain, same=True):
+    tokens = list(range(9))
+    return {
+        "prompt": f"{set_}/0", "set": set_,
+        "plain": {"new_tokens": 9, "decode_s": plain_s, "steps": 8, "tokens": tokens,
+                  "pred_plain_ms": 8.0, "pred_step_ms": 8.0, "n_plain_steps": 8,
+                  "depth_counts": {"0": 8}},
+        "tree": {"new_tokens": 9, "decode_s": tree_s, "steps": tree_steps,
+                 "tokens": tokens if same else tokens[::-1],
+                 "pred_plain_ms": 12.0, "pred_step_ms": 8.0, "n_plain_steps": tree_plain,
+                 "depth_counts": {"0": tree_plain, "1": tree_steps - tree_plain}},
+    }
+
+
+def test_summary_ratios_shares_and_equality():
+    mod = load_script()
+    rows = [row("a", 0.8, 0.4, 4, 1), row("a", 1.6, 1.6, 8, 8, same=False), row("b", 1.0, 0.5, 4, 0)]
+    s = mod.summarise(rows, ["plain", "tree"])
+    a = s["a"]["tree"]
+    assert a["measured_speedup"] == pytest.approx((0.8 + 1.6) / (0.4 + 1.6))  # summed times, not mean ratios
+    assert a["aal"] == pytest.approx(16 / 12) and a["plain_step_share"] == pytest.approx(9 / 12)
+    assert a["depth_share"] == {"0": pytest.approx(9 / 12), "1": pytest.approx(3 / 12)}
+    assert a["same_as_plain"] == 1 and s["b"]["tree"]["same_as_plain"] == 1
+    assert a["predicted_speedup"] == pytest.approx(24 / 16)
+    assert a["prediction_error"] == pytest.approx(abs(1.5 - a["measured_speedup"]) / a["measured_speedup"])
+    assert s["all"]["tree"]["measured_speedup"] == pytest.approx(3.4 / 2.5)
+    assert s["all"]["plain"]["measured_speedup"] == 1.0
