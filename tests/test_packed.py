@@ -130,3 +130,20 @@ def test_packed_engine_speculates_exactly():
     for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
         want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
         assert spec.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_short_products_run_padded_with_the_same_bits(dtype, bias):
+    """1-3 rows run padded to MIN_ROWS (oneDNN's fast kernels): bitwise what oneDNN gives the
+    unpadded rows, leading dimensions kept."""
+    from yggtree.runtime.packed import MIN_ROWS, packed_linear
+
+    torch.manual_seed(3)
+    lin = nn.Linear(576, 160, bias=bias).to(dtype).requires_grad_(False)
+    p = PackedLinear.of(lin)
+    for shape in [(1, 576), (2, 576), (3, 576), (1, 1, 576), (1, 3, 576), (MIN_ROWS, 576)]:
+        x = torch.randn(shape).to(dtype)
+        raw = torch.ops.mkldnn._linear_pointwise.default(x, p.packed, lin.bias, "none", [], "")
+        y = packed_linear(x, p.packed, 160, lin.bias)
+        assert y.shape == (*shape[:-1], 160) and torch.equal(y, raw), shape
