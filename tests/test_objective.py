@@ -403,17 +403,17 @@ def _record(choice: StepChoice, n_accepted: int, ms: float, verify_ms: float | N
 def test_feedback_tracks_measured_ratios():
     from yggtree.runtime.objective import Feedback, Prediction
 
-    fb = Feedback(alpha=0.2, accept_alpha=0.2)
+    fb = Feedback(alpha=0.2, accept_alpha=0.2, prior_tokens=0.0)  # the steps' own rate
     spec = Prediction(100, 2, 8, aal=3.0, step_ms=40.0, plain_ms=30.0)
     plain = Prediction(100, 0, 1, aal=1.0, step_ms=30.0, plain_ms=30.0)
     for _ in range(200):  # the drafter delivers half of what was expected; steps run 1.5x longer
         fb.update(spec, n_accepted=1, step_ms=60.0)
         fb.update(plain, n_accepted=0, step_ms=33.0)
-    assert fb.accept_scale == pytest.approx(0.5)
+    assert fb.accept_scale_at(2) == pytest.approx(0.5)
     assert fb.step_ms(40.0, 0.0, 8) == pytest.approx(60.0) and fb.plain_ms(30.0) == pytest.approx(33.0)
-    assert fb.aal(3.0) == pytest.approx(2.0)
+    assert fb.aal(3.0, 2) == pytest.approx(2.0)
     fresh = Feedback()  # starts at the offline model
-    assert fresh.accept_scale == 1.0 and fresh.aal(2.5) == 2.5 and fresh.aal(2.5, 3) == 2.5
+    assert fresh.accept_scale_at(1) == 1.0 and fresh.aal(2.5, 1) == 2.5 and fresh.aal(2.5, 3) == 2.5
     assert fresh.plain_ms(30.0) == 30.0 and fresh.step_ms(40.0, 30.0, 8) == 40.0
 
 
@@ -539,7 +539,8 @@ def test_feedback_falls_back_to_plain_and_probes():
     spec_at = [i for i, d in enumerate(choices) if d and i >= first]
     gaps = [b - a - 1 for a, b in zip([first - 1, *spec_at], spec_at)]  # plain steps before each probe
     assert gaps == [4, 8, 16, 16, 16] and len(choices) - spec_at[-1] - 1 < 16  # every probe lost: back off
-    assert pol.feedback.accept_scale < 0.1 and pol.feedback.spec_extra > 4  # rises 1.25x per step
+    assert max(map(pol.feedback.accept_scale_at, pol.feedback._by_depth)) < 0.1
+    assert pol.feedback.spec_extra > 4  # rises 1.25x per step
     assert predicted_speedup(pol.log, online=True) < predicted_speedup(pol.log)
     fresh = pol.fresh()
     assert fresh.feedback is not pol.feedback and fresh.feedback.spec_extra == 1.0 and not fresh.log

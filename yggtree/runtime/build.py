@@ -63,14 +63,27 @@ class EngineSpec:
         )
 
 
+def _eagle_head_dir(name: str) -> Path | None:
+    """The EAGLE head directory a drafter name stands for ("default": the shipped one), None for
+    a standalone LM ("self", or a model path / GGUF / HF directory)."""
+    if name == "default":
+        return DEFAULT_DRAFTER_DIR
+    if name == "self":
+        return None
+    from .eagle import is_eagle_dir
+
+    path = Path(name).expanduser()
+    return path if path.is_dir() and is_eagle_dir(path) else None
+
+
 def load_drafter(spec: EngineSpec, target, tokenizer):
     """The drafter named by ``spec.drafter`` for ``target``; refuses mismatched vocabularies."""
     name = spec.drafter
     if name == "self":
         return LMDrafter(target.shared_copy(), spec.mode)
+    head = _eagle_head_dir(name)
     if name == "default":
         # the shipped EAGLE head was trained for the embedded default target only
-        from .eagle import load_eagle
         from .loading import default_model_path
 
         is_default = spec.model == "default"
@@ -85,29 +98,24 @@ def load_drafter(spec: EngineSpec, target, tokenizer):
                 "default model); train one with `yggtree distill --model <target>` and pass its "
                 "directory, or use --drafter self / --no-speculate"
             )
-        return load_eagle(DEFAULT_DRAFTER_DIR, target, spec.mode, max_depth=spec.tree.draft_depth)
-    path = Path(name).expanduser()
-    from .eagle import is_eagle_dir, load_eagle  # the feature-conditioned head
+    if head is not None:  # the feature-conditioned head
+        from .eagle import load_eagle
 
-    if path.is_dir() and is_eagle_dir(path):
-        return load_eagle(path, target, spec.mode, max_depth=spec.tree.draft_depth)
+        return load_eagle(head, target, spec.mode, max_depth=spec.tree.draft_depth)
     src = resolve_model(name)
     model = load_model(src, spec.dtype)
-    check_pair(target.cfg.vocab_size, model.cfg.vocab_size, tokenizer, load_tokenizer(src), str(path))
+    check_pair(target.cfg.vocab_size, model.cfg.vocab_size, tokenizer, load_tokenizer(src),
+               str(Path(name).expanduser()))
     return LMDrafter(model, spec.mode)
 
 
 def drafter_feeds_leaves(plan) -> bool:
-    """``Drafter.feeds_leaves`` of the drafter ``plan`` names, without loading it: False for an
-    EAGLE head (the shipped default or a head directory), True for a standalone LM."""
-    if plan.drafter in (None, "self"):
-        return True
-    if plan.drafter == "default":
-        return False
-    from .eagle import is_eagle_dir
+    """``Drafter.feeds_leaves`` of the drafter class ``plan`` names, without loading it."""
+    if plan.drafter is None or _eagle_head_dir(plan.drafter) is None:
+        return LMDrafter.feeds_leaves
+    from .eagle import EagleDrafter
 
-    path = Path(plan.drafter).expanduser()
-    return not (path.is_dir() and is_eagle_dir(path))
+    return EagleDrafter.feeds_leaves
 
 
 def pack_models(target, drafter=None) -> None:

@@ -17,7 +17,7 @@ another dtype than the plan's. Nothing here imports the offline package or sciki
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -219,8 +219,6 @@ class CostModel:
                     f"runs on {here['kind']} {here['name']!r}; profile this machine with `yggtree profile "
                     "--hw NAME --plan ...` (latency curves do not transfer between devices)"
                 )
-        from dataclasses import replace
-
         from .build import drafter_feeds_leaves
 
         return replace(cls.from_profile_dict(d, where), feeds_leaves=drafter_feeds_leaves(plan))
@@ -442,8 +440,6 @@ class Feedback:
     machine: float = 1.0
     spec_extra: float = 1.0
     _width: dict = field(default_factory=dict)  # W -> relative factor of width-W target calls
-    _accepted: float = 1.0  # EMA of realised drafted tokens accepted per drafted step
-    _expected: float = 1.0  # EMA of expected ones (AAL - 1 of the prediction)
     _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
     _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
 
@@ -465,10 +461,6 @@ class Feedback:
                if np.ndim(wv) else self.width_factor(wv))
         return self.machine * (rel * verify_ms + self.spec_extra * (step_ms - verify_ms))
 
-    @property
-    def accept_scale(self) -> float:
-        return self._accepted / self._expected if self._expected > 1e-6 else 1.0
-
     def global_scale_at(self, d: int) -> float:
         """Acceptance scale of D-deep trees over all requests (prior: depth D - 1's)."""
         prior = 1.0 if d <= 1 else self.global_scale_at(d - 1)
@@ -478,11 +470,9 @@ class Feedback:
         """Acceptance scale of D-deep trees in this request (prior: all requests')."""
         return _shrunk(self._request.get(d), self.request_prior_tokens, self.global_scale_at(d))
 
-    def aal(self, aal, depth=None):
+    def aal(self, aal, depth):
         """Corrected expected accepted length (float or numpy array) of trees of ``depth`` draft
-        calls (an int, or an int array like ``aal``; None: the overall scale)."""
-        if depth is None:
-            return 1.0 + (aal - 1.0) * self.accept_scale
+        calls (an int, or an int array like ``aal``)."""
         if np.ndim(depth) == 0:
             return 1.0 + (aal - 1.0) * self.accept_scale_at(int(depth))
         depth = np.asarray(depth)
@@ -513,8 +503,6 @@ class Feedback:
         if rest_pred > 0:
             self.spec_extra = toward(self.spec_extra, rest / (self.machine * rest_pred), self.alpha)
         b = self.accept_alpha
-        self._accepted += b * (n_accepted - self._accepted)
-        self._expected += b * (pred.aal - 1.0 - self._expected)
         acc, exp = self._by_depth.get(pred.draft_depth, (0.0, 0.0))
         self._by_depth[pred.draft_depth] = ((1 - b) * acc + n_accepted, (1 - b) * exp + pred.aal - 1.0)
         acc, exp = self._request.get(pred.draft_depth, (0.0, 0.0))
@@ -667,18 +655,16 @@ class ObjectivePolicy:
         fb = self.feedback
         aal_on = [fb.aal(a, d) for a in aal] if fb else aal
         steps_on = [self._online_step(t, v, w) + extra for t, v, w in zip(steps, vms, widths)]
-        plain_on = self._online_plain(plain) + extra
-        wv, _ = best_verify(aal_on, widths, steps_on, plain_on)
+        plain_on = self._online_plain(plain)
+        wv, _ = best_verify(aal_on, widths, steps_on, plain_on + extra)
         i = widths.index(wv)
         # logged against plain decoding without a predictor, as the bench's plain system runs
         self._log(Prediction(committed, d, wv, aal[i], steps[i] + extra, plain,
-                             aal_on[i], steps_on[i], self._online_plain(plain), vms[i]))
+                             aal_on[i], steps_on[i], plain_on, vms[i]))
         return wv
 
     def fresh(self, **changes) -> "ObjectivePolicy":
         """A copy with ``changes`` applied and no state carried over (log, feedback, caches)."""
-        from dataclasses import replace
-
         f = self.feedback
         fb = (Feedback(f.alpha, f.clip, f.accept_alpha, f.slow_alpha, f.prior_tokens,
                        f.request_prior_tokens) if f is not None else None)
