@@ -245,3 +245,65 @@ def test_resync_after_plain_steps_keeps_the_self_drafter_exact(target, plain):
             if d:  # whole chain accepted, unless the token budget cut it short
                 assert rec.n_accepted == min(d, left - 1), (i, rec.committed, d, rec.n_accepted)
             left -= 1 + rec.n_accepted
+
+
+class AfterHead(Cycling):
+    """Asks for a one-call tree before the head, then takes Cycling's (D >= 1, W_d) after it."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def choose_draft(self, h_root, committed):
+        d, _, _ = self.CHOICES[self.i % len(self.CHOICES)]
+        self.asked.append(("draft", committed))
+        return StepChoice(1, 1) if d else StepChoice(0, 1)
+
+    def after_head(self, h_root, head_logp, choice, committed):
+        self.asked.append(("head", committed, choice, tuple(head_logp.shape)))
+        assert choice == StepChoice(1, 1) and h_root.shape == (self.hidden_size,)
+        assert bool((head_logp[:-1] >= head_logp[1:]).all()) and bool((head_logp <= 0).all())
+        d, wd, _ = self.CHOICES[self.i % len(self.CHOICES)]
+        return StepChoice(d, wd)
+
+
+@pytest.mark.parametrize("kind", ["other-lm", "eagle-random"])
+def test_a_choice_after_the_head_keeps_greedy_output(target, plain, kind):
+    """A policy may change (D, W_d) once the head's top-k is known: the tree drafted is the one
+    chosen after the head, output stays plain greedy decoding, and it is asked once per tree step,
+    after choose_draft and before choose_verify."""
+    eng = make_engine(target, drafters(target)[kind])
+    for i, p in enumerate(PROMPTS):
+        pol, records = AfterHead(target.cfg.hidden_size), []
+
+        def on_step(rec):
+            records.append(rec)
+            pol.advance_if_plain(rec)
+
+        res = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=pol, on_step=on_step)
+        assert res.token_ids == plain[i], f"prompt {i}"
+        for j, rec in enumerate(records):
+            d, wd, wv = Cycling.CHOICES[j % len(Cycling.CHOICES)]
+            assert rec.choice == StepChoice(d, wd if d else 1)
+            if d:
+                assert rec.tree.num_nodes == 1 + d * wd and rec.verify_width == wv
+        kinds = [a[0] for a in pol.asked]
+        assert kinds.count("head") == sum(r.choice.draft_depth > 0 for r in records)
+        for a, b in zip(kinds, kinds[1:]):
+            assert (a, b) in {("draft", "head"), ("head", "verify"), ("verify", "draft"),
+                              ("draft", "draft")}
+        assert all(a[3] == (TREE.top_k,) for a in pol.asked if a[0] == "head")
+
+
+def test_a_plain_step_after_the_head_is_refused(target):
+    eng = make_engine(target, LMDrafter(target.shared_copy(), "reference"))
+
+    class Backing(Cycling):
+        def choose_draft(self, h_root, committed):
+            return StepChoice(1, 1)
+
+        def after_head(self, h_root, head_logp, choice, committed):
+            return StepChoice(0, 1)
+
+    with pytest.raises(YggError, match="plain step after the drafter's head ran"):
+        eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=5), policy=Backing())

@@ -23,8 +23,9 @@ from yggtree.offline.train_predictor import (
 from yggtree.plan import validate_plan
 from yggtree.runtime.engine import Engine, EngineConfig, TreeParams
 from yggtree.runtime.objective import Calibration, CostModel, Curve
+from yggtree.runtime.policy import StepChoice
 from yggtree.runtime.predictor import (
-    MANIFEST_FILE, MODEL_FILES, DepthFn, DepthPredictor, LinearDepthPredictor, choose_depth,
+    LOGP_FLOOR, MANIFEST_FILE, MODEL_FILES, DepthFn, features, DepthPredictor, LinearDepthPredictor, choose_depth,
     depth_fn_for, expected_aal, load_predictor, policy_with_predictor, verify_width_for,
 )
 
@@ -124,16 +125,22 @@ def test_verify_width_for_holds_the_tree_or_takes_the_largest():
 # ----------------------------------------------------------------------------- training
 
 
-def synthetic(n_prompts: int = 30, steps: int = 25, h: int = 16, d_max: int = 6, seed: int = 0) -> Records:
-    """Lengths driven by two feature directions plus noise; per-prompt offsets in the features."""
+def synthetic(n_prompts: int = 30, steps: int = 25, h: int = 16, d_max: int = 6, seed: int = 0,
+              head_noise: float = 0.5) -> Records:
+    """Lengths driven by two feature directions plus noise; per-prompt offsets in the features.
+    The head's top log-probs see the noise term (a drafter sure of its next token is accepted
+    more), so they carry information the hidden state does not."""
     g = torch.Generator().manual_seed(seed)
     s = n_prompts * steps
     prompt = torch.arange(n_prompts).repeat_interleave(steps)
     x = torch.randn(s, h, generator=g) + 0.3 * torch.randn(n_prompts, h, generator=g)[prompt]
-    score = 2.5 + 1.6 * x[:, 0] - 1.0 * torch.relu(x[:, 1]) + 0.5 * torch.randn(s, generator=g)
+    noise = head_noise * torch.randn(s, generator=g)
+    score = 2.5 + 1.6 * x[:, 0] - 1.0 * torch.relu(x[:, 1]) + noise
     n_acc = score.round().clamp(0, d_max).to(torch.int64)
     lbd = torch.minimum(n_acc[:, None], torch.arange(1, d_max + 1)[None])
-    return Records(x * 3 + 1, n_acc, lbd, prompt, torch.arange(s) + 50)
+    top1 = torch.nn.functional.logsigmoid(4 * noise + 0.2 * torch.randn(s, generator=g))
+    head = torch.stack([top1, top1 - 0.5 - torch.rand(s, generator=g)], dim=1)
+    return Records(x * 3 + 1, n_acc, lbd, prompt, torch.arange(s) + 50, head)
 
 
 def test_mlp_beats_constant_on_held_out_prompts():
@@ -151,6 +158,36 @@ def test_mlp_beats_constant_on_held_out_prompts():
     assert m_mlp["mae"] < 0.75 * m_const["mae"]
     assert m_base["mae"] < m_const["mae"]
     assert m_mlp["steps"] == te.h.shape[0] == 8 * 25
+
+
+def test_head_features_add_what_the_hidden_state_misses():
+    """Trained with the head's top-2 log-probs, the MLP and the baseline predict the synthetic
+    lengths better on held-out prompts than from the hidden state alone."""
+    rec = synthetic(head_noise=1.2)
+    hold = holdout_mask(rec.prompt, 8)
+    tr, te = rec.select(~hold), rec.select(hold)
+    hp = MLPParams(units=16, dropout=0.1, lr=3e-3, weight_decay=1e-2, epochs=30, batch=64)
+    mae = {}
+    for k in (0, 2):
+        x_tr, x_te = features(tr.h, tr.head_logp, k), features(te.h, te.head_logp, k)
+        assert x_tr.shape == (tr.h.shape[0], 16 + k)
+        mlp = train_mlp(x_tr, tr.n_accepted, 6, hp, seed=0, head_k=k)
+        base = fit_baseline(x_tr, tr.n_accepted, 6, head_k=k)
+        assert mlp.hidden_size == base.hidden_size == 16 and mlp.head_k == base.head_k == k
+        mae[k] = (evaluate(mlp(x_te), te.n_accepted)["mae"], evaluate(base(x_te), te.n_accepted)["mae"])
+    assert mae[2][0] < 0.85 * mae[0][0] and mae[2][1] < 0.85 * mae[0][1]
+
+
+def test_features_sort_floor_and_refuse_missing_head():
+    h = torch.arange(3.0)
+    got = features(h, torch.tensor([-3.0, float("-inf"), -0.5]), 2)
+    assert got.tolist() == [0.0, 1.0, 2.0, -0.5, -3.0]
+    assert features(h, torch.tensor([float("-inf"), -1.0]), 2).tolist()[-1] == LOGP_FLOOR
+    assert torch.equal(features(h, None, 0), h)
+    with pytest.raises(YggError, match="top 2 log-probs, got 1"):
+        features(h, torch.tensor([-1.0]), 2)
+    with pytest.raises(YggError, match="top 2 log-probs, got none"):
+        features(h, None, 2)
 
 
 def test_length_targets_and_holdout_by_prompt():
@@ -282,6 +319,69 @@ def test_policy_with_predictor(saved, plan):
     assert (choice.draft_depth, choice.draft_width if choice.draft_depth else None) == best
 
 
+def test_a_head_reading_predictor_picks_the_depth_after_the_head(tmp_path, plan):
+    """A predictor trained with the head's top-2 log-probs: saved and loaded identically; before
+    the head the policy decides as it would without a predictor, after it the (D >= 1, W_d)
+    maximising the objective with the context's AAL factors (brute force), then W_v with them."""
+    mlp = randomised(DepthPredictor(16, 3, units=8, draft_width=2, head_k=2), 0, scale=0.5)
+    base = randomised(LinearDepthPredictor(16, 3, draft_width=2, head_k=2), 1, scale=0.5)
+    out = tmp_path / "pred"
+    save_predictor(out, plan, mlp, base, {"metrics": {}})
+    assert json.loads((out / MANIFEST_FILE).read_text())["feature"]["head_k"] == 2
+    x = torch.randn(5, 18)
+    assert torch.equal(load_predictor(out, plan)(x), mlp(x))
+    assert torch.equal(load_predictor(out, plan, "baseline")(x), base(x))
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + 0.4 * d, wds=(1, 2, 4), d_max=3,
+                                                    wvs=(4, 8, 12)), (4, 8, 12))
+    pol = replace(policy(cal), draft_widths=(1, 2, 4), verify_widths=(4, 8, 12), d_max=3)
+    got = policy_with_predictor(replace(plan, predictor=str(out)), pol, hidden_size=16)
+    fn = got.predictor
+    assert fn.uses_head and not depth_fn_for(load_predictor(saved_plain(tmp_path, plan), plan),
+                                             pol.cost, plan, overhead_ms=0.0).uses_head
+    h = torch.randn(16)
+    with pytest.raises(YggError, match="top 2 log-probs, got none"):
+        fn.p_ge(h)
+    assert got.choose_draft(h, 100) == pol.fresh().choose_draft(h, 100)  # no predictor before the head
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        h = torch.randn(16, generator=g)
+        head = -torch.rand(3, generator=g) * 4
+        scale = fn.aal_scale(h, cal, head)
+        expect = np.cumsum(fn.predictor(features(h, head, 2)).double().numpy()) / np.array(
+            [cal.expected_aal(2, dd, wv) - 1 for dd, wv in ((1, 4), (2, 8), (3, 8))])
+        np.testing.assert_array_equal(scale, expect)
+        best, best_s = None, -np.inf  # brute force: D >= 1 (the head has run)
+        for dd in (1, 2, 3):
+            for wd in (1, 2, 4):
+                for wv in (1, 4, 8, 12):
+                    a = cal.expected_aal(wd, dd, wv) if wv > 1 else 1.0
+                    if a is None:
+                        continue
+                    sp = (1 + (a - 1) * scale[dd - 1]) * (pol.cost.plain_ms(100) + fn.overhead_ms) / (
+                        pol.cost.step_ms(dd, wd, wv, 100) + fn.overhead_ms)
+                    if sp > best_s:
+                        best, best_s = StepChoice(dd, wd), sp
+        assert got.after_head(h, head, StepChoice(1, 1), 100) == best
+    # a policy without a head-reading predictor keeps the choice made before the head
+    assert pol.after_head(h, head, StepChoice(2, 4), 100) == StepChoice(2, 4)
+
+
+def saved_plain(tmp_path, plan):
+    """A predictor reading the hidden state alone, saved under tmp_path / "plain"."""
+    out = tmp_path / "plain"
+    save_predictor(out, plan, DepthPredictor(16, 3, units=8), LinearDepthPredictor(16, 3), {})
+    return out
+
+
+def test_refuses_head_k_disagreeing_with_weights(saved, plan):
+    out, _, _ = saved
+    m = json.loads((out / MANIFEST_FILE).read_text())
+    m["feature"]["head_k"] = 2
+    (out / MANIFEST_FILE).write_text(json.dumps(m))
+    with pytest.raises(YggError, match=r"tensor mean has shape \[16\], expected \[18\] \(hidden size 16, head_k 2"):
+        load_predictor(out, plan)
+
+
 # ----------------------------------------------------------------------------- records
 
 
@@ -319,6 +419,9 @@ def test_records_from_a_tiny_engine():
     assert int(rec.n_accepted.sum()) > 0  # the bigram head gets accepted sometimes
     first = rec.committed[rec.prompt == 1][0]
     assert int(first) == len(prompts[1])  # the first step starts right after the prefill
+    # the head's top-W_d log-probs at the root: the tree's depth-1 nodes, descending
+    assert rec.head_logp.shape == (s, wd) and bool((rec.head_logp <= 0).all())
+    assert bool((rec.head_logp[:, :-1] >= rec.head_logp[:, 1:]).all())
 
 
 def test_train_command_on_stored_records(tmp_path, capsys):

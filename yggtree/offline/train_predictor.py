@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     import torch
 
 RECORDS_KIND = "yggtree-depth-records"
-RECORDS_VERSION = 1
+RECORDS_VERSION = 2
+RECORD_FIELDS = ("h", "n_accepted", "len_by_depth", "prompt", "committed", "head_logp")
+HEAD_FEATURES = 2  # default --head-features
 OUTPUT_FILES = ("depth_manifest.json", "depth_predictor.safetensors", "depth_baseline.safetensors",
                 "depth_metrics.csv", "depth_calibration.png")
 
@@ -52,14 +54,15 @@ class Records:
     len_by_depth: torch.Tensor  # [S, D_max] int64 accepted length had the step made D = 1.. calls
     prompt: torch.Tensor  # [S] int64 index of the prompt in calibration_chat_prompts order
     committed: torch.Tensor  # [S] int64 committed length before the step
+    head_logp: torch.Tensor  # [S, W_d] float32 log-probs of the root's drafted children (the
+    #                          drafter head's top W_d at the root), descending
 
     @property
     def d_max(self) -> int:
         return int(self.len_by_depth.shape[1])
 
     def tensors(self) -> dict:
-        return {k: getattr(self, k).contiguous() for k in ("h", "n_accepted", "len_by_depth",
-                                                            "prompt", "committed")}
+        return {k: getattr(self, k).contiguous() for k in RECORD_FIELDS}
 
     def select(self, mask) -> "Records":
         return Records(**{k: v[mask] for k, v in self.tensors().items()})
@@ -82,6 +85,16 @@ def step_lengths(rec, d_max: int, wd: int) -> list[int]:
     return [int(round(r[0])) - 1 for r in measured_aal(e["tree"], e["path_ok"], wd, d_max, [full])]
 
 
+def head_logp(tree, wd: int):
+    """[W_d] float32: log-probs of the root's children in a drafted tree (depth-1 nodes),
+    descending; a missing child counts as log-prob -inf."""
+    import torch
+
+    lp = tree.logp[(tree.depth == 1) & tree.valid].to("cpu", dtype=torch.float32)
+    lp = torch.cat([lp, torch.full((wd,), float("-inf"))])
+    return lp.sort(descending=True).values[:wd]
+
+
 def collect_records(engine, prompt_ids: list[list[int]], d_max: int, wd: int, max_new_tokens: int,
                     advance=None, first_index: int = 0) -> Records:
     """Decode every prompt with D = d_max calls at width ``wd`` (whole tree verified) and record
@@ -93,7 +106,7 @@ def collect_records(engine, prompt_ids: list[list[int]], d_max: int, wd: int, ma
 
     pol = FixedPolicy(StepChoice(d_max, wd), 1 + d_max * wd)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    rows: dict[str, list] = {"h": [], "n_accepted": [], "len_by_depth": [], "prompt": [], "committed": []}
+    rows: dict[str, list] = {k: [] for k in RECORD_FIELDS}
     for i, x in enumerate(prompt_ids):
         recs = []
         engine.generate(x, params, policy=pol, on_step=recs.append)
@@ -103,6 +116,7 @@ def collect_records(engine, prompt_ids: list[list[int]], d_max: int, wd: int, ma
             rows["len_by_depth"].append(step_lengths(r, d_max, wd))
             rows["prompt"].append(first_index + i)
             rows["committed"].append(r.committed)
+            rows["head_logp"].append(head_logp(r.tree, wd))
         if advance is not None:
             advance()
     if not rows["h"]:
@@ -113,6 +127,7 @@ def collect_records(engine, prompt_ids: list[list[int]], d_max: int, wd: int, ma
         torch.tensor(rows["len_by_depth"], dtype=torch.int64),
         torch.tensor(rows["prompt"], dtype=torch.int64),
         torch.tensor(rows["committed"], dtype=torch.int64),
+        torch.stack(rows["head_logp"]),
     )
 
 
@@ -155,7 +170,7 @@ def load_records(path: str | Path) -> tuple[Records, dict]:
     meta = read_artifact(side_p, "depth records sidecar", RECORDS_KIND, RECORDS_VERSION)
     try:
         t = load_file(str(p))
-        rec = Records(t["h"], t["n_accepted"], t["len_by_depth"], t["prompt"], t["committed"])
+        rec = Records(**{k: t[k] for k in RECORD_FIELDS})
     except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:
         raise YggError(f"cannot read depth records {p}: {e!r}") from None
     s = rec.h.shape[0]
@@ -208,15 +223,17 @@ def bce_ge(log_p, y):
     return -(y * log_p + (1 - y) * log_q).mean()
 
 
-def train_mlp(x, n_accepted, d_max: int, hp: MLPParams, seed: int = 0, draft_width: int = 0):
-    """A DepthPredictor fitted to (x [S, H], lengths [S]) with AdamW on :func:`bce_ge`."""
+def train_mlp(x, n_accepted, d_max: int, hp: MLPParams, seed: int = 0, draft_width: int = 0,
+              head_k: int = 0):
+    """A DepthPredictor fitted to (x [S, H + head_k] features, lengths [S]) with AdamW on
+    :func:`bce_ge`."""
     import torch
 
     from ..runtime.predictor import DepthPredictor
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = DepthPredictor(x.shape[1], d_max, hp.units, hp.dropout, draft_width)
+    model = DepthPredictor(x.shape[1] - head_k, d_max, hp.units, hp.dropout, draft_width, head_k)
     mean, std = standardiser(x)
     model.mean.copy_(mean)
     model.std.copy_(std)
@@ -235,8 +252,9 @@ def train_mlp(x, n_accepted, d_max: int, hp: MLPParams, seed: int = 0, draft_wid
     return model.eval().requires_grad_(False)
 
 
-def fit_baseline(x, n_accepted, d_max: int, c: float = 1.0, seed: int = 0, draft_width: int = 0):
-    """scikit-learn LogisticRegression per depth on the standardised features, as a
+def fit_baseline(x, n_accepted, d_max: int, c: float = 1.0, seed: int = 0, draft_width: int = 0,
+                 head_k: int = 0):
+    """scikit-learn LogisticRegression per depth on the standardised features (x [S, H + head_k]), as a
     LinearDepthPredictor (a depth whose training targets are all equal gets a constant)."""
     import torch
     from sklearn.linear_model import LogisticRegression
@@ -246,7 +264,7 @@ def fit_baseline(x, n_accepted, d_max: int, c: float = 1.0, seed: int = 0, draft
     mean, std = standardiser(x)
     z = ((x - mean) / std).numpy().astype(np.float64)
     y = length_targets(n_accepted, d_max).numpy()
-    model = LinearDepthPredictor(x.shape[1], d_max, draft_width)
+    model = LinearDepthPredictor(x.shape[1] - head_k, d_max, draft_width, head_k)
     model.mean.copy_(mean)
     model.std.copy_(std)
     for d in range(d_max):
@@ -394,8 +412,10 @@ def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None 
         "plan": {"name": plan.name, "hash": plan.hash(), "d_max": plan.d_max,
                  "draft_widths": list(plan.draft_widths), "verify_widths": list(plan.verify_widths)},
         "feature": {"layer": FEATURE_LAYER, "description": "target final-norm output at the root "
-                    "position (StepRecord.h_root), standardised with the stored mean/std",
-                    "hidden_size": mlp.hidden_size, "dtype": str(torch.float32).removeprefix("torch.")},
+                    "position (StepRecord.h_root), then the drafter head's top head_k log-probs at "
+                    "the root (sorted, floored at predictor.LOGP_FLOOR), standardised with the "
+                    "stored mean/std", "hidden_size": mlp.hidden_size, "head_k": mlp.head_k,
+                    "dtype": str(torch.float32).removeprefix("torch.")},
         "d_max": mlp.d_max,
         "draft_width": mlp.draft_width,
         "target": "P(accepted length >= d), d = 1..d_max, tree of D_max calls, whole tree verified",
@@ -483,7 +503,7 @@ def run_train_predictor(args) -> int:
     import torch
 
     from ..plan import default_plan, load_plan
-    from ..runtime.predictor import measure_ms
+    from ..runtime.predictor import features, measure_ms
     from .fit import pair_dir
 
     t_start = time.perf_counter()
@@ -502,6 +522,9 @@ def run_train_predictor(args) -> int:
         raise YggError(f"{clash[0]} already exists (pass --force to overwrite)")
     rec, meta = _record(args, plan, rec_path)
     d_max, wd = rec.d_max, int(meta.get("draft_width", args.draft_width))
+    if not 0 <= args.head_features <= rec.head_logp.shape[1]:
+        raise YggError(f"--head-features must be 0..{rec.head_logp.shape[1]} (the recorded trees' "
+                       f"W_d), got {args.head_features}")
     n_prompts = len(torch.unique(rec.prompt))
     n_hold = args.holdout if args.holdout is not None else max(1, n_prompts // 4)
     if not 1 <= n_hold < n_prompts:
@@ -510,20 +533,22 @@ def run_train_predictor(args) -> int:
     tr, te = rec.select(~hold), rec.select(hold)
     hp = MLPParams(units=args.units, epochs=args.epochs)
     torch.manual_seed(args.seed)
-    mlp = train_mlp(tr.h, tr.n_accepted, d_max, hp, args.seed, wd)
-    base = fit_baseline(tr.h, tr.n_accepted, d_max, args.baseline_c, args.seed, wd)
+    hk = args.head_features
+    x_tr, x_te = (features(part.h, part.head_logp, hk) for part in (tr, te))
+    mlp = train_mlp(x_tr, tr.n_accepted, d_max, hp, args.seed, wd, hk)
+    base = fit_baseline(x_tr, tr.n_accepted, d_max, args.baseline_c, args.seed, wd, hk)
     const = constant_p_ge(tr.n_accepted, d_max)
     metrics: dict[str, dict] = {}
     held_preds = {}
-    for split, part in (("train", tr), ("heldout", te)):
+    for split, part, x in (("train", tr, x_tr), ("heldout", te, x_te)):
         with torch.inference_mode():
-            preds = {"mlp": mlp(part.h), "baseline": base(part.h),
+            preds = {"mlp": mlp(x), "baseline": base(x),
                      "constant": const.expand(part.h.shape[0], d_max)}
         metrics[split] = {k: evaluate(p, part.n_accepted) for k, p in preds.items()}
         if split == "heldout":
             held_preds = preds
     bias = {k: depth_bias(p, te) for k, p in held_preds.items() if k != "constant"}
-    z = rec.h[0].clone()
+    z = x_te[0].clone()
     with torch.inference_mode():
         cost_ms = {"mlp": measure_ms(lambda: mlp(z), 300), "baseline": measure_ms(lambda: base(z), 300)}
 
@@ -580,6 +605,9 @@ def add_train_predictor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-width", type=int, default=4, help="W_d of the recorded trees (default 4)")
     p.add_argument("--holdout", type=int, default=None,
                    help="last prompts held out for evaluation (default: a quarter)")
+    p.add_argument("--head-features", type=int, default=HEAD_FEATURES,
+                   help="the drafter head's top log-probs at the root read with the hidden state "
+                   f"(0: the hidden state alone; default {HEAD_FEATURES})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--epochs", type=int, default=MLPParams.epochs)

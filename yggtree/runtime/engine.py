@@ -370,6 +370,7 @@ class Engine:
             policy = FixedPolicy.of(self.cfg.tree)
         # who hears of each finished step: the caller, and a policy learning from its steps
         report = [fn for fn in (on_step, getattr(policy, "observe", None)) if fn is not None]
+        after_head = getattr(policy, "after_head", None)
         synced, sync_from = True, committed  # the drafter holds everything below sync_from
         zero = torch.zeros(1, dtype=torch.int64)
         anc1 = torch.ones(1, 1, dtype=torch.bool)
@@ -431,6 +432,14 @@ class Engine:
             sync_from = committed  # this step's root: the drafter will hold everything below it
             head = drafter.head(root, L, k)
             t1 = time.perf_counter()
+            if after_head is not None:  # the head's confidence may change the depth and width
+                choice = after_head(h_root, head.logp[0], StepChoice(d, wd), committed)
+                d, wd = self._check_choice(choice)
+                if d == 0:
+                    raise YggError("a policy chose a plain step after the drafter's head ran")
+                th = time.perf_counter()
+                times["policy"] += th - t1
+                tp, t1 = tp + (th - t1), th  # the head stage stays the head call alone
             state = egt_init(root, head.token[0], head.logp[0], d, wd)
             for s in range(d):
                 state, fed = egt_select(state, s)

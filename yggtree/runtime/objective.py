@@ -526,8 +526,10 @@ class ObjectivePolicy:
       (AAL - 1) at depth D is scaled by what the predictor expects of this context (from the
       target's hidden state at the root) over what the calibration expects of the predictor's
       tree shape, so the context picks D (and W_d) and the predictor's own cost joins every
-      tree step's time. ``depth_fn`` (a fixed depth, ``--depth N``) forces D instead
-      (0: a plain step).
+      tree step's time. A predictor that reads the drafter head's confidence is consulted in
+      ``after_head`` instead: ``choose_draft`` decides plain step or tree as without a
+      predictor, and once the head has run the predictor picks (D >= 1, W_d). ``depth_fn`` (a
+      fixed depth, ``--depth N``) forces D instead (0: a plain step).
     - ``choose_verify``: W_v among the verify widths (and 1) maximising the objective on the
       drafted tree's calibrated path probabilities, the drafting cost being already spent.
     - ``observe``: with ``feedback``, every finished step corrects the offline model (see
@@ -621,8 +623,8 @@ class ObjectivePolicy:
             d = int(self.depth_fn(h_root, committed))  # D > 0: drafting was decided, pick W_d
             choice = (StepChoice(0, self.draft_widths[0]) if d == 0
                       else self.plan_choice(committed, d, allow_plain=False)[0])
-        elif self.predictor is not None:  # the predictor sees every context: no probes
-            self._scale = self.predictor.aal_scale(h_root, self.calib)
+        elif self.predictor is not None and not self.predictor.uses_head:  # no probes: the
+            self._scale = self.predictor.aal_scale(h_root, self.calib)  # predictor sees every context
             choice = self.plan_choice(committed, scale=self._scale, extra_ms=self.predictor.overhead_ms)[0]
         else:
             choice = self.plan_choice(committed)[0]
@@ -639,6 +641,17 @@ class ObjectivePolicy:
         else:
             self._plain_run = 0
         return choice
+
+    def after_head(self, h_root: torch.Tensor, head_logp: torch.Tensor, choice: StepChoice,
+                   committed: int) -> StepChoice:
+        """The drafter's head has run for a tree step (``choice``): a predictor reading its
+        confidence (``head_logp`` [k], the root's top-k children) now picks (D >= 1, W_d) with
+        the context's AAL factors; other policies keep ``choice``."""
+        if self.predictor is None or not self.predictor.uses_head or self.depth_fn is not None:
+            return choice
+        self._scale = self.predictor.aal_scale(h_root, self.calib, head_logp)
+        return self.plan_choice(committed, allow_plain=False, scale=self._scale,
+                                extra_ms=self.predictor.overhead_ms)[0]
 
     def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
         d, wd = choice.draft_depth, choice.draft_width

@@ -1,8 +1,11 @@
 """Per-step tree choices: the hook through which a policy steers the decode loop.
 
-Each speculation step the engine asks its policy twice::
+Each speculation step the engine asks its policy twice, or three times::
 
     choice = policy.choose_draft(h_root, committed)       before drafting: D and W_d
+    choice = policy.after_head(h_root, head_logp, choice, committed)
+                                  optional, after the drafter's head call (head_logp [k]: its
+                                  top-k log-probs at the root): D >= 1 and W_d again
     w_v    = policy.choose_verify(tree, choice, committed)  after drafting: W_v
 
 and reports the step to ``on_step(StepRecord)`` and, when the policy has one, to its

@@ -1,9 +1,14 @@
 """Depth predictor (DESIGN section 6): how many drafter calls to run, from the target's hidden state.
 
 Each speculation step the engine hands the policy ``h_root`` [H], the target's final-norm hidden
-state at the root. A predictor maps it to ``p_ge`` [D_max]: ``p_ge[d-1] = P(accepted length >= d)``
-for a tree drafted D_max calls deep (trained offline by ``yggtree train-predictor`` on calibration
-prompts). Expected accepted length with D calls, bonus token included::
+state at the root, and (after the drafter's head call, which every tree step makes whatever its
+depth) ``head_logp`` [k], the head's top-k log-probabilities for the root's children. A predictor
+maps the features (h_root, and the head's top ``head_k`` log-probs when it was trained with them)
+to ``p_ge`` [D_max]: ``p_ge[d-1] = P(accepted length >= d)`` for a tree drafted D_max calls deep
+(trained offline by ``yggtree train-predictor`` on calibration prompts). The hidden state says
+what kind of text comes next; the head's confidence says how sure the drafter is of the very next
+token, and on the default pair it is what most of the predictive power comes from. Expected
+accepted length with D calls, bonus token included::
 
     AAL(D) = 1 + sum_{d <= D} p_ge[d-1]
 
@@ -37,7 +42,7 @@ from ..errors import YggError
 
 __all__ = [
     "PREDICTOR_KIND", "FORMAT_VERSION", "MANIFEST_FILE", "MODEL_FILES", "FEATURE_LAYER",
-    "DepthPredictor", "LinearDepthPredictor", "expected_aal", "verify_width_for", "choose_depth",
+    "LOGP_FLOOR", "features", "DepthPredictor", "LinearDepthPredictor", "expected_aal", "verify_width_for", "choose_depth",
     "load_predictor", "DepthFn", "measure_ms", "depth_fn_for", "policy_with_predictor", "predictor_state", "file_sha256",
 ]
 
@@ -46,6 +51,20 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "depth_manifest.json"
 MODEL_FILES = {"mlp": "depth_predictor.safetensors", "baseline": "depth_baseline.safetensors"}
 FEATURE_LAYER = "final_norm"  # StepRecord.h_root: the target's final-norm output at the root
+LOGP_FLOOR = -20.0  # head log-probs below this (or missing children, -inf) enter as this
+
+
+def features(h: torch.Tensor, head_logp: torch.Tensor | None, head_k: int) -> torch.Tensor:
+    """A predictor's input: ``h`` [..., H] and the ``head_k`` largest of ``head_logp`` [..., k]
+    (sorted, floored at LOGP_FLOOR) -> [..., H + head_k] float32. ``head_k = 0``: ``h`` alone."""
+    h = h.to(torch.float32)
+    if head_k == 0:
+        return h
+    if head_logp is None or head_logp.shape[-1] < head_k:
+        have = "none" if head_logp is None else head_logp.shape[-1]
+        raise YggError(f"the depth predictor reads the drafter head's top {head_k} log-probs, got {have}")
+    top = head_logp.to(torch.float32).sort(dim=-1, descending=True).values[..., :head_k]
+    return torch.cat([h, top.clamp_min(LOGP_FLOOR)], dim=-1)
 
 
 # ----------------------------------------------------------------------------- models
@@ -59,27 +78,29 @@ class DepthPredictor(nn.Module):
     (training applies a per-head BCE to exactly these products)."""
 
     def __init__(
-        self, hidden_size: int, d_max: int, units: int = 64, dropout: float = 0.0, draft_width: int = 0
+        self, hidden_size: int, d_max: int, units: int = 64, dropout: float = 0.0, draft_width: int = 0,
+        head_k: int = 0,
     ) -> None:
         super().__init__()
-        self.hidden_size, self.d_max, self.units = hidden_size, d_max, units
+        self.hidden_size, self.d_max, self.units, self.head_k = hidden_size, d_max, units, head_k
         self.draft_width = draft_width  # W_d of the trees it was trained on (0: unknown)
-        self.register_buffer("mean", torch.zeros(hidden_size))  # [H] feature mean (training rows)
-        self.register_buffer("std", torch.ones(hidden_size))  # [H] feature std (> 0)
-        self.fc1 = nn.Linear(hidden_size, units)
+        n = hidden_size + head_k  # F: features (see :func:`features`)
+        self.register_buffer("mean", torch.zeros(n))  # [F] feature mean (training rows)
+        self.register_buffer("std", torch.ones(n))  # [F] feature std (> 0)
+        self.fc1 = nn.Linear(n, units)
         self.fc2 = nn.Linear(units, units)
         self.heads = nn.Linear(units, d_max)
         self.drop = nn.Dropout(dropout)
 
     def log_p_ge(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., D_max] log P(len >= d)."""
+        """[..., F] features -> [..., D_max] log P(len >= d)."""
         x = (h - self.mean) / self.std
         x = self.drop(nn.functional.gelu(self.fc1(x)))
         x = self.drop(nn.functional.gelu(self.fc2(x)))
         return torch.cumsum(nn.functional.logsigmoid(self.heads(x)), dim=-1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., H] float32 -> [..., D_max] P(len >= d), non-increasing in d."""
+        """[..., F] float32 features -> [..., D_max] P(len >= d), non-increasing in d."""
         return torch.exp(self.log_p_ge(h))
 
 
@@ -87,17 +108,18 @@ class LinearDepthPredictor(nn.Module):
     """Independent logistic regressions per depth on the standardised hidden state (the
     scikit-learn baseline, stored as tensors); monotone at inference by a running minimum."""
 
-    def __init__(self, hidden_size: int, d_max: int, draft_width: int = 0) -> None:
+    def __init__(self, hidden_size: int, d_max: int, draft_width: int = 0, head_k: int = 0) -> None:
         super().__init__()
-        self.hidden_size, self.d_max = hidden_size, d_max
+        self.hidden_size, self.d_max, self.head_k = hidden_size, d_max, head_k
         self.draft_width = draft_width  # W_d of the trees it was trained on (0: unknown)
-        self.register_buffer("mean", torch.zeros(hidden_size))  # [H] feature mean
-        self.register_buffer("std", torch.ones(hidden_size))  # [H] feature std (> 0)
-        self.register_buffer("weight", torch.zeros(d_max, hidden_size))  # [D_max, H] coefficients
+        n = hidden_size + head_k  # F: features (see :func:`features`)
+        self.register_buffer("mean", torch.zeros(n))  # [F] feature mean
+        self.register_buffer("std", torch.ones(n))  # [F] feature std (> 0)
+        self.register_buffer("weight", torch.zeros(d_max, n))  # [D_max, F] coefficients
         self.register_buffer("bias", torch.zeros(d_max))  # [D_max] intercepts
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., H] float32 -> [..., D_max] P(len >= d), non-increasing in d."""
+        """[..., F] float32 features -> [..., D_max] P(len >= d), non-increasing in d."""
         z = ((h - self.mean) / self.std) @ self.weight.T + self.bias
         return torch.cummin(torch.sigmoid(z), dim=-1).values
 
@@ -203,14 +225,16 @@ def load_predictor(
         entry = m["models"][which]
         kind, fname = entry["type"], entry["file"]
         h, dm = int(m["feature"]["hidden_size"]), int(m["d_max"])
-        args = {"draft_width": int(m.get("draft_width", 0))}
+        hk = int(m["feature"].get("head_k", 0))
+        args = {"draft_width": int(m.get("draft_width", 0)), "head_k": hk}
         if kind == "mlp":
             args["units"] = int(entry["units"])
     except (KeyError, TypeError, ValueError) as e:
         raise YggError(f"depth predictor manifest {mpath} is malformed or has no model {which!r} "
                        f"({e!r})") from None
-    if h < 1 or dm < 1:
-        raise YggError(f"depth predictor manifest {mpath}: hidden size {h} and D_max {dm} must be >= 1")
+    if h < 1 or dm < 1 or hk < 0:
+        raise YggError(f"depth predictor manifest {mpath}: hidden size {h} and D_max {dm} must be >= 1, "
+                       f"head_k {hk} >= 0")
     if kind not in MODEL_TYPES or Path(fname).name != fname:
         raise YggError(f"depth predictor manifest {mpath}: unknown model type {kind!r} or bad file name")
     if hidden_size is not None and h != hidden_size:
@@ -232,7 +256,7 @@ def load_predictor(
     for k, s in shapes.items():
         if tuple(state[k].shape) != s:
             raise YggError(f"{wpath}: tensor {k} has shape {list(state[k].shape)}, expected "
-                           f"{list(s)} (hidden size {h}, D_max {dm} in the manifest)")
+                           f"{list(s)} (hidden size {h}, head_k {hk}, D_max {dm} in the manifest)")
     if entry.get("sha256") not in (None, file_sha256(wpath)):
         raise YggError(f"depth predictor weights {wpath} do not match {mpath} (sha256 differs)")
     if not all(torch.isfinite(v).all() for v in state.values()) or not bool((state["std"] > 0).all()):
@@ -246,10 +270,12 @@ def load_predictor(
 
 @dataclass(frozen=True)
 class DepthFn:
-    """``depth_fn(h_root, committed) -> D`` for an :class:`~yggtree.runtime.objective.ObjectivePolicy`:
-    the predictor's P(len >= d) for d = 1..d_max, then :func:`choose_depth`."""
+    """A predictor ready for an :class:`~yggtree.runtime.objective.ObjectivePolicy`: P(len >= d)
+    for d = 1..d_max from the features of one step (:meth:`p_ge`), :func:`choose_depth` on them
+    (``__call__``), and the factors by which they scale the calibration's AAL (:meth:`aal_scale`).
+    A predictor reading the head's confidence (``uses_head``) is consulted after the head call."""
 
-    predictor: nn.Module  # [H] float32 -> [D_max] P(len >= d)
+    predictor: nn.Module  # [F] float32 features -> [D_max] P(len >= d)
     cost: object  # CostModel
     draft_width: int  # W_d assumed when costing a D-call tree
     verify_widths: tuple[int, ...]  # [d_max] W_v assumed for D = 1..d_max
@@ -259,27 +285,34 @@ class DepthFn:
     def d_max(self) -> int:
         return len(self.verify_widths)
 
-    def p_ge(self, h_root: torch.Tensor) -> torch.Tensor:
-        """[H] -> [d_max] P(len >= d); YggError on a hidden state of another size."""
+    @property
+    def uses_head(self) -> bool:
+        """True when the predictor reads the drafter head's log-probs (known after the head call)."""
+        return self.predictor.head_k > 0
+
+    def p_ge(self, h_root: torch.Tensor, head_logp: torch.Tensor | None = None) -> torch.Tensor:
+        """h_root [H], head_logp [k] (the head's top-k at the root; needed when ``uses_head``)
+        -> [d_max] P(len >= d); YggError on a hidden state of another size."""
         h = self.predictor.hidden_size
         if h_root.shape[-1] != h:
             raise YggError(f"the depth predictor was trained on hidden size {h}, the target's "
                            f"hidden state has {h_root.shape[-1]}")
         with torch.inference_mode():
-            return self.predictor(h_root.to(torch.float32))[: self.d_max]
+            x = features(h_root, head_logp, self.predictor.head_k)
+            return self.predictor(x)[: self.d_max]
 
-    def __call__(self, h_root: torch.Tensor, committed: int) -> int:
-        return choose_depth(self.p_ge(h_root).tolist(), self.cost, committed, self.draft_width,
-                            self.verify_widths, self.overhead_ms)
+    def __call__(self, h_root: torch.Tensor, committed: int, head_logp: torch.Tensor | None = None) -> int:
+        return choose_depth(self.p_ge(h_root, head_logp).tolist(), self.cost, committed,
+                            self.draft_width, self.verify_widths, self.overhead_ms)
 
-    def aal_scale(self, h_root: torch.Tensor, calib) -> np.ndarray:
+    def aal_scale(self, h_root: torch.Tensor, calib, head_logp: torch.Tensor | None = None) -> np.ndarray:
         """[d_max] factors on the calibration's expected drafted tokens (AAL - 1) of a D-call
         tree, D = 1..d_max: the predictor's expectation for this context, ``cumsum(P(len >=
         d))``, over the calibration's (``calib``, an objective.Calibration) for the tree shape the
         predictor was trained on (W_d, W_v(D)); 1 where the calibration expects nothing."""
         base = np.array([(calib.expected_aal(self.draft_width, d, wv) or 1.0) - 1.0
                          for d, wv in enumerate(self.verify_widths, 1)])
-        pred = np.cumsum(self.p_ge(h_root).numpy().astype(np.float64))
+        pred = np.cumsum(self.p_ge(h_root, head_logp).numpy().astype(np.float64))
         return np.where(base > 1e-6, pred / np.maximum(base, 1e-6), 1.0)
 
 
@@ -308,8 +341,8 @@ def depth_fn_for(
     wvs = tuple(verify_width_for(d, wd, plan.verify_widths) for d in range(1, d_max + 1))
     fn = DepthFn(predictor, cost, wd, wvs, 0.0)
     if overhead_ms is None:
-        z = torch.zeros(predictor.hidden_size)
-        overhead_ms = measure_ms(lambda: fn(z, 64))
+        z, q = torch.zeros(predictor.hidden_size), torch.full((max(predictor.head_k, 1),), -1.0)
+        overhead_ms = measure_ms(lambda: fn(z, 64, q))
     return replace(fn, overhead_ms=float(overhead_ms))
 
 
