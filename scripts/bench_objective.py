@@ -131,6 +131,27 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
     return summary
 
 
+def paired(rows: list[dict], a: str, b: str, n_boot: int = 4000, seed: int = 0) -> dict:
+    """System ``a`` against ``b`` on the same prompts: the ratio of their decode speeds (summed
+    decode time over summed decoded tokens, as in :func:`summarise`) and a 95% percentile
+    bootstrap interval over prompts (prompts resampled with replacement, both systems' times of
+    a prompt kept together), and the share of prompts on which ``a`` was faster."""
+    import numpy as np
+
+    n = np.array([[max(r[s]["new_tokens"] - 1, 0) for s in (a, b)] for r in rows], dtype=np.float64)
+    t = np.array([[r[s]["decode_s"] for s in (a, b)] for r in rows], dtype=np.float64)
+
+    def ratio(idx):  # speed of a / speed of b
+        return (n[idx, 0].sum() / t[idx, 0].sum()) / (n[idx, 1].sum() / t[idx, 1].sum())
+
+    rng = np.random.default_rng(seed)
+    boots = np.sort([ratio(rng.integers(0, len(rows), len(rows))) for _ in range(n_boot)])
+    per = (n[:, 0] / t[:, 0]) > (n[:, 1] / t[:, 1])
+    return {"a": a, "b": b, "ratio": float(ratio(np.arange(len(rows)))),
+            "ci95": [float(boots[int(0.025 * n_boot)]), float(boots[int(0.975 * n_boot) - 1])],
+            "a_faster_share": float(per.mean()), "prompts": len(rows)}
+
+
 def report(rows: list[dict], names: list[str], settings: dict, what: str, args, partial: bool = False) -> None:
     """The table, then ONE JSON line."""
     from rich.console import Console
@@ -150,7 +171,19 @@ def report(rows: list[dict], names: list[str], settings: dict, what: str, args, 
                           f"{100 * r['prediction_error']:.1f}%", f"{r['predicted_online']:.3f}",
                           f"{100 * r['online_error']:.1f}%", f"{r['aal']:.2f}",
                           f"{100 * r['plain_step_share']:.0f}%", f"{r['same_as_plain']}/{n}")
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(table)
+    comparisons = []
+    for pair in getattr(args, "compare", None) or []:
+        a, _, b = pair.partition(":")
+        if a not in names or b not in names:
+            raise YggError(f"--compare {pair}: both systems must be in the rows (have {', '.join(names)})")
+        for st in sorted({r["set"] for r in rows}) + ["all"]:
+            c = paired([r for r in rows if st == "all" or r["set"] == st], a, b) | {"set": st}
+            comparisons.append(c)
+            console.print(f"{st}: {a} / {b} decode speed {c['ratio']:.3f} (95% bootstrap over prompts "
+                          f"{c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}), {a} faster on "
+                          f"{100 * c['a_faster_share']:.0f}% of {c['prompts']} prompts")
     line = {
         "command": "bench_objective", "what": what, "threads": args.threads, "prompts": len(rows),
         "max_new_tokens": args.max_new_tokens, "settings": settings, "torch": torch.__version__,
@@ -158,6 +191,7 @@ def report(rows: list[dict], names: list[str], settings: dict, what: str, args, 
                                  {d: round(x, 4) for d, x in v.items()} if isinstance(v, dict) else v)
                              for k, v in r.items()} for n, r in res.items()}
                     for st, res in summary.items()},
+        "comparisons": comparisons,
         "partial": partial, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     print(json.dumps(line), flush=True)
@@ -317,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-root", default="compile")
     p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
     p.add_argument("--out", help="also write every prompt's record as JSON (and OUT.rows.jsonl as it runs)")
+    p.add_argument("--compare", type=lambda t: t.split(","), default=[], metavar="A:B,...",
+                   help="paired comparisons to report: speed of A over B with a bootstrap interval")
     p.add_argument("--summarise", nargs="+", metavar="ROWS", help="only report OUT.rows.jsonl file(s) of earlier runs")
     args = p.parse_args(argv)
     return run_reporting("bench_objective", summarise_rows if args.summarise else run, args)

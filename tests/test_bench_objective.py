@@ -44,3 +44,16 @@ def test_summary_ratios_shares_and_equality():
     assert a["prediction_error"] == pytest.approx(abs(1.5 - a["measured_speedup"]) / a["measured_speedup"])
     assert s["all"]["tree"]["measured_speedup"] == pytest.approx(3.4 / 2.5)
     assert s["all"]["plain"]["measured_speedup"] == 1.0
+
+
+def test_paired_ratio_interval_and_share():
+    """The paired ratio is the summarised speed-up of A over B; the bootstrap interval holds it;
+    identical systems give exactly 1 with a zero-width interval."""
+    mod = load_script()
+    rows = [row("a", 1.0, 0.5, 4, 0), row("a", 1.0, 1.25, 8, 8), row("b", 2.0, 1.0, 4, 0)]
+    c = mod.paired(rows, "tree", "plain", n_boot=500)
+    s = mod.summarise(rows, ["plain", "tree"])["all"]["tree"]["measured_speedup"]
+    assert c["ratio"] == pytest.approx(s) and c["ci95"][0] <= c["ratio"] <= c["ci95"][1]
+    assert c["ci95"][0] < c["ci95"][1] and c["a_faster_share"] == pytest.approx(2 / 3)
+    same = mod.paired(rows, "plain", "plain", n_boot=200)
+    assert same["ratio"] == 1.0 and same["ci95"] == [1.0, 1.0] and same["a_faster_share"] == 0.0

@@ -304,19 +304,26 @@ def test_policy_with_predictor(saved, plan):
     scale = np.cumsum(fn.p_ge(h).double().numpy()) / np.array([cal.expected_aal(2, dd, wv) - 1
                                                            for dd, wv in ((1, 4), (2, 8), (3, 8))])
     np.testing.assert_array_equal(fn.aal_scale(h, cal), scale)
-    best, best_s = (0, None), 1.0  # brute force over the policy's (D, W_d, W_v), in its order
-    for dd in (1, 2, 3):
-        for wd in (1, 2, 4):
-            for wv in (1, 4, 8, 12):
+    best = brute_choice(pol, cal, scale, fn.overhead_ms, allow_plain=True)
+    choice = got.choose_draft(h, 100)
+    assert (choice.draft_depth, choice.draft_width if choice.draft_depth else None) == best
+
+
+def brute_choice(pol, cal, scale, extra_ms: float, allow_plain: bool, ctx: int = 100):
+    """(D, W_d) maximising the scaled objective over the policy's (D, W_d, W_v) in its order,
+    ``extra_ms`` paid by plain and tree steps alike; (0, None) when plain decoding wins."""
+    best, best_s = (0, None), (1.0 if allow_plain else -np.inf)
+    plain = pol.cost.plain_ms(ctx) + extra_ms
+    for dd in range(1, pol.d_max + 1):
+        for wd in pol.draft_widths:
+            for wv in (1, *pol.verify_widths):
                 a = cal.expected_aal(wd, dd, wv) if wv > 1 else 1.0
                 if a is None:
                     continue
-                sp = (1 + (a - 1) * scale[dd - 1]) * pol.cost.plain_ms(100) / (
-                    pol.cost.step_ms(dd, wd, wv, 100) + fn.overhead_ms)
+                sp = (1 + (a - 1) * scale[dd - 1]) * plain / (pol.cost.step_ms(dd, wd, wv, ctx) + extra_ms)
                 if sp > best_s:
                     best, best_s = (dd, wd), sp
-    choice = got.choose_draft(h, 100)
-    assert (choice.draft_depth, choice.draft_width if choice.draft_depth else None) == best
+    return best
 
 
 def test_a_head_reading_predictor_picks_the_depth_after_the_head(tmp_path, plan):
@@ -350,18 +357,8 @@ def test_a_head_reading_predictor_picks_the_depth_after_the_head(tmp_path, plan)
         expect = np.cumsum(fn.predictor(features(h, head, 2)).double().numpy()) / np.array(
             [cal.expected_aal(2, dd, wv) - 1 for dd, wv in ((1, 4), (2, 8), (3, 8))])
         np.testing.assert_array_equal(scale, expect)
-        best, best_s = None, -np.inf  # brute force: D >= 1 (the head has run)
-        for dd in (1, 2, 3):
-            for wd in (1, 2, 4):
-                for wv in (1, 4, 8, 12):
-                    a = cal.expected_aal(wd, dd, wv) if wv > 1 else 1.0
-                    if a is None:
-                        continue
-                    sp = (1 + (a - 1) * scale[dd - 1]) * (pol.cost.plain_ms(100) + fn.overhead_ms) / (
-                        pol.cost.step_ms(dd, wd, wv, 100) + fn.overhead_ms)
-                    if sp > best_s:
-                        best, best_s = StepChoice(dd, wd), sp
-        assert got.after_head(h, head, StepChoice(1, 1), 100) == best
+        best = brute_choice(pol, cal, scale, fn.overhead_ms, allow_plain=False)  # the head has run
+        assert got.after_head(h, head, StepChoice(1, 1), 100) == StepChoice(*best)
     # a policy without a head-reading predictor keeps the choice made before the head
     assert pol.after_head(h, head, StepChoice(2, 4), 100) == StepChoice(2, 4)
 
@@ -461,3 +458,30 @@ def test_train_command_on_stored_records(tmp_path, capsys):
     assert main(argv + ["--force"]) == 0
     assert main(["--plan", str(plan_path), "--records", str(a), str(a), "--out-dir", str(tmp_path / "o2")]) == 1
     assert "share prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_depth_headroom_oracle_is_the_brute_force_best(seed):
+    """The oracle's speed-up equals the best of every per-step choice of D (brute force); it is
+    at least every fixed depth's and every predictor's; fixed depths by hand."""
+    import itertools
+
+    from yggtree.offline.train_predictor import depth_headroom
+
+    rng = np.random.default_rng(seed)
+    s, d = 5, 3
+    lens = np.sort(rng.integers(0, 4, size=(s, d)), axis=1)
+    lens = np.minimum(lens, np.arange(1, d + 1))
+    t = 40 + np.cumsum(rng.uniform(1, 15, size=(s, d)), axis=1)
+    plain = rng.uniform(35, 45, size=s)
+    p_ge = {"good": (lens[:, -1:] >= np.arange(1, d + 1)).astype(float),
+            "ones": np.tile([1.0, 0.0, 0.0], (s, 1))}
+    got = depth_headroom(lens, t, plain, p_ge)
+    base = s / plain.sum()
+    for k in range(d):
+        assert got["fixed"][k] == pytest.approx((1 + lens[:, k]).sum() / t[:, k].sum() / base, abs=1e-4)
+    best = max((1 + lens[range(s), c]).sum() / t[range(s), c].sum() / base
+               for c in map(list, itertools.product(range(d), repeat=s)))
+    assert got["oracle"] == pytest.approx(best, abs=1e-4)
+    assert got["oracle"] >= max(got["fixed"]) - 1e-4 and got["oracle"] >= got["good"] - 1e-4
+    assert got["ones"] == got["fixed"][0] and got["best_fixed_depth"] == int(np.argmax(got["fixed"])) + 1

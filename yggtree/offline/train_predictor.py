@@ -314,6 +314,44 @@ def depth_bias(p_ge, rec: Records) -> list[dict]:
             for d in range(p_ge.shape[1])]
 
 
+def depth_headroom(len_by_depth, step_ms, plain_ms, p_ge: dict) -> dict:
+    """What choosing D per step could gain on recorded steps, by the profile's step times.
+
+    ``len_by_depth`` [S, D] accepted lengths had each step drafted 1..D levels (the records'
+    tree shape), ``step_ms`` [S, D] the profile's time of those steps, ``plain_ms`` [S] of a plain
+    step, ``p_ge`` {name: [S, D] P(len >= d)} predictions. Speed-ups over plain decoding (tokens
+    per ms over plain's) of: every fixed D; each predictor choosing per step the D >= 1 with the
+    best expected tokens per ms (the head has run: no plain step); and the oracle, the per-step
+    choice of D >= 1 maximising the total tokens per ms given the realised lengths (Dinkelbach
+    iteration), the most any depth predictor could reach."""
+    tok = 1.0 + np.asarray(len_by_depth, dtype=np.float64)  # [S, D]
+    t = np.asarray(step_ms, dtype=np.float64)  # [S, D]
+    base = len(tok) / float(np.sum(plain_ms))
+    rows = np.arange(len(tok))
+
+    def speedup(d_idx) -> float:
+        return float(tok[rows, d_idx].sum() / t[rows, d_idx].sum() / base)
+
+    out = {"fixed": [speedup(np.full(len(tok), d)) for d in range(tok.shape[1])]}
+    out["best_fixed_depth"] = int(np.argmax(out["fixed"])) + 1
+    for name, p in p_ge.items():
+        exp = 1.0 + np.cumsum(np.asarray(p, dtype=np.float64), axis=1)
+        pick = np.argmax(exp / t, axis=1)
+        out[name] = speedup(pick)
+        out[f"{name}_depth_share"] = np.bincount(pick, minlength=tok.shape[1]) / len(tok)
+    lam = tok[:, 0].sum() / t[:, 0].sum()
+    for _ in range(100):
+        pick = np.argmax(tok - lam * t, axis=1)
+        new = tok[rows, pick].sum() / t[rows, pick].sum()
+        if new <= lam * (1 + 1e-12):
+            break
+        lam = new
+    out["oracle"] = speedup(pick)
+    out["oracle_depth_share"] = np.bincount(pick, minlength=tok.shape[1]) / len(tok)
+    return {k: ([round(float(x), 4) for x in v] if isinstance(v, (list, np.ndarray)) else
+                (round(v, 4) if isinstance(v, float) else v)) for k, v in out.items()}
+
+
 def calibration_bins(p, y, bins: int = 10) -> tuple[list[float], list[float], list[int]]:
     """Equal-width bins of predicted probability p [S]: (mean predicted, realised rate, count)."""
     idx = np.clip((np.asarray(p) * bins).astype(int), 0, bins - 1)
@@ -548,6 +586,18 @@ def run_train_predictor(args) -> int:
         if split == "heldout":
             held_preds = preds
     bias = {k: depth_bias(p, te) for k, p in held_preds.items() if k != "constant"}
+    headroom = None
+    if plan.profile is not None:  # what depth choice could gain on the held-out steps
+        from ..runtime.objective import CostModel
+        from ..runtime.predictor import verify_width_for
+
+        cost = CostModel.from_profile(plan.profile, plan)
+        ctx = te.committed.tolist()
+        wvs = [verify_width_for(d, wd, plan.verify_widths) for d in range(1, d_max + 1)]
+        step_ms = [[cost.step_ms(d, wd, wvs[d - 1], c) for d in range(1, d_max + 1)] for c in ctx]
+        headroom = depth_headroom(te.len_by_depth.numpy(), step_ms, [cost.plain_ms(c) for c in ctx],
+                                  {k: p.numpy() for k, p in held_preds.items()})
+        headroom["tree"] = f"W_d {wd}, D levels, W_v {wvs} (the records' trees), profile {plan.profile}"
     z = x_te[0].clone()
     with torch.inference_mode():
         cost_ms = {"mlp": measure_ms(lambda: mlp(z), 300), "baseline": measure_ms(lambda: base(z), 300)}
@@ -572,6 +622,7 @@ def run_train_predictor(args) -> int:
                  "train_steps": int(tr.h.shape[0]), "heldout_steps": int(te.h.shape[0])},
         "metrics": metrics,
         "depth_bias_heldout": bias,
+        "depth_headroom_heldout": headroom,
         "inference_ms": {k: round(v, 4) for k, v in cost_ms.items()},
         "hyperparameters": asdict(hp) | {"loss": "per-head BCE on cumprod of conditional sigmoids",
                                          "optimizer": "AdamW", "baseline": "sklearn LogisticRegression",
@@ -590,6 +641,7 @@ def run_train_predictor(args) -> int:
         "mae_constant": round(h["constant"]["mae"], 4),
         "mean_len_heldout": round(h["constant"]["mean_true_len"], 4),
         "inference_ms_mlp": round(cost_ms["mlp"], 4),
+        "headroom": headroom and {k: headroom[k] for k in ("fixed", "mlp", "baseline", "oracle")},
         "elapsed_s": round(time.perf_counter() - t_start, 1),
     }
     print(json.dumps(summary))
