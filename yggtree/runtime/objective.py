@@ -556,7 +556,7 @@ class ObjectivePolicy:
     probe_every: int = 16
     probe_max: int = 256
     log: list = field(default_factory=list)
-    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, D [n], AAL [n], step ms [n], verify ms [n], W_v [n], plain ms)
+    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, D [n], AAL [n], step ms [n], verify ms [n], W_v [n], plain ms, {(D, W_d, W_v): (step ms, verify ms)})
     _plain_run: int = 0  # plain steps in a row
     _probe_gap: int = 0  # plain steps before the next probe (0: probe_every)
     _probing: bool = False  # the step under way is a probe
@@ -568,21 +568,22 @@ class ObjectivePolicy:
         the plain time: the costs depend on ``ctx`` only through the context bucket."""
         key = self.cost.verify.bucket(ctx + max(self.verify_widths))
         if key not in self._grid:
-            rows, aal, ms, vms = [], [], [], []
+            rows, aal, ms, vms, costs = [], [], [], [], {}
             for dd in range(1, self.d_max + 1):
                 for wd in self.draft_widths:
                     for wv in (1, *self.verify_widths):
+                        costs[dd, wd, wv] = (self.cost.step_ms(dd, wd, wv, ctx), self.cost.t_verify(wv, ctx))
                         a = self.calib.expected_aal(wd, dd, wv) if wv > 1 else 1.0
                         if a is None:
                             continue
                         rows.append((dd, wd, wv))
                         aal.append(a)
-                        ms.append(self.cost.step_ms(dd, wd, wv, ctx))
-                        vms.append(self.cost.t_verify(wv, ctx))
+                        ms.append(costs[dd, wd, wv][0])
+                        vms.append(costs[dd, wd, wv][1])
             depth = np.array([r[0] for r in rows], dtype=np.int64)
             wvs = np.array([r[2] for r in rows], dtype=np.int64)
             self._grid[key] = (rows, depth, np.array(aal), np.array(ms), np.array(vms), wvs,
-                               self.cost.plain_ms(ctx))
+                               self.cost.plain_ms(ctx), costs)
         return self._grid[key]
 
     def _online_plain(self, plain_ms: float) -> float:
@@ -599,7 +600,7 @@ class ObjectivePolicy:
         added to plain and tree steps alike; first of equals wins, deeper and wider choices
         after)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
-        rows, depth, aal, ms, vms, wvs, plain = self._choices(ctx)
+        rows, depth, aal, ms, vms, wvs, plain, _ = self._choices(ctx)
         fb = self.feedback
         if scale is not None:
             f = np.full(self.d_max + 1, np.nan)
@@ -658,13 +659,12 @@ class ObjectivePolicy:
         widths = [1, *self.verify_widths]
         vals = path_values(tree, self.calib.edge_prob, d)
         aal = aal_by_width(vals, tree, widths)
-        steps = [self.cost.step_ms(d, wd, w, committed) for w in widths]
-        vms = [self.cost.t_verify(w, committed) for w in widths]
+        *_, plain, costs = self._choices(committed)
+        steps, vms = zip(*(costs[d, wd, w] for w in widths))
         extra = 0.0
         if self._scale is not None:  # the predictor's view of this context, as in choose_draft
             aal = [1.0 + (a - 1.0) * float(self._scale[d - 1]) for a in aal]
             extra = self.predictor.overhead_ms
-        plain = self.cost.plain_ms(committed)
         fb = self.feedback
         aal_on = [fb.aal(a, d) for a in aal] if fb else aal
         steps_on = [self._online_step(t, v, w) + extra for t, v, w in zip(steps, vms, widths)]

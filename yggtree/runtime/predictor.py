@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -280,6 +280,7 @@ class DepthFn:
     draft_width: int  # W_d assumed when costing a D-call tree
     verify_widths: tuple[int, ...]  # [d_max] W_v assumed for D = 1..d_max
     overhead_ms: float = 0.0  # the predictor's own cost per step, added to every tree step
+    _base: dict = field(default_factory=dict, compare=False, repr=False)  # id(calib) -> (calib, [d_max])
 
     @property
     def d_max(self) -> int:
@@ -310,8 +311,11 @@ class DepthFn:
         tree, D = 1..d_max: the predictor's expectation for this context, ``cumsum(P(len >=
         d))``, over the calibration's (``calib``, an objective.Calibration) for the tree shape the
         predictor was trained on (W_d, W_v(D)); 1 where the calibration expects nothing."""
-        base = np.array([(calib.expected_aal(self.draft_width, d, wv) or 1.0) - 1.0
-                         for d, wv in enumerate(self.verify_widths, 1)])
+        if id(calib) not in self._base:  # the calibration's side is fixed: computed once
+            self._base[id(calib)] = (calib, np.array([
+                (calib.expected_aal(self.draft_width, d, wv) or 1.0) - 1.0
+                for d, wv in enumerate(self.verify_widths, 1)]))
+        base = self._base[id(calib)][1]
         pred = np.cumsum(self.p_ge(h_root, head_logp).numpy().astype(np.float64))
         return np.where(base > 1e-6, pred / np.maximum(base, 1e-6), 1.0)
 
