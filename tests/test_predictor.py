@@ -304,6 +304,11 @@ def test_policy_with_predictor(saved, plan):
     scale = np.cumsum(fn.p_ge(h).double().numpy()) / np.array([cal.expected_aal(2, dd, wv) - 1
                                                            for dd, wv in ((1, 4), (2, 8), (3, 8))])
     np.testing.assert_array_equal(fn.aal_scale(h, cal), scale)
+    # the calibration's side is cached per calibration: another one gives its own factors
+    cal2 = Calibration(cal.xs, cal.ys, table(lambda wd, d, wv: 1 + 0.2 * d, wds=(1, 2, 4), d_max=3,
+                                             wvs=(4, 8, 12)), (4, 8, 12))
+    np.testing.assert_allclose(fn.aal_scale(h, cal2), 2 * scale)
+    np.testing.assert_array_equal(fn.aal_scale(h, cal), scale)
     best = brute_choice(pol, cal, scale, fn.overhead_ms, allow_plain=True)
     choice = got.choose_draft(h, 100)
     assert (choice.draft_depth, choice.draft_width if choice.draft_depth else None) == best
