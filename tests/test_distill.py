@@ -85,11 +85,13 @@ def small_cfg(tmp: Path, **kw) -> D.DistillConfig:
 # ---------------------------------------------------------------- the training forward
 
 
-@pytest.mark.parametrize("input_norm", [False, True])
-def test_unrolled_forward_equals_runtime_chain(target, input_norm):
-    """Step k of the unrolled forward at pair p equals a depth-k chain through the head's cache."""
-    layer = target.cfg.num_layers - 1
-    drafter = EagleDrafter.random(target, "reference", max_depth=4, seed=3, input_norm=input_norm)
+@pytest.mark.parametrize("input_norm,layers", [(False, (1,)), (True, (1,)), (True, (0, 1)), (False, (1, 0))])
+def test_unrolled_forward_equals_runtime_chain(target, input_norm, layers):
+    """Step k of the unrolled forward at pair p equals a depth-k chain through the head's cache
+    (one target layer, or several fused)."""
+    drafter = EagleDrafter.random(
+        target, "reference", max_depth=4, seed=3, input_norm=input_norm, target_layers=layers
+    )
     net = drafter.net
     if input_norm:  # non-trivial norm weights, so a missed norm would show
         with torch.no_grad():
@@ -98,9 +100,10 @@ def test_unrolled_forward_equals_runtime_chain(target, input_norm):
     seq = torch.tensor(prompts(1, seed=5)[0] + [7, 8, 9, 10, 11, 12])
     n = seq.shape[0]
     target.setup_cache(1, 64)
-    _, _, caps = steps.prefill_chunk(target, seq[None], torch.tensor(0), torch.tensor(n), (layer,))
-    f = caps[0][0]  # [n, H]
+    _, _, caps = steps.prefill_chunk(target, seq[None], torch.tensor(0), torch.tensor(n), layers)
+    f = torch.cat([c[0] for c in caps], dim=-1)  # [n, L*H]: the layers side by side
     tok, feat = seq[1:], f[:-1]  # pairs p = 0..n-2
+    fused = net.fuse_target(tuple(c[0][:-1] for c in caps))  # [n-1, H]: what the runtime feeds
     t = tok.shape[0]
     rope = rope_table(net.cfg.layer_config(), 64)
     outs = D.unrolled_forward(net, tok[None], feat[None], 3, rope)
@@ -114,7 +117,7 @@ def test_unrolled_forward_equals_runtime_chain(target, input_norm):
             r = p - k
             slot = torch.arange(1, r + 2)
             mask = (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None])
-            out = net(tok[: r + 1], feat[: r + 1], slot - 1, slot, mask)
+            out = net(tok[: r + 1], fused[: r + 1], slot - 1, slot, mask)
             x = out[-1]
             chain = [r + 1]  # slots on the path
             for j in range(1, k + 1):
@@ -125,22 +128,34 @@ def test_unrolled_forward_equals_runtime_chain(target, input_norm):
             torch.testing.assert_close(outs[k][0, p], x, atol=2e-5, rtol=1e-4)
 
 
-def test_generate_batch_equals_single_rows(target):
+@pytest.mark.parametrize("layers", [(1,), (1, 0)])
+def test_generate_batch_equals_single_rows(target, layers):
     """Batched greedy answers (padded prompts, early EOS) equal one-row runs, features included."""
     ps = prompts(4, seed=9)
-    layer = 1
-    batched = D.generate_batch(target, ps, 10, (2,), layer)
+    batched = D.generate_batch(target, ps, 10, (2,), layers)
     for p, (toks, feats, n) in zip(ps, batched):
-        (one_t, one_f, one_n) = D.generate_batch(target, [p], 10, (2,), layer)[0]
+        (one_t, one_f, one_n) = D.generate_batch(target, [p], 10, (2,), layers)[0]
         assert toks == one_t and n == one_n == len(p)
-        assert feats.shape == (len(toks), target.cfg.hidden_size)
+        assert feats.shape == (len(toks), len(layers) * target.cfg.hidden_size)
         torch.testing.assert_close(feats, one_f, atol=1e-5, rtol=1e-4)
-        # features are the target's causal layer outputs
+        # features are the target's causal layer outputs, side by side in the order asked
         target.setup_cache(1, 64)
         _, _, caps = steps.prefill_chunk(
-            target, torch.tensor([toks]), torch.tensor(0), torch.tensor(len(toks)), (layer,)
+            target, torch.tensor([toks]), torch.tensor(0), torch.tensor(len(toks)), layers
         )
-        torch.testing.assert_close(feats, caps[0][0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(feats, torch.cat([c[0] for c in caps], -1), atol=1e-5, rtol=1e-4)
+
+
+def test_feature_layout_stores_the_last_layer_once():
+    lay = D.FeatureLayout.make((2, -1), 30, 8)
+    assert lay.inputs == (2, 29) and lay.stored == (2, 29) and lay.last == 1 and lay.width == 16
+    lay = D.FeatureLayout.make((2, 15), 30, 8)
+    assert lay.stored == (2, 15, 29) and lay.last == 2 and lay.width == 24
+    f = torch.arange(24.0)[None].repeat(3, 1)  # [3, 24]
+    assert torch.equal(lay.head_input(f), f[:, :16]) and torch.equal(lay.last_layer(f), f[:, 16:])
+    for bad, msg in (((30,), "out of range"), ((1, -29), "twice"), ((), "empty")):
+        with pytest.raises(YggError, match=msg):
+            D.FeatureLayout.make(bad, 30, 8)
 
 
 # ---------------------------------------------------------------- vocabulary
@@ -212,6 +227,33 @@ def test_manifest_and_report(run_a, target):
     assert 2 in d.net.draft_vocab.tolist()
 
 
+def test_fused_layers_pipeline(target, tmp_path):
+    """Two target layers fused (EAGLE-3): the teacher stores both side by side, the head starts
+    as the last layer alone, trains, and loads back reading both layers."""
+    layout = D.FeatureLayout.make((0, -1), target.cfg.num_layers, target.cfg.hidden_size)
+    cfg = small_cfg(tmp_path, target_layers=(0, -1), epochs=4.0)
+    vmap = torch.arange(48)
+    drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=0, target_layers=layout.inputs,
+                                  input_norm=True, draft_vocab=vmap)
+    D.init_head(drafter.net, target, vmap, cfg, layout)
+    f0, f1 = torch.randn(5, 32), 30 * torch.randn(5, 32)
+    rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+    torch.testing.assert_close(drafter.net.fuse_target((f0, f1)), rms(f1))
+
+    manifest = D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
+    assert manifest["target"]["feature_layers"] == [0, 1]
+    assert manifest["data"]["teacher_meta"]["target_layers"] == [0, 1]
+    data = D.load_teacher(Path(manifest["data"]["teacher_cache"]), 2 * target.cfg.hidden_size)
+    assert data.feats.shape == (manifest["data"]["n_tokens"], 64)
+    rows = list(csv_rows(tmp_path / "out" / "report" / "train_log.csv"))
+    first = sum(float(r["kl"]) for r in rows[:5]) / 5
+    last = sum(float(r["kl"]) for r in rows[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    d = load_eagle(tmp_path / "out", target, "reference", max_depth=3)
+    assert d.target_layers == (0, 1)
+    assert not torch.equal(d.net.reduce.weight[:, :32], torch.zeros(32, 32))  # the first layer is used
+
+
 def test_deterministic_given_the_seed(run_a, target, tmp_path):
     tmp_a, manifest_a = run_a
     # same seed, same teacher cache (reused), separate output
@@ -245,7 +287,9 @@ def test_bad_options_are_refused(target, tmp_path):
     with pytest.raises(YggError, match="unroll"):
         D.distill(small_cfg(tmp_path, unroll=0), target=target, prompt_ids=prompts())
     with pytest.raises(YggError, match="target-layer"):
-        D.distill(small_cfg(tmp_path, target_layer=5), target=target, prompt_ids=prompts())
+        D.distill(small_cfg(tmp_path, target_layers=(5,)), target=target, prompt_ids=prompts())
+    with pytest.raises(YggError, match="twice"):
+        D.distill(small_cfg(tmp_path, target_layers=(1, -1)), target=target, prompt_ids=prompts())
     with pytest.raises(YggError, match="prompts given"):
         D.distill(small_cfg(tmp_path, prompts=50), target=target, prompt_ids=prompts())
 
@@ -256,10 +300,13 @@ def test_cli_parser_registers_distill():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
     D.add_distill_parser(sub)
-    args = parser.parse_args(["distill", "--draft-vocab", "4096", "--unroll", "2"])
+    args = parser.parse_args(["distill", "--draft-vocab", "4096", "--unroll", "2", "--target-layers", "2,15,-1"])
     assert args.func is D.run_distill
     cfg = D._cfg_from_args(args)
     assert cfg.draft_vocab == 4096 and cfg.unroll == 2 and cfg.model == "default"
+    assert cfg.target_layers == (2, 15, -1)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["distill", "--target-layers", "2,x"])
 
 
 # ---------------------------------------------------------------- the shipped default head

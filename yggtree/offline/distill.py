@@ -79,7 +79,10 @@ class DistillConfig:
     text_batch: int = 8  # sequences per teacher-forcing forward
     # head
     draft_vocab: int = 8192
-    target_layer: int = -1  # which target layer's output is the feature (-1: the last)
+    # target layers whose outputs the head reads (negative: from the end; -1 the last). Several:
+    # their features are RMS-scaled, concatenated and reduced to H (EAGLE-3's feature fusion)
+    target_layers: tuple[int, ...] = (-1,)
+    reduce_init: str = "last"  # several layers: start the reduction as the last layer alone (or random)
     init_from_target: bool = True  # norm + LM head rows initialised from the target's
     fc_init: str = "random"  # identity: fc passes f_p through (f_{p+1} ~ f_p), block damped
     input_norm: bool = True  # RMSNorm on the embedding and the feature before fc
@@ -170,7 +173,7 @@ class TeacherData:
     """Sequences concatenated: ``tokens[offsets[i]:offsets[i+1]]`` and their features."""
 
     tokens: torch.Tensor  # [N] int64 target ids
-    feats: torch.Tensor  # [N, H] float16/float32: target layer output at each position
+    feats: torch.Tensor  # [N, L*H] float16/float32: the L stored target layers' outputs, side by side
     offsets: torch.Tensor  # [n_seq + 1] int64
     n_prompt: torch.Tensor  # [n_seq] int64: prompt length of each sequence (answer follows)
 
@@ -189,9 +192,10 @@ def generate_batch(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_ids: tuple[int, ...],
-    layer: int,
+    layers: tuple[int, ...],
 ) -> list[tuple[list[int], torch.Tensor, int]]:
-    """Greedy answers for a batch of prompts, with the ``layer`` output of every position.
+    """Greedy answers for a batch of prompts, with the ``layers`` outputs (side by side,
+    [..., len(layers) * H]) of every position.
 
     One static cache of batch ``B``: prompt ``b`` occupies slots ``0..n_b-1`` and its answer
     continues at ``n_b``; padded prompt tokens write to the scratch slot. Returns per prompt
@@ -212,8 +216,9 @@ def generate_batch(
     pos = torch.where(real, ar[None, :], 0)
     cols = torch.arange(s)
     mask = (cols[None, None, :] <= ar[None, :, None]) & (cols[None, None, :] < lens[:, None, None])
-    out = model(toks, pos, slots, mask, (layer,))
-    feats = [[out.layers[0][i, : lens[i]]] for i in range(b)]
+    out = model(toks, pos, slots, mask, layers)
+    f_all = torch.cat(list(out.layers), dim=-1)  # [B, W, L*H]
+    feats = [[f_all[i, : lens[i]]] for i in range(b)]
     last = out.hidden[torch.arange(b), lens - 1]  # [B, H]
     nxt = model.logits(last).argmax(-1)  # [B]
     answers: list[list[int]] = [[] for _ in range(b)]
@@ -227,9 +232,10 @@ def generate_batch(
         # feed the emitted tokens: their features (and the next logits)
         p = lens + step  # position = slot of the token fed now
         m = cols[None, None, :] <= p[:, None, None]
-        o = model(nxt[:, None], p[:, None], p[:, None], m, (layer,))
+        o = model(nxt[:, None], p[:, None], p[:, None], m, layers)
+        o_all = torch.cat(list(o.layers), dim=-1)  # [B, 1, L*H]
         for i in torch.nonzero(active).flatten().tolist():
-            feats[i].append(o.layers[0][i])
+            feats[i].append(o_all[i])
         if bool(done.all()):
             break
         nxt = model.logits(o.hidden[:, 0]).argmax(-1)
@@ -243,7 +249,7 @@ def build_teacher(
     prompt_ids: list[list[int]],
     cfg: DistillConfig,
     eos_ids: tuple[int, ...],
-    layer: int,
+    layers: tuple[int, ...],
     progress,
 ) -> TeacherData:
     """Run the target over every prompt (batches of similar lengths, in a fixed order)."""
@@ -254,7 +260,7 @@ def build_teacher(
     t0 = time.perf_counter()
     for start in range(0, len(order), cfg.gen_batch):
         idx = order[start : start + cfg.gen_batch]
-        outs = generate_batch(model, [prompt_ids[i] for i in idx], cfg.max_new_tokens, eos_ids, layer)
+        outs = generate_batch(model, [prompt_ids[i] for i in idx], cfg.max_new_tokens, eos_ids, layers)
         for i, o in zip(idx, outs):
             results[i] = o
             n_tok += len(o[0])
@@ -276,8 +282,8 @@ def build_teacher(
 
 
 @torch.no_grad()
-def teacher_force(model, seqs: list[list[int]], layer: int, batch: int, progress) -> TeacherData:
-    """The ``layer`` output at every position of fixed texts (one causal forward per batch of
+def teacher_force(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int, progress) -> TeacherData:
+    """The ``layers`` outputs (side by side) at every position of fixed texts (one causal forward per batch of
     similar lengths). No answer: ``n_prompt`` is the whole length, so these positions get the
     prompt loss weight and never count as greedy answers in the acceptance estimate."""
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
@@ -299,9 +305,10 @@ def teacher_force(model, seqs: list[list[int]], layer: int, batch: int, progress
         cols = torch.arange(w + 1)
         mask = (cols[None, None, :] <= ar[None, :, None]) & (cols[None, None, :] < lens[:, None, None])
         mask = mask | (~real[:, :, None] & (cols[None, None, :] == w))  # padding sees the scratch slot
-        out = model(toks, pos, slots, mask, (layer,))
+        out = model(toks, pos, slots, mask, layers)
+        f_all = torch.cat(list(out.layers), dim=-1)  # [B, W, L*H]
         for r, i in enumerate(idx):
-            feats[i] = out.layers[0][r, : len(seqs[i])].float()
+            feats[i] = f_all[r, : len(seqs[i])].float()
         n_tok += int(lens.sum())
         desc = f"teacher forcing ({n_tok} tokens, {n_tok / (time.perf_counter() - t0):.0f} tok/s)"
         progress.update(task, advance=len(idx), description=desc)
@@ -314,6 +321,47 @@ def teacher_force(model, seqs: list[list[int]], layer: int, batch: int, progress
         offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         n_prompt=lengths.clone(),
     )
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """Which target layers the teacher data stores, side by side, and which of them the head reads.
+
+    The head reads ``inputs``; the training targets (the target's next-token distribution, the
+    feature regression) come from the target's last layer, stored after the inputs when it is
+    not one of them."""
+
+    hidden: int  # the target's hidden size H
+    inputs: tuple[int, ...]  # target layers the head reads, in its order
+    stored: tuple[int, ...]  # target layers stored: ``inputs`` then the last layer if absent
+    last: int  # position of the target's last layer in ``stored``
+
+    @staticmethod
+    def make(layers: tuple[int, ...], num_layers: int, hidden: int) -> "FeatureLayout":
+        """``layers`` may count from the end (-1: the last); refused out of range or repeated."""
+        if not layers:
+            raise YggError("target-layers is empty")
+        res = tuple(i if i >= 0 else num_layers + i for i in layers)
+        for given, i in zip(layers, res):
+            if not 0 <= i < num_layers:
+                raise YggError(f"target-layer {given} is out of range for {num_layers} layers")
+        if len(set(res)) != len(res):
+            raise YggError(f"target-layers {list(layers)} name a layer twice")
+        top = num_layers - 1
+        stored = res if top in res else res + (top,)
+        return FeatureLayout(hidden, res, stored, stored.index(top))
+
+    @property
+    def width(self) -> int:
+        return len(self.stored) * self.hidden
+
+    def head_input(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., width] stored features -> [..., len(inputs) * H] the head's input layers."""
+        return f[..., : len(self.inputs) * self.hidden]
+
+    def last_layer(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., width] stored features -> [..., H] the target's last layer."""
+        return f[..., self.last * self.hidden : (self.last + 1) * self.hidden]
 
 
 def concat_teacher(parts: list[TeacherData]) -> TeacherData:
@@ -378,7 +426,8 @@ def save_teacher(data: TeacherData, path: Path, meta: dict) -> str:
     return teacher_hash(data)
 
 
-def load_teacher(path: Path, hidden: int) -> TeacherData:
+def load_teacher(path: Path, width: int) -> TeacherData:
+    """``width``: the stored features' width (stored layers x hidden size)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -392,8 +441,8 @@ def load_teacher(path: Path, hidden: int) -> TeacherData:
     data = TeacherData(
         st["tokens"].to(torch.int64), st["feats"], st["offsets"], st["n_prompt"].to(torch.int64)
     )
-    if data.feats.shape != (data.tokens.shape[0], hidden) or int(data.offsets[-1]) != data.tokens.shape[0]:
-        raise YggError(f"teacher data {path} has inconsistent shapes (features for hidden {hidden})")
+    if data.feats.shape != (data.tokens.shape[0], width) or int(data.offsets[-1]) != data.tokens.shape[0]:
+        raise YggError(f"teacher data {path} has inconsistent shapes (features of width {width})")
     return data
 
 
@@ -426,7 +475,8 @@ def vocab_coverage(tokens: torch.Tensor, vmap: torch.Tensor, vocab_size: int) ->
 
 
 def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rope: torch.Tensor) -> list[torch.Tensor]:
-    """The head over pairs ``p = 0..T-1`` (tok [B, T] = t_{p+1}, feat [B, T, H] = f_p), unrolled.
+    """The head over pairs ``p = 0..T-1`` (tok [B, T] = t_{p+1}, feat [B, T, L*H] = f_p of the
+    head's L target layers side by side), unrolled.
 
     Returns ``steps`` outputs [B, T, H]; output ``k`` at pair ``p`` is what a depth-``k`` draft
     node at pair ``p`` computes at run time (k = 0: the causal pass over true features). The
@@ -438,6 +488,7 @@ def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rop
     attn = block.self_attn
     acfg = attn.cfg
     bsz, t, _ = feat.shape
+    x_feat = net.fuse_target(feat.split(net.cfg.target_hidden_size, dim=-1))  # [B, T, H]
     hq, hkv, d = acfg.num_heads, acfg.num_kv_heads, acfg.head_dim
     g = hq // hkv
     cs = rope[:t]
@@ -447,7 +498,6 @@ def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rop
     keys: list[torch.Tensor] = []
     vals: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
-    x_feat = feat
     for k in range(steps):
         if k > 0:
             prev = outs[-1]
@@ -479,29 +529,30 @@ def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rop
 @dataclass
 class Batch:
     tok: torch.Tensor  # [B, T] int64 t_{p+1}
-    feat: torch.Tensor  # [B, T, H] float32 f_p
-    nxt_feat: torch.Tensor  # [B, T, H] float32 f_{p+1}
+    feat: torch.Tensor  # [B, T, L*H] float32 f_p, the head's L input layers side by side
+    nxt_feat: torch.Tensor  # [B, T, H] float32 f_{p+1} of the target's last layer
     valid: torch.Tensor  # [B, T] bool: pair p and its targets exist
     greedy: torch.Tensor  # [B, T] bool: t_{p+2} is the target's argmax at p+1 (inside answers)
     weight: torch.Tensor  # [B, T] float32 loss weight: 1 in answers, prompt_weight in prompts, 0 pad
 
 
-def make_batch(data: TeacherData, idx: list[int], max_len: int, prompt_weight: float = 1.0) -> Batch:
+def make_batch(
+    data: TeacherData, idx: list[int], max_len: int, layout: FeatureLayout, prompt_weight: float = 1.0
+) -> Batch:
     seqs = [data.seq(i) for i in idx]
     n = max(min(len(t), max_len + 1) for t, _ in seqs) - 1
-    h = data.feats.shape[1]
     b = len(idx)
     tok = torch.zeros(b, n, dtype=torch.int64)
-    feat = torch.zeros(b, n, h)
-    nxt = torch.zeros(b, n, h)
+    feat = torch.zeros(b, n, len(layout.inputs) * layout.hidden)
+    nxt = torch.zeros(b, n, layout.hidden)
     valid = torch.zeros(b, n, dtype=torch.bool)
     greedy = torch.zeros(b, n, dtype=torch.bool)
     for r, (i, (t, f)) in enumerate(zip(idx, seqs)):
         t, f = t[: max_len + 1], f[: max_len + 1].float()
         m = len(t) - 1
         tok[r, :m] = t[1:]
-        feat[r, :m] = f[:-1]
-        nxt[r, :m] = f[1:]
+        feat[r, :m] = layout.head_input(f[:-1])
+        nxt[r, :m] = layout.last_layer(f[1:])
         valid[r, :m] = True
         # answer tokens t_{p+2} (p + 2 >= n_prompt) were chosen greedily by the target
         npr = int(data.n_prompt[i])
@@ -594,7 +645,10 @@ def step_losses(net, th: TargetHead, outs, batch: Batch, feat_scale: torch.Tenso
 
 
 @torch.no_grad()
-def evaluate(net, th: TargetHead, data: TeacherData, idx: list[int], cfg: DistillConfig, feat_scale: torch.Tensor, rope) -> dict:
+def evaluate(
+    net, th: TargetHead, data: TeacherData, idx: list[int], cfg: DistillConfig, feat_scale: torch.Tensor, rope,
+    layout: FeatureLayout,
+) -> dict:
     """Validation losses (step 0 and the unrolled steps) and the offline chain acceptance estimate.
 
     Acceptance by depth ``d``: over roots ``r`` inside greedy answers (so the tokens after the root
@@ -608,7 +662,7 @@ def evaluate(net, th: TargetHead, data: TeacherData, idx: list[int], cfg: Distil
     acc_roots = 0
     topk_hits = torch.zeros(cfg.eval_depth)
     for s in range(0, len(idx), cfg.batch_size):
-        batch = make_batch(data, idx[s : s + cfg.batch_size], cfg.max_seq_len)
+        batch = make_batch(data, idx[s : s + cfg.batch_size], cfg.max_seq_len, layout)
         outs = unrolled_forward(net, batch.tok, batch.feat, steps, rope)
         _, metrics = step_losses(net, th, outs[: cfg.unroll], batch, feat_scale, cfg)
         sums = metrics if sums is None else [
@@ -656,7 +710,10 @@ def evaluate(net, th: TargetHead, data: TeacherData, idx: list[int], cfg: Distil
 # ----------------------------------------------------------------------------- training
 
 
-def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: DistillConfig, progress, log) -> dict:
+def train(
+    net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: DistillConfig, progress, log,
+    layout: FeatureLayout,
+) -> dict:
     """AdamW + linear warm-up + cosine decay; returns the final validation metrics."""
     from ..runtime.model import rope_table
 
@@ -681,7 +738,7 @@ def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: Disti
         return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
     # feature scale for the regression loss (scale-free smooth L1)
-    feat_scale = feature_dim_std(data.feats)
+    feat_scale = feature_dim_std(layout.last_layer(data.feats))
     log["feat_scale"] = {"dim_std_min": float(feat_scale.min()), "dim_std_max": float(feat_scale.max())}
     task = progress.add_task("training", total=total)
     order: list[int] = []
@@ -693,7 +750,7 @@ def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: Disti
         if not order:
             order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=gen).tolist()]
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        batch = make_batch(data, idx, cfg.max_seq_len, cfg.prompt_weight)
+        batch = make_batch(data, idx, cfg.max_seq_len, layout, cfg.prompt_weight)
         if cfg.feature_noise > 0:
             u = torch.rand(batch.feat.shape, generator=gen) * 2 - 1
             rms = batch.feat.pow(2).mean(-1, keepdim=True).sqrt()
@@ -725,7 +782,7 @@ def train(net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: Disti
         }
         if val_idx and (step % cfg.eval_every == 0 or step == total):
             net.eval()
-            ev = evaluate(net, th, data, val_idx, cfg, feat_scale, rope)
+            ev = evaluate(net, th, data, val_idx, cfg, feat_scale, rope, layout)
             row.update(val_ce=ev["val_ce"], val_kl=ev["val_kl"], val_reg=ev["val_reg"],
                        val_top1=ev["val_top1_by_step"][0], est_chain4_aal=ev["est_chain4_aal"])
             log["last_eval"] = ev
@@ -833,10 +890,34 @@ def check_config(cfg: DistillConfig) -> None:
         (cfg.train_autocast in ("none", "bfloat16"), f"train-autocast must be none or bfloat16, got {cfg.train_autocast}"),
         (cfg.teacher_dtype in ("float32", "bfloat16"), f"teacher-dtype must be float32 or bfloat16, got {cfg.teacher_dtype}"),
         (cfg.snippet_chars >= 50, f"snippet-chars must be >= 50, got {cfg.snippet_chars}"),
+        (cfg.reduce_init in ("last", "random"), f"reduce-init must be last or random, got {cfg.reduce_init}"),
     ]
     for ok, msg in checks:
         if not ok:
             raise YggError(msg)
+
+
+@torch.no_grad()
+def init_head(net, target, vmap: torch.Tensor, cfg: DistillConfig, layout: FeatureLayout) -> None:
+    """The head's starting point: the target's norm and LM head rows (``init_from_target``), fc
+    passing the feature through (``fc_init`` identity), the fusion of several layers starting as
+    the last layer alone (``reduce_init`` last)."""
+    h = target.cfg.hidden_size
+    if cfg.init_from_target:
+        net.norm.weight.copy_(target.norm.weight)
+        net.lm_head.weight.copy_(target.lm_head.weight[vmap])
+    if cfg.fc_init == "identity":
+        # the target's features are large (std ~40, outlier dims in the thousands for
+        # SmolLM2): start from f̂_{p+1} = f_p and let the block learn the change
+        net.fc.weight[:, h:].copy_(torch.eye(h))
+        net.fc.bias.zero_()
+        net.layers[0].self_attn.o_proj.weight.mul_(0.1)
+        net.layers[0].mlp.down_proj.weight.mul_(0.1)
+    if len(layout.inputs) > 1 and cfg.reduce_init == "last" and layout.last < len(layout.inputs):
+        # the fused feature starts as the (RMS-scaled) last layer alone: the single-layer head's
+        # starting point, from which the other layers' blocks learn what they add
+        net.reduce.weight.zero_()
+        net.reduce.weight[:, layout.last * h : (layout.last + 1) * h].copy_(torch.eye(h))
 
 
 def distill(
@@ -866,9 +947,7 @@ def distill(
         target = load_model(src, "float32")
         tokenizer = load_tokenizer(src)
     tc = target.cfg
-    layer = cfg.target_layer if cfg.target_layer >= 0 else tc.num_layers + cfg.target_layer
-    if not 0 <= layer < tc.num_layers:
-        raise YggError(f"target-layer {cfg.target_layer} is out of range for {tc.num_layers} layers")
+    layout = FeatureLayout.make(tuple(cfg.target_layers), tc.num_layers, tc.hidden_size)
     if prompt_ids is None:
         prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars)
         prompt_texts = [p.text for p in prompts]
@@ -888,7 +967,7 @@ def distill(
     data_meta = {
         "format": TEACHER_FORMAT,
         "target_fingerprint": fp,
-        "target_layer": layer,
+        "target_layers": list(layout.stored),
         "prompts_hash": data_hash,
         "prompt_ids_hash": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
         "max_new_tokens": cfg.max_new_tokens,
@@ -916,10 +995,10 @@ def distill(
             return teacher
 
         if reused:
-            data = load_teacher(teacher_path, tc.hidden_size)
+            data = load_teacher(teacher_path, layout.width)
             teacher_sha = teacher_hash(data)
         else:
-            data = build_teacher(teacher_model(), prompt_ids, cfg, eos, layer, progress)
+            data = build_teacher(teacher_model(), prompt_ids, cfg, eos, layout.stored, progress)
             teacher_sha = save_teacher(data, teacher_path, data_meta)
         text_info = None
         if cfg.text_chars > 0:
@@ -930,7 +1009,7 @@ def distill(
                 "format": TEACHER_FORMAT,
                 "kind": "teacher-forced calibration texts",
                 "target_fingerprint": fp,
-                "target_layer": layer,
+                "target_layers": list(layout.stored),
                 "texts_hash": corpus_hash(texts),
                 "ids_hash": hashlib.sha256(json.dumps(text_ids).encode()).hexdigest(),
                 "teacher_dtype": cfg.teacher_dtype,
@@ -939,10 +1018,10 @@ def distill(
             text_path = cache_root / tkey / TEACHER_FILE
             text_reused = text_path.is_file()
             if text_reused:
-                tdata = load_teacher(text_path, tc.hidden_size)
+                tdata = load_teacher(text_path, layout.width)
                 text_sha = teacher_hash(tdata)
             else:
-                tdata = teacher_force(teacher_model(), text_ids, layer, cfg.text_batch, progress)
+                tdata = teacher_force(teacher_model(), text_ids, layout.stored, cfg.text_batch, progress)
                 text_sha = save_teacher(tdata, text_path, text_meta)
             text_info = {
                 "source": "yggtree.data.calibration_corpus chunks after those used by the chat "
@@ -974,21 +1053,10 @@ def distill(
 
         drafter = EagleDrafter.random(
             target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll), draft_vocab=vmap,
-            seed=cfg.seed, target_layers=(layer,), input_norm=cfg.input_norm,
+            seed=cfg.seed, target_layers=layout.inputs, input_norm=cfg.input_norm,
         )
         net = drafter.net
-        with torch.no_grad():
-            if cfg.init_from_target:
-                net.norm.weight.copy_(target.norm.weight)
-                net.lm_head.weight.copy_(target.lm_head.weight[vmap])
-            if cfg.fc_init == "identity":
-                # the target's features are large (std ~40, outlier dims in the thousands for
-                # SmolLM2): start from f̂_{p+1} = f_p and let the block learn the change
-                h = tc.hidden_size
-                net.fc.weight[:, h:].copy_(torch.eye(h))
-                net.fc.bias.zero_()
-                net.layers[0].self_attn.o_proj.weight.mul_(0.1)
-                net.layers[0].mlp.down_proj.weight.mul_(0.1)
+        init_head(net, target, vmap, cfg, layout)
         net.train().requires_grad_(True)
         torch.manual_seed(cfg.seed)
         th = TargetHead(
@@ -998,7 +1066,7 @@ def distill(
             w_full=target.lm_head.weight.detach().float(),
         )
         log: dict = {}
-        ev = train(net, th, data, train_idx, val_idx, cfg, progress, log)
+        ev = train(net, th, data, train_idx, val_idx, cfg, progress, log, layout)
 
     net.eval().requires_grad_(False)
     if cfg.save_dtype == "bfloat16":
@@ -1018,7 +1086,7 @@ def distill(
             "model": cfg.model,
             "path": model_path,
             "fingerprint": fp,
-            "feature_layer": layer,
+            "feature_layers": list(layout.inputs),
             "vocab_size": tc.vocab_size,
             "hidden_size": tc.hidden_size,
             "num_layers": tc.num_layers,
@@ -1095,6 +1163,13 @@ def run_distill(args) -> int:
     return 0
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
 def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     d = DistillConfig()
     p.add_argument("--model", default=d.model, help="target: 'default', a HF directory or a .gguf file")
@@ -1115,7 +1190,11 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--text-batch", type=int, default=d.text_batch, help="sequences per teacher-forcing forward")
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="reduced draft vocabulary size")
-    g.add_argument("--target-layer", type=int, default=d.target_layer)
+    g.add_argument("--target-layers", type=_layer_list, default=d.target_layers, metavar="I[,J,...]",
+                   help="target layers the head reads (negative: from the end). Several, e.g. 2,15,-1: "
+                   "their features are fused as in EAGLE-3")
+    g.add_argument("--reduce-init", default=d.reduce_init, choices=["last", "random"],
+                   help="several layers: start the fusion as the last layer alone, or random")
     g.add_argument("--no-init-from-target", dest="init_from_target", action="store_false")
     g.add_argument("--no-input-norm", dest="input_norm", action="store_false",
                    help="feed the raw embedding and feature to fc (no RMSNorm on either)")
