@@ -14,6 +14,7 @@ from yggtree import data
 from yggtree.data import (
     Chunk,
     Prompt,
+    PROMPT_STYLES,
     calibration_chat_prompts,
     calibration_corpus,
     calibration_texts,
@@ -199,6 +200,21 @@ def test_calibration_chat_prompts():
         assert not any(f in p.text for f in forbidden)
     with pytest.raises(YggError):
         calibration_chat_prompts(-1)
+
+
+def test_varied_prompt_style_keeps_chunks_and_widens_requests():
+    basic = calibration_chat_prompts(200, seed=0)
+    varied = calibration_chat_prompts(200, seed=0, style="varied")
+    assert varied == calibration_chat_prompts(200, seed=0, style="varied")
+    code, prose = PROMPT_STYLES["varied"]
+    firsts = {t.split("{snippet}")[0] for t in code + prose}
+    used = {next(f for f in firsts if v.text.startswith(f)) for v in varied}
+    assert len(used) > len(PROMPT_STYLES["basic"][0]) + len(PROMPT_STYLES["basic"][1])
+    forbidden = _all_forbidden()
+    for b, v in zip(basic, varied):
+        assert b.id == v.id and not any(f in v.text for f in forbidden)
+    with pytest.raises(YggError, match="prompt style"):
+        calibration_chat_prompts(2, style="fancy")
 
 
 # ----------------------------------------------------------------------------- pure helpers

@@ -374,6 +374,28 @@ _PROSE_TEMPLATES = (
     "Explain the following in simple terms:\n{snippet}",
     "Write three questions a student could answer after reading this:\n{snippet}",
 )
+# "varied": more kinds of request on the same chunks (rewriting, testing, teaching, listing, story
+# and letter writing, step-by-step answers), so the target's answers span more styles than
+# explanations; generic instructions of our own, none taken from an evaluation set
+_VARIED_CODE_TEMPLATES = _CODE_TEMPLATES + (
+    "Write pytest unit tests for this code:\n```python\n{snippet}```",
+    "Rewrite this code so that it is easier to read, and say what you changed:\n```python\n{snippet}```",
+    "Write a new Python function inspired by this code, with a docstring and a usage example:\n```python\n{snippet}```",
+    "What does this code print or return? Think step by step:\n```python\n{snippet}```",
+)
+_VARIED_PROSE_TEMPLATES = _PROSE_TEMPLATES + (
+    "List the key points of this text as bullet points:\n{snippet}",
+    "You are a patient teacher. Explain this to a 12-year-old, with an everyday analogy:\n{snippet}",
+    "Write a short story in which a programmer runs into the idea below:\n{snippet}",
+    "Draft a short email to a colleague that explains the following:\n{snippet}",
+    "Answer step by step: what problem does this solve, and how would you use it?\n{snippet}",
+    "Extract the technical terms in this text and define each in one sentence:\n{snippet}",
+    "Write a Python example that demonstrates this, then explain it:\n{snippet}",
+)
+PROMPT_STYLES = {
+    "basic": (_CODE_TEMPLATES, _PROSE_TEMPLATES),
+    "varied": (_VARIED_CODE_TEMPLATES, _VARIED_PROSE_TEMPLATES),
+}
 
 
 def _snippet(text: str, max_chars: int) -> str:
@@ -385,15 +407,21 @@ def _snippet(text: str, max_chars: int) -> str:
     return textwrap.dedent(text).strip("\n") + "\n"
 
 
-def chat_prompt_from_chunk(chunk: Chunk, template_index: int, max_snippet_chars: int = 1200) -> str:
-    """A chat request built from one chunk: code templates for source, prose templates for pydoc topics."""
-    templates = _CODE_TEMPLATES if chunk.is_code else _PROSE_TEMPLATES
+def chat_prompt_from_chunk(
+    chunk: Chunk, template_index: int, max_snippet_chars: int = 1200, style: str = "basic"
+) -> str:
+    """A chat request built from one chunk: code templates for source, prose templates for pydoc
+    topics, from the template set ``style`` (:data:`PROMPT_STYLES`)."""
+    if style not in PROMPT_STYLES:
+        raise YggError(f"unknown prompt style {style!r}; expected one of {sorted(PROMPT_STYLES)}")
+    code, prose = PROMPT_STYLES[style]
+    templates = code if chunk.is_code else prose
     template = templates[template_index % len(templates)]
     return template.format(snippet=_snippet(chunk.text, max_snippet_chars))
 
 
 def calibration_chat_prompts(
-    n: int, seed: int = 0, max_snippet_chars: int = 1200
+    n: int, seed: int = 0, max_snippet_chars: int = 1200, style: str = "basic"
 ) -> list[Prompt]:
     """``n`` chat-shaped requests built from the calibration corpus (never from evaluation prompts).
 
@@ -407,7 +435,7 @@ def calibration_chat_prompts(
     return [
         Prompt(
             id=f"calib/{i}",
-            text=chat_prompt_from_chunk(chunk, rng.randrange(1 << 30), max_snippet_chars),
+            text=chat_prompt_from_chunk(chunk, rng.randrange(1 << 30), max_snippet_chars, style),
         )
         for i, chunk in enumerate(corpus.chunks[:n])
     ]

@@ -69,6 +69,7 @@ class DistillConfig:
     # data
     prompts: int = 640  # calibration chat prompts answered by the target
     snippet_chars: int = 400  # max characters of the calibration snippet inside each prompt
+    prompt_style: str = "basic"  # request templates (data.PROMPT_STYLES): basic | varied
     max_new_tokens: int = 128  # greedy answer length cap
     gen_batch: int = 16  # rows per batched generation call
     teacher_dtype: str = "bfloat16"  # dtype of the target while building teacher data
@@ -949,7 +950,7 @@ def distill(
     tc = target.cfg
     layout = FeatureLayout.make(tuple(cfg.target_layers), tc.num_layers, tc.hidden_size)
     if prompt_ids is None:
-        prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars)
+        prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars, cfg.prompt_style)
         prompt_texts = [p.text for p in prompts]
         data_hash = corpus_hash(prompt_texts)
         prompt_ids = [encode_auto(tokenizer, t) for t in prompt_texts]
@@ -1178,6 +1179,8 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("teacher data")
     g.add_argument("--prompts", type=int, default=d.prompts, help="calibration chat prompts answered by the target")
     g.add_argument("--snippet-chars", type=int, default=d.snippet_chars)
+    g.add_argument("--prompt-style", default=d.prompt_style, choices=["basic", "varied"],
+                   help="request templates around the calibration snippets (varied: more kinds of request)")
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap")
     g.add_argument("--gen-batch", type=int, default=d.gen_batch)
     g.add_argument("--teacher-dtype", default=d.teacher_dtype, choices=["float32", "bfloat16"],
