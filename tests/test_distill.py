@@ -231,7 +231,7 @@ def test_fused_layers_pipeline(target, tmp_path):
     """Two target layers fused (EAGLE-3): the teacher stores both side by side, the head starts
     as the last layer alone, trains, and loads back reading both layers."""
     layout = D.FeatureLayout.make((0, -1), target.cfg.num_layers, target.cfg.hidden_size)
-    cfg = small_cfg(tmp_path, target_layers=(0, -1), epochs=4.0)
+    cfg = small_cfg(tmp_path, target_layers=(0, -1), epochs=4.0, feature_noise=0.05)
     vmap = torch.arange(48)
     drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=0, target_layers=layout.inputs,
                                   input_norm=True, draft_vocab=vmap)

@@ -5,8 +5,10 @@ Pipeline (every stage deterministic given ``--seed``; DESIGN.md sections 11 and 
     calibration chat prompts        data.calibration_chat_prompts (stdlib source / pydoc topics,
       (chat template)               decontaminated against the evaluation prompts)
     teacher data                    the target answers each prompt greedily (batched, static
-                                    cache); the last-layer features f_p of prompt and answer are
-                                    captured in the same pass -> safetensors cache on disk
+                                    cache); the features f_p of prompt and answer (the
+                                    ``--target-layers`` outputs, plus the last layer for the
+                                    training targets) are captured in the same pass ->
+                                    safetensors cache on disk
     draft vocabulary                the V_d most frequent target ids in the teacher data, plus
                                     every special token (<|im_end|>, ...)
     training                        the head sees pairs (t_{p+1}, f_p) and is trained to
@@ -754,7 +756,8 @@ def train(
         batch = make_batch(data, idx, cfg.max_seq_len, layout, cfg.prompt_weight)
         if cfg.feature_noise > 0:
             u = torch.rand(batch.feat.shape, generator=gen) * 2 - 1
-            rms = batch.feat.pow(2).mean(-1, keepdim=True).sqrt()
+            per_layer = batch.feat.unflatten(-1, (-1, layout.hidden))  # [B, T, L, H]
+            rms = per_layer.pow(2).mean(-1, keepdim=True).sqrt().expand_as(per_layer).flatten(-2)
             batch.feat = batch.feat + u * (cfg.feature_noise * rms)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
