@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write every prompt's record as JSON (and OUT.rows.jsonl as it runs)")
     p.add_argument("--compare", type=lambda t: t.split(","), default=[], metavar="A:B,...",
                    help="paired comparisons to report: speed of A over B with a bootstrap interval")
-    p.add_argument("--summarise", nargs="+", metavar="ROWS", help="only report OUT.rows.jsonl file(s) of earlier runs")
+    p.add_argument("--summarise", action="extend", nargs="+", metavar="ROWS", help="only report OUT.rows.jsonl file(s) of earlier runs")
     args = p.parse_args(argv)
     return run_reporting("bench_objective", summarise_rows if args.summarise else run, args)
 

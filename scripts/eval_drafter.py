@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", action="append", help="NAME=W_d,D,W_v,top_k (repeatable)")
     p.add_argument("--no-plain", action="store_true", help="skip the plain greedy run (no equality check)")
     p.add_argument("--plain-only", action="store_true", help="run only plain greedy decoding (for --merge)")
-    p.add_argument("--merge", nargs="+", metavar="JSON", help="combine the --out files of split runs")
+    p.add_argument("--merge", action="extend", nargs="+", metavar="JSON", help="combine the --out files of split runs")
     p.add_argument("--cost", action="store_true", help="time one drafter step vs one target verify step")
     p.add_argument("--cost-mode", default="both", choices=["reference", "performance", "both"])
     p.add_argument("--cost-width", type=int, default=8)

@@ -461,6 +461,10 @@ def test_train_command_on_stored_records(tmp_path, capsys):
     assert main(argv) == 1  # exists: refused without --force
     assert "already exists (pass --force" in capsys.readouterr().err
     assert main(argv + ["--force"]) == 0
+    repeated = ["--plan", str(plan_path), "--records", str(a), "--records", str(b), "--epochs", "3",
+                "--holdout", "3", "--out-dir", str(tmp_path / "o1")]
+    assert main(repeated) == 0  # the flag given twice reads both files, as one flag with two
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 240
     assert main(["--plan", str(plan_path), "--records", str(a), str(a), "--out-dir", str(tmp_path / "o2")]) == 1
     assert "share prompts" in capsys.readouterr().err
 

@@ -668,7 +668,7 @@ def add_train_predictor_arguments(p: argparse.ArgumentParser) -> None:
                    help="inverse L2 strength of the logistic baseline (sklearn C; default 0.003, "
                    "chosen like the MLP's defaults by grouped cross-validation)")
     p.add_argument("--out-dir", default=None, help="default predictors/<target>__<drafter>__<dtype>/")
-    p.add_argument("--records", nargs="+", default=None, metavar="FILE",
+    p.add_argument("--records", action="extend", nargs="+", default=None, metavar="FILE",
                    help="reuse these records (.safetensors, each with its .json sidecar; disjoint "
                    "prompts) instead of decoding")
     p.add_argument("--save-records", default=None,
