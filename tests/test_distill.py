@@ -353,3 +353,20 @@ def test_default_drafter_refused_for_other_targets(target):
     spec = EngineSpec(model="/some/other/model", drafter="default")
     with pytest.raises(YggError, match="no default drafter"):
         load_drafter(spec, target, None)
+
+
+def test_cli_records_the_command_in_the_manifest(monkeypatch, capsys):
+    """``yggtree distill ...`` passes its own arguments on, so the manifest names the command
+    that made the weights (it used to record None unless run as ``python -m``)."""
+    from yggtree.cli import main
+
+    seen = {}
+
+    def fake(cfg, argv=None, **kw):
+        seen["argv"] = argv
+        raise D.YggError("stop here")
+
+    monkeypatch.setattr(D, "distill", fake)
+    assert main(["distill", "--out", "somewhere", "--epochs", "3"]) == 1
+    assert seen["argv"] == ["--out", "somewhere", "--epochs", "3"]
+    assert "stop here" in capsys.readouterr().err

@@ -312,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv[1:]  # the subcommand's own arguments, which manifests record
     try:
         if args.command == "run":
             return _run(args)

@@ -475,13 +475,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("profile", help="measure latency curves of a plan's pair on this machine")
     add_profile_arguments(p)
-    p.set_defaults(func=_run_with_argv)
+    p.set_defaults(func=_checked_run)
     return p
 
 
-def _run_with_argv(args) -> int:
-    if not hasattr(args, "argv"):
-        args.argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "profile" else []
+def _checked_run(args) -> int:
+    """``args.argv``: the subcommand's own arguments (set by both entry points), for the manifest."""
     if args.threads < 1:
         raise YggError(f"--threads must be >= 1, got {args.threads}")
     if not 1 <= args.max_width <= 1024 or args.repeats < 1 or args.warmup < 0:
@@ -494,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     add_profile_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    return run_reporting("yggtree profile", _run_with_argv, args)
+    return run_reporting("yggtree profile", _checked_run, args)
 
 
 if __name__ == "__main__":
