@@ -342,17 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fixed", help="W_d,D,W_v of the fixed system (default: highest calibrated AAL)")
     p.add_argument("--chain", help="D,W_v of the chain (default: best predicted chain)")
-    p.add_argument("--depths", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
+    p.add_argument("--depths", action="extend", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
                    help="also the objective with these fixed depths, e.g. 2,3,4")
-    p.add_argument("--chain-depths", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
+    p.add_argument("--chain-depths", action="extend", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
                    help="also chains of these lengths, e.g. 1,2")
-    p.add_argument("--systems", type=lambda t: t.split(","), default=[],
+    p.add_argument("--systems", action="extend", type=lambda t: t.split(","), default=[],
                    help="only these systems (plain always runs): objective,fixed,chain,predictor,baseline,depth=N")
     p.add_argument("--compile-root", default="compile")
     p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
     p.add_argument("--out", help="also write every prompt's record as JSON (and OUT.rows.jsonl as it runs)")
-    p.add_argument("--compare", type=lambda t: t.split(","), default=[], metavar="A:B,...",
-                   help="paired comparisons to report: speed of A over B with a bootstrap interval")
+    p.add_argument("--compare", action="extend", type=lambda t: t.split(","), default=[], metavar="A:B,...",
+                   help="paired comparisons to report: speed of A over B with a bootstrap interval (repeatable)")
     p.add_argument("--summarise", action="extend", nargs="+", metavar="ROWS", help="only report OUT.rows.jsonl file(s) of earlier runs")
     args = p.parse_args(argv)
     return run_reporting("bench_objective", summarise_rows if args.summarise else run, args)

@@ -57,3 +57,17 @@ def test_paired_ratio_interval_and_share():
     assert c["ci95"][0] < c["ci95"][1] and c["a_faster_share"] == pytest.approx(2 / 3)
     same = mod.paired(rows, "plain", "plain", n_boot=200)
     assert same["ratio"] == 1.0 and same["ci95"] == [1.0, 1.0] and same["a_faster_share"] == 0.0
+
+
+def test_repeated_flags_extend(tmp_path, capsys):
+    """--compare (like --summarise, --depths, --systems) given twice keeps both, not the last."""
+    import json
+
+    mod = load_script()
+    path = tmp_path / "r.rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [row("a", 1.0, 0.5, 4, 0), row("b", 2.0, 1.0, 4, 0)]))
+    assert mod.main(["--summarise", str(path), "--compare", "tree:plain", "--compare", "plain:tree,tree:tree"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    pairs = [(c["a"], c["b"]) for c in line["comparisons"] if c["set"] == "all"]
+    assert pairs == [("tree", "plain"), ("plain", "tree"), ("tree", "tree")]
+    assert len(line["comparisons"]) == 3 * 3  # three pairs x (a, b, all)
