@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import YggError, run_reporting
+from ..runtime.loading import read_safetensors
 
 TEACHER_FILE = "teacher.safetensors"
 TEACHER_FORMAT = 1
@@ -431,13 +432,7 @@ def save_teacher(data: TeacherData, path: Path, meta: dict) -> str:
 
 def load_teacher(path: Path, width: int) -> TeacherData:
     """``width``: the stored features' width (stored layers x hidden size)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        st = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise YggError(f"cannot read teacher data {path}: {e}") from None
+    st = read_safetensors(path, "teacher data")
     for k in ("tokens", "feats", "offsets", "n_prompt"):
         if k not in st:
             raise YggError(f"teacher data {path} lacks tensor {k!r}")

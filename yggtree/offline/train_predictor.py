@@ -159,20 +159,19 @@ def save_records(path: str | Path, rec: Records, meta: dict) -> Path:
 
 def load_records(path: str | Path) -> tuple[Records, dict]:
     """Records and their sidecar; YggError if either is missing, corrupt, or they disagree."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from ..runtime.loading import read_safetensors
+    from ..runtime.objective import read_artifact
 
     p, side_p = Path(path), sidecar_path(path)
-    from ..runtime.objective import read_artifact
 
     if not p.is_file():
         raise YggError(f"depth records {p} do not exist")
     meta = read_artifact(side_p, "depth records sidecar", RECORDS_KIND, RECORDS_VERSION)
-    try:
-        t = load_file(str(p))
-        rec = Records(**{k: t[k] for k in RECORD_FIELDS})
-    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:
-        raise YggError(f"cannot read depth records {p}: {e!r}") from None
+    t = read_safetensors(p, "depth records")
+    lack = [k for k in RECORD_FIELDS if k not in t]
+    if lack:
+        raise YggError(f"cannot read depth records {p}: no tensor {', '.join(lack)}")
+    rec = Records(**{k: t[k] for k in RECORD_FIELDS})
     s = rec.h.shape[0]
     if rec.h.ndim != 2 or rec.len_by_depth.ndim != 2 or any(
             v.shape[0] != s for v in rec.tensors().values()):

@@ -51,6 +51,7 @@ from ..errors import YggError
 from .drafters import TopK
 from .graphs import Graphs
 from .kv_cache import KVCache
+from .loading import read_safetensors
 from .model import Block, ModelConfig, RMSNorm, RopeScaling, Transformer, rope_table
 from .steps import tree_mask
 
@@ -564,9 +565,6 @@ def load_eagle(
 ) -> EagleDrafter:
     """Load an EAGLE head for ``target``; refuse (YggError naming the file) anything that does not
     fit: hidden size, target fingerprint, layer indices, vocabulary map, missing or bad tensors."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     p = Path(path)
     cfg_path, w_path = p / CONFIG_FILE, p / WEIGHTS_FILE
     if not cfg_path.is_file():
@@ -577,12 +575,7 @@ def load_eagle(
         raise YggError(f"cannot read {cfg_path}: {e}") from None
     cfg = EagleConfig.from_json(raw, cfg_path)
     cfg.check_target(target.cfg, cfg_path)
-    if not w_path.is_file():
-        raise YggError(f"EAGLE weights {w_path} are missing")
-    try:
-        state = load_file(str(w_path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise YggError(f"cannot read EAGLE weights {w_path}: {e}") from None
+    state = read_safetensors(w_path, "EAGLE weights")
     w = target.embed_tokens.weight
     with torch.device("meta"):
         net = EagleNet(cfg, target.embed_tokens if cfg.shares_embedding else None)

@@ -133,10 +133,22 @@ def _read_json(path: Path) -> dict:
         raise YggError(f"cannot read {path}: {e}") from None
 
 
-def _load_hf_state(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: str | Path, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``path``; YggError naming ``what`` and the file when it
+    does not exist or cannot be read (truncated, not safetensors)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    p = Path(path)
+    if not p.is_file():
+        raise YggError(f"{what} {p} does not exist")
+    try:
+        return load_file(str(p))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise YggError(f"cannot read {what} {p}: {e}") from None
+
+
+def _load_hf_state(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(_read_json(index)["weight_map"].values()))
@@ -146,11 +158,7 @@ def _load_hf_state(path: Path) -> dict[str, torch.Tensor]:
         raise YggError(f"no .safetensors weights in {path}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            shard = load_file(str(path / f))
-        except (SafetensorError, OSError) as e:
-            raise YggError(f"cannot read weights {path / f}: {e}") from None
-        for k, v in shard.items():
+        for k, v in read_safetensors(path / f, "weights").items():
             state[k.removeprefix("model.")] = v
     return state
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import YggError
+from .loading import read_safetensors
 
 __all__ = [
     "PREDICTOR_KIND", "FORMAT_VERSION", "MANIFEST_FILE", "MODEL_FILES", "FEATURE_LAYER",
@@ -208,9 +209,6 @@ def load_predictor(
     manifest or weights are missing, corrupt or truncated, or were trained for another target,
     drafter or dtype than the plan's (:func:`~yggtree.runtime.objective.pair_identity`), or for
     another hidden size than ``hidden_size`` (the target's; not checked when None)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from .objective import pair_identity
 
     d = _predictor_dir(path)
@@ -241,12 +239,7 @@ def load_predictor(
         raise YggError(f"depth predictor {mpath} was trained on hidden size {h}, the target has "
                        f"{hidden_size}")
     wpath = d / fname
-    if not wpath.is_file():
-        raise YggError(f"depth predictor weights {wpath} are missing")
-    try:
-        state = load_file(str(wpath))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise YggError(f"cannot read depth predictor weights {wpath}: {e}") from None
+    state = read_safetensors(wpath, "depth predictor weights")
     with torch.device("meta"):
         model = MODEL_TYPES[kind](h, dm, **args)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
