@@ -47,6 +47,19 @@ def topo_parents(seed: int, n: int) -> list[int]:
     return [0] + [rng.randrange(i) for i in range(1, n)]
 
 
+def egt_parents(seed: int, wd: int, d: int) -> list[int]:
+    """Parents of a drafted tree as EGT lays it out: level l (1..d) holds wd slots, each the
+    child of a random slot of level l - 1 (the root for level 1), so the tree is exactly d deep."""
+    import random
+
+    rng = random.Random(seed)
+    parent = [0] * (1 + wd)
+    for level in range(2, d + 1):
+        first = 1 + (level - 2) * wd  # the previous level's first slot
+        parent += [first + rng.randrange(wd) for _ in range(wd)]
+    return parent
+
+
 CAL = Calibration((0.0, 0.3, 1.0), (0.05, 0.2, 0.9))
 
 
@@ -207,11 +220,11 @@ def test_given_depth_chooses_width_only():
 def test_verify_choice_equals_brute_force(seed, shape, qs):
     wd, d = shape
     n = 1 + wd * d
-    parent = topo_parents(seed, n)
+    parent = egt_parents(seed, wd, d)
     tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    assert int(tree.depth.max()) == d
     cal = Calibration((0.0, 0.5, 1.0), (0.0, 0.6, 0.95))
     pol = policy(cal)
-    d = max(int(tree.depth.max()), 1)  # a drafted tree is never deeper than D
     wv = pol.choose_verify(tree, StepChoice(d, wd), 100)
     vals = path_values(tree, cal.edge_prob, n)
     best, best_s = None, -1.0
