@@ -122,6 +122,8 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
                 for r in sel:
                     c.update({int(k): v for k, v in r[name]["depth_counts"].items()})
                 res[name]["depth_share"] = {str(k): c[k] / steps for k in sorted(c)}
+            if steps and all("stage_ms" in r[name] for r in sel):  # the policy's own time, in-run
+                res[name]["policy_ms_per_step"] = sum(r[name]["stage_ms"].get("policy", 0.0) for r in sel) / steps
         for name in names:
             res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
             m = res[name]["measured_speedup"]
@@ -161,7 +163,7 @@ def report(rows: list[dict], names: list[str], settings: dict, what: str, args, 
     table = Table(title=f"latency objective vs fixed trees: {what}, {len(rows)} prompts x "
                         f"{args.max_new_tokens} tokens, {args.threads} thread(s), one run")
     for c in ("set", "system", "W_d,D,W_v", "decode tok/s", "x plain", "predicted offline", "error",
-              "predicted online", "error ", "AAL", "plain steps", "= plain"):
+              "predicted online", "error ", "AAL", "plain steps", "policy ms/step", "= plain"):
         table.add_column(c, justify="left" if c in ("set", "system", "W_d,D,W_v") else "right")
     for st, res in summary.items():
         n = len([r for r in rows if st == "all" or r["set"] == st])
@@ -170,7 +172,9 @@ def report(rows: list[dict], names: list[str], settings: dict, what: str, args, 
                           f"{r['measured_speedup']:.3f}", f"{r['predicted_speedup']:.3f}",
                           f"{100 * r['prediction_error']:.1f}%", f"{r['predicted_online']:.3f}",
                           f"{100 * r['online_error']:.1f}%", f"{r['aal']:.2f}",
-                          f"{100 * r['plain_step_share']:.0f}%", f"{r['same_as_plain']}/{n}")
+                          f"{100 * r['plain_step_share']:.0f}%",
+                          f"{r['policy_ms_per_step']:.2f}" if "policy_ms_per_step" in r else "-",
+                          f"{r['same_as_plain']}/{n}")
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     comparisons = []
@@ -320,6 +324,7 @@ def run(args) -> int:
                                         r.verify_width) for r in recs}),
                     "n_plain_steps": sum(r.choice.draft_depth == 0 for r in recs),
                     "depth_counts": dict(Counter(r.choice.draft_depth for r in recs)),
+                    "stage_ms": dict(sum((Counter(r.stage_ms) for r in recs), Counter())),
                 }
             rows.append(row)
             if args.out:  # every finished prompt is kept, so a stopped run can still be read

@@ -44,6 +44,18 @@ def test_summary_ratios_shares_and_equality():
     assert a["prediction_error"] == pytest.approx(abs(1.5 - a["measured_speedup"]) / a["measured_speedup"])
     assert s["all"]["tree"]["measured_speedup"] == pytest.approx(3.4 / 2.5)
     assert s["all"]["plain"]["measured_speedup"] == 1.0
+    assert "policy_ms_per_step" not in a  # rows from before stage times were kept
+
+
+def test_policy_time_per_step_is_summed_over_steps():
+    mod = load_script()
+    rows = [row("a", 0.8, 0.4, 4, 1), row("a", 1.0, 0.5, 6, 0)]
+    for r, policy in zip(rows, (2.0, 8.0)):
+        r["tree"]["stage_ms"] = {"policy": policy, "verify": 100.0}
+        r["plain"]["stage_ms"] = {"verify": 50.0}  # no policy stage recorded: 0
+    s = mod.summarise(rows, ["plain", "tree"])["a"]
+    assert s["tree"]["policy_ms_per_step"] == pytest.approx(10.0 / 10)
+    assert s["plain"]["policy_ms_per_step"] == 0.0
 
 
 def test_paired_ratio_interval_and_share():
