@@ -324,7 +324,7 @@ def run(args) -> int:
                                         r.verify_width) for r in recs}),
                     "n_plain_steps": sum(r.choice.draft_depth == 0 for r in recs),
                     "depth_counts": dict(Counter(r.choice.draft_depth for r in recs)),
-                    "stage_ms": dict(sum((Counter(r.stage_ms) for r in recs), Counter())),
+                    **({"stage_ms": s["stage_ms"]} if "stage_ms" in s else {}),  # the engine's per-stage sums
                 }
             rows.append(row)
             if args.out:  # every finished prompt is kept, so a stopped run can still be read
