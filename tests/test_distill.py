@@ -209,7 +209,7 @@ def test_manifest_and_report(run_a, target):
     for key in ("seed", "hyperparameters", "data", "draft_vocab", "training", "wall_time_s", "torch", "target"):
         assert key in on_disk, key
     data = on_disk["data"]
-    for key in ("corpus_hash", "teacher_sha256", "n_tokens", "n_answer_tokens", "n_sequences", "teacher_cache"):
+    for key in ("corpus_hash", "teacher_sha256", "n_tokens", "n_answer_tokens", "n_sequences", "teacher_cache_key"):
         assert key in data, key
     assert data["n_sequences"] == 24 and data["n_tokens"] > 24 * 6
     assert on_disk["hyperparameters"]["lr"] == 3e-3
@@ -243,7 +243,8 @@ def test_fused_layers_pipeline(target, tmp_path):
     manifest = D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
     assert manifest["target"]["feature_layers"] == [0, 1]
     assert manifest["data"]["teacher_meta"]["target_layers"] == [0, 1]
-    data = D.load_teacher(Path(manifest["data"]["teacher_cache"]), 2 * target.cfg.hidden_size)
+    key = manifest["data"]["teacher_cache_key"]
+    data = D.load_teacher(Path(cfg.cache_dir) / key / D.TEACHER_FILE, 2 * target.cfg.hidden_size)
     assert data.feats.shape == (manifest["data"]["n_tokens"], 64)
     rows = list(csv_rows(tmp_path / "out" / "report" / "train_log.csv"))
     first = sum(float(r["kl"]) for r in rows[:5]) / 5

@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compile_parser(sub)
     add_distill_parser(sub)
+    from .offline import transcripts_cmd
+
+    transcripts_cmd.add_parser(sub)
     from .offline.fit import add_calibrate_parser
     from .offline.profile import add_profile_parser
 

@@ -109,6 +109,14 @@ class DistillConfig:
     save_dtype: str = "bfloat16"
     train_autocast: str = "bfloat16"  # matmul dtype of the training forward (none | bfloat16)
     threads: int | None = None
+    # transcript training (yggtree transcripts): shards replace the calibration prompts
+    transcripts: str | None = None  # directory of train-*.safetensors (and heldout-*.safetensors)
+    max_tokens: int | None = None  # use train shards in index order up to this many tokens
+    heldout_seqs: int = 96  # held-out conversations in each validation pass (heldout shards)
+    feature_cache: str | None = None  # default ~/.cache/yggtree/features
+    # resumable training
+    checkpoint_every: int = 200  # steps between checkpoints (out/checkpoint.pt)
+    budget_minutes: float | None = None  # stop after this much training, checkpointed; rerun continues
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -179,7 +187,7 @@ class TeacherData:
     tokens: torch.Tensor  # [N] int64 target ids
     feats: torch.Tensor  # [N, L*H] float16/float32: the L stored target layers' outputs, side by side
     offsets: torch.Tensor  # [n_seq + 1] int64
-    n_prompt: torch.Tensor  # [n_seq] int64: prompt length of each sequence (answer follows)
+    role: torch.Tensor  # [N] uint8: 0 prompt / given text, 1 greedy answer, 2 sampled answer (transcripts.ROLE_*)
 
     @property
     def n_seq(self) -> int:
@@ -188,6 +196,18 @@ class TeacherData:
     def seq(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.tokens[a:b], self.feats[a:b]
+
+    def roles(self, i: int) -> torch.Tensor:
+        return self.role[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+
+def roles_from_prompt_lengths(lengths: torch.Tensor, n_prompt: torch.Tensor) -> torch.Tensor:
+    """[N] uint8 roles of sequences of ``lengths`` whose first ``n_prompt`` tokens are the prompt and
+    the rest a greedy answer."""
+    return torch.cat([
+        torch.cat([torch.zeros(int(p), dtype=torch.uint8), torch.ones(int(n) - int(p), dtype=torch.uint8)])
+        for n, p in zip(lengths.tolist(), n_prompt.tolist())
+    ]) if len(lengths) else torch.zeros(0, dtype=torch.uint8)
 
 
 @torch.no_grad()
@@ -281,14 +301,14 @@ def build_teacher(
         tokens=torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.int64),
         feats=store,
         offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-        n_prompt=torch.tensor([n for _, _, n in seqs], dtype=torch.int64),
+        role=roles_from_prompt_lengths(lengths, torch.tensor([n for _, _, n in seqs], dtype=torch.int64)),
     )
 
 
 @torch.no_grad()
 def teacher_force(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int, progress) -> TeacherData:
     """The ``layers`` outputs (side by side) at every position of fixed texts (one causal forward per batch of
-    similar lengths). No answer: ``n_prompt`` is the whole length, so these positions get the
+    similar lengths). No answer: every role is 0 (given text), so these positions get the
     prompt loss weight and never count as greedy answers in the acceptance estimate."""
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
     feats: dict[int, torch.Tensor] = {}
@@ -323,7 +343,7 @@ def teacher_force(model, seqs: list[list[int]], layers: tuple[int, ...], batch: 
         tokens=torch.tensor([t for q in seqs for t in q], dtype=torch.int64),
         feats=f.to(torch.float16) if float(f.abs().max()) < 60000 else f,
         offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-        n_prompt=lengths.clone(),
+        role=torch.zeros(int(lengths.sum()), dtype=torch.uint8),
     )
 
 
@@ -382,7 +402,7 @@ def concat_teacher(parts: list[TeacherData]) -> TeacherData:
         tokens=torch.cat([d.tokens for d in parts]),
         feats=torch.cat([d.feats.to(dtype) for d in parts]),
         offsets=torch.cat(offs),
-        n_prompt=torch.cat([d.n_prompt for d in parts]),
+        role=torch.cat([d.role for d in parts]),
     )
 
 
@@ -404,7 +424,7 @@ def teacher_hash(data: TeacherData) -> str:
     """sha256 of the teacher tensors' bytes (the file's own bytes are not stable: safetensors
     writes its metadata map in arbitrary order)."""
     h = hashlib.sha256()
-    for name in ("tokens", "feats", "offsets", "n_prompt"):
+    for name in ("tokens", "feats", "offsets", "role"):
         t = getattr(data, name).contiguous()
         h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
@@ -421,7 +441,7 @@ def save_teacher(data: TeacherData, path: Path, meta: dict) -> str:
             "tokens": data.tokens.to(torch.int32).contiguous(),
             "feats": data.feats.contiguous(),
             "offsets": data.offsets.contiguous(),
-            "n_prompt": data.n_prompt.to(torch.int32).contiguous(),
+            "role": data.role.contiguous(),
         },
         str(tmp),
         metadata={"format": str(TEACHER_FORMAT), "meta": json.dumps(meta, sort_keys=True)},
@@ -433,12 +453,10 @@ def save_teacher(data: TeacherData, path: Path, meta: dict) -> str:
 def load_teacher(path: Path, width: int) -> TeacherData:
     """``width``: the stored features' width (stored layers x hidden size)."""
     st = read_safetensors(path, "teacher data")
-    for k in ("tokens", "feats", "offsets", "n_prompt"):
+    for k in ("tokens", "feats", "offsets", "role"):
         if k not in st:
-            raise YggError(f"teacher data {path} lacks tensor {k!r}")
-    data = TeacherData(
-        st["tokens"].to(torch.int64), st["feats"], st["offsets"], st["n_prompt"].to(torch.int64)
-    )
+            raise YggError(f"teacher data {path} lacks tensor {k!r} (made by an older yggtree: delete it to rebuild)")
+    data = TeacherData(st["tokens"].to(torch.int64), st["feats"], st["offsets"], st["role"].to(torch.uint8))
     if data.feats.shape != (data.tokens.shape[0], width) or int(data.offsets[-1]) != data.tokens.shape[0]:
         raise YggError(f"teacher data {path} has inconsistent shapes (features of width {width})")
     return data
@@ -545,6 +563,7 @@ def make_batch(
     nxt = torch.zeros(b, n, layout.hidden)
     valid = torch.zeros(b, n, dtype=torch.bool)
     greedy = torch.zeros(b, n, dtype=torch.bool)
+    ans = torch.zeros(b, n, dtype=torch.bool)
     for r, (i, (t, f)) in enumerate(zip(idx, seqs)):
         t, f = t[: max_len + 1], f[: max_len + 1].float()
         m = len(t) - 1
@@ -552,13 +571,13 @@ def make_batch(
         feat[r, :m] = layout.head_input(f[:-1])
         nxt[r, :m] = layout.last_layer(f[1:])
         valid[r, :m] = True
-        # answer tokens t_{p+2} (p + 2 >= n_prompt) were chosen greedily by the target
-        npr = int(data.n_prompt[i])
-        greedy[r, max(npr - 2, 0) : max(m - 1, 0)] = True
-    weight = torch.where(valid, prompt_weight, 0.0)
-    for r, i in enumerate(idx):
-        weight[r, max(int(data.n_prompt[i]) - 2, 0) :] = 1.0
-    weight = weight * valid
+        # pair p predicts t_{p+2}: greedy when the target chose it greedily; full weight when the
+        # target wrote it (an answer), prompt_weight for given text
+        role = data.roles(i)[: max_len + 1].long()
+        nxt_role = torch.cat([role[2:], role[-1:]])[:m] if m > 0 else role[:0]
+        greedy[r, : max(m - 1, 0)] = (nxt_role == 1)[: max(m - 1, 0)]
+        ans[r, :m] = nxt_role > 0
+    weight = torch.where(ans, 1.0, prompt_weight) * valid
     return Batch(tok, feat, nxt, valid, greedy, weight)
 
 
@@ -707,12 +726,83 @@ def evaluate(
 
 # ----------------------------------------------------------------------------- training
 
+CHECKPOINT_FILE = "checkpoint.pt"
+# settings that may change between a run and its resumption (they do not change the result)
+RESUMABLE_FIELDS = ("out", "threads", "budget_minutes", "checkpoint_every", "cache_dir", "feature_cache")
+
+
+def checkpoint_identity(cfg: DistillConfig, data_sha: str) -> dict:
+    """What a checkpoint must match to be resumed: every result-changing setting and the data."""
+    d = {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_FIELDS}
+    d["target_layers"] = list(d["target_layers"])
+    return d | {"data_sha256": data_sha}
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: Path, identity: dict) -> dict | None:
+    """The checkpoint at ``path`` if there is one; refused (one line) when it belongs to another run."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, weights_only=False)
+        assert isinstance(state, dict) and "identity" in state
+    except Exception:  # noqa: BLE001 - torch.load raises many types for damaged files
+        raise YggError(f"cannot read checkpoint {path}: damaged or not a yggtree distill checkpoint "
+                       "(delete it to start over)") from None
+    theirs = state["identity"]
+    diff = sorted(k for k in set(theirs) | set(identity) if theirs.get(k) != identity.get(k))
+    if diff:
+        k = diff[0]
+        raise YggError(f"checkpoint {path} belongs to another run: {k} is {theirs.get(k)!r} there, "
+                       f"{identity.get(k)!r} here (use another --out, or delete the checkpoint)")
+    return state
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) under torchrun (gloo), else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _join_process_group() -> None:
+    """Under torchrun (WORLD_SIZE > 1) join the process group: gloo on CPUs, nccl on GPUs."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _all_reduce_grads(params, world: int) -> None:
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
 
 def train(
     net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: DistillConfig, progress, log,
-    layout: FeatureLayout,
+    layout: FeatureLayout, ckpt: Path | None = None, identity: dict | None = None,
 ) -> dict:
-    """AdamW + linear warm-up + cosine decay; returns the final validation metrics."""
+    """AdamW + linear warm-up + cosine decay; returns the final validation metrics (empty when the
+    ``budget_minutes`` ran out first: ``log["complete"]`` is False and ``ckpt`` holds the state).
+
+    With ``ckpt``, the state (weights, optimizer, data order, random state, log) is written there
+    every ``checkpoint_every`` steps and at the end; a run started with a checkpoint present
+    continues from it and ends with the same weights as an uninterrupted run. Under torchrun each
+    rank takes its share of every batch and the gradients are averaged (gloo)."""
     from ..runtime.model import rope_table
 
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -738,16 +828,41 @@ def train(
     # feature scale for the regression loss (scale-free smooth L1)
     feat_scale = feature_dim_std(layout.last_layer(data.feats))
     log["feat_scale"] = {"dim_std_min": float(feat_scale.min()), "dim_std_max": float(feat_scale.max())}
-    task = progress.add_task("training", total=total)
+    rank, world = _world()
+    if cfg.batch_size % world:
+        raise YggError(f"batch-size {cfg.batch_size} is not a multiple of the {world} processes")
     order: list[int] = []
     step = 0
-    t0 = time.perf_counter()
-    rows = log.setdefault("curve", [])
     ema = None
+    trained_s = 0.0
+    state = load_checkpoint(ckpt, identity or {}) if ckpt is not None else None
+    if state is not None:
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        step, order, ema, trained_s = state["step"], state["order"], state["ema"], state["trained_s"]
+        log.update(state["log"])
+        _plain(f"resumed from {ckpt} at step {step}/{total}", force=True)
+    rows = log.setdefault("curve", [])
+
+    def checkpoint() -> None:
+        if ckpt is not None and rank == 0:
+            save_checkpoint(ckpt, {
+                "identity": identity or {}, "net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                "step": step, "order": order, "ema": ema, "trained_s": trained_s + time.perf_counter() - t0,
+                "log": log,
+            })
+
+    task = progress.add_task("training", total=total, completed=step)
+    t0 = time.perf_counter()
+    budget_s = cfg.budget_minutes * 60 if cfg.budget_minutes is not None else None
+    log["complete"] = step >= total
     while step < total:
         if not order:
             order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=gen).tolist()]
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        if world > 1:
+            idx = idx[rank::world] or idx[:1]
         batch = make_batch(data, idx, cfg.max_seq_len, layout, cfg.prompt_weight)
         if cfg.feature_noise > 0:
             u = torch.rand(batch.feat.shape, generator=gen) * 2 - 1
@@ -761,6 +876,8 @@ def train(
         loss, metrics = step_losses(net, th, outs, batch, feat_scale, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if world > 1:
+            _all_reduce_grads(params, world)
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         step += 1
@@ -777,9 +894,11 @@ def train(
             "top1": metrics[0]["top1"],
             "top1_last_step": metrics[-1]["top1"],
             "grad_norm": float(gnorm),
-            "elapsed_s": time.perf_counter() - t0,
+            "elapsed_s": trained_s + time.perf_counter() - t0,
+            "tokens_seen": log.get("tokens_seen", 0) + int(batch.valid.sum()) * world,
         }
-        if val_idx and (step % cfg.eval_every == 0 or step == total):
+        log["tokens_seen"] = row["tokens_seen"]
+        if val_idx and rank == 0 and (step % cfg.eval_every == 0 or step == total):
             net.eval()
             ev = evaluate(net, th, data, val_idx, cfg, feat_scale, rope, layout)
             row.update(val_ce=ev["val_ce"], val_kl=ev["val_kl"], val_reg=ev["val_reg"],
@@ -793,9 +912,17 @@ def train(
         )
         progress.update(task, advance=1, description=desc)
         _plain(f"{desc}: step {step}/{total}", force="val_kl" in row)
-    log["train_s"] = time.perf_counter() - t0
+        over = budget_s is not None and time.perf_counter() - t0 >= budget_s and step < total
+        if step % cfg.checkpoint_every == 0 or step == total or over:
+            checkpoint()
+        if over:
+            log["train_s"] = trained_s + time.perf_counter() - t0
+            _plain(f"budget of {cfg.budget_minutes} min used: checkpoint at step {step}/{total}", force=True)
+            return {}
+    log["train_s"] = trained_s + time.perf_counter() - t0
     log["steps"] = total
     log["steps_per_epoch"] = steps_per_epoch
+    log["complete"] = True
     return log.get("last_eval", {})
 
 
@@ -889,6 +1016,10 @@ def check_config(cfg: DistillConfig) -> None:
         (cfg.train_autocast in ("none", "bfloat16"), f"train-autocast must be none or bfloat16, got {cfg.train_autocast}"),
         (cfg.teacher_dtype in ("float32", "bfloat16"), f"teacher-dtype must be float32 or bfloat16, got {cfg.teacher_dtype}"),
         (cfg.snippet_chars >= 50, f"snippet-chars must be >= 50, got {cfg.snippet_chars}"),
+        (cfg.max_tokens is None or cfg.max_tokens >= 1, f"max-tokens must be >= 1, got {cfg.max_tokens}"),
+        (cfg.heldout_seqs >= 1, f"heldout-seqs must be >= 1, got {cfg.heldout_seqs}"),
+        (cfg.checkpoint_every >= 1, f"checkpoint-every must be >= 1, got {cfg.checkpoint_every}"),
+        (cfg.budget_minutes is None or cfg.budget_minutes > 0, f"budget-minutes must be > 0, got {cfg.budget_minutes}"),
         (cfg.reduce_init in ("last", "random"), f"reduce-init must be last or random, got {cfg.reduce_init}"),
     ]
     for ok, msg in checks:
@@ -919,34 +1050,13 @@ def init_head(net, target, vmap: torch.Tensor, cfg: DistillConfig, layout: Featu
         net.reduce.weight[:, layout.last * h : (layout.last + 1) * h].copy_(torch.eye(h))
 
 
-def distill(
-    cfg: DistillConfig,
-    argv: list[str] | None = None,
-    target=None,
-    tokenizer=None,
-    prompt_ids: list[list[int]] | None = None,
-) -> dict:
-    """The whole pipeline; returns the manifest. ``target``, ``tokenizer`` and ``prompt_ids``
-    (token ids of chat-templated prompts) may be given directly: tests use a tiny random target."""
+def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "FeatureLayout", progress):
+    """Teacher data from calibration chat prompts answered by the target (plus teacher-forced
+    calibration text): (data, train_idx, val_idx, manifest "data" entries)."""
     from ..data import calibration_chat_prompts, corpus_hash
-    from ..runtime.eagle import EagleDrafter, save_eagle
-    from ..runtime.loading import encode_auto, load_model, load_tokenizer, resolve_model
+    from ..runtime.loading import encode_auto
 
-    check_config(cfg)
-    if cfg.threads is not None:
-        if cfg.threads < 1:
-            raise YggError(f"threads must be >= 1, got {cfg.threads}")
-        torch.set_num_threads(cfg.threads)
-    t_start = time.perf_counter()
-    out = Path(cfg.out).expanduser()
-    model_path = None
-    if target is None:
-        src = resolve_model(cfg.model)
-        model_path = str(src.path)
-        target = load_model(src, "float32")
-        tokenizer = load_tokenizer(src)
     tc = target.cfg
-    layout = FeatureLayout.make(tuple(cfg.target_layers), tc.num_layers, tc.hidden_size)
     if prompt_ids is None:
         prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars, cfg.prompt_style)
         prompt_texts = [p.text for p in prompts]
@@ -977,72 +1087,204 @@ def distill(
     cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "yggtree" / "distill"
     teacher_path = cache_root / key / TEACHER_FILE
 
+    t0 = time.perf_counter()
+    reused = teacher_path.is_file()
+    teacher = None
+
+    def teacher_model():
+        nonlocal teacher
+        if teacher is None:
+            teacher = target
+            if cfg.teacher_dtype != "float32":
+                import copy
+
+                teacher = copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
+        return teacher
+
+    if reused:
+        data = load_teacher(teacher_path, layout.width)
+        teacher_sha = teacher_hash(data)
+    else:
+        data = build_teacher(teacher_model(), prompt_ids, cfg, eos, layout.stored, progress)
+        teacher_sha = save_teacher(data, teacher_path, data_meta)
+    text_info = None
+    if cfg.text_chars > 0:
+        texts = calibration_text_chunks(cfg.prompts, cfg.text_chars, cfg.seed)
+        text_ids = [tokenizer.encode(t)[: cfg.max_seq_len + 1] for t in texts]
+        text_ids = [t for t in text_ids if len(t) >= 8]
+        text_meta = {
+            "format": TEACHER_FORMAT,
+            "kind": "teacher-forced calibration texts",
+            "target_fingerprint": fp,
+            "target_layers": list(layout.stored),
+            "texts_hash": corpus_hash(texts),
+            "ids_hash": hashlib.sha256(json.dumps(text_ids).encode()).hexdigest(),
+            "teacher_dtype": cfg.teacher_dtype,
+        }
+        tkey = hashlib.sha256(json.dumps(text_meta, sort_keys=True).encode()).hexdigest()[:20]
+        text_path = cache_root / tkey / TEACHER_FILE
+        text_reused = text_path.is_file()
+        if text_reused:
+            tdata = load_teacher(text_path, layout.width)
+            text_sha = teacher_hash(tdata)
+        else:
+            tdata = teacher_force(teacher_model(), text_ids, layout.stored, cfg.text_batch, progress)
+            text_sha = save_teacher(tdata, text_path, text_meta)
+        text_info = {
+            "source": "yggtree.data.calibration_corpus chunks after those used by the chat "
+            "prompts, teacher-forced (no generation)",
+            "n_texts": len(text_ids),
+            "n_chars": sum(len(t) for t in texts),
+            "n_tokens": int(tdata.tokens.shape[0]),
+            "texts_hash": text_meta["texts_hash"],
+            "teacher_cache_key": tkey,
+            "teacher_sha256": text_sha,
+            "teacher_reused": text_reused,
+        }
+        data = concat_teacher([data, tdata])
+    del teacher
+
+    # split by a seeded permutation of sequences
+    gen = torch.Generator().manual_seed(cfg.seed)
+    perm = torch.randperm(data.n_seq, generator=gen).tolist()
+    n_val = int(round(cfg.val_frac * data.n_seq)) if cfg.val_frac > 0 else 0
+    n_val = min(max(n_val, 1 if cfg.val_frac > 0 else 0), data.n_seq - 1)
+    val_idx, train_idx = sorted(perm[:n_val]), perm[n_val:]
+    info = {
+        "data_sha256": teacher_sha + (text_info["teacher_sha256"] if text_info else ""),
+        "source": "yggtree.data.calibration_chat_prompts (stdlib source + pydoc topics, "
+        "decontaminated against MT-Bench and HumanEval), answered greedily by the target",
+        "corpus_hash": data_hash,
+        "n_prompts": len(prompt_ids),
+        "teacher_cache_key": key,
+        "teacher_sha256": teacher_sha,
+        "teacher_reused": reused,
+        "teacher_meta": data_meta,
+        "texts": text_info,
+    }
+    return data, train_idx, val_idx, info
+
+
+def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayout", progress):
+    """Teacher data from transcript shards (``yggtree transcripts``): the train shards in index
+    order (up to ``max_tokens``), the held-out shards for validation. Features come from the local
+    cache, else by batched prefill of the token ids (then cached). A conversation whose prompt
+    repeats an earlier one (across shards) is dropped. Returns (data, train_idx, val_idx, manifest
+    "data" entries)."""
+    import copy
+
+    from . import transcripts as tr
+    from .transcripts_cmd import feature_cache_root
+
+    root = Path(cfg.transcripts).expanduser()
+    if not root.is_dir():
+        raise YggError(f"transcript directory {root} does not exist")
+    fp = target_fingerprint(target)
+    tok_fp = tr.tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+    train_paths, held_paths = tr.shard_paths(root, "train"), tr.shard_paths(root, "heldout")
+    if not train_paths:
+        raise YggError(f"no train-*.safetensors shards in {root} (make them with yggtree transcripts)")
+    if not held_paths:
+        raise YggError(f"no heldout-*.safetensors shards in {root} (yggtree transcripts --split heldout)")
+    shards, n_tok = [], 0
+    for p in train_paths:
+        if cfg.max_tokens is not None and n_tok >= cfg.max_tokens:
+            break
+        sh = tr.load_shard(p, fp, tok_fp)
+        shards.append((p, sh))
+        n_tok += sh.n_tokens
+    held = [(p, tr.load_shard(p, fp, tok_fp)) for p in held_paths]
+    cache = feature_cache_root(cfg.feature_cache)
+    teacher = None
+    parts, info_shards, reused = [], [], 0
+    task = progress.add_task("features", total=sum(sh.n_tokens for _, sh in shards + held))
+    for p, sh in shards + held:
+        fpath = tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype)
+        feats = tr.load_features(fpath, sh.n_tokens, layout.width)
+        if feats is None:
+            if teacher is None:
+                teacher = target if cfg.teacher_dtype == "float32" else copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
+            feats = tr.prefill_features(teacher, sh, layout.stored, on_batch=lambda r, t: progress.update(task, advance=t))
+            tr.save_features(feats, fpath)
+        else:
+            reused += 1
+            progress.update(task, advance=sh.n_tokens)
+        parts.append(TeacherData(sh.tokens, feats.to(torch.float16) if feats.dtype != torch.float16 and float(feats.abs().max()) < 60000 else feats,
+                                 sh.offsets, sh.role))
+        info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
+                            "sequences": sh.n_seq, "counts": sh.meta["counts"]})
+    del teacher
+    data = concat_teacher(parts)
+    n_train_seq = sum(sh.n_seq for _, sh in shards)
+    seen: set[bytes] = set()
+    keep_train, keep_val, dup = [], [], 0
+    for i in range(data.n_seq):
+        t, r = data.seq(i)[0], data.roles(i)
+        first = int(torch.nonzero(r > 0)[0]) if bool((r > 0).any()) else len(t)
+        key = hashlib.sha256(t[:first].numpy().tobytes()).digest()
+        if key in seen:
+            dup += 1
+            continue
+        seen.add(key)
+        (keep_train if i < n_train_seq else keep_val).append(i)
+    val_idx = keep_val[: cfg.heldout_seqs]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    train_idx = [keep_train[j] for j in torch.randperm(len(keep_train), generator=gen).tolist()]
+    roles = data.role
+    h = hashlib.sha256(json.dumps([s["sha256"] for s in info_shards]).encode())
+    info = {
+        "data_sha256": h.hexdigest(),
+        "source": "yggtree transcripts: self-synthesised and templated requests (decontaminated against "
+        "MT-Bench and HumanEval), answered by the target",
+        "shards": info_shards,
+        "n_train_shards": len(shards),
+        "n_heldout_shards": len(held),
+        "duplicates_dropped": dup,
+        "features_reused": reused,
+        "n_greedy_answer_tokens": int((roles == tr.ROLE_GREEDY).sum()),
+        "n_sampled_answer_tokens": int((roles == tr.ROLE_SAMPLED).sum()),
+        "contaminated_dropped": sum(s["counts"].get("contaminated", 0) for s in info_shards),
+    }
+    return data, train_idx, val_idx, info
+
+
+def distill(
+    cfg: DistillConfig,
+    argv: list[str] | None = None,
+    target=None,
+    tokenizer=None,
+    prompt_ids: list[list[int]] | None = None,
+) -> dict:
+    """The whole pipeline; returns the manifest. ``target``, ``tokenizer`` and ``prompt_ids``
+    (token ids of chat-templated prompts) may be given directly: tests use a tiny random target."""
+    from ..runtime.eagle import EagleDrafter, save_eagle
+    from ..runtime.loading import load_model, load_tokenizer, resolve_model
+
+    check_config(cfg)
+    if cfg.threads is not None:
+        if cfg.threads < 1:
+            raise YggError(f"threads must be >= 1, got {cfg.threads}")
+        torch.set_num_threads(cfg.threads)
+    _join_process_group()
+    t_start = time.perf_counter()
+    out = Path(cfg.out).expanduser()
+    model_path = None
+    if target is None:
+        src = resolve_model(cfg.model)
+        model_path = str(src.path)
+        target = load_model(src, "float32")
+        tokenizer = load_tokenizer(src)
+    tc = target.cfg
+    layout = FeatureLayout.make(tuple(cfg.target_layers), tc.num_layers, tc.hidden_size)
     progress = _progress()
     with progress:
         t0 = time.perf_counter()
-        reused = teacher_path.is_file()
-        teacher = None
-
-        def teacher_model():
-            nonlocal teacher
-            if teacher is None:
-                teacher = target
-                if cfg.teacher_dtype != "float32":
-                    import copy
-
-                    teacher = copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
-            return teacher
-
-        if reused:
-            data = load_teacher(teacher_path, layout.width)
-            teacher_sha = teacher_hash(data)
+        if cfg.transcripts is not None:
+            data, train_idx, val_idx, data_info = transcript_data(cfg, target, tokenizer, layout, progress)
         else:
-            data = build_teacher(teacher_model(), prompt_ids, cfg, eos, layout.stored, progress)
-            teacher_sha = save_teacher(data, teacher_path, data_meta)
-        text_info = None
-        if cfg.text_chars > 0:
-            texts = calibration_text_chunks(cfg.prompts, cfg.text_chars, cfg.seed)
-            text_ids = [tokenizer.encode(t)[: cfg.max_seq_len + 1] for t in texts]
-            text_ids = [t for t in text_ids if len(t) >= 8]
-            text_meta = {
-                "format": TEACHER_FORMAT,
-                "kind": "teacher-forced calibration texts",
-                "target_fingerprint": fp,
-                "target_layers": list(layout.stored),
-                "texts_hash": corpus_hash(texts),
-                "ids_hash": hashlib.sha256(json.dumps(text_ids).encode()).hexdigest(),
-                "teacher_dtype": cfg.teacher_dtype,
-            }
-            tkey = hashlib.sha256(json.dumps(text_meta, sort_keys=True).encode()).hexdigest()[:20]
-            text_path = cache_root / tkey / TEACHER_FILE
-            text_reused = text_path.is_file()
-            if text_reused:
-                tdata = load_teacher(text_path, layout.width)
-                text_sha = teacher_hash(tdata)
-            else:
-                tdata = teacher_force(teacher_model(), text_ids, layout.stored, cfg.text_batch, progress)
-                text_sha = save_teacher(tdata, text_path, text_meta)
-            text_info = {
-                "source": "yggtree.data.calibration_corpus chunks after those used by the chat "
-                "prompts, teacher-forced (no generation)",
-                "n_texts": len(text_ids),
-                "n_chars": sum(len(t) for t in texts),
-                "n_tokens": int(tdata.tokens.shape[0]),
-                "texts_hash": text_meta["texts_hash"],
-                "teacher_cache": str(text_path),
-                "teacher_sha256": text_sha,
-                "teacher_reused": text_reused,
-            }
-            data = concat_teacher([data, tdata])
-        del teacher
+            data, train_idx, val_idx, data_info = prompt_data(cfg, target, tokenizer, prompt_ids, layout, progress)
         data_s = time.perf_counter() - t0
-
-        # split by a seeded permutation of sequences
-        gen = torch.Generator().manual_seed(cfg.seed)
-        perm = torch.randperm(data.n_seq, generator=gen).tolist()
-        n_val = int(round(cfg.val_frac * data.n_seq)) if cfg.val_frac > 0 else 0
-        n_val = min(max(n_val, 1 if cfg.val_frac > 0 else 0), data.n_seq - 1)
-        val_idx, train_idx = sorted(perm[:n_val]), perm[n_val:]
+        fp = target_fingerprint(target)
         train_tokens = torch.cat([data.seq(i)[0] for i in train_idx])
         val_tokens = torch.cat([data.seq(i)[0] for i in val_idx]) if val_idx else torch.zeros(0, dtype=torch.int64)
 
@@ -1065,7 +1307,13 @@ def distill(
             w_full=target.lm_head.weight.detach().float(),
         )
         log: dict = {}
-        ev = train(net, th, data, train_idx, val_idx, cfg, progress, log, layout)
+        identity = checkpoint_identity(cfg, data_info["data_sha256"])
+        ev = train(net, th, data, train_idx, val_idx, cfg, progress, log, layout, out / CHECKPOINT_FILE, identity)
+    if _world()[0] != 0:  # data-parallel: rank 0 writes the head
+        return {"complete": bool(log.get("complete")), "rank": _world()[0]}
+    if not log.get("complete"):
+        return {"complete": False, "out": str(out), "data": {"n_tokens": int(data.tokens.shape[0])},
+                "training": {"steps": None, "val": {}}, "wall_time_s": {"train": log.get("train_s"), "data": data_s}}
 
     net.eval().requires_grad_(False)
     if cfg.save_dtype == "bfloat16":
@@ -1075,7 +1323,7 @@ def distill(
     write_report(out / "report", log.get("curve", []), ev)
     curve = log.get("curve", [])
     tail = curve[-20:]
-    n_answer = int(sum(int(data.offsets[i + 1] - data.offsets[i]) - int(data.n_prompt[i]) for i in range(data.n_seq)))
+    n_answer = int((data.role > 0).sum())
     manifest = {
         "kind": "eagle-distill",
         "command": "yggtree distill " + " ".join(argv) if argv is not None else None,
@@ -1083,29 +1331,20 @@ def distill(
         "hyperparameters": asdict(cfg),
         "target": {
             "model": cfg.model,
-            "path": model_path,
+            "file": Path(model_path).name if model_path else None,
             "fingerprint": fp,
             "feature_layers": list(layout.inputs),
             "vocab_size": tc.vocab_size,
             "hidden_size": tc.hidden_size,
             "num_layers": tc.num_layers,
         },
-        "data": {
-            "source": "yggtree.data.calibration_chat_prompts (stdlib source + pydoc topics, "
-            "decontaminated against MT-Bench and HumanEval), answered greedily by the target",
-            "corpus_hash": data_hash,
-            "n_prompts": len(prompt_ids),
+        "data": data_info | {
             "n_sequences": data.n_seq,
             "n_tokens": int(data.tokens.shape[0]),
             "n_answer_tokens": n_answer,
             "n_train_sequences": len(train_idx),
             "n_val_sequences": len(val_idx),
             "n_train_tokens": int(train_tokens.shape[0]),
-            "teacher_cache": str(teacher_path),
-            "teacher_sha256": teacher_sha,
-            "teacher_reused": reused,
-            "teacher_meta": data_meta,
-            "texts": text_info,
         },
         "draft_vocab": {
             "size": int(vmap.shape[0]),
@@ -1141,6 +1380,11 @@ def run_distill(args) -> int:
     """The ``distill`` subcommand. Returns the exit code."""
     cfg = _cfg_from_args(args)
     manifest = distill(cfg, getattr(args, "argv", None))
+    if manifest.get("complete") is False:
+        sys.stderr.write(f"stopped after the {cfg.budget_minutes} min budget; the checkpoint in {cfg.out} holds the "
+                         "run: repeat the same command to continue\n")
+        print(json.dumps({"distill": str(cfg.out), "complete": False}), flush=True)
+        return 0
     tr = manifest["training"]
     ev = tr.get("val") or {}
     sys.stderr.write(
@@ -1221,6 +1465,15 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="matmul dtype of the training forward")
     g.add_argument("--save-dtype", default=d.save_dtype, choices=["float32", "bfloat16"])
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g = p.add_argument_group("transcripts and resumable training")
+    g.add_argument("--transcripts", default=None, metavar="DIR",
+                   help="train on transcript shards (yggtree transcripts) instead of calibration prompts")
+    g.add_argument("--max-tokens", type=int, default=None, help="train shards in index order up to this many tokens")
+    g.add_argument("--heldout-seqs", type=int, default=d.heldout_seqs, help="held-out conversations per validation pass")
+    g.add_argument("--feature-cache", default=None, help="default ~/.cache/yggtree/features")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
+    g.add_argument("--budget-minutes", type=float, default=None,
+                   help="stop after this many minutes of training with a checkpoint; the same command continues")
 
 
 def add_distill_parser(subparsers) -> argparse.ArgumentParser:

@@ -170,7 +170,9 @@ class Attention(nn.Module):
         n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
         k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1)  # [B, Hkv, D, C], a view
         v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3)  # [B, Hkv, C, D], a view
-        if w == 1:  # one query: products and sums that inductor fuses into one pass over the cache
+        if w == 1 and (bsz == 1 or torch.compiler.is_compiling()):
+            # one query: products and sums that inductor fuses into one pass over the cache (in eager
+            # with a batch they would materialise [B, Hkv, G, C, D]: the grouped products below serve)
             return self.o_proj(_one_query_attention(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask))
         # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)

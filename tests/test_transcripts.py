@@ -1,0 +1,373 @@
+"""Teacher transcripts and resumable drafter training, on a tiny random target with the real
+tokenizer: batched generation equals one-row generation, captured features equal a prefill, shards
+round-trip and are refused when foreign or damaged, decontamination, and interrupted generation and
+training (between chunks and inside one) resume to exactly the uninterrupted result."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from yggtree.errors import YggError
+from yggtree.offline import distill as D
+from yggtree.offline import requests as rq
+from yggtree.offline import transcripts as tr
+from yggtree.runtime.model import ModelConfig, Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from yggtree.runtime.loading import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("default"))
+
+
+def tiny(vocab: int, seed: int = 0, dtype=torch.float64) -> Transformer:
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=4, max_position_embeddings=4096, tie_word_embeddings=True,
+                      eos_token_ids=(2,))
+    torch.manual_seed(seed)
+    m = Transformer(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+    return m.to(dtype).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return tiny(len(tokenizer))
+
+
+SPEC = dict(size=6, max_new_tokens=6, gen_batch=4, teacher_dtype="float64")
+
+
+def make(target, tokenizer, index: int = 0, split: str = "train"):
+    spec = tr.ShardSpec(split=split, index=index, **SPEC)
+    return tr.build_shard(target, tokenizer, spec, D.target_fingerprint(target), (0, 2))
+
+
+# ---------------------------------------------------------------- generation
+
+
+def test_batched_generation_equals_one_row_at_a_time(target):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    batched = tr.generate(target, prompts, 7, (2,), [0.0] * 4, seed=0, layers=(0, 2))
+    for p, b in zip(prompts, batched):
+        one = tr.generate(target, [p], 7, (2,), [0.0], seed=0, layers=(0, 2))[0]
+        assert one.answer == b.answer
+        torch.testing.assert_close(one.feats, b.feats)
+        assert b.feats.shape == (len(p) + len(b.answer), 2 * 16)
+
+
+def test_rows_leave_the_batch_when_they_stop(target):
+    """A row that emits the stop token leaves the batch; the others continue unchanged."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (6,), generator=g).tolist() for _ in range(3)]
+    free = tr.generate(target, prompts, 5, (), [0.0] * 3, seed=0)
+    stop = free[0].answer[1]  # row 0 stops at its second token
+    outs = tr.generate(target, prompts, 5, (stop,), [0.0] * 3, seed=0, layers=(1,))
+    assert outs[0].stopped and outs[0].answer == free[0].answer[:2]
+    for o, f in zip(outs[1:], free[1:]):
+        k = f.answer.index(stop) + 1 if stop in f.answer else len(f.answer)
+        assert o.answer == f.answer[:k]
+        assert o.feats.shape[0] == 6 + len(o.answer)
+
+
+def test_captured_features_equal_a_prefill(target, tokenizer):
+    shard, feats = make(target, tokenizer)
+    again = tr.prefill_features(target, shard, (0, 2), batch=3)
+    torch.testing.assert_close(feats, again)
+
+
+def test_sampling_is_seeded_and_temperature_zero_is_greedy(target):
+    p = [[5, 6, 7, 8]] * 3
+    a = tr.generate(target, p, 6, (), [1.0, 1.0, 0.0], seed=3)
+    b = tr.generate(target, p, 6, (), [1.0, 1.0, 0.0], seed=3)
+    greedy = tr.generate(target, p[:1], 6, (), [0.0], seed=9)[0]
+    assert [o.answer for o in a] == [o.answer for o in b]
+    assert a[2].answer == greedy.answer
+    assert a[0].answer != a[1].answer  # two draws at temperature 1 over a 49k vocabulary
+
+
+# ---------------------------------------------------------------- requests
+
+
+def test_decontamination_and_dedup():
+    from yggtree.data import mtbench_first_turns
+
+    d = rq.Decontaminator(["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting"])
+    assert d.contaminated("please compose an engaging travel blog post about a recent trip to Hawaii now")
+    assert not d.contaminated("compose an engaging travel blog post about Rome")
+    real = rq.Decontaminator([q.text for q in mtbench_first_turns(5)])
+    assert real.contaminated(mtbench_first_turns(1)[0].text)
+    assert rq.normalised("Hello,  World!") == rq.normalised("hello world")
+
+
+def test_template_requests_are_deterministic_and_split():
+    import random
+
+    a = [rq.template_request(k, random.Random(1), "train") for k in rq.KINDS if k != "magpie"]
+    b = [rq.template_request(k, random.Random(1), "train") for k in rq.KINDS if k != "magpie"]
+    assert a == b
+    train_code, _ = rq.corpus_split("train")
+    held_code, _ = rq.corpus_split("heldout")
+    assert not {c.text for c in train_code} & {c.text for c in held_code}
+    assert rq.plant_bug("if a == b:\n    return x[0]\n", random.Random(0)) != "if a == b:\n    return x[0]\n"
+
+
+def test_follow_up_turn_continues_the_template(tokenizer):
+    fmt = tr.ChatFormat(tokenizer)
+    p1 = fmt.first("Hi")
+    ans = tokenizer("Hello there", add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    whole = p1 + ans + fmt.follow_up(ans, "And?")
+    want = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "And?"}],
+        add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(whole) == want
+
+
+# ---------------------------------------------------------------- shards
+
+
+def test_shard_roundtrip_and_refusals(target, tokenizer, tmp_path):
+    shard, _ = make(target, tokenizer)
+    path = tmp_path / "train-00000.safetensors"
+    tr.save_shard(shard, path)
+    fp, tfp = D.target_fingerprint(target), tr.tokenizer_fingerprint(tokenizer)
+    back = tr.load_shard(path, fp, tfp)
+    assert torch.equal(back.tokens, shard.tokens) and torch.equal(back.role, shard.role)
+    assert back.meta["counts"]["requests"] == shard.n_seq == 6
+    assert path.stat().st_size < 8 * shard.n_tokens + 20000  # token ids only
+    with pytest.raises(YggError, match="another target"):
+        tr.load_shard(path, D.target_fingerprint(tiny(len(tokenizer), seed=1)), tfp)
+    with pytest.raises(YggError, match="another tokenizer"):
+        tr.load_shard(path, fp, "0" * 16)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(YggError, match=f"cannot read transcript shard {cut}"):
+        tr.load_shard(cut)
+    from safetensors.numpy import save_file
+
+    forged = tmp_path / "forged.safetensors"
+    bad = shard.tokens.numpy().astype("uint16").copy()
+    bad[3] += 1
+    save_file({"tokens": bad, "offsets": shard.offsets.numpy(), "role": shard.role.numpy()}, str(forged),
+              metadata={"yggtree": "transcripts", "meta": json.dumps(shard.meta)})
+    with pytest.raises(YggError, match="damaged"):
+        tr.load_shard(forged)
+
+
+# ---------------------------------------------------------------- resumable pipeline
+
+
+class Boom(Exception):
+    pass
+
+
+def _run_transcripts(out: Path, cache: Path, shards: str, monkeypatch=None, target=None, tokenizer=None):
+    """The ``yggtree transcripts`` command body on the tiny target (model loading patched)."""
+    from yggtree.offline import transcripts_cmd as cmd
+
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cmd.add_arguments(p)
+    args = p.parse_args(["--out", str(out), "--shards", shards, "--shard-size", "6", "--max-new-tokens", "6",
+                         "--gen-batch", "4", "--teacher-dtype", "float32", "--target-layers", "0,2",
+                         "--feature-cache", str(cache)])
+    return cmd.run(args)
+
+
+@pytest.fixture()
+def patched_loading(monkeypatch, target, tokenizer):
+    from yggtree.runtime import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda src, dtype="float32": target.float())
+    monkeypatch.setattr(loading, "load_tokenizer", lambda src: tokenizer)
+    yield
+    target.double()
+
+
+def test_generation_resumes_after_an_interruption(tmp_path, patched_loading, monkeypatch):
+    _run_transcripts(tmp_path / "a", tmp_path / "fa", "0:3")
+    real = tr.generate_all
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:  # inside the third shard (each makes 2 calls here: self-synthesis, answers)
+            raise Boom()
+        return real(*a, **k)
+
+    monkeypatch.setattr(tr, "generate_all", flaky)
+    with pytest.raises(Boom):
+        _run_transcripts(tmp_path / "b", tmp_path / "fb", "0:3")
+    monkeypatch.setattr(tr, "generate_all", real)
+    done = sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert done == ["train-00000.safetensors", "train-00001.safetensors"]  # nothing half-written
+    _run_transcripts(tmp_path / "b", tmp_path / "fb", "0:3")
+    for k in range(3):
+        a = tr.load_shard(tmp_path / "a" / f"train-{k:05d}.safetensors")
+        b = tr.load_shard(tmp_path / "b" / f"train-{k:05d}.safetensors")
+        assert a.meta["sha256"] == b.meta["sha256"]
+
+
+def _distill_cfg(data: Path, out: Path, cache: Path, **kw) -> D.DistillConfig:
+    base = dict(out=str(out), transcripts=str(data), feature_cache=str(cache), target_layers=(0, -1),
+                teacher_dtype="float32", draft_vocab=64, max_seq_len=24, epochs=2.0, batch_size=2, lr=3e-3,
+                unroll=2, eval_depth=3, eval_every=4, heldout_seqs=4, checkpoint_every=3, train_autocast="none",
+                save_dtype="float32")
+    base.update(kw)
+    return D.DistillConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory, target, tokenizer):
+    root = tmp_path_factory.mktemp("transcripts")
+    t32 = target.float()
+    fp = D.target_fingerprint(t32)
+    for split, k in (("train", 0), ("train", 1), ("heldout", 0)):
+        spec = tr.ShardSpec(split=split, index=k, size=6, max_new_tokens=6, gen_batch=4, teacher_dtype="float32")
+        shard, feats = tr.build_shard(t32, tokenizer, spec, fp, (0, 2))
+        tr.save_shard(shard, root / f"{spec.name()}.safetensors")
+    target.double()
+    return root
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_training_resumes_to_the_same_weights(shard_dir, target, tokenizer, tmp_path, monkeypatch):
+    t32 = target.float()
+    try:
+        whole = D.distill(_distill_cfg(shard_dir, tmp_path / "whole", tmp_path / "c"), target=t32, tokenizer=tokenizer)
+        assert whole["data"]["n_train_shards"] == 2 and whole["data"]["features_reused"] == 0
+        steps = whole["training"]["steps"]
+        # between chunks: a budget that ends every invocation after one step
+        cfg = _distill_cfg(shard_dir, tmp_path / "chunks", tmp_path / "c", budget_minutes=1e-9)
+        runs = 0
+        while True:
+            m = D.distill(cfg, target=t32, tokenizer=tokenizer)
+            runs += 1
+            if m.get("complete") is not False:
+                break
+        assert runs == steps
+        # inside a chunk: killed at step 5, after the checkpoint at step 3
+        real = D.make_batch
+        calls = {"n": 0}
+
+        def dies(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise Boom()
+            return real(*a, **k)
+
+        monkeypatch.setattr(D, "make_batch", dies)
+        with pytest.raises(Boom):
+            D.distill(_distill_cfg(shard_dir, tmp_path / "killed", tmp_path / "c"), target=t32, tokenizer=tokenizer)
+        monkeypatch.setattr(D, "make_batch", real)
+        assert torch.load(tmp_path / "killed" / D.CHECKPOINT_FILE, weights_only=False)["step"] == 3
+        resumed = D.distill(_distill_cfg(shard_dir, tmp_path / "killed", tmp_path / "c"), target=t32, tokenizer=tokenizer)
+        assert resumed["data"]["features_reused"] == 3
+        want = _weights(tmp_path / "whole")
+        for out in ("chunks", "killed"):
+            got = _weights(tmp_path / out)
+            assert set(got) == set(want)
+            for k in want:
+                assert torch.equal(got[k], want[k]), (out, k)
+        # a checkpoint of another head shape is refused, naming the file and the mismatch
+        with pytest.raises(YggError, match=r"checkpoint .*checkpoint.pt belongs to another run: draft_vocab is 64 there, 32 here"):
+            D.distill(_distill_cfg(shard_dir, tmp_path / "killed", tmp_path / "c", draft_vocab=32), target=t32,
+                      tokenizer=tokenizer)
+    finally:
+        target.double()
+
+
+def test_transcript_training_refuses_foreign_or_missing_shards(shard_dir, tokenizer, tmp_path):
+    other = tiny(len(tokenizer), seed=5, dtype=torch.float32)
+    with pytest.raises(YggError, match="another target"):
+        D.distill(_distill_cfg(shard_dir, tmp_path / "o", tmp_path / "c"), target=other, tokenizer=tokenizer)
+    with pytest.raises(YggError, match="does not exist"):
+        D.distill(_distill_cfg(tmp_path / "nope", tmp_path / "o", tmp_path / "c"), target=other, tokenizer=tokenizer)
+
+
+def _ddp_worker(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    lin(x).pow(2).mean().backward()
+    D._all_reduce_grads(list(lin.parameters()), world)
+    torch.save({"rank": rank, "grad": lin.weight.grad.clone()}, f"{path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_data_parallel_gradients_are_averaged_over_processes(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "g")), nprocs=2, join=True)
+    g0 = torch.load(f"{tmp_path / 'g'}.0")["grad"]
+    g1 = torch.load(f"{tmp_path / 'g'}.1")["grad"]
+    assert torch.equal(g0, g1)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 1)
+    grads = []
+    for r in range(2):
+        lin.zero_grad()
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(r))
+        lin(x).pow(2).mean().backward()
+        grads.append(lin.weight.grad.clone())
+    torch.testing.assert_close(g0, (grads[0] + grads[1]) / 2)
+
+
+def _distill_rank(rank: int, world: int, port: int, data: str, out: str, cache: str, ret: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    from yggtree.runtime.loading import load_tokenizer, resolve_model
+
+    torch.set_num_threads(1)
+    tok = load_tokenizer(resolve_model("default"))
+    t = tiny(len(tok), dtype=torch.float32)
+    t.double().float()  # the same rounding as the module's target
+    m = D.distill(_distill_cfg(Path(data), Path(out), Path(cache), epochs=1.0), target=t, tokenizer=tok)
+    torch.save(m, f"{ret}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_distill_runs_data_parallel_on_two_processes(shard_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_distill_rank, args=(2, port, str(shard_dir), str(tmp_path / "out"), str(tmp_path / "c"),
+                                  str(tmp_path / "m")), nprocs=2, join=True)
+    m0 = torch.load(f"{tmp_path / 'm'}.0", weights_only=False)
+    m1 = torch.load(f"{tmp_path / 'm'}.1", weights_only=False)
+    assert m1 == {"complete": True, "rank": 1}
+    assert m0["training"]["steps"] > 0 and (tmp_path / "out" / "model.safetensors").is_file()
+    assert m0["training"]["val"]["val_kl"] == m0["training"]["val"]["val_kl"]  # evaluated (not NaN)
