@@ -73,7 +73,7 @@ def summarise(name: str, tp: TreeParams | None, recs: list[dict]) -> dict:
     ver = sum(r["verify"] for r in recs)
     out["aal_mean"] = statistics.fmean(r["aal"] for r in recs)
     out["aal_pooled"] = (acc + ver) / max(ver, 1)
-    for kind in ("mtbench", "humaneval"):
+    for kind in ("mtbench", "humaneval", "heldout"):
         sub = [r for r in recs if r["id"].startswith(kind)]
         out[f"prompts_{kind}"] = len(sub)
         if sub:
@@ -147,6 +147,10 @@ def run(args) -> int:
     src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
     prompts = load_prompts(args.mtbench, args.humaneval, tokenizer) if args.mtbench + args.humaneval else []
+    if args.heldout:
+        from yggtree.offline.transcripts import heldout_prompts
+
+        prompts += heldout_prompts(Path(args.heldout), args.heldout_n)
     if args.interleave:  # MT-Bench and HumanEval alternate, so a stopped run has both sets
         prompts = interleave(prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbench", type=int, default=40)
     p.add_argument("--humaneval", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--heldout", metavar="DIR", help="also decode the held-out synthetic chat prompts of these transcripts")
+    p.add_argument("--heldout-n", type=int, default=40, help="held-out conversations (with --heldout)")
     p.add_argument("--interleave", action="store_true",
                    help="alternate MT-Bench and HumanEval prompts (a stopped run keeps both sets)")
     p.add_argument("--max-context", type=int, default=1024)

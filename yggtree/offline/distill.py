@@ -678,6 +678,7 @@ def evaluate(
     acc_hits = torch.zeros(cfg.eval_depth)
     acc_roots = 0
     topk_hits = torch.zeros(cfg.eval_depth)
+    tree_hits = torch.zeros(cfg.eval_depth)
     for s in range(0, len(idx), cfg.batch_size):
         batch = make_batch(data, idx[s : s + cfg.batch_size], cfg.max_seq_len, layout)
         outs = unrolled_forward(net, batch.tok, batch.feat, steps, rope)
@@ -690,11 +691,13 @@ def evaluate(
         arg_full = (th.normed(batch.nxt_feat) @ th.w_full.T).argmax(-1)  # [B, T]
         hit = []
         hitk = []
+        hit4 = []
         for k in range(cfg.eval_depth):
             lq = net.logits(outs[k])
             top = net.draft_vocab[lq.topk(8, dim=-1).indices]  # [B, T, 8]
             hit.append(top[..., 0] == arg_full)
             hitk.append((top == arg_full[..., None]).any(-1))
+            hit4.append((top[..., :4] == arg_full[..., None]).any(-1))
         t = batch.tok.shape[1]
         d = cfg.eval_depth
         n_roots = t - d
@@ -703,6 +706,8 @@ def evaluate(
             root_ok = ok.unfold(1, d, 1)[:, :n_roots].all(-1)  # [B, R]: window r..r+d-1 greedy
             h1 = torch.stack([hit[j][:, j : j + n_roots] for j in range(d)])  # [d, B, R]
             hk = torch.stack([hitk[j][:, j : j + n_roots] for j in range(d)])
+            h4 = torch.stack([hit4[j][:, j : j + n_roots] for j in range(d)])
+            tree_hits += (torch.cumprod(h4.int(), dim=0).bool() & root_ok).flatten(1).sum(1).float()
             chain = torch.cumprod(h1.int(), dim=0).bool()  # accepted through depth j
             before = torch.cat([torch.ones_like(chain[:1]), chain[:-1]])  # reached depth j
             acc_hits += (chain & root_ok).flatten(1).sum(1).float()
@@ -721,6 +726,10 @@ def evaluate(
         "top8_at_depth": acck,  # P(chain reached depth d-1 and the target's token is in the top 8)
         "chain_roots": acc_roots,
         "est_chain4_aal": 1.0 + sum(acc[:4]),
+        # a tree holding the head's top-4 at every node of the true path, eval_depth deep (an upper
+        # bound of what W_d = 4 trees of that depth accept)
+        "accept_top4_tree_by_depth": (tree_hits / max(acc_roots, 1)).tolist(),
+        "est_tree4_aal": 1.0 + float((tree_hits / max(acc_roots, 1)).sum()),
     }
 
 

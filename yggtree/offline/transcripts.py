@@ -491,3 +491,22 @@ def prefill_features(model, shard: Shard, layers: tuple[int, ...], batch: int = 
         if on_batch is not None:
             on_batch(len(idx), int(lens.sum()))
     return torch.cat([out[i] for i in range(len(seqs))])
+
+
+def heldout_prompts(root: Path, n: int, fingerprint: str | None = None) -> list[tuple[str, list[int]]]:
+    """(id, prompt ids) of the first ``n`` held-out conversations: each one's tokens up to its first
+    answer token (the chat-templated first request), for evaluating drafters by real decoding on
+    prompts no training run used."""
+    out: list[tuple[str, list[int]]] = []
+    for path in shard_paths(root, "heldout"):
+        sh = load_shard(path, fingerprint)
+        for i in range(sh.n_seq):
+            if len(out) == n:
+                return out
+            a, b = int(sh.offsets[i]), int(sh.offsets[i + 1])
+            first = torch.nonzero(sh.role[a:b] > 0)
+            if len(first):
+                out.append((f"heldout/{sh.meta['sequences'][i]['kind']}/{path.stem}/{i}", sh.tokens[a : a + int(first[0])].tolist()))
+    if len(out) < n:
+        raise YggError(f"{root} holds {len(out)} held-out conversations; asked for {n}")
+    return out

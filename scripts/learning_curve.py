@@ -1,0 +1,77 @@
+"""Plot drafter heads' held-out acceptance against their training-set size (the learning curve).
+
+    python scripts/learning_curve.py --out yggtree/assets/drafters/NAME/report/learning_curve.png \\
+        runs/t1 runs/t3 runs/t12
+
+Each argument is a ``yggtree distill --transcripts ... --max-tokens N`` output directory. The
+figures come from each head's manifest: the validation pass on the held-out synthetic chat
+conversations (heldout shards, which no training run reads): est. chain-4 AAL (the head's top-1
+chain, 4 deep) and est. tree AAL (a tree holding the head's top-4 at every node of the true path,
+eval-depth deep). Writes the PNG and a CSV beside it, prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+
+def rows(dirs: list[str]) -> list[dict]:
+    out = []
+    for d in dirs:
+        path = Path(d) / "manifest.json"
+        if not path.is_file():
+            sys.exit(f"learning_curve: {path} does not exist")
+        m = json.loads(path.read_text())
+        val = m["training"]["val"]
+        out.append({
+            "run": Path(d).name,
+            "train_tokens": m["data"]["n_train_tokens"],
+            "epochs": m["hyperparameters"]["epochs"],
+            "est_chain4_aal": val["est_chain4_aal"],
+            "est_tree4_aal": val.get("est_tree4_aal"),
+            "val_top1": val["val_top1_by_step"][0],
+            "train_s": m["wall_time_s"]["train"],
+        })
+    return sorted(out, key=lambda r: r["train_tokens"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", required=True, help="PNG path (a CSV is written beside it)")
+    args = p.parse_args()
+    rs = rows(args.runs)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.with_suffix(".csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rs[0]))
+        w.writeheader()
+        w.writerows(rs)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [r["train_tokens"] for r in rs]
+    ax.plot(x, [r["est_chain4_aal"] for r in rs], "o-", label="chain of 4 (top-1)")
+    if all(r["est_tree4_aal"] is not None for r in rs):
+        ax.plot(x, [r["est_tree4_aal"] for r in rs], "s-", label="top-4 tree along the true path")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens (target transcripts)")
+    ax.set_ylabel("held-out accepted tokens per step (est.)")
+    ax.set_title("drafter learning curve, held-out synthetic chat")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    for r in rs:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
