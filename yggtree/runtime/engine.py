@@ -16,6 +16,8 @@ the envelope (D_max, largest W_d, largest W_v). Without a policy every step uses
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,13 +29,15 @@ from . import steps
 from .accept import filter_probs, greedy_accept, sample_accept, truncate
 from .drafters import Drafter
 from .egt import egt_expand, egt_feed_inputs, egt_init, egt_select
+from .lookup import LookupCalibration, LookupIndex, Proposal, propose
+from .merge import SOURCE_DRAFTER, SOURCE_LOOKUP, SOURCE_NAMES, merge_lookup, root_tree
 from .graphs import Graphs
 from .model import Transformer
 from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 from .prune import prune_topk, subtree
 from .tree import ancestor_mask, check_invariants
 
-STAGES = ("head", "draft", "prune", "verify", "accept", "commit", "policy", "resync")
+STAGES = ("head", "draft", "prune", "verify", "accept", "commit", "policy", "resync", "lookup")
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,10 @@ class EngineConfig:
     draft_widths: tuple[int, ...] = ()  # compiled W_d choices
     verify_widths: tuple[int, ...] = ()  # compiled W_v choices
     d_max: int = 0  # most drafter calls per step (0: cfg.tree.draft_depth)
+    # model-free candidates from the request's own text (lookup.py): at most this many lookup
+    # nodes join each step's tree (0: none); with no drafter, every step is lookup-only or plain
+    lookup: int = 0
+    lookup_calibration: str | None = None  # lookup calibration JSON (None: the shipped one)
 
 
 @dataclass
@@ -117,11 +125,17 @@ class Engine:
                 f"max-context {cfg.max_context} exceeds the model's context window "
                 f"({target.cfg.max_position_embeddings})"
             )
-        if (cfg.tree is None) != (drafter is None):
-            raise YggError("speculation needs both tree parameters and a drafter")
+        if not isinstance(cfg.lookup, int) or isinstance(cfg.lookup, bool) or cfg.lookup < 0:
+            raise YggError(f"lookup must be an integer >= 0, got {cfg.lookup!r}")
+        lookup_only = drafter is None and cfg.lookup > 0
+        if (cfg.tree is None) != (drafter is None) and not (lookup_only and cfg.tree is not None):
+            raise YggError("speculation needs tree parameters and a drafter (or lookup nodes)")
         if cfg.tree is not None:
             cfg.tree.validate()
-            if drafter.vocab_size != target.cfg.vocab_size:
+            wv_max = max((cfg.tree.verify_width, *cfg.verify_widths))
+            if cfg.lookup > wv_max:
+                raise YggError(f"lookup {cfg.lookup} exceeds the verify width ({wv_max})")
+            if drafter is not None and drafter.vocab_size != target.cfg.vocab_size:
                 raise YggError(
                     f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
                     f"({target.cfg.vocab_size})"
@@ -144,6 +158,11 @@ class Engine:
             self.draft_widths, self.verify_widths, self.d_max = (), (1,), 0
             reserve = 1
         self.n_slots = cfg.max_context + reserve + 1  # + scratch slot
+        self.lookup_calib = (LookupCalibration.load(*([cfg.lookup_calibration] if cfg.lookup_calibration
+                                                      else [])) if cfg.lookup > 0 else None)
+        # lookup chains are at most D_max deep: the acceptance walk, the commit and an EAGLE
+        # drafter's pending pairs are sized for that
+        self.lookup_depth = min(self.d_max, getattr(drafter, "max_depth", self.d_max))
         target.setup_cache(1, self.n_slots)
         capture = drafter.target_layers if drafter is not None else ()
         self.graphs.warm_up([1, *self.verify_widths], capture, prefill=cfg.prefill_chunk)
@@ -232,7 +251,7 @@ class Engine:
         ``on_step`` receives a :class:`StepRecord` per speculation step."""
         if trace is not None and self.cfg.mode != "reference":
             raise YggError("step traces are written in reference mode only (--mode reference)")
-        if (policy is not None or on_step is not None) and self.drafter is None:
+        if (policy is not None or on_step is not None) and self.cfg.tree is None:
             raise YggError("a step policy or on_step callback needs a speculative engine (a drafter)")
         self._check_prompt(prompt_ids, params)
         if (start := getattr(policy, "start_request", None)) is not None:
@@ -250,18 +269,20 @@ class Engine:
                 on_tokens(out)
             counters = {
                 "verify_calls": 0, "draft_calls": 0, "accepted_tokens": 0, "accept_hist": [],
-                "plain_steps": 0, "resyncs": 0,
+                "plain_steps": 0, "resyncs": 0, "lookup_steps": 0,
+                "by_source": {name: 0 for name in SOURCE_NAMES},
             }
             if reason is None:
-                if self.drafter is None:
+                if self.cfg.tree is None:
                     reason = self._plain_loop(
                         out, len(prompt_ids), params, gen, on_tokens, counters, trace
                     )
                 else:
                     for buf, x in zip(self._feat_buf, feats):
                         buf[: x.shape[0]] = x
-                    with self.drafter.frozen():
-                        self.drafter.prefill(prompt, feats)
+                    with self.drafter.frozen() if self.drafter else contextlib.nullcontext():
+                        if self.drafter is not None:
+                            self.drafter.prefill(prompt, feats)
                         reason = self._spec_loop(
                             out, prompt_ids, params, gen, on_tokens, counters, stats, trace,
                             policy, on_step, h_root,
@@ -284,7 +305,7 @@ class Engine:
             "compile_s": self.compile_s,
             "verify_calls": c["verify_calls"],
         }
-        if self.drafter is not None:
+        if self.cfg.tree is not None:
             hist = c["accept_hist"]
             s.update(
                 draft_calls=c["draft_calls"],
@@ -297,6 +318,8 @@ class Engine:
                 ],
                 stage_ms={k: v * 1e3 for k, v in stage.items()},
             )
+            if self.cfg.lookup > 0:  # accepted draft tokens by who proposed them
+                s.update(lookup_steps=c["lookup_steps"], accepted_by_source=dict(c["by_source"]))
         return s
 
     def _plain_loop(self, out, n_prompt, params, gen, on_tokens, counters, trace) -> str:
@@ -362,12 +385,23 @@ class Engine:
         check = self.cfg.mode == "reference"
         k = self.cfg.tree.top_k
         committed = len(prompt_ids)
-        layers = drafter.target_layers
-        keep_feats = policy is not None  # a policy may take plain steps: keep features to resync
+        layers = drafter.target_layers if drafter is not None else ()
+        budget = self.cfg.lookup
+        # plain and lookup-only steps leave the drafter behind: keep features to resync it
+        keep_feats = policy is not None or budget > 0
         checked = policy is not None  # cfg.tree is checked once (use_widths may set it)
         if policy is None:
             self._check_fixed(self.cfg.tree)
             policy = FixedPolicy.of(self.cfg.tree)
+            if drafter is None:  # lookup-only speculation: no drafter calls, ever
+                policy = FixedPolicy(StepChoice(0, self.cfg.tree.draft_width), self.cfg.tree.verify_width)
+        index = LookupIndex() if budget else None
+        if index is not None:
+            index.extend(list(prompt_ids) + out)
+        see_lookup = getattr(policy, "see_lookup", None)  # a policy pricing lookup candidates
+        # a lookup edge's acceptance p on the drafter's scale (the policy's calibration inverted;
+        # without one, the drafter's probability is taken as its acceptance)
+        lookup_logq = getattr(policy, "lookup_logq", None) or (lambda p: math.log(max(p, 1e-9)))
         # who hears of each finished step: the caller, and a policy learning from its steps
         report = [fn for fn in (on_step, getattr(policy, "observe", None)) if fn is not None]
         after_head = getattr(policy, "after_head", None)
@@ -378,12 +412,31 @@ class Engine:
             t = time.perf_counter()
             L = torch.tensor(committed)
             root = torch.tensor(out[-1])
+            prop = Proposal()
+            if index is not None:
+                prop = propose(index, self.lookup_calib, budget, self.lookup_depth)
+            t_lk = time.perf_counter()
+            if see_lookup is not None:
+                see_lookup(prop, committed)
             choice = policy.choose_draft(h_root, committed)
             d, wd = self._check_choice(choice) if checked else (choice.draft_depth, choice.draft_width)
             times = {name: 0.0 for name in STAGES}
             tp = time.perf_counter()
-            times["policy"] = tp - t
-            if d == 0:  # plain step: the target verifies the root alone, the drafter rests
+            times["policy"], times["lookup"] = tp - t_lk, t_lk - t
+            src = lookup_tree = None
+            if d == 0 and len(prop):  # lookup-only, if the policy verifies more than the root
+                lookup_tree, src = merge_lookup(root_tree(root), prop, [lookup_logq(p) for p in prop.edge], budget)
+                tl = time.perf_counter()
+                wv = policy.choose_verify(lookup_tree, StepChoice(0, wd), committed)
+                if checked:
+                    self._check_verify(wv)
+                if wv == 1:
+                    lookup_tree = src = None
+                tq = time.perf_counter()
+                times["lookup"] += tl - tp
+                times["policy"] += tq - tl
+                tp = tq
+            if d == 0 and lookup_tree is None:  # plain step: the target verifies the root alone, the drafter rests
                 logits, hidden, caps = self.graphs.tree_step(
                     root.reshape(1), zero, zero, anc1, L, layers,
                     self.graphs.bucket(committed + 1),
@@ -399,6 +452,8 @@ class Engine:
                     params.max_new_tokens - len(out),
                 )
                 out.extend(new)
+                if index is not None:
+                    index.extend(new)
                 if on_tokens and new:
                     on_tokens(new)
                 synced = False
@@ -422,44 +477,54 @@ class Engine:
                 if reason is not None:
                     return reason
                 continue
-            if not synced:
-                self._resync(prompt_ids, out, committed, sync_from)
-                counters["resyncs"] += 1
-                synced = True
-                tr = time.perf_counter()
-                times["resync"] = tr - tp
-                tp = tr
-            sync_from = committed  # this step's root: the drafter will hold everything below it
-            head = drafter.head(root, L, k)
-            t1 = time.perf_counter()
-            if after_head is not None:  # the head's confidence may change the depth and width
-                choice = after_head(h_root, head.logp[0], StepChoice(d, wd), committed)
-                d, wd = self._check_choice(choice)
-                if d == 0:
-                    raise YggError("a policy chose a plain step after the drafter's head ran")
-                th = time.perf_counter()
-                times["policy"] += th - t1
-                tp, t1 = tp + (th - t1), th  # the head stage stays the head call alone
-            state = egt_init(root, head.token[0], head.logp[0], d, wd)
-            for s in range(d):
-                state, fed = egt_select(state, s)
-                if s == d - 1 and not drafter.feeds_leaves:
-                    break  # the children of the last level would never be picked
-                tokens, pos, rows = egt_feed_inputs(state, fed, L)
-                prop = drafter.step(tokens, pos - L, fed, state.tree.parent[fed], rows, L, k)
-                state = egt_expand(state, fed, prop.token, prop.logp)
-            counters["draft_calls"] += d + int(drafter.feeds_leaves)
-            t2 = time.perf_counter()
-            tree = state.tree
-            wv = policy.choose_verify(tree, StepChoice(d, wd), committed)
-            if checked:
-                self._check_verify(wv)
+            if d > 0:
+                if not synced:
+                    self._resync(prompt_ids, out, committed, sync_from)
+                    counters["resyncs"] += 1
+                    synced = True
+                    tr = time.perf_counter()
+                    times["resync"] = tr - tp
+                    tp = tr
+                sync_from = committed  # this step's root: the drafter will hold everything below it
+                head = drafter.head(root, L, k)
+                t1 = time.perf_counter()
+                if after_head is not None:  # the head's confidence may change the depth and width
+                    choice = after_head(h_root, head.logp[0], StepChoice(d, wd), committed)
+                    d, wd = self._check_choice(choice)
+                    if d == 0:
+                        raise YggError("a policy chose a plain step after the drafter's head ran")
+                    th = time.perf_counter()
+                    times["policy"] += th - t1
+                    tp, t1 = tp + (th - t1), th  # the head stage stays the head call alone
+                state = egt_init(root, head.token[0], head.logp[0], d, wd)
+                for s in range(d):
+                    state, fed = egt_select(state, s)
+                    if s == d - 1 and not drafter.feeds_leaves:
+                        break  # the children of the last level would never be picked
+                    tokens, pos, rows = egt_feed_inputs(state, fed, L)
+                    top = drafter.step(tokens, pos - L, fed, state.tree.parent[fed], rows, L, k)
+                    state = egt_expand(state, fed, top.token, top.logp)
+                counters["draft_calls"] += d + int(drafter.feeds_leaves)
+                t2 = time.perf_counter()
+                tree = state.tree
+                if len(prop):  # one tree: the lookup chains join the drafted nodes
+                    tree, src = merge_lookup(tree, prop, [lookup_logq(p) for p in prop.edge], budget)
+                    tm = time.perf_counter()
+                    times["lookup"] += tm - t2
+                    t2 = tm
+                wv = policy.choose_verify(tree, StepChoice(d, wd), committed)
+                if checked:
+                    self._check_verify(wv)
+            else:  # lookup-only: the tree and W_v are chosen, the drafter rests
+                tree, t1, t2 = lookup_tree, tp, tp
+                counters["lookup_steps"] += 1
             tq = time.perf_counter()
+            dw = max(d, prop.max_depth)  # depth of the tree: the walk and the commit cover it
             if check:
                 check_invariants(tree)
             kept, kept_valid = prune_topk(tree, tree.logp, wv)
             vtree = subtree(tree, kept, kept_valid)
-            anc = ancestor_mask(vtree.parent, vtree.depth, vtree.valid, d)
+            anc = ancestor_mask(vtree.parent, vtree.depth, vtree.valid, dw)
             if check:
                 check_invariants(vtree)
             t3 = time.perf_counter()
@@ -471,28 +536,44 @@ class Engine:
             counters["verify_calls"] += 1
             t4 = time.perf_counter()
             if params.temperature == 0:
-                acc = greedy_accept(vtree, logits, max_depth=d)
+                acc = greedy_accept(vtree, logits, max_depth=dw)
             else:
-                acc = sample_accept(vtree, logits, params.temperature, params.top_p, gen, max_depth=d)
+                acc = sample_accept(vtree, logits, params.temperature, params.top_p, gen, max_depth=dw)
             emitted = acc.emitted()
             n_acc = len(emitted) - 1
             counters["accepted_tokens"] += n_acc
             counters["accept_hist"].append(n_acc)
+            # who proposed each accepted node (merged nodes: both)
+            path_src = src[kept[acc.path[1 : n_acc + 1]]].tolist() if src is not None else [SOURCE_DRAFTER] * n_acc
+            for x in path_src:
+                counters["by_source"][SOURCE_NAMES[x]] += 1
             new, reason = truncate(emitted, self.eos_ids, params.max_new_tokens - len(out))
             out.extend(new)
+            if index is not None:
+                index.extend(new)
             if on_tokens and new:
                 on_tokens(new)
             t5 = time.perf_counter()
             if reason is None:
-                path = acc.path[1:]  # [D] local verify-tree nodes of the accepted tokens (padded)
-                dst_off = torch.arange(1, d + 1)
+                path = acc.path[1:]  # [dw] local verify-tree nodes of the accepted tokens (padded)
+                dst_off = torch.arange(1, dw + 1)
                 steps.commit(self.target, L + path, L + dst_off)
                 feats = tuple(x[acc.path] for x in caps)
-                drafter.commit(
-                    L + kept[path], L + dst_off, vtree.token[acc.path], acc.n_accepted, feats
-                )
+                if d > 0:
+                    # a lookup-only node has no drafter state: its move is a no-op, and a drafter
+                    # whose commit keeps its own KV catches up from it before its next step
+                    g = kept[path]
+                    own = src[g] != SOURCE_LOOKUP if src is not None else torch.ones_like(g, dtype=torch.bool)
+                    drafter.commit(
+                        torch.where(own, L + g, L + dst_off), L + dst_off, vtree.token[acc.path],
+                        acc.n_accepted, feats,
+                    )
+                    if drafter.feeds_leaves and SOURCE_LOOKUP in path_src:
+                        synced, sync_from = False, committed + 1 + path_src.index(SOURCE_LOOKUP)
+                else:
+                    synced = False  # a lookup-only step: the drafter did not see these tokens
                 if keep_feats:
-                    rows = L + torch.arange(d + 1)
+                    rows = L + torch.arange(dw + 1)
                     for buf, x in zip(self._feat_buf, feats):
                         buf.index_copy_(0, rows, x)
             t6 = time.perf_counter()
