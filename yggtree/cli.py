@@ -97,6 +97,10 @@ def _run(args) -> int:
     from .runtime.engine import SamplingParams
     from .runtime.loading import encode_prompt
 
+    try:
+        args.prompt.encode("utf-8")  # undecodable argv bytes arrive as lone surrogates
+    except UnicodeEncodeError as e:
+        raise YggError(f"the prompt is not valid UTF-8 (undecodable byte at position {e.start})") from None
     if not args.prompt.strip():
         raise YggError("the prompt is empty")
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
@@ -328,6 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("yggtree: interrupted\n")
         return 130
+    except BrokenPipeError:  # stdout's reader went away (| head): stop quietly, like other tools
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush does not fail again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no real file (tests): nothing left to flush
+        pass
 
 
 if __name__ == "__main__":

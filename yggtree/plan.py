@@ -327,6 +327,13 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
     d_max = _int(raw, "d_max", 4, origin)
     top_k = _int(raw, "top_k", 4, origin)
     verify_widths = _widths(raw, "verify_widths", (16,), origin)
+    from .runtime.engine import MAX_TEMPERATURE, TreeParams, check_sizes
+
+    try:  # the limits every run checks, refused here before anything is compiled
+        check_sizes(max_context, prefill_chunk,
+                    TreeParams(max(draft_widths), d_max, 1, top_k) if drafter is not None else None)
+    except YggError as e:
+        raise YggError(f"{origin}: {e}") from None
     cap = 1 + d_max * max(draft_widths)
     for w in verify_widths:
         if w > cap:
@@ -344,8 +351,8 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
         if k not in sknown:
             raise YggError(f"{origin}: unknown key 'sampling.{k}' (known: {', '.join(sorted(sknown))})")
     temperature = _float(s, "temperature", 0.0, origin, "sampling.")
-    if not temperature >= 0:
-        raise YggError(f"{_where('sampling.temperature', origin)} must be >= 0, got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise YggError(f"{_where('sampling.temperature', origin)} must be in 0..{MAX_TEMPERATURE:g}, got {temperature}")
     top_p = _float(s, "top_p", 1.0, origin, "sampling.")
     if not 0 < top_p <= 1:
         raise YggError(f"{_where('sampling.top_p', origin)} must be in (0, 1], got {top_p}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import YggError
 from .drafters import LMDrafter, check_pair
-from .engine import Engine, EngineConfig, TreeParams
+from .engine import Engine, EngineConfig, TreeParams, check_sizes
 from .graphs import check_backend
 from .loading import load_model, load_tokenizer, resolve_model
 from .packed import pack_linears
@@ -131,8 +131,8 @@ def build_engine(spec: EngineSpec, prepare=None):
 
     ``prepare(target, drafter)``, when given, runs after loading and before the engine is built
     (``build_plan_engine`` installs the plan's compiled graphs there)."""
-    if spec.drafter:
-        spec.tree.validate()  # impossible trees are refused before anything loads
+    # impossible sizes and trees are refused before anything loads
+    check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
     src = resolve_model(spec.model)
     target = load_model(src, spec.dtype)
     tokenizer = load_tokenizer(src)

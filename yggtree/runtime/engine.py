@@ -16,10 +16,13 @@ the envelope (D_max, largest W_d, largest W_v). Without a policy every step uses
 
 from __future__ import annotations
 
+import functools
+import operator
+import threading
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -39,6 +42,50 @@ from .tree import ancestor_mask, check_invariants
 
 STAGES = ("head", "draft", "prune", "verify", "accept", "commit", "policy", "resync", "lookup")
 
+# Bounds on sizes and values a user chooses (flags, plans, API calls), checked before anything is
+# allocated or compiled: past them a run would only be slower or noisier, never better.
+MAX_TEMPERATURE = 10.0  # at 10 the default model's next-token distribution is already near uniform
+MAX_DRAFT_DEPTH = 32  # D: drafter calls per step
+MAX_DRAFT_WIDTH = 64  # W_d: nodes fed per drafter call
+MAX_VERIFY_WIDTH = 256  # W_v: nodes the target verifies per step
+MAX_TOP_K = 64  # children proposed per fed node
+MAX_SEED = 2**63 - 1
+
+
+def _int_value(name: str, v) -> int:
+    """``v`` as an int (bools and floats refused: a float token id is a bug, not a token)."""
+    if isinstance(v, bool):
+        raise YggError(f"{name} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise YggError(f"{name} must be an integer, got {type(v).__name__} {v!r}") from None
+
+
+def check_sizes(max_context: int, prefill_chunk: int, tree: "TreeParams | None" = None) -> None:
+    """YggError naming the limit unless the static sizes fit each other: every size a user picks
+    (context, prefill chunk, D, W_d, W_v, top-k, tree size) is checked here before a cache is
+    allocated or a graph compiled."""
+    max_context = _int_value("max-context", max_context)
+    prefill_chunk = _int_value("prefill-chunk", prefill_chunk)
+    if max_context < 2:
+        raise YggError(f"max-context must be >= 2, got {max_context}")
+    if not 1 <= prefill_chunk <= max_context:
+        raise YggError(f"prefill-chunk must be in 1..max-context ({max_context}), got {prefill_chunk}")
+    if tree is not None:
+        tree.validate(max_context)
+
+
+def _serialised(method):
+    """Run ``method`` under its engine's lock (see ``Engine.generate``)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,12 +95,18 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
+        if _int_value("max-new-tokens", self.max_new_tokens) < 1:
             raise YggError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise YggError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise YggError(f"{name.replace('_', '-')} must be a number, got {v!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise YggError(f"temperature must be in 0..{MAX_TEMPERATURE:g} (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise YggError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= _int_value("seed", self.seed) <= MAX_SEED:
+            raise YggError(f"seed must be in 0..2**63-1, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -69,10 +122,23 @@ class TreeParams:
     def tree_size(self) -> int:
         return 1 + self.draft_width * self.draft_depth
 
-    def validate(self) -> None:
-        for name in ("draft_width", "draft_depth", "verify_width", "top_k"):
-            if getattr(self, name) < 1:
-                raise YggError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+    def validate(self, max_context: int | None = None) -> None:
+        """YggError naming the limit unless the shape is possible (and, given ``max_context``,
+        the drafted tree fits in the context)."""
+        limits = {"draft_width": MAX_DRAFT_WIDTH, "draft_depth": MAX_DRAFT_DEPTH,
+                  "verify_width": MAX_VERIFY_WIDTH, "top_k": MAX_TOP_K}
+        for name, hi in limits.items():
+            v = _int_value(name.replace("_", "-"), getattr(self, name))
+            if v < 1:
+                raise YggError(f"{name.replace('_', '-')} must be >= 1, got {v}")
+            if v > hi:
+                raise YggError(f"{name.replace('_', '-')} {v} exceeds the limit of {hi}")
+        if max_context is not None and self.tree_size >= max_context:
+            raise YggError(
+                f"the drafted tree (1 + draft-width {self.draft_width} x draft-depth "
+                f"{self.draft_depth} = {self.tree_size} nodes) does not fit in the context "
+                f"window ({max_context})"
+            )
         if self.verify_width > self.tree_size:
             raise YggError(
                 f"verify-width {self.verify_width} exceeds the drafted tree "
@@ -116,25 +182,19 @@ class Engine:
         drafter: Drafter | None = None,
         eos_ids: tuple[int, ...] = (),
     ) -> None:
-        if cfg.max_context < 2:
-            raise YggError(f"max-context must be >= 2, got {cfg.max_context}")
-        if cfg.prefill_chunk < 1:
-            raise YggError(f"prefill-chunk must be >= 1, got {cfg.prefill_chunk}")
+        check_sizes(cfg.max_context, cfg.prefill_chunk, cfg.tree)
+        if cfg.tree is not None and cfg.tree.top_k > target.cfg.vocab_size:
+            raise YggError(f"top-k {cfg.tree.top_k} exceeds the vocabulary ({target.cfg.vocab_size})")
         if cfg.max_context > target.cfg.max_position_embeddings:
             raise YggError(
                 f"max-context {cfg.max_context} exceeds the model's context window "
                 f"({target.cfg.max_position_embeddings})"
             )
-        if not isinstance(cfg.lookup, int) or isinstance(cfg.lookup, bool) or cfg.lookup < 0:
-            raise YggError(f"lookup must be an integer >= 0, got {cfg.lookup!r}")
         lookup_only = drafter is None and cfg.lookup > 0
         if (cfg.tree is None) != (drafter is None) and not (lookup_only and cfg.tree is not None):
             raise YggError("speculation needs tree parameters and a drafter (or lookup nodes)")
         if cfg.tree is not None:
             cfg.tree.validate()
-            wv_max = max((cfg.tree.verify_width, *cfg.verify_widths))
-            if cfg.lookup > wv_max:
-                raise YggError(f"lookup {cfg.lookup} exceeds the verify width ({wv_max})")
             if drafter is not None and drafter.vocab_size != target.cfg.vocab_size:
                 raise YggError(
                     f"drafter vocabulary ({drafter.vocab_size}) differs from the target's "
@@ -142,6 +202,7 @@ class Engine:
                 )
         self.cfg = cfg
         self.target = target
+        self._lock = threading.Lock()  # one generate at a time: caches and graphs are shared state
         self.drafter = drafter
         self.eos_ids = tuple(eos_ids)
         self.graphs = Graphs(target, cfg.mode)
@@ -158,11 +219,8 @@ class Engine:
             self.draft_widths, self.verify_widths, self.d_max = (), (1,), 0
             reserve = 1
         self.n_slots = cfg.max_context + reserve + 1  # + scratch slot
-        self.lookup_calib = (LookupCalibration.load(*([cfg.lookup_calibration] if cfg.lookup_calibration
-                                                      else [])) if cfg.lookup > 0 else None)
-        # lookup chains are at most D_max deep: the acceptance walk, the commit and an EAGLE
-        # drafter's pending pairs are sized for that
-        self.lookup_depth = min(self.d_max, getattr(drafter, "max_depth", self.d_max))
+        self.lookup_calib: LookupCalibration | None = None
+        self.set_lookup(cfg.lookup)
         target.setup_cache(1, self.n_slots)
         capture = drafter.target_layers if drafter is not None else ()
         self.graphs.warm_up([1, *self.verify_widths], capture, prefill=cfg.prefill_chunk)
@@ -175,6 +233,23 @@ class Engine:
                 for _ in drafter.target_layers
             )
 
+    def set_lookup(self, n: int) -> None:
+        """At most ``n`` lookup nodes per step from now on (0: none); YggError when ``n`` is
+        negative, larger than the largest verify width, or the engine cannot speculate."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise YggError(f"lookup must be an integer >= 0, got {n!r}")
+        if n > 0 and self.cfg.tree is None:
+            raise YggError("lookup nodes need a speculative engine (tree parameters)")
+        if n > max(self.verify_widths):
+            raise YggError(f"lookup {n} exceeds the verify width ({max(self.verify_widths)})")
+        if n > 0 and self.lookup_calib is None:
+            path = self.cfg.lookup_calibration
+            self.lookup_calib = LookupCalibration.load(path) if path else LookupCalibration.load()
+        self.cfg = replace(self.cfg, lookup=n)
+        # lookup chains are at most D_max deep: the acceptance walk, the commit and an EAGLE
+        # drafter's pending pairs are sized for that
+        self.lookup_depth = min(self.d_max, getattr(self.drafter, "max_depth", self.d_max))
+
     @property
     def compile_s(self) -> float:
         extra = getattr(getattr(self.drafter, "graphs", None), "compile_s", 0.0)
@@ -182,8 +257,17 @@ class Engine:
 
     # ------------------------------------------------------------------ helpers
 
-    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints; YggError naming the problem otherwise."""
+        if not isinstance(params, SamplingParams):
+            raise YggError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+            raise YggError(
+                f"the prompt must be a list of token ids (ints), got {type(prompt_ids).__name__} "
+                "(encode text with yggtree.runtime.loading.encode_prompt)"
+            )
+        prompt_ids = [_int_value("prompt token id", t) for t in prompt_ids]
         if not prompt_ids:
             raise YggError("the prompt is empty")
         n, cap = len(prompt_ids), self.cfg.max_context
@@ -198,6 +282,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise YggError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return prompt_ids
 
     def _prefill(
         self, prompt: torch.Tensor
@@ -234,6 +319,7 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
 
+    @_serialised
     def generate(
         self,
         prompt_ids: list[int],
@@ -248,12 +334,15 @@ class Engine:
         ``trace`` (reference mode) receives one JSON-ready record per decode step: the drafted
         tree, the kept nodes, the accepted path, the emitted tokens and the stage times.
         ``policy`` chooses (D, W_d, W_v) every speculation step (None: ``cfg.tree`` every step);
-        ``on_step`` receives a :class:`StepRecord` per speculation step."""
+        ``on_step`` receives a :class:`StepRecord` per speculation step.
+
+        Thread-safe: concurrent calls on one engine run one after another (a per-engine lock;
+        the caches and graphs are the engine's), each with its own result."""
         if trace is not None and self.cfg.mode != "reference":
             raise YggError("step traces are written in reference mode only (--mode reference)")
         if (policy is not None or on_step is not None) and self.cfg.tree is None:
             raise YggError("a step policy or on_step callback needs a speculative engine (a drafter)")
-        self._check_prompt(prompt_ids, params)
+        prompt_ids = self._check_prompt(prompt_ids, params)
         if (start := getattr(policy, "start_request", None)) is not None:
             start()  # a learning policy hears where one request's text ends and the next begins
         gen = torch.Generator().manual_seed(params.seed)
