@@ -409,8 +409,9 @@ def save_plan(plan: Plan, path: str | Path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     body = yaml.safe_dump(plan.to_dict(relative_to=p.parent), sort_keys=False, default_flow_style=None)
-    p.write_text(f"# yggtree plan (schema: yggtree/plan.py)\n{body}")
-    return p
+    from .files import write_text_atomic
+
+    return write_text_atomic(p, f"# yggtree plan (schema: yggtree/plan.py)\n{body}")
 
 
 def default_plan() -> Plan:
@@ -471,6 +472,15 @@ def artifact_dir(plan: Plan, compile_root: str | Path = "compile") -> Path:
 def cache_dir(art_dir: str | Path) -> Path:
     """The directory of compiled graph packages inside an artifact directory."""
     return Path(art_dir) / CACHE_SUBDIR
+
+
+def file_sha256(p: Path) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _file_print(p: Path, role: str) -> dict:
@@ -597,6 +607,14 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         gone = sorted({g.get("file", "?") for g in m["graphs"]} - {p.name for p in cd.glob("*.pt2")})
         if gone:
             reasons.append(f"{len(gone)} compiled graph file(s) missing in {cd} (e.g. {gone[0]})")
+        sums = {g.get("file", "?"): g.get("sha256") for g in m["graphs"]}
+        for name in sorted(sums.keys() - set(gone)):  # a truncated or altered package is refused
+            if sums[name] is None:
+                reasons.append(f"compiled graph file {cd / name} has no checksum in the manifest")
+                break
+            if file_sha256(cd / name) != sums[name]:
+                reasons.append(f"compiled graph file {cd / name} is corrupted (its sha256 differs "
+                               "from the manifest's)")
     return reasons
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -53,6 +54,7 @@ from ..plan import (
     artifact_dir,
     cache_dir,
     check_artifacts,
+    file_sha256,
     graph_hash_of,
     load_plan,
     model_fingerprints,
@@ -201,13 +203,17 @@ def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], di
         kind, w, c = key
         progress.update(task, description=f"W={w} C={c}")
         t = time.perf_counter()
+        name = package_name(kind, w, c)
+        part = out / f"partial-{name}"  # write-then-rename: a stopped compile leaves no package
         with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
-            compile_package(rec.blocks[kind], rec.examples[key], out / package_name(kind, w, c))
+            compile_package(rec.blocks[kind], rec.examples[key], part)
+        os.replace(part, out / name)
         secs[key] = time.perf_counter() - t
         progress.update(task, advance=1)
 
     dt = plan.dtype
+    sums = {key: file_sha256(out / package_name(*key)) for key in todo}  # checked at every load
     records, done = [], set()
     for model_name, roles, key in uses:
         kind, w, c = key
@@ -220,6 +226,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], di
                 "width": w,
                 "context": c,
                 "file": package_name(kind, w, c),
+                "sha256": sums[key],
                 "shapes": {"x": x, "mask": [1, w, c], "slots": [1, w]},
                 "dtype": dt,
                 "compile_s": round(secs[key], 3) if key not in done else 0.0,

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import YggError, run_reporting
+from ..files import atomic_path, write_text_atomic
 
 # ----------------------------------------------------------------------------- latency curves
 
@@ -131,7 +132,8 @@ def plot_profile(profile: dict, path: Path) -> Path:
     fig.suptitle(f"profile {profile['name']}: {hw['cpu_model']}, {hw['threads']} thread(s), "
                  f"{profile['software']['dtype']}, torch {profile['software']['torch']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return path
 
@@ -298,7 +300,7 @@ def run_calibrate(args) -> int:
         "held_out": held,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    dst.write_text(json.dumps(out, indent=1) + "\n")
+    write_text_atomic(dst, json.dumps(out, indent=1) + "\n")
     png = plot_calibration(out, q, acc, depth, edges, out_dir / "calibration.png")
     summary = {
         "calibration": str(dst), "plot": str(png), "prompts": len(ids), "edges": int(len(q)),
@@ -351,7 +353,8 @@ def plot_calibration(cal: dict, q, acc, depth, edges, path: Path) -> Path:
     fig.suptitle(f"acceptance calibration: plan {cal['plan']['name']}, {cal['data']['prompts']} "
                  f"calibration prompts, {cal['data']['edges']} drafted edges")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return path
 

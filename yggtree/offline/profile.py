@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..errors import YggError, run_reporting
+from ..files import atomic_path, write_text_atomic
 from ..runtime.device import cpu_model, detect_device
 
 ACCEL_NAME = re.compile(
@@ -387,8 +388,9 @@ def run_profile(args) -> int:
 
     cost = CostModel.from_profile_dict(profile)
     profile["pruning_share"] = pruning_share(cost, plan, contexts)
-    dst.write_text(json.dumps(profile, indent=1) + "\n")
-    pd.DataFrame(rows).to_csv(out_dir / f"{args.hw}.csv", index=False)
+    with atomic_path(out_dir / f"{args.hw}.csv") as tmp:
+        pd.DataFrame(rows).to_csv(tmp, index=False)
+    write_text_atomic(dst, json.dumps(profile, indent=1) + "\n")
     png = plot_profile(profile, out_dir / f"{args.hw}.png")
     print_table(profile)
     summary = {

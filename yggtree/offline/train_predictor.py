@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import YggError, run_reporting
+from ..files import atomic_path, manifest_path, write_text_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -150,10 +151,11 @@ def save_records(path: str | Path, rec: Records, meta: dict) -> Path:
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    save_file(rec.tensors(), str(p))
+    with atomic_path(p) as tmp:
+        save_file(rec.tensors(), str(tmp))
     side = {"kind": RECORDS_KIND, "version": RECORDS_VERSION, "data_hash": data_hash(rec),
             "steps": int(rec.h.shape[0]), "hidden_size": int(rec.h.shape[1]), "d_max": rec.d_max} | meta
-    sidecar_path(p).write_text(json.dumps(side, indent=1) + "\n")
+    write_text_atomic(sidecar_path(p), json.dumps(side, indent=1) + "\n")
     return p
 
 
@@ -401,7 +403,8 @@ def plot_calibration(preds: dict, n_accepted, path: Path, title: str) -> Path:
     ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return path
 
@@ -409,7 +412,7 @@ def plot_calibration(preds: dict, n_accepted, path: Path, title: str) -> Path:
 def write_metrics_csv(path: Path, metrics: dict) -> Path:
     """Rows: model, split, steps, mae, mean_pred_len, mean_true_len, brier_d1..brier_dD."""
     d_max = len(next(iter(next(iter(metrics.values())).values()))["brier"])
-    with open(path, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "split", "steps", "mae_expected_length", "mean_pred_len", "mean_true_len",
                     *[f"brier_d{d}" for d in range(1, d_max + 1)]])
@@ -437,7 +440,8 @@ def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None 
     models = {}
     for name, model, kind in (("mlp", mlp, "mlp"), ("baseline", baseline, "logistic")):
         f = d / MODEL_FILES[name]
-        save_file(predictor_state(model), str(f), metadata={"kind": PREDICTOR_KIND, "model": name})
+        with atomic_path(f) as tmp:
+            save_file(predictor_state(model), str(tmp), metadata={"kind": PREDICTOR_KIND, "model": name})
         models[name] = {"type": kind, "file": f.name, "sha256": file_sha256(f)}
         if kind == "mlp":
             models[name]["units"] = model.units
@@ -458,9 +462,8 @@ def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None 
         "target": "P(accepted length >= d), d = 1..d_max, tree of D_max calls, whole tree verified",
         "models": models,
     } | (extra or {})
-    path = d / MANIFEST_FILE
-    path.write_text(json.dumps(manifest, indent=1) + "\n")
-    return path
+    path = d / MANIFEST_FILE  # written last: it holds the model files' checksums
+    return write_text_atomic(path, json.dumps(manifest, indent=1) + "\n")
 
 
 # ----------------------------------------------------------------------------- the command
@@ -596,7 +599,7 @@ def run_train_predictor(args) -> int:
         step_ms = [[cost.step_ms(d, wd, wvs[d - 1], c) for d in range(1, d_max + 1)] for c in ctx]
         headroom = depth_headroom(te.len_by_depth.numpy(), step_ms, [cost.plain_ms(c) for c in ctx],
                                   {k: p.numpy() for k, p in held_preds.items()})
-        headroom["tree"] = f"W_d {wd}, D levels, W_v {wvs} (the records' trees), profile {plan.profile}"
+        headroom["tree"] = f"W_d {wd}, D levels, W_v {wvs} (the records' trees), profile {Path(plan.profile).name}"
     z = x_te[0].clone()
     with torch.inference_mode():
         cost_ms = {"mlp": measure_ms(lambda: mlp(z), 300), "baseline": measure_ms(lambda: base(z), 300)}
@@ -611,7 +614,7 @@ def run_train_predictor(args) -> int:
 
     man_path = save_predictor(out_dir, plan, mlp, base, {
         "verify_width": int(meta.get("verify_width", 1 + d_max * wd)),
-        "data": {"records": [str(f) for f in args.records] if args.records else [str(rec_path)],
+        "data": {"records": [manifest_path(f, out_dir) for f in (args.records or [rec_path])],
                  "data_hash": meta["data_hash"], "files": meta.get("files"),
                  "steps": int(rec.h.shape[0]), "prompts": n_prompts,
                  "prompt_source": meta.get("prompts", {}).get("source"),

@@ -143,15 +143,27 @@ class PackageSet:
     n_slots: int
 
     @classmethod
-    def load(cls, root: Path, entries: list[tuple[str, int, int]], n_slots: int) -> "PackageSet":
+    def load(cls, root: Path, entries: list[tuple[str, int, int]], n_slots: int,
+             sha256: dict[str, str | None] | None = None) -> "PackageSet":
+        """Load the packages of ``entries``; with ``sha256`` (file name -> the manifest's
+        checksum) a package whose bytes differ is refused before AOTInductor reads it."""
         from torch._C._aoti import AOTIModelPackageLoader
+
+        from ..plan import file_sha256
 
         runners = {}
         for key, w, c in entries:
             path = Path(root) / package_name(key, w, c)
             if not path.is_file():
                 raise YggError(f"compiled graph {path} is missing: recompile the plan (yggtree compile --force)")
-            runners[(key, w, c)] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            if sha256 is not None and file_sha256(path) != sha256.get(path.name):
+                raise YggError(f"compiled graph {path} is corrupted (its sha256 differs from the "
+                               "manifest's): recompile the plan (yggtree compile, or run --compile-missing)")
+            try:
+                runners[(key, w, c)] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            except RuntimeError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise YggError(f"cannot load compiled graph {path}: {first}") from None
         return cls(runners, n_slots)
 
     def shapes(self, key: str) -> list[tuple[int, int]]:

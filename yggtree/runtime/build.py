@@ -236,7 +236,8 @@ def _package_installer(art: Path):
     if manifest is None:
         raise YggError(f"no compiled artifacts in {art}: run `yggtree compile` on the plan first")
     entries = sorted({(g["key"], g["width"], g["context"]) for g in manifest["graphs"]})
-    packages = PackageSet.load(cache_dir(art), entries, manifest["n_slots"])
+    sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
+    packages = PackageSet.load(cache_dir(art), entries, manifest["n_slots"], sums)
 
     def prepare(target, drafter) -> None:
         install_packages(target, packages)

@@ -1,0 +1,34 @@
+"""Artifact files written whole or not at all, and paths as manifests record them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(dst: str | Path):
+    """Yields a temporary path beside ``dst`` (same suffix, so writers that look at it still
+    work); when the block ends normally it replaces ``dst`` in one rename, otherwise it is
+    removed. A reader never sees a half-written ``dst``, whatever stops the writer."""
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.stem}.partial{dst.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(dst: str | Path, text: str) -> Path:
+    """``dst.write_text(text)`` through :func:`atomic_path`."""
+    with atomic_path(dst) as tmp:
+        tmp.write_text(text)
+    return Path(dst)
+
+
+def manifest_path(path: str | Path, base: str | Path) -> str:
+    """``path`` as a manifest in directory ``base`` records it: relative to ``base`` (never
+    absolute, so a manifest says nothing about the machine that wrote it)."""
+    return os.path.relpath(Path(path).expanduser().resolve(), Path(base).expanduser().resolve())
