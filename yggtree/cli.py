@@ -29,6 +29,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def _float(text: str) -> float:
     try:
         return float(text)
@@ -55,7 +65,15 @@ def _add_run(sub) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        help="self | HF directory | .gguf | EAGLE head directory (default: plain decoding)",
+        help="self | HF directory | .gguf | EAGLE head directory | none (default: plain decoding; "
+        "none with --lookup N: lookup-only speculation)",
+    )
+    p.add_argument(
+        "--lookup",
+        type=_nonneg_int,
+        default=None,
+        help="at most N lookup nodes per step: continuations of the prompt and the text generated so "
+        "far join the drafter's tree (0 disables; <= the verify width; default: the plan's, 0)",
     )
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with a drafter")
     p.add_argument("--draft-width", type=_positive_int, default=None, help="W_d (default 4)")
@@ -112,6 +130,10 @@ def _run(args) -> int:
     if args.depth != "auto" and args.draft_depth is not None:
         raise YggError("--depth and --draft-depth exclude each other (--depth keeps the objective's "
                        "widths, --draft-depth fixes the whole tree)")
+    if args.drafter == "none":  # lookup-only speculation with --lookup N, else plain decoding
+        if args.plan:
+            raise YggError("--drafter none and --plan exclude each other (a plan names its drafter)")
+        args.drafter, args.drafter_none = None, True
     policy = None
     if not args.plan:
         _pick_plan(args)
@@ -140,7 +162,8 @@ def _pick_plan(args) -> None:
         if getattr(args, flag) is None:
             setattr(args, flag, value)
     only_defaults = (args.model == "default" and args.drafter is None and not args.no_speculate
-                     and args.mode == "performance" and not shaped)
+                     and args.mode == "performance" and not shaped
+                     and not getattr(args, "drafter_none", False))
     if not only_defaults:
         return
     from .runtime.device import detect_device
@@ -178,7 +201,14 @@ def _plan_engine(args):
                        "choosing a depth needs the latency objective")
     # without an objective, --depth N is the depth of one fixed tree
     draft_depth = args.draft_depth if policy is not None or depth is None else depth
+    lookup = 0 if args.no_speculate else (plan.lookup if args.lookup is None else args.lookup)
+    if lookup and not plan.speculative:
+        raise YggError(f"--lookup {lookup}: plan {plan.name!r} has no drafter and compiles no verify "
+                       "widths (lookup-only decoding: --drafter none --lookup N without a plan)")
+    _check_lookup(lookup, max(plan.verify_widths) if plan.speculative else 1)
     engine, tok = build_plan_engine(plan, art, mode)
+    if engine.drafter is not None:
+        engine.set_lookup(lookup)
     if policy is not None:
         from .runtime.predictor import policy_with_predictor
 
@@ -218,8 +248,10 @@ def _flag_engine(args):
         args.draft_width or 4, args.draft_depth or 4, args.verify_width or 16, args.top_k
     )
     drafter = None if args.no_speculate else args.drafter
-    if drafter:
+    lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
+    if drafter or lookup:
         tree.validate()
+    _check_lookup(lookup, tree.verify_width)
     spec = EngineSpec(
         model=args.model,
         drafter=drafter,
@@ -228,8 +260,15 @@ def _flag_engine(args):
         max_context=args.max_context,
         prefill_chunk=args.prefill_chunk,
         tree=tree,
+        lookup=lookup,
     )
     return build_engine(spec)
+
+
+def _check_lookup(n: int, verify_width: int) -> None:
+    """``--lookup N``: at most the verify width (the root and N - 1 lookup nodes fill it)."""
+    if n > verify_width:
+        raise YggError(f"--lookup {n} exceeds the verify width ({verify_width})")
 
 
 @contextlib.contextmanager

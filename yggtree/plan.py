@@ -39,6 +39,8 @@ d_max          int >= 1         4              most drafter calls per step D_max
 top_k          int >= 1         4              children proposed per fed node
 verify_widths  list[int >= 1]   [16]           compiled target verify widths W_v; each
                                                <= 1 + d_max * max(draft_widths)
+lookup         int >= 0         0              lookup nodes per step (prompt/history lookup
+                                               candidates, runtime/lookup.py); <= max W_v
 sampling       mapping          see below      run defaults, overridable per request
   .temperature float >= 0       0.0            0 = greedy
   .top_p       float in (0, 1]  1.0
@@ -122,6 +124,7 @@ class Plan:
     d_max: int = 4
     top_k: int = 4
     verify_widths: tuple[int, ...] = (16,)
+    lookup: int = 0
     sampling: Sampling = Sampling()
     profile: str | None = None
     predictor: str | None = None
@@ -184,6 +187,8 @@ class Plan:
             if f.name == "source":
                 continue
             v = getattr(self, f.name)
+            if f.name == "lookup" and v == 0:
+                continue  # plans without lookup keep the identity (hash) they had before it existed
             if isinstance(v, Sampling):
                 v = {g.name: getattr(v, g.name) for g in fields(v)}
             elif isinstance(v, tuple):
@@ -341,6 +346,12 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
                 f"{_where('verify_widths', origin)}: W_v {w} exceeds the largest drafted tree "
                 f"1 + d_max * max(draft_widths) = 1 + {d_max} * {max(draft_widths)} = {cap}"
             )
+    lookup = _int(raw, "lookup", 0, origin, lo=0)
+    if lookup > max(verify_widths):
+        raise YggError(f"{_where('lookup', origin)}: {lookup} exceeds the largest verify width {max(verify_widths)}")
+    if lookup and drafter is None:
+        raise YggError(f"{_where('lookup', origin)}: a plan without a drafter compiles no verify widths "
+                       "(lookup-only decoding: yggtree run --drafter none --lookup N)")
     s = raw.get("sampling", {})
     if s is None:
         s = {}
@@ -377,6 +388,7 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
         d_max=d_max,
         top_k=top_k,
         verify_widths=verify_widths,
+        lookup=lookup,
         sampling=Sampling(temperature, top_p, max_new),
         stages=stages,
         version=version,

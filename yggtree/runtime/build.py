@@ -32,6 +32,7 @@ class EngineSpec:
     draft_widths: tuple[int, ...] = ()
     verify_widths: tuple[int, ...] = ()
     pack: bool = True  # oneDNN-packed linear layers where the device supports them
+    lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None) -> "EngineSpec":
@@ -60,6 +61,7 @@ class EngineSpec:
             tree=tree,
             draft_widths=tuple(plan.draft_widths) if plan.speculative else (),
             verify_widths=tuple(plan.verify_widths) if plan.speculative else (),
+            lookup=plan.lookup,
         )
 
 
@@ -141,13 +143,15 @@ def build_engine(spec: EngineSpec, prepare=None):
         pack_models(target, drafter)
     if prepare is not None:
         prepare(target, drafter)
+    spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
     cfg = EngineConfig(
         mode=spec.mode,
         max_context=spec.max_context,
         prefill_chunk=spec.prefill_chunk,
-        tree=spec.tree if drafter is not None else None,
-        draft_widths=spec.draft_widths if drafter is not None else (),
-        verify_widths=spec.verify_widths if drafter is not None else (),
+        tree=spec.tree if spec_on else None,
+        draft_widths=spec.draft_widths if spec_on else (),
+        verify_widths=spec.verify_widths if spec_on else (),
+        lookup=spec.lookup,
     )
     eos = tuple(target.cfg.eos_token_ids) or (
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()

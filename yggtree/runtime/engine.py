@@ -246,9 +246,12 @@ class Engine:
             path = self.cfg.lookup_calibration
             self.lookup_calib = LookupCalibration.load(path) if path else LookupCalibration.load()
         self.cfg = replace(self.cfg, lookup=n)
-        # lookup chains are at most D_max deep: the acceptance walk, the commit and an EAGLE
-        # drafter's pending pairs are sized for that
-        self.lookup_depth = min(self.d_max, getattr(self.drafter, "max_depth", self.d_max))
+
+    @property
+    def lookup_depth(self) -> int:
+        """Deepest lookup chain: D_max (the acceptance walk, the commit and an EAGLE drafter's
+        pending pairs are sized for it)."""
+        return min(self.d_max, getattr(self.drafter, "max_depth", self.d_max))
 
     @property
     def compile_s(self) -> float:

@@ -188,6 +188,13 @@ class CostModel:
         return (head + calls * self.t_draft(wd, ctx) + self.t_verify(wv, ctx)
                 + self.overhead_ms(d, wd, wv))
 
+    def lookup_ms(self, wv: int, ctx: int) -> float:
+        """A lookup-only step (no drafter call): the target over ``wv`` nodes and the non-model
+        stages; ``wv = 1`` is a plain step."""
+        if wv == 1:
+            return self.plain_ms(ctx)
+        return self.t_verify(wv, ctx) + self.overhead_ms(0, 1, wv)
+
     def plain_ms(self, ctx: int) -> float:
         """One plain decoding step: the target at width 1 plus choosing the token."""
         return self.t_verify(1, ctx) + self._stage("plain_accept")
@@ -268,6 +275,18 @@ class Calibration:
         x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
         t = torch.where(x1 > x0, (qc - x0) / (x1 - x0).clamp_min(1e-12), torch.zeros_like(qc))
         return y0 + t * (y1 - y0)
+
+    def drafter_logq(self, p: float) -> float:
+        """log of the drafter probability q this map turns into acceptance ``p`` (the smallest
+        such q; below the map's range its first knot): how a lookup edge accepted with
+        probability ``p`` is put on the drafter's scale (``Tree.logp``)."""
+        xs, ys = self.xs, self.ys
+        i = next((i for i, y in enumerate(ys) if y >= p), len(ys) - 1)
+        if i == 0 or ys[i] <= ys[i - 1]:
+            q = xs[i]
+        else:
+            q = xs[i - 1] + (p - ys[i - 1]) / (ys[i] - ys[i - 1]) * (xs[i] - xs[i - 1])
+        return float(np.log(max(q, 1e-9)))
 
     def expected_aal(self, wd: int, d: int, wv: int) -> float | None:
         table = self.aal.get(str(wd))
@@ -485,7 +504,8 @@ class Feedback:
         def toward(est: float, ratio: float, a: float) -> float:
             return est + a * (min(max(ratio, est / self.clip), est * self.clip) - est)
 
-        if pred.draft_depth == 0:
+        plain = pred.draft_depth == 0 and pred.verify_width == 1  # (D 0, W_v > 1: lookup-only)
+        if plain:
             w, v_ms, v_pred = 1, step_ms, pred.plain_ms
         else:
             w = pred.verify_width
@@ -497,7 +517,7 @@ class Feedback:
             # machine's speed while ``machine`` catches up)
             self.machine = toward(self.machine, v_ms / (self.width_factor(w) * v_pred), self.alpha)
             self._width[int(w)] = toward(self.width_factor(w), v_ms / (self.machine * v_pred), self.slow_alpha)
-        if pred.draft_depth == 0:
+        if plain:
             return
         rest, rest_pred = step_ms - (v_ms or 0.0), pred.step_ms - v_pred
         if rest_pred > 0:
@@ -562,6 +582,7 @@ class ObjectivePolicy:
     _probing: bool = False  # the step under way is a probe
     _pending: Prediction | None = None  # the prediction of the step under way
     _scale: np.ndarray | None = None  # [d_max] the predictor's AAL factors of the step under way
+    _lookup: tuple[float, ...] = ()  # path values of this step's lookup candidates, best first
 
     def _choices(self, ctx: int):
         """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
@@ -607,15 +628,46 @@ class ObjectivePolicy:
             f[1 : len(scale) + 1] = scale[: self.d_max]
             aal = 1.0 + (aal - 1.0) * f[depth]
         plain_on = self._online_plain(plain) + extra_ms
-        s = (fb.aal(aal, depth) if fb else aal) * plain_on / (self._online_step(ms, vms, wvs) + extra_ms)
+        aal = fb.aal(aal, depth) if fb else aal
+        if self._lookup:  # the merged tree is worth at least the better of its two parts
+            aal = np.maximum(aal, [self._lookup_aal(int(w)) for w in wvs])
+        s = aal * plain_on / (self._online_step(ms, vms, wvs) + extra_ms)
         s = np.where(np.isnan(s), -np.inf, s)
         if d is not None:
             s = np.where(depth == d, s, -np.inf)
         best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if allow else -1.0
+        if self._lookup and allow and d is None:  # a lookup-only step (no drafter call)
+            best_s = max(best_s, self._lookup_best(ctx, extra_ms)[1])
         if len(rows):
             i = int(np.argmax(s))  # the first maximum, as a sequential scan would keep
             if s[i] > best_s:
                 best, best_s = StepChoice(rows[i][0], rows[i][1]), float(s[i])
+        return best, best_s
+
+    def see_lookup(self, prop, committed: int) -> None:
+        """The engine's lookup candidates for the coming step (a lookup.Proposal): their path
+        values enter every choice of this step."""
+        self._lookup = tuple(sorted(prop.value, reverse=True))
+
+    def lookup_logq(self, p: float) -> float:
+        """A lookup edge accepted with probability ``p`` on the drafter's scale (see merge.py)."""
+        return self.calib.drafter_logq(p)
+
+    def _lookup_aal(self, wv: int) -> float:
+        """Expected accepted length (bonus included) of the ``wv - 1`` best lookup nodes,
+        feedback-corrected as depth-0 (lookup-only) steps."""
+        a = 1.0 + sum(self._lookup[: wv - 1])
+        return self.feedback.aal(a, 0) if self.feedback else a
+
+    def _lookup_best(self, ctx: int, extra_ms: float = 0.0) -> tuple[int, float]:
+        """The best lookup-only verify width and its expected speed-up over plain decoding."""
+        plain_on = self._online_plain(self.cost.plain_ms(ctx)) + extra_ms
+        best, best_s = 1, -1.0
+        for w in self.verify_widths:
+            t = self._online_step(self.cost.lookup_ms(w, ctx), self.cost.t_verify(w, ctx), w) + extra_ms
+            sp = self._lookup_aal(w) * plain_on / t
+            if sp > best_s:
+                best, best_s = w, sp
         return best, best_s
 
     def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
@@ -657,17 +709,25 @@ class ObjectivePolicy:
     def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
         d, wd = choice.draft_depth, choice.draft_width
         widths = [1, *self.verify_widths]
-        vals = path_values(tree, self.calib.edge_prob, d)
+        # lookup nodes may hang deeper than the drafter's D
+        vals = path_values(tree, self.calib.edge_prob, max(d, int(tree.depth.max())))
         aal = aal_by_width(vals, tree, widths)
         *_, plain, costs = self._choices(committed)
-        steps, vms = zip(*(costs[d, wd, w] for w in widths))
+        if d == 0:  # a lookup-only tree: the step chosen as plain may verify it instead
+            steps = [self.cost.lookup_ms(w, committed) for w in widths]
+            vms = [self.cost.t_verify(w, committed) for w in widths]
+            if self._pending is not None and self.log and self.log[-1] is self._pending:
+                self.log.pop()  # choose_draft's plain prediction: this prediction replaces it
+        else:
+            steps, vms = zip(*(costs[d, wd, w] for w in widths))
         extra = 0.0
         if self._scale is not None:  # the predictor's view of this context, as in choose_draft
             aal = [1.0 + (a - 1.0) * float(self._scale[d - 1]) for a in aal]
             extra = self.predictor.overhead_ms
         fb = self.feedback
         aal_on = [fb.aal(a, d) for a in aal] if fb else aal
-        steps_on = [self._online_step(t, v, w) + extra for t, v, w in zip(steps, vms, widths)]
+        steps_on = [(self._online_plain(t) if d == 0 and w == 1 else self._online_step(t, v, w)) + extra
+                    for t, v, w in zip(steps, vms, widths)]
         plain_on = self._online_plain(plain)
         wv, _ = best_verify(aal_on, widths, steps_on, plain_on + extra)
         i = widths.index(wv)
@@ -683,7 +743,7 @@ class ObjectivePolicy:
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _plain_run=0, _probe_gap=0, _probing=False,
-                       _pending=None, _scale=None, **changes)
+                       _pending=None, _scale=None, _lookup=(), **changes)
 
     def start_request(self) -> None:
         """The engine starts a request: its acceptance is learnt afresh (from the all-requests
@@ -709,8 +769,8 @@ class ObjectivePolicy:
             won = (1 + rec.n_accepted) * self.feedback.plain_ms(pred.plain_ms) > step_ms
             gap = self._probe_gap or self.probe_every
             self._probe_gap = self.probe_every if won else min(2 * gap, self.probe_max)
-        if pred.draft_depth == 0:  # the target call and choosing its token, as plain_ms predicts
-            step_ms = rec.stage_ms.get("verify", step_ms) + rec.stage_ms.get("accept", 0.0)
+        if pred.draft_depth == 0 and pred.verify_width == 1:  # the target call and choosing its
+            step_ms = rec.stage_ms.get("verify", step_ms) + rec.stage_ms.get("accept", 0.0)  # token
         self.feedback.update(pred, rec.n_accepted, step_ms, rec.stage_ms.get("verify"))
 
 
