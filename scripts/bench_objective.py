@@ -17,7 +17,12 @@ envelope), greedy:
   chosen every step by the MLP depth predictor / its scikit-learn (logistic) baseline;
 - ``depth=N`` (``--depths N,M,...``): the objective with D fixed to N (W_d, W_v still chosen);
 - ``chain=N`` (``--chain-depths N,M,...``): chains of length N (W_d = 1, the smallest verify
-  width holding N + 1 nodes), so "a chain of the best fixed length" is measured, not predicted.
+  width holding N + 1 nodes), so "a chain of the best fixed length" is measured, not predicted;
+- ``lookup``: lookup-only speculation (issue 22): up to ``--lookup`` continuations of the
+  prompt and the text so far per step, no drafter call; the objective chooses per step between a
+  plain step and a lookup tree of any verify width;
+- ``objective+lookup``: the objective with the lookup nodes merged into the drafter's trees (and
+  lookup-only or plain steps when those are faster).
 
 ``--systems`` keeps a subset (plain always runs: it is the baseline of every ratio).
 
@@ -249,6 +254,15 @@ def run(args) -> int:
         "chain": FixedPolicy(StepChoice(cd, 1), cwv),
     }
     settings = {"plain": "D=0", "objective": "adaptive", "offline": "adaptive, no feedback", "fixed": f"{wd},{d},{wv}", "chain": f"1,{cd},{cwv}"}
+    lookups = {}  # lookup nodes per step of each system (0 when absent)
+    if args.lookup:
+        if args.lookup > max(plan.verify_widths):
+            raise YggError(f"--lookup {args.lookup} exceeds the plan's largest verify width {max(plan.verify_widths)}")
+        policies["lookup"] = objective.fresh(d_max=0)  # plain or lookup-only steps, never the drafter
+        policies["objective+lookup"] = objective.fresh()
+        settings["lookup"] = f"lookup-only <= {args.lookup} nodes"
+        settings["objective+lookup"] = f"adaptive + <= {args.lookup} lookup nodes"
+        lookups = {"lookup": args.lookup, "objective+lookup": args.lookup}
     if plan.predictor is not None:  # the depth predictor and its scikit-learn baseline
         from yggtree.runtime.predictor import depth_fn_for, load_predictor
 
@@ -297,6 +311,7 @@ def run(args) -> int:
     # one untimed warm-up generate per system: the first call of a compiled graph pages in its
     # code and weights; a policy that learns from measured steps then starts afresh
     for name, pol in list(policies.items()):
+        engine.set_lookup(lookups.get(name, 0))
         engine.generate(prompts[0][1], SamplingParams(max_new_tokens=32, temperature=0.0), policy=pol)
         if hasattr(pol, "fresh"):
             policies[name] = pol.fresh()
@@ -309,6 +324,7 @@ def run(args) -> int:
                 recs: list = []
                 if hasattr(policies[name], "log"):
                     policies[name].log.clear()
+                engine.set_lookup(lookups.get(name, 0))
                 res = engine.generate(ids, params, policy=policies[name], on_step=recs.append)
                 preds = predictions(name, recs)
                 s = res.stats
@@ -322,9 +338,11 @@ def run(args) -> int:
                     "pred_step_ms_online": sum(p.terms(True)[1] for p in preds),
                     "choices": sorted({(r.choice.draft_depth, r.choice.draft_width if r.choice.draft_depth else 0,
                                         r.verify_width) for r in recs}),
-                    "n_plain_steps": sum(r.choice.draft_depth == 0 for r in recs),
+                    "n_plain_steps": sum(r.choice.draft_depth == 0 and r.verify_width == 1 for r in recs),
                     "depth_counts": dict(Counter(r.choice.draft_depth for r in recs)),
                     **({"stage_ms": s["stage_ms"]} if "stage_ms" in s else {}),  # the engine's per-stage sums
+                    **({"accepted_by_source": s["accepted_by_source"], "lookup_steps": s["lookup_steps"]}
+                       if "accepted_by_source" in s else {}),
                 }
             rows.append(row)
             if args.out:  # every finished prompt is kept, so a stopped run can still be read
@@ -352,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chain-depths", action="extend", type=lambda t: [int(x) for x in t.split(",")] if t else [], default=[],
                    help="also chains of these lengths, e.g. 1,2")
     p.add_argument("--systems", action="extend", type=lambda t: t.split(","), default=[],
-                   help="only these systems (plain always runs): objective,fixed,chain,predictor,baseline,depth=N")
+                   help="only these systems (plain always runs): objective,fixed,chain,predictor,baseline,depth=N,"
+                   "lookup,objective+lookup")
+    p.add_argument("--lookup", type=int, default=8,
+                   help="lookup nodes per step of the lookup and objective+lookup systems (0: no such systems)")
     p.add_argument("--compile-root", default="compile")
     p.add_argument("--compile-missing", action="store_true", help="compile a missing/stale plan first")
     p.add_argument("--out", help="also write every prompt's record as JSON (and OUT.rows.jsonl as it runs)")

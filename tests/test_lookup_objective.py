@@ -35,7 +35,7 @@ def chain(values: list[float]) -> Proposal:
     for p in values:
         v *= p
         path.append(v)
-    return Proposal(tuple(range(10, 10 + n)), tuple(range(n)), tuple(range(1, n + 1)), tuple(values),
+    return Proposal(tuple(range(10, 10 + n)), tuple(range(n)), tuple(range(1, n + 1)), (1.0,) * n, tuple(values),
                     tuple(path), 3)
 
 
@@ -96,3 +96,14 @@ def test_feedback_counts_a_lookup_only_step_as_a_verify_call():
     plain = Prediction(100, 0, 1, 1.0, 30.0, 30.0)
     fb.update(plain, n_accepted=0, step_ms=45.0)
     assert fb.machine > 1.0
+
+
+def test_a_policy_without_drafter_depths_chooses_plain_or_lookup_only():
+    """The bench's lookup-only system: the objective with d_max 0 (and feedback) never drafts."""
+    pol = ObjectivePolicy(cost_model(), CAL, (1, 2, 4, 8), (4, 8, 16, 32), 0, feedback=Feedback())
+    assert pol.plan_choice(100) == (StepChoice(0, 1), 1.0)
+    pol.see_lookup(chain([0.95] * 6), 100)
+    choice, s = pol.plan_choice(100)
+    assert choice.draft_depth == 0 and s > 1.5
+    for _ in range(40):  # probes included: still no drafter step
+        assert pol.choose_draft(torch.zeros(8), 100).draft_depth == 0

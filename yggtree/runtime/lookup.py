@@ -127,6 +127,7 @@ class Proposal:
     token: tuple[int, ...] = ()  # [M] token ids
     parent: tuple[int, ...] = ()  # [M] 0 = the root, j = node j - 1
     depth: tuple[int, ...] = ()  # [M] 1 for children of the root
+    share: tuple[float, ...] = ()  # [M] occurrences through the node / through its parent
     edge: tuple[float, ...] = ()  # [M] calibrated P(target accepts the edge into the node)
     value: tuple[float, ...] = ()  # [M] P(whole path accepted): product of ``edge`` on the path
     match: int = 0  # length of the suffix match the chains continue (0: no candidates)
@@ -167,10 +168,11 @@ def propose(index: LookupIndex, calib: LookupCalibration, budget: int, max_depth
                 cnt.append(0)
             node = ids[key]
             cnt[node - 1] += 1
-    edge, value = [], []
+    share, edge, value = [], [], []
     for i in range(len(tok)):
         above = len(occ) if par[i] == 0 else cnt[par[i] - 1]
-        p = calib.prob(n + dep[i] - 1, cnt[i] / above)
+        share.append(cnt[i] / above)
+        p = calib.prob(n + dep[i] - 1, share[i])
         edge.append(p)
         value.append(p * (1.0 if par[i] == 0 else value[par[i] - 1]))
     order = sorted(range(len(tok)), key=lambda i: (-value[i], dep[i], i))[:budget]
@@ -179,6 +181,6 @@ def propose(index: LookupIndex, calib: LookupCalibration, budget: int, max_depth
     new[0] = 0
     return Proposal(
         tuple(tok[i] for i in order), tuple(new[par[i]] for i in order),
-        tuple(dep[i] for i in order), tuple(edge[i] for i in order),
+        tuple(dep[i] for i in order), tuple(share[i] for i in order), tuple(edge[i] for i in order),
         tuple(value[i] for i in order), n,
     )

@@ -628,7 +628,7 @@ class ObjectivePolicy:
             f[1 : len(scale) + 1] = scale[: self.d_max]
             aal = 1.0 + (aal - 1.0) * f[depth]
         plain_on = self._online_plain(plain) + extra_ms
-        aal = fb.aal(aal, depth) if fb else aal
+        aal = fb.aal(aal, depth) if fb and len(depth) else aal
         if self._lookup:  # the merged tree is worth at least the better of its two parts
             aal = np.maximum(aal, [self._lookup_aal(int(w)) for w in wvs])
         s = aal * plain_on / (self._online_step(ms, vms, wvs) + extra_ms)
