@@ -615,7 +615,9 @@ def run_train_predictor(args) -> int:
     man_path = save_predictor(out_dir, plan, mlp, base, {
         "verify_width": int(meta.get("verify_width", 1 + d_max * wd)),
         "data": {"records": [manifest_path(f, out_dir) for f in (args.records or [rec_path])],
-                 "data_hash": meta["data_hash"], "files": meta.get("files"),
+                 "data_hash": meta["data_hash"],
+                 "files": [f | {"path": manifest_path(f["path"], out_dir)} for f in meta["files"]]
+                 if meta.get("files") else meta.get("files"),
                  "steps": int(rec.h.shape[0]), "prompts": n_prompts,
                  "prompt_source": meta.get("prompts", {}).get("source"),
                  "prompt_seed": meta.get("prompts", {}).get("seed"),
