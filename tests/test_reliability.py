@@ -83,10 +83,11 @@ def test_api_refuses_wrong_types_with_one_clear_error():
 @pytest.mark.parametrize(
     "params,message",
     [
-        (SamplingParams(temperature=float("inf")), f"temperature must be in 0..{MAX_TEMPERATURE:g}"),
-        (SamplingParams(temperature=1e9), "temperature must be in 0..10"),
-        (SamplingParams(temperature=float("nan")), "temperature must be in"),
-        (SamplingParams(temperature=-0.5), "temperature must be in"),
+        (SamplingParams(temperature=float("inf")), r"temperature must be 0 \(greedy\) or in 0.01..10"),
+        (SamplingParams(temperature=1e9), r"temperature must be 0 \(greedy\) or in 0.01..10, got 1e\+?0?9|1000000000"),
+        (SamplingParams(temperature=float("nan")), "temperature must be 0"),
+        (SamplingParams(temperature=-0.5), "temperature must be 0"),
+        (SamplingParams(temperature=1e-144), "temperature must be 0"),
         (SamplingParams(top_p=0.0), r"top-p must be in \(0, 1\]"),
         (SamplingParams(seed=-1), r"seed must be in 0..2\*\*63-1"),
         (SamplingParams(seed=2**64), "seed must be in"),
@@ -158,8 +159,8 @@ def refuses_before_loading(monkeypatch):
     "extra,message",
     [
         (["--prompt", "ab\udcff\udcfecd"], "the prompt is not valid UTF-8 (undecodable byte at position 2)"),
-        (["--prompt", "hi", "--temperature", "inf"], "temperature must be in 0..10 (0 = greedy), got inf"),
-        (["--prompt", "hi", "--temperature", "1e9"], "temperature must be in 0..10 (0 = greedy), got 1000000000.0"),
+        (["--prompt", "hi", "--temperature", "inf"], "temperature must be 0 (greedy) or in 0.01..10, got inf"),
+        (["--prompt", "hi", "--temperature", "1e9"], "temperature must be 0 (greedy) or in 0.01..10, got 1000000000.0"),
         (["--prompt", "hi", "--prefill-chunk", "5000"], "prefill-chunk must be in 1..max-context (1024), got 5000"),
         (["--prompt", "hi", "--drafter", "self", "--draft-depth", "1000"], "draft-depth 1000 exceeds the limit of 32"),
         (["--prompt", "hi", "--drafter", "self", "--draft-depth", "300", "--draft-width", "1",
@@ -222,3 +223,15 @@ def tiny_checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny") / "model"
     save_tiny_checkpoint(d)
     return str(d)
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    """Found by tests/test_fuzz.py: a top-p below float32's smallest number rounded to 0 and
+    filtered out every token (NaN probabilities, a RuntimeError from torch.multinomial)."""
+    import torch
+
+    from yggtree.runtime.accept import filter_probs
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0], [3.0, 0.0, 0.0, 1.0]])
+    for top_p in (1e-136, 1e-30, 1e-3):
+        assert filter_probs(logits, 0.7, top_p).tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]

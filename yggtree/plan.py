@@ -332,7 +332,7 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
     d_max = _int(raw, "d_max", 4, origin)
     top_k = _int(raw, "top_k", 4, origin)
     verify_widths = _widths(raw, "verify_widths", (16,), origin)
-    from .runtime.engine import MAX_TEMPERATURE, TreeParams, check_sizes
+    from .runtime.engine import MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes
 
     try:  # the limits every run checks, refused here before anything is compiled
         check_sizes(max_context, prefill_chunk,
@@ -362,8 +362,9 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
         if k not in sknown:
             raise YggError(f"{origin}: unknown key 'sampling.{k}' (known: {', '.join(sorted(sknown))})")
     temperature = _float(s, "temperature", 0.0, origin, "sampling.")
-    if not 0 <= temperature <= MAX_TEMPERATURE:
-        raise YggError(f"{_where('sampling.temperature', origin)} must be in 0..{MAX_TEMPERATURE:g}, got {temperature}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise YggError(f"{_where('sampling.temperature', origin)} must be 0 or in "
+                       f"{MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, got {temperature}")
     top_p = _float(s, "top_p", 1.0, origin, "sampling.")
     if not 0 < top_p <= 1:
         raise YggError(f"{_where('sampling.top_p', origin)} must be in (0, 1], got {top_p}")

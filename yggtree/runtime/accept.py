@@ -87,6 +87,7 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep_sorted = before < top_p
+    keep_sorted[..., 0] = True  # the most likely token always (a top_p below float32's range is 0)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = torch.where(keep, probs, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)

@@ -45,6 +45,7 @@ STAGES = ("head", "draft", "prune", "verify", "accept", "commit", "policy", "res
 # Bounds on sizes and values a user chooses (flags, plans, API calls), checked before anything is
 # allocated or compiled: past them a run would only be slower or noisier, never better.
 MAX_TEMPERATURE = 10.0  # at 10 the default model's next-token distribution is already near uniform
+MIN_TEMPERATURE = 0.01  # below it (but not 0) logits / T overflow to inf: use 0 for greedy
 MAX_DRAFT_DEPTH = 32  # D: drafter calls per step
 MAX_DRAFT_WIDTH = 64  # W_d: nodes fed per drafter call
 MAX_VERIFY_WIDTH = 256  # W_v: nodes the target verifies per step
@@ -101,8 +102,9 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise YggError(f"{name.replace('_', '-')} must be a number, got {v!r}")
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise YggError(f"temperature must be in 0..{MAX_TEMPERATURE:g} (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise YggError(f"temperature must be 0 (greedy) or in {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, "
+                           f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise YggError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= _int_value("seed", self.seed) <= MAX_SEED:
