@@ -28,7 +28,7 @@ def plain(ids):
 
 
 @pytest.mark.parametrize("drafter,lookup,tree", [
-    (None, 8, TreeParams(draft_width=1, draft_depth=6, verify_width=8, top_k=1)),
+    (None, 8, TreeParams(draft_width=2, draft_depth=6, verify_width=8, top_k=1)),
     ("default", 4, TreeParams(draft_width=4, draft_depth=4, verify_width=16, top_k=4)),
 ])
 def test_lookup_on_the_real_model_equals_plain(ids, plain, drafter, lookup, tree):
@@ -36,6 +36,9 @@ def test_lookup_on_the_real_model_equals_plain(ids, plain, drafter, lookup, tree
     res = eng.generate(ids, SamplingParams(max_new_tokens=NEW))
     assert res.token_ids == plain
     src = res.stats["accepted_by_source"]
-    assert src["lookup"] + src["both"] >= NEW // 4  # the repeated code is drafted by lookup
-    if drafter is None:
-        assert res.stats["draft_calls"] == 0 and src["drafter"] == 0
+    assert sum(src.values()) == res.stats["accepted_tokens"]
+    if drafter is None:  # the repeated code is drafted by lookup alone
+        assert res.stats["draft_calls"] == 0 and src["drafter"] == src["both"] == 0
+        assert src["lookup"] >= NEW // 6
+    else:  # the EAGLE head already drafts most of this code: lookup nodes mostly merge with its
+        assert src["lookup"] + src["both"] > 0
