@@ -15,9 +15,13 @@ from yggtree.runtime.tree import ancestor_mask, check_invariants
 # ---------------------------------------------------------------- fake drafter + reference
 
 
-def fake_topk(gen: torch.Generator, w: int, k: int, ties: bool, vocab: int = 50):
-    """Random top-k output for w fed nodes: distinct tokens, log-probs sorted descending."""
-    tok = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(w)])
+def fake_topk(gen: torch.Generator, w: int, k: int, ties: bool, vocab: int = 50, dups: bool = False):
+    """Random top-k output for w fed nodes: distinct tokens (``dups``: drawn from 2 tokens, so
+    siblings repeat tokens, as merged proposals can), log-probs sorted descending."""
+    if dups:
+        tok = torch.randint(0, 2, (w, k), generator=gen)
+    else:
+        tok = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(w)])
     if ties:  # coarse values so that equal path scores are common
         lp = -torch.randint(0, 3, (w, k), generator=gen).float()
     else:
@@ -26,10 +30,10 @@ def fake_topk(gen: torch.Generator, w: int, k: int, ties: bool, vocab: int = 50)
     return tok, lp
 
 
-def run_egt(d_max: int, w_d: int, k: int, seed: int, ties: bool):
+def run_egt(d_max: int, w_d: int, k: int, seed: int, ties: bool, dups: bool = False):
     """Run EGT for d_max steps; return the final state and every drafter output used."""
     gen = torch.Generator().manual_seed(seed)
-    root_tok, root_lp = fake_topk(gen, 1, k, ties)
+    root_tok, root_lp = fake_topk(gen, 1, k, ties, dups=dups)
     state = egt_init(torch.tensor(7), root_tok[0], root_lp[0], d_max, w_d)
     outputs = [(root_tok[0], root_lp[0])]
     for step in range(d_max):
@@ -39,7 +43,7 @@ def run_egt(d_max: int, w_d: int, k: int, seed: int, ties: bool):
         picked = state.tree.logp[fed][state.tree.valid[fed]]
         if picked.numel():
             assert bool(picked.min() >= state.cand_score.max())
-        tok, lp = fake_topk(gen, w_d, k, ties)
+        tok, lp = fake_topk(gen, w_d, k, ties, dups=dups)
         outputs.append((tok, lp))
         state = egt_expand(state, fed, tok, lp)
     return state, outputs
@@ -105,6 +109,41 @@ def test_matches_best_first_reference(d_max, w_d, k, seed, ties) -> None:
     assert t.depth.tolist() == depth
     assert t.valid.tolist() == valid
     assert t.logp.tolist() == logp
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(2, 4), st.integers(0, 2**31 - 1))
+def test_duplicate_sibling_tokens_change_nothing(d_max, w_d, k, seed) -> None:
+    """Siblings with equal tokens (k children drawn from 2 tokens) are distinct nodes: EGT still
+    equals the best-first reference, and greedy acceptance follows the first matching sibling
+    and stays on the target's argmax chain."""
+    from yggtree.runtime.accept import greedy_accept
+
+    state, outputs = run_egt(d_max, w_d, k, seed, ties=False, dups=True)
+    token, parent, depth, valid, logp = reference_egt(d_max, w_d, k, outputs)
+    t = state.tree
+    assert (t.token.tolist(), t.parent.tolist(), t.valid.tolist()) == (token, parent, valid)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t.num_nodes, 2, generator=gen)  # the target's argmax: token 0 or 1
+    acc = greedy_accept(t, logits, max_depth=d_max)
+    node = 0
+    for u in acc.path[1 : int(acc.n_accepted) + 1].tolist():
+        assert parent[u] == node and token[u] == int(logits[node].argmax())
+        first = min(i for i in range(1, len(token)) if valid[i] and parent[i] == node and token[i] == token[u])
+        assert u == first  # the lowest-index matching sibling
+        node = u
+    assert acc.emitted()[-1] == int(logits[node].argmax())  # the bonus token: argmax after the path
+    nxt = [i for i in range(1, len(token)) if valid[i] and parent[i] == node and token[i] == acc.emitted()[-1]]
+    assert nxt == [] or int(acc.n_accepted) == d_max  # stopped only where no child matches
+
+
+def test_duplicate_sibling_trees_do_occur() -> None:
+    """(the property above draws trees like this one: siblings sharing a token)"""
+    state, _ = run_egt(3, 4, 4, seed=1, ties=False, dups=True)
+    t = state.tree
+    kids = [(p, tok) for i, (p, tok, ok) in enumerate(zip(t.parent.tolist(), t.token.tolist(),
+                                                           t.valid.tolist())) if i and ok]
+    assert len(set(kids)) < len(kids)
 
 
 def test_k1_w1_is_the_greedy_chain() -> None:
