@@ -458,13 +458,15 @@ def test_feedback_depth_not_run_inherits_the_shallower_scale():
     for _ in range(500):
         fb.update(one, n_accepted=0.2, step_ms=35.0)  # expected 0.5
     s1 = fb.global_scale_at(1)
-    assert 0.4 < s1 < 0.45  # 0.4, pulled up a little by the prior of 1 (2 of ~27 tokens)
+    g = (1 - 0.98**500) / 0.02  # the discounted weight of 500 steps
+    assert s1 == pytest.approx((0.2 * g + 2 * 1.0) / (0.5 * g + 2), rel=1e-12)  # 0.4, pulled up by the prior 1
     assert fb.global_scale_at(2) == pytest.approx(s1) and fb.global_scale_at(5) == pytest.approx(s1)
     two = Prediction(100, 2, 8, aal=2.0, step_ms=45.0, plain_ms=30.0)
     for _ in range(500):
         fb.update(two, n_accepted=0.8, step_ms=45.0)  # expected 1: depth 2 does better
     s2 = fb.global_scale_at(2)
-    assert 0.8 > s2 > 0.78 and fb.global_scale_at(3) == pytest.approx(s2)
+    assert s2 == pytest.approx((0.8 * g + 2 * s1) / (1.0 * g + 2), rel=1e-12)  # prior: depth 1's
+    assert fb.global_scale_at(3) == pytest.approx(s2)
 
 
 def test_feedback_learns_each_request_from_the_all_requests_scale():
