@@ -583,6 +583,7 @@ class ObjectivePolicy:
     _pending: Prediction | None = None  # the prediction of the step under way
     _scale: np.ndarray | None = None  # [d_max] the predictor's AAL factors of the step under way
     _lookup: tuple[float, ...] = ()  # path values of this step's lookup candidates, best first
+    _lk_grid: dict = field(default_factory=dict)  # bucket index -> {W_v: (lookup-only step ms, verify ms)}
 
     def _choices(self, ctx: int):
         """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
@@ -659,12 +660,22 @@ class ObjectivePolicy:
         a = 1.0 + sum(self._lookup[: wv - 1])
         return self.feedback.aal(a, 0) if self.feedback else a
 
+    def _lookup_costs(self, ctx: int) -> dict:
+        """{W_v: (lookup-only step ms, its verify ms)} for 1 and every verify width at ``ctx``
+        (per context bucket, as ``_choices``)."""
+        key = self.cost.verify.bucket(ctx + max(self.verify_widths))
+        if key not in self._lk_grid:
+            self._lk_grid[key] = {w: (self.cost.lookup_ms(w, ctx), self.cost.t_verify(w, ctx))
+                                  for w in (1, *self.verify_widths)}
+        return self._lk_grid[key]
+
     def _lookup_best(self, ctx: int, extra_ms: float = 0.0) -> tuple[int, float]:
         """The best lookup-only verify width and its expected speed-up over plain decoding."""
-        plain_on = self._online_plain(self.cost.plain_ms(ctx)) + extra_ms
+        costs = self._lookup_costs(ctx)
+        plain_on = self._online_plain(costs[1][0]) + extra_ms
         best, best_s = 1, -1.0
         for w in self.verify_widths:
-            t = self._online_step(self.cost.lookup_ms(w, ctx), self.cost.t_verify(w, ctx), w) + extra_ms
+            t = self._online_step(*costs[w], w) + extra_ms
             sp = self._lookup_aal(w) * plain_on / t
             if sp > best_s:
                 best, best_s = w, sp
@@ -714,8 +725,7 @@ class ObjectivePolicy:
         aal = aal_by_width(vals, tree, widths)
         *_, plain, costs = self._choices(committed)
         if d == 0:  # a lookup-only tree: the step chosen as plain may verify it instead
-            steps = [self.cost.lookup_ms(w, committed) for w in widths]
-            vms = [self.cost.t_verify(w, committed) for w in widths]
+            steps, vms = zip(*(self._lookup_costs(committed)[w] for w in widths))
             if self._pending is not None and self.log and self.log[-1] is self._pending:
                 self.log.pop()  # choose_draft's plain prediction: this prediction replaces it
         else:
@@ -742,7 +752,7 @@ class ObjectivePolicy:
         fb = (Feedback(f.alpha, f.clip, f.accept_alpha, f.slow_alpha, f.prior_tokens,
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
-        return replace(self, log=[], _grid={}, _plain_run=0, _probe_gap=0, _probing=False,
+        return replace(self, log=[], _grid={}, _lk_grid={}, _plain_run=0, _probe_gap=0, _probing=False,
                        _pending=None, _scale=None, _lookup=(), **changes)
 
     def start_request(self) -> None:
