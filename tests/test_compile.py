@@ -193,6 +193,37 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     assert "width 3 is not in the compiled set [1, 2]" in r["refused"]
 
 
+def test_interrupted_compile_is_refused_then_rebuilt(compiled, monkeypatch):
+    """Chaos: a forced recompile stopped (Ctrl-C) while writing its second package leaves no
+    manifest and a half-written package under a temporary name: a run refuses the directory in
+    one line, and --compile-missing rebuilds it whole."""
+    import yggtree.runtime.aoti as aoti
+    from yggtree.offline.compile import compile_plan
+
+    root, plan_path, _ = compiled
+    art = root / "compile" / "tiny"
+    real, calls = aoti.compile_package, []
+
+    def stopped(block, example, path):
+        calls.append(path.name)
+        if len(calls) == 2:
+            path.write_bytes(b"half a package")
+            raise KeyboardInterrupt
+        return real(block, example, path)
+
+    monkeypatch.setattr(aoti, "compile_package", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        compile_plan(load_plan(plan_path), root / "compile", force=True)
+    monkeypatch.undo()
+    assert calls[1].startswith("partial-") and (art / CACHE_SUBDIR / calls[1]).exists()
+    assert not (art / MANIFEST).exists() and not list(art.glob("build-*"))
+    with pytest.raises(YggError, match=r"not usable: no compiled artifacts: .*manifest.json is missing"):
+        prepare_run(plan_path, compile_missing=False, compile_root=root / "compile")
+    plan = prepare_run(plan_path, compile_missing=True, compile_root=root / "compile")
+    assert check_artifacts(plan, art) == []
+    assert not list((art / CACHE_SUBDIR).glob("partial-*"))
+
+
 def test_prepare_run_refuses_or_compiles_stale_artifacts(compiled):
     root, plan_path, _ = compiled
     art = root / "compile" / "tiny"
