@@ -7,7 +7,8 @@ position of every answer, as if a speculation step's root sat there, the lookup 
 text so far proposes its trie (every node, no budget), and each edge whose parent path is the true
 continuation counts as accepted iff its token is the true next token: an edge probability is the
 acceptance given the parent accepted, which is what path values multiply. Per cell, the rate is
-shrunk toward the overall rate with ``--prior`` pseudo-edges.
+shrunk toward its match-length row's rate (the row toward the overall rate) with ``--prior``
+pseudo-edges.
 
     OMP_NUM_THREADS=1 python scripts/fit_lookup.py --prompts 40 --max-new-tokens 128 \\
         --out yggtree/assets/lookup_calibration.json
@@ -102,7 +103,9 @@ def main(argv=None) -> int:
         j = max(bisect.bisect_right(SHARES, share) - 1, 0)
         cnt[i][j] += 1
         acc[i][j] += int(hit)
-    table = [[round((acc[i][j] + args.prior * rate) / (cnt[i][j] + args.prior), 4) for j in range(len(SHARES))]
+    # a cell shrinks toward its match-length row's rate, the row toward the overall rate
+    row = [(sum(acc[i]) + args.prior * rate) / (sum(cnt[i]) + args.prior) for i in range(len(LENGTHS))]
+    table = [[round((acc[i][j] + args.prior * row[i]) / (cnt[i][j] + args.prior), 4) for j in range(len(SHARES))]
              for i in range(len(LENGTHS))]
     out = {"kind": LOOKUP_CALIBRATION_KIND, "version": 1, "lengths": list(LENGTHS), "shares": list(SHARES),
            "table": table, "counts": cnt,
