@@ -129,7 +129,9 @@ def test_lookup_only_accepts_what_repeats(plain_outputs):
                 if not kids:
                     break
                 node, n = kids[0], n + 1
-            assert rec.n_accepted == min(n, len(full) - root - 1), f"prompt {i}, root {root}"
+            if root + tp.draft_depth + 1 >= len(full):
+                continue  # the walk may run past the plain output's end: its truth is unknown
+            assert rec.n_accepted == n, f"prompt {i}, root {root}"
             in_cycle = period is not None and root - period * 2 >= cycle_start + 8
             if in_cycle and root + 5 < len(full):
                 assert rec.n_accepted == tp.draft_depth, f"prompt {i}, root {root}"
