@@ -96,6 +96,10 @@ def test_compile_builds_every_graph_once(compiled):
     files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir())
     assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 2
     assert not list(art.glob("build-*")) and m["size_bytes"] > 0  # the scratch build dir is gone
+    # model files are recorded relative to the artifact directory (the embedded plan still holds
+    # the absolute paths that define its identity)
+    paths = [f["path"] for f in m["models"]]
+    assert "../../model/model.safetensors" in paths and all(p.startswith("../../model/") for p in paths)
     copy = load_plan(art / "plan.yaml")
     assert copy.hash() == plan.hash() and check_artifacts(copy, art) == []
 

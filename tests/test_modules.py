@@ -145,3 +145,35 @@ def test_step_edges_and_measured_aal_on_a_hand_made_tree():
     # read as an EGT layout with W_d = 2: D = 1 is slots 0-2 (root + node 1 accepted: 2 tokens
     # with either W_v), D = 2 all 5 slots (W_v 2 keeps root + node 1: 2; W_v 5: root, 1, 3: 3)
     assert measured_aal(tree, e["path_ok"], wd=2, d_max=2, widths=[2, 5]) == [[2.0, 2.0], [2.0, 3.0]]
+
+
+def test_calibration_is_refused_once_the_drafter_weights_change(tmp_path, capsys):
+    """The calibration identity includes the drafter's weights (sha256), not only their shapes:
+    retrained weights of the same size keep the profile (timing identity) but refuse the
+    calibration, naming what differs."""
+    pytest.importorskip("transformers")
+    from test_compile import save_tiny_checkpoint
+    from test_profile import PLAN
+
+    from yggtree.cli import main
+    from yggtree.errors import YggError
+    from yggtree.plan import load_plan
+    from yggtree.runtime.objective import Calibration, pair_identity, timing_identity
+
+    save_tiny_checkpoint(tmp_path / "model")
+    save_tiny_checkpoint(tmp_path / "drafter")
+    (tmp_path / "plan.yaml").write_text(PLAN.replace("drafter: self", "drafter: drafter"))
+    plan = load_plan(tmp_path / "plan.yaml")
+    args = ["calibrate", "--plan", str(tmp_path / "plan.yaml"), "--prompts", "1",
+            "--max-new-tokens", "4", "--out-dir", str(tmp_path / "pair")]
+    assert main(args) == 0
+    capsys.readouterr()
+    Calibration.load(tmp_path / "pair" / "calibration.json", plan)
+    timing, pair = timing_identity(plan), pair_identity(plan)
+    w = tmp_path / "drafter" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1  # one bit of the last weight: same size, other weights
+    w.write_bytes(bytes(data))
+    assert timing_identity(plan) == timing and pair_identity(plan) != pair
+    with pytest.raises(YggError, match="drafter_weights"):
+        Calibration.load(tmp_path / "pair" / "calibration.json", plan)

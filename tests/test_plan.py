@@ -263,7 +263,8 @@ def test_manifest_roundtrip_and_copy(tmp_path):
     m = json.loads((art / MANIFEST).read_text())
     assert m["plan_hash"] == plan.hash() and m["plan"] == plan.to_dict()
     assert m["versions"]["torch"] == torch.__version__ and m["graphs"] == []
-    assert {f["path"] for f in m["models"]} == {str(tmp_path / "model" / n) for n in ("config.json", "model.safetensors")}
+    # model paths relative to the artifact directory: a manifest holds no absolute path of them
+    assert {f["path"] for f in m["models"]} == {f"../../model/{n}" for n in ("config.json", "model.safetensors")}
     assert "sha256" in next(f for f in m["models"] if f["path"].endswith("config.json"))
     copy = load_plan(art / "plan.yaml")
     assert copy.hash() == plan.hash()

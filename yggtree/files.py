@@ -32,3 +32,15 @@ def manifest_path(path: str | Path, base: str | Path) -> str:
     """``path`` as a manifest in directory ``base`` records it: relative to ``base`` (never
     absolute, so a manifest says nothing about the machine that wrote it)."""
     return os.path.relpath(Path(path).expanduser().resolve(), Path(base).expanduser().resolve())
+
+
+def manifest_args(argv: list[str], base: str | Path) -> list[str]:
+    """A command's arguments as a manifest in ``base`` records them: absolute paths (also in
+    ``--flag=PATH``) made relative to ``base``."""
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=") if a.startswith("--") else ("", "", a)
+        if os.path.isabs(value):
+            value = manifest_path(value, base)
+        out.append(flag + eq + value)
+    return out

@@ -604,15 +604,17 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             what = "yggtree runtime code" if k == "yggtree_runtime" else f"{k} version"
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
     was_prints = {(f["role"], f["path"]): f for f in m.get("models", [])}
-    now_prints = {(f["role"], f["path"]): f for f in model_fingerprints(plan)}
+    from .files import manifest_path  # the manifest records model paths relative to its directory
+
+    now_prints = {(f["role"], manifest_path(f["path"], d)): f for f in model_fingerprints(plan)}
     for key, f in now_prints.items():
         old = was_prints.get(key)
         if f.get("missing"):
-            reasons.append(f"{key[0]} model file is missing: {key[1]}")
+            reasons.append(f"{key[0]} model file is missing: {f['path']}")
         elif old is None:
-            reasons.append(f"{key[0]} model file was not part of the compile: {key[1]}")
+            reasons.append(f"{key[0]} model file was not part of the compile: {f['path']}")
         elif any(old.get(x) != f.get(x) for x in ("size", "mtime_ns", "sha256")):
-            reasons.append(f"{key[0]} model file changed since the compile: {key[1]}")
+            reasons.append(f"{key[0]} model file changed since the compile: {f['path']}")
     for key in was_prints.keys() - now_prints.keys():
         reasons.append(f"{key[0]} model file of the compile is no longer used: {key[1]}")
     if plan.backend not in ("eager",) and m.get("graphs"):

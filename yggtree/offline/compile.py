@@ -45,6 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import YggError, run_reporting
+from ..files import manifest_path
 from ..plan import (
     CACHE_SUBDIR,
     MANIFEST,
@@ -284,6 +285,7 @@ def compile_plan(
     missing = [f["path"] for f in prints if f.get("missing")]
     if missing:
         raise YggError(f"plan {plan.name!r}: model file not found: {missing[0]}")
+    prints = [f | {"path": manifest_path(f["path"], art)} for f in prints]  # no absolute paths
 
     records: list[dict] = []
     info: dict = {"load_s": 0.0, "n_slots": None, "threads": None}

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from ..errors import YggError, run_reporting
-from ..files import atomic_path, write_text_atomic
+from ..files import atomic_path, manifest_args, write_text_atomic
 from ..runtime.device import cpu_model, detect_device
 
 ACCEL_NAME = re.compile(
@@ -364,7 +364,7 @@ def run_profile(args) -> int:
         "version": FORMAT_VERSION,
         "name": args.hw,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": "yggtree profile " + " ".join(args.argv),
+        "command": "yggtree profile " + " ".join(manifest_args(args.argv, out_dir)),
         "identity": timing_identity(plan),
         "hardware": hardware_info(args.threads),
         "software": software_info(plan, mode),
