@@ -22,7 +22,10 @@ envelope), greedy:
   prompt and the text so far per step, no drafter call; the objective chooses per step between a
   plain step and a lookup tree of any verify width;
 - ``objective+lookup``: the objective with the lookup nodes merged into the drafter's trees (and
-  lookup-only or plain steps when those are faster).
+  lookup-only or plain steps when those are faster);
+- ``hf-lookup`` (``--hf-lookup N``): transformers' own prompt-lookup decoding
+  (``generate(prompt_lookup_num_tokens=N)``, greedy, eager, the same weights): its decode time is
+  the time after its first new token.
 
 ``--systems`` keeps a subset (plain always runs: it is the baseline of every ratio).
 
@@ -223,6 +226,38 @@ def summarise_rows(args) -> int:
     return 0
 
 
+class _FirstToken:
+    """A transformers streamer noting when the first new token arrives (its first ``put`` is the
+    prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.t_first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.t_first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_lookup_row(hf, ids: list[int], max_new: int, n: int, eos: tuple[int, ...]) -> dict:
+    """One prompt through transformers' prompt-lookup decoding: the fields summarise() reads."""
+    x = torch.tensor([ids], dtype=torch.int64)
+    seen = _FirstToken()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                          max_new_tokens=max_new, eos_token_id=list(eos) or None,
+                          pad_token_id=eos[0] if eos else None, temperature=None, top_p=None, top_k=None,
+                          prompt_lookup_num_tokens=n, streamer=seen)
+    t1 = time.perf_counter()
+    toks = out[0, len(ids):].tolist()
+    return {"new_tokens": len(toks), "decode_s": t1 - (seen.t_first or t0), "steps": 0, "tokens": toks,
+            "pred_plain_ms": 0.0, "pred_step_ms": 0.0, "choices": [], "n_plain_steps": 0}
+
+
 def run(args) -> int:
     from yggtree.bench import load_prompts, stderr_progress
     from yggtree.offline.compile import ensure_artifacts
@@ -289,8 +324,16 @@ def run(args) -> int:
                 *(f"chain={d}" for d in args.chain_depths)}
         policies = {n: p for n, p in policies.items() if n in keep}
     prompts = load_prompts(args.prompts_mtbench, args.prompts_humaneval, tok)
+    hf = None
+    if args.hf_lookup:  # transformers' prompt lookup on the same weights, in the same run
+        from yggtree.bench import load_hf_model
+        from yggtree.runtime.loading import resolve_model
+
+        hf = load_hf_model(resolve_model(plan.target), plan.dtype)
+        settings["hf-lookup"] = f"transformers prompt_lookup_num_tokens={args.hf_lookup}"
+        hf_lookup_row(hf, prompts[0][1], 8, args.hf_lookup, engine.eos_ids)  # untimed warm-up
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    names = list(policies)
+    names = list(policies) + (["hf-lookup"] if hf is not None else [])
     settings = {n: settings[n] for n in names}
     rows = []
 
@@ -321,6 +364,9 @@ def run(args) -> int:
             row = {"prompt": pid, "set": pid.split("/")[0]}
             order = names[i % len(names):] + names[: i % len(names)]
             for name in order:
+                if name == "hf-lookup":
+                    row[name] = hf_lookup_row(hf, ids, args.max_new_tokens, args.hf_lookup, engine.eos_ids)
+                    continue
                 recs: list = []
                 if hasattr(policies[name], "log"):
                     policies[name].log.clear()
@@ -372,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", action="extend", type=lambda t: t.split(","), default=[],
                    help="only these systems (plain always runs): objective,fixed,chain,predictor,baseline,depth=N,"
                    "lookup,objective+lookup")
+    p.add_argument("--hf-lookup", type=int, default=0, metavar="N",
+                   help="also transformers' prompt-lookup decoding with N lookup tokens (0: not run)")
     p.add_argument("--lookup", type=int, default=8,
                    help="lookup nodes per step of the lookup and objective+lookup systems (0: no such systems)")
     p.add_argument("--compile-root", default="compile")
