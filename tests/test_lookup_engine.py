@@ -213,3 +213,13 @@ def test_lookup_calibration_path_is_used(tmp_path):
                        lookup=2, lookup_calibration=str(tmp_path / "none.json"))
     with pytest.raises(YggError, match="does not exist"):
         Engine(target, bad, None)
+
+
+def test_trace_records_the_lookup_candidates():
+    target = tiny()
+    eng = engine(target, TREES["egt"], make_drafter("other-lm", target), lookup=3)
+    recs = []
+    eng.generate(REPEAT, SamplingParams(max_new_tokens=12), trace=recs.append)
+    spec = [r for r in recs if "lookup" in r]
+    assert spec and all(len(r["tree"]["token"]) == len(r["lookup"]["source"] or r["tree"]["token"]) for r in spec)
+    assert any(r["lookup"]["nodes"] > 0 and r["lookup"]["match"] > 0 for r in spec)

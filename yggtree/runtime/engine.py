@@ -702,6 +702,9 @@ class Engine:
                         "kept": kept.tolist(),
                         "kept_valid": kept_valid.tolist(),
                         "accepted_path": acc.path.tolist(),
+                        # lookup candidates: how many, the match they continue, each slot's source
+                        "lookup": {"nodes": len(prop), "match": prop.match,
+                                   "source": src.tolist() if src is not None else None},
                         "n_accepted": n_acc,
                         "emitted": new,
                         "finish": reason,
