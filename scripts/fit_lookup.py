@@ -52,6 +52,18 @@ def edge_outcomes(tokens: list[int], start: int, max_depth: int, max_occurrences
     return out
 
 
+def _without_texts(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--texts":
+            skip = True
+        elif not a.startswith("--texts="):
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=40)
@@ -113,7 +125,9 @@ def main(argv=None) -> int:
                    "max_new_tokens": args.max_new_tokens, "target": "default (float32, greedy)",
                    "edges": n_all, "overall_rate": round(rate, 4), "prior_edges": args.prior,
                    "max_depth": args.max_depth, "max_occurrences": args.max_occurrences,
-                   "command": "python scripts/fit_lookup.py " + " ".join(argv if argv is not None else sys.argv[1:])}}
+                   # the command without --texts (a local cache of the answers: it changes nothing)
+                   "command": "python scripts/fit_lookup.py " + " ".join(_without_texts(
+                       argv if argv is not None else sys.argv[1:]))}}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"{n_all} edges, overall acceptance {rate:.3f}; wrote {args.out} "
           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
