@@ -244,11 +244,11 @@ def _flag_engine(args):
     from .runtime.build import EngineSpec, build_engine
     from .runtime.engine import TreeParams
 
-    tree = TreeParams(
-        args.draft_width or 4, args.draft_depth or 4, args.verify_width or 16, args.top_k
-    )
     drafter = None if args.no_speculate else args.drafter
     lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
+    # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
+    wv = args.verify_width or (min(lookup + 1, 16) if lookup and not drafter else 16)
+    tree = TreeParams(args.draft_width or 4, args.draft_depth or 4, wv, args.top_k)
     if drafter or lookup:
         tree.validate()
     _check_lookup(lookup, tree.verify_width)
