@@ -44,6 +44,26 @@ def selection_prompts(first: int, n: int, seed: int) -> list[str]:
     return [p.text for p in basic + varied]
 
 
+def heldout_data(root: Path, target, n: int, layers: tuple[int, ...]) -> "D.TeacherData":
+    """The first ``n`` held-out conversations of a transcript directory with the float32 target's
+    features (as at run time), by batched prefill."""
+    from yggtree.offline import transcripts as tr
+
+    parts, got = [], 0
+    for path in tr.shard_paths(root, "heldout"):
+        sh = tr.load_shard(path, D.target_fingerprint(target))
+        k = min(sh.n_seq, n - got)
+        cut = tr.Shard(sh.tokens[: int(sh.offsets[k])], sh.offsets[: k + 1], sh.role[: int(sh.offsets[k])], sh.meta)
+        feats = tr.prefill_features(target, cut, layers, batch=4)
+        parts.append(D.TeacherData(cut.tokens, feats, cut.offsets, cut.role))
+        got += k
+        if got == n:
+            break
+    if not parts:
+        raise YggError(f"no heldout-*.safetensors shards in {root}")
+    return D.concat_teacher(parts)
+
+
 def main(args) -> int:
     from yggtree.runtime.build import EngineSpec, load_drafter
     from yggtree.runtime.eagle import EagleDrafter
@@ -63,22 +83,27 @@ def main(args) -> int:
             raise YggError(f"--drafter {name}: not an EAGLE head")
         heads[name] = d
     layers = sorted({i for d in heads.values() for i in d.target_layers} | {tc.num_layers - 1})
-    texts = selection_prompts(args.first, args.prompts, args.seed)
-    ids = [encode_auto(tok, t)[-args.max_seq_len :] for t in texts]
     eos = tuple(tc.eos_token_ids) or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
     cfg = D.DistillConfig(max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
                           max_seq_len=args.max_seq_len, eval_depth=args.depth, unroll=1,
                           batch_size=4)
     t0 = time.perf_counter()
-    with D._progress() as progress:
-        data = D.build_teacher(target, ids, cfg, eos, tuple(layers), progress)
+    if args.transcripts:
+        data = heldout_data(Path(args.transcripts), target, args.prompts, tuple(layers))
+        where = f"{data.n_seq} held-out conversations of {args.transcripts}"
+    else:
+        texts = selection_prompts(args.first, args.prompts, args.seed)
+        ids = [encode_auto(tok, t)[-args.max_seq_len :] for t in texts]
+        with D._progress() as progress:
+            data = D.build_teacher(target, ids, cfg, eos, tuple(layers), progress)
+        where = f"{args.prompts} calibration prompts from chunk {args.first} (held out)"
     gen_s = time.perf_counter() - t0
     h = tc.hidden_size
     rows = []
     for name, d in heads.items():
         lay = D.FeatureLayout.make(tuple(d.target_layers), tc.num_layers, h)
         cols = torch.cat([torch.arange(layers.index(i) * h, (layers.index(i) + 1) * h) for i in lay.stored])
-        view = D.TeacherData(data.tokens, data.feats[:, cols], data.offsets, data.n_prompt)
+        view = D.TeacherData(data.tokens, data.feats[:, cols], data.offsets, data.role)
         net = d.net.float()
         vmap = net.draft_vocab
         th = D.TargetHead(norm_weight=target.norm.weight.float(), eps=tc.rms_norm_eps,
@@ -88,15 +113,14 @@ def main(args) -> int:
         ev = D.evaluate(net, th, view, list(range(view.n_seq)), cfg, scale, rope, lay)
         rows.append({"drafter": name, "target_layers": list(lay.inputs),
                      "accept_by_depth": ev["accept_by_depth"], "top8_at_depth": ev["top8_at_depth"],
-                     "chain4_aal": ev["est_chain4_aal"], "roots": ev["chain_roots"],
+                     "chain4_aal": ev["est_chain4_aal"], "tree4_aal": ev["est_tree4_aal"], "roots": ev["chain_roots"],
                      "top1": ev["val_top1_by_step"][0], "kl": ev["val_kl"]})
-    print(f"{args.prompts} calibration prompts from chunk {args.first} (held out), "
-          f"{int(data.tokens.shape[0])} tokens, generated in {gen_s:.0f} s")
-    print(f"{'drafter':<40} {'top1':>6} {'chain-4 AAL':>12}  P(accepted >= d), d = 1..{args.depth}")
+    print(f"{where}, {int(data.tokens.shape[0])} tokens, features in {gen_s:.0f} s")
+    print(f"{'drafter':<40} {'top1':>6} {'chain-4 AAL':>12} {'tree-4 AAL':>11}  P(accepted >= d), d = 1..{args.depth}")
     for r in rows:
         acc = " ".join(f"{a:.3f}" for a in r["accept_by_depth"])
-        print(f"{r['drafter'][-40:]:<40} {r['top1']:6.3f} {r['chain4_aal']:12.3f}  {acc}")
-    print(json.dumps({"first": args.first, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+        print(f"{r['drafter'][-40:]:<40} {r['top1']:6.3f} {r['chain4_aal']:12.3f} {r['tree4_aal']:11.3f}  {acc}")
+    print(json.dumps({"transcripts": args.transcripts, "first": args.first, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                       "n_tokens": int(data.tokens.shape[0]), "rows": rows}))
     return 0
 
@@ -106,6 +130,8 @@ def parse(argv=None):
     p.add_argument("--model", default="default")
     p.add_argument("--drafter", action="append", required=True, help="'default' or an EAGLE head directory (repeatable)")
     p.add_argument("--first", type=int, default=4000, help="first calibration corpus chunk")
+    p.add_argument("--transcripts", metavar="DIR",
+                   help="rank on the held-out synthetic chat conversations of these transcripts instead")
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)

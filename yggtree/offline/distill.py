@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import YggError, run_reporting
+from ..progress import PlainLog, stderr_progress
 from ..runtime.loading import read_safetensors
 
 TEACHER_FILE = "teacher.safetensors"
@@ -123,37 +124,10 @@ class DistillConfig:
 
 
 def _progress():
-    from ..bench import stderr_progress
-
     return stderr_progress()
 
 
-class _PlainLog:
-    """One stderr line per ``every`` seconds when stderr is not a terminal (rich draws nothing
-    live there), so a background run's log shows progress."""
-
-    def __init__(self, every: float = 30.0) -> None:
-        self.every = every
-        self.last = 0.0
-        self.on = not sys.stderr.isatty()
-
-    def __call__(self, msg: str, force: bool = False) -> None:
-        now = time.perf_counter()
-        if self.on and (force or now - self.last >= self.every):
-            self.last = now
-            sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
-            sys.stderr.flush()
-
-
-_plain = _PlainLog()
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+_plain = PlainLog()
 
 
 def target_fingerprint(model) -> str:
