@@ -53,7 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import YggError, run_reporting
+from ..files import atomic_path
 from ..progress import PlainLog, stderr_progress
+from .transcripts import prefill_sequences
 from ..runtime.loading import read_safetensors
 
 TEACHER_FILE = "teacher.safetensors"
@@ -279,40 +281,22 @@ def build_teacher(
     )
 
 
-@torch.no_grad()
 def teacher_force(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int, progress) -> TeacherData:
     """The ``layers`` outputs (side by side) at every position of fixed texts (one causal forward per batch of
     similar lengths). No answer: every role is 0 (given text), so these positions get the
     prompt loss weight and never count as greedy answers in the acceptance estimate."""
-    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
-    feats: dict[int, torch.Tensor] = {}
-    task = progress.add_task("teacher forcing (texts)", total=len(order))
-    n_tok, t0 = 0, time.perf_counter()
-    for start in range(0, len(order), batch):
-        idx = order[start : start + batch]
-        lens = torch.tensor([len(seqs[i]) for i in idx])
-        w = int(lens.max())
-        model.setup_cache(len(idx), w + 1)
-        toks = torch.zeros(len(idx), w, dtype=torch.int64)
-        for r, i in enumerate(idx):
-            toks[r, : len(seqs[i])] = torch.tensor(seqs[i])
-        ar = torch.arange(w)
-        real = ar[None, :] < lens[:, None]
-        slots = torch.where(real, ar[None, :], w)
-        pos = torch.where(real, ar[None, :], 0)
-        cols = torch.arange(w + 1)
-        mask = (cols[None, None, :] <= ar[None, :, None]) & (cols[None, None, :] < lens[:, None, None])
-        mask = mask | (~real[:, :, None] & (cols[None, None, :] == w))  # padding sees the scratch slot
-        out = model(toks, pos, slots, mask, layers)
-        f_all = torch.cat(list(out.layers), dim=-1)  # [B, W, L*H]
-        for r, i in enumerate(idx):
-            feats[i] = f_all[r, : len(seqs[i])].float()
-        n_tok += int(lens.sum())
-        desc = f"teacher forcing ({n_tok} tokens, {n_tok / (time.perf_counter() - t0):.0f} tok/s)"
-        progress.update(task, advance=len(idx), description=desc)
-        _plain(f"{desc}: {start + len(idx)}/{len(order)} texts")
+    task = progress.add_task("teacher forcing (texts)", total=len(seqs))
+    n_tok, t0 = [0], time.perf_counter()
+
+    def on_batch(rows: int, toks: int) -> None:
+        n_tok[0] += toks
+        desc = f"teacher forcing ({n_tok[0]} tokens, {n_tok[0] / (time.perf_counter() - t0):.0f} tok/s)"
+        progress.update(task, advance=rows, description=desc)
+        _plain(desc)
+
+    feats = prefill_sequences(model, seqs, layers, batch, on_batch)
     lengths = torch.tensor([len(t) for t in seqs], dtype=torch.int64)
-    f = torch.cat([feats[i] for i in range(len(seqs))])
+    f = torch.cat(feats)
     return TeacherData(
         tokens=torch.tensor([t for q in seqs for t in q], dtype=torch.int64),
         feats=f.to(torch.float16) if float(f.abs().max()) < 60000 else f,
@@ -723,9 +707,8 @@ def checkpoint_identity(cfg: DistillConfig, data_sha: str) -> dict:
 
 def save_checkpoint(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def load_checkpoint(path: Path, identity: dict) -> dict | None:
@@ -1180,6 +1163,9 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
     cache = feature_cache_root(cfg.feature_cache)
     teacher = None
     parts, info_shards, reused = [], [], 0
+    rank, world = _world()
+    if rank != 0:  # data-parallel: rank 0 fills the feature cache, the others then read it
+        torch.distributed.barrier()
     task = progress.add_task("features", total=sum(sh.n_tokens for _, sh in shards + held))
     for p, sh in shards + held:
         fpath = tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype)
@@ -1197,6 +1183,8 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
         info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
                             "sequences": sh.n_seq, "counts": sh.meta["counts"]})
     del teacher
+    if world > 1 and rank == 0:
+        torch.distributed.barrier()
     data = concat_teacher(parts)
     n_train_seq = sum(sh.n_seq for _, sh in shards)
     seen: set[bytes] = set()

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import YggError
+from ..files import atomic_path
 from . import requests as rq
 
 SHARD_FORMAT = 1
@@ -380,13 +381,12 @@ def save_shard(shard: Shard, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     small = shard.meta["vocab_size"] <= np.iinfo(np.uint16).max + 1
     tokens = shard.tokens.numpy().astype(np.uint16 if small else np.int32)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        {"tokens": tokens, "offsets": shard.offsets.numpy(), "role": shard.role.numpy()},
-        str(tmp),
-        metadata={"yggtree": "transcripts", "meta": json.dumps(shard.meta, sort_keys=True)},
-    )
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file(
+            {"tokens": tokens, "offsets": shard.offsets.numpy(), "role": shard.role.numpy()},
+            str(tmp),
+            metadata={"yggtree": "transcripts", "meta": json.dumps(shard.meta, sort_keys=True)},
+        )
 
 
 def load_shard(path: Path, fingerprint: str | None = None, tokenizer_fp: str | None = None) -> Shard:
@@ -444,9 +444,8 @@ def save_features(feats: torch.Tensor, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     amax = float(feats.abs().max()) if feats.numel() else 0.0
     store = feats.to(torch.float16) if amax < 60000 else feats.float()
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"feats": store.contiguous()}, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file({"feats": store.contiguous()}, str(tmp))
 
 
 def load_features(path: Path, n_tokens: int, width: int) -> torch.Tensor | None:
@@ -463,10 +462,9 @@ def load_features(path: Path, n_tokens: int, width: int) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def prefill_features(model, shard: Shard, layers: tuple[int, ...], batch: int = 8, on_batch=None) -> torch.Tensor:
-    """The ``layers`` outputs (side by side) at every position of every sequence, by one causal
-    forward per batch of similar-length sequences: [N, len(layers) * H] float32."""
-    seqs = [shard.tokens[int(shard.offsets[i]) : int(shard.offsets[i + 1])] for i in range(shard.n_seq)]
+def prefill_sequences(model, seqs: list[torch.Tensor], layers: tuple[int, ...], batch: int = 8, on_batch=None) -> list[torch.Tensor]:
+    """The ``layers`` outputs (side by side) at every position of each sequence, by one causal
+    forward per batch of similar-length sequences: per sequence [len, len(layers) * H] float32."""
     order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
     out: dict[int, torch.Tensor] = {}
     for start in range(0, len(order), batch):
@@ -476,22 +474,27 @@ def prefill_features(model, shard: Shard, layers: tuple[int, ...], batch: int = 
         model.setup_cache(len(idx), w + 1)
         toks = torch.zeros(len(idx), w, dtype=torch.int64)
         for r, i in enumerate(idx):
-            toks[r, : len(seqs[i])] = seqs[i]
+            toks[r, : len(seqs[i])] = torch.as_tensor(seqs[i])
         ar = torch.arange(w)
         real = ar[None, :] < lens[:, None]
         slots = torch.where(real, ar[None, :], w)
         pos = torch.where(real, ar[None, :], 0)
         cols = torch.arange(w + 1)
         mask = (cols[None, None, :] <= ar[None, :, None]) & (cols[None, None, :] < lens[:, None, None])
-        mask = mask | (~real[:, :, None] & (cols[None, None, :] == w))
+        mask = mask | (~real[:, :, None] & (cols[None, None, :] == w))  # padding sees the scratch slot
         o = model(toks, pos, slots, mask, layers)
         f = torch.cat(list(o.layers), dim=-1).float()
         for r, i in enumerate(idx):
             out[i] = f[r, : len(seqs[i])]
         if on_batch is not None:
             on_batch(len(idx), int(lens.sum()))
-    return torch.cat([out[i] for i in range(len(seqs))])
+    return [out[i] for i in range(len(seqs))]
 
+
+def prefill_features(model, shard: Shard, layers: tuple[int, ...], batch: int = 8, on_batch=None) -> torch.Tensor:
+    """:func:`prefill_sequences` over a shard's sequences, concatenated: [N, len(layers) * H] float32."""
+    seqs = [shard.tokens[int(shard.offsets[i]) : int(shard.offsets[i + 1])] for i in range(shard.n_seq)]
+    return torch.cat(prefill_sequences(model, seqs, layers, batch, on_batch))
 
 def heldout_prompts(root: Path, n: int, fingerprint: str | None = None) -> list[tuple[str, list[int]]]:
     """(id, prompt ids) of the first ``n`` held-out conversations: each one's tokens up to its first
