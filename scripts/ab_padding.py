@@ -25,7 +25,7 @@ from yggtree.errors import run_reporting  # noqa: E402
 
 def run(args) -> int:
     import yggtree.runtime.packed as packed
-    from yggtree.bench import load_prompts
+    from yggtree.data import load_prompts
     from yggtree.offline.compile import ensure_artifacts
     from yggtree.plan import load_plan
     from yggtree.runtime.build import build_plan_engine

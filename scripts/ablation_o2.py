@@ -132,7 +132,8 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from yggtree.bench import interleave, load_prompts, stderr_progress
+    from yggtree.data import interleave, load_prompts
+    from yggtree.progress import stderr_progress
     from yggtree.offline.compile import ensure_artifacts
     from yggtree.plan import load_plan
     from yggtree.runtime.engine import SamplingParams

@@ -259,7 +259,8 @@ def hf_lookup_row(hf, ids: list[int], max_new: int, n: int, eos: tuple[int, ...]
 
 
 def run(args) -> int:
-    from yggtree.bench import load_prompts, stderr_progress
+    from yggtree.data import load_prompts
+    from yggtree.progress import stderr_progress
     from yggtree.offline.compile import ensure_artifacts
     from yggtree.plan import load_plan
     from yggtree.runtime.build import build_plan_engine

@@ -106,7 +106,8 @@ def check(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from yggtree.bench import hf_generate, hf_prompt_logits, load_hf_model, stderr_progress, ygg_prompt_logits
+    from yggtree.bench import hf_generate, hf_prompt_logits, load_hf_model, ygg_prompt_logits
+    from yggtree.progress import stderr_progress
     from yggtree.runtime.drafters import LMDrafter
     from yggtree.runtime.engine import Engine, EngineConfig
     from yggtree.runtime.loading import load_model, load_tokenizer, resolve_model

@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from yggtree.bench import interleave, load_prompts, stderr_progress  # noqa: E402
+from yggtree.data import interleave, load_prompts  # noqa: E402
+from yggtree.progress import stderr_progress  # noqa: E402
 from yggtree.errors import YggError, run_reporting  # noqa: E402
 from yggtree.runtime import steps  # noqa: E402
 from yggtree.runtime.build import EngineSpec, load_drafter  # noqa: E402

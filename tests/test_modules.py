@@ -60,7 +60,8 @@ def test_stream_passes_an_invalid_byte_once_text_follows():
 
 
 def test_interleave_and_aggregate_exact():
-    from yggtree.bench import Timing, aggregate, interleave
+    from yggtree.bench import Timing, aggregate
+    from yggtree.data import interleave
 
     prompts = [("mtbench/1", [1]), ("mtbench/2", [2]), ("mtbench/3", [3]), ("humaneval/1", [4])]
     assert [n for n, _ in interleave(prompts)] == ["mtbench/1", "humaneval/1", "mtbench/2", "mtbench/3"]

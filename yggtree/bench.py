@@ -54,7 +54,9 @@ from pathlib import Path
 
 import torch
 
+from .data import interleave, load_prompts
 from .errors import YggError, run_reporting
+from .progress import stderr_progress
 
 SYSTEMS = ("hf", "ygg-reference", "ygg-compiled")
 BENCH_DTYPES = ("float32", "bfloat16")
@@ -169,42 +171,6 @@ def ygg_prompt_logits(model, prompt_ids: list[int], chunk: int, n_slots: int) ->
                 twin, buf[None], torch.tensor(start), torch.tensor(part.shape[0])
             )
     return logits[0].float()
-
-
-def load_prompts(n_mtbench: int, n_humaneval: int, tokenizer, raw: bool = False) -> list[tuple[str, list[int]]]:
-    """(prompt id, token ids with the chat template) for the first MT-Bench and HumanEval prompts."""
-    from .data import eval_prompts
-    from .runtime.loading import encode_prompt
-
-    if n_mtbench < 0 or n_humaneval < 0 or n_mtbench + n_humaneval < 1:
-        raise YggError(f"need at least one prompt, got {n_mtbench} MT-Bench + {n_humaneval} HumanEval")
-    return [(p.id, encode_prompt(tokenizer, p.text, raw)) for p in eval_prompts(n_mtbench, n_humaneval)]
-
-
-def interleave(prompts: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
-    """MT-Bench and HumanEval prompts alternately (each set in its own order), so a stopped run
-    covers both sets."""
-    mt = [p for p in prompts if p[0].startswith("mtbench/")]
-    he = [p for p in prompts if not p[0].startswith("mtbench/")]
-    out = []
-    for i in range(max(len(mt), len(he))):
-        out += mt[i : i + 1] + he[i : i + 1]
-    return out
-
-
-def stderr_progress():
-    """A rich progress bar on stderr (stdout stays for the table and the JSON line)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    )
 
 
 # ----------------------------------------------------------------------------- one measurement

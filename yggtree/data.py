@@ -163,6 +163,26 @@ def eval_prompts(mtbench: int | None = 40, humaneval: int | None = 40) -> list[P
     return mtbench_first_turns(mtbench) + humaneval_prompts(humaneval)
 
 
+def load_prompts(n_mtbench: int, n_humaneval: int, tokenizer, raw: bool = False) -> list[tuple[str, list[int]]]:
+    """(prompt id, token ids with the chat template) for the first MT-Bench and HumanEval prompts."""
+    from .runtime.loading import encode_prompt
+
+    if n_mtbench < 0 or n_humaneval < 0 or n_mtbench + n_humaneval < 1:
+        raise YggError(f"need at least one prompt, got {n_mtbench} MT-Bench + {n_humaneval} HumanEval")
+    return [(p.id, encode_prompt(tokenizer, p.text, raw)) for p in eval_prompts(n_mtbench, n_humaneval)]
+
+
+def interleave(prompts: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """MT-Bench and HumanEval prompts alternately (each set in its own order), so a stopped run
+    covers both sets."""
+    mt = [p for p in prompts if p[0].startswith("mtbench/")]
+    he = [p for p in prompts if not p[0].startswith("mtbench/")]
+    out = []
+    for i in range(max(len(mt), len(he))):
+        out += mt[i : i + 1] + he[i : i + 1]
+    return out
+
+
 def evaluation_texts() -> tuple[str, ...]:
     """Every string that must never appear in calibration data, sorted and deduplicated.
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import YggError, run_reporting
 from ..files import atomic_path, write_text_atomic
+from ..progress import stderr_progress
 
 # ----------------------------------------------------------------------------- latency curves
 
@@ -200,7 +201,6 @@ def measured_aal(tree, path_ok, wd: int, d_max: int, widths: list[int]) -> list[
 def run_calibrate(args) -> int:
     import torch
 
-    from ..bench import stderr_progress
     from ..data import calibration_chat_prompts
     from ..plan import default_plan, load_plan
     from ..runtime.build import EngineSpec, build_engine

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..errors import YggError, run_reporting
 from ..files import atomic_path, manifest_args, write_text_atomic
+from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
 
 ACCEL_NAME = re.compile(
@@ -314,7 +315,6 @@ def run_profile(args) -> int:
     warmup, repeats = (1, 3) if quick else (args.warmup, args.repeats)
     t_start = time.perf_counter()
 
-    from ..bench import stderr_progress
     from ..runtime.build import EngineSpec, build_engine, plan_slots
     from ..runtime.graphs import inductor_cache
 

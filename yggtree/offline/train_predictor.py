@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import YggError, run_reporting
 from ..files import atomic_path, manifest_path, write_text_atomic
+from ..progress import stderr_progress
 
 if TYPE_CHECKING:
     import torch
@@ -498,7 +499,6 @@ def _record(args, plan, rec_path: Path | None) -> tuple[Records, dict]:
         return rec, meta
     from dataclasses import replace
 
-    from ..bench import stderr_progress
     from ..data import calibration_chat_prompts
     from ..runtime.build import EngineSpec, build_engine
     from ..runtime.engine import TreeParams
