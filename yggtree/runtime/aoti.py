@@ -72,11 +72,6 @@ class _BlockFn(nn.Module):
         return torch.func.functional_call(self.block, state, (x, cos, sin, slots, mask))
 
 
-def _block_args(block: nn.Module, acts) -> list[torch.Tensor]:
-    cache = block.self_attn.cache
-    return [*acts, cache.k, cache.v, *(p for _, p in block_tensors(block))]
-
-
 def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> Path:
     """Export ``block`` at the shapes of ``example`` (its 5 activation inputs) and compile it into
     the AOTInductor package ``path``. The block's own cache is only read for its shape."""
