@@ -8,6 +8,10 @@ figures come from each head's manifest: the validation pass on the held-out synt
 conversations (heldout shards, which no training run reads): est. chain-4 AAL (the head's top-1
 chain, 4 deep) and est. tree AAL (a tree holding the head's top-4 at every node of the true path,
 eval-depth deep). Writes the PNG and a CSV beside it, prints the table.
+
+``--in-run DIR`` adds the evaluations made during one run (report/train_log.csv: the same
+held-out pass every ``--eval-every`` steps) against the tokens the run had trained on so far,
+as a dashed line: one long single-epoch run gives the whole curve.
 """
 
 from __future__ import annotations
@@ -39,10 +43,25 @@ def rows(dirs: list[str]) -> list[dict]:
     return sorted(out, key=lambda r: r["train_tokens"])
 
 
+def in_run_rows(d: str) -> list[dict]:
+    """The held-out evaluations logged during one run: tokens trained on so far and the estimates."""
+    path = Path(d) / "report" / "train_log.csv"
+    if not path.is_file():
+        sys.exit(f"learning_curve: {path} does not exist")
+    with path.open() as f:
+        logged = [r for r in csv.DictReader(f) if r.get("est_chain4_aal")]
+    return [{
+        "tokens_seen": int(float(r["tokens_seen"])),
+        "est_chain4_aal": float(r["est_chain4_aal"]),
+        "est_tree4_aal": float(r["est_tree4_aal"]) if r.get("est_tree4_aal") else None,
+    } for r in logged]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", required=True, help="PNG path (a CSV is written beside it)")
+    p.add_argument("--in-run", metavar="DIR", help="also plot the evaluations logged during this run")
     args = p.parse_args()
     rs = rows(args.runs)
     out = Path(args.out)
@@ -61,6 +80,16 @@ def main() -> int:
     ax.plot(x, [r["est_chain4_aal"] for r in rs], "o-", label="chain of 4 (top-1)")
     if all(r["est_tree4_aal"] is not None for r in rs):
         ax.plot(x, [r["est_tree4_aal"] for r in rs], "s-", label="top-4 tree along the true path")
+    if args.in_run:
+        ir = in_run_rows(args.in_run)
+        xi = [r["tokens_seen"] for r in ir]
+        ax.plot(xi, [r["est_chain4_aal"] for r in ir], "--", color="C0", alpha=0.7,
+                label=f"chain of 4, during {Path(args.in_run).name}")
+        if ir and all(r["est_tree4_aal"] is not None for r in ir):
+            ax.plot(xi, [r["est_tree4_aal"] for r in ir], "--", color="C1", alpha=0.7,
+                    label=f"tree, during {Path(args.in_run).name}")
+        for r in ir:
+            print(json.dumps({"in_run": Path(args.in_run).name, **r}))
     ax.set_xscale("log")
     ax.set_xlabel("training tokens (target transcripts)")
     ax.set_ylabel("held-out accepted tokens per step (est.)")
