@@ -96,8 +96,8 @@ def test_compile_builds_every_graph_once(compiled):
     files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir())
     assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 2
     assert not list(art.glob("build-*")) and m["size_bytes"] > 0  # the scratch build dir is gone
-    # model files are recorded relative to the artifact directory (the embedded plan still holds
-    # the absolute paths that define its identity)
+    # model files (and the embedded plan's paths) are recorded relative to the artifact directory
+    assert m["plan"]["target"] == "../../model"
     paths = [f["path"] for f in m["models"]]
     assert "../../model/model.safetensors" in paths and all(p.startswith("../../model/") for p in paths)
     copy = load_plan(art / "plan.yaml")
@@ -127,9 +127,9 @@ WARM = textwrap.dedent(
     from yggtree.plan import artifact_dir, load_plan
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
-    from yggtree.runtime.policy import StepChoice
+    from yggtree.runtime.policy import StepChoice, StepPolicy
 
-    class EveryChoice:  # steps through every (D, W_d, W_v) of the plan, plain steps (D = 0) included
+    class EveryChoice(StepPolicy):  # steps through every (D, W_d, W_v) of the plan, plain steps (D = 0) included
         def __init__(self, plan):
             self.choices = [(0, 1, 1)] + [
                 (d, wd, wv) for d, wd, wv in itertools.product(
@@ -195,6 +195,30 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     assert (r["frames"], r["graphs"], r["recompiles"], r["breaks"]) == (0, 0, 0, 0)
     assert r["inductor"] == {}
     assert "width 3 is not in the compiled set [1, 2]" in r["refused"]
+
+
+def test_moved_compiled_directory_still_loads(compiled, tmp_path):
+    """The whole tree (model, plan, compiled directory) copied elsewhere: its manifest and plan
+    copy hold relative paths and no location enters the plan's identity, so the copy is up to
+    date and its packages run, with the reference engine's greedy tokens."""
+    import shutil
+
+    from yggtree.plan import artifact_dir
+    from yggtree.runtime.build import build_plan_engine
+    from yggtree.runtime.engine import SamplingParams
+
+    root, _, _ = compiled
+    moved = tmp_path / "moved"
+    shutil.copytree(root, moved)  # copy2: file times kept, as a move keeps them
+    assert str(root) not in (moved / "compile" / "tiny" / MANIFEST).read_text()
+    plan = prepare_run(moved / "compile" / "tiny" / "plan.yaml", compile_missing=False)
+    art = artifact_dir(plan)
+    assert art == moved / "compile" / "tiny" and plan.target == str(moved / "model")
+    engine, _ = build_plan_engine(plan, art)
+    reference, _ = build_plan_engine(plan, None, mode="reference")
+    params = SamplingParams(max_new_tokens=8)
+    for prompt in ([3, 4, 5], list(range(10, 23))):
+        assert engine.generate(prompt, params).token_ids == reference.generate(prompt, params).token_ids
 
 
 def test_interrupted_compile_is_refused_then_rebuilt(compiled, monkeypatch):

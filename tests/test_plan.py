@@ -261,7 +261,8 @@ def test_manifest_roundtrip_and_copy(tmp_path):
     art = out / "t"
     assert s["status"] == "compiled" and Path(s["dir"]) == art
     m = json.loads((art / MANIFEST).read_text())
-    assert m["plan_hash"] == plan.hash() and m["plan"] == plan.to_dict()
+    assert m["plan_hash"] == plan.hash() and m["plan"] == plan.to_dict(relative_to=art)
+    assert m["plan"]["target"] == "../../model" and str(tmp_path) not in (art / MANIFEST).read_text()
     assert m["versions"]["torch"] == torch.__version__ and m["graphs"] == []
     # model paths relative to the artifact directory: a manifest holds no absolute path of them
     assert {f["path"] for f in m["models"]} == {f"../../model/{n}" for n in ("config.json", "model.safetensors")}
@@ -271,6 +272,29 @@ def test_manifest_roundtrip_and_copy(tmp_path):
     assert check_artifacts(plan, art) == [] and check_artifacts(copy, art) == []
     again = compile_plan(plan, out)
     assert again["status"] == "up-to-date"
+
+
+def test_moved_artifacts_stay_usable(tmp_path):
+    """No location enters a plan's identity or its manifest: the whole tree moved, or the compiled
+    directory moved alone, is still up to date; a profile's content (not its path) is identity."""
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "prof.json").write_text("{}")
+    plan = load_plan(eager_plan(a, profile="prof.json"))
+    compile_plan(plan, a / "compile")
+    identity = plan.hash(), plan.graph_hash()
+    shutil.move(a, b)  # the checkout moved
+    moved = load_plan(b / "plan.yaml")
+    assert moved.target == str(b / "model") and (moved.hash(), moved.graph_hash()) == identity
+    assert check_artifacts(moved, b / "compile" / "t") == []
+    assert check_artifacts(load_plan(b / "compile" / "t" / "plan.yaml"), b / "compile" / "t") == []
+    assert compile_plan(moved, b / "compile")["status"] == "up-to-date"
+    shutil.move(b / "compile", tmp_path / "elsewhere")  # the compiled directory moved alone
+    assert check_artifacts(moved, tmp_path / "elsewhere" / "t") == []
+    (b / "prof.json").write_text('{"edited": 1}')  # same path, new content: a new identity
+    assert load_plan(b / "plan.yaml").hash() != identity[0]
 
 
 def test_stale_detection(tmp_path):

@@ -53,13 +53,15 @@ stages         str              sequential     stage plan; only ``sequential`` r
 
 Relative paths (target, drafter, profile, predictor, calibration) are relative to the plan
 file's directory; :func:`load_plan` stores them absolute and :func:`save_plan` writes them
-relative to the new file, so a copied plan still names the same files.
+relative to the new file, so a copied plan still names the same files. No location enters a
+plan's identity (:meth:`Plan.hash`, :meth:`Plan.graph_hash`): a compiled directory moved (with the
+files its plan names, or alone when they are not beside it) stays usable.
 
 The artifacts of a compiled plan live in one directory (``compile/<name>/``)::
 
-    manifest.json      plan hash, model fingerprints, torch/python versions and a hash of
-                       yggtree's runtime sources, backend, dtype,
-                       every graph (shapes, compile seconds), size on disk
+    manifest.json      the plan and its hash, model fingerprints, torch/python versions and a
+                       hash of yggtree's runtime sources, backend, dtype, every graph (shapes,
+                       compile seconds, sha256), size on disk; paths relative to the directory
     plan.yaml          the plan as compiled (paths rewritten relative to this directory)
     graphs/            one AOTInductor package per block shape (block-<kind>-w<W>-c<C>.pt2)
 
@@ -199,8 +201,15 @@ class Plan:
         return out
 
     def hash(self) -> str:
-        """sha256 of the canonical plan (absolute paths, no source): its identity."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """sha256 of the canonical plan: its identity, which no location enters (a model path
+        counts as ``"path"``: the compile manifest's fingerprints identify model files; a profile,
+        predictor or calibration counts by the sha256 of its content), so a plan moved together
+        with its files keeps it."""
+        d = _located(self.to_dict())
+        for k in PATH_KEYS:
+            if d[k] is not None:
+                d[k] = "sha256:" + content_sha256(Path(d[k])) if Path(d[k]).exists() else "missing"
+        text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def graph_hash(self) -> str:
@@ -216,11 +225,26 @@ GRAPH_FIELDS = ("version", "name", "target", "drafter", "dtype", "backend", "max
 
 
 def graph_hash_of(plan_dict: Any) -> str | None:
-    """:meth:`Plan.graph_hash` of a ``Plan.to_dict()`` (as stored in a manifest); None if malformed."""
+    """:meth:`Plan.graph_hash` of a ``Plan.to_dict()`` with absolute or relative paths (a
+    manifest stores it relative to its directory); None if malformed."""
     if not isinstance(plan_dict, dict) or any(k not in plan_dict for k in GRAPH_FIELDS):
         return None
-    text = json.dumps({k: plan_dict[k] for k in GRAPH_FIELDS}, sort_keys=True, separators=(",", ":"))
+    d = _located({k: plan_dict[k] for k in GRAPH_FIELDS})
+    text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _located(plan_dict: dict) -> dict:
+    """``plan_dict`` with every model path replaced by ``"path"`` (keywords kept)."""
+    return {k: "path" if k in MODEL_KEYS and _is_path_field(k, v) else v for k, v in plan_dict.items()}
+
+
+def content_sha256(p: Path) -> str:
+    """Hex sha256 of a file's bytes, or of a directory's top-level files (names and contents)."""
+    if not p.is_dir():
+        return file_sha256(p)
+    files = sorted(f for f in p.iterdir() if f.is_file())
+    return hashlib.sha256("".join(f"{f.name}\0{file_sha256(f)}\n" for f in files).encode()).hexdigest()
 
 
 def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:
@@ -595,7 +619,7 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             f"the artifacts in {d} have format {m.get('format')}, this yggtree writes {MANIFEST_FORMAT}"
         )
     if graph_hash_of(m.get("plan")) != plan.graph_hash():
-        what = _plan_diff(m.get("plan"), plan.to_dict(), GRAPH_FIELDS)
+        what = _plan_diff(m.get("plan"), plan.to_dict(relative_to=d), GRAPH_FIELDS)
         reasons.append(f"the plan changed since it was compiled into {d}" + (f" ({what})" if what else ""))
     now = versions()
     for k, v in now.items():
@@ -603,10 +627,10 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         if was != v:
             what = "yggtree runtime code" if k == "yggtree_runtime" else f"{k} version"
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
-    was_prints = {(f["role"], f["path"]): f for f in m.get("models", [])}
-    from .files import manifest_path  # the manifest records model paths relative to its directory
-
-    now_prints = {(f["role"], manifest_path(f["path"], d)): f for f in model_fingerprints(plan)}
+    # a model file is known by its role and name (the manifest records its path relative to its
+    # directory, which changes when either moves); its size, mtime and checksum identify it
+    was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])}
+    now_prints = {(f["role"], Path(f["path"]).name): f for f in model_fingerprints(plan)}
     for key, f in now_prints.items():
         old = was_prints.get(key)
         if f.get("missing"):

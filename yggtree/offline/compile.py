@@ -269,7 +269,7 @@ def compile_plan(
             # only fields the graphs do not depend on changed (sampling, profile, calibration,
             # predictor, stages): refresh the plan copy and the manifest, keep every package
             save_plan(plan, art / PLAN_COPY)
-            m = {**m, "plan_hash": plan.hash(), "plan": plan.to_dict(),
+            m = {**m, "plan_hash": plan.hash(), "plan": plan.to_dict(relative_to=art),
                  "plan_updated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             _write_manifest(art, m)
             status = "plan-updated"
@@ -311,7 +311,7 @@ def compile_plan(
         "format": MANIFEST_FORMAT,
         "plan_name": plan.name,
         "plan_hash": plan.hash(),
-        "plan": plan.to_dict(),
+        "plan": plan.to_dict(relative_to=art),  # no absolute paths
         "backend": plan.backend,
         "dtype": plan.dtype,
         "versions": versions(),
