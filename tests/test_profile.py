@@ -40,17 +40,12 @@ def plan_path(tmp_path_factory):
     return root / "plan.yaml"
 
 
-def test_hw_names_must_match_the_device():
-    cpu = {"kind": "cpu", "name": "Intel(R) Xeon(R) Processor"}
-    for name in ("a100", "h100-sxm", "rtx4090", "ascend910b"):
-        with pytest.raises(YggError, match="names an accelerator, but this process runs on a CPU"):
-            check_hw_name(name, cpu, force=False)
-        check_hw_name(name, cpu, force=True)  # --force: the user insists
-    check_hw_name("cpu-2core", cpu, force=False)
-    with pytest.raises(YggError, match="does not match this cuda device"):
-        check_hw_name("h100", {"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB"}, force=False)
-    with pytest.raises(YggError, match="use letters, digits"):
-        check_hw_name("../etc", cpu, force=False)
+def test_hw_names_are_file_names():
+    for name in ("cpu-2core", "a100", "my.box_1"):
+        check_hw_name(name)  # a label: the profile records the device it measured
+    for name in ("../etc", "", "a b"):
+        with pytest.raises(YggError, match="use letters, digits"):
+            check_hw_name(name)
 
 
 def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_path, capsys):
@@ -74,9 +69,9 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
     assert main(args) == 1  # exists: refused, file untouched
     assert "already exists (pass --force" in capsys.readouterr().err
     assert (out / "cpu-test.json").read_text() == before
-    assert main(["profile", "--hw", "a100", "--plan", str(plan_path), "--out-dir", str(out)]) == 1
-    assert "names an accelerator" in capsys.readouterr().err
-    assert not (out / "a100.json").exists()
+    assert main(["profile", "--hw", "../x", "--plan", str(plan_path), "--out-dir", str(out)]) == 1
+    assert "use letters, digits" in capsys.readouterr().err
+    assert not (out.parent / "x.json").exists()
 
 
 def test_calibrate_writes_a_loadable_calibration(plan_path, tmp_path, capsys):

@@ -32,43 +32,18 @@ from ..files import atomic_path, manifest_args, write_text_atomic
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
 
-ACCEL_NAME = re.compile(
-    r"^(a\d{2,3}|h\d{2,3}|b\d{3}|v100|p100|k80|l4|l40s?|t4|a10g?|rtx.*|gtx.*|titan.*|quadro.*|"
-    r"gh200|mi\d{2,3}x?|tpu.*|npu.*|ascend.*|910[a-c]?|cuda.*|gpu.*)([-_].*)?$",
-    re.IGNORECASE,
-)
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 # ----------------------------------------------------------------------------- the machine
 
 
-def check_hw_name(name: str, device: dict, force: bool) -> None:
-    """Refuse a profile name that claims hardware this process is not running on."""
+def check_hw_name(name: str) -> None:
+    """A profile name is a file name (``profiles/<name>.json``); which device a profile belongs to
+    is what it records as measured (``hardware``), never guessed from its name."""
     if not NAME_OK.match(name):
         raise YggError(
             f"--hw {name!r}: use letters, digits, '.', '_' or '-' (it names profiles/<hw>.json)"
-        )
-    if force:
-        return
-    accel = ACCEL_NAME.match(name) is not None
-    if accel and device["kind"] == "cpu":
-        raise YggError(
-            f"--hw {name!r} names an accelerator, but this process runs on a CPU "
-            f"({device['name']}); name the profile after this machine (e.g. cpu-{os.cpu_count()}core) "
-            "or pass --force"
-        )
-    if accel and device["kind"] != "cpu":
-        token = re.split(r"[-_]", name.lower())[0]
-        if token not in device["name"].lower().replace(" ", ""):
-            raise YggError(
-                f"--hw {name!r} does not match this {device['kind']} device ({device['name']}); "
-                "pass --force to name it anyway"
-            )
-    if not accel and device["kind"] != "cpu" and re.match(r"^(cpu|xeon|epyc)", name, re.I):
-        raise YggError(
-            f"--hw {name!r} names a CPU, but this process measures a {device['kind']} device "
-            f"({device['name']}); pass --force to name it anyway"
         )
 
 
@@ -300,7 +275,7 @@ def run_profile(args) -> int:
 
     torch.set_num_threads(args.threads)
     device = detect_device()
-    check_hw_name(args.hw, device, args.force)
+    check_hw_name(args.hw)
     out_dir = Path(args.out_dir)
     dst = out_dir / f"{args.hw}.json"
     if dst.exists() and not args.force:
@@ -461,10 +436,10 @@ def print_table(profile: dict) -> None:
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hw", required=True, help="profile name, e.g. cpu-2core (checked against this device)")
+    p.add_argument("--hw", required=True, help="profile name, e.g. cpu-2core (profiles/<hw>.json; the profile records the device it measured)")
     p.add_argument("--plan", default=None, help="plan YAML (default: the embedded default plan)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing profile / accept any --hw name")
+    p.add_argument("--force", action="store_true", help="overwrite an existing profile")
     p.add_argument("--quick", action="store_true", help="a small grid (widths <= 16, 2 contexts, 3 repeats)")
     p.add_argument("--max-width", type=int, default=128, help="largest width measured (default 128)")
     p.add_argument("--warmup", type=int, default=3)
