@@ -431,6 +431,26 @@ def test_find_tuned_plan_picks_a_compiled_plan_for_this_device(tmp_path):
     assert find_tuned_plan("bfloat16", {"kind": "npu", "name": "x"}, (tmp_path,)) == (None, None)
 
 
+def test_tuned_plans_are_found_in_the_user_data_dir_and_the_checkout(tmp_path, monkeypatch):
+    """An installed yggtree finds tuned plans in the user's data directory; run from a checkout
+    (as this test is), in the checkout's profiles/ after it."""
+    from yggtree.plan import find_tuned_plan, tuned_plan_dirs
+    from yggtree.runtime.device import detect_device
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    user = tmp_path / "data" / "yggtree" / "profiles"
+    assert tuned_plan_dirs() == (user, Path(__file__).resolve().parent.parent / "profiles")
+    user.mkdir(parents=True)
+    here = detect_device()
+    (user / "here.json").write_text(json.dumps({"hardware": {"device": here["kind"], "device_name": here["name"]}}))
+    (user / "cal.json").write_text("{}")
+    (user / "mine.yaml").write_text("name: mine\ntarget: default\ndrafter: default\ndtype: bfloat16\n"
+                                    "backend: eager\nprofile: here.json\ncalibration: cal.json\n")
+    assert find_tuned_plan("bfloat16", here, compile_root=tmp_path / "compile") == (user / "mine.yaml", None)
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert tuned_plan_dirs()[0] == Path.home() / ".local" / "share" / "yggtree" / "profiles"
+
+
 def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(monkeypatch, tmp_path):
     """`yggtree run --prompt ...`: the default plan fills unset flags; a ready tuned plan is used
     only when no model, drafter, tree or context flag says otherwise."""

@@ -109,8 +109,9 @@ def _add_run(sub) -> None:
         "--plan",
         metavar="PLAN_YAML",
         help="run a compiled plan (its model, drafter, dtype, context and graphs); widths must be "
-        "in its compiled sets. Default: a plan in profiles/ tuned for this device and --dtype if "
-        "one is compiled, else the default plan (yggtree/plans/default.yaml), which decodes "
+        "in its compiled sets. Default: a plan tuned for this device and --dtype if one is "
+        "compiled (in ~/.local/share/yggtree/profiles/, or a checkout's profiles/), else the "
+        "default plan (yggtree/plans/default.yaml), which decodes "
         "plainly on a device it has no latency profile for",
     )
     p.add_argument(

@@ -456,13 +456,22 @@ def default_plan() -> Plan:
     return load_plan(DEFAULT_PLAN)
 
 
-TUNED_PLAN_DIR = Path(__file__).resolve().parent.parent / "profiles"  # a checkout's profiles/
+def tuned_plan_dirs() -> tuple[Path, ...]:
+    """Where tuned plans are looked for: the user's data directory
+    (``$XDG_DATA_HOME/yggtree/profiles``, by default ``~/.local/share/yggtree/profiles``), then,
+    when yggtree runs from a source checkout, the checkout's ``profiles/``."""
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    dirs = [Path(data) / "yggtree" / "profiles"]
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file():
+        dirs.append(checkout / "profiles")
+    return tuple(dirs)
 
 
-def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] = (TUNED_PLAN_DIR,),
+def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = None,
                     compile_root: str | Path = "compile") -> tuple[Path | None, Path | None]:
     """Plans tuned for this device: ``(ready, uncompiled)``, each the first such plan file in
-    ``search`` (sorted by name) or None.
+    ``search`` (default :func:`tuned_plan_dirs`; each directory's files sorted by name) or None.
 
     A tuned plan is a plan YAML for the embedded pair (target and drafter ``default``) in
     ``dtype`` naming a profile measured on ``device`` (``{"kind", "name"}`` as from
@@ -472,7 +481,7 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] = (TUNED_
     from .runtime.device import measured_on
 
     ready = waiting = None
-    for d in search:
+    for d in tuned_plan_dirs() if search is None else search:
         for f in sorted(Path(d).glob("*.yaml")) if Path(d).is_dir() else ():
             try:
                 plan = load_plan(f)
