@@ -1,7 +1,8 @@
 """The package runtime (``yggtree.runtime.aoti``) without compiling anything: every block of a tiny
 engine runs fake "packages" that call the exported function (:class:`_BlockFn`: weights and KV cache
 as inputs, the cache written in place) eagerly. Greedy tokens equal the reference engine's for a
-self-drafter and an EAGLE drafter, dynamo never runs, and a shape with no package is refused."""
+self-drafter and an EAGLE drafter (one or two decoder layers), dynamo never runs, and a shape with
+no package is refused."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def make(mode, drafter_kind, packages_for=None):
     if drafter_kind == "self":
         drafter = LMDrafter(target.shared_copy(), mode)
     else:
-        drafter = EagleDrafter.random(target, mode, max_depth=TREE.draft_depth, seed=3)
+        n = 2 if drafter_kind == "eagle-2-layers" else 1
+        drafter = EagleDrafter.random(target, mode, max_depth=TREE.draft_depth, seed=3, num_layers=n)
     if packages_for is not None:
         dmodel = drafter.graphs.model
         pset = fake_packages([target.layers[0], dmodel.layers[0]], packages_for)
@@ -78,7 +80,7 @@ def make(mode, drafter_kind, packages_for=None):
     return Engine(target, cfg, drafter)
 
 
-@pytest.mark.parametrize("drafter_kind", ["self", "eagle"])
+@pytest.mark.parametrize("drafter_kind", ["self", "eagle", "eagle-2-layers"])
 def test_packaged_engine_equals_reference_without_dynamo(drafter_kind):
     from torch._dynamo.utils import counters
 

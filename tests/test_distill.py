@@ -85,12 +85,16 @@ def small_cfg(tmp: Path, **kw) -> D.DistillConfig:
 # ---------------------------------------------------------------- the training forward
 
 
-@pytest.mark.parametrize("input_norm,layers", [(False, (1,)), (True, (1,)), (True, (0, 1)), (False, (1, 0))])
-def test_unrolled_forward_equals_runtime_chain(target, input_norm, layers):
-    """Step k of the unrolled forward at pair p equals a depth-k chain through the head's cache
-    (one target layer, or several fused)."""
+@pytest.mark.parametrize("input_norm,layers,blocks", [
+    (False, (1,), 1), (True, (1,), 1), (True, (0, 1), 1), (False, (1, 0), 1), (True, (1,), 2), (False, (0, 1), 2),
+])
+def test_unrolled_forward_equals_runtime_chain(target, input_norm, layers, blocks):
+    """Step k of the unrolled forward at pair p equals a depth-k chain through the head's caches
+    (one target layer, or several fused; one decoder layer or two). Step 0 is the runtime's causal
+    forward."""
     drafter = EagleDrafter.random(
-        target, "reference", max_depth=4, seed=3, input_norm=input_norm, target_layers=layers
+        target, "reference", max_depth=4, seed=3, input_norm=input_norm, target_layers=layers,
+        num_layers=blocks,
     )
     net = drafter.net
     if input_norm:  # non-trivial norm weights, so a missed norm would show
@@ -293,6 +297,8 @@ def test_bad_options_are_refused(target, tmp_path):
         D.distill(small_cfg(tmp_path, target_layers=(1, -1)), target=target, prompt_ids=prompts())
     with pytest.raises(YggError, match="prompts given"):
         D.distill(small_cfg(tmp_path, prompts=50), target=target, prompt_ids=prompts())
+    with pytest.raises(YggError, match="draft-layers must be >= 1, got 0"):
+        D.distill(small_cfg(tmp_path, draft_layers=0), target=target, prompt_ids=prompts())
 
 
 def test_cli_parser_registers_distill():
@@ -306,8 +312,36 @@ def test_cli_parser_registers_distill():
     cfg = D._cfg_from_args(args)
     assert cfg.draft_vocab == 4096 and cfg.unroll == 2 and cfg.model == "default"
     assert cfg.target_layers == (2, 15, -1)
+    assert cfg.draft_layers == 1
+    assert D._cfg_from_args(parser.parse_args(["distill", "--draft-layers", "2"])).draft_layers == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["distill", "--target-layers", "2,x"])
+
+
+def test_checkpoint_identity_of_one_layer_is_unchanged():
+    """A 1-layer run's checkpoint identity has no draft_layers entry (checkpoints written before the
+    option resume); any other count is part of it."""
+    assert "draft_layers" not in D.checkpoint_identity(D.DistillConfig(), "sha")
+    assert D.checkpoint_identity(D.DistillConfig(draft_layers=2), "sha")["draft_layers"] == 2
+
+
+def test_two_layer_head_pipeline(target, tmp_path):
+    """--draft-layers 2: both decoder layers start damped (fc identity), train, and the head loads
+    back with two layers."""
+    cfg = small_cfg(tmp_path, draft_layers=2, epochs=2.0, fc_init="identity")
+    layout = D.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
+    vmap = torch.arange(48)
+    drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=0, target_layers=layout.inputs,
+                                  draft_vocab=vmap, num_layers=2)
+    before = [b.mlp.down_proj.weight.clone() for b in drafter.net.layers]
+    D.init_head(drafter.net, target, vmap, cfg, layout)
+    for b, w in zip(drafter.net.layers, before, strict=True):
+        torch.testing.assert_close(b.mlp.down_proj.weight, 0.1 * w)
+
+    manifest = D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
+    assert manifest["hyperparameters"]["draft_layers"] == 2 and manifest["training"]["steps"] > 0
+    d = load_eagle(tmp_path / "out", target, "reference", max_depth=3)
+    assert d.cfg.num_layers == 2 and len(d.net.layers) == 2
 
 
 # ---------------------------------------------------------------- the shipped default head

@@ -3,18 +3,21 @@ reduced draft vocabularies, feature alignment after commits, and the head's file
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from yggtree.errors import YggError
 from yggtree.runtime import steps
 from yggtree.runtime.eagle import EagleDrafter, is_eagle_dir, load_eagle, save_eagle
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
-from yggtree.runtime.model import ModelConfig, Transformer
+from yggtree.runtime.kv_cache import KVCache
+from yggtree.runtime.model import ModelConfig, Transformer, rope_table
 from yggtree.runtime.tree import ancestor_mask
 
 CHUNK = 8
@@ -45,23 +48,26 @@ def tiny(hidden: int = 64, seed: int = 0) -> Transformer:
 
 
 def bigram_head(
-    target: Transformer, draft_vocab=None, mode="reference", max_depth=MAX_DEPTH, target_layers=None
+    target: Transformer, draft_vocab=None, mode="reference", max_depth=MAX_DEPTH, target_layers=None,
+    num_layers=1,
 ) -> EagleDrafter:
     """A random head bent towards the target's bigram prediction, so drafts are often accepted.
 
     fc's token half is the identity (its feature half stays random, so features do change every
-    K/V entry), the block's residual branches are damped and norm/LM head are the target's: the
+    K/V entry), the blocks' residual branches are damped and norm/LM head are the target's: the
     head then proposes roughly ``argmax target(embed(t))`` after token t, which the target (whose
     own prediction is dominated by the current token) accepts some of the time, not always.
     """
     d = EagleDrafter.random(
-        target, mode, max_depth, draft_vocab=draft_vocab, seed=1, target_layers=target_layers
+        target, mode, max_depth, draft_vocab=draft_vocab, seed=1, target_layers=target_layers,
+        num_layers=num_layers,
     )
     net, h = d.net, target.cfg.hidden_size
     net.fc.weight[:, :h] = torch.eye(h)
     net.fc.bias.zero_()
-    net.layers[0].self_attn.o_proj.weight.mul_(0.1)
-    net.layers[0].mlp.down_proj.weight.mul_(0.1)
+    for block in net.layers:
+        block.self_attn.o_proj.weight.mul_(0.1)
+        block.mlp.down_proj.weight.mul_(0.1)
     net.norm.weight.copy_(target.norm.weight)
     net.lm_head.weight.copy_(target.lm_head.weight[net.draft_vocab])
     return d
@@ -91,14 +97,16 @@ def plain(target) -> dict[int, list[int]]:
 
 
 @pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("kind", ["random", "bigram", "bigram-2-layers"])
+@pytest.mark.parametrize("kind", ["random", "bigram", "bigram-2-layers", "bigram-2-blocks"])
 def test_greedy_speculation_equals_plain(target, plain, tree, kind):
     if kind == "random":
         drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH)
     elif kind == "bigram":
         drafter = bigram_head(target)
-    else:  # features of both target layers, concatenated and reduced
+    elif kind == "bigram-2-layers":  # features of both target layers, concatenated and reduced
         drafter = bigram_head(target, target_layers=(0, 1))
+    else:  # a head of two decoder layers
+        drafter = bigram_head(target, num_layers=2)
     eng = engine(target, TREES[tree], drafter)
     accepted = 0
     for i, p in enumerate(PROMPTS):
@@ -167,12 +175,13 @@ def test_refuses_top_k_beyond_draft_vocabulary(target):
 # ---------------------------------------------------------------- feature alignment
 
 
-@pytest.mark.parametrize("layers", [None, (0, 1)])
-def test_committed_cache_equals_causal_recompute(target, layers):
+@pytest.mark.parametrize("layers,blocks", [(None, 1), ((0, 1), 1), (None, 2)])
+def test_committed_cache_equals_causal_recompute(target, layers, blocks):
     """After several speculation steps, every committed drafter cache entry (slots 1..L, L = root
-    of the last head call) equals a causal run of the head over the committed sequence with the
-    target's true features: accepted drafts were recomputed with f_p, not the predicted f̂_p."""
-    drafter = bigram_head(target, target_layers=layers)
+    of the last head call; every decoder layer's cache) equals a causal run of the head over the
+    committed sequence with the target's true features: accepted drafts were recomputed with f_p,
+    not the predicted f̂_p."""
+    drafter = bigram_head(target, target_layers=layers, num_layers=blocks)
     heads: list[tuple[int, torch.Tensor]] = []
     orig_head = drafter.head
 
@@ -200,7 +209,7 @@ def test_committed_cache_equals_causal_recompute(target, layers):
     feat = drafter.net.fuse_target(tuple(x[0] for x in caps))  # [L, H]
 
     # a fresh head with the same weights, run causally over pairs (t_s, f_{s-1}) at slots 1..L
-    fresh = bigram_head(target, target_layers=layers)
+    fresh = bigram_head(target, target_layers=layers, num_layers=blocks)
     fresh.setup(eng.n_slots, [CHUNK, 1, tree.draft_width], CHUNK)
     s = eng.n_slots
     slot = torch.arange(1, L + 1)
@@ -209,16 +218,18 @@ def test_committed_cache_equals_causal_recompute(target, layers):
     out = fresh.net(seq[1 : L + 1], feat, slot - 1, slot, mask)
     top = torch.topk(fresh.net.logits(out[-1:]), tree.top_k, dim=-1).indices
 
-    got, want = drafter.net.cache(), fresh.net.cache()
     live = slice(1, L + 1)
-    torch.testing.assert_close(got.k[:, live], want.k[:, live], atol=1e-5, rtol=1e-4)  # [B, S, H, D]
-    torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
+    assert len(drafter.net.caches()) == blocks
+    for got, want in zip(drafter.net.caches(), fresh.net.caches(), strict=True):
+        torch.testing.assert_close(got.k[:, live], want.k[:, live], atol=1e-5, rtol=1e-4)  # [B, S, H, D]
+        torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
     assert torch.equal(last_top, fresh.net.draft_vocab[top])
 
     # the check is sensitive to the alignment: pairing t_s with f_s instead of f_{s-1} differs
     shifted = torch.cat([feat[1:], feat[-1:]])
     fresh.net(seq[1 : L + 1], shifted, slot - 1, slot, mask)
-    assert not torch.allclose(got.k[:, 1 : L + 1], want.k[:, 1 : L + 1], atol=1e-3)
+    for got, want in zip(drafter.net.caches(), fresh.net.caches(), strict=True):
+        assert not torch.allclose(got.k[:, live], want.k[:, live], atol=1e-3)
 
 
 def _full_logp(top, vocab=97) -> torch.Tensor:
@@ -273,6 +284,72 @@ def test_tree_steps_equal_per_path_causal_chains(target):
         torch.testing.assert_close(got[j], want[j], atol=1e-5, rtol=1e-5, msg=f"node {j}")
 
 
+def reference_stack(net, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+    """The head over pairs (tokens[i], feat[i]) at positions i = 0..n-1, causally, written apart
+    from EagleNet.forward (no slot layout, no drafter cache): fc, then each decoder layer over
+    the whole sequence with a cache of its own. The last layer's outputs [n, H]."""
+    n = tokens.shape[0]
+    lc = net.cfg.layer_config()
+    cs = rope_table(lc, n)
+    cos, sin = cs[None, :, None, :, 0], cs[None, :, None, :, 1]  # [1, n, 1, D/2]
+    pos = torch.arange(n)
+    causal = pos[None, :] <= pos[:, None]
+    x = net.fuse_input(F.embedding(tokens, net.embed_weight), feat)[None]
+    for block in net.layers:
+        block = copy.deepcopy(block)
+        block.self_attn.cache = KVCache(1, lc.num_kv_heads, n, lc.head_dim, x.dtype, "cpu")
+        x = block(x, cos, sin, pos[None], causal[None])
+    return x[0]
+
+
+# a tree (node 4 joins in the second step) and a chain, each fed as the engine would
+DRAFTS = {
+    "tree": ([0, 0, 0, 1, 0], [0, 1, 1, 2, 1], [[1, 2], [3, 4]]),  # parent, depth, fed per step
+    "chain": ([0, 0, 1, 2, 3], [0, 1, 2, 3, 4], [[1], [2], [3], [4]]),
+}
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("shape", list(DRAFTS))
+def test_draft_equals_reference_stack(target, shape, num_layers):
+    """Head and steps of a 1- and a 2-layer head equal, node by node, :func:`reference_stack`
+    along the node's path (prompt pairs with true features, then each drafted token with its
+    parent's predicted feature): every layer's cache, tree mask and position is right."""
+    n_slots, prompt, root = 48, torch.tensor(PROMPTS[3][:10]), torch.tensor(42)
+    L = prompt.shape[0]
+    twin = target.shared_copy()
+    twin.setup_cache(1, n_slots)
+    _, _, (feat,) = steps.prefill_chunk(
+        twin, prompt[None], torch.tensor(0), torch.tensor(L), (target.cfg.num_layers - 1,)
+    )
+    feat = feat[0]  # [L, H] true features f_0 .. f_{L-1}
+    parents, depths, fed = DRAFTS[shape]
+    parent, depth = torch.tensor(parents), torch.tensor(depths)
+    token = torch.tensor([42, 5, 6, 7, 8])
+
+    d = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, seed=4, num_layers=num_layers)
+    assert len(d.net.layers) == num_layers
+    d.setup(n_slots, [CHUNK, 1, 2], CHUNK)
+    d.prefill(prompt, (feat,))
+    got = {0: _full_logp(d.head(root, torch.tensor(L), 97))[0]}
+    anc = ancestor_mask(parent, depth, torch.ones(5, dtype=torch.bool), int(depth.max()))
+    for nodes in map(torch.tensor, fed):
+        top = d.step(token[nodes], depth[nodes], nodes, parent[nodes], anc[nodes], torch.tensor(L), 97)
+        got.update(zip(nodes.tolist(), _full_logp(top)))
+
+    # node j's path: the prompt pairs and the root with true features, then its ancestors' tokens
+    # each with the reference's own output at its parent
+    paths = {0: (torch.cat([prompt[1:], root[None]]), feat)}
+    out = {}
+    for j in range(5):
+        if j:
+            tok, f = paths[int(parent[j])]
+            paths[j] = (torch.cat([tok, token[j : j + 1]]), torch.cat([f, out[int(parent[j])][None]]))
+        out[j] = reference_stack(d.net, *paths[j])[-1]
+        want = torch.log_softmax(d.net.logits(out[j]), -1)
+        torch.testing.assert_close(got[j], want, atol=1e-5, rtol=1e-5, msg=f"node {j}")
+
+
 def test_refuses_draft_depth_beyond_max_depth(target):
     drafter = EagleDrafter.random(target, "reference", max_depth=2)
     eng = engine(target, TreeParams(1, 3, 4, 1), drafter)
@@ -280,12 +357,13 @@ def test_refuses_draft_depth_beyond_max_depth(target):
         eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=NEW))
 
 
-def test_compiled_matches_plain(plain):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_compiled_matches_plain(plain, num_layers):
     """One small compiled run: every drafter shape is warmed up at setup (the loop runs under
-    fail_on_recompile) and the output is still exact."""
+    fail_on_recompile, every decoder layer of the head compiled) and the output is still exact."""
     target = tiny()  # its own copy: compiling patches the blocks of the model it is given
     tp = TreeParams(draft_width=2, draft_depth=3, verify_width=4, top_k=2)
-    drafter = bigram_head(target, mode="performance", max_depth=3)
+    drafter = bigram_head(target, mode="performance", max_depth=3, num_layers=num_layers)
     cfg = EngineConfig(mode="performance", max_context=64, prefill_chunk=4, tree=tp)
     eng = Engine(target, cfg, drafter)
     assert drafter.graphs.widths == {1, 2, 4}
@@ -319,6 +397,49 @@ def test_save_load_roundtrip(saved, target, plain):
     assert loaded.net.embed_weight is target.embed_tokens.weight  # no copy
     eng = engine(target, TREES["egt"], loaded)
     assert eng.generate(PROMPTS[2], SamplingParams(max_new_tokens=NEW)).token_ids == plain[2]
+
+
+def test_two_layer_head_roundtrip(tmp_path, target, plain):
+    drafter = bigram_head(target, num_layers=2)
+    save_eagle(drafter, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_layers"] == 2
+    loaded = load_eagle(tmp_path, target, "reference", max_depth=MAX_DEPTH)
+    assert loaded.cfg == drafter.cfg and len(loaded.net.layers) == 2
+    a, b = drafter.net.state_dict(), loaded.net.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.startswith("layers.1.") for k in a)
+    eng = engine(target, TREES["egt"], loaded)
+    res = eng.generate(PROMPTS[3], SamplingParams(max_new_tokens=NEW))
+    assert res.token_ids == plain[3] and res.stats["accepted_tokens"] > 0
+
+
+def test_config_without_num_layers_is_one_layer(saved, target):
+    """Heads written before the field existed load unchanged, as one decoder layer."""
+    drafter, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("num_layers") == 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_eagle(path, target, "reference")
+    assert loaded.cfg == drafter.cfg and loaded.cfg.num_layers == 1 and len(loaded.net.layers) == 1
+    a, b = drafter.net.state_dict(), loaded.net.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True, None])
+def test_refuses_bad_num_layers(saved, target, bad):
+    _, path = saved
+    _edit_config(path, num_layers=bad)
+    where = re.escape(str(path / "config.json"))
+    with pytest.raises(YggError, match=where + ": bad value: num_layers must be an integer >= 1") as e:
+        load_eagle(path, target, "reference")
+    assert "\n" not in str(e.value)
+
+
+def test_refuses_num_layers_without_their_weights(saved, target):
+    _, path = saved
+    _edit_config(path, num_layers=2)
+    with pytest.raises(YggError, match=re.escape(str(path / "model.safetensors")) + ": missing tensors layers.1."):
+        load_eagle(path, target, "reference")
 
 
 def test_own_embedding_roundtrip(tmp_path, target):

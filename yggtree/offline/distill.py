@@ -93,6 +93,7 @@ class DistillConfig:
     init_from_target: bool = True  # norm + LM head rows initialised from the target's
     fc_init: str = "random"  # identity: fc passes f_p through (f_{p+1} ~ f_p), block damped
     input_norm: bool = True  # RMSNorm on the embedding and the feature before fc
+    draft_layers: int = 1  # decoder layers of the head
     # training
     epochs: float = 2.0
     batch_size: int = 4  # sequences per step
@@ -452,52 +453,65 @@ def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rop
     """The head over pairs ``p = 0..T-1`` (tok [B, T] = t_{p+1}, feat [B, T, L*H] = f_p of the
     head's L target layers side by side), unrolled.
 
-    Returns ``steps`` outputs [B, T, H]; output ``k`` at pair ``p`` is what a depth-``k`` draft
-    node at pair ``p`` computes at run time (k = 0: the causal pass over true features). The
-    attention numerics follow runtime/model.py's Attention (float32 scores, GQA grouping).
+    Returns ``steps`` outputs [B, T, H] (the last decoder layer's); output ``k`` at pair ``p`` is
+    what a depth-``k`` draft node at pair ``p`` computes at run time (k = 0: the causal pass over
+    true features). Every decoder layer sees its own keys/values of the earlier steps, as each
+    layer's cache holds them at run time.
     """
-    from ..runtime.model import apply_rope
-
-    block = net.layers[0]
-    attn = block.self_attn
-    acfg = attn.cfg
     bsz, t, _ = feat.shape
     x_feat = net.fuse_target(feat.split(net.cfg.target_hidden_size, dim=-1))  # [B, T, H]
-    hq, hkv, d = acfg.num_heads, acfg.num_kv_heads, acfg.head_dim
-    g = hq // hkv
     cs = rope[:t]
     cos, sin = cs[None, :, None, :, 0], cs[None, :, None, :, 1]  # [1, T, 1, D/2]
     e = F.embedding(tok, net.embed_weight)
     p = torch.arange(t, device=tok.device)
-    keys: list[torch.Tensor] = []
-    vals: list[torch.Tensor] = []
+    kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in net.layers]  # per layer
     outs: list[torch.Tensor] = []
     for k in range(steps):
         if k > 0:
             prev = outs[-1]
             x_feat = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)
-        x = net.fuse_input(e, x_feat)
-        h = block.input_layernorm(x)
-        q = apply_rope(attn.q_proj(h).view(bsz, t, hq, d), cos, sin).transpose(1, 2)
-        kk = apply_rope(attn.k_proj(h).view(bsz, t, hkv, d), cos, sin).transpose(1, 2)
-        vv = attn.v_proj(h).view(bsz, t, hkv, d).transpose(1, 2)
-        keys.append(kk)
-        vals.append(vv)
         # mask [T, (k+1) T]: step-0 keys of pairs <= p-k, step-j key of pair p-k+j
         parts = [p[None, :] <= (p - k)[:, None]]
         for j in range(1, k + 1):
             parts.append(p[None, :] == (p - k + j)[:, None])
         mask = torch.cat(parts, dim=1)
-        kall = torch.cat(keys, dim=2).repeat_interleave(g, dim=1)  # [B, Hq, (k+1)T, D]
-        vall = torch.cat(vals, dim=2).repeat_interleave(g, dim=1)
-        scores = torch.matmul(q, kall.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(vall.dtype)
-        o = torch.matmul(probs, vall).transpose(1, 2).reshape(bsz, t, hq * d)
-        x = x + attn.o_proj(o)
-        x = x + block.mlp(block.post_attention_layernorm(x))
+        x = net.fuse_input(e, x_feat)
+        for block, (keys, vals) in zip(net.layers, kv):
+            x = unrolled_block(block, x, cos, sin, mask, keys, vals)
         outs.append(x)
     return outs
+
+
+def unrolled_block(
+    block,
+    x: torch.Tensor,  # [B, T, H] this step's input of the layer
+    cos: torch.Tensor,  # [1, T, 1, D/2]
+    sin: torch.Tensor,  # [1, T, 1, D/2]
+    mask: torch.Tensor,  # [T, (k+1) T] bool over the layer's keys of steps 0..k
+    keys: list[torch.Tensor],  # the layer's keys of steps 0..k-1, each [B, Hkv, T, D]; this step's is appended
+    vals: list[torch.Tensor],  # the same for values
+) -> torch.Tensor:
+    """One decoder layer of :func:`unrolled_forward` at step k: [B, T, H]. The attention numerics
+    follow runtime/model.py's Attention (float32 scores, GQA grouping)."""
+    from ..runtime.model import apply_rope
+
+    attn = block.self_attn
+    acfg = attn.cfg
+    bsz, t, _ = x.shape
+    hq, hkv, d = acfg.num_heads, acfg.num_kv_heads, acfg.head_dim
+    g = hq // hkv
+    h = block.input_layernorm(x)
+    q = apply_rope(attn.q_proj(h).view(bsz, t, hq, d), cos, sin).transpose(1, 2)
+    keys.append(apply_rope(attn.k_proj(h).view(bsz, t, hkv, d), cos, sin).transpose(1, 2))
+    vals.append(attn.v_proj(h).view(bsz, t, hkv, d).transpose(1, 2))
+    kall = torch.cat(keys, dim=2).repeat_interleave(g, dim=1)  # [B, Hq, (k+1)T, D]
+    vall = torch.cat(vals, dim=2).repeat_interleave(g, dim=1)
+    scores = torch.matmul(q, kall.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(vall.dtype)
+    o = torch.matmul(probs, vall).transpose(1, 2).reshape(bsz, t, hq * d)
+    x = x + attn.o_proj(o)
+    return x + block.mlp(block.post_attention_layernorm(x))
 
 
 @dataclass
@@ -702,6 +716,8 @@ def checkpoint_identity(cfg: DistillConfig, data_sha: str) -> dict:
     """What a checkpoint must match to be resumed: every result-changing setting and the data."""
     d = {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_FIELDS}
     d["target_layers"] = list(d["target_layers"])
+    if d["draft_layers"] == 1:  # the default: checkpoints written before the option still resume
+        del d["draft_layers"]
     return d | {"data_sha256": data_sha}
 
 
@@ -988,6 +1004,7 @@ def check_config(cfg: DistillConfig) -> None:
         (cfg.checkpoint_every >= 1, f"checkpoint-every must be >= 1, got {cfg.checkpoint_every}"),
         (cfg.budget_minutes is None or cfg.budget_minutes > 0, f"budget-minutes must be > 0, got {cfg.budget_minutes}"),
         (cfg.reduce_init in ("last", "random"), f"reduce-init must be last or random, got {cfg.reduce_init}"),
+        (cfg.draft_layers >= 1, f"draft-layers must be >= 1, got {cfg.draft_layers}"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -997,8 +1014,8 @@ def check_config(cfg: DistillConfig) -> None:
 @torch.no_grad()
 def init_head(net, target, vmap: torch.Tensor, cfg: DistillConfig, layout: FeatureLayout) -> None:
     """The head's starting point: the target's norm and LM head rows (``init_from_target``), fc
-    passing the feature through (``fc_init`` identity), the fusion of several layers starting as
-    the last layer alone (``reduce_init`` last)."""
+    passing the feature through and every decoder layer damped (``fc_init`` identity), the fusion
+    of several layers starting as the last layer alone (``reduce_init`` last)."""
     h = target.cfg.hidden_size
     if cfg.init_from_target:
         net.norm.weight.copy_(target.norm.weight)
@@ -1008,8 +1025,9 @@ def init_head(net, target, vmap: torch.Tensor, cfg: DistillConfig, layout: Featu
         # SmolLM2): start from f̂_{p+1} = f_p and let the block learn the change
         net.fc.weight[:, h:].copy_(torch.eye(h))
         net.fc.bias.zero_()
-        net.layers[0].self_attn.o_proj.weight.mul_(0.1)
-        net.layers[0].mlp.down_proj.weight.mul_(0.1)
+        for block in net.layers:
+            block.self_attn.o_proj.weight.mul_(0.1)
+            block.mlp.down_proj.weight.mul_(0.1)
     if len(layout.inputs) > 1 and cfg.reduce_init == "last" and layout.last < len(layout.inputs):
         # the fused feature starts as the (RMS-scaled) last layer alone: the single-layer head's
         # starting point, from which the other layers' blocks learn what they add
@@ -1267,6 +1285,7 @@ def distill(
         drafter = EagleDrafter.random(
             target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll), draft_vocab=vmap,
             seed=cfg.seed, target_layers=layout.inputs, input_norm=cfg.input_norm,
+            num_layers=cfg.draft_layers,
         )
         net = drafter.net
         init_head(net, target, vmap, cfg, layout)
@@ -1417,6 +1436,8 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="feed the raw embedding and feature to fc (no RMSNorm on either)")
     g.add_argument("--fc-init", default=d.fc_init, choices=["identity", "random"],
                    help="identity: the fused input starts as the target feature itself")
+    g.add_argument("--draft-layers", type=int, default=d.draft_layers, metavar="N",
+                   help="decoder layers of the head (1: EAGLE's single layer)")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=d.epochs)
     g.add_argument("--batch-size", type=int, default=d.batch_size)

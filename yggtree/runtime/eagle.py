@@ -2,11 +2,11 @@
 
 The drafter reads the target's hidden states. Its input at draft position ``p`` is the pair
 ``(t_{p+1}, f_p)``: the token at target position ``p+1`` and the target's feature at ``p`` (by
-default the output of the target's last decoder layer). One fused input, one decoder layer, a
-vocabulary projection::
+default the output of the target's last decoder layer). One fused input, N decoder layers
+(``num_layers``, 1 by default), a vocabulary projection::
 
     x        = fc(cat(embed(t_{p+1}), f_p))          Linear 2H -> H (bias)
-    f̂_{p+1}  = Block(x)                              one Llama decoder layer, own KV cache
+    f̂_{p+1}  = Block_N(... Block_1(x))              Llama decoder layers, each with its own KV cache
     q(t_{p+2}) = softmax(lm_head(norm(f̂_{p+1})))     over the draft vocabulary (V_d ids)
 
 ``f̂_{p+1}`` is the drafter's own guess of the target's feature at ``p+1``; inside a draft tree a
@@ -14,7 +14,7 @@ node's token is paired with its *parent's* predicted feature. With several targe
 features are concatenated and reduced to H by a bias-free Linear first (as EAGLE-3 does).
 
 Slot layout (batch 1). The pair whose token sits at target position ``s`` lives in the drafter's
-cache at slot ``s`` with RoPE position ``s - 1``; slot 0 (token 0 has no preceding feature) is
+caches (every layer's, as in the target) at slot ``s`` with RoPE position ``s - 1``; slot 0 (token 0 has no preceding feature) is
 never written nor attended, the last slot ``S-1`` is scratch. So tree node ``j`` sits at slot
 ``committed + j`` exactly as in the target, and the root (``t_L`` paired with ``f_{L-1}``) at
 slot ``L``::
@@ -90,9 +90,15 @@ class EagleConfig:
     rope_scaling: RopeScaling = RopeScaling()
     shares_embedding: bool = True  # use the target's embed_tokens (not stored with the head)
     input_norm: bool = False  # RMSNorm the embedding and the feature before fc (EAGLE-3 style)
+    num_layers: int = 1  # decoder layers of the head (a config file without the field: 1)
+
+    def __post_init__(self) -> None:
+        n = self.num_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_layers must be an integer >= 1, got {n!r}")
 
     def layer_config(self) -> ModelConfig:
-        """The one decoder layer as a 1-layer :class:`ModelConfig`."""
+        """One decoder layer (each of the ``num_layers`` is alike) as a 1-layer :class:`ModelConfig`."""
         return ModelConfig(
             vocab_size=self.draft_vocab_size,
             hidden_size=self.hidden_size,
@@ -123,6 +129,7 @@ class EagleConfig:
             "rope_scaling": asdict(self.rope_scaling),
             "shares_embedding": self.shares_embedding,
             "input_norm": self.input_norm,
+            "num_layers": self.num_layers,
             "target": {
                 "vocab_size": self.vocab_size,
                 "hidden_size": self.target_hidden_size,
@@ -159,6 +166,7 @@ class EagleConfig:
                 rope_scaling=RopeScaling(**d.get("rope_scaling", {})),
                 shares_embedding=bool(d["shares_embedding"]),
                 input_norm=bool(d.get("input_norm", False)),
+                num_layers=d.get("num_layers", 1),
             )
         except KeyError as e:
             raise YggError(f"{where}: missing key {e}") from None
@@ -203,10 +211,12 @@ class EagleConfig:
 
 
 class EagleNet(nn.Module):
-    """fc + one decoder layer + norm + LM head over the draft vocabulary, with a static KV cache.
+    """fc + ``num_layers`` decoder layers + norm + LM head over the draft vocabulary, with a static
+    KV cache per layer.
 
-    ``layers`` is a one-element ModuleList so :class:`~yggtree.runtime.graphs.Graphs` compiles the
-    block regionally exactly as it does the target's blocks.
+    ``layers`` is a ModuleList as in :class:`~yggtree.runtime.model.Transformer`, so
+    :class:`~yggtree.runtime.graphs.Graphs` compiles the blocks regionally exactly as it does the
+    target's blocks.
     """
 
     def __init__(self, cfg: EagleConfig, shared_embed: nn.Embedding | None = None) -> None:
@@ -230,7 +240,7 @@ class EagleNet(nn.Module):
             self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
             self.feat_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=True)
-        self.layers = nn.ModuleList([Block(cfg.layer_config())])
+        self.layers = nn.ModuleList(Block(cfg.layer_config()) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         # draft id -> target id; persistent, saved with the weights
@@ -247,14 +257,13 @@ class EagleNet(nn.Module):
     def setup_cache(self, n_slots: int) -> None:
         p = self.fc.weight
         lc = self.cfg.layer_config()
-        self.layers[0].self_attn.cache = KVCache(
-            1, lc.num_kv_heads, n_slots, lc.head_dim, p.dtype, p.device
-        )
+        for block in self.layers:
+            block.self_attn.cache = KVCache(1, lc.num_kv_heads, n_slots, lc.head_dim, p.dtype, p.device)
         self.rope = rope_table(lc, n_slots).to(p.device)
         self.cache_slots = n_slots
 
-    def cache(self) -> KVCache:
-        return self.layers[0].self_attn.cache
+    def caches(self) -> list[KVCache]:
+        return [b.self_attn.cache for b in self.layers]
 
     def fuse_target(self, feats: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Target features (one [..., H_t] per target layer) -> the head's features [..., H]."""
@@ -283,12 +292,13 @@ class EagleNet(nn.Module):
         slots: torch.Tensor,  # [W] int64 cache slots to write
         mask: torch.Tensor,  # [W, S] bool
     ) -> torch.Tensor:
-        """The layer output f̂_{p+1} [W, H] (before the final norm)."""
+        """The last layer's output f̂_{p+1} [W, H] (before the final norm)."""
         cs = self.rope[positions[None]]  # [1, W, D/2, 2]
         cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)
         e = F.embedding(tokens, self.embed_weight)  # [W, H]
         x = self.fuse_input(e, feat)[None]  # [1, W, H]
-        x = self.layers[0](x, cos, sin, slots[None], mask[None])
+        for block in self.layers:
+            x = block(x, cos, sin, slots[None], mask[None])
         return x[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -322,7 +332,7 @@ class EagleDrafter:
         self.target_layers = tuple(net.cfg.target_layers)
         self.max_depth = max_depth
         self.mode = mode
-        self.graphs = Graphs(net, mode, scope="block")  # regional compile of the one block in performance mode
+        self.graphs = Graphs(net, mode, scope="block")  # regional compile of the blocks in performance mode
         self.chunk = 0
         self._state_dev = net.fc.weight.device
 
@@ -340,8 +350,10 @@ class EagleDrafter:
         shares_embedding: bool = True,
         intermediate_size: int | None = None,
         input_norm: bool = False,
+        num_layers: int = 1,
     ) -> "EagleDrafter":
-        """A head with random weights shaped for ``target`` (layer shapes copied from it)."""
+        """A head of ``num_layers`` decoder layers with random weights shaped for ``target`` (layer
+        shapes copied from it)."""
         tc = target.cfg
         layers = (tc.num_layers - 1,) if target_layers is None else tuple(target_layers)
         v_d = tc.vocab_size if draft_vocab is None else int(draft_vocab.shape[0])
@@ -361,6 +373,7 @@ class EagleDrafter:
             rope_scaling=tc.rope_scaling,
             shares_embedding=shares_embedding,
             input_norm=input_norm,
+            num_layers=num_layers,
         )
         cfg.check_target(tc, Path("<random EAGLE drafter>"))
         w = target.embed_tokens.weight
