@@ -1,4 +1,4 @@
-"""Benchmarks against baselines, measured in one run on the same prompts (DESIGN.md section 12).
+"""Benchmarks against baselines, measured in one run on the same prompts (docs/design.md section 12).
 
 ``yggtree bench`` (plain decoding, greedy) times, per dtype and on the same prompt token ids:
 

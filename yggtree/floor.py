@@ -1,6 +1,6 @@
 """Speed-of-light references for benchmarks: memory bandwidth and the weight-matmul floor.
 
-Plain decoding of a small model on CPU is bound by streaming the weights (DESIGN.md section 14). These
+Plain decoding of a small model on CPU is bound by streaming the weights (docs/design.md section 14). These
 functions measure, on the machine at hand, the two numbers a benchmark table compares against:
 
 - :func:`copy_bandwidth_gbps`: how fast a large tensor copy streams memory.
@@ -162,8 +162,8 @@ def matmul_floor_ms(
     ``kernel`` is the product timed: ``linear`` is ``x @ w.T`` (what eager code such as
     transformers runs), ``packed`` the oneDNN product on weights reordered once into oneDNN's
     blocked layout (what yggtree's packed layers run, :mod:`yggtree.runtime.packed`; CPU only).
-    On a CPU the packed kernel streams weights faster at every width (bfloat16 by ~1.7x at
-    width 1 on the EPYC machine), so it is the stricter floor.
+    On the CPUs measured so far the packed kernel streams weights faster at every width
+    (docs/results.md), so it is the stricter floor.
 
     For each 2-D weight ``w`` of shape [out, in] (other tensors are ignored), compute ``x @ w.T`` with
     ``x`` of shape [width, in] in ``w``'s dtype and device (output allocated, as in a model's forward); all

@@ -1,4 +1,4 @@
-"""``yggtree train-predictor``: records and training of the depth predictor (DESIGN section 6).
+"""``yggtree train-predictor``: records and training of the depth predictor (docs/design.md section 6).
 
 1. Records: the plan's pair decodes calibration prompts (never evaluation prompts) with one deep
    tree every step (D = D_max calls at one draft width W_d, the whole tree verified, greedy,

@@ -1,4 +1,4 @@
-"""Depth predictor (DESIGN section 6): how many drafter calls to run, from the target's hidden state.
+"""Depth predictor (docs/design.md section 6): how many drafter calls to run, from the target's hidden state.
 
 Each speculation step the engine hands the policy ``h_root`` [H], the target's final-norm hidden
 state at the root, and (after the drafter's head call, which every tree step makes whatever its

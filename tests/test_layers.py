@@ -1,0 +1,103 @@
+"""docs/design.md's architecture against the sources: the import graph (module-level and
+function-level imports, read with ``ast``) keeps the runtime off the offline side and the helpers
+at the bottom, and every module of the package is named in the design's module table."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPERS = ("yggtree.errors", "yggtree.files", "yggtree.progress", "yggtree.streaming", "yggtree.shapes")
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """yggtree module -> the yggtree modules it imports anywhere in its file."""
+    modules = {module_name(p, root): p for p in (root / "yggtree").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                # "from . import b" imports module b; "from .a import f" imports module a
+                subs = {f"{base}.{a.name}" for a in node.names} & modules.keys()
+                out |= subs or ({base} & modules.keys())
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names} & modules.keys()
+        graph[name] = out - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_import_graph_reads_a_small_tree(tmp_path):
+    pkg = tmp_path / "yggtree"
+    (pkg / "runtime").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "runtime" / "__init__.py").write_text("")
+    (pkg / "runtime" / "a.py").write_text("from ..errors import X\nfrom . import b\n")
+    (pkg / "runtime" / "b.py").write_text("def f():\n    from .a import g\n")
+    g = import_graph(tmp_path)
+    assert g["yggtree.runtime.a"] == {"yggtree.errors", "yggtree.runtime.b"}
+    assert g["yggtree.runtime.b"] == {"yggtree.runtime.a"}
+    assert import_cycles(g) == [["yggtree.runtime.a", "yggtree.runtime.b"]]
+
+
+def test_runtime_never_imports_offline():
+    bad = [(a, b) for a, bs in import_graph().items() for b in bs
+           if a.startswith("yggtree.runtime") and b.startswith("yggtree.offline")]
+    assert bad == []
+
+
+def test_helpers_import_only_errors():
+    g = import_graph()
+    assert {h: g[h] - {"yggtree.errors"} for h in HELPERS if h in g} == {h: set() for h in HELPERS if h in g}
+
+
+def test_every_module_is_in_the_design():
+    design = (ROOT / "docs" / "design.md").read_text()
+    files = [p.relative_to(ROOT / "yggtree").as_posix() for p in (ROOT / "yggtree").rglob("*.py")
+             if p.name != "__init__.py"]
+    missing = sorted(f for f in files if f"`{f}`" not in design and f", `{f}`" not in design)
+    assert missing == [], "name these modules in docs/design.md's module table"
