@@ -6,7 +6,7 @@ rows padded to ``MIN_ROWS`` = 4 and once unpadded (``MIN_ROWS`` = 1), the order 
 prompt and repeat so machine drift hits both alike. Prints the mean and median decode ms per
 token of each, their ratio, and whether the tokens are identical. A measurement, not a test.
 
-    OMP_NUM_THREADS=1 python scripts/ab_padding.py --plan profiles/epyc-2core.yaml
+    OMP_NUM_THREADS=1 python scripts/ab_padding.py --plan PLAN.yaml
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from yggtree.errors import run_reporting  # noqa: E402
+from yggtree.errors import run_reporting
 
 
 def run(args) -> int:
@@ -60,7 +57,7 @@ def run(args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--plan", default="profiles/epyc-2core.yaml")
+    p.add_argument("--plan", required=True, help="a plan tuned for this machine (profiles/*.yaml)")
     p.add_argument("--prompts", type=int, default=4, help="MT-Bench and as many HumanEval prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)

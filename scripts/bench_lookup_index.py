@@ -8,18 +8,14 @@ the target: the plan's profile (``CostModel.plain_ms``, measured on the profiled
 past the profile's largest bucket use its largest) and, with ``--measure-plain``, a plain step
 timed here (width 1 through the engine's graph at that context).
 
-    OMP_NUM_THREADS=1 python scripts/bench_lookup_index.py --plan profiles/epyc-2core.yaml
+    OMP_NUM_THREADS=1 python scripts/bench_lookup_index.py --plan PLAN.yaml
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 
 def text_tokens(tok, n: int) -> list[int]:
@@ -35,7 +31,7 @@ def text_tokens(tok, n: int) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--plan", default="profiles/epyc-2core.yaml")
+    ap.add_argument("--plan", required=True, help="a plan tuned for this machine (profiles/*.yaml)")
     ap.add_argument("--contexts", default="256,1024,4096")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--budget", type=int, default=8)

@@ -51,11 +51,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from yggtree.errors import YggError, run_reporting  # noqa: E402
+from yggtree.bench import paired_ratio, summarise_systems
+from yggtree.errors import YggError, run_reporting
 
 
 def parse_ints(text: str | None, n: int, flag: str) -> tuple[int, ...] | None:
@@ -102,72 +101,12 @@ def best_chain(cost, calib, plan, ctx: int) -> tuple[int, int]:
     return best
 
 
-def summarise(rows: list[dict], names: list[str]) -> dict:
-    """Per prompt set (and "all"): decode tok/s, measured and predicted speed-up over plain,
-    prediction error, AAL, share of plain steps, outputs equal to plain."""
-    summary = {}
-    for st in sorted({r["set"] for r in rows}) + ["all"]:
-        sel = [r for r in rows if st == "all" or r["set"] == st]
-        res = {}
-        for name in names:
-            dec_n = sum(max(r[name]["new_tokens"] - 1, 0) for r in sel)
-            dec_s = sum(r[name]["decode_s"] for r in sel)
-            steps = sum(r[name]["steps"] for r in sel)
-            res[name] = {
-                "decode_tok_s": dec_n / dec_s if dec_s else 0.0,
-                "ms_per_token": dec_s / dec_n * 1e3 if dec_n else float("nan"),
-                "aal": sum(r[name]["new_tokens"] - 1 for r in sel) / steps if steps else float("nan"),
-                "predicted_speedup": (sum(r[name]["pred_plain_ms"] for r in sel)
-                                      / max(sum(r[name]["pred_step_ms"] for r in sel), 1e-9)),
-                "predicted_online": (sum(r[name].get("pred_plain_ms_online", r[name]["pred_plain_ms"]) for r in sel)
-                                     / max(sum(r[name].get("pred_step_ms_online", r[name]["pred_step_ms"])
-                                               for r in sel), 1e-9)),
-                "same_as_plain": sum(r[name]["tokens"] == r["plain"]["tokens"] for r in sel),
-                "plain_step_share": (sum(r[name]["n_plain_steps"] for r in sel) / steps) if steps else 0.0,
-            }
-            if steps and all("depth_counts" in r[name] for r in sel):  # share of steps per D
-                c = Counter()
-                for r in sel:
-                    c.update({int(k): v for k, v in r[name]["depth_counts"].items()})
-                res[name]["depth_share"] = {str(k): c[k] / steps for k in sorted(c)}
-            if steps and all("stage_ms" in r[name] for r in sel):  # the policy's own time, in-run
-                res[name]["policy_ms_per_step"] = sum(r[name]["stage_ms"].get("policy", 0.0) for r in sel) / steps
-        for name in names:
-            res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
-            m = res[name]["measured_speedup"]
-            res[name]["prediction_error"] = abs(res[name]["predicted_speedup"] - m) / m
-            res[name]["online_error"] = abs(res[name]["predicted_online"] - m) / m
-        summary[st] = res
-    return summary
-
-
-def paired(rows: list[dict], a: str, b: str, n_boot: int = 4000, seed: int = 0) -> dict:
-    """System ``a`` against ``b`` on the same prompts: the ratio of their decode speeds (summed
-    decode time over summed decoded tokens, as in :func:`summarise`) and a 95% percentile
-    bootstrap interval over prompts (prompts resampled with replacement, both systems' times of
-    a prompt kept together), and the share of prompts on which ``a`` was faster."""
-    import numpy as np
-
-    n = np.array([[max(r[s]["new_tokens"] - 1, 0) for s in (a, b)] for r in rows], dtype=np.float64)
-    t = np.array([[r[s]["decode_s"] for s in (a, b)] for r in rows], dtype=np.float64)
-
-    def ratio(idx):  # speed of a / speed of b
-        return (n[idx, 0].sum() / t[idx, 0].sum()) / (n[idx, 1].sum() / t[idx, 1].sum())
-
-    rng = np.random.default_rng(seed)
-    boots = np.sort([ratio(rng.integers(0, len(rows), len(rows))) for _ in range(n_boot)])
-    per = (n[:, 0] / t[:, 0]) > (n[:, 1] / t[:, 1])
-    return {"a": a, "b": b, "ratio": float(ratio(np.arange(len(rows)))),
-            "ci95": [float(boots[int(0.025 * n_boot)]), float(boots[int(0.975 * n_boot) - 1])],
-            "a_faster_share": float(per.mean()), "prompts": len(rows)}
-
-
 def report(rows: list[dict], names: list[str], settings: dict, what: str, args, partial: bool = False) -> None:
     """The table, then ONE JSON line."""
     from rich.console import Console
     from rich.table import Table
 
-    summary = summarise(rows, names)
+    summary = summarise_systems(rows, names)
     table = Table(title=f"latency objective vs fixed trees: {what}, {len(rows)} prompts x "
                         f"{args.max_new_tokens} tokens, {args.threads} thread(s), one run")
     for c in ("set", "system", "W_d,D,W_v", "decode tok/s", "x plain", "predicted offline", "error",
@@ -191,7 +130,7 @@ def report(rows: list[dict], names: list[str], settings: dict, what: str, args, 
         if a not in names or b not in names:
             raise YggError(f"--compare {pair}: both systems must be in the rows (have {', '.join(names)})")
         for st in sorted({r["set"] for r in rows}) + ["all"]:
-            c = paired([r for r in rows if st == "all" or r["set"] == st], a, b) | {"set": st}
+            c = paired_ratio([r for r in rows if st == "all" or r["set"] == st], a, b) | {"set": st}
             comparisons.append(c)
             console.print(f"{st}: {a} / {b} decode speed {c['ratio']:.3f} (95% bootstrap over prompts "
                           f"{c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}), {a} faster on "
@@ -243,7 +182,7 @@ class _FirstToken:
 
 
 def hf_lookup_row(hf, ids: list[int], max_new: int, n: int, eos: tuple[int, ...]) -> dict:
-    """One prompt through transformers' prompt-lookup decoding: the fields summarise() reads."""
+    """One prompt through transformers' prompt-lookup decoding: the fields summarise_systems() reads."""
     x = torch.tensor([ids], dtype=torch.int64)
     seen = _FirstToken()
     t0 = time.perf_counter()

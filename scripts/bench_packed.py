@@ -16,13 +16,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from yggtree.errors import YggError, run_reporting  # noqa: E402
+from yggtree.errors import YggError, run_reporting
 
 
 def run(args) -> int:

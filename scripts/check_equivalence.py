@@ -27,26 +27,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from yggtree.errors import YggError, run_reporting  # noqa: E402
+from yggtree.errors import YggError, run_reporting
 
 MODES = ("reference", "performance")
-
-
-def built(model, mode: str):
-    """A copy of ``model`` over the same weights as the engine of ``mode`` runs it: in performance
-    mode with oneDNN-packed linear layers on a CPU, as ``yggtree run`` builds it."""
-    from yggtree.runtime.build import pack_models
-
-    copy = model.shared_copy()
-    if mode == "performance":
-        pack_models(copy)
-    return copy
 
 
 def parse_spec(text: str):
@@ -108,8 +96,7 @@ def check(args) -> int:
 
     from yggtree.bench import hf_generate, hf_prompt_logits, load_hf_model, ygg_prompt_logits
     from yggtree.progress import stderr_progress
-    from yggtree.runtime.drafters import LMDrafter
-    from yggtree.runtime.engine import Engine, EngineConfig
+    from yggtree.runtime.build import EngineSpec, build_engine
     from yggtree.runtime.loading import load_model, load_tokenizer, resolve_model
 
     if args.max_new_tokens < 1:
@@ -122,17 +109,14 @@ def check(args) -> int:
 
     with stderr_progress() as progress:
         status = progress.add_task("loading yggtree and transformers weights", total=None)
-        model = load_model(src, args.dtype)
+        model = load_model(src, args.dtype)  # eager, for the prompt logits
         eos = tuple(model.cfg.eos_token_ids)
-        draft_model = None  # --drafter self: the target drafts for itself
-        if args.drafter != "self":  # a standalone LM drafter (HF dir or GGUF), loaded like the target
-            draft_model = load_model(resolve_model(args.drafter), args.drafter_dtype or args.dtype)
         hf = load_hf_model(src, args.dtype)
         progress.update(status, visible=False)
 
         task = progress.add_task("transformers generate + prompt logits", total=len(prompts))
         hf_tokens, logit_diffs, logit_ok = [], [], []
-        chunk = EngineConfig().prefill_chunk
+        chunk = EngineSpec().prefill_chunk
         n_slots = args.max_context + 2  # as the plain engine allocates: context + 1 reserve + scratch
         for _pid, ids in prompts:
             hf_tokens.append(hf_generate(hf, ids, args.max_new_tokens, eos))
@@ -146,10 +130,12 @@ def check(args) -> int:
         systems: dict[str, list[dict]] = {}
         baseline_of: dict[str, str] = {}  # speculative system -> the plain system it must equal
         compile_s: dict[str, float] = {}
+        # every engine as `yggtree run` builds it (oneDNN-packed weights on a CPU)
+        spec = EngineSpec(model=args.model, dtype=args.dtype, max_context=args.max_context)
         for mode in args.modes:
             name = f"ygg-{mode}"
             progress.update(status, visible=True, description=f"building {name} engine")
-            engine = Engine(built(model, mode), EngineConfig(mode=mode, max_context=args.max_context), eos_ids=eos)
+            engine, _ = build_engine(replace(spec, mode=mode))
             compile_s[name] = engine.compile_s
             progress.update(status, visible=False)
             systems[name] = run_engine(engine, prompts, args.max_new_tokens, progress, name)
@@ -157,20 +143,12 @@ def check(args) -> int:
             for text, tp in specs:
                 sname = f"spec-{text}-{mode}"
                 progress.update(status, visible=True, description=f"building {sname} engine")
-                target = built(model, mode)
-                draft = model if draft_model is None else draft_model
-                drafter = LMDrafter(built(draft, mode), mode)
-                engine = Engine(
-                    target,
-                    EngineConfig(mode=mode, max_context=args.max_context, tree=tp),
-                    drafter=drafter,
-                    eos_ids=eos,
-                )
+                engine, _ = build_engine(replace(spec, mode=mode, drafter=args.drafter, tree=tp))
                 compile_s[sname] = engine.compile_s
                 progress.update(status, visible=False)
                 systems[sname] = run_engine(engine, prompts, args.max_new_tokens, progress, sname)
                 baseline_of[sname] = name
-                del engine, drafter, target
+                del engine
 
     # ------------------------------------------------------------------ compare and report
     per_prompt = []
@@ -218,7 +196,6 @@ def check(args) -> int:
         "modes": list(args.modes),
         "specs": [s for s, _ in specs],
         "drafter": args.drafter,
-        "drafter_dtype": args.drafter_dtype,
         "rtol": args.rtol,
         "atol": args.atol,
         "prompts": [pid for pid, _ in prompts],
@@ -294,14 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--drafter",
         default="self",
-        help="self (the target drafts for itself) | a standalone LM drafter: HF directory, .gguf or default",
-    )
-    p.add_argument(
-        "--drafter-dtype",
-        choices=["float32", "bfloat16"],
-        default=None,
-        help="dtype of a standalone drafter (default: --dtype); bfloat16 makes the embedded model a "
-        "genuinely different drafter for a float32 target",
+        help="as yggtree run --drafter: self (the target drafts for itself) | default (the shipped "
+        "EAGLE head) | an EAGLE head directory | a standalone LM drafter (HF directory or .gguf)",
     )
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-4)

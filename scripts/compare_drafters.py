@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from yggtree.errors import YggError, run_reporting  # noqa: E402
-from yggtree.offline import distill as D  # noqa: E402
+from yggtree.errors import YggError, run_reporting
+from yggtree.offline import distill as D
+from yggtree.progress import stderr_progress
 
 
 def selection_prompts(first: int, n: int, seed: int) -> list[str]:
@@ -94,7 +93,7 @@ def main(args) -> int:
     else:
         texts = selection_prompts(args.first, args.prompts, args.seed)
         ids = [encode_auto(tok, t)[-args.max_seq_len :] for t in texts]
-        with D._progress() as progress:
+        with stderr_progress() as progress:
             data = D.build_teacher(target, ids, cfg, eos, tuple(layers), progress)
         where = f"{args.prompts} calibration prompts from chunk {args.first} (held out)"
     gen_s = time.perf_counter() - t0

@@ -25,15 +25,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from yggtree.data import interleave, load_prompts  # noqa: E402
-from yggtree.progress import stderr_progress  # noqa: E402
-from yggtree.errors import YggError, run_reporting  # noqa: E402
-from yggtree.runtime import steps  # noqa: E402
-from yggtree.runtime.build import EngineSpec, load_drafter  # noqa: E402
-from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams  # noqa: E402
-from yggtree.runtime.loading import load_model, load_tokenizer, resolve_model  # noqa: E402
+from yggtree.data import interleave, load_prompts
+from yggtree.progress import stderr_progress
+from yggtree.errors import YggError, run_reporting
+from yggtree.runtime import steps
+from yggtree.runtime.build import EngineSpec, build_engine
+from yggtree.runtime.engine import SamplingParams, TreeParams
+from yggtree.runtime.loading import load_tokenizer, resolve_model
 
 
 def parse_tree(text: str) -> tuple[str, TreeParams]:
@@ -47,21 +45,12 @@ def parse_tree(text: str) -> tuple[str, TreeParams]:
     return name, tp
 
 
-def eos_of(target, tokenizer) -> tuple[int, ...]:
-    return tuple(target.cfg.eos_token_ids) or (
-        (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    )
-
-
-def make_engine(args, src, tokenizer, tp: TreeParams | None):
-    target = load_model(src, args.dtype)
-    drafter = None
-    if tp is not None:
-        spec = EngineSpec(model=args.model, drafter=args.drafter, dtype=args.dtype, mode=args.mode,
-                          max_context=args.max_context, prefill_chunk=args.chunk, tree=tp)
-        drafter = load_drafter(spec, target, tokenizer)
-    cfg = EngineConfig(mode=args.mode, max_context=args.max_context, prefill_chunk=args.chunk, tree=tp)
-    return Engine(target, cfg, drafter, eos_of(target, tokenizer))
+def make_engine(args, tp: TreeParams | None):
+    """An engine as ``yggtree run`` builds it: plain decoding (``tp`` None) or ``tp``'s tree."""
+    spec = EngineSpec(model=args.model, drafter=args.drafter if tp is not None else None, dtype=args.dtype,
+                      mode=args.mode, max_context=args.max_context, prefill_chunk=args.chunk,
+                      tree=tp or TreeParams())
+    return build_engine(spec)[0]
 
 
 def summarise(name: str, tp: TreeParams | None, recs: list[dict]) -> dict:
@@ -92,11 +81,11 @@ def summarise(name: str, tp: TreeParams | None, recs: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def measure_cost(args, src, tokenizer, mode: str, width: int, repeats: int, ctx: int) -> dict:
+def measure_cost(args, tokenizer, mode: str, width: int, repeats: int, ctx: int) -> dict:
     """Median ms of one drafter step at W_d = width and one target verify at W = width."""
     tp = TreeParams(draft_width=width, draft_depth=4, verify_width=width, top_k=min(8, width))
     sub = argparse.Namespace(**{**vars(args), "mode": mode})
-    eng = make_engine(sub, src, tokenizer, tp)
+    eng = make_engine(sub, tp)
     prompt = (load_prompts(1, 0, tokenizer)[0][1] * 64)[:ctx]
     eng.generate(prompt, SamplingParams(max_new_tokens=4))  # fills both caches with a real context
     target, drafter = eng.target, eng.drafter
@@ -159,11 +148,11 @@ def run(args) -> int:
     t_start = time.perf_counter()
     with stderr_progress() as progress:
         if prompts:
-            engines = {} if args.no_plain else {"plain": (None, make_engine(args, src, tokenizer, None))}
+            engines = {} if args.no_plain else {"plain": (None, make_engine(args, None))}
             if not engines and not trees:
                 raise YggError("nothing to run: --plain-only with --no-plain")
             for name, tp in trees:
-                engines[name] = (tp, make_engine(args, src, tokenizer, tp))
+                engines[name] = (tp, make_engine(args, tp))
             recs = {name: [] for name in engines}
             task = progress.add_task("prompts", total=len(prompts))
             for pid, ids in prompts:
@@ -194,7 +183,7 @@ def run(args) -> int:
             modes = ["reference", "performance"] if args.cost_mode == "both" else [args.cost_mode]
             task = progress.add_task("cost", total=len(modes))
             for mode in modes:
-                costs.append(measure_cost(args, src, tokenizer, mode, args.cost_width, args.cost_repeats, args.cost_context))
+                costs.append(measure_cost(args, tokenizer, mode, args.cost_width, args.cost_repeats, args.cost_context))
                 progress.update(task, advance=1)
 
     summary = {

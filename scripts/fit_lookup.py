@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12)  # match-length rows (lower bounds)
 SHARES = (0.0, 0.34, 0.5, 0.67, 1.0)  # continuation-share columns (lower bounds; 1.0 = all agree)

@@ -2,33 +2,38 @@
 
     python scripts/train_drafter.py [--out DIR] [extra distill options...]
 
-runs ``python -m yggtree.offline.distill --model default --threads 1 --out DIR`` with the
-options the shipped head (yggtree/assets/drafters/smollm2-135m-eagle) was trained with (extra
-options given here override them); its manifest.json records them all. Output is deterministic
-given the seed and the thread count. About an hour on one core of this machine: teacher data
-~20 min (640 chat prompts answered greedily + 600k characters of calibration text teacher-forced,
-both cached under ~/.cache/yggtree/distill), training ~40 min.
+runs ``yggtree distill`` with the options recorded in the shipped head's manifest.json
+(yggtree/assets/drafters/smollm2-135m-eagle: its ``command``, without its ``--out``), then the
+extra options given here, which override them. Output is deterministic given the seed and the
+thread count; the teacher data are cached under ~/.cache/yggtree/distill.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from yggtree.offline.distill import main
+from yggtree.runtime.build import DEFAULT_DRAFTER_DIR
 
-from yggtree.offline.distill import main  # noqa: E402
 
-SHIPPED = [
-    "--model", "default", "--threads", "1",
-    "--prompts", "640", "--max-new-tokens", "128", "--gen-batch", "16",
-    "--text-chars", "600000", "--val-frac", "0.03",
-    "--epochs", "2", "--batch-size", "4", "--lr", "8e-4",
-    "--unroll", "3", "--unroll-decay", "0.9", "--eval-every", "100",
-]
+def shipped_options() -> list[str]:
+    """The shipped head's ``yggtree distill`` options, ``--out`` dropped."""
+    argv = shlex.split(json.loads((DEFAULT_DRAFTER_DIR / "manifest.json").read_text())["command"])
+    assert argv[:2] == ["yggtree", "distill"], argv[:2]
+    out = []
+    args = iter(argv[2:])
+    for a in args:
+        if a == "--out":
+            next(args)
+        elif not a.startswith("--out="):
+            out.append(a)
+    return out
+
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--out" not in argv:
+    if not any(a == "--out" or a.startswith("--out=") for a in argv):
         argv = ["--out", "drafter-retrained", *argv]
-    sys.exit(main(SHIPPED + argv))
+    sys.exit(main(shipped_options() + argv))

@@ -49,9 +49,11 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .data import interleave, load_prompts
@@ -215,6 +217,67 @@ def aggregate(timings: list[Timing]) -> dict[str, float]:
         "ms_per_token": decode_s / decode_n * 1e3 if decode_n else float("nan"),
         "prefill_ms": statistics.fmean(t.prefill_s for t in timings) * 1e3,
     }
+
+
+def summarise_systems(rows: list[dict], names: list[str]) -> dict:
+    """Per-prompt rows of several systems (each row: ``set``, and per system ``new_tokens``,
+    ``decode_s``, ``steps``, ``tokens``, predicted times, plain-step counts; ``plain`` among them),
+    per prompt set (and "all"): decode tok/s, measured and predicted speed-up over plain,
+    prediction error, AAL, share of plain steps, outputs equal to plain."""
+    summary = {}
+    for st in sorted({r["set"] for r in rows}) + ["all"]:
+        sel = [r for r in rows if st == "all" or r["set"] == st]
+        res = {}
+        for name in names:
+            dec_n = sum(max(r[name]["new_tokens"] - 1, 0) for r in sel)
+            dec_s = sum(r[name]["decode_s"] for r in sel)
+            steps = sum(r[name]["steps"] for r in sel)
+            res[name] = {
+                "decode_tok_s": dec_n / dec_s if dec_s else 0.0,
+                "ms_per_token": dec_s / dec_n * 1e3 if dec_n else float("nan"),
+                "aal": sum(r[name]["new_tokens"] - 1 for r in sel) / steps if steps else float("nan"),
+                "predicted_speedup": (sum(r[name]["pred_plain_ms"] for r in sel)
+                                      / max(sum(r[name]["pred_step_ms"] for r in sel), 1e-9)),
+                "predicted_online": (sum(r[name].get("pred_plain_ms_online", r[name]["pred_plain_ms"]) for r in sel)
+                                     / max(sum(r[name].get("pred_step_ms_online", r[name]["pred_step_ms"])
+                                               for r in sel), 1e-9)),
+                "same_as_plain": sum(r[name]["tokens"] == r["plain"]["tokens"] for r in sel),
+                "plain_step_share": (sum(r[name]["n_plain_steps"] for r in sel) / steps) if steps else 0.0,
+            }
+            if steps and all("depth_counts" in r[name] for r in sel):  # share of steps per D
+                c = Counter()
+                for r in sel:
+                    c.update({int(k): v for k, v in r[name]["depth_counts"].items()})
+                res[name]["depth_share"] = {str(k): c[k] / steps for k in sorted(c)}
+            if steps and all("stage_ms" in r[name] for r in sel):  # the policy's own time, in-run
+                res[name]["policy_ms_per_step"] = sum(r[name]["stage_ms"].get("policy", 0.0) for r in sel) / steps
+        for name in names:
+            res[name]["measured_speedup"] = res["plain"]["ms_per_token"] / res[name]["ms_per_token"]
+            m = res[name]["measured_speedup"]
+            res[name]["prediction_error"] = abs(res[name]["predicted_speedup"] - m) / m
+            res[name]["online_error"] = abs(res[name]["predicted_online"] - m) / m
+        summary[st] = res
+    return summary
+
+
+def paired_ratio(rows: list[dict], a: str, b: str, n_boot: int = 4000, seed: int = 0) -> dict:
+    """System ``a`` against ``b`` on the same prompts: the ratio of their decode speeds (summed
+    decode time over summed decoded tokens, as in :func:`summarise_systems`) and a 95% percentile
+    bootstrap interval over prompts (prompts resampled with replacement, both systems' times of
+    a prompt kept together), and the share of prompts on which ``a`` was faster."""
+    n = np.array([[max(r[s]["new_tokens"] - 1, 0) for s in (a, b)] for r in rows], dtype=np.float64)
+    t = np.array([[r[s]["decode_s"] for s in (a, b)] for r in rows], dtype=np.float64)
+
+    def ratio(idx):  # speed of a / speed of b
+        return (n[idx, 0].sum() / t[idx, 0].sum()) / (n[idx, 1].sum() / t[idx, 1].sum())
+
+    rng = np.random.default_rng(seed)
+    boots = np.sort([ratio(rng.integers(0, len(rows), len(rows))) for _ in range(n_boot)])
+    per = (n[:, 0] / t[:, 0]) > (n[:, 1] / t[:, 1])
+    return {"a": a, "b": b, "ratio": float(ratio(np.arange(len(rows)))),
+            "ci95": [float(boots[int(0.025 * n_boot)]), float(boots[int(0.975 * n_boot) - 1])],
+            "a_faster_share": float(per.mean()), "prompts": len(rows)}
+
 
 
 # ----------------------------------------------------------------------------- the benchmark
