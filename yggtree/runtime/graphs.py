@@ -183,7 +183,7 @@ class Graphs:
 
         Every shape the loop can request was built by :meth:`warm_up`, so dynamo only needs the
         guards that tell those graphs apart (``skip_guard_eval_unsafe``): full guard evaluation
-        costs ~0.1-0.3 ms per block call, i.e. several percent of a decode step on a CPU."""
+        at every block call costs several percent of a decode step on a CPU."""
         if self.compiled and static_blocks(self.model) is None:
             return torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()

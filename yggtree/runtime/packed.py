@@ -1,11 +1,10 @@
 """oneDNN-packed linear layers for the CPU: wide verification at the price of one token.
 
 A speculative step verifies W tokens with the same weight matrices a plain step multiplies one
-token by, so on a memory-bound device it should cost about the same. With ``F.linear`` it does
-not on this project's CPUs: for 2 <= M <= 16 rows the BLAS picks kernels that are far from
-memory-bound (fp32, 40 layer-sized matmuls, one core: M=1 14.6 ms, M=8 21.8 ms, M=16 32.4 ms),
-while oneDNN with its weights reordered once into its blocked layout streams them at every M
-(M=1 14.2 ms, M=8 13.5 ms, M=16 17.3 ms). The packed kernel is also *batch-invariant*: row i of
+token by, so on a memory-bound device it should cost about the same. With ``F.linear`` it did
+not on the CPUs measured so far: for a few to 16 rows the BLAS picks kernels that are far from
+memory-bound, while oneDNN with its weights reordered once into its blocked layout streams them
+at every M (``scripts/bench_packed.py`` measures both; docs/results.md has the numbers). The packed kernel is also *batch-invariant*: row i of
 an M-row product is bitwise the same as the one-row product of row i, so verifying a tree
 computes every node exactly as a plain step would compute it (checked in tests/test_packed.py).
 
@@ -27,7 +26,9 @@ from .model import FUSED_PROJECTIONS
 
 __all__ = ["packed_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears"]
 
-MIN_ROWS = 4  # products of fewer rows run padded to this many (see _packed_linear_cpu)
+# products of fewer rows run padded to this many (see _packed_linear_cpu); which value is best
+# depends on the CPU (scripts/ab_padding.py measures it)
+MIN_ROWS = 4
 
 
 def _packed_linear_cpu(
@@ -39,9 +40,8 @@ def _packed_linear_cpu(
     """``F.linear(x, weight, bias)`` computed by oneDNN from ``packed``: [..., out]. oneDNN
     flattens and restores the leading dimensions itself; fewer than ``MIN_ROWS`` rows are padded
     with zero rows to ``MIN_ROWS`` (the kernel is batch-invariant: the real rows are bitwise
-    what they were) because oneDNN's kernels for 1-3 rows are the slow ones: the default
-    model's 121 products per step, one EPYC core, fp32: M=1 42.4 ms, M=2 53.6, M=3 37.7, M=4
-    34.8; bf16: M=1 22.4 ms, M=4 19.7."""
+    what they were) because on some CPUs oneDNN's kernels for 1-3 rows are slower than its
+    kernel for 4."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if 0 < rows < MIN_ROWS:
         pad = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, MIN_ROWS - rows))
@@ -51,9 +51,9 @@ def _packed_linear_cpu(
 
 
 # A plain library definition rather than ``torch.library.custom_op``: the op is called ~120-200
-# times per decode step, and custom_op's Python wrapping costs ~35 us a call (7 ms a step on the
-# default model); a kernel registered straight on the dispatch keys costs a few us over the
-# oneDNN call. The handle must outlive the module's import (dropping it unregisters the op).
+# times per decode step, and custom_op's Python wrapping costs several times what a kernel
+# registered straight on the dispatch keys adds to the oneDNN call. The handle must outlive the
+# module's import (dropping it unregisters the op).
 _LIB = torch.library.Library("yggtree", "DEF")
 _LIB.define("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor")
 for _key in ("CPU", "MkldnnCPU"):  # ``packed`` is an mkldnn tensor, the rest are dense CPU tensors
@@ -93,8 +93,8 @@ class PackedConcat(nn.Module):
     """Linear layers that read the same input (q/k/v, gate/up) as ONE oneDNN product over their
     weights stacked by rows: ``forward(x)`` is ``cat([lin(x) for lin in parts], -1)``.
 
-    One product instead of three (or two) saves the per-call cost of the op and of oneDNN (~15-25
-    us a call on the EPYC machine, ~90 calls per decode step of the default model). The parts
+    One product instead of three (or two) saves the per-call cost of the op and of oneDNN (about
+    90 calls per decode step of the default model; ``scripts/ab_fusion.py`` measures it). The parts
     keep their own weights (state dict, checks); this module holds only the packed stack, so
     packing still costs one extra copy of the weights. Rows stay batch-invariant, as for
     :class:`PackedLinear`."""
@@ -139,8 +139,8 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
     MLP's gate/up projections of a decoder block, which become one :class:`PackedConcat` each
     (``attn.qkv``, ``mlp.gate_up``; the block's forward uses them instead of the parts).
 
-    The LM head matters most: verifying 4 tokens through a 49152 x 576 fp32 head costs 53 ms
-    with ``F.linear`` and 15 ms packed on this project's EPYC CPU (one token: ~18-22 ms)."""
+    The LM head matters most: it is the largest product (49152 x 576 for the default model), and
+    ``F.linear`` pays most there for a few rows."""
     if not can_pack(model):
         return 0
     n, fused_parts = 0, set()
