@@ -48,7 +48,7 @@ def plan_for(base, dtype: str):
 
 
 def engines_for(plan, tree, art: Path, jit: bool) -> dict:
-    from yggtree.runtime.build import build_plan_engine, use_widths
+    from yggtree.runtime.build import build_plan_engine, fixed_policy
 
     out = {}
     for name, artifacts, mode in (("eager", None, "reference"), ("compiled", art, "performance"),
@@ -57,8 +57,8 @@ def engines_for(plan, tree, art: Path, jit: bool) -> dict:
             continue
         t0 = time.perf_counter()
         engine, tok = build_plan_engine(plan, artifacts, mode)
-        use_widths(engine, plan, tree[0], tree[2], tree[1])
-        out[name] = (engine, time.perf_counter() - t0)
+        policy = fixed_policy(engine, plan, tree[0], tree[2], tree[1])
+        out[name] = (engine, time.perf_counter() - t0, policy)
     return out, tok
 
 
@@ -166,7 +166,7 @@ def run(args) -> int:
             # every (dtype, system) on this prompt before the next prompt, the order rotating
             for d, s in runs[i % len(runs):] + runs[: i % len(runs)]:
                 t0 = time.perf_counter()
-                res = engines[d][s][0].generate(ids, params)
+                res = engines[d][s][0].generate(ids, params, policy=engines[d][s][2])
                 row[d][s] = {"total_s": time.perf_counter() - t0, "new_tokens": len(res.token_ids),
                              "verify_calls": res.stats.get("verify_calls", 0), "tokens": res.token_ids}
             for d in dtypes:

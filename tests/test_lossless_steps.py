@@ -112,14 +112,14 @@ def test_the_multi_step_check_rejects_a_lossy_verify_step(monkeypatch):
     """Power check: verify steps that sample at temperature 0.8 while the first token (prefill)
     and the exact distribution use 1.0 differ from the target only after the first token; the
     same test with the same draws rejects them."""
-    import yggtree.runtime.engine as engine_mod
+    import yggtree.runtime.stages as stages_mod
 
-    real = engine_mod.sample_accept
+    real = stages_mod.sample_choices
 
-    def lossy(vtree, logits, temperature, top_p, gen, **kw):
-        return real(vtree, logits, temperature * 0.8, top_p, gen, **kw)
+    def lossy(logits, temperature, top_p, gen):
+        return real(logits, temperature * 0.8, top_p, gen)
 
-    monkeypatch.setattr(engine_mod, "sample_accept", lossy)
+    monkeypatch.setattr(stages_mod, "sample_choices", lossy)
     target, drafter = target_and_drafter()
     exact = exact_sequences(target.shared_copy(), PROMPT, N, 1.0, 1.0)
     eng = Engine(target, EngineConfig(mode="reference", max_context=64, prefill_chunk=4,

@@ -24,7 +24,7 @@ from yggtree.plan import (
     validate_plan,
 )
 from yggtree.runtime import graphs
-from yggtree.runtime.build import plan_slots, use_widths, warm_plan
+from yggtree.runtime.build import fixed_policy, plan_slots, warm_plan
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig
 from yggtree.runtime.model import ModelConfig, Transformer
@@ -206,7 +206,8 @@ def tiny(vocab=97, hidden=32, layers=2) -> Transformer:
 
 def test_plan_engine_slots_widths_and_width_switching(tmp_path):
     """plan_slots mirrors the Engine built with the plan's envelope (compiled shapes depend on
-    it); warm_plan builds every plan width; use_widths accepts only compiled choices."""
+    it); warm_plan builds every plan width of an engine whose envelope holds them (and refuses
+    one that does not); fixed_policy accepts only compiled choices."""
     from yggtree.runtime.build import EngineSpec
     from yggtree.runtime.engine import SamplingParams
 
@@ -214,17 +215,25 @@ def test_plan_engine_slots_widths_and_width_switching(tmp_path):
     spec = EngineSpec.from_plan(p, mode="reference")
     target = tiny()
     cfg = EngineConfig(mode="reference", max_context=p.max_context, prefill_chunk=p.prefill_chunk, tree=spec.tree)
+    narrow = Engine(target, cfg, LMDrafter(target.shared_copy(), "reference"))
+    with pytest.raises(YggError, match="envelope"):
+        warm_plan(narrow, p)
+    cfg = EngineConfig(mode="reference", max_context=p.max_context, prefill_chunk=p.prefill_chunk, tree=spec.tree,
+                       draft_widths=spec.draft_widths, verify_widths=spec.verify_widths)
     eng = Engine(target, cfg, LMDrafter(target.shared_copy(), "reference"))
     assert eng.n_slots == plan_slots(p)
     warm_plan(eng, p)
     assert eng.graphs.widths == set(p.target_widths)
     assert eng.drafter.graphs.widths == {1, 2, p.prefill_chunk}
     with pytest.raises(YggError, match="not in the plan's compiled set"):
-        use_widths(eng, p, draft_width=4)
+        fixed_policy(eng, p, draft_width=4)
     for wd, wv in [(1, 1), (1, 2), (2, 4)]:
-        tp = use_widths(eng, p, wd, wv)
-        assert eng.cfg.tree == tp
-        eng.generate([3, 4, 5], SamplingParams(max_new_tokens=6))
+        pol = fixed_policy(eng, p, wd, wv)
+        assert (pol.choice.draft_width, pol.verify_width) == (wd, wv)
+        seen = []
+        eng.generate([3, 4, 5], SamplingParams(max_new_tokens=6), policy=pol,
+                     on_step=lambda r: seen.append((r.choice.draft_width, r.verify_width)))
+        assert set(seen) == {(wd, wv)}
     small = Engine(tiny(), EngineConfig(mode="reference", max_context=p.max_context, prefill_chunk=8))
     with pytest.raises(YggError, match="cache slots"):
         warm_plan(small, p)

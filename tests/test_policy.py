@@ -12,7 +12,7 @@ from yggtree.errors import YggError
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
-from yggtree.runtime.policy import FixedPolicy, StepChoice, StepRecord
+from yggtree.runtime.policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 
 NEW = 30
 PROMPTS = [list(range(5, 12)), [(7 * i) % 90 + 3 for i in range(23)], [1] * 20]
@@ -33,7 +33,7 @@ def make_engine(target, drafter, tree=TREE) -> Engine:
     return Engine(target, cfg, drafter)
 
 
-class Cycling:
+class Cycling(StepPolicy):
     """A different (D, W_d, W_v) every step, with plain steps (D = 0) and W_v = 1 mixed in."""
 
     CHOICES = [(2, 1, 2), (0, 1, 1), (4, 4, 8), (1, 2, 4), (0, 4, 1), (0, 2, 1), (3, 2, 1), (4, 1, 4),
@@ -220,7 +220,7 @@ def test_resync_after_plain_steps_keeps_the_self_drafter_exact(target, plain):
                                                                    verify_width=8, top_k=1))
     pattern = [(0, 1, 1), (1, 1, 2), (0, 1, 1), (0, 1, 1), (0, 1, 1), (3, 1, 4), (1, 1, 2), (0, 1, 1)]
 
-    class Alternating:
+    class Alternating(StepPolicy):
         i = 0
 
         def choose_draft(self, h_root, committed):

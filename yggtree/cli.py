@@ -10,6 +10,7 @@ import sys
 
 from .bench import add_bench_parser
 from .errors import YggError
+from .shapes import DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_VERIFY_WIDTH, TreeParams
 
 
 # the offline extra (pyproject.toml), by import name: what the measuring and training commands need
@@ -95,9 +96,18 @@ def _add_run(sub) -> None:
         "far join the drafter's tree (0 disables; <= the verify width; default: the plan's, 0)",
     )
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with a drafter")
-    p.add_argument("--draft-width", type=_positive_int, default=None, help="W_d (default 4)")
-    p.add_argument("--draft-depth", type=_positive_int, default=None, help="D (default 4)")
-    p.add_argument("--verify-width", type=_positive_int, default=None, help="W_v (default 16)")
+    p.add_argument("--draft-width", type=_positive_int, default=None, help=f"W_d (default {DEFAULT_DRAFT_WIDTH})")
+    p.add_argument("--draft-depth", type=_positive_int, default=None, help=f"D (default {DEFAULT_DRAFT_DEPTH})")
+    p.add_argument("--verify-width", type=_positive_int, default=None, help=f"W_v (default {DEFAULT_VERIFY_WIDTH})")
+    p.add_argument(
+        "--stages",
+        default="auto",
+        help="execution plan of a decode step: auto (default: the plan's recorded one, else "
+        "sequential) | sequential | ahead (ahead-of-time tail and head draft) | a comma-separated "
+        "stage order (ablations)",
+    )
+    p.add_argument("--threads", type=_nonneg_int, default=0,
+                   help="intra-op threads while decoding (0: torch's default; at most the cores)")
     p.add_argument("--top-k", type=_positive_int, default=None, help="default: the default plan's (4)")
     p.add_argument(
         "--depth",
@@ -143,6 +153,9 @@ def _run(args) -> int:
         raise YggError("the prompt is empty")
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     params.validate()
+    from .runtime.schedule import resolve_plan
+
+    resolve_plan(args.stages, True, threads=args.threads)  # a bad plan is refused before loading
     if args.trace and args.mode != "reference":
         raise YggError("--trace needs --mode reference")
     if args.depth != "auto" and not args.plan:
@@ -205,7 +218,7 @@ def _pick_plan(args) -> None:
 def _plan_engine(args):
     from .offline.compile import prepare_run
     from .plan import artifact_dir
-    from .runtime.build import build_plan_engine, use_widths
+    from .runtime.build import build_plan_engine, fixed_policy
 
     plan = prepare_run(args.plan, args.compile_missing)
     art = artifact_dir(plan) if plan.backend != "eager" else None
@@ -226,7 +239,7 @@ def _plan_engine(args):
         raise YggError(f"--lookup {lookup}: plan {plan.name!r} has no drafter and compiles no verify "
                        "widths (lookup-only decoding: --drafter none --lookup N without a plan)")
     _check_lookup(lookup, max(plan.verify_widths) if plan.speculative else 1)
-    engine, tok = build_plan_engine(plan, art, mode)
+    engine, tok = build_plan_engine(plan, art, mode, stages=args.stages, threads=args.threads)
     if engine.drafter is not None:
         engine.set_lookup(lookup)
     if policy is not None:
@@ -237,7 +250,7 @@ def _plan_engine(args):
         else:
             policy = policy.fresh(depth_fn=lambda h_root, committed: depth)
     if engine.drafter is not None and not args.no_speculate and policy is None:
-        use_widths(engine, plan, args.draft_width, args.verify_width, draft_depth)
+        policy = fixed_policy(engine, plan, args.draft_width, args.verify_width, draft_depth)
     if args.no_speculate and engine.drafter is not None:
         from .runtime.policy import FixedPolicy, StepChoice
 
@@ -262,13 +275,13 @@ def _depth_flag(text: str, plan) -> int | None:
 
 def _flag_engine(args):
     from .runtime.build import EngineSpec, build_engine
-    from .runtime.engine import TreeParams
-
     drafter = None if args.no_speculate else args.drafter
     lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
     # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
-    wv = args.verify_width or (min(lookup + 1, 16) if lookup and not drafter else 16)
-    tree = TreeParams(args.draft_width or 4, args.draft_depth or 4, wv, args.top_k)
+    wv = args.verify_width or (min(lookup + 1, DEFAULT_VERIFY_WIDTH) if lookup and not drafter
+                               else DEFAULT_VERIFY_WIDTH)
+    tree = TreeParams(args.draft_width or DEFAULT_DRAFT_WIDTH, args.draft_depth or DEFAULT_DRAFT_DEPTH,
+                      wv, args.top_k)
     if drafter or lookup:
         tree.validate()
     _check_lookup(lookup, tree.verify_width)
@@ -281,6 +294,8 @@ def _flag_engine(args):
         prefill_chunk=args.prefill_chunk,
         tree=tree,
         lookup=lookup,
+        stages="sequential" if args.stages == "auto" else args.stages,
+        threads=args.threads,
     )
     return build_engine(spec)
 

@@ -48,7 +48,7 @@ sampling       mapping          see below      run defaults, overridable per req
 profile        path | null      null           hardware profile JSON (must exist)
 predictor      path | null      null           depth predictor (must exist)
 calibration    path | null      null           acceptance calibration (must exist)
-stages         str              sequential     stage plan; only ``sequential`` runs today
+stages         str              sequential     execution plan: sequential | ahead (runtime/schedule.py)
 ============== ================ ============== ==================================================
 
 Relative paths (target, drafter, profile, predictor, calibration) are relative to the plan
@@ -81,11 +81,16 @@ from pathlib import Path
 from typing import Any
 
 from .errors import YggError
+from .runtime.schedule import PLANS
+from .shapes import (
+    DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
+    DEFAULT_TOP_K, DEFAULT_VERIFY_WIDTH, MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes,
+)
 
 PLAN_VERSION = 1
 BACKENDS = ("inductor-cpu", "eager", "cuda", "npu")  # same as runtime.graphs.BACKENDS
 DTYPES = ("float32", "bfloat16")
-STAGE_PLANS = ("sequential",)  # the scheduling issue adds ahead-of-time variants
+STAGE_PLANS = tuple(n for n in PLANS if n != "plain")  # execution plans a plan may record
 PATH_KEYS = ("profile", "predictor", "calibration")
 MODEL_KEYS = ("target", "drafter")
 NON_PATH_MODELS = {"target": ("default",), "drafter": ("default", "self")}
@@ -94,6 +99,8 @@ PLAN_COPY = "plan.yaml"
 MANIFEST_FORMAT = 2  # 2: AOTInductor packages (1 was an inductor cache read through dynamo)
 CACHE_SUBDIR = "graphs"  # AOTInductor packages (one .pt2 per block shape)
 DEFAULT_PLAN = Path(__file__).parent / "plans" / "default.yaml"
+# the trained EAGLE head for the embedded default target (yggtree distill; see its manifest.json)
+DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent / "assets" / "drafters" / "smollm2-135m-eagle"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -120,12 +127,12 @@ class Plan:
     drafter: str | None = None
     dtype: str = "float32"
     backend: str = "inductor-cpu"
-    max_context: int = 1024
-    prefill_chunk: int = 64
-    draft_widths: tuple[int, ...] = (4,)
-    d_max: int = 4
-    top_k: int = 4
-    verify_widths: tuple[int, ...] = (16,)
+    max_context: int = DEFAULT_MAX_CONTEXT
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    draft_widths: tuple[int, ...] = (DEFAULT_DRAFT_WIDTH,)
+    d_max: int = DEFAULT_DRAFT_DEPTH
+    top_k: int = DEFAULT_TOP_K
+    verify_widths: tuple[int, ...] = (DEFAULT_VERIFY_WIDTH,)
     lookup: int = 0
     sampling: Sampling = Sampling()
     profile: str | None = None
@@ -160,13 +167,11 @@ class Plan:
         verify_width: int | None = None,
         draft_depth: int | None = None,
     ):
-        """A :class:`~yggtree.runtime.engine.TreeParams` for one choice of widths from the plan.
+        """A :class:`~yggtree.shapes.TreeParams` for one choice of widths from the plan.
 
         ``None`` picks the largest compiled width (and ``d_max``). A width outside the compiled set
         is refused: ``width X is not in the plan's compiled set {...}``.
         """
-        from .runtime.engine import TreeParams
-
         if not self.speculative:
             raise YggError(f"plan {self.name!r} has no drafter (plain decoding): no tree widths")
         wd = max(self.draft_widths) if draft_width is None else draft_width
@@ -350,13 +355,12 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
     drafter = _path(drafter, "drafter", base, origin, NON_PATH_MODELS["drafter"])
     dtype = _str(raw, "dtype", "float32", origin, DTYPES)
     backend = _str(raw, "backend", "inductor-cpu", origin, BACKENDS)
-    max_context = _int(raw, "max_context", 1024, origin, lo=2)
-    prefill_chunk = _int(raw, "prefill_chunk", 64, origin)
-    draft_widths = _widths(raw, "draft_widths", (4,), origin)
-    d_max = _int(raw, "d_max", 4, origin)
-    top_k = _int(raw, "top_k", 4, origin)
-    verify_widths = _widths(raw, "verify_widths", (16,), origin)
-    from .runtime.engine import MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes
+    max_context = _int(raw, "max_context", DEFAULT_MAX_CONTEXT, origin, lo=2)
+    prefill_chunk = _int(raw, "prefill_chunk", DEFAULT_PREFILL_CHUNK, origin)
+    draft_widths = _widths(raw, "draft_widths", (DEFAULT_DRAFT_WIDTH,), origin)
+    d_max = _int(raw, "d_max", DEFAULT_DRAFT_DEPTH, origin)
+    top_k = _int(raw, "top_k", DEFAULT_TOP_K, origin)
+    verify_widths = _widths(raw, "verify_widths", (DEFAULT_VERIFY_WIDTH,), origin)
 
     try:  # the limits every run checks, refused here before anything is compiled
         check_sizes(max_context, prefill_chunk,
@@ -546,11 +550,7 @@ def _resolve_model_path(role: str, name: str | None) -> Path | None:
             from .runtime.loading import default_model_path  # imports torch; only here
 
             return default_model_path()
-        try:  # the shipped default drafter (issue 4)
-            from .runtime.build import DEFAULT_DRAFTER_DIR
-        except ImportError:
-            return None
-        return Path(DEFAULT_DRAFTER_DIR)
+        return DEFAULT_DRAFTER_DIR  # the shipped default drafter
     return Path(name)
 
 

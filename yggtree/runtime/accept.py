@@ -42,6 +42,7 @@ __all__ = [
     "walk",
     "greedy_accept",
     "sample_accept",
+    "sample_choices",
     "truncate",
 ]
 
@@ -189,11 +190,19 @@ def sample_accept(
     Under ``torch.compile(fullgraph=True)`` (which cannot trace a generator), draw the uniforms
     outside and compose ``walk(tree, sample_tokens(filter_probs(...), uniform))`` instead.
     """
+    return walk(tree, sample_choices(target_logits, temperature, top_p, generator), max_depth)
+
+
+def sample_choices(
+    target_logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """[W] int64: the target's sampled token at every node, one independent draw each (one
+    uniform per node from ``generator``): the ``choice`` :func:`sample_accept` walks with."""
     probs = filter_probs(target_logits, temperature, top_p)  # [W, V]
     uniform = torch.rand(
         probs.shape[:-1], generator=generator, device=probs.device, dtype=torch.float32
     )  # [W]
-    return walk(tree, sample_tokens(probs, uniform), max_depth)
+    return sample_tokens(probs, uniform)
 
 
 def truncate(

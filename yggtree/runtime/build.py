@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import YggError
+from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, read_manifest  # noqa: F401  (re-exported)
+from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes
 from .drafters import LMDrafter, check_pair
-from .engine import Engine, EngineConfig, TreeParams, check_sizes
+from .engine import Engine, EngineConfig
 from .graphs import check_backend
 from .loading import load_model, load_tokenizer, resolve_model
 from .packed import pack_linears
-
-
-# the trained EAGLE head for the embedded default target (yggtree distill; see its manifest.json)
-DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m-eagle"
+from .policy import FixedPolicy
+from .schedule import resolve_plan
 
 
 @dataclass(frozen=True)
@@ -25,17 +25,20 @@ class EngineSpec:
     drafter: str | None = None  # None (plain) | "self" | HF directory | .gguf | EAGLE head dir
     dtype: str = "float32"
     mode: str = "performance"
-    max_context: int = 1024
-    prefill_chunk: int = 64
+    max_context: int = DEFAULT_MAX_CONTEXT
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     tree: TreeParams = TreeParams()
     # a plan's compiled width sets (the envelope a step policy chooses from; empty: tree's own)
     draft_widths: tuple[int, ...] = ()
     verify_widths: tuple[int, ...] = ()
     pack: bool = True  # oneDNN-packed linear layers where the device supports them
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
+    stages: str = "sequential"  # execution plan (EngineConfig.stages)
+    threads: int = 0  # intra-op threads while decoding (0: the process setting)
 
     @classmethod
-    def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None) -> "EngineSpec":
+    def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
+                  stages: str = "auto", threads: int = 0) -> "EngineSpec":
         """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`).
 
         ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
@@ -62,6 +65,8 @@ class EngineSpec:
             draft_widths=tuple(plan.draft_widths) if plan.speculative else (),
             verify_widths=tuple(plan.verify_widths) if plan.speculative else (),
             lookup=plan.lookup,
+            stages=plan.stages if stages == "auto" else stages,
+            threads=threads,
         )
 
 
@@ -152,6 +157,8 @@ def build_engine(spec: EngineSpec, prepare=None):
         draft_widths=spec.draft_widths if spec_on else (),
         verify_widths=spec.verify_widths if spec_on else (),
         lookup=spec.lookup,
+        stages=spec.stages,
+        threads=spec.threads,
     )
     eos = tuple(target.cfg.eos_token_ids) or (
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -173,8 +180,10 @@ def plan_slots(plan) -> int:
 
 def drafter_widths(plan) -> list[int]:
     """Widths the engine asks its drafter to build (``Drafter.setup``): 1 (the head of a
-    standalone LM) and every W_d; the drafter adds its own (prefill chunk, EAGLE's D_max + 1)."""
-    return sorted({1, *plan.draft_widths})
+    standalone LM), every W_d, and with an ahead-of-time stage plan 2 W_v for every W_v > 1 (the
+    ahead call); the drafter adds its own (prefill chunk, EAGLE's D_max + 1)."""
+    ahead = plan.speculative and resolve_plan(plan.stages, True).ahead
+    return sorted({1, *plan.draft_widths, *((2 * w for w in plan.verify_widths if w > 1) if ahead else ())})
 
 
 def warm_plan(engine: Engine, plan) -> None:
@@ -186,42 +195,43 @@ def warm_plan(engine: Engine, plan) -> None:
             f"this engine has {engine.n_slots} cache slots, plan {plan.name!r} needs "
             f"{plan_slots(plan)}: build it with EngineSpec.from_plan(plan)"
         )
+    env = engine.envelope
+    if engine.drafter is not None and not (
+        set(plan.draft_widths) <= set(env.draft_widths)
+        and set(plan.verify_widths) <= set(env.verify_widths) and plan.d_max <= env.d_max
+    ):
+        raise YggError(f"this engine's envelope {env} does not hold plan {plan.name!r}'s widths: "
+                       "build it with EngineSpec.from_plan(plan)")
     engine.graphs.warm_up(list(plan.target_widths))
     if engine.drafter is not None:
-        engine.drafter.setup(engine.n_slots, drafter_widths(plan), plan.prefill_chunk)
-        # a step policy may now choose any of the plan's widths
-        engine.draft_widths = tuple(sorted({*engine.draft_widths, *plan.draft_widths}))
-        engine.verify_widths = tuple(sorted({*engine.verify_widths, *plan.verify_widths}))
-        engine.d_max = max(engine.d_max, plan.d_max)
+        widths = sorted({*drafter_widths(plan), *engine.drafter_widths(engine.plan)})
+        engine.drafter.setup(engine.n_slots, widths, plan.prefill_chunk)
 
 
-def use_widths(
+def fixed_policy(
     engine: Engine,
     plan,
     draft_width: int | None = None,
     verify_width: int | None = None,
     draft_depth: int | None = None,
-) -> TreeParams:
-    """Make the engine speculate with one choice of widths from the plan's compiled set (YggError
-    naming the set otherwise); None keeps the largest. Returns the TreeParams now in use.
-
-    This sets ``engine.cfg.tree``, the shape used when ``generate`` gets no step policy (a
-    :class:`~yggtree.runtime.policy.StepPolicy` chooses per step instead); the caches stay sized
-    for the plan's envelope, so any compiled choice fits."""
+) -> FixedPolicy:
+    """A policy speculating with one choice of widths from the plan's compiled set every step
+    (YggError naming the set otherwise); None keeps the largest. Pass it to ``generate``."""
     if engine.drafter is None:
         raise YggError(f"plan {plan.name!r} has no drafter: there are no tree widths to choose")
     tp = plan.tree_params(draft_width, verify_width, draft_depth)
-    engine.cfg = replace(engine.cfg, tree=tp)
-    return tp
+    engine.envelope.check_tree(tp)
+    return FixedPolicy.of(tp)
 
 
-def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None):
+def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
+                      stages: str = "auto", threads: int = 0):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
     ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
     drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
     Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start)."""
-    spec = EngineSpec.from_plan(plan, mode)
+    spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads)
     prepare = None
     if artifacts is not None and spec.mode == "performance" and plan.backend == "inductor-cpu":
         prepare = _package_installer(Path(artifacts))
@@ -233,7 +243,6 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
 def _package_installer(art: Path):
     """``prepare`` hook of :func:`build_engine`: load the packages listed in ``art``'s manifest
     and install them on the target's and the drafter's blocks."""
-    from ..plan import cache_dir, read_manifest
     from .aoti import PackageSet, install_packages
 
     manifest = read_manifest(art)

@@ -23,6 +23,7 @@ from ..errors import YggError
 from . import steps
 from .graphs import Graphs
 from .model import Transformer
+from .tree import Tree
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,33 @@ class Drafter(Protocol):
         """Keep the accepted path (slot ``src[i]`` -> ``dst[i]``) and drop the rest of the tree.
 
         Called only when decoding continues; the next ``head`` gets the bonus token as root."""
+
+    def ahead(
+        self,
+        tree: Tree,  # the verified tree (W nodes, root 0 at slot ``committed``, locally indexed)
+        anc: torch.Tensor,  # [W, W] bool ancestor-or-self mask of ``tree``
+        bonus: torch.Tensor,  # [W] int64 the target's choice at every node (the bonus if it is the leaf)
+        feats: tuple[torch.Tensor, ...],  # target layers at every node, each [W, H]
+        room: int,  # head rows go to slots committed + room + v (room > the deepest path)
+        committed: torch.Tensor,  # [] int64
+        k: int,
+    ) -> TopK:
+        """Ahead-of-time tail and head draft in one call of static width 2W: every verified
+        node's own entry at slot ``committed + v`` (the tail), and for every node the next
+        step's head as if it were the accepted leaf with ``bonus[v]`` as the next root, at slot
+        ``committed + room + v``. Returns the head proposals at every node ([W, k])."""
+
+    def take(
+        self,
+        path: torch.Tensor,  # [D] int64 local nodes of the accepted draft tokens (padded)
+        n_accepted: torch.Tensor,  # [] int64
+        room: int,
+        committed: torch.Tensor,  # [] int64
+    ) -> None:
+        """After :meth:`ahead`: keep the accepted path's tail entries (slot ``committed +
+        path[i]`` -> ``committed + 1 + i``) and the accepted leaf's head row (-> the next root's
+        slot ``committed + 1 + n_accepted``); the rest is dropped. The next step's head is the
+        leaf's row of what :meth:`ahead` returned, not a call."""
 
     def frozen(self):
         """Context manager for the decode loop (no compiles allowed in compiled mode)."""
@@ -145,8 +173,45 @@ class LMDrafter:
     def commit(self, src, dst, path_tokens, n_accepted, feats) -> None:
         steps.commit(self.model, src, dst)
 
+    def ahead(self, tree, anc, bonus, feats, room, committed, k: int) -> TopK:
+        ext, node, depth = ahead_layout(tree, anc, room)
+        tokens = torch.cat([tree.token, bonus])
+        n_ctx = self.graphs.bucket(int(committed) + ext.shape[1])
+        logits, _, _ = self.graphs.tree_step(tokens, depth, node, ext, committed, (), n_ctx)
+        return topk_logp(logits[tree.token.shape[0]:], k)
+
+    def take(self, path, n_accepted, room, committed) -> None:
+        take_path(self.model.caches(), path, n_accepted, room, committed)
+
     def frozen(self):
         return self.graphs.frozen()
+
+
+def ahead_layout(tree: Tree, anc: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ahead-of-time call's 2W rows as one tree: rows 0..W-1 the verified nodes (node v at
+    tree slot v), rows W..2W-1 a head candidate under every node (at tree slot room + v, one
+    level deeper, seeing its node's ancestors and itself). Returns the visibility [2W, room + W]
+    bool, the tree slot [2W] int64 and the depth [2W] int64 of every row."""
+    w = tree.token.shape[0]
+    ar = torch.arange(w, device=anc.device)
+    ext = torch.zeros(2 * w, room + w, dtype=torch.bool, device=anc.device)
+    ext[:w, :w] = anc
+    ext[w:, :w] = anc
+    ext[w + ar, room + ar] = True
+    node = torch.cat([ar, room + ar])
+    depth = torch.cat([tree.depth, tree.depth + 1])
+    return ext, node, depth
+
+
+def take_path(caches, path: torch.Tensor, n_accepted: torch.Tensor, room: int, committed: torch.Tensor) -> None:
+    """Move the accepted path's entries (slot committed + path[i] -> committed + 1 + i) and then
+    the leaf's head row (slot committed + room + leaf -> committed + 1 + n_accepted) in every
+    cache. ``room`` > len(path), so the first move never overwrites a head row."""
+    dst = committed + torch.arange(1, path.shape[0] + 1, device=path.device)
+    leaf = path[-1:]  # [1] (the path is padded with its last node: the leaf, or the root)
+    for cache in caches:
+        cache.move((committed + path)[None], dst[None])
+        cache.move((committed + room + leaf)[None], (committed + 1 + n_accepted).reshape(1, 1))
 
 
 def check_pair(target_vocab: int, drafter_vocab: int, target_tok, drafter_tok, where: str) -> None:

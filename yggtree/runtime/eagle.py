@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import YggError
-from .drafters import TopK
+from .drafters import TopK, ahead_layout, take_path
 from .graphs import Graphs
 from .kv_cache import KVCache
 from .loading import read_safetensors
@@ -515,6 +515,37 @@ class EagleDrafter:
         self.pend_tok[:d] = path_tokens[1:]
         self.pend_feat[: d + 1] = f
         self.pend_n.copy_(n_accepted)
+
+    def ahead(self, tree, anc, bonus, feats, room, committed, k: int) -> TopK:
+        """One call of width 2W: the tail row of node v pairs its token with its parent's true
+        feature (slot L + v, position L + depth - 1), the head row of node v pairs ``bonus[v]``
+        with v's own true feature (slot L + room + v, position L + depth). The root's pair is
+        already in the cache, so its tail row goes to the scratch slot."""
+        self._check_k(k)
+        net, s = self.net, self.net.cache_slots
+        w = tree.token.shape[0]
+        f = net.fuse_target(tuple(x.to(self.pend_feat.dtype) for x in feats))  # [W, H]
+        ext, node, depth = ahead_layout(tree, anc, room)
+        cols = torch.arange(s, device=anc.device)
+        mask = tree_mask(committed, ext, s) & (cols[None, :] >= 1)  # [2W, S]
+        first = torch.arange(2 * w, device=anc.device) == 0  # the root's tail row: scratch only
+        mask = torch.where(first[:, None], cols[None, :] == s - 1, mask)
+        slots = torch.where(first, s - 1, committed + node)
+        pos = torch.where(first, 0, committed + depth - 1)
+        tokens = torch.cat([tree.token, bonus])
+        feat = torch.cat([f.index_select(0, tree.parent), f])  # [2W, H]
+        out = net(tokens, feat, pos, slots, mask)  # [2W, H]
+        self.ahead_h, self.ahead_f = out[w:], f  # [W, H] each: head rows' f̂, true features
+        return self._topk(net.logits(out[w:]), k)
+
+    def take(self, path, n_accepted, room, committed) -> None:
+        """Keep the accepted tail and the leaf's head row; the state is then that of a commit
+        with nothing pending (a head call at the next root would recompute the same row)."""
+        take_path(self.net.caches(), path, n_accepted, room, committed)
+        leaf = path[-1:]
+        self.node_feat[0] = self.ahead_h.index_select(0, leaf)[0]
+        self.pend_feat[0] = self.ahead_f.index_select(0, leaf)[0]
+        self.pend_n.zero_()
 
     def frozen(self):
         return self.graphs.frozen()

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import YggError
 from .graphs import context_buckets
-from .policy import StepChoice
+from .policy import StepChoice, StepPolicy
 from .tree import Tree
 
 __all__ = [
@@ -536,7 +536,7 @@ def _shrunk(sums: tuple[float, float] | None, k: float, prior: float) -> float:
 
 
 @dataclass
-class ObjectivePolicy:
+class ObjectivePolicy(StepPolicy):
     """A :class:`~yggtree.runtime.policy.StepPolicy` maximising the latency objective.
 
     - ``choose_draft``: (D, W_d) maximising ``max_{W_v} AAL(W_d, D, W_v) * T_plain / T_step``

@@ -21,8 +21,8 @@ cost reported as the ``resync`` stage.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -55,15 +55,40 @@ class StepRecord:
     target_argmax: torch.Tensor | None = None  # [W_v] int64 target's greedy next token per kept node
 
 
-class StepPolicy(Protocol):
-    def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice: ...
+class StepPolicy:
+    """The one interface every step policy implements: subclass it and override
+    ``choose_draft`` and ``choose_verify``; the other hooks default to doing nothing."""
+
+    def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
+        raise NotImplementedError
 
     def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:  # W_v
-        ...
+        raise NotImplementedError
+
+    def after_head(self, h_root: torch.Tensor, head_logp: torch.Tensor, choice: StepChoice,
+                   committed: int) -> StepChoice:
+        """(D >= 1, W_d) once the drafter's head ran (head_logp [k]: its top-k log-probs at the
+        root); by default the choice stands."""
+        return choice
+
+    def see_lookup(self, prop, committed: int) -> None:
+        """This step's lookup candidates (a :class:`~yggtree.runtime.lookup.Proposal`), before
+        ``choose_draft``."""
+
+    def lookup_logq(self, p: float) -> float:
+        """A lookup edge's acceptance ``p`` on the drafter's log-probability scale (by default
+        the drafter's probability is taken as its acceptance)."""
+        return math.log(max(p, 1e-9))
+
+    def observe(self, rec: StepRecord) -> None:
+        """A finished step (a policy learning from measured steps)."""
+
+    def start_request(self) -> None:
+        """A new request begins (its text is not the previous one's continuation)."""
 
 
 @dataclass(frozen=True)
-class FixedPolicy:
+class FixedPolicy(StepPolicy):
     """The same (D, W_d, W_v) every step: the engine's behaviour without a policy."""
 
     choice: StepChoice

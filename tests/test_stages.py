@@ -1,0 +1,212 @@
+"""Stage scheduling: execution plans, their dependency checks, and the ahead-of-time tail and head
+draft (exact in greedy, lossless in sampling, the picked-up head equal to a head call, both
+caches equal to a causal recompute afterwards)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from yggtree.cli import main as cli_main
+from yggtree.errors import YggError
+from yggtree.runtime.drafters import LMDrafter
+from yggtree.runtime.eagle import EagleDrafter
+from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+from yggtree.runtime.schedule import PLANS, check_order, resolve_plan
+
+from test_engine import PROMPTS, TREES, tiny
+from test_lossless_steps import (PROMPT, TREES as SMALL_TREES, chi_square_p, exact_sequences,
+                                 sample_counts, target_and_drafter)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def engine(target, tree, drafter, stages, lookup=0, max_context=200):
+    cfg = EngineConfig(mode="reference", max_context=max_context, prefill_chunk=16, tree=tree,
+                       lookup=lookup, stages=stages)
+    return Engine(target, cfg, drafter)
+
+
+def counting(drafter):
+    """``drafter`` whose head calls are counted in ``drafter.heads``."""
+    real = drafter.head
+    drafter.heads = 0
+
+    def head(*args):
+        drafter.heads += 1
+        return real(*args)
+
+    drafter.head = head
+    return drafter
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def test_named_plans_respect_the_dependency_graph():
+    for name, stages in PLANS.items():
+        check_order(stages, speculative=name != "plain")
+    assert resolve_plan("auto", True, recorded="ahead").stages == PLANS["ahead"]
+    assert resolve_plan("ahead", False).name == "plain"  # nothing to draft: one plan
+
+
+@pytest.mark.parametrize("name,message", [
+    ("bogus", "unknown stage plan 'bogus'"),
+    ("lookup,choose,resync,head,refine,draft,merge,size,prune,verify,commit,accept", "'commit' needs 'accept'"),
+    ("lookup,choose,resync,head,refine,draft,merge,size,prune,verify,accept,commit,ahead", "'commit' must run after 'ahead'"),
+    ("lookup,choose,head,resync,refine,draft,merge,size,prune,verify,accept,commit", "'head' needs 'resync'"),
+    ("verify,accept,commit", "never drafts"),
+    ("lookup,choose,resync,head,refine,draft,merge,size,prune,verify,accept,accept,commit", "twice"),
+    ("lookup,choose,resync,head,refine,draft,merge,size,prune,verify,accept,commit,fly", "unknown stage 'fly'"),
+])
+def test_bad_plans_are_refused_in_one_line(name, message):
+    with pytest.raises(YggError, match=message) as e:
+        resolve_plan(name, True)
+    assert "\n" not in str(e.value)
+
+
+def test_a_thread_count_above_the_cores_is_refused():
+    with pytest.raises(YggError, match="exceeds this machine's"):
+        resolve_plan("sequential", True, threads=(os.cpu_count() or 1) + 1)
+    with pytest.raises(YggError, match="threads must be"):
+        resolve_plan("sequential", True, threads=-1)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stages", "bogus"], "unknown stage plan 'bogus'"),
+    (["--stages", "lookup,choose,resync,head,refine,draft,merge,size,prune,verify,commit,accept"], "needs 'accept'"),
+    (["--threads", str((os.cpu_count() or 1) + 1)], "exceeds this machine's"),
+])
+def test_cli_refuses_bad_stage_input_in_one_line(capsys, args, message):
+    code = cli_main(["run", "--prompt", "hi", "--drafter", "self", *args])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_plain_engine_runs_the_one_stage_plan_and_reports_it():
+    eng = Engine(tiny(), EngineConfig(mode="reference", max_context=200, prefill_chunk=16, stages="ahead"))
+    res = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=8))
+    assert res.stats["stages"] == "plain" and res.stats["verify_calls"] == 7
+
+
+# ----------------------------------------------------------------------------- ahead-of-time drafting
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    eng = Engine(tiny(), EngineConfig(mode="reference", max_context=200, prefill_chunk=16))
+    return [eng.generate(p, SamplingParams(max_new_tokens=40)).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("tree", ["chain", "egt", "wide-prune"])
+@pytest.mark.parametrize("kind", ["self", "other-lm", "eagle"])
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_ahead_greedy_equals_plain_and_picks_up_every_head(plain_outputs, tree, kind, lookup):
+    target = tiny()
+    if kind == "eagle":
+        drafter = EagleDrafter.random(target, "reference", max_depth=4, seed=1)
+    else:
+        drafter = LMDrafter(target.shared_copy() if kind == "self" else tiny(seed=1, std=0.25), "reference")
+    eng = engine(target, TREES[tree], counting(drafter), "ahead", lookup=lookup)
+    for i, p in enumerate(PROMPTS):
+        drafter.heads = 0
+        res = eng.generate(p, SamplingParams(max_new_tokens=40))
+        assert res.token_ids == plain_outputs[i], f"prompt {i}"
+        s = res.stats
+        assert s["stages"] == "ahead" and s["stage_ms"]["ahead"] > 0
+        # every step but the last drafts its successor's head ahead of time: one head call only
+        assert s["ahead_calls"] == s["verify_calls"] - 1
+        assert drafter.heads == 1 and s["resyncs"] == 0
+
+
+@pytest.mark.parametrize("kind", ["lm", "eagle"])
+def test_picked_up_head_equals_a_head_call(kind):
+    """After a step of the ahead plan, the head it picked up (tokens and log-probs) is what a
+    head call at the next root returns (which also rewrites the root's drafter entry)."""
+    target = tiny()
+    if kind == "eagle":
+        drafter = EagleDrafter.random(target, "reference", max_depth=4, seed=1)
+    else:
+        drafter = LMDrafter(tiny(seed=1, std=0.25), "reference")
+    eng = engine(target, TREES["egt"], drafter, "ahead")
+    from yggtree.runtime import stages as st_mod
+
+    picked = []
+    real_head = st_mod.head
+
+    def spy(eng_, req, st):
+        pending = req.ahead_head
+        real_head(eng_, req, st)
+        if pending is not None:
+            fresh = eng_.drafter.head(st.root, st.L, eng_.envelope.top_k)
+            picked.append((pending, fresh))
+
+    st_mod.STAGE_FNS["head"] = spy
+    try:
+        eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=30))
+    finally:
+        st_mod.STAGE_FNS["head"] = real_head
+    assert len(picked) >= 3
+    for pending, fresh in picked:
+        assert torch.equal(pending.token, fresh.token)
+        torch.testing.assert_close(pending.logp, fresh.logp, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tree", ["chain", "tree"])
+def test_ahead_sampling_is_lossless(tree):
+    target, drafter = target_and_drafter()
+    exact = exact_sequences(target.shared_copy(), PROMPT, 4, 1.0, 1.0)
+    eng = Engine(target, EngineConfig(mode="reference", max_context=64, prefill_chunk=4,
+                                      tree=SMALL_TREES[tree], stages="ahead"), drafter)
+    counts, seen = sample_counts(eng, 1.0, 1.0)
+    assert seen["multi_step"] > 500
+    assert chi_square_p(counts, exact) > 1e-3
+
+
+def test_both_caches_after_ahead_steps_equal_a_causal_recompute():
+    """Partial acceptances under the ahead plan: the target's and the drafter's cache rows of
+    the committed sequence equal plain causal forwards over it (the drafter's rows come from
+    the ahead call's tail rows and the leaf's head row, moved by ``take``)."""
+    target = tiny(seed=0)
+    near = tiny(seed=0)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for w in near.parameters():
+            w.add_(0.03 * torch.randn_like(w))
+    drafter = LMDrafter(near, "reference")
+    eng = engine(target, TreeParams(3, 3, 7, 3), drafter, "ahead", max_context=120)
+    prompt = [(7 * i) % 90 + 3 for i in range(19)]
+    roots = []
+    res = eng.generate(prompt, SamplingParams(max_new_tokens=30), on_step=lambda r: roots.append(r.committed))
+    hist = res.stats["accept_by_position"]
+    assert hist[0] > 0 and hist[-1] < 1  # partial acceptances happened
+    # rows up to the last step's root are final in both caches (the drafter holds the root too)
+    committed = (prompt + res.token_ids)[: roots[-1] + 1]
+    m = len(committed)
+    for model, ref in ((target, tiny(seed=0)), (near, near.shared_copy())):
+        ref.setup_cache(1, 256)
+        pos = torch.arange(m)[None]
+        mask = (torch.arange(256)[None, :] <= torch.arange(m)[:, None])[None]
+        with torch.no_grad():
+            ref(torch.tensor([committed]), pos, pos, mask)
+        for layer, (got, want) in enumerate(zip(model.layers, ref.layers)):
+            for name in ("k", "v"):
+                g = getattr(got.self_attn.cache, name)
+                w = getattr(want.self_attn.cache, name)
+                torch.testing.assert_close(g[:, :m], w[:, :m], rtol=1e-4, atol=1e-5,
+                                           msg=lambda s: f"layer {layer} {name}: {s}")
+
+
+def test_sequential_and_ahead_agree_in_sampling_with_one_seed():
+    """The ahead plan draws exactly the uniforms the sequential plan draws (one per verified
+    node) and drafts the same trees, so one seed gives one output."""
+    target = tiny()
+    outs = {}
+    for stages in ("sequential", "ahead"):
+        drafter = LMDrafter(tiny(seed=1, std=0.25), "reference")
+        eng = engine(target, TREES["egt"], drafter, stages)
+        outs[stages] = [eng.generate(p, SamplingParams(30, 0.8, 0.95, seed=7)).token_ids for p in PROMPTS]
+    assert outs["sequential"] == outs["ahead"]

@@ -1,0 +1,179 @@
+"""The static shapes of a run: limits, defaults, one step's tree shape and the compiled envelope.
+
+Light (no torch): plans (``yggtree/plan.py``) and the engine (``runtime/engine.py``) both read it,
+so neither imports the other for a shape. Every default a plan, a flag or an engine falls back to
+is written here once.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from .errors import YggError
+
+# Bounds on sizes and values a user chooses (flags, plans, API calls), checked before anything is
+# allocated or compiled: past them a run would only be slower or noisier, never better.
+MAX_TEMPERATURE = 10.0  # at 10 the default model's next-token distribution is already near uniform
+MIN_TEMPERATURE = 0.01  # below it (but not 0) logits / T overflow to inf: use 0 for greedy
+MAX_DRAFT_DEPTH = 32  # D: drafter calls per step
+MAX_DRAFT_WIDTH = 64  # W_d: nodes fed per drafter call
+MAX_VERIFY_WIDTH = 256  # W_v: nodes the target verifies per step
+MAX_TOP_K = 64  # children proposed per fed node
+MAX_SEED = 2**63 - 1
+
+# defaults (a plan's, a flag's and an engine's)
+DEFAULT_DRAFT_WIDTH = 4  # W_d
+DEFAULT_DRAFT_DEPTH = 4  # D (a plan's d_max)
+DEFAULT_VERIFY_WIDTH = 16  # W_v
+DEFAULT_TOP_K = 4
+DEFAULT_MAX_CONTEXT = 1024
+DEFAULT_PREFILL_CHUNK = 64
+
+
+def int_value(name: str, v) -> int:
+    """``v`` as an int (bools and floats refused: a float token id is a bug, not a token)."""
+    if isinstance(v, bool):
+        raise YggError(f"{name} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise YggError(f"{name} must be an integer, got {type(v).__name__} {v!r}") from None
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    """Static tree shape of one speculation step."""
+
+    draft_width: int = DEFAULT_DRAFT_WIDTH  # W_d: nodes fed to the drafter per draft call
+    draft_depth: int = DEFAULT_DRAFT_DEPTH  # D: draft calls per step
+    verify_width: int = DEFAULT_VERIFY_WIDTH  # W_v: nodes the target verifies (root included)
+    top_k: int = DEFAULT_TOP_K  # children proposed per fed node
+
+    @property
+    def tree_size(self) -> int:
+        return 1 + self.draft_width * self.draft_depth
+
+    def validate(self, max_context: int | None = None) -> None:
+        """YggError naming the limit unless the shape is possible (and, given ``max_context``,
+        the drafted tree fits in the context)."""
+        limits = {"draft_width": MAX_DRAFT_WIDTH, "draft_depth": MAX_DRAFT_DEPTH,
+                  "verify_width": MAX_VERIFY_WIDTH, "top_k": MAX_TOP_K}
+        for name, hi in limits.items():
+            v = int_value(name.replace("_", "-"), getattr(self, name))
+            if v < 1:
+                raise YggError(f"{name.replace('_', '-')} must be >= 1, got {v}")
+            if v > hi:
+                raise YggError(f"{name.replace('_', '-')} {v} exceeds the limit of {hi}")
+        if max_context is not None and self.tree_size >= max_context:
+            raise YggError(
+                f"the drafted tree (1 + draft-width {self.draft_width} x draft-depth "
+                f"{self.draft_depth} = {self.tree_size} nodes) does not fit in the context "
+                f"window ({max_context})"
+            )
+        if self.verify_width > self.tree_size:
+            raise YggError(
+                f"verify-width {self.verify_width} exceeds the drafted tree "
+                f"(1 + draft-width {self.draft_width} x draft-depth {self.draft_depth} "
+                f"= {self.tree_size} nodes)"
+            )
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Every tree shape an engine can run: the compiled width sets and D_max. Built once from
+    the default tree and a plan's widths (:meth:`of`) and never changed; caches and graphs are
+    sized for it, and a step policy chooses inside it."""
+
+    draft_widths: tuple[int, ...]  # compiled W_d choices, ascending (empty: no drafter calls)
+    verify_widths: tuple[int, ...]  # compiled W_v choices, ascending, 1 (a plain step) included
+    d_max: int  # most drafter calls per step (0: no tree)
+    top_k: int  # children proposed per fed node (0: no tree)
+
+    @classmethod
+    def of(cls, tree: TreeParams | None, draft_widths=(), verify_widths=(), d_max: int = 0) -> "Envelope":
+        """The envelope of ``tree`` (None: plain decoding) widened by a plan's width sets."""
+        if tree is None:
+            return cls((), (1,), 0, 0)
+        env = cls(
+            tuple(sorted({tree.draft_width, *draft_widths})),
+            tuple(sorted({1, tree.verify_width, *verify_widths})),
+            max(tree.draft_depth, d_max),
+            tree.top_k,
+        )
+        bad = [w for w in env.draft_widths + env.verify_widths if w < 1]
+        if bad:
+            raise YggError(f"tree widths must be >= 1, got {bad[0]}")
+        return env
+
+    @property
+    def speculative(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def max_tree(self) -> int:
+        """Nodes of the largest drafted tree."""
+        return 1 + self.d_max * max(self.draft_widths, default=0)
+
+    def reserve(self) -> int:
+        """Cache slots past the context a step may write: the largest drafted or verified tree
+        (the ahead-of-time drafter call uses free slots past it when the context leaves room)."""
+        if not self.speculative:
+            return 1
+        return max(self.max_tree, max(self.verify_widths))
+
+    def check_draft(self, d: int, wd: int) -> None:
+        if not 0 <= d <= self.d_max:
+            raise YggError(f"policy chose draft depth {d}, outside the engine's 0..{self.d_max}")
+        if d > 0 and wd not in self.draft_widths:
+            raise YggError(
+                f"policy chose draft width {wd}, not in the compiled set {list(self.draft_widths)}"
+            )
+
+    def check_verify(self, wv: int) -> None:
+        if wv not in self.verify_widths:
+            raise YggError(
+                f"policy chose verify width {wv}, not in the compiled set {list(self.verify_widths)}"
+            )
+
+    def check_tree(self, tp: TreeParams) -> None:
+        """YggError unless ``tp`` is a choice inside the envelope."""
+        self.check_draft(tp.draft_depth, tp.draft_width)
+        self.check_verify(tp.verify_width)
+
+
+def check_sizes(max_context: int, prefill_chunk: int, tree: TreeParams | None = None) -> None:
+    """YggError naming the limit unless the static sizes fit each other: every size a user picks
+    (context, prefill chunk, D, W_d, W_v, top-k, tree size) is checked here before a cache is
+    allocated or a graph compiled."""
+    max_context = int_value("max-context", max_context)
+    prefill_chunk = int_value("prefill-chunk", prefill_chunk)
+    if max_context < 2:
+        raise YggError(f"max-context must be >= 2, got {max_context}")
+    if not 1 <= prefill_chunk <= max_context:
+        raise YggError(f"prefill-chunk must be in 1..max-context ({max_context}), got {prefill_chunk}")
+    if tree is not None:
+        tree.validate(max_context)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if int_value("max-new-tokens", self.max_new_tokens) < 1:
+            raise YggError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise YggError(f"{name.replace('_', '-')} must be a number, got {v!r}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise YggError(f"temperature must be 0 (greedy) or in {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, "
+                           f"got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise YggError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= int_value("seed", self.seed) <= MAX_SEED:
+            raise YggError(f"seed must be in 0..2**63-1, got {self.seed}")
