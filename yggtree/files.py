@@ -28,6 +28,17 @@ def write_text_atomic(dst: str | Path, text: str) -> Path:
     return Path(dst)
 
 
+def save_figure(fig, dst: str | Path, dpi: int = 110) -> Path:
+    """A matplotlib figure laid out, written to ``dst`` through :func:`atomic_path`, and closed."""
+    import matplotlib.pyplot as plt  # the caller drew the figure: matplotlib is loaded
+
+    fig.tight_layout()
+    with atomic_path(dst) as tmp:
+        fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    return Path(dst)
+
+
 def manifest_path(path: str | Path, base: str | Path) -> str:
     """``path`` as a manifest in directory ``base`` records it: relative to ``base`` (never
     absolute, so a manifest says nothing about the machine that wrote it)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import YggError, run_reporting
-from ..files import atomic_path, write_text_atomic
+from ..files import save_figure, write_text_atomic
 from ..progress import stderr_progress
 
 # ----------------------------------------------------------------------------- latency curves
@@ -132,11 +132,7 @@ def plot_profile(profile: dict, path: Path) -> Path:
     hw = profile["hardware"]
     fig.suptitle(f"profile {profile['name']}: {hw['cpu_model']}, {hw['threads']} thread(s), "
                  f"{profile['software']['dtype']}, torch {profile['software']['torch']}")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- acceptance calibration
@@ -352,11 +348,7 @@ def plot_calibration(cal: dict, q, acc, depth, edges, path: Path) -> Path:
     a2.grid(alpha=0.3)
     fig.suptitle(f"acceptance calibration: plan {cal['plan']['name']}, {cal['data']['prompts']} "
                  f"calibration prompts, {cal['data']['edges']} drafted edges")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:

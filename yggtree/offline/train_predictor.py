@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import YggError, run_reporting
-from ..files import atomic_path, manifest_path, write_text_atomic
+from ..files import atomic_path, manifest_path, save_figure, write_text_atomic
 from ..progress import stderr_progress
 
 if TYPE_CHECKING:
@@ -403,11 +403,7 @@ def plot_calibration(preds: dict, n_accepted, path: Path, title: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def write_metrics_csv(path: Path, metrics: dict) -> Path:
