@@ -31,11 +31,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-from yggtree.errors import YggError, run_reporting  # noqa: E402
+from yggtree.errors import YggError, run_reporting
 
 DEFAULT_PLAN = Path(__file__).resolve().parents[1] / "yggtree" / "plans" / "default.yaml"
 
