@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import YggError, run_reporting
 from ..files import save_figure, write_text_atomic
+from ..plan import default_plan, load_plan
 from ..progress import stderr_progress
 
 # ----------------------------------------------------------------------------- latency curves
@@ -198,7 +199,6 @@ def run_calibrate(args) -> int:
     import torch
 
     from ..data import calibration_chat_prompts
-    from ..plan import default_plan, load_plan
     from ..runtime.build import EngineSpec, build_engine
     from ..runtime.engine import SamplingParams, TreeParams
     from ..runtime.loading import encode_auto

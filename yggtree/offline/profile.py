@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..errors import YggError, run_reporting
 from ..files import atomic_path, manifest_args, write_text_atomic
+from ..plan import default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
 
@@ -63,7 +64,6 @@ def software_info(plan, mode: str) -> dict:
     import numpy
     import torch
 
-    from ..plan import versions
 
     return versions() | {
         "numpy": numpy.__version__,
@@ -269,7 +269,6 @@ def stage_calls(engine, plan):
 def run_profile(args) -> int:
     import torch
 
-    from ..plan import default_plan, load_plan
     from ..runtime.graphs import context_buckets
     from .fit import fit_profile, plot_profile
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import YggError, run_reporting
 from ..files import atomic_path, manifest_path, save_figure, write_text_atomic
+from ..plan import default_plan, load_plan
 from ..progress import stderr_progress
 
 if TYPE_CHECKING:
@@ -538,7 +539,6 @@ def _record(args, plan, rec_path: Path | None) -> tuple[Records, dict]:
 def run_train_predictor(args) -> int:
     import torch
 
-    from ..plan import default_plan, load_plan
     from ..runtime.predictor import features, measure_ms
     from .fit import pair_dir
 
