@@ -113,6 +113,9 @@ class EagleConfig:
         )
 
     def to_json(self) -> dict:
+        """The config.json content. ``num_layers`` is written only when it is not 1, so a one-layer
+        head's config (and with it the drafter identity that profiles are keyed on: shapes, not
+        weights) is byte-identical to those written before the field existed."""
         return {
             "kind": "eagle",
             "hidden_size": self.hidden_size,
@@ -129,7 +132,7 @@ class EagleConfig:
             "rope_scaling": asdict(self.rope_scaling),
             "shares_embedding": self.shares_embedding,
             "input_norm": self.input_norm,
-            "num_layers": self.num_layers,
+            **({"num_layers": self.num_layers} if self.num_layers != 1 else {}),
             "target": {
                 "vocab_size": self.vocab_size,
                 "hidden_size": self.target_hidden_size,
