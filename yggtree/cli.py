@@ -168,7 +168,9 @@ def _run(args) -> int:
     policy = None
     if not args.plan:
         _pick_plan(args)
-    if args.plan:
+    if getattr(args, "quick", None) is not None:  # speculation by default
+        engine, tok, policy = args.quick.engine()
+    elif args.plan:
         engine, tok, policy = _plan_engine(args)
     else:
         engine, tok = _flag_engine(args)
@@ -205,12 +207,16 @@ def _pick_plan(args) -> None:
         sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
         args.plan = str(ready)
         args.no_default_note = None
-    elif waiting is not None:
+    else:  # no compiled tuned plan: the default plan with a quick profile (yggtree.quickstart)
+        import torch
+
+        from .quickstart import default_quick_start
+
+        compile_hint = waiting and f"`yggtree compile {waiting}` once to speculate with the plan tuned for it"
+        args.quick, why = default_quick_start(args.dtype, device, torch.get_num_threads(), compile_hint)
         args.no_default_note = (f"plan {waiting} is tuned for this {device['kind']} but not compiled: "
-                                f"`yggtree compile {waiting}` once to speculate with it")
-    else:
-        args.no_default_note = (f"no latency profile for this {device['kind']} in {args.dtype}: "
-                                "`yggtree profile` and `yggtree calibrate` make one")
+                                f"{compile_hint}" if waiting is not None else
+                                why and f"no tuned plan for this {device['kind']} in {args.dtype}: {why}")
 
 
 def _plan_engine(args):
@@ -386,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(sub)
     from .offline.train_predictor import add_train_predictor_parser
     add_train_predictor_parser(sub)
+    from .offline.tune import add_tune_parser
+
+    add_tune_parser(sub)
     return parser
 
 

@@ -25,6 +25,7 @@ import platform
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import YggError, run_reporting
@@ -126,8 +127,9 @@ def summarise(samples: list[float]) -> dict:
 # ----------------------------------------------------------------------------- measurements
 
 
-def model_calls(engine, plan, widths: list[int], contexts: list[int]):
-    """(kind, width, context, bucket, thunk) for every model-call grid point."""
+def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widths=None):
+    """(kind, width, context, bucket, thunk) for every model-call grid point (drafter steps only
+    at ``draft_widths`` when given)."""
     import torch
 
     from ..runtime import steps
@@ -150,7 +152,7 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int]):
 
             out.append(("verify", w, ctx, bucket, verify))
             n = 1 + plan.d_max * w
-            if ctx + n > engine.n_slots:
+            if ctx + n > engine.n_slots or (draft_widths is not None and w not in draft_widths):
                 continue  # a draft tree this wide does not fit the cache at this context
             node = 1 + ar
             danc = torch.zeros(w, n, dtype=torch.bool)
@@ -267,123 +269,174 @@ def stage_calls(engine, plan):
 
 
 def run_profile(args) -> int:
-    import torch
-
-    from ..runtime.graphs import context_buckets
-    from .fit import fit_profile, plot_profile
-
-    torch.set_num_threads(args.threads)
-    device = detect_device()
     check_hw_name(args.hw)
     out_dir = Path(args.out_dir)
     dst = out_dir / f"{args.hw}.json"
     if dst.exists() and not args.force:
         raise YggError(f"profile {dst} already exists (pass --force to overwrite it)")
     plan = load_plan(args.plan) if args.plan else default_plan()
+    t_start = time.perf_counter()
+    grid = ProfileGrid(max_width=16 if args.quick else args.max_width,
+                       warmup=1 if args.quick else args.warmup,
+                       repeats=3 if args.quick else args.repeats, quick=args.quick)
+    command = "yggtree profile " + " ".join(manifest_args(args.argv, out_dir))
+    profile = measure_profile(plan, args.hw, args.threads, grid, command, Path(args.cache_dir))
+    png = write_profile(profile, out_dir, plot=True)
+    print_table(profile)
+    print(json.dumps(profile_summary(profile, dst, png, time.perf_counter() - t_start)))
+    return 0
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Which points a profile measures: widths up to ``max_width`` (or exactly ``widths``), one
+    context per bucket (the first two when ``quick``), ``warmup`` + ``repeats`` calls each."""
+
+    max_width: int = 128
+    warmup: int = 3
+    repeats: int = 9
+    quick: bool = False
+    widths: tuple[int, ...] = ()  # non-empty: exactly these verify widths and the plan's draft
+    #                               widths (the plan's own shapes: nothing else is compiled)
+
+
+def check_profile_plan(plan, device: dict) -> None:
+    """YggError unless ``plan`` can be profiled on ``device``."""
     if not plan.speculative:
         raise YggError(f"plan {plan.name!r} has no drafter: there is no tree to profile")
     if plan.backend in ("cuda", "npu") and device["kind"] == "cpu":
         raise YggError(f"plan {plan.name!r} is for backend {plan.backend!r}; this machine has no such device")
-    quick = args.quick
-    max_w = 16 if quick else args.max_width
-    warmup, repeats = (1, 3) if quick else (args.warmup, args.repeats)
-    t_start = time.perf_counter()
 
+
+def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str,
+                    cache: Path | None = None, engine=None) -> dict:
+    """Measure ``plan``'s latency curves on this machine; returns the profile (not written).
+
+    ``engine``: an engine already built from ``EngineSpec.from_plan(plan)`` (its graphs are
+    reused); otherwise one is built, its graphs compiled into the inductor cache ``cache``."""
+    import contextlib
+
+    import torch
+
+    from ..runtime.graphs import context_buckets
+    from .fit import fit_profile
+
+    torch.set_num_threads(threads)
+    device = detect_device()
+    check_profile_plan(plan, device)
     from ..runtime.build import EngineSpec, build_engine, plan_slots
     from ..runtime.graphs import inductor_cache
 
     mode = "reference" if plan.backend == "eager" else "performance"
-    widths = grid_widths(plan, max_w)
+    widths = sorted(set(grid.widths)) if grid.widths else grid_widths(plan, grid.max_width)
     n_slots = plan_slots(plan)
     buckets = context_buckets(n_slots)
-    contexts = grid_contexts(buckets, plan.max_context, max_w)
-    if quick:
+    contexts = grid_contexts(buckets, plan.max_context, max(widths))
+    if grid.quick:
         contexts = contexts[:2]
-    cache = Path(args.cache_dir)
+    where = f"inductor cache {cache}" if cache is not None else "the default inductor cache"
     sys.stderr.write(
-        f"profile {args.hw}: plan {plan.name!r} ({plan.dtype}, {mode}), widths {widths}, contexts "
-        f"{contexts}, {warmup} warm-up + {repeats} timed calls each; compiling graphs "
-        f"(inductor cache {cache})...\n"
+        f"profile {hw}: plan {plan.name!r} ({plan.dtype}, {mode}), widths {widths}, contexts "
+        f"{contexts}, {grid.warmup} warm-up + {grid.repeats} timed calls each; compiling graphs "
+        f"({where})...\n"
     )
-    with inductor_cache(cache):
-        engine, _ = build_engine(EngineSpec.from_plan(plan, mode))
+    with inductor_cache(cache) if cache is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        built = 0.0
+        if engine is None:
+            engine, _ = build_engine(EngineSpec.from_plan(plan, mode))
+            built = engine.compile_s
         if engine.n_slots != n_slots:
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
-        t0 = time.perf_counter()
+        drafted = set(plan.draft_widths) if grid.widths else set(widths)
         engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)), engine.drafter.target_layers)
-        engine.drafter.setup(n_slots, sorted(set(widths) | {1, *plan.draft_widths}), plan.prefill_chunk)
-    compile_s = time.perf_counter() - t0 + engine.compile_s
+        engine.drafter.setup(n_slots, sorted(drafted | {1, *plan.draft_widths}), plan.prefill_chunk)
+    compile_s = time.perf_counter() - t0 + built
     rows, stages = [], {}
     with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen():
-        calls = model_calls(engine, plan, widths, contexts)
+        calls = model_calls(engine, plan, widths, contexts, drafted)
         scalls = stage_calls(engine, plan)
         with stderr_progress() as progress:
             task = progress.add_task("timing", total=len(calls) + len(scalls))
             for kind, w, ctx, bucket, fn in calls:
-                s = summarise(time_ms(fn, warmup, repeats))
+                s = summarise(time_ms(fn, grid.warmup, grid.repeats))
                 rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | s)
                 progress.advance(task)
             for name, key, fn in scalls:
-                s = summarise(time_ms(fn, warmup, max(repeats * 3, 10)))
+                s = summarise(time_ms(fn, grid.warmup, max(grid.repeats * 3, 10)))
                 if key is None:
                     stages[name] = s["median_ms"]
                 else:
                     stages.setdefault(name, {})[str(key)] = s["median_ms"]
                 progress.advance(task)
-    from ..runtime.objective import FORMAT_VERSION, PROFILE_KIND, timing_identity
+    from ..runtime.objective import FORMAT_VERSION, PROFILE_KIND, CostModel, timing_identity
 
     fit, errors = fit_profile(rows)
     profile = {
         "kind": PROFILE_KIND,
         "version": FORMAT_VERSION,
-        "name": args.hw,
+        "name": hw,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": "yggtree profile " + " ".join(manifest_args(args.argv, out_dir)),
+        "command": command,
         "identity": timing_identity(plan),
-        "hardware": hardware_info(args.threads),
+        "hardware": hardware_info(threads),
         "software": software_info(plan, mode),
         "plan": {
             "name": plan.name, "hash": plan.hash(), "draft_widths": list(plan.draft_widths),
             "verify_widths": list(plan.verify_widths), "d_max": plan.d_max, "top_k": plan.top_k,
             "max_context": plan.max_context, "n_slots": n_slots, "buckets": buckets,
         },
-        "grid": {"widths": widths, "contexts": contexts, "warmup": warmup, "repeats": repeats,
-                 "quick": quick},
+        "grid": {"widths": widths, "contexts": contexts, "warmup": grid.warmup,
+                 "repeats": grid.repeats, "quick": grid.quick},
         "compile_s": round(compile_s, 1),
         "points": rows,
         "stage_ms": stages,
         "fit": fit,
         "fit_error": errors,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
+    profile["pruning_share"] = pruning_share(CostModel.from_profile_dict(profile), plan, contexts)
+    return profile
+
+
+def write_profile(profile: dict, out_dir: Path, plot: bool = True) -> Path | None:
+    """``<out_dir>/<name>.json`` (and its CSV of points and, with ``plot``, its PNG), each
+    written whole or not at all; returns the PNG's path (None without ``plot``)."""
     import pandas as pd
 
+    from .fit import plot_profile
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = profile["name"]
+    with atomic_path(out_dir / f"{name}.csv") as tmp:
+        pd.DataFrame(profile["points"]).to_csv(tmp, index=False)
+    write_text_atomic(out_dir / f"{name}.json", json.dumps(profile, indent=1) + "\n")
+    return plot_profile(profile, out_dir / f"{name}.png") if plot else None
+
+
+def profile_summary(profile: dict, dst: Path, png: Path | None, elapsed_s: float) -> dict:
+    """The one JSON line of ``yggtree profile``."""
     from ..runtime.objective import CostModel
 
     cost = CostModel.from_profile_dict(profile)
-    profile["pruning_share"] = pruning_share(cost, plan, contexts)
-    with atomic_path(out_dir / f"{args.hw}.csv") as tmp:
-        pd.DataFrame(rows).to_csv(tmp, index=False)
-    write_text_atomic(dst, json.dumps(profile, indent=1) + "\n")
-    png = plot_profile(profile, out_dir / f"{args.hw}.png")
-    print_table(profile)
-    summary = {
+    contexts = profile["grid"]["contexts"]
+    errors = profile["fit_error"]
+    hw = profile["hardware"]
+    return {
         "profile": str(dst),
-        "hw": args.hw,
-        "device": device["name"],
-        "threads": args.threads,
-        "dtype": plan.dtype,
-        "points": len(rows),
+        "hw": profile["name"],
+        "device": hw["device_name"],
+        "threads": hw["threads"],
+        "dtype": profile["software"]["dtype"],
+        "points": len(profile["points"]),
         "verify_ms_w1": {str(c): round(cost.t_verify(1, c), 2) for c in contexts},
         "fit_median_rel_err": errors["overall"]["median_rel"],
         "fit_max_rel_err": errors["overall"]["max_rel"],
         "pruning_share_max": max(v["share"] for v in profile["pruning_share"]),
-        "plot": str(png),
-        "compile_s": round(compile_s, 1),
-        "elapsed_s": round(time.perf_counter() - t_start, 1),
+        "plot": str(png) if png is not None else None,
+        "compile_s": profile["compile_s"],
+        "elapsed_s": round(elapsed_s, 1),
     }
-    print(json.dumps(summary))
-    return 0
 
 
 def pruning_share(cost, plan, contexts: list[int]) -> list[dict]:

@@ -1,0 +1,764 @@
+"""``yggtree tune --hw NAME``: one command from a fresh machine to a tuned, compiled plan.
+
+Phases (each reports its wall time; every valid artifact found is reused and named):
+
+1. profile: this machine's latency curves for the envelope of the search space (all candidate
+   widths, the largest d_max). Reused when ``profiles/NAME.json`` or another profile in the
+   output directory was measured for the same models and dtype on this device with the same
+   thread count and covers the widths; otherwise measured and written to ``profiles/NAME.json``.
+2. calibration: the pair's acceptance map (it belongs to target, drafter and dtype, not to the
+   machine). Reused when the pair's ``predictors/<pair>/calibration.json`` (or one an earlier
+   tune made, ``profiles/*.calibration/``) covers the space's widths and depth; otherwise
+   ``yggtree calibrate`` runs on the envelope plan into ``profiles/NAME.calibration/``.
+3. search: an optuna study (:mod:`.tune_study`) over the plan space (:mod:`.tune_space`);
+   objective (:mod:`.tune_objective`): predicted tokens/s first, then compile and measure the
+   leading candidates on held-out calibration prompts with pruning; compile seconds and
+   artifact bytes recorded per measured trial. ``--workers N`` runs N local processes on the
+   study; more processes or machines may join with the same ``--storage`` and ``--study``.
+4. compile + report: the best measured trial becomes ``profiles/NAME.yaml`` (written last,
+   whole or not at all), compiled into ``compile/NAME/``; ``profiles/NAME.tuning.json`` (phases,
+   best trials, Pareto front of speed vs graphs to compile), a rich table and PNGs
+   (``NAME.history.png``, ``NAME.importances.png``, ``NAME.pareto.png``).
+
+A stopped tune resumes: run the same command again (trials continue under new numbers; a trial a
+killed process left RUNNING is re-run; completed trials never are). Nothing a user made is
+overwritten without ``--force`` (a plan, profile or compiled directory this study did not write).
+Evaluation prompts (MT-Bench, HumanEval) are never used: every prompt is a calibration prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import YggError, run_reporting
+from ..files import write_text_atomic
+
+MARKER = "# yggtree-tune-study: "  # first line of a plan this command wrote, naming its study
+STALE_S = 3600.0  # a trial of another host silent this long is taken as dead
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every worker of one tune shares (all paths absolute)."""
+
+    hw: str
+    base: object  # the base Plan
+    space: object  # SearchSpace
+    url: str
+    study: str
+    identity: dict
+    out_dir: Path
+    compile_root: Path
+    threads: int
+    trials: int
+    measure_top: int
+    measure_prompts: int
+    max_new_tokens: int
+    prompt_tokens: int
+    seed: int
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def study_identity(base, device: dict, threads: int, space) -> dict:
+    """What a study's trials depend on: the pair, dtype, backend, context, device, threads and
+    the search space."""
+    from ..runtime.objective import timing_identity
+
+    return {
+        "format": 1,
+        "target": base.target if base.target == "default" else Path(base.target).name,
+        "drafter": base.drafter if base.drafter in (None, "default", "self") else Path(base.drafter).name,
+        "models": hashlib.sha256(json.dumps(timing_identity(base), sort_keys=True).encode()).hexdigest()[:16],
+        "dtype": base.dtype,
+        "backend": base.backend,
+        "max_context": base.max_context,
+        "device": f"{device['kind']} {device['name']}",
+        "threads": threads,
+        "space": space.to_dict(),
+    }
+
+
+def envelope_plan(base, space, hw: str):
+    """A plan spanning the whole space: what the profile and calibration must cover."""
+    from .tune_space import candidate_plan
+
+    env = space.envelope
+    cap = 1 + env["d_max"] * max(env["draft_widths"])
+    fields = {**env, "verify_widths": [w for w in env["verify_widths"] if w <= cap],
+              "lookup": 0, "prefill_chunk": base.prefill_chunk}
+    return candidate_plan(base, fields, f"{hw}-envelope", None, None)
+
+
+def profile_covers(path: Path, plan, threads: int) -> str | None:
+    """Why the profile at ``path`` cannot serve ``plan`` on this machine (None: it can)."""
+    from ..runtime.objective import CostModel
+
+    try:
+        CostModel.from_profile(path, plan)
+        prof = json.loads(path.read_text())
+    except (YggError, OSError, ValueError) as e:
+        return str(e)
+    if prof.get("hardware", {}).get("threads") != threads:
+        return f"it was measured with {prof.get('hardware', {}).get('threads')} thread(s), not {threads}"
+    need = max(*plan.draft_widths, *plan.verify_widths)
+    have = max(prof.get("grid", {}).get("widths", [0]))
+    if have < need:
+        return f"it measured widths up to {have}, the space needs {need}"
+    return None
+
+
+def calibration_covers(path: Path, plan) -> str | None:
+    """Why the calibration at ``path`` cannot serve every candidate of ``plan``'s envelope."""
+    from ..runtime.objective import Calibration
+
+    try:
+        cal = Calibration.load(path, plan)
+    except YggError as e:
+        return str(e)
+    for wd in plan.draft_widths:
+        table = cal.aal.get(str(wd))
+        if table is None or len(table) < plan.d_max:
+            return f"it has no accepted lengths for W_d {wd} up to depth {plan.d_max}"
+    missing = sorted(set(plan.verify_widths) - set(cal.verify_widths))
+    if missing:
+        return f"it has no accepted lengths for verify widths {missing}"
+    return None
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"tune: {text}\n")
+    sys.stderr.flush()
+
+
+def find_profile(env, hw: str, out_dir: Path, threads: int) -> tuple[Path | None, str | None]:
+    """A profile in ``out_dir`` valid for ``env`` (``NAME.json`` first) or None, and why
+    ``NAME.json`` (if it exists) is not."""
+    own = out_dir / f"{hw}.json"
+    others = sorted(p for p in out_dir.glob("*.json") if p != own) if out_dir.is_dir() else []
+    why_own = None
+    for p in [own, *others]:
+        if not p.is_file() or p.name.endswith(".tuning.json"):
+            continue
+        why = profile_covers(p, env, threads)
+        if why is None:
+            return p, None
+        if p == own:
+            why_own = why
+    return None, why_own
+
+
+def ensure_profile(env, hw: str, out_dir: Path, threads: int, force: bool, quick: bool,
+                   compile_root: Path) -> tuple[Path, str]:
+    """A profile valid for ``env``: reused (:func:`find_profile`) or measured into
+    ``profiles/NAME.json``. Returns (path, "reused" | "measured")."""
+    found, why_own = find_profile(env, hw, out_dir, threads)
+    if found is not None:
+        _say(f"reusing profile {found} (this device, {threads} thread(s), covers the space's widths)")
+        return found, "reused"
+    own = out_dir / f"{hw}.json"
+    if why_own is not None and not force:
+        raise YggError(f"profile {own} exists but cannot serve this tune ({why_own}); pass --force "
+                       "to measure it again")
+    from .profile import ProfileGrid, measure_profile, write_profile
+
+    need = max(*env.draft_widths, *env.verify_widths)
+    grid = ProfileGrid(max_width=need, warmup=1 if quick else 3, repeats=3 if quick else 9, quick=quick)
+    _say(f"measuring profile {own} (no valid profile found)")
+    prof = measure_profile(env, hw, threads, grid, f"yggtree tune --hw {hw}",
+                           compile_root / "_inductor-profile")
+    write_profile(prof, out_dir)
+    return own, "measured"
+
+
+def calibration_dir(out_dir: Path, hw: str) -> Path:
+    """Where a calibration made by ``tune --hw NAME`` goes (with the envelope plan it used)."""
+    return out_dir / f"{hw}.calibration"
+
+
+def find_calibration(env, hw: str, out_dir: Path) -> tuple[Path | None, str | None]:
+    """A calibration covering ``env`` (the pair's, this tune's, then any other tune's in
+    ``out_dir``) or None, and why this tune's own (if it exists) does not."""
+    from ..quickstart import shipped_calibration
+    from .fit import pair_dir
+
+    own = calibration_dir(out_dir, hw) / "calibration.json"
+    places = [pair_dir(env) / "calibration.json", *filter(None, [shipped_calibration(env)]), own,
+              *(sorted(out_dir.glob("*.calibration/calibration.json")) if out_dir.is_dir() else [])]
+    seen, why_own = set(), None
+    for p in places:
+        if p.resolve() in seen or not p.is_file():
+            continue
+        seen.add(p.resolve())
+        why = calibration_covers(p, env)
+        if why is None:
+            return p, None
+        if p == own:
+            why_own = why
+    return None, why_own
+
+
+def ensure_calibration(env, hw: str, out_dir: Path, threads: int, force: bool, prompts: int,
+                       max_new_tokens: int) -> tuple[Path, str]:
+    """A calibration covering ``env``: reused or measured (``yggtree calibrate`` on the
+    envelope plan) into ``profiles/NAME.calibration/``."""
+    import contextlib
+
+    from ..plan import save_plan
+    from .fit import run_calibrate
+
+    found, why_own = find_calibration(env, hw, out_dir)
+    if found is not None:
+        _say(f"reusing calibration {found} (this pair and dtype, covers the space's widths)")
+        return found, "reused"
+    d = calibration_dir(out_dir, hw)
+    own = d / "calibration.json"
+    if why_own is not None and not force:
+        raise YggError(f"calibration {own} exists but cannot serve this tune ({why_own}); pass "
+                       "--force to measure it again")
+    _say(f"calibrating the pair on {prompts} calibration prompts into {own}")
+    d.mkdir(parents=True, exist_ok=True)
+    plan_file = save_plan(env, d / "envelope.yaml")
+    args = argparse.Namespace(plan=str(plan_file), prompts=prompts, max_new_tokens=max_new_tokens,
+                              seed=0, threads=threads, out_dir=str(d), force=True)
+    with contextlib.redirect_stdout(sys.stderr):  # its JSON line is not tune's
+        run_calibrate(args)
+    return own, "measured"
+
+
+def plan_owner(path: Path) -> str | None:
+    """The study key a tuned plan file names in its first line (None: not written by tune)."""
+    try:
+        first = path.read_text().split("\n", 1)[0]
+    except OSError:
+        return None
+    return first[len(MARKER):].strip() if first.startswith(MARKER) else None
+
+
+def study_key(url: str, study: str) -> str:
+    from .tune_study import redacted
+
+    return f"{study} @ {redacted(url)}"
+
+
+def check_outputs(hw: str, out_dir: Path, compile_root: Path, key: str, force: bool) -> bool:
+    """Refuse (before any work) to replace a plan or compiled directory this study did not
+    write; returns whether the existing ones (if any) are this study's."""
+    from ..plan import read_manifest
+
+    plan_path = out_dir / f"{hw}.yaml"
+    ours = plan_owner(plan_path) == key
+    if plan_path.exists() and not ours and not force:
+        raise YggError(f"{plan_path} exists and was not written by this tune (study {key}); pass "
+                       "--force to replace it, or choose another --hw")
+    art = compile_root / hw
+    if art.exists() and not ours and not force:
+        m = read_manifest(art) if art.is_dir() else None
+        what = f"the artifacts of plan {m.get('plan_name')!r}" if m else "files"
+        raise YggError(f"{art} holds {what} this tune did not write; pass --force to replace them, "
+                       "or choose another --hw")
+    return ours
+
+
+# ----------------------------------------------------------------------------- search
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The objective's inputs, loaded once per worker."""
+
+    cost: object
+    calib: object
+    contexts: list
+    measure_ids: list
+    profile: Path
+    calibration: Path
+
+
+def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
+    """Cost model, calibration, the calibration prompts' contexts and the held-out prompts."""
+    from ..data import calibration_chat_prompts
+    from ..runtime.loading import encode_auto, load_tokenizer, resolve_model
+    from ..runtime.objective import Calibration, CostModel
+    from .tune_objective import token_contexts
+
+    cost = CostModel.from_profile(profile, env)
+    calib = Calibration.load(calibration, env)
+    n_cal = int(json.loads(calibration.read_text()).get("data", {}).get("prompts", 0)) or 1
+    tok = load_tokenizer(resolve_model(s.base.target))
+    prompts = calibration_chat_prompts(n_cal + s.measure_prompts)
+    ids = [encode_auto(tok, p.text) for p in prompts]
+    contexts = token_contexts([len(x) for x in ids[:n_cal]], s.max_new_tokens, s.base.max_context)
+    cap = min(s.prompt_tokens, s.base.max_context - s.max_new_tokens - 1)
+    held = [x[-cap:] for x in ids[n_cal:]]  # never the prompts the calibration was fitted on
+    return Inputs(cost, calib, contexts, held, profile, calibration)
+
+
+def _fields_key(fields: dict) -> str:
+    return json.dumps(fields, sort_keys=True)
+
+
+def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | None = None
+             ) -> tuple[str, float | None]:
+    """Run one trial to its end; returns (state, value) for ``study.tell``. Every user
+    attribute set on the trial is also put in ``notes``."""
+    from optuna.trial import TrialState
+
+    from ..offline.compile import compile_plan
+    from .tune_objective import block_shapes, measure_plan, predicted_tokens_per_s
+    from .tune_space import candidate_plan, infeasible, plan_fields, suggest
+
+    notes = {} if notes is None else notes
+
+    def note(k: str, v) -> None:
+        trial.set_user_attr(k, v)
+        notes[k] = v
+
+    def event(name: str) -> None:
+        trial.set_user_attr("alive_at", time.time())
+        if on_event is not None:
+            on_event(name, trial.number)
+
+    event("start")
+    fields = plan_fields(suggest(trial, s.space), s.space)
+    note("fields", fields)
+    why = infeasible(fields, s.base.max_context)
+    plan = None
+    if why is None:
+        try:
+            # named as the tuned plan: the winner's compiled directory becomes compile/<hw>
+            plan = candidate_plan(s.base, fields, s.hw, str(inp.profile), str(inp.calibration))
+        except YggError as e:
+            why = str(e)
+    if why is not None:
+        note("infeasible", why)
+        trial.report(0.0, 0)  # refused before anything ran; the sampler learns it predicts nothing
+        return "pruned", None
+    note("shapes", block_shapes(plan))
+    pred = predicted_tokens_per_s(inp.cost, inp.calib, plan.draft_widths, plan.verify_widths,
+                                  plan.d_max, inp.contexts)
+    note("predicted_tps", round(pred, 3))
+    trial.report(pred, 0)
+    key = _fields_key(fields)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if _fields_key(t.user_attrs.get("fields", {})) == key:
+            note("duplicate_of", t.number)
+            return "pruned", None
+    if trial.should_prune():
+        note("pruned_at", "predicted")
+        return "pruned", None
+    event("compile")
+    root = trial_root(s, trial.number)
+    shutil.rmtree(root, ignore_errors=True)
+    m = None
+    try:
+        summary = compile_plan(plan, root, force=True, console=_quiet_console())
+        note("compile_s", round(summary["wall_s"], 3))
+        note("size_bytes", int(summary["size_bytes"]))
+        note("graphs", int(summary["n_graphs"]))
+        event("measure")
+        art = Path(summary["dir"]) if plan.backend != "eager" else None
+
+        def report(step: int, value: float) -> bool:
+            trial.report(value, step)
+            event(f"rung{step}")
+            if trial.should_prune():
+                note("pruned_at", f"measured rung {step}")
+                note("measured_tps", round(value, 3))
+                return True
+            return False
+
+        m = measure_plan(plan, art, inp.measure_ids, s.max_new_tokens, report, s.threads)
+    finally:
+        if m is None or m.pruned:  # a complete trial keeps its graphs while it may win
+            shutil.rmtree(root, ignore_errors=True)
+            _rmdir_empty(root.parent)
+    note("build_s", round(m.build_s, 3))
+    if m.aal is not None:
+        note("aal", round(m.aal, 4))
+    event("end")
+    return ("pruned", None) if m.pruned else ("complete", m.tokens_per_s)
+
+
+def _keep_best_dirs(s: Setup, study) -> None:
+    """Remove the compiled directories of completed trials slower than the best one."""
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    best = max(t.value for t in done)
+    for t in done:
+        if t.value < best:
+            shutil.rmtree(trial_root(s, t.number), ignore_errors=True)
+
+
+def _clean_trial_dirs(s: Setup, study) -> None:
+    """Remove what killed trials left in their compile directories (finished trials only)."""
+    top = s.compile_root / f"_tune-{s.study}"
+    finished = {str(t.number) for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
+    for d in top.iterdir() if top.is_dir() else ():
+        if d.name in finished:
+            shutil.rmtree(d, ignore_errors=True)
+    _rmdir_empty(top)
+
+
+def _rmdir_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass  # not empty (another worker's trial) or gone
+
+
+def trial_root(s: Setup, number: int) -> Path:
+    return s.compile_root / f"_tune-{s.study}" / str(number)
+
+
+def _quiet_console():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO())
+
+
+def search(s: Setup, inp: Inputs, worker: int = 0, deadline: float | None = None,
+           on_event=None) -> int:
+    """Take and run trials until the study's budget is spent; returns the trials run here."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from .tune_study import make_pruner, next_trial, open_study, retry
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=s.seed + worker, n_startup_trials=8, constant_liar=True)
+    study = open_study(s.url, s.study, s.identity, sampler, make_pruner(s.measure_top))
+    n = 0
+    while True:
+        trial = next_trial(study, s.url, s.trials, STALE_S, deadline)
+        if trial is None:
+            return n
+        notes: dict = {}
+        try:
+            state, value = evaluate(trial, study, s, inp, on_event, notes)
+        except KeyboardInterrupt:
+            study.tell(trial, state=TrialState.FAIL)
+            retry(study, trial.number, trial.params)
+            raise
+        except YggError as e:
+            trial.set_user_attr("error", str(e))
+            study.tell(trial, state=TrialState.FAIL)
+            _say(f"trial {trial.number} failed: {e}")
+            n += 1
+            continue
+        if state == "complete":
+            study.tell(trial, value)
+        else:
+            study.tell(trial, state=TrialState.PRUNED)
+        if state == "complete":
+            _keep_best_dirs(s, study)
+        if on_event is not None:
+            on_event("told", trial.number)
+        _say(f"trial {trial.number}: {state}" + (f", {value:.1f} tok/s" if value is not None else "")
+             + f" ({_why(notes)})")
+        n += 1
+
+
+def _why(a: dict) -> str:
+    bits = []
+    if "predicted_tps" in a:
+        bits.append(f"predicted {a['predicted_tps']:.1f} tok/s")
+    for k in ("infeasible", "pruned_at"):
+        if k in a:
+            bits.append(str(a[k]))
+    if "duplicate_of" in a:
+        bits.append(f"same plan as #{a['duplicate_of']}")
+    return ", ".join(bits) or "-"
+
+
+def run_workers(s: Setup, argv: list[str], workers: int, inp: Inputs, deadline: float | None) -> int:
+    """This process and ``workers - 1`` subprocesses (``python -m yggtree.offline.tune
+    --search-only``) search the study together."""
+    procs = []
+    args = _without_flag(argv, "--workers")
+    for w in range(1, workers):
+        cmd = [sys.executable, "-m", "yggtree.offline.tune", *args, "--search-only",
+               "--worker-index", str(w)]
+        procs.append(subprocess.Popen(cmd))
+    try:
+        n = search(s, inp, 0, deadline)
+    finally:
+        codes = [p.wait() for p in procs]
+    bad = [c for c in codes if c != 0]
+    if bad:
+        raise YggError(f"{len(bad)} of {workers - 1} worker process(es) failed (exit {bad[0]})")
+    return n
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out
+
+
+# ----------------------------------------------------------------------------- the winner
+
+
+def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
+    """Compile the best trial, write the plan, its report and plots; returns the summary."""
+    from rich.console import Console
+
+    from .compile import compile_plan
+    from .tune_report import best_table, complete_rows, pareto_front, trial_rows, write_plots
+    from .tune_space import candidate_plan
+    from .tune_study import open_study
+
+    study = open_study(s.url, s.study, s.identity)
+    rows = trial_rows(study)
+    done = complete_rows(rows)
+    if not done:
+        raise YggError(f"no trial of study {s.study!r} has completed a measurement yet "
+                       f"({len(rows)} finished, all pruned); run more trials (--trials)")
+    best = max(done, key=lambda r: r["measured_tps"])
+    plan_path = s.out_dir / f"{s.hw}.yaml"
+    plan = candidate_plan(s.base, best["fields"], s.hw, str(inp.profile), str(inp.calibration))
+    t = time.perf_counter()
+    reused = adopt_trial_graphs(s, plan, best["number"])
+    _clean_trial_dirs(s, study)
+    _say(f"{'using the graphs compiled for' if reused else 'compiling'} the best plan (trial "
+         f"{best['number']}) in {s.compile_root / s.hw}")
+    # check_outputs made sure compile/<hw> is absent, this study's, or --force was given
+    summary = compile_plan(plan, s.compile_root, replace=True, console=Console(stderr=True))
+    phases["compile"] = round(time.perf_counter() - t, 2)
+    t = time.perf_counter()
+    front_ids = pareto_front([(r["measured_tps"], r["shapes"], r["number"]) for r in done])
+    stem = s.out_dir / s.hw
+    plots = write_plots(study, rows, stem)
+    report = {
+        "kind": "yggtree-tuning-report",
+        "version": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "hw": s.hw,
+        "study": s.study,
+        "storage": key.split(" @ ", 1)[1],
+        "identity": s.identity,
+        "reused": reuse,
+        "phases_s": phases,
+        "trials": {"total": len(study.trials), "complete": len(done),
+                   "pruned": sum(r["state"] == "pruned" for r in rows),
+                   "infeasible": sum(r["infeasible"] for r in rows),
+                   "failed_or_killed": len(study.trials) - len(rows)},
+        "best": best,
+        "pareto_front": [r for r in done if r["number"] in front_ids],
+        "rows": rows,
+        "compile": {"dir": summary["dir"], "status": summary["status"], "graphs": summary["n_graphs"],
+                    "compile_s": summary["compile_s"], "size_bytes": summary["size_bytes"]},
+        "plots": plots,
+        "prompts": {"source": "yggtree.data.calibration_chat_prompts",
+                    "predicted_contexts": len(inp.contexts), "measured_prompts": len(inp.measure_ids),
+                    "max_new_tokens": s.max_new_tokens, "prompt_tokens": s.prompt_tokens},
+    }
+    write_text_atomic(stem.with_suffix(".tuning.json"), json.dumps(report, indent=1, default=str) + "\n")
+    phases["report"] = round(time.perf_counter() - t, 2)
+    write_plan_file(plan, plan_path, key, best, report)  # last: a plan exists only when all is done
+    console = Console(file=sys.stdout, width=160)
+    console.print(best_table(rows, title=f"study {s.study}: best of {len(done)} measured trials"))
+    return {"command": "tune", "plan": str(plan_path), "compiled": summary["dir"],
+            "best_trial": best["number"], "measured_tps": round(best["measured_tps"], 2),
+            "predicted_tps": best["predicted_tps"], "trials": report["trials"],
+            "pareto_front": front_ids, "phases_s": phases, "reused": reuse,
+            "report": str(stem.with_suffix(".tuning.json"))}
+
+
+def adopt_trial_graphs(s: Setup, plan, number: int) -> bool:
+    """Move the best trial's compiled directory to ``compile/<hw>`` when its artifacts match
+    ``plan`` (artifacts are path-independent); False when there is none to move."""
+    from ..plan import check_artifacts
+
+    src = trial_root(s, number) / s.hw
+    if plan.backend == "eager" or not src.is_dir() or check_artifacts(plan, src):
+        return False
+    dst = s.compile_root / s.hw
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src.replace(dst)
+    return True
+
+
+def write_plan_file(plan, path: Path, key: str, best: dict, report: dict) -> Path:
+    """The tuned plan with a header naming its study and what it measured."""
+    import yaml
+
+    from ..plan import validate_plan
+
+    body = yaml.safe_dump(plan.to_dict(relative_to=path.parent), sort_keys=False, default_flow_style=None)
+    validate_plan(yaml.safe_load(body), path.parent, str(path))  # it loads back
+    t = report["trials"]
+    head = [
+        f"{MARKER}{key}",
+        f"# tuned by `yggtree tune --hw {report['hw']}` on {report['identity']['device']} "
+        f"({report['identity']['threads']} thread(s)), {report['created']}",
+        f"# best trial {best['number']}: {best['measured_tps']:.1f} decode tok/s measured on held-out "
+        f"calibration prompts (predicted {best['predicted_tps']}), {t['complete']} measured of "
+        f"{t['total']} trials; report: {path.stem}.tuning.json",
+    ]
+    return write_text_atomic(path, "\n".join(head) + "\n" + body)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def run_tune(args, on_event=None) -> int:
+    """The ``tune`` subcommand (``on_event(name, trial_number)`` is called at each stage of a
+    trial: start, compile, measure, rung<N>, end, told (after its result is stored); the tests
+    stop processes there)."""
+    from ..plan import default_plan, load_plan
+    from ..runtime.device import detect_device
+    from .profile import NAME_OK
+    from .tune_space import apply_overrides, check_space, default_space
+    from .tune_study import open_study, sqlite_url
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    t_all = time.perf_counter()
+    _check_args(args)
+    device = detect_device()
+    if not NAME_OK.match(args.hw):
+        raise YggError(f"--hw {args.hw!r}: use letters, digits, '.', '_' or '-' (it names profiles/<hw>.yaml)")
+    base = load_plan(args.plan) if args.plan else default_plan()
+    if not base.speculative:
+        raise YggError(f"plan {base.name!r} has no drafter: there is no speculation to tune")
+    space = apply_overrides(default_space(base), args.space or [])
+    check_space(space, base)
+    out_dir = Path(args.out_dir).resolve()
+    compile_root = Path(args.compile_root).resolve()
+    url = args.storage or sqlite_url(out_dir / f"{args.hw}.study.db")
+    if args.storage is None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    study_name = args.study or args.hw
+    key = study_key(url, study_name)
+    identity = study_identity(base, device, args.threads, space)
+    s = Setup(args.hw, base, space, url, study_name, identity, out_dir, compile_root, args.threads,
+              args.trials, args.measure_top, args.measure_prompts, args.max_new_tokens,
+              args.prompt_tokens, args.seed)
+    open_study(url, study_name, identity)  # bad URLs and foreign studies: refused before any work
+    if not args.search_only:
+        check_outputs(args.hw, out_dir, compile_root, key, args.force)
+    env = envelope_plan(base, space, args.hw)
+    phases: dict = {}
+    reuse: dict = {}
+    t = time.perf_counter()
+    if args.search_only:  # a worker: the coordinating process made both artifacts
+        profile, calibration = _worker_artifacts(env, args.hw, out_dir, args.threads)
+    else:
+        profile, reuse["profile"] = ensure_profile(env, args.hw, out_dir, args.threads, args.force,
+                                                   args.quick_profile, compile_root)
+        phases["profile"] = round(time.perf_counter() - t, 2)
+        t = time.perf_counter()
+        calibration, reuse["calibration"] = ensure_calibration(
+            env, args.hw, out_dir, args.threads, args.force, args.calibration_prompts, args.max_new_tokens)
+        phases["calibration"] = round(time.perf_counter() - t, 2)
+    inp = load_inputs(s, env, profile, calibration)
+    deadline = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
+    t = time.perf_counter()
+    if args.search_only:
+        search(s, inp, args.worker_index, deadline, on_event)
+        return 0
+    _say(f"searching {space.size()} combinations in study {key} ({args.trials} trials, "
+         f"{args.workers} worker(s))")
+    if args.workers > 1:
+        n = run_workers(s, args.argv, args.workers, inp, deadline)
+    else:
+        n = search(s, inp, 0, deadline, on_event)
+    phases["search"] = round(time.perf_counter() - t, 2)
+    phases["search_trials_here"] = n
+    out = finish(s, inp, key, phases, reuse)
+    out["wall_s"] = round(time.perf_counter() - t_all, 2)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def _worker_artifacts(env, hw: str, out_dir: Path, threads: int) -> tuple[Path, Path]:
+    """The profile and calibration a worker process uses (found, never measured)."""
+    p, _ = find_profile(env, hw, out_dir, threads)
+    c, _ = find_calibration(env, hw, out_dir)
+    if p is None or c is None:
+        raise YggError(f"worker: no valid {'profile' if p is None else 'calibration'} in {out_dir} "
+                       f"(run `yggtree tune --hw {hw}` without --search-only first)")
+    return p, c
+
+
+def _check_args(args) -> None:
+    for name in ("trials", "measure_top", "measure_prompts", "max_new_tokens", "prompt_tokens",
+                 "threads", "workers", "calibration_prompts"):
+        if getattr(args, name) < 1:
+            raise YggError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        raise YggError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hw", required=True, help="name of this machine's plan: profiles/<hw>.yaml")
+    p.add_argument("--plan", default=None, help="base plan (default: the embedded default plan)")
+    p.add_argument("--trials", type=int, default=40, help="trials in the study in all (default 40)")
+    p.add_argument("--space", action="append", metavar="KEY=VALUES",
+                   help="override a dimension: draft_widths=1,2,4 | d_max=2..6 | top_k=4 | lookup=0,8 | "
+                   "verify_widths=... | prefill_chunk=... (repeatable)")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="optuna RDB storage (SQLAlchemy URL; default sqlite:///<out-dir>/<hw>.study.db)")
+    p.add_argument("--study", default=None, help="study name (default: --hw)")
+    p.add_argument("--workers", type=int, default=1, help="local worker processes (default 1)")
+    p.add_argument("--measure-top", type=int, default=3,
+                   help="measure a candidate when its prediction ranks among the N best so far (default 3)")
+    p.add_argument("--measure-prompts", type=int, default=4, help="held-out calibration prompts measured (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per measured prompt (default 64)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="longest measured prompt (default 256 tokens)")
+    p.add_argument("--calibration-prompts", type=int, default=12,
+                   help="prompts of a calibration made here (default 12)")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help="start no new trial after this many minutes of this run")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--quick-profile", action="store_true", help="a profile made here uses 3 repeats")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="profiles")
+    p.add_argument("--compile-root", default="compile")
+    p.add_argument("--force", action="store_true",
+                   help="replace a plan, profile, calibration or compiled directory this tune did not write")
+    p.add_argument("--search-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def add_tune_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tune", help="profile, calibrate, search plans with optuna and compile the best")
+    add_tune_arguments(p)
+    p.set_defaults(func=run_tune)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.tune", description=__doc__)
+    add_tune_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    return run_reporting("yggtree tune", run_tune, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""What ``yggtree tune`` maximises: decode tokens/s of a candidate plan, at two fidelities.
+
+1. Predicted (cheap, every trial): the latency objective of the candidate's width sets, from the
+   machine's profile and the pair's calibration, at every context the calibration prompts pass
+   through while generating: per context the best (D, W_d, W_v) or a plain step
+   (``ObjectivePolicy.plan_choice``), whose predicted milliseconds per token are plain / speed-up.
+   Lookup nodes, top-k and the prefill chunk do not enter the prediction (the calibration is
+   measured at one top-k; lookup acceptance depends on the text): the measured fidelity sees them.
+2. Measured (leading candidates only): the compiled candidate decodes held-out calibration
+   prompts (never MT-Bench or HumanEval), greedy, with its latency objective; decode tokens/s
+   (prefill excluded) after each rung of prompts (1, 2, 4, ... prompts), so a pruner can stop
+   a losing candidate after its first prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+def token_contexts(prompt_lengths: list[int], max_new_tokens: int, max_context: int) -> list[int]:
+    """The committed length before every generated token of every prompt (each prompt cut to
+    fit ``max_context`` with its generation)."""
+    out = []
+    for n in prompt_lengths:
+        n = min(n, max_context - max_new_tokens - 1)
+        out += range(n, n + max_new_tokens)
+    return out
+
+
+def predicted_tokens_per_s(cost, calib, draft_widths, verify_widths, d_max: int,
+                           contexts: list[int]) -> float:
+    """Predicted decode tokens/s of a plan with these width sets over ``contexts`` (see the module
+    docstring); plain decoding's when no tree pays anywhere."""
+    from ..runtime.objective import ObjectivePolicy
+
+    pol = ObjectivePolicy(cost, calib, tuple(sorted(draft_widths)), tuple(sorted(verify_widths)), d_max)
+    total_ms = 0.0
+    for ctx in contexts:
+        _, speedup = pol.plan_choice(ctx)
+        total_ms += cost.plain_ms(ctx) / max(speedup, 1.0)
+    return 1e3 * len(contexts) / total_ms if total_ms > 0 else 0.0
+
+
+def block_shapes(plan) -> int:
+    """Decoder-block graphs ``yggtree compile`` builds for ``plan`` (the Pareto front's cost
+    axis, known before compiling): per context bucket, one per distinct target width
+    (prefill chunk, 1, every W_v) and per distinct drafter width (prefill chunk, the head, every
+    W_d); a self-drafter shares the target's."""
+    from ..runtime.build import drafter_widths, drafter_feeds_leaves, plan_slots
+    from ..runtime.graphs import context_buckets
+
+    buckets = len(context_buckets(plan_slots(plan)))
+    target = set(plan.target_widths)
+    if not plan.speculative:
+        return buckets * len(target)
+    head = 1 if drafter_feeds_leaves(plan) else plan.d_max + 1
+    drafter = {plan.prefill_chunk, head, *drafter_widths(plan)}
+    if plan.drafter == "self":
+        return buckets * len(target | drafter)
+    return buckets * (len(target) + len(drafter))
+
+
+def rungs(n_prompts: int) -> list[int]:
+    """Cumulative prompt counts after which a measured trial reports: 1, 2, 4, ..., n."""
+    out, k = [], 1
+    while k < n_prompts:
+        out.append(k)
+        k *= 2
+    return out + [n_prompts]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured candidate: decode tokens/s over the prompts it ran, and what it took."""
+
+    tokens_per_s: float
+    prompts: int
+    new_tokens: int
+    aal: float | None
+    build_s: float
+    pruned: bool
+
+
+def measure_plan(plan, artifacts, prompt_ids: list[list[int]], max_new_tokens: int,
+                 report: Callable[[int, float], bool], threads: int = 1) -> Measurement:
+    """Decode ``prompt_ids`` with ``plan`` (its compiled ``artifacts``, or None for the eager
+    backend) and its latency objective, greedy. After each rung (:func:`rungs`) ``report(step,
+    tokens_per_s)`` is called (step = 1, 2, ...); when it returns True the measurement stops
+    (pruned). One untimed request warms the engine first."""
+    import torch
+
+    from ..runtime.build import build_plan_engine
+    from ..runtime.engine import SamplingParams
+    from ..runtime.objective import plan_policy
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    mode = "reference" if plan.backend == "eager" else None
+    engine, _ = build_plan_engine(plan, artifacts, mode)
+    if engine.drafter is not None:
+        engine.set_lookup(plan.lookup)
+    policy = plan_policy(plan)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    kw = {"policy": policy} if policy is not None else {}
+    engine.generate(prompt_ids[0], SamplingParams(max_new_tokens=min(4, max_new_tokens)), **kw)
+    build_s = time.perf_counter() - t0
+    dec_n, dec_s, steps, n_new = 0, 0.0, 0, 0
+    done, pruned = 0, False
+    for step, upto in enumerate(rungs(len(prompt_ids)), start=1):
+        for ids in prompt_ids[done:upto]:
+            res = engine.generate(ids, params, **kw)
+            s = res.stats
+            n = s["new_tokens"]
+            n_new += n
+            if n > 1 and s.get("decode_tokens_per_s"):
+                dec_n += n - 1
+                dec_s += (n - 1) / s["decode_tokens_per_s"]
+            steps += s.get("verify_calls", n)
+        done = upto
+        if report(step, dec_n / dec_s if dec_s else 0.0):
+            pruned = True
+            break
+    tps = dec_n / dec_s if dec_s else 0.0
+    aal = (n_new / steps) if steps else None
+    return Measurement(tps, done, n_new, aal, build_s, pruned)

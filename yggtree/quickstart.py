@@ -1,0 +1,143 @@
+"""Speculation by default: the default plan with a quick latency profile of this machine.
+
+A plain ``yggtree run`` on a machine without a tuned plan (``yggtree tune``) still decodes with
+the latency objective: the first such run builds the default plan's graphs, times them (its own
+widths only, a few calls each: :class:`yggtree.offline.profile.ProfileGrid` with the plan's
+widths) and caches the profile under the user cache directory, keyed by device, thread count and
+dtype; later runs load it. The acceptance calibration is the pair's shipped one (it does not
+depend on the machine). The objective still takes plain steps wherever no tree pays.
+Without a shipped calibration for the dtype, or without the offline extra (the curve fit needs
+scikit-learn), the run decodes plainly and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import YggError
+
+TUNE_HINT = "`yggtree tune --hw NAME` tunes a plan for this machine"
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/yggtree`` (default ``~/.cache/yggtree``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree"
+
+
+def quick_profile_path(device: dict, threads: int, dtype: str, root: Path | None = None) -> Path:
+    """The cached quick profile of ``device`` at ``threads`` threads in ``dtype``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")[:48] or "device"
+    return (root or cache_root()) / "profiles" / f"{device['kind']}-{slug}-t{threads}-{dtype}.json"
+
+
+@dataclass(frozen=True)
+class QuickStart:
+    """The default plan (with its calibration) and where its quick profile is cached."""
+
+    plan: object  # a Plan naming the calibration, without a profile
+    profile: Path
+    threads: int
+    hint: str = TUNE_HINT  # how to do better, said when it runs
+
+    def cached(self) -> bool:
+        """Whether a usable quick profile is cached (measured on this device, for this plan)."""
+        from .runtime.objective import CostModel
+
+        try:
+            CostModel.from_profile(self.profile, self.plan)
+        except YggError:
+            return False
+        return True
+
+    def engine(self, mode: str | None = None, say=None):
+        """(engine, tokenizer, policy): the plan's engine with every width built (dynamo graphs,
+        cached by inductor under the user cache directory) and its latency objective; the quick
+        profile is measured on this very engine first when none is cached. ``say(line)``
+        reports what happened (default: one line on stderr)."""
+        from .offline.profile import ProfileGrid, measure_profile
+        from .plan import validate_plan
+        from .runtime.build import build_plan_engine
+        from .runtime.graphs import inductor_cache
+        from .runtime.objective import plan_policy
+
+        say = say or (lambda line: sys.stderr.write(f"yggtree: {line}\n"))
+        t0 = time.perf_counter()
+        with inductor_cache(cache_root() / "inductor"):
+            engine, tok = build_plan_engine(self.plan, None, mode)
+        built = time.perf_counter() - t0
+        measured = not self.cached()
+        if measured:
+            import contextlib
+            import io
+            import json
+
+            from .files import write_text_atomic
+
+            t1 = time.perf_counter()
+            widths = tuple(sorted({1, *self.plan.verify_widths}))
+            grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths)
+            with contextlib.redirect_stderr(io.StringIO()):  # no progress bar for a plain run
+                prof = measure_profile(self.plan, self.profile.stem, self.threads, grid,
+                                       "yggtree run (quick profile of the default plan)", engine=engine)
+            self.profile.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.profile, json.dumps(prof, indent=1) + "\n")
+            say(f"no tuned plan for this device: measured a quick latency profile in "
+                f"{time.perf_counter() - t1:.0f} s (graphs built in {built:.0f} s), cached in "
+                f"{self.profile}; the default plan's latency objective chooses every step (plain "
+                f"where nothing pays). {self.hint}")
+        else:
+            say(f"default plan with the quick profile {self.profile} (graphs {built:.0f} s); {self.hint}")
+        plan = validate_plan(self.plan.to_dict() | {"profile": str(self.profile)})
+        policy = plan_policy(plan)
+        if engine.drafter is not None:
+            engine.set_lookup(plan.lookup)
+        return engine, tok, policy
+
+
+def quick_start(base, calibration: Path | None, device: dict, threads: int, root: Path | None = None,
+                hint: str | None = None) -> tuple[QuickStart | None, str | None]:
+    """The quick start of ``base`` (a speculative Plan) on ``device``, or None and why not
+    (``hint``: what to say about doing better; default: tune)."""
+    if not base.speculative:
+        return None, f"plan {base.name!r} has no drafter"
+    if calibration is None or not Path(calibration).is_file():
+        return None, (f"no acceptance calibration for the default pair in {base.dtype} "
+                      f"({TUNE_HINT}, calibrating it)")
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is None:  # the profile's curve fit
+        return None, "a quick profile needs the offline extra: pip install 'yggtree[offline]'"
+    from .runtime.objective import Calibration
+
+    plan = replace(base, calibration=str(Path(calibration).resolve()), profile=None, predictor=None)
+    try:
+        Calibration.load(plan.calibration, plan)
+    except YggError as e:
+        return None, f"the shipped calibration does not fit ({e})"
+    path = quick_profile_path(device, threads, base.dtype, root)
+    return QuickStart(plan, path, threads, hint or TUNE_HINT), None
+
+
+def shipped_calibration(plan) -> Path | None:
+    """The acceptance calibration of ``plan``'s pair a source checkout ships
+    (``predictors/<target>__<drafter>__<dtype>/calibration.json``), None if there is none."""
+    from .offline.fit import pair_dir
+
+    checkout = Path(__file__).resolve().parent.parent
+    cal = pair_dir(plan, checkout / "predictors") / "calibration.json"
+    return cal if (checkout / "pyproject.toml").is_file() and cal.is_file() else None
+
+
+def default_quick_start(dtype: str, device: dict, threads: int, hint: str | None = None
+                        ) -> tuple[QuickStart | None, str | None]:
+    """:func:`quick_start` of the default plan in ``dtype`` with the checkout's calibration of
+    the embedded pair (``predictors/<pair>/calibration.json``)."""
+    from .plan import default_plan
+
+    base = replace(default_plan(), dtype=dtype)
+    return quick_start(base, shipped_calibration(base), device, threads, hint=hint)
