@@ -39,8 +39,28 @@ def rows(dirs: list[str]) -> list[dict]:
             "est_tree4_aal": val.get("est_tree4_aal"),
             "val_top1": val["val_top1_by_step"][0],
             "train_s": m["wall_time_s"]["train"],
+            "hyperparameters": m["hyperparameters"],
         })
     return sorted(out, key=lambda r: r["train_tokens"])
+
+
+HEAD_SETTINGS = ("draft_vocab", "draft_layers", "target_layers", "max_seq_len", "unroll", "lr", "batch_size")
+
+
+def design_table(rs: list[dict]) -> str:
+    """Markdown: one row per run, the head settings that differ between the runs, the figures."""
+    keys = [k for k in HEAD_SETTINGS if len({json.dumps(r["hyperparameters"].get(k, 1 if k == "draft_layers" else None))
+                                            for r in rs}) > 1]
+    head = ["run", *keys, "train tokens", "epochs", "est. chain-4 AAL", "est. tree AAL", "val top-1", "train min"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rs:
+        hp = r["hyperparameters"]
+        vals = [str(hp.get(k, 1 if k == "draft_layers" else None)) for k in keys]
+        tree = f"{r['est_tree4_aal']:.3f}" if r["est_tree4_aal"] is not None else "-"
+        lines.append("| " + " | ".join([r["run"], *vals, str(r["train_tokens"]), f"{r['epochs']:g}",
+                                         f"{r['est_chain4_aal']:.3f}", tree, f"{r['val_top1']:.3f}",
+                                         f"{r['train_s'] / 60:.0f}"]) + " |")
+    return "\n".join(lines)
 
 
 def in_run_rows(d: str) -> list[dict]:
@@ -62,12 +82,16 @@ def main() -> int:
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", required=True, help="PNG path (a CSV is written beside it)")
     p.add_argument("--in-run", metavar="DIR", help="also plot the evaluations logged during this run")
+    p.add_argument("--table", action="store_true",
+                   help="print a markdown table of the runs and the head settings that differ (a head-design table)")
     args = p.parse_args()
     rs = rows(args.runs)
+    if args.table:
+        print(design_table(rs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.with_suffix(".csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rs[0]))
+        w = csv.DictWriter(f, fieldnames=[k for k in rs[0] if k != "hyperparameters"], extrasaction="ignore")
         w.writeheader()
         w.writerows(rs)
     import matplotlib
@@ -98,7 +122,7 @@ def main() -> int:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     for r in rs:
-        print(json.dumps(r))
+        print(json.dumps({k: v for k, v in r.items() if k != "hyperparameters"}))
     return 0
 
 
