@@ -94,6 +94,15 @@ def run_driver(args: list[str], kill_at: str = "never", kill_from: int = 0, paus
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def wait(p: subprocess.Popen) -> str:
+    """The process's stderr once it ends (killed if the test is stopped first)."""
+    try:
+        return p.communicate(timeout=600)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def load(url: str, study: str):
     return optuna.load_study(study_name=study, storage=url)
 
@@ -180,14 +189,14 @@ def test_resume_after_kills_between_and_inside_trials(root):
     url = sqlite(root, "resume.study.db")
     # 1. killed between trials: right after trial 1's result is stored
     p = run_driver(args, "told", 1)
-    p.communicate(timeout=300)
+    wait(p)
     assert p.returncode == -9
     study = load(url, "resume")
     assert [t.number for t in study.trials] == [0, 1]
     assert all(t.state.is_finished() for t in study.trials)
     # 2. killed inside a trial: while the first measured trial from number 2 on decodes
     p = run_driver(args, "measure", 2)
-    p.communicate(timeout=300)
+    wait(p)
     assert p.returncode == -9
     study = load(url, "resume")
     running = [t for t in study.trials if t.state == TrialState.RUNNING]
@@ -222,9 +231,13 @@ def test_two_processes_share_one_sqlite_study(root):
     args = tune_args(root, "pair", trials=n, extra=("--search-only",))
     # two processes started together (the profile and calibration exist: they reuse them)
     procs = [run_driver(args, pause=0.3), run_driver(args, pause=0.3)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
+    try:
+        errs = [wait(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs
     trials = load(sqlite(root, "pair.study.db"), "pair").trials
     assert [t.number for t in trials] == list(range(n))  # none lost, none twice
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)

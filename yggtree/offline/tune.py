@@ -1,6 +1,7 @@
 """``yggtree tune --hw NAME``: one command from a fresh machine to a tuned, compiled plan.
 
-Phases (each reports its wall time; every valid artifact found is reused and named):
+Phases (each reports its wall time; every valid artifact found is reused and named,
+:mod:`.tune_artifacts`):
 
 1. profile: this machine's latency curves for the envelope of the search space (all candidate
    widths, the largest d_max). Reused when ``profiles/NAME.json`` or another profile in the
@@ -40,6 +41,14 @@ from pathlib import Path
 
 from ..errors import YggError, run_reporting
 from ..files import write_text_atomic
+from .tune_artifacts import (
+    ensure_calibration,
+    ensure_profile,
+    envelope_plan,
+    find_calibration,
+    find_profile,
+    say,
+)
 
 MARKER = "# yggtree-tune-study: "  # first line of a plan this command wrote, naming its study
 STALE_S = 3600.0  # a trial of another host silent this long is taken as dead
@@ -86,153 +95,6 @@ def study_identity(base, device: dict, threads: int, space) -> dict:
         "threads": threads,
         "space": space.to_dict(),
     }
-
-
-def envelope_plan(base, space, hw: str):
-    """A plan spanning the whole space: what the profile and calibration must cover."""
-    from .tune_space import candidate_plan
-
-    env = space.envelope
-    cap = 1 + env["d_max"] * max(env["draft_widths"])
-    fields = {**env, "verify_widths": [w for w in env["verify_widths"] if w <= cap],
-              "lookup": 0, "prefill_chunk": base.prefill_chunk}
-    return candidate_plan(base, fields, f"{hw}-envelope", None, None)
-
-
-def profile_covers(path: Path, plan, threads: int) -> str | None:
-    """Why the profile at ``path`` cannot serve ``plan`` on this machine (None: it can)."""
-    from ..runtime.objective import CostModel
-
-    try:
-        CostModel.from_profile(path, plan)
-        prof = json.loads(path.read_text())
-    except (YggError, OSError, ValueError) as e:
-        return str(e)
-    if prof.get("hardware", {}).get("threads") != threads:
-        return f"it was measured with {prof.get('hardware', {}).get('threads')} thread(s), not {threads}"
-    need = max(*plan.draft_widths, *plan.verify_widths)
-    have = max(prof.get("grid", {}).get("widths", [0]))
-    if have < need:
-        return f"it measured widths up to {have}, the space needs {need}"
-    return None
-
-
-def calibration_covers(path: Path, plan) -> str | None:
-    """Why the calibration at ``path`` cannot serve every candidate of ``plan``'s envelope."""
-    from ..runtime.objective import Calibration
-
-    try:
-        cal = Calibration.load(path, plan)
-    except YggError as e:
-        return str(e)
-    for wd in plan.draft_widths:
-        table = cal.aal.get(str(wd))
-        if table is None or len(table) < plan.d_max:
-            return f"it has no accepted lengths for W_d {wd} up to depth {plan.d_max}"
-    missing = sorted(set(plan.verify_widths) - set(cal.verify_widths))
-    if missing:
-        return f"it has no accepted lengths for verify widths {missing}"
-    return None
-
-
-def _say(text: str) -> None:
-    sys.stderr.write(f"tune: {text}\n")
-    sys.stderr.flush()
-
-
-def find_profile(env, hw: str, out_dir: Path, threads: int) -> tuple[Path | None, str | None]:
-    """A profile in ``out_dir`` valid for ``env`` (``NAME.json`` first) or None, and why
-    ``NAME.json`` (if it exists) is not."""
-    own = out_dir / f"{hw}.json"
-    others = sorted(p for p in out_dir.glob("*.json") if p != own) if out_dir.is_dir() else []
-    why_own = None
-    for p in [own, *others]:
-        if not p.is_file() or p.name.endswith(".tuning.json"):
-            continue
-        why = profile_covers(p, env, threads)
-        if why is None:
-            return p, None
-        if p == own:
-            why_own = why
-    return None, why_own
-
-
-def ensure_profile(env, hw: str, out_dir: Path, threads: int, force: bool, quick: bool,
-                   compile_root: Path) -> tuple[Path, str]:
-    """A profile valid for ``env``: reused (:func:`find_profile`) or measured into
-    ``profiles/NAME.json``. Returns (path, "reused" | "measured")."""
-    found, why_own = find_profile(env, hw, out_dir, threads)
-    if found is not None:
-        _say(f"reusing profile {found} (this device, {threads} thread(s), covers the space's widths)")
-        return found, "reused"
-    own = out_dir / f"{hw}.json"
-    if why_own is not None and not force:
-        raise YggError(f"profile {own} exists but cannot serve this tune ({why_own}); pass --force "
-                       "to measure it again")
-    from .profile import ProfileGrid, measure_profile, write_profile
-
-    need = max(*env.draft_widths, *env.verify_widths)
-    grid = ProfileGrid(max_width=need, warmup=1 if quick else 3, repeats=3 if quick else 9, quick=quick)
-    _say(f"measuring profile {own} (no valid profile found)")
-    prof = measure_profile(env, hw, threads, grid, f"yggtree tune --hw {hw}",
-                           compile_root / "_inductor-profile")
-    write_profile(prof, out_dir)
-    return own, "measured"
-
-
-def calibration_dir(out_dir: Path, hw: str) -> Path:
-    """Where a calibration made by ``tune --hw NAME`` goes (with the envelope plan it used)."""
-    return out_dir / f"{hw}.calibration"
-
-
-def find_calibration(env, hw: str, out_dir: Path) -> tuple[Path | None, str | None]:
-    """A calibration covering ``env`` (the pair's, this tune's, then any other tune's in
-    ``out_dir``) or None, and why this tune's own (if it exists) does not."""
-    from ..quickstart import shipped_calibration
-    from .fit import pair_dir
-
-    own = calibration_dir(out_dir, hw) / "calibration.json"
-    places = [pair_dir(env) / "calibration.json", *filter(None, [shipped_calibration(env)]), own,
-              *(sorted(out_dir.glob("*.calibration/calibration.json")) if out_dir.is_dir() else [])]
-    seen, why_own = set(), None
-    for p in places:
-        if p.resolve() in seen or not p.is_file():
-            continue
-        seen.add(p.resolve())
-        why = calibration_covers(p, env)
-        if why is None:
-            return p, None
-        if p == own:
-            why_own = why
-    return None, why_own
-
-
-def ensure_calibration(env, hw: str, out_dir: Path, threads: int, force: bool, prompts: int,
-                       max_new_tokens: int) -> tuple[Path, str]:
-    """A calibration covering ``env``: reused or measured (``yggtree calibrate`` on the
-    envelope plan) into ``profiles/NAME.calibration/``."""
-    import contextlib
-
-    from ..plan import save_plan
-    from .fit import run_calibrate
-
-    found, why_own = find_calibration(env, hw, out_dir)
-    if found is not None:
-        _say(f"reusing calibration {found} (this pair and dtype, covers the space's widths)")
-        return found, "reused"
-    d = calibration_dir(out_dir, hw)
-    own = d / "calibration.json"
-    if why_own is not None and not force:
-        raise YggError(f"calibration {own} exists but cannot serve this tune ({why_own}); pass "
-                       "--force to measure it again")
-    _say(f"calibrating the pair on {prompts} calibration prompts into {own}")
-    d.mkdir(parents=True, exist_ok=True)
-    plan_file = save_plan(env, d / "envelope.yaml")
-    args = argparse.Namespace(plan=str(plan_file), prompts=prompts, max_new_tokens=max_new_tokens,
-                              seed=0, threads=threads, out_dir=str(d), force=True)
-    with contextlib.redirect_stdout(sys.stderr):  # its JSON line is not tune's
-        run_calibrate(args)
-    return own, "measured"
 
 
 def plan_owner(path: Path) -> str | None:
@@ -452,10 +314,11 @@ def search(s: Setup, inp: Inputs, worker: int = 0, deadline: float | None = None
             study.tell(trial, state=TrialState.FAIL)
             retry(study, trial.number, trial.params)
             raise
-        except YggError as e:
-            trial.set_user_attr("error", str(e))
+        except Exception as e:  # noqa: BLE001 - one candidate that cannot build or run fails alone
+            why = str(e) if isinstance(e, YggError) else f"{type(e).__name__}: {e}"
+            trial.set_user_attr("error", " ".join(why.split())[:500])
             study.tell(trial, state=TrialState.FAIL)
-            _say(f"trial {trial.number} failed: {e}")
+            say(f"trial {trial.number} failed: {why.splitlines()[0] if why else type(e).__name__}")
             n += 1
             continue
         if state == "complete":
@@ -466,7 +329,7 @@ def search(s: Setup, inp: Inputs, worker: int = 0, deadline: float | None = None
             _keep_best_dirs(s, study)
         if on_event is not None:
             on_event("told", trial.number)
-        _say(f"trial {trial.number}: {state}" + (f", {value:.1f} tok/s" if value is not None else "")
+        say(f"trial {trial.number}: {state}" + (f", {value:.1f} tok/s" if value is not None else "")
              + f" ({_why(notes)})")
         n += 1
 
@@ -541,7 +404,7 @@ def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
     t = time.perf_counter()
     reused = adopt_trial_graphs(s, plan, best["number"])
     _clean_trial_dirs(s, study)
-    _say(f"{'using the graphs compiled for' if reused else 'compiling'} the best plan (trial "
+    say(f"{'using the graphs compiled for' if reused else 'compiling'} the best plan (trial "
          f"{best['number']}) in {s.compile_root / s.hw}")
     # check_outputs made sure compile/<hw> is absent, this study's, or --force was given
     summary = compile_plan(plan, s.compile_root, replace=True, console=Console(stderr=True))
@@ -681,7 +544,7 @@ def run_tune(args, on_event=None) -> int:
     if args.search_only:
         search(s, inp, args.worker_index, deadline, on_event)
         return 0
-    _say(f"searching {space.size()} combinations in study {key} ({args.trials} trials, "
+    say(f"searching {space.size()} combinations in study {key} ({args.trials} trials, "
          f"{args.workers} worker(s))")
     if args.workers > 1:
         n = run_workers(s, args.argv, args.workers, inp, deadline)
