@@ -210,3 +210,50 @@ def test_sequential_and_ahead_agree_in_sampling_with_one_seed():
         eng = engine(target, TREES["egt"], drafter, stages)
         outs[stages] = [eng.generate(p, SamplingParams(30, 0.8, 0.95, seed=7)).token_ids for p in PROMPTS]
     assert outs["sequential"] == outs["ahead"]
+
+
+@pytest.mark.parametrize("kind", ["lm", "eagle"])
+def test_ahead_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
+    """Performance mode: the ahead call's 2 W_v graphs are built at warm-up; decoding then never
+    compiles (the loop runs under fail_on_recompile) and greedy output equals plain decoding."""
+    from torch._dynamo.utils import counters
+
+    model = tiny()
+    tp = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+    if kind == "eagle":
+        drafter = EagleDrafter.random(model, "performance", max_depth=3, seed=1)
+    else:
+        drafter = LMDrafter(tiny(seed=1, std=0.25), "performance")
+    cfg = EngineConfig(mode="performance", max_context=200, prefill_chunk=16, tree=tp, stages="ahead")
+    eng = Engine(model, cfg, drafter)
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    for i, p in enumerate(PROMPTS):
+        res = eng.generate(p, SamplingParams(max_new_tokens=40))
+        assert res.token_ids == plain_outputs[i]
+        assert res.stats["ahead_calls"] > 0
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["recompiles"].values()) == recompiles
+
+
+@pytest.mark.parametrize("kind", ["self", "other-lm", "eagle"])
+def test_ahead_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind):
+    """A policy cycling through drafted steps of every width, plain steps (the drafter falls
+    behind and resyncs; the picked-up head is dropped) and drafted steps verifying the root
+    alone: greedy output under the ahead plan equals plain decoding."""
+    from test_policy import D_MAX, NEW, PROMPTS as P, Cycling, make_engine
+    from test_policy import TREE as PTREE
+
+    target = tiny()
+    plain = Engine(tiny(), EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
+    want = [plain.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for p in P]
+    if kind == "eagle":
+        drafter = EagleDrafter.random(target, "reference", max_depth=D_MAX)
+    else:
+        drafter = LMDrafter(target.shared_copy() if kind == "self" else tiny(seed=1, std=0.25), "reference")
+    eng = make_engine(target, drafter, PTREE)
+    eng.use_plan("ahead")
+    for p, w in zip(P, want):
+        pol = Cycling()
+        res = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=pol, on_step=pol.advance_if_plain)
+        assert res.token_ids == w
+        assert res.stats["resyncs"] > 0 and res.stats["ahead_calls"] > 0

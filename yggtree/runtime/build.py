@@ -180,10 +180,10 @@ def plan_slots(plan) -> int:
 
 def drafter_widths(plan) -> list[int]:
     """Widths the engine asks its drafter to build (``Drafter.setup``): 1 (the head of a
-    standalone LM), every W_d, and with an ahead-of-time stage plan 2 W_v for every W_v > 1 (the
-    ahead call); the drafter adds its own (prefill chunk, EAGLE's D_max + 1)."""
+    standalone LM), every W_d, and with an ahead-of-time stage plan 2 W_v for every W_v (1
+    included: the ahead call); the drafter adds its own (prefill chunk, EAGLE's D_max + 1)."""
     ahead = plan.speculative and resolve_plan(plan.stages, True).ahead
-    return sorted({1, *plan.draft_widths, *((2 * w for w in plan.verify_widths if w > 1) if ahead else ())})
+    return sorted({1, *plan.draft_widths, *((2 * w for w in (1, *plan.verify_widths)) if ahead else ())})
 
 
 def warm_plan(engine: Engine, plan) -> None:

@@ -166,6 +166,7 @@ def step_stats(n: int, total: float, ttft: float, c: dict, stage: dict, d: int, 
         "compile_s": compile_s,
         "verify_calls": c["verify_calls"],
         "stages": plan.name,
+        "threads": plan.threads or torch.get_num_threads(),
     }
     if speculative:
         hist = c["accept_hist"]
@@ -253,9 +254,9 @@ class Engine:
 
     def drafter_widths(self, plan: ExecutionPlan) -> list[int]:
         """Drafter input widths ``plan`` runs: its prefill chunk, the head (1), every W_d, and
-        with the ahead stage twice every W_v > 1 (each verified node and a head row under it)."""
+        with the ahead stage twice every W_v (each verified node and a head row under it)."""
         env = self.envelope
-        ahead = [2 * w for w in env.verify_widths if w > 1] if plan.ahead else []
+        ahead = [2 * w for w in env.verify_widths] if plan.ahead else []
         return sorted({self.cfg.prefill_chunk, 1, *env.draft_widths, *ahead})
 
     def set_lookup(self, n: int) -> None:
@@ -284,10 +285,12 @@ class Engine:
         extra = getattr(getattr(self.drafter, "graphs", None), "compile_s", 0.0)
         return self.graphs.compile_s + extra
 
-    def use_plan(self, stages: str) -> ExecutionPlan:
-        """Run ``stages`` from now on (``sequential``, ``ahead`` or a stage order); the drafter
-        widths it needs are built now. Returns the execution plan."""
-        plan = resolve_plan(stages, self.cfg.tree is not None, threads=self.plan.threads)
+    def use_plan(self, stages: str, threads: int | None = None) -> ExecutionPlan:
+        """Run ``stages`` (``sequential``, ``ahead`` or a stage order) with ``threads`` intra-op
+        threads (None: unchanged) from now on; the drafter widths it needs are built now.
+        Returns the execution plan."""
+        threads = self.plan.threads if threads is None else threads
+        plan = resolve_plan(stages, self.cfg.tree is not None, threads=threads)
         if self.drafter is not None:
             self.drafter.setup(self.n_slots, self.drafter_widths(plan), self.cfg.prefill_chunk)
         self.plan = plan

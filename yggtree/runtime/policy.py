@@ -1,22 +1,25 @@
 """Per-step tree choices: the hook through which a policy steers the decode loop.
 
-Each speculation step the engine asks its policy twice, or three times::
+Every policy subclasses :class:`StepPolicy` (one interface; the engine refuses anything else).
+Each speculation step the engine asks it (runtime/stages.py: the choose, refine and size stages)::
 
+    policy.see_lookup(prop, committed)                    this step's lookup candidates
     choice = policy.choose_draft(h_root, committed)       before drafting: D and W_d
     choice = policy.after_head(h_root, head_logp, choice, committed)
-                                  optional, after the drafter's head call (head_logp [k]: its
-                                  top-k log-probs at the root): D >= 1 and W_d again
+                                  after the drafter's head (head_logp [k]: its top-k log-probs
+                                  at the root): D >= 1 and W_d again (default: unchanged)
     w_v    = policy.choose_verify(tree, choice, committed)  after drafting: W_v
 
-and reports the step to ``on_step(StepRecord)`` and, when the policy has one, to its
-``observe(StepRecord)`` method (a policy correcting its model from measured steps). The engine's caches and graphs are sized for the
-envelope (D_max, largest W_d, largest W_v), so any choice from the compiled sets fits; a width
-outside them is a YggError.
+and reports the finished step to ``on_step(StepRecord)`` and to ``policy.observe(StepRecord)``
+(a policy correcting its model from measured steps; default: nothing); ``start_request`` marks
+where one request's text begins. The engine's caches and graphs are sized for its envelope
+(D_max, the compiled W_d and W_v), so any choice from the compiled sets fits; a width outside
+them is a YggError.
 
 ``draft_depth = 0`` is a plain decoding step: no drafter call, the target verifies the root
-alone (W_v = 1, ``choose_verify`` is not asked). The drafter then falls behind; the engine
-re-absorbs the committed sequence into it (``Drafter.prefill``) before the next drafted step, a
-cost reported as the ``resync`` stage.
+alone (W_v = 1, ``choose_verify`` is not asked unless lookup candidates make a tree). The
+drafter then falls behind; the engine re-absorbs the committed sequence into it
+(``Drafter.prefill``) before the next drafted step, a cost reported as the ``resync`` stage.
 """
 
 from __future__ import annotations
