@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from .data import interleave, load_prompts
-from .errors import YggError, run_reporting
+from .errors import YggError, module_main
 from .progress import stderr_progress
 
 SYSTEMS = ("hf", "ygg-reference", "ygg-compiled")
@@ -510,11 +510,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.bench ...``: the same options as ``yggtree bench``."""
-    parser = argparse.ArgumentParser(prog="python -m yggtree.bench", description=__doc__)
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_bench_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_reporting("yggtree bench", run_bench, args)
+    return module_main("yggtree.bench", "bench", __doc__, add_bench_arguments, run_bench, argv)
 
 
 if __name__ == "__main__":

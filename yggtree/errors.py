@@ -14,3 +14,18 @@ def run_reporting(name: str, fn, args, code: int = 1) -> int:
     except YggError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return code
+
+
+def module_main(module: str, command: str, doc: str | None, add_arguments, fn, argv=None) -> int:
+    """``python -m <module> ...``: the same options as ``yggtree <command>`` (``add_arguments``),
+    then ``fn(args)`` through :func:`run_reporting`; ``args.argv`` holds the command's own
+    arguments, as the CLI sets it (manifests record them)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return run_reporting(f"yggtree {command}", fn, args)

@@ -44,7 +44,7 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import YggError, run_reporting
+from ..errors import YggError, module_main
 from ..files import manifest_path
 from ..plan import (
     CACHE_SUBDIR,
@@ -451,11 +451,7 @@ def add_compile_parser(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.offline.compile ...``: the same options as ``yggtree compile``."""
-    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.compile", description=__doc__)
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_compile_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_reporting("yggtree compile", run_compile, args)
+    return module_main("yggtree.offline.compile", "compile", __doc__, add_compile_arguments, run_compile, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import YggError, run_reporting
+from ..errors import YggError, module_main
 from ..files import save_figure, write_text_atomic
 from ..plan import default_plan, load_plan
 from ..progress import stderr_progress
@@ -377,9 +377,8 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.fit", description=__doc__)
-    add_calibrate_arguments(parser)
-    return run_reporting("yggtree calibrate", _checked, parser.parse_args(argv))
+    """``python -m yggtree.offline.fit ...``: the same options as ``yggtree calibrate``."""
+    return module_main("yggtree.offline.fit", "calibrate", __doc__, add_calibrate_arguments, _checked, argv)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import YggError, run_reporting
+from ..errors import YggError, module_main
 from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import default_plan, load_plan, versions
 from ..progress import stderr_progress
@@ -518,11 +518,8 @@ def _checked_run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.profile", description=__doc__)
-    add_profile_arguments(parser)
-    args = parser.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    return run_reporting("yggtree profile", _checked_run, args)
+    """``python -m yggtree.offline.profile ...``: the same options as ``yggtree profile``."""
+    return module_main("yggtree.offline.profile", "profile", __doc__, add_profile_arguments, _checked_run, argv)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import YggError, run_reporting
+from ..errors import YggError, module_main
 from ..files import atomic_path, manifest_path, save_figure, write_text_atomic
 from ..plan import default_plan, load_plan
 from ..progress import stderr_progress
@@ -699,9 +699,9 @@ def add_train_predictor_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.train_predictor", description=__doc__)
-    add_train_predictor_arguments(parser)
-    return run_reporting("yggtree train-predictor", _checked, parser.parse_args(argv))
+    """``python -m yggtree.offline.train_predictor ...``: the same options as ``yggtree train-predictor``."""
+    return module_main("yggtree.offline.train_predictor", "train-predictor", __doc__,
+                       add_train_predictor_arguments, _checked, argv)
 
 
 if __name__ == "__main__":
