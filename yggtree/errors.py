@@ -1,4 +1,4 @@
-"""The one error type users see."""
+"""The one error type users see, and the command entry points that print it as one line."""
 
 
 class YggError(Exception):
