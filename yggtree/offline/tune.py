@@ -410,7 +410,7 @@ def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
     summary = compile_plan(plan, s.compile_root, replace=True, console=Console(stderr=True))
     phases["compile"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
-    front_ids = pareto_front([(r["measured_tps"], r["shapes"], r["number"]) for r in done])
+    front_ids = pareto_front([(r["measured_tps"], r["graphs"], r["number"]) for r in done])
     stem = s.out_dir / s.hw
     plots = write_plots(study, rows, stem)
     report = {

@@ -44,20 +44,21 @@ def predicted_tokens_per_s(cost, calib, draft_widths, verify_widths, d_max: int,
 
 
 def block_shapes(plan) -> int:
-    """Decoder-block graphs ``yggtree compile`` builds for ``plan`` (the Pareto front's cost
-    axis, known before compiling): per context bucket, one per distinct target width
-    (prefill chunk, 1, every W_v) and per distinct drafter width (prefill chunk, the head, every
-    W_d); a self-drafter shares the target's."""
-    from ..runtime.build import drafter_widths, drafter_feeds_leaves, plan_slots
+    """Decoder-block graphs ``yggtree compile`` builds for ``plan``, estimated before compiling
+    (the Pareto front's cost axis where a trial was not compiled): per context bucket, one per
+    distinct width the target runs (prefill chunk, 1, every W_v) and the drafter runs (prefill
+    chunk, the head, every W_d). A self-drafter or an EAGLE head shares the target's block
+    graphs (same block shape); a standalone drafter LM has its own."""
+    from ..runtime.build import drafter_feeds_leaves, drafter_widths, plan_slots
     from ..runtime.graphs import context_buckets
 
     buckets = len(context_buckets(plan_slots(plan)))
     target = set(plan.target_widths)
     if not plan.speculative:
         return buckets * len(target)
-    head = 1 if drafter_feeds_leaves(plan) else plan.d_max + 1
-    drafter = {plan.prefill_chunk, head, *drafter_widths(plan)}
-    if plan.drafter == "self":
+    eagle = not drafter_feeds_leaves(plan)  # an EAGLE head; an LM drafter feeds its leaves
+    drafter = {plan.prefill_chunk, plan.d_max + 1 if eagle else 1, *drafter_widths(plan)}
+    if plan.drafter == "self" or eagle:
         return buckets * len(target | drafter)
     return buckets * (len(target) + len(drafter))
 
