@@ -90,11 +90,11 @@ class Drafter(Protocol):
         room: int,  # head rows go to slots committed + room + v (room > the deepest path)
         committed: torch.Tensor,  # [] int64
         k: int,
-    ) -> TopK:
+    ) -> None:
         """Ahead-of-time tail and head draft in one call of static width 2W: every verified
         node's own entry at slot ``committed + v`` (the tail), and for every node the next
         step's head as if it were the accepted leaf with ``bonus[v]`` as the next root, at slot
-        ``committed + room + v``. Returns the head proposals at every node ([W, k])."""
+        ``committed + room + v``. :meth:`take` returns the accepted leaf's proposals."""
 
     def take(
         self,
@@ -102,11 +102,12 @@ class Drafter(Protocol):
         n_accepted: torch.Tensor,  # [] int64
         room: int,
         committed: torch.Tensor,  # [] int64
-    ) -> None:
+        k: int,
+    ) -> TopK:
         """After :meth:`ahead`: keep the accepted path's tail entries (slot ``committed +
         path[i]`` -> ``committed + 1 + i``) and the accepted leaf's head row (-> the next root's
-        slot ``committed + 1 + n_accepted``); the rest is dropped. The next step's head is the
-        leaf's row of what :meth:`ahead` returned, not a call."""
+        slot ``committed + 1 + n_accepted``); the rest is dropped. Returns the next step's head
+        ([1, k], the leaf's head row): it is picked up, not called."""
 
     def frozen(self):
         """Context manager for the decode loop (no compiles allowed in compiled mode)."""
@@ -133,6 +134,7 @@ class LMDrafter:
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.graphs = Graphs(model, mode)
+        self.ahead_logits: torch.Tensor | None = None  # [W, V] head rows of the last ahead call
 
     def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
         if self.model.cache_slots != n_slots:
@@ -178,10 +180,11 @@ class LMDrafter:
         tokens = torch.cat([tree.token, bonus])
         n_ctx = self.graphs.bucket(int(committed) + ext.shape[1])
         logits, _, _ = self.graphs.tree_step(tokens, depth, node, ext, committed, (), n_ctx)
-        return topk_logp(logits[tree.token.shape[0]:], k)
+        self.ahead_logits = logits[tree.token.shape[0]:]  # [W, V] the head rows' (in the graph)
 
-    def take(self, path, n_accepted, room, committed) -> None:
+    def take(self, path, n_accepted, room, committed, k: int) -> TopK:
         take_path(self.model.caches(), path, n_accepted, room, committed)
+        return topk_logp(self.ahead_logits.index_select(0, path[-1:]), k)
 
     def frozen(self):
         return self.graphs.frozen()

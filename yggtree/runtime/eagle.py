@@ -338,6 +338,8 @@ class EagleDrafter:
         self.graphs = Graphs(net, mode, scope="block")  # regional compile of the blocks in performance mode
         self.chunk = 0
         self._state_dev = net.fc.weight.device
+        self.ahead_h: torch.Tensor | None = None  # [W, H] head rows' f̂ of the last ahead call
+        self.ahead_f: torch.Tensor | None = None  # [W, H] fused true features at its nodes
 
     # ---------------------------------------------------------------- construction
 
@@ -519,7 +521,7 @@ class EagleDrafter:
         self.pend_feat[: d + 1] = f
         self.pend_n.copy_(n_accepted)
 
-    def ahead(self, tree, anc, bonus, feats, room, committed, k: int) -> TopK:
+    def ahead(self, tree, anc, bonus, feats, room, committed, k: int) -> None:
         """One call of width 2W: the tail row of node v pairs its token with its parent's true
         feature (slot L + v, position L + depth - 1), the head row of node v pairs ``bonus[v]``
         with v's own true feature (slot L + room + v, position L + depth). The root's pair is
@@ -539,16 +541,19 @@ class EagleDrafter:
         feat = torch.cat([f.index_select(0, tree.parent), f])  # [2W, H]
         out = net(tokens, feat, pos, slots, mask)  # [2W, H]
         self.ahead_h, self.ahead_f = out[w:], f  # [W, H] each: head rows' f̂, true features
-        return self._topk(net.logits(out[w:]), k)
 
-    def take(self, path, n_accepted, room, committed) -> None:
+    def take(self, path, n_accepted, room, committed, k: int) -> TopK:
         """Keep the accepted tail and the leaf's head row; the state is then that of a commit
-        with nothing pending (a head call at the next root would recompute the same row)."""
+        with nothing pending (a head call at the next root would recompute the same row). The
+        LM head runs on the leaf's row alone, as in a head call."""
+        self._check_k(k)
         take_path(self.net.caches(), path, n_accepted, room, committed)
         leaf = path[-1:]
-        self.node_feat[0] = self.ahead_h.index_select(0, leaf)[0]
+        root_h = self.ahead_h.index_select(0, leaf)  # [1, H]
+        self.node_feat[0] = root_h[0]
         self.pend_feat[0] = self.ahead_f.index_select(0, leaf)[0]
         self.pend_n.zero_()
+        return self._topk(self.net.logits(root_h), k)
 
     def frozen(self):
         return self.graphs.frozen()

@@ -16,7 +16,7 @@ to do this step (no drafting on a plain step, no lookup index) returns at once::
     prune    keep the W_v best nodes (a connected subtree), tree mask      -> vtree, anc
     verify   the target over the verified tree                             -> logits, caps
     accept   the target's choice at every node, the accepted walk, emit    -> acc, new
-    ahead    the drafter over every verified node + a head row under each  -> ahead_head
+    ahead    the drafter over every verified node + a head row under each  (drafter state)
     commit   the accepted path to contiguous slots (target, drafter)       (caches)
 
 A plain step (D = 0, nothing looked up) is the same machinery over the root alone: only verify,
@@ -58,7 +58,7 @@ class Request:
     on_tokens: Callable[[list[int]], None] | None = None
     synced: bool = True  # the drafter holds everything below sync_from
     sync_from: int = 0
-    ahead_head: TopK | None = None  # the next root's head, picked up from the ahead call
+    ahead_head: TopK | None = None  # [1, k] the next root's head, picked up at the commit
     keep_feats: bool = False  # keep target features of committed tokens (for resyncs)
     counters: dict = field(default_factory=lambda: {
         "verify_calls": 0, "draft_calls": 0, "accepted_tokens": 0, "accept_hist": [],
@@ -261,9 +261,7 @@ def ahead(eng, req: Request, st: Step) -> None:
     if req.committed + room + st.wv > eng.n_slots - 1:
         return  # near the end of the context: the head runs as a call next step
     st.room = room
-    req.ahead_head = eng.drafter.ahead(
-        st.vtree, st.anc, st.bonus, st.caps, room, st.L, eng.envelope.top_k
-    )
+    eng.drafter.ahead(st.vtree, st.anc, st.bonus, st.caps, room, st.L, eng.envelope.top_k)
     req.counters["ahead_calls"] += 1
 
 
@@ -275,8 +273,7 @@ def commit(eng, req: Request, st: Step) -> None:
         steps.commit(eng.target, st.L + path, st.L + dst_off)
         feats = tuple(x[st.acc.path] for x in st.caps)
         if st.room:  # the ahead call holds every verified node: keep the path and the leaf's head
-            eng.drafter.take(path, st.acc.n_accepted, st.room, st.L)
-            req.ahead_head = TopK(req.ahead_head.token[path[-1:]], req.ahead_head.logp[path[-1:]])
+            req.ahead_head = eng.drafter.take(path, st.acc.n_accepted, st.room, st.L, eng.envelope.top_k)
         elif st.drafted:
             # a lookup-only node has no drafter state: its move is a no-op, and a drafter whose
             # commit keeps its own KV catches up from it before its next step
