@@ -115,7 +115,7 @@ def write_plots(study, rows: list[dict], stem: Path) -> dict[str, str | None]:
         predicted = _derived_study(rows, ("predicted_tps",), ("maximize",))
         try:  # importances of the predicted objective: every feasible trial has it
             ax = ovm.plot_param_importances(predicted)
-            ax.set_title("parameter importances for predicted tokens/s (all feasible trials)")
+            ax.set_title("parameter importances for predicted tokens/s (all feasible trials)", loc="left")
             out["importances"] = str(_save(ax, stem.with_suffix(".importances.png")))
         except (ValueError, RuntimeError, ZeroDivisionError) as e:
             out["importances"], out["notes"]["importances"] = None, str(e) or type(e).__name__
@@ -150,7 +150,9 @@ def _derived_study(rows: list[dict], keys: tuple[str, ...], directions: tuple[st
             choices.setdefault(k, [])
             if v not in choices[k]:
                 choices[k].append(v)
+    fixed = {k for k, v in choices.items() if len(v) == 1}  # not searched: no importance
     for vals, params, number in trials:
+        params = {k: v for k, v in params.items() if k not in fixed}
         dists = {k: CategoricalDistribution(choices[k]) for k in params}
         study.add_trial(optuna.trial.create_trial(values=vals, params=params, distributions=dists,
                                                   user_attrs={"tune_trial": number}))
