@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import YggError, run_reporting
+from ..errors import YggError, module_main
 from ..files import write_text_atomic
 from .tune_artifacts import (
     ensure_calibration,
@@ -616,11 +616,9 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m yggtree.offline.tune", description=__doc__)
-    add_tune_arguments(parser)
-    args = parser.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    return run_reporting("yggtree tune", run_tune, args)
+    """``python -m yggtree.offline.tune ...``: the same options as ``yggtree tune`` (the local
+    workers of ``--workers N`` run this way)."""
+    return module_main("yggtree.offline.tune", "tune", __doc__, add_tune_arguments, run_tune, argv)
 
 
 if __name__ == "__main__":
