@@ -371,3 +371,16 @@ def test_distill_runs_data_parallel_on_two_processes(shard_dir, tmp_path):
     assert m1 == {"complete": True, "rank": 1}
     assert m0["training"]["steps"] > 0 and (tmp_path / "out" / "model.safetensors").is_file()
     assert m0["training"]["val"]["val_kl"] == m0["training"]["val"]["val_kl"]  # evaluated (not NaN)
+
+
+def test_cli_on_a_non_zero_rank_exits_cleanly(monkeypatch, capsys, tmp_path):
+    """Under torchrun the ranks other than 0 return a short manifest: the command ends with 0 and
+    prints nothing (an exception there made torchrun stop rank 0 during its final evaluation)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    D.add_distill_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "o"), "--transcripts", str(tmp_path)])
+    monkeypatch.setattr(D, "distill", lambda cfg, argv=None: {"complete": True, "rank": 1})
+    assert D.run_distill(args) == 0
+    assert capsys.readouterr().out == ""

@@ -1371,6 +1371,8 @@ def run_distill(args) -> int:
     """The ``distill`` subcommand. Returns the exit code."""
     cfg = _cfg_from_args(args)
     manifest = distill(cfg, getattr(args, "argv", None))
+    if manifest.get("rank", 0) != 0:  # data-parallel: rank 0 reports and writes the head
+        return 0
     if manifest.get("complete") is False:
         sys.stderr.write(f"stopped after the {cfg.budget_minutes} min budget; the checkpoint in {cfg.out} holds the "
                          "run: repeat the same command to continue\n")
