@@ -101,7 +101,7 @@ def run(args) -> int:
             f"{n} {(row[n]['new_tokens'] - 1) / row[n]['decode_s']:.1f}" for n in names), flush=True)
     out = {"plan": plan.name, "max_new_tokens": args.max_new_tokens, "prompts": len(rows),
            "wall_s": round(time.perf_counter() - t_start, 1), "sets": {}}
-    base = f"plain@{max(threads)}"
+    base = f"plain@{min(threads)}"
     for set_name in ("all", "mtbench", "humaneval"):
         sel = [r for r in rows if set_name == "all" or r["id"].startswith(set_name)]
         if not sel:
