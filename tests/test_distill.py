@@ -18,6 +18,7 @@ from yggtree.runtime.eagle import EagleDrafter, load_eagle
 from yggtree.runtime.model import ModelConfig, Transformer, rope_table
 
 DEFAULT_DIR = Path(D.__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m-eagle"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny(seed: int = 0) -> Transformer:
@@ -356,7 +357,10 @@ def test_shipped_default_head_loads_and_corruption_is_refused(tmp_path):
     assert (DEFAULT_DIR / "model.safetensors").is_file(), "the default drafter is not shipped"
     assert (DEFAULT_DIR / "model.safetensors").stat().st_size <= 25 * 1024 * 1024
     manifest = json.loads((DEFAULT_DIR / "manifest.json").read_text())
-    assert manifest["data"]["corpus_hash"] and manifest["seed"] is not None
+    # trained on committed transcript shards: the manifest names each with its checksum
+    assert manifest["data"]["data_sha256"] and manifest["seed"] is not None
+    assert all(sh["sha256"] and (REPO / "data" / "transcripts" / sh["file"]).is_file()
+               for sh in manifest["data"]["shards"])
     src = resolve_model("default")
     target = load_model(src, "float32")
     tok = load_tokenizer(src)
