@@ -347,10 +347,11 @@ class FeatureLayout:
         return f[..., self.last * self.hidden : (self.last + 1) * self.hidden]
 
 
-def concat_teacher(parts: list[TeacherData]) -> TeacherData:
-    """One :class:`TeacherData` holding the sequences of ``parts`` in order."""
+def concat_teacher(parts: list[TeacherData], feats: torch.Tensor | None = None) -> TeacherData:
+    """One :class:`TeacherData` holding the sequences of ``parts`` in order. ``feats``: their
+    features already side by side in one tensor (the parts are views of it), used as is."""
     parts = [d for d in parts if d.n_seq > 0]
-    if len(parts) == 1:
+    if len(parts) == 1 and feats is None:
         return parts[0]
     dtype = torch.float16 if all(d.feats.dtype == torch.float16 for d in parts) else torch.float32
     offs, base = [torch.zeros(1, dtype=torch.int64)], 0
@@ -359,7 +360,7 @@ def concat_teacher(parts: list[TeacherData]) -> TeacherData:
         base += int(d.offsets[-1])
     return TeacherData(
         tokens=torch.cat([d.tokens for d in parts]),
-        feats=torch.cat([d.feats.to(dtype) for d in parts]),
+        feats=feats if feats is not None else torch.cat([d.feats.to(dtype) for d in parts]),
         offsets=torch.cat(offs),
         role=torch.cat([d.role for d in parts]),
     )
@@ -1185,7 +1186,12 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
     rank, world = _world()
     if rank != 0:  # data-parallel: rank 0 fills the feature cache, the others then read it
         torch.distributed.barrier()
-    task = progress.add_task("features", total=sum(sh.n_tokens for _, sh in shards + held))
+    n_all = sum(sh.n_tokens for _, sh in shards + held)
+    task = progress.add_task("features", total=n_all)
+    # one preallocated float16 buffer (float32 only if some feature overflows float16): the
+    # shards' features are copied in one by one, so the peak is the data plus one shard
+    buf = torch.empty(n_all, layout.width, dtype=torch.float16)
+    at = 0
     for p, sh in shards + held:
         fpath = tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype)
         feats = tr.load_features(fpath, sh.n_tokens, layout.width)
@@ -1197,14 +1203,18 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
         else:
             reused += 1
             progress.update(task, advance=sh.n_tokens)
-        parts.append(TeacherData(sh.tokens, feats.to(torch.float16) if feats.dtype != torch.float16 and float(feats.abs().max()) < 60000 else feats,
-                                 sh.offsets, sh.role))
+        if buf.dtype == torch.float16 and feats.dtype != torch.float16 and float(feats.abs().max()) >= 60000:
+            buf = buf.float()
+        buf[at : at + sh.n_tokens] = feats
+        at += sh.n_tokens
+        del feats
+        parts.append(TeacherData(sh.tokens, buf[at - sh.n_tokens : at], sh.offsets, sh.role))
         info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
                             "sequences": sh.n_seq, "counts": sh.meta["counts"]})
     del teacher
     if world > 1 and rank == 0:
         torch.distributed.barrier()
-    data = concat_teacher(parts)
+    data = concat_teacher(parts, feats=buf)
     n_train_seq = sum(sh.n_seq for _, sh in shards)
     seen: set[bytes] = set()
     keep_train, keep_val, dup = [], [], 0
