@@ -40,6 +40,23 @@ sampling: {max_new_tokens: 8}
 """
 
 
+def tiny_plan(verify_widths: str = "[2, 4]") -> str:
+    """The plan text of the tiny checkpoint (saved as ``model`` beside it) drafting for itself."""
+    return f"""\
+name: tiny
+target: model
+drafter: self
+backend: eager
+max_context: 96
+prefill_chunk: 4
+draft_widths: [1, 2]
+d_max: 2
+top_k: 2
+verify_widths: {verify_widths}
+sampling: {{max_new_tokens: 8}}
+"""
+
+
 def save_tiny_checkpoint(path: Path) -> None:
     """A 2-layer random Llama (vocabulary 128) with a word-level tokenizer."""
     import torch

@@ -15,19 +15,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PLAN = """\
-name: tiny
-target: model
-drafter: self
-backend: eager
-max_context: 96
-prefill_chunk: 4
-draft_widths: [1, 2]
-d_max: 2
-top_k: 2
-verify_widths: [2, 4]
-sampling: {max_new_tokens: 8}
-"""
+from test_compile import tiny_plan  # noqa: E402
+
+PLAN = tiny_plan()
 
 
 @pytest.fixture(scope="module")

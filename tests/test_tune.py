@@ -28,19 +28,9 @@ optuna = pytest.importorskip("optuna")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
-PLAN = """\
-name: tiny
-target: model
-drafter: self
-backend: eager
-max_context: 96
-prefill_chunk: 4
-draft_widths: [1, 2]
-d_max: 2
-top_k: 2
-verify_widths: [2]
-sampling: {max_new_tokens: 8}
-"""
+from test_compile import tiny_plan  # noqa: E402
+
+PLAN = tiny_plan("[2]")
 # every combination of this space is a valid plan (24 of them)
 SPACE = ["--space", "prefill_chunk=4,8", "--space", "lookup=0,2", "--space", "top_k=2",
          "--space", "d_max=1..2"]
