@@ -78,11 +78,19 @@ def find_profile(env, hw: str, out_dir: Path, threads: int) -> tuple[Path | None
     ``NAME.json`` (if it exists) is not."""
     own = out_dir / f"{hw}.json"
     others = sorted(p for p in out_dir.glob("*.json") if p != own) if out_dir.is_dir() else []
-    why_own = None
-    for p in [own, *others]:
-        if not p.is_file() or p.name.endswith(".tuning.json"):
+    candidates = [p for p in [own, *others] if not p.name.endswith(".tuning.json")]
+    return first_valid(candidates, own, lambda p: profile_covers(p, env, threads))
+
+
+def first_valid(paths: list[Path], own: Path, why_not) -> tuple[Path | None, str | None]:
+    """The first existing file of ``paths`` (each once) for which ``why_not`` returns None, or None
+    and what ``why_not`` said of ``own``."""
+    seen, why_own = set(), None
+    for p in paths:
+        if p.resolve() in seen or not p.is_file():
             continue
-        why = profile_covers(p, env, threads)
+        seen.add(p.resolve())
+        why = why_not(p)
         if why is None:
             return p, None
         if p == own:
@@ -127,17 +135,7 @@ def find_calibration(env, hw: str, out_dir: Path) -> tuple[Path | None, str | No
     own = calibration_dir(out_dir, hw) / "calibration.json"
     places = [pair_dir(env) / "calibration.json", *filter(None, [shipped_calibration(env)]), own,
               *(sorted(out_dir.glob("*.calibration/calibration.json")) if out_dir.is_dir() else [])]
-    seen, why_own = set(), None
-    for p in places:
-        if p.resolve() in seen or not p.is_file():
-            continue
-        seen.add(p.resolve())
-        why = calibration_covers(p, env)
-        if why is None:
-            return p, None
-        if p == own:
-            why_own = why
-    return None, why_own
+    return first_valid(places, own, lambda p: calibration_covers(p, env))
 
 
 def ensure_calibration(env, hw: str, out_dir: Path, threads: int, force: bool, prompts: int,
