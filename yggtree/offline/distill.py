@@ -1,6 +1,6 @@
 """Train an EAGLE-style drafter head for a target by distillation (``yggtree distill``).
 
-Pipeline (every stage deterministic given ``--seed``; DESIGN.md sections 11 and 12)::
+Pipeline (every stage deterministic given ``--seed``; docs/design.md sections 11 and 12)::
 
     calibration chat prompts        data.calibration_chat_prompts (stdlib source / pydoc topics,
       (chat template)               decontaminated against the evaluation prompts)

@@ -1,4 +1,4 @@
-"""The latency-aware objective (DESIGN section 5) and the policy that maximises it every step.
+"""The latency-aware objective (docs/design.md section 5, docs/objective.md) and the policy that maximises it every step.
 
     speedup(W_d, D, W_v) = AAL(tree, W_v) * T_plain(ctx) / T_step(D, W_d, W_v, ctx)
     T_step               = T_head + n_D * T_d(W_d) + D * egt(W_d) + prune + T_v(W_v) + accept + commit
@@ -426,10 +426,9 @@ class Feedback:
       EVERY step (a plain step; a drafted step's verify stage), so it follows the machine's load
       whichever kind of step dominates;
     - per verify width W, a relative factor (slow, ``slow_alpha``): what remains of the measured /
-      predicted ratio of width-W calls after ``machine``. On the EPYC CPU the width-1 (plain)
-      graph ran ~7% slower than the width-4 one next to it while the profile had them equal; with
-      one machine factor that error went into the drafted step's overhead and the objective
-      under-rated a D = 1 tree by ~8% and chose plain steps where the tree paid 1.07x;
+      predicted ratio of width-W calls after ``machine``. Widths whose measured ratio drifts apart
+      from the profile's (a plain graph slower than a wider one next to it) would otherwise push
+      that error into the drafted step's overhead and bias the choice between plain and tree steps;
     - ``spec_extra`` (fast): measured / (``machine`` x predicted) time of the drafted step's
       non-verify part (drafter head and steps, tree building, pruning, acceptance, commit, the
       policy), the part the profile times stage by stage;
@@ -558,8 +557,8 @@ class ObjectivePolicy(StepPolicy):
       again (depth-predictor steps are not probed: the predictor sees every context). A probe
       that loses (its tokens took longer than plain steps would have, the drafter's catch-up
       included) doubles the gap before the next one, up to ``probe_max``; a probe that wins,
-      or a tree chosen on its merits, resets it. On text where speculation never pays (MT-Bench
-      prose with the default pair on the EPYC CPU) probing every 16 steps cost ~3%.
+      or a tree chosen on its merits, resets it, so on text where speculation never pays the
+      probes cost a few percent (docs/objective.md has the measured figures).
 
     ``log`` collects one :class:`Prediction` per step (plain steps included) for benches.
     """
