@@ -345,6 +345,27 @@ def test_two_layer_head_pipeline(target, tmp_path):
     assert d.cfg.num_layers == 2 and len(d.net.layers) == 2
 
 
+def test_warm_start_continues_from_a_head(run_a, target, tmp_path):
+    """--init-from: the run starts from the given head (its draft vocabulary kept, its first losses
+    those of a trained head), records the head's hash in its checkpoint identity, and refuses a head
+    of another shape with one line naming it."""
+    tmp_a, _ = run_a
+    head = tmp_a / "out"
+    cfg = small_cfg(tmp_a, init_from=str(head), epochs=1.0, out=str(tmp_path / "warm"), checkpoint_every=1)
+    D.distill(cfg, ["--test"], target=target, prompt_ids=prompts())
+    assert torch.equal(weights(tmp_path / "warm")["draft_vocab"], weights(head)["draft_vocab"])
+    cold = list(csv_rows(head / "report" / "train_log.csv"))
+    warm = list(csv_rows(tmp_path / "warm" / "report" / "train_log.csv"))
+    assert float(warm[0]["kl"]) < 0.7 * float(cold[0]["kl"])
+    ident = torch.load(tmp_path / "warm" / D.CHECKPOINT_FILE, weights_only=False)["identity"]
+    assert ident["init_from"] == str(head) and len(ident["init_sha256"]) == 64
+    with pytest.raises(YggError, match=r"--init-from .*out: the head has draft vocabulary 48, this run asks for 40"):
+        D.distill(small_cfg(tmp_path, init_from=str(head), draft_vocab=40), target=target, prompt_ids=prompts())
+    with pytest.raises(YggError, match="decoder layers 1, this run asks for 2"):
+        D.distill(small_cfg(tmp_path, init_from=str(head), draft_layers=2), target=target, prompt_ids=prompts())
+    assert "init_from" not in D.checkpoint_identity(D.DistillConfig(), "sha")
+
+
 # ---------------------------------------------------------------- the shipped default head
 
 

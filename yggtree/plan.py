@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import YggError
+from .files import file_sha256
 from .runtime.schedule import PLANS
 from .shapes import (
     DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
@@ -524,20 +525,11 @@ def cache_dir(art_dir: str | Path) -> Path:
     return Path(art_dir) / CACHE_SUBDIR
 
 
-def file_sha256(p: Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks."""
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _file_print(p: Path, role: str) -> dict:
     st = p.stat()
     d = {"role": role, "path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     if p.name == "config.json" or (p.suffix in (".json", ".yaml") and st.st_size < (1 << 20)):
-        d["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+        d["sha256"] = file_sha256(p)
     return d
 
 

@@ -45,7 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import YggError, module_main
-from ..files import manifest_path
+from ..files import file_sha256, manifest_path
 from ..plan import (
     CACHE_SUBDIR,
     MANIFEST,
@@ -55,7 +55,6 @@ from ..plan import (
     artifact_dir,
     cache_dir,
     check_artifacts,
-    file_sha256,
     graph_hash_of,
     load_plan,
     model_fingerprints,

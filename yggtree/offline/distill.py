@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import YggError, run_reporting
-from ..files import atomic_path
+from ..files import atomic_path, file_sha256
 from ..progress import PlainLog, stderr_progress
 from .transcripts import prefill_sequences
 from ..runtime.loading import read_safetensors
@@ -94,6 +94,7 @@ class DistillConfig:
     fc_init: str = "random"  # identity: fc passes f_p through (f_{p+1} ~ f_p), block damped
     input_norm: bool = True  # RMSNorm on the embedding and the feature before fc
     draft_layers: int = 1  # decoder layers of the head
+    init_from: str | None = None  # warm start: an EAGLE head directory of this shape (and its draft vocabulary)
     # training
     epochs: float = 2.0
     batch_size: int = 4  # sequences per step
@@ -719,6 +720,8 @@ def checkpoint_identity(cfg: DistillConfig, data_sha: str) -> dict:
     d["target_layers"] = list(d["target_layers"])
     if d["draft_layers"] == 1:  # the default: checkpoints written before the option still resume
         del d["draft_layers"]
+    if d["init_from"] is None:  # likewise
+        del d["init_from"]
     return d | {"data_sha256": data_sha}
 
 
@@ -1036,6 +1039,25 @@ def init_head(net, target, vmap: torch.Tensor, cfg: DistillConfig, layout: Featu
         net.reduce.weight[:, layout.last * h : (layout.last + 1) * h].copy_(torch.eye(h))
 
 
+def warm_start_head(cfg: DistillConfig, target, layout: FeatureLayout, v_d: int):
+    """The head ``cfg.init_from`` to continue training from; refused (one line naming the
+    directory) unless it has the shape this run asks for."""
+    from ..runtime.eagle import load_eagle
+
+    base = load_eagle(cfg.init_from, target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll))
+    hc = base.cfg
+    for name, theirs, ours in (
+        ("target layers", tuple(hc.target_layers), tuple(layout.inputs)),
+        ("draft vocabulary", hc.draft_vocab_size, v_d),
+        ("decoder layers", hc.num_layers, cfg.draft_layers),
+        ("input norm", hc.input_norm, cfg.input_norm),
+    ):
+        if theirs != ours:
+            raise YggError(f"--init-from {cfg.init_from}: the head has {name} {theirs}, this run asks for {ours}")
+    base.net.float()
+    return base
+
+
 def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "FeatureLayout", progress):
     """Teacher data from calibration chat prompts answered by the target (plus teacher-forced
     calibration text): (data, train_idx, val_idx, manifest "data" entries)."""
@@ -1290,7 +1312,8 @@ def distill(
 
         specials = special_ids(tokenizer, tc)
         v_d = min(cfg.draft_vocab, tc.vocab_size)
-        vmap = build_draft_vocab(train_tokens, tc.vocab_size, v_d, specials)
+        base = warm_start_head(cfg, target, layout, v_d) if cfg.init_from is not None else None
+        vmap = base.net.draft_vocab if base is not None else build_draft_vocab(train_tokens, tc.vocab_size, v_d, specials)
 
         drafter = EagleDrafter.random(
             target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll), draft_vocab=vmap,
@@ -1298,7 +1321,10 @@ def distill(
             num_layers=cfg.draft_layers,
         )
         net = drafter.net
-        init_head(net, target, vmap, cfg, layout)
+        if base is not None:
+            net.load_state_dict(base.net.state_dict(), strict=True)
+        else:
+            init_head(net, target, vmap, cfg, layout)
         net.train().requires_grad_(True)
         torch.manual_seed(cfg.seed)
         th = TargetHead(
@@ -1309,6 +1335,8 @@ def distill(
         )
         log: dict = {}
         identity = checkpoint_identity(cfg, data_info["data_sha256"])
+        if base is not None:
+            identity["init_sha256"] = file_sha256(Path(cfg.init_from) / "model.safetensors")
         ev = train(net, th, data, train_idx, val_idx, cfg, progress, log, layout, out / CHECKPOINT_FILE, identity)
     if _world()[0] != 0:  # data-parallel: rank 0 writes the head
         return {"complete": bool(log.get("complete")), "rank": _world()[0]}
@@ -1450,6 +1478,8 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="identity: the fused input starts as the target feature itself")
     g.add_argument("--draft-layers", type=int, default=d.draft_layers, metavar="N",
                    help="decoder layers of the head (1: EAGLE's single layer)")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="continue from this EAGLE head (same shape; its draft vocabulary is kept)")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=d.epochs)
     g.add_argument("--batch-size", type=int, default=d.batch_size)

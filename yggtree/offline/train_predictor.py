@@ -427,9 +427,10 @@ def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None 
     import torch
     from safetensors.torch import save_file
 
+    from ..files import file_sha256
     from ..runtime.objective import pair_identity
     from ..runtime.predictor import (
-        FEATURE_LAYER, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILES, PREDICTOR_KIND, file_sha256,
+        FEATURE_LAYER, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILES, PREDICTOR_KIND,
         predictor_state,
     )
 

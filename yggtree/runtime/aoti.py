@@ -144,7 +144,7 @@ class PackageSet:
         checksum) a package whose bytes differ is refused before AOTInductor reads it."""
         from torch._C._aoti import AOTIModelPackageLoader
 
-        from ..plan import file_sha256
+        from ..files import file_sha256
 
         runners = {}
         for key, w, c in entries:

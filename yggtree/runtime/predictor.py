@@ -27,8 +27,6 @@ refused with one line naming the file. Nothing here imports the offline package 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,12 +37,13 @@ import torch
 from torch import nn
 
 from ..errors import YggError
+from ..files import file_sha256
 from .loading import read_safetensors
 
 __all__ = [
     "PREDICTOR_KIND", "FORMAT_VERSION", "MANIFEST_FILE", "MODEL_FILES", "FEATURE_LAYER",
     "LOGP_FLOOR", "features", "DepthPredictor", "LinearDepthPredictor", "expected_aal", "verify_width_for", "choose_depth",
-    "load_predictor", "DepthFn", "measure_ms", "depth_fn_for", "policy_with_predictor", "predictor_state", "file_sha256",
+    "load_predictor", "DepthFn", "measure_ms", "depth_fn_for", "policy_with_predictor", "predictor_state"
 ]
 
 PREDICTOR_KIND = "yggtree-depth-predictor"
@@ -176,10 +175,6 @@ def choose_depth(
 
 
 # ----------------------------------------------------------------------------- files
-
-
-def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _diff(have: dict, want: dict) -> str:
