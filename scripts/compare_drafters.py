@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 
 from yggtree.errors import YggError, run_reporting
-from yggtree.offline import distill as D
+from yggtree.offline import distill_config as DC
+from yggtree.offline import distill_data as DD
+from yggtree.offline import distill_eval as DE
+from yggtree.offline import distill_loss as DL
 from yggtree.progress import stderr_progress
 
 
@@ -43,24 +46,24 @@ def selection_prompts(first: int, n: int, seed: int) -> list[str]:
     return [p.text for p in basic + varied]
 
 
-def heldout_data(root: Path, target, n: int, layers: tuple[int, ...]) -> "D.TeacherData":
+def heldout_data(root: Path, target, n: int, layers: tuple[int, ...]) -> "DD.TeacherData":
     """The first ``n`` held-out conversations of a transcript directory with the float32 target's
     features (as at run time), by batched prefill."""
     from yggtree.offline import transcripts as tr
 
     parts, got = [], 0
     for path in tr.shard_paths(root, "heldout"):
-        sh = tr.load_shard(path, D.target_fingerprint(target))
+        sh = tr.load_shard(path, DD.target_fingerprint(target))
         k = min(sh.n_seq, n - got)
         cut = tr.Shard(sh.tokens[: int(sh.offsets[k])], sh.offsets[: k + 1], sh.role[: int(sh.offsets[k])], sh.meta)
         feats = tr.prefill_features(target, cut, layers, batch=4)
-        parts.append(D.TeacherData(cut.tokens, feats, cut.offsets, cut.role))
+        parts.append(DD.TeacherData(cut.tokens, feats, cut.offsets, cut.role))
         got += k
         if got == n:
             break
     if not parts:
         raise YggError(f"no heldout-*.safetensors shards in {root}")
-    return D.concat_teacher(parts)
+    return DD.concat_teacher(parts)
 
 
 def main(args) -> int:
@@ -83,7 +86,7 @@ def main(args) -> int:
         heads[name] = d
     layers = sorted({i for d in heads.values() for i in d.target_layers} | {tc.num_layers - 1})
     eos = tuple(tc.eos_token_ids) or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
-    cfg = D.DistillConfig(max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+    cfg = DC.DistillConfig(max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
                           max_seq_len=args.max_seq_len, eval_depth=args.depth, unroll=1,
                           batch_size=4)
     t0 = time.perf_counter()
@@ -94,22 +97,22 @@ def main(args) -> int:
         texts = selection_prompts(args.first, args.prompts, args.seed)
         ids = [encode_auto(tok, t)[-args.max_seq_len :] for t in texts]
         with stderr_progress() as progress:
-            data = D.build_teacher(target, ids, cfg, eos, tuple(layers), progress)
+            data = DD.build_teacher(target, ids, cfg, eos, tuple(layers), progress)
         where = f"{args.prompts} calibration prompts from chunk {args.first} (held out)"
     gen_s = time.perf_counter() - t0
     h = tc.hidden_size
     rows = []
     for name, d in heads.items():
-        lay = D.FeatureLayout.make(tuple(d.target_layers), tc.num_layers, h)
+        lay = DD.FeatureLayout.make(tuple(d.target_layers), tc.num_layers, h)
         cols = torch.cat([torch.arange(layers.index(i) * h, (layers.index(i) + 1) * h) for i in lay.stored])
-        view = D.TeacherData(data.tokens, data.feats[:, cols], data.offsets, data.role)
+        view = DD.TeacherData(data.tokens, data.feats[:, cols], data.offsets, data.role)
         net = d.net.float()
         vmap = net.draft_vocab
-        th = D.TargetHead(norm_weight=target.norm.weight.float(), eps=tc.rms_norm_eps,
+        th = DL.TargetHead(norm_weight=target.norm.weight.float(), eps=tc.rms_norm_eps,
                           w_draft=target.lm_head.weight[vmap].float(), w_full=target.lm_head.weight.float())
         rope = rope_table(net.cfg.layer_config(), args.max_seq_len + 8)
-        scale = D.feature_dim_std(lay.last_layer(view.feats))
-        ev = D.evaluate(net, th, view, list(range(view.n_seq)), cfg, scale, rope, lay)
+        scale = DL.feature_dim_std(lay.last_layer(view.feats))
+        ev = DE.evaluate(net, th, view, list(range(view.n_seq)), cfg, scale, rope, lay)
         rows.append({"drafter": name, "target_layers": list(lay.inputs),
                      "accept_by_depth": ev["accept_by_depth"], "top8_at_depth": ev["top8_at_depth"],
                      "chain4_aal": ev["est_chain4_aal"], "tree4_aal": ev["est_tree4_aal"], "roots": ev["chain_roots"],

@@ -13,6 +13,10 @@ import torch
 
 from yggtree.errors import YggError
 from yggtree.offline import distill as D
+from yggtree.offline import distill_config as DC
+from yggtree.offline import distill_data as DD
+from yggtree.offline import distill_loss as DL
+from yggtree.offline import distill_train as DT
 from yggtree.runtime import steps
 from yggtree.runtime.eagle import EagleDrafter, load_eagle
 from yggtree.runtime.model import ModelConfig, Transformer, rope_table
@@ -60,7 +64,7 @@ def prompts(n: int = 24, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def small_cfg(tmp: Path, **kw) -> D.DistillConfig:
+def small_cfg(tmp: Path, **kw) -> DC.DistillConfig:
     base = dict(
         out=str(tmp / "out"),
         cache_dir=str(tmp / "cache"),
@@ -80,7 +84,7 @@ def small_cfg(tmp: Path, **kw) -> D.DistillConfig:
         teacher_dtype="float32",
     )
     base.update(kw)
-    return D.DistillConfig(**base)
+    return DC.DistillConfig(**base)
 
 
 # ---------------------------------------------------------------- the training forward
@@ -111,7 +115,7 @@ def test_unrolled_forward_equals_runtime_chain(target, input_norm, layers, block
     fused = net.fuse_target(tuple(c[0][:-1] for c in caps))  # [n-1, H]: what the runtime feeds
     t = tok.shape[0]
     rope = rope_table(net.cfg.layer_config(), 64)
-    outs = D.unrolled_forward(net, tok[None], feat[None], 3, rope)
+    outs = DL.unrolled_forward(net, tok[None], feat[None], 3, rope)
 
     s = 64
     net.setup_cache(s)
@@ -137,9 +141,9 @@ def test_unrolled_forward_equals_runtime_chain(target, input_norm, layers, block
 def test_generate_batch_equals_single_rows(target, layers):
     """Batched greedy answers (padded prompts, early EOS) equal one-row runs, features included."""
     ps = prompts(4, seed=9)
-    batched = D.generate_batch(target, ps, 10, (2,), layers)
+    batched = DD.generate_batch(target, ps, 10, (2,), layers)
     for p, (toks, feats, n) in zip(ps, batched):
-        (one_t, one_f, one_n) = D.generate_batch(target, [p], 10, (2,), layers)[0]
+        (one_t, one_f, one_n) = DD.generate_batch(target, [p], 10, (2,), layers)[0]
         assert toks == one_t and n == one_n == len(p)
         assert feats.shape == (len(toks), len(layers) * target.cfg.hidden_size)
         torch.testing.assert_close(feats, one_f, atol=1e-5, rtol=1e-4)
@@ -152,15 +156,15 @@ def test_generate_batch_equals_single_rows(target, layers):
 
 
 def test_feature_layout_stores_the_last_layer_once():
-    lay = D.FeatureLayout.make((2, -1), 30, 8)
+    lay = DD.FeatureLayout.make((2, -1), 30, 8)
     assert lay.inputs == (2, 29) and lay.stored == (2, 29) and lay.last == 1 and lay.width == 16
-    lay = D.FeatureLayout.make((2, 15), 30, 8)
+    lay = DD.FeatureLayout.make((2, 15), 30, 8)
     assert lay.stored == (2, 15, 29) and lay.last == 2 and lay.width == 24
     f = torch.arange(24.0)[None].repeat(3, 1)  # [3, 24]
     assert torch.equal(lay.head_input(f), f[:, :16]) and torch.equal(lay.last_layer(f), f[:, 16:])
     for bad, msg in (((30,), "out of range"), ((1, -29), "twice"), ((), "empty")):
         with pytest.raises(YggError, match=msg):
-            D.FeatureLayout.make(bad, 30, 8)
+            DD.FeatureLayout.make(bad, 30, 8)
 
 
 # ---------------------------------------------------------------- vocabulary
@@ -170,13 +174,13 @@ def test_draft_vocab_covers_the_most_frequent_tokens():
     g = torch.Generator().manual_seed(0)
     tokens = torch.cat([torch.full((100 - i,), i) for i in range(60)])  # id i appears 100 - i times
     tokens = tokens[torch.randperm(tokens.shape[0], generator=g)]
-    vmap = D.build_draft_vocab(tokens, 97, 20, specials=[2, 95])
+    vmap = DD.build_draft_vocab(tokens, 97, 20, specials=[2, 95])
     assert vmap.tolist() == sorted(set(vmap.tolist())) and vmap.shape == (20,)
     assert {2, 95} <= set(vmap.tolist())
     assert set(range(18)) <= set(vmap.tolist())  # the 18 most frequent + the 2 specials (2 is one)
-    assert D.vocab_coverage(tokens, vmap, 97) > 0.3
+    assert DD.vocab_coverage(tokens, vmap, 97) > 0.3
     with pytest.raises(YggError, match="smaller than"):
-        D.build_draft_vocab(tokens, 97, 1, specials=[2, 95])
+        DD.build_draft_vocab(tokens, 97, 1, specials=[2, 95])
 
 
 # ---------------------------------------------------------------- the pipeline
@@ -235,12 +239,12 @@ def test_manifest_and_report(run_a, target):
 def test_fused_layers_pipeline(target, tmp_path):
     """Two target layers fused (EAGLE-3): the teacher stores both side by side, the head starts
     as the last layer alone, trains, and loads back reading both layers."""
-    layout = D.FeatureLayout.make((0, -1), target.cfg.num_layers, target.cfg.hidden_size)
+    layout = DD.FeatureLayout.make((0, -1), target.cfg.num_layers, target.cfg.hidden_size)
     cfg = small_cfg(tmp_path, target_layers=(0, -1), epochs=4.0, feature_noise=0.05)
     vmap = torch.arange(48)
     drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=0, target_layers=layout.inputs,
                                   input_norm=True, draft_vocab=vmap)
-    D.init_head(drafter.net, target, vmap, cfg, layout)
+    DT.init_head(drafter.net, target, vmap, cfg, layout)
     f0, f1 = torch.randn(5, 32), 30 * torch.randn(5, 32)
     rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
     torch.testing.assert_close(drafter.net.fuse_target((f0, f1)), rms(f1))
@@ -249,7 +253,7 @@ def test_fused_layers_pipeline(target, tmp_path):
     assert manifest["target"]["feature_layers"] == [0, 1]
     assert manifest["data"]["teacher_meta"]["target_layers"] == [0, 1]
     key = manifest["data"]["teacher_cache_key"]
-    data = D.load_teacher(Path(cfg.cache_dir) / key / D.TEACHER_FILE, 2 * target.cfg.hidden_size)
+    data = DD.load_teacher(Path(cfg.cache_dir) / key / DD.TEACHER_FILE, 2 * target.cfg.hidden_size)
     assert data.feats.shape == (manifest["data"]["n_tokens"], 64)
     rows = list(csv_rows(tmp_path / "out" / "report" / "train_log.csv"))
     first = sum(float(r["kl"]) for r in rows[:5]) / 5
@@ -322,20 +326,20 @@ def test_cli_parser_registers_distill():
 def test_checkpoint_identity_of_one_layer_is_unchanged():
     """A 1-layer run's checkpoint identity has no draft_layers entry (checkpoints written before the
     option resume); any other count is part of it."""
-    assert "draft_layers" not in D.checkpoint_identity(D.DistillConfig(), "sha")
-    assert D.checkpoint_identity(D.DistillConfig(draft_layers=2), "sha")["draft_layers"] == 2
+    assert "draft_layers" not in DT.checkpoint_identity(DC.DistillConfig(), "sha")
+    assert DT.checkpoint_identity(DC.DistillConfig(draft_layers=2), "sha")["draft_layers"] == 2
 
 
 def test_two_layer_head_pipeline(target, tmp_path):
     """--draft-layers 2: both decoder layers start damped (fc identity), train, and the head loads
     back with two layers."""
     cfg = small_cfg(tmp_path, draft_layers=2, epochs=2.0, fc_init="identity")
-    layout = D.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
+    layout = DD.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
     vmap = torch.arange(48)
     drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=0, target_layers=layout.inputs,
                                   draft_vocab=vmap, num_layers=2)
     before = [b.mlp.down_proj.weight.clone() for b in drafter.net.layers]
-    D.init_head(drafter.net, target, vmap, cfg, layout)
+    DT.init_head(drafter.net, target, vmap, cfg, layout)
     for b, w in zip(drafter.net.layers, before, strict=True):
         torch.testing.assert_close(b.mlp.down_proj.weight, 0.1 * w)
 
@@ -357,13 +361,13 @@ def test_warm_start_continues_from_a_head(run_a, target, tmp_path):
     cold = list(csv_rows(head / "report" / "train_log.csv"))
     warm = list(csv_rows(tmp_path / "warm" / "report" / "train_log.csv"))
     assert float(warm[0]["kl"]) < 0.7 * float(cold[0]["kl"])
-    ident = torch.load(tmp_path / "warm" / D.CHECKPOINT_FILE, weights_only=False)["identity"]
+    ident = torch.load(tmp_path / "warm" / DT.CHECKPOINT_FILE, weights_only=False)["identity"]
     assert ident["init_from"] == str(head) and len(ident["init_sha256"]) == 64
     with pytest.raises(YggError, match=r"--init-from .*out: the head has draft vocabulary 48, this run asks for 40"):
         D.distill(small_cfg(tmp_path, init_from=str(head), draft_vocab=40), target=target, prompt_ids=prompts())
     with pytest.raises(YggError, match="decoder layers 1, this run asks for 2"):
         D.distill(small_cfg(tmp_path, init_from=str(head), draft_layers=2), target=target, prompt_ids=prompts())
-    assert "init_from" not in D.checkpoint_identity(D.DistillConfig(), "sha")
+    assert "init_from" not in DT.checkpoint_identity(DC.DistillConfig(), "sha")
 
 
 # ---------------------------------------------------------------- the shipped default head

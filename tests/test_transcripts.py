@@ -14,6 +14,10 @@ import torch
 
 from yggtree.errors import YggError
 from yggtree.offline import distill as D
+from yggtree.offline import distill_config as DC
+from yggtree.offline import distill_data as DD
+from yggtree.offline import distill_eval as DE
+from yggtree.offline import distill_train as DT
 from yggtree.offline import requests as rq
 from yggtree.offline import transcripts as tr
 from yggtree.runtime.model import ModelConfig, Transformer
@@ -50,7 +54,7 @@ SPEC = dict(size=6, max_new_tokens=6, gen_batch=4, teacher_dtype="float64")
 
 def make(target, tokenizer, index: int = 0, split: str = "train"):
     spec = tr.ShardSpec(split=split, index=index, **SPEC)
-    return tr.build_shard(target, tokenizer, spec, D.target_fingerprint(target), (0, 2))
+    return tr.build_shard(target, tokenizer, spec, DD.target_fingerprint(target), (0, 2))
 
 
 # ---------------------------------------------------------------- generation
@@ -141,13 +145,13 @@ def test_shard_roundtrip_and_refusals(target, tokenizer, tmp_path):
     shard, _ = make(target, tokenizer)
     path = tmp_path / "train-00000.safetensors"
     tr.save_shard(shard, path)
-    fp, tfp = D.target_fingerprint(target), tr.tokenizer_fingerprint(tokenizer)
+    fp, tfp = DD.target_fingerprint(target), tr.tokenizer_fingerprint(tokenizer)
     back = tr.load_shard(path, fp, tfp)
     assert torch.equal(back.tokens, shard.tokens) and torch.equal(back.role, shard.role)
     assert back.meta["counts"]["requests"] == shard.n_seq == 6
     assert path.stat().st_size < 8 * shard.n_tokens + 20000  # token ids only
     with pytest.raises(YggError, match="another target"):
-        tr.load_shard(path, D.target_fingerprint(tiny(len(tokenizer), seed=1)), tfp)
+        tr.load_shard(path, DD.target_fingerprint(tiny(len(tokenizer), seed=1)), tfp)
     with pytest.raises(YggError, match="another tokenizer"):
         tr.load_shard(path, fp, "0" * 16)
     cut = tmp_path / "cut.safetensors"
@@ -220,20 +224,20 @@ def test_generation_resumes_after_an_interruption(tmp_path, patched_loading, mon
         assert a.meta["sha256"] == b.meta["sha256"]
 
 
-def _distill_cfg(data: Path, out: Path, cache: Path, **kw) -> D.DistillConfig:
+def _distill_cfg(data: Path, out: Path, cache: Path, **kw) -> DC.DistillConfig:
     base = dict(out=str(out), transcripts=str(data), feature_cache=str(cache), target_layers=(0, -1),
                 teacher_dtype="float32", draft_vocab=64, max_seq_len=24, epochs=2.0, batch_size=2, lr=3e-3,
                 unroll=2, eval_depth=3, eval_every=4, heldout_seqs=4, checkpoint_every=3, train_autocast="none",
                 save_dtype="float32")
     base.update(kw)
-    return D.DistillConfig(**base)
+    return DC.DistillConfig(**base)
 
 
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory, target, tokenizer):
     root = tmp_path_factory.mktemp("transcripts")
     t32 = target.float()
-    fp = D.target_fingerprint(t32)
+    fp = DD.target_fingerprint(t32)
     for split, k in (("train", 0), ("train", 1), ("heldout", 0)):
         spec = tr.ShardSpec(split=split, index=k, size=6, max_new_tokens=6, gen_batch=4, teacher_dtype="float32")
         shard, feats = tr.build_shard(t32, tokenizer, spec, fp, (0, 2))
@@ -264,7 +268,7 @@ def test_training_resumes_to_the_same_weights(shard_dir, target, tokenizer, tmp_
                 break
         assert runs == steps
         # inside a chunk: killed at step 5, after the checkpoint at step 3
-        real = D.make_batch
+        real = DT.make_batch
         calls = {"n": 0}
 
         def dies(*a, **k):
@@ -273,11 +277,13 @@ def test_training_resumes_to_the_same_weights(shard_dir, target, tokenizer, tmp_
                 raise Boom()
             return real(*a, **k)
 
-        monkeypatch.setattr(D, "make_batch", dies)
+        monkeypatch.setattr(DT, "make_batch", dies)  # training and validation batches, as in one module before
+        monkeypatch.setattr(DE, "make_batch", dies)
         with pytest.raises(Boom):
             D.distill(_distill_cfg(shard_dir, tmp_path / "killed", tmp_path / "c"), target=t32, tokenizer=tokenizer)
-        monkeypatch.setattr(D, "make_batch", real)
-        assert torch.load(tmp_path / "killed" / D.CHECKPOINT_FILE, weights_only=False)["step"] == 3
+        monkeypatch.setattr(DT, "make_batch", real)
+        monkeypatch.setattr(DE, "make_batch", real)
+        assert torch.load(tmp_path / "killed" / DT.CHECKPOINT_FILE, weights_only=False)["step"] == 3
         resumed = D.distill(_distill_cfg(shard_dir, tmp_path / "killed", tmp_path / "c"), target=t32, tokenizer=tokenizer)
         assert resumed["data"]["features_reused"] == 3
         want = _weights(tmp_path / "whole")
@@ -312,7 +318,7 @@ def _ddp_worker(rank: int, world: int, port: int, path: str) -> None:
     lin = torch.nn.Linear(4, 1)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
     lin(x).pow(2).mean().backward()
-    D._all_reduce_grads(list(lin.parameters()), world)
+    DT._all_reduce_grads(list(lin.parameters()), world)
     torch.save({"rank": rank, "grad": lin.weight.grad.clone()}, f"{path}.{rank}")
     dist.destroy_process_group()
 

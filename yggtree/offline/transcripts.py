@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -431,6 +432,13 @@ def shard_paths(root: Path, split: str) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- features
+
+
+def feature_cache_root(given: str | None) -> Path:
+    """The local cache of shard features (``--feature-cache``; default ~/.cache/yggtree/features)."""
+    if given:
+        return Path(given).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree" / "features"
 
 
 def feature_path(cache_root: Path, shard: Shard, layers: tuple[int, ...], teacher_dtype: str) -> Path:

@@ -25,16 +25,9 @@ import torch
 from ..errors import YggError
 from ..progress import PlainLog, stderr_progress
 from . import transcripts as tr
+from .distill_data import target_fingerprint
 
 DEFAULT_LAYERS = (2, 15, -1)
-
-
-def feature_cache_root(given: str | None) -> Path:
-    import os
-
-    if given:
-        return Path(given).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree" / "features"
 
 
 def parse_range(text: str) -> range:
@@ -90,7 +83,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..runtime.loading import load_model, load_tokenizer, resolve_model
-    from .distill import target_fingerprint
 
     for name, v, lo in (("shard-size", args.shard_size, 2), ("max-new-tokens", args.max_new_tokens, 1),
                         ("gen-batch", args.gen_batch, 1), ("threads", args.threads or 1, 1)):
@@ -111,7 +103,7 @@ def run(args) -> int:
     layers = resolve_layers(layers_given, target.cfg.num_layers)
     teacher = target if args.teacher_dtype == "float32" else copy.deepcopy(target).to(getattr(torch, args.teacher_dtype))
     del target
-    cache = feature_cache_root(args.feature_cache)
+    cache = tr.feature_cache_root(args.feature_cache)
     i, n = args.worker
     todo = [k for k in args.shards if k % n == i]
     log = PlainLog(20.0)

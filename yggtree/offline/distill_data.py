@@ -1,0 +1,557 @@
+"""Teacher data for ``yggtree distill``: token sequences with the target's features.
+
+The target answers calibration chat prompts greedily (:func:`build_teacher`, batched with a static
+cache) or is run over fixed text (:func:`teacher_force`) or over transcript shards (``yggtree
+transcripts``); the outputs of the stored target layers are captured in the same pass
+(:class:`FeatureLayout`). :func:`prompt_data` and :func:`transcript_data` make the data of a run,
+from the on-disk caches when they hold it, and split it into training and validation sequences.
+The draft vocabulary is the ``V_d`` most frequent target ids in the training sequences plus every
+special token (:func:`build_draft_vocab`).
+
+Where the teacher data are cached and how the cache is keyed: yggtree/offline/distill.py's
+docstring.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from ..data import calibration_chat_prompts, calibration_corpus, corpus_hash
+from ..errors import YggError
+from ..progress import PlainLog
+from ..runtime.loading import encode_auto, read_safetensors
+from . import transcripts as tr
+from .distill_config import DistillConfig
+
+TEACHER_FILE = "teacher.safetensors"
+TEACHER_FORMAT = 1
+
+# one rate-limited log for every stage of a run (teacher data, then training)
+plain_log = PlainLog()
+
+
+def target_fingerprint(model) -> str:
+    """A short hash of the target's config and a sample of its weights."""
+    h = hashlib.sha256(json.dumps(asdict(model.cfg), sort_keys=True, default=str).encode())
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        h.update(name.encode())
+        h.update(flat[:: max(1, flat.numel() // 4096)].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def special_ids(tokenizer, model_cfg) -> list[int]:
+    """Every special token id the draft vocabulary must contain (EOS, chat markers)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids.update(model_cfg.eos_token_ids)
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            ids.add(v)
+    return sorted(i for i in ids if 0 <= i < model_cfg.vocab_size)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) under torchrun (gloo), else (0, 1). Rank 0 fills the feature cache."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ----------------------------------------------------------------------------- teacher data
+
+
+@dataclass
+class TeacherData:
+    """Sequences concatenated: ``tokens[offsets[i]:offsets[i+1]]`` and their features."""
+
+    tokens: torch.Tensor  # [N] int64 target ids
+    feats: torch.Tensor  # [N, L*H] float16/float32: the L stored target layers' outputs, side by side
+    offsets: torch.Tensor  # [n_seq + 1] int64
+    role: torch.Tensor  # [N] uint8: 0 prompt / given text, 1 greedy answer, 2 sampled answer (transcripts.ROLE_*)
+
+    @property
+    def n_seq(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def seq(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.feats[a:b]
+
+    def roles(self, i: int) -> torch.Tensor:
+        return self.role[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+
+def roles_from_prompt_lengths(lengths: torch.Tensor, n_prompt: torch.Tensor) -> torch.Tensor:
+    """[N] uint8 roles of sequences of ``lengths`` whose first ``n_prompt`` tokens are the prompt and
+    the rest a greedy answer."""
+    return torch.cat([
+        torch.cat([torch.zeros(int(p), dtype=torch.uint8), torch.ones(int(n) - int(p), dtype=torch.uint8)])
+        for n, p in zip(lengths.tolist(), n_prompt.tolist())
+    ]) if len(lengths) else torch.zeros(0, dtype=torch.uint8)
+
+
+@torch.no_grad()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    layers: tuple[int, ...],
+) -> list[tuple[list[int], torch.Tensor, int]]:
+    """Greedy answers for a batch of prompts, with the ``layers`` outputs (side by side,
+    [..., len(layers) * H]) of every position.
+
+    One static cache of batch ``B``: prompt ``b`` occupies slots ``0..n_b-1`` and its answer
+    continues at ``n_b``; padded prompt tokens write to the scratch slot. Returns per prompt
+    (prompt + answer tokens, features [len, H] of exactly those tokens, prompt length): the last
+    answer token's feature is computed too (one extra step), so every token has its feature.
+    """
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    w = int(lens.max())
+    s = w + max_new_tokens + 2  # + the scratch slot
+    model.setup_cache(b, s)
+    toks = torch.zeros(b, w, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = torch.tensor(p)
+    ar = torch.arange(w)
+    real = ar[None, :] < lens[:, None]  # [B, W]
+    slots = torch.where(real, ar[None, :], s - 1)
+    pos = torch.where(real, ar[None, :], 0)
+    cols = torch.arange(s)
+    mask = (cols[None, None, :] <= ar[None, :, None]) & (cols[None, None, :] < lens[:, None, None])
+    out = model(toks, pos, slots, mask, layers)
+    f_all = torch.cat(list(out.layers), dim=-1)  # [B, W, L*H]
+    feats = [[f_all[i, : lens[i]]] for i in range(b)]
+    last = out.hidden[torch.arange(b), lens - 1]  # [B, H]
+    nxt = model.logits(last).argmax(-1)  # [B]
+    answers: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    eos = torch.tensor(sorted(eos_ids) or [-1])
+    for step in range(max_new_tokens):
+        active = ~done  # rows that emit ``nxt`` at this step
+        for i in torch.nonzero(active).flatten().tolist():
+            answers[i].append(int(nxt[i]))
+        done |= active & torch.isin(nxt, eos)
+        # feed the emitted tokens: their features (and the next logits)
+        p = lens + step  # position = slot of the token fed now
+        m = cols[None, None, :] <= p[:, None, None]
+        o = model(nxt[:, None], p[:, None], p[:, None], m, layers)
+        o_all = torch.cat(list(o.layers), dim=-1)  # [B, 1, L*H]
+        for i in torch.nonzero(active).flatten().tolist():
+            feats[i].append(o_all[i])
+        if bool(done.all()):
+            break
+        nxt = model.logits(o.hidden[:, 0]).argmax(-1)
+    return [
+        (list(prompts[i]) + answers[i], torch.cat(feats[i]), len(prompts[i])) for i in range(b)
+    ]
+
+
+def build_teacher(
+    model,
+    prompt_ids: list[list[int]],
+    cfg: DistillConfig,
+    eos_ids: tuple[int, ...],
+    layers: tuple[int, ...],
+    progress,
+) -> TeacherData:
+    """Run the target over every prompt (batches of similar lengths, in a fixed order)."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
+    results: dict[int, tuple[list[int], torch.Tensor, int]] = {}
+    task = progress.add_task("teacher data (prompts)", total=len(order))
+    n_tok = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(order), cfg.gen_batch):
+        idx = order[start : start + cfg.gen_batch]
+        outs = generate_batch(model, [prompt_ids[i] for i in idx], cfg.max_new_tokens, eos_ids, layers)
+        for i, o in zip(idx, outs):
+            results[i] = o
+            n_tok += len(o[0])
+        rate = n_tok / (time.perf_counter() - t0)
+        desc = f"teacher data ({n_tok} tokens, {rate:.0f} tok/s)"
+        progress.update(task, advance=len(idx), description=desc)
+        plain_log(f"{desc}: {start + len(idx)}/{len(order)} prompts")
+    seqs = [results[i] for i in range(len(prompt_ids))]
+    lengths = torch.tensor([len(t) for t, _, _ in seqs])
+    feats = torch.cat([f for _, f, _ in seqs]).float()
+    amax = float(feats.abs().max())
+    store = feats.to(torch.float16) if amax < 60000 else feats  # float16 keeps 11 mantissa bits
+    return TeacherData(
+        tokens=torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.int64),
+        feats=store,
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        role=roles_from_prompt_lengths(lengths, torch.tensor([n for _, _, n in seqs], dtype=torch.int64)),
+    )
+
+
+def teacher_force(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int, progress) -> TeacherData:
+    """The ``layers`` outputs (side by side) at every position of fixed texts (one causal forward per batch of
+    similar lengths). No answer: every role is 0 (given text), so these positions get the
+    prompt loss weight and never count as greedy answers in the acceptance estimate."""
+    task = progress.add_task("teacher forcing (texts)", total=len(seqs))
+    n_tok, t0 = [0], time.perf_counter()
+
+    def on_batch(rows: int, toks: int) -> None:
+        n_tok[0] += toks
+        desc = f"teacher forcing ({n_tok[0]} tokens, {n_tok[0] / (time.perf_counter() - t0):.0f} tok/s)"
+        progress.update(task, advance=rows, description=desc)
+        plain_log(desc)
+
+    feats = tr.prefill_sequences(model, seqs, layers, batch, on_batch)
+    lengths = torch.tensor([len(t) for t in seqs], dtype=torch.int64)
+    f = torch.cat(feats)
+    return TeacherData(
+        tokens=torch.tensor([t for q in seqs for t in q], dtype=torch.int64),
+        feats=f.to(torch.float16) if float(f.abs().max()) < 60000 else f,
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        role=torch.zeros(int(lengths.sum()), dtype=torch.uint8),
+    )
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """Which target layers the teacher data stores, side by side, and which of them the head reads.
+
+    The head reads ``inputs``; the training targets (the target's next-token distribution, the
+    feature regression) come from the target's last layer, stored after the inputs when it is
+    not one of them."""
+
+    hidden: int  # the target's hidden size H
+    inputs: tuple[int, ...]  # target layers the head reads, in its order
+    stored: tuple[int, ...]  # target layers stored: ``inputs`` then the last layer if absent
+    last: int  # position of the target's last layer in ``stored``
+
+    @staticmethod
+    def make(layers: tuple[int, ...], num_layers: int, hidden: int) -> "FeatureLayout":
+        """``layers`` may count from the end (-1: the last); refused out of range or repeated."""
+        if not layers:
+            raise YggError("target-layers is empty")
+        res = tuple(i if i >= 0 else num_layers + i for i in layers)
+        for given, i in zip(layers, res):
+            if not 0 <= i < num_layers:
+                raise YggError(f"target-layer {given} is out of range for {num_layers} layers")
+        if len(set(res)) != len(res):
+            raise YggError(f"target-layers {list(layers)} name a layer twice")
+        top = num_layers - 1
+        stored = res if top in res else res + (top,)
+        return FeatureLayout(hidden, res, stored, stored.index(top))
+
+    @property
+    def width(self) -> int:
+        return len(self.stored) * self.hidden
+
+    def head_input(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., width] stored features -> [..., len(inputs) * H] the head's input layers."""
+        return f[..., : len(self.inputs) * self.hidden]
+
+    def last_layer(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., width] stored features -> [..., H] the target's last layer."""
+        return f[..., self.last * self.hidden : (self.last + 1) * self.hidden]
+
+
+def concat_teacher(parts: list[TeacherData], feats: torch.Tensor | None = None) -> TeacherData:
+    """One :class:`TeacherData` holding the sequences of ``parts`` in order. ``feats``: their
+    features already side by side in one tensor (the parts are views of it), used as is."""
+    parts = [d for d in parts if d.n_seq > 0]
+    if len(parts) == 1 and feats is None:
+        return parts[0]
+    dtype = torch.float16 if all(d.feats.dtype == torch.float16 for d in parts) else torch.float32
+    offs, base = [torch.zeros(1, dtype=torch.int64)], 0
+    for d in parts:
+        offs.append(d.offsets[1:] + base)
+        base += int(d.offsets[-1])
+    return TeacherData(
+        tokens=torch.cat([d.tokens for d in parts]),
+        feats=feats if feats is not None else torch.cat([d.feats.to(dtype) for d in parts]),
+        offsets=torch.cat(offs),
+        role=torch.cat([d.role for d in parts]),
+    )
+
+
+def calibration_text_chunks(skip: int, max_chars: int, seed: int) -> list[str]:
+    """Calibration corpus chunks after the first ``skip`` (those become the chat prompts), whole
+    chunks up to ``max_chars`` characters in corpus order."""
+    out, total = [], 0
+    for chunk in calibration_corpus(None, seed).chunks[skip:]:
+        if total + len(chunk.text) > max_chars:
+            break
+        out.append(chunk.text)
+        total += len(chunk.text)
+    return out
+
+
+def teacher_hash(data: TeacherData) -> str:
+    """sha256 of the teacher tensors' bytes (the file's own bytes are not stable: safetensors
+    writes its metadata map in arbitrary order)."""
+    h = hashlib.sha256()
+    for name in ("tokens", "feats", "offsets", "role"):
+        t = getattr(data, name).contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_teacher(data: TeacherData, path: Path, meta: dict) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(
+        {
+            "tokens": data.tokens.to(torch.int32).contiguous(),
+            "feats": data.feats.contiguous(),
+            "offsets": data.offsets.contiguous(),
+            "role": data.role.contiguous(),
+        },
+        str(tmp),
+        metadata={"format": str(TEACHER_FORMAT), "meta": json.dumps(meta, sort_keys=True)},
+    )
+    tmp.replace(path)
+    return teacher_hash(data)
+
+
+def load_teacher(path: Path, width: int) -> TeacherData:
+    """``width``: the stored features' width (stored layers x hidden size)."""
+    st = read_safetensors(path, "teacher data")
+    for k in ("tokens", "feats", "offsets", "role"):
+        if k not in st:
+            raise YggError(f"teacher data {path} lacks tensor {k!r} (made by an older yggtree: delete it to rebuild)")
+    data = TeacherData(st["tokens"].to(torch.int64), st["feats"], st["offsets"], st["role"].to(torch.uint8))
+    if data.feats.shape != (data.tokens.shape[0], width) or int(data.offsets[-1]) != data.tokens.shape[0]:
+        raise YggError(f"teacher data {path} has inconsistent shapes (features of width {width})")
+    return data
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def build_draft_vocab(tokens: torch.Tensor, vocab_size: int, size: int, specials: list[int]) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``tokens`` (ties: lower id first) plus ``specials``,
+    sorted by id. Specials take the place of the least frequent picks."""
+    if not 1 <= size <= vocab_size:
+        raise YggError(f"draft vocabulary size {size} is outside 1..{vocab_size}")
+    specials = sorted(set(specials))
+    if len(specials) > size:
+        raise YggError(f"draft vocabulary size {size} is smaller than the {len(specials)} special tokens")
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    # stable order: by count descending, then id ascending
+    key = counts * (vocab_size + 1) - torch.arange(vocab_size, dtype=torch.float64)
+    key[specials] = float("inf")
+    top = torch.topk(key, size).indices
+    return torch.sort(top).values.to(torch.int64)
+
+
+def vocab_coverage(tokens: torch.Tensor, vmap: torch.Tensor, vocab_size: int) -> float:
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[vmap] = True
+    return float(inside[tokens].float().mean()) if tokens.numel() else 0.0
+
+
+def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "FeatureLayout", progress):
+    """Teacher data from calibration chat prompts answered by the target (plus teacher-forced
+    calibration text): (data, train_idx, val_idx, manifest "data" entries)."""
+    tc = target.cfg
+    if prompt_ids is None:
+        prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars, cfg.prompt_style)
+        prompt_texts = [p.text for p in prompts]
+        data_hash = corpus_hash(prompt_texts)
+        prompt_ids = [encode_auto(tokenizer, t) for t in prompt_texts]
+    else:
+        if len(prompt_ids) < cfg.prompts:
+            raise YggError(f"{len(prompt_ids)} prompts given, asked for {cfg.prompts}")
+        prompt_ids = [list(p) for p in prompt_ids[: cfg.prompts]]
+        data_hash = corpus_hash([json.dumps(p) for p in prompt_ids])
+    max_prompt = cfg.max_seq_len  # prompts longer than the training window are cut on the left
+    prompt_ids = [p[-max_prompt:] for p in prompt_ids]
+    eos = tuple(tc.eos_token_ids) or (
+        (tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) is not None else ()
+    )
+    fp = target_fingerprint(target)
+    data_meta = {
+        "format": TEACHER_FORMAT,
+        "target_fingerprint": fp,
+        "target_layers": list(layout.stored),
+        "prompts_hash": data_hash,
+        "prompt_ids_hash": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
+        "max_new_tokens": cfg.max_new_tokens,
+        "teacher_dtype": cfg.teacher_dtype,
+        "eos": list(eos),
+    }
+    key = hashlib.sha256(json.dumps(data_meta, sort_keys=True).encode()).hexdigest()[:20]
+    cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "yggtree" / "distill"
+    teacher_path = cache_root / key / TEACHER_FILE
+
+    reused = teacher_path.is_file()
+    teacher = None
+
+    def teacher_model():
+        nonlocal teacher
+        if teacher is None:
+            teacher = target
+            if cfg.teacher_dtype != "float32":
+                teacher = copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
+        return teacher
+
+    if reused:
+        data = load_teacher(teacher_path, layout.width)
+        teacher_sha = teacher_hash(data)
+    else:
+        data = build_teacher(teacher_model(), prompt_ids, cfg, eos, layout.stored, progress)
+        teacher_sha = save_teacher(data, teacher_path, data_meta)
+    text_info = None
+    if cfg.text_chars > 0:
+        texts = calibration_text_chunks(cfg.prompts, cfg.text_chars, cfg.seed)
+        text_ids = [tokenizer.encode(t)[: cfg.max_seq_len + 1] for t in texts]
+        text_ids = [t for t in text_ids if len(t) >= 8]
+        text_meta = {
+            "format": TEACHER_FORMAT,
+            "kind": "teacher-forced calibration texts",
+            "target_fingerprint": fp,
+            "target_layers": list(layout.stored),
+            "texts_hash": corpus_hash(texts),
+            "ids_hash": hashlib.sha256(json.dumps(text_ids).encode()).hexdigest(),
+            "teacher_dtype": cfg.teacher_dtype,
+        }
+        tkey = hashlib.sha256(json.dumps(text_meta, sort_keys=True).encode()).hexdigest()[:20]
+        text_path = cache_root / tkey / TEACHER_FILE
+        text_reused = text_path.is_file()
+        if text_reused:
+            tdata = load_teacher(text_path, layout.width)
+            text_sha = teacher_hash(tdata)
+        else:
+            tdata = teacher_force(teacher_model(), text_ids, layout.stored, cfg.text_batch, progress)
+            text_sha = save_teacher(tdata, text_path, text_meta)
+        text_info = {
+            "source": "yggtree.data.calibration_corpus chunks after those used by the chat "
+            "prompts, teacher-forced (no generation)",
+            "n_texts": len(text_ids),
+            "n_chars": sum(len(t) for t in texts),
+            "n_tokens": int(tdata.tokens.shape[0]),
+            "texts_hash": text_meta["texts_hash"],
+            "teacher_cache_key": tkey,
+            "teacher_sha256": text_sha,
+            "teacher_reused": text_reused,
+        }
+        data = concat_teacher([data, tdata])
+    del teacher
+
+    # split by a seeded permutation of sequences
+    gen = torch.Generator().manual_seed(cfg.seed)
+    perm = torch.randperm(data.n_seq, generator=gen).tolist()
+    n_val = int(round(cfg.val_frac * data.n_seq)) if cfg.val_frac > 0 else 0
+    n_val = min(max(n_val, 1 if cfg.val_frac > 0 else 0), data.n_seq - 1)
+    val_idx, train_idx = sorted(perm[:n_val]), perm[n_val:]
+    info = {
+        "data_sha256": teacher_sha + (text_info["teacher_sha256"] if text_info else ""),
+        "source": "yggtree.data.calibration_chat_prompts (stdlib source + pydoc topics, "
+        "decontaminated against MT-Bench and HumanEval), answered greedily by the target",
+        "corpus_hash": data_hash,
+        "n_prompts": len(prompt_ids),
+        "teacher_cache_key": key,
+        "teacher_sha256": teacher_sha,
+        "teacher_reused": reused,
+        "teacher_meta": data_meta,
+        "texts": text_info,
+    }
+    return data, train_idx, val_idx, info
+
+
+def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayout", progress):
+    """Teacher data from transcript shards (``yggtree transcripts``): the train shards in index
+    order (up to ``max_tokens``), the held-out shards for validation. Features come from the local
+    cache, else by batched prefill of the token ids (then cached). A conversation whose prompt
+    repeats an earlier one (across shards) is dropped. Returns (data, train_idx, val_idx, manifest
+    "data" entries)."""
+    root = Path(cfg.transcripts).expanduser()
+    if not root.is_dir():
+        raise YggError(f"transcript directory {root} does not exist")
+    fp = target_fingerprint(target)
+    tok_fp = tr.tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+    train_paths, held_paths = tr.shard_paths(root, "train"), tr.shard_paths(root, "heldout")
+    if not train_paths:
+        raise YggError(f"no train-*.safetensors shards in {root} (make them with yggtree transcripts)")
+    if not held_paths:
+        raise YggError(f"no heldout-*.safetensors shards in {root} (yggtree transcripts --split heldout)")
+    shards, n_tok = [], 0
+    for p in train_paths:
+        if cfg.max_tokens is not None and n_tok >= cfg.max_tokens:
+            break
+        sh = tr.load_shard(p, fp, tok_fp)
+        shards.append((p, sh))
+        n_tok += sh.n_tokens
+    held = [(p, tr.load_shard(p, fp, tok_fp)) for p in held_paths]
+    cache = tr.feature_cache_root(cfg.feature_cache)
+    teacher = None
+    parts, info_shards, reused = [], [], 0
+    rank, world = rank_and_world()
+    if rank != 0:  # data-parallel: rank 0 fills the feature cache, the others then read it
+        torch.distributed.barrier()
+    n_all = sum(sh.n_tokens for _, sh in shards + held)
+    task = progress.add_task("features", total=n_all)
+    # one preallocated float16 buffer (float32 only if some feature overflows float16): the
+    # shards' features are copied in one by one, so the peak is the data plus one shard
+    buf = torch.empty(n_all, layout.width, dtype=torch.float16)
+    at = 0
+    for p, sh in shards + held:
+        fpath = tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype)
+        feats = tr.load_features(fpath, sh.n_tokens, layout.width)
+        if feats is None:
+            if teacher is None:
+                teacher = target if cfg.teacher_dtype == "float32" else copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
+            feats = tr.prefill_features(teacher, sh, layout.stored, on_batch=lambda r, t: progress.update(task, advance=t))
+            tr.save_features(feats, fpath)
+        else:
+            reused += 1
+            progress.update(task, advance=sh.n_tokens)
+        if buf.dtype == torch.float16 and feats.dtype != torch.float16 and float(feats.abs().max()) >= 60000:
+            buf = buf.float()
+        buf[at : at + sh.n_tokens] = feats
+        at += sh.n_tokens
+        del feats
+        parts.append(TeacherData(sh.tokens, buf[at - sh.n_tokens : at], sh.offsets, sh.role))
+        info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
+                            "sequences": sh.n_seq, "counts": sh.meta["counts"]})
+    del teacher
+    if world > 1 and rank == 0:
+        torch.distributed.barrier()
+    data = concat_teacher(parts, feats=buf)
+    n_train_seq = sum(sh.n_seq for _, sh in shards)
+    seen: set[bytes] = set()
+    keep_train, keep_val, dup = [], [], 0
+    for i in range(data.n_seq):
+        t, r = data.seq(i)[0], data.roles(i)
+        first = int(torch.nonzero(r > 0)[0]) if bool((r > 0).any()) else len(t)
+        key = hashlib.sha256(t[:first].numpy().tobytes()).digest()
+        if key in seen:
+            dup += 1
+            continue
+        seen.add(key)
+        (keep_train if i < n_train_seq else keep_val).append(i)
+    val_idx = keep_val[: cfg.heldout_seqs]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    train_idx = [keep_train[j] for j in torch.randperm(len(keep_train), generator=gen).tolist()]
+    roles = data.role
+    h = hashlib.sha256(json.dumps([s["sha256"] for s in info_shards]).encode())
+    info = {
+        "data_sha256": h.hexdigest(),
+        "source": "yggtree transcripts: self-synthesised and templated requests (decontaminated against "
+        "MT-Bench and HumanEval), answered by the target",
+        "shards": info_shards,
+        "n_train_shards": len(shards),
+        "n_heldout_shards": len(held),
+        "duplicates_dropped": dup,
+        "features_reused": reused,
+        "n_greedy_answer_tokens": int((roles == tr.ROLE_GREEDY).sum()),
+        "n_sampled_answer_tokens": int((roles == tr.ROLE_SAMPLED).sum()),
+        "contaminated_dropped": sum(s["counts"].get("contaminated", 0) for s in info_shards),
+    }
+    return data, train_idx, val_idx, info
