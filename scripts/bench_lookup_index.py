@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from yggtree.plan import load_plan
     from yggtree.runtime.loading import load_tokenizer, resolve_model
     from yggtree.runtime.lookup import LookupCalibration, LookupIndex, propose
-    from yggtree.runtime.objective import CostModel
+    from yggtree.runtime.cost import CostModel
 
     plan = load_plan(args.plan)
     cost = CostModel.from_profile(plan.profile, plan) if plan.profile else None

@@ -204,7 +204,8 @@ def run(args) -> int:
     from yggtree.plan import load_plan
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
-    from yggtree.runtime.objective import Prediction, plan_policy, predicted_speedup
+    from yggtree.runtime.objective import plan_policy
+    from yggtree.runtime.prediction import Prediction
     from yggtree.runtime.policy import FixedPolicy, StepChoice
 
     torch.set_num_threads(args.threads)

@@ -77,7 +77,7 @@ POINTS = ["before-write", "mid-write", "before-rename"]
 @pytest.mark.parametrize("point", POINTS)
 def test_interrupted_profile_leaves_nothing_half_written(plan_path, tmp_path, monkeypatch, capsys, point):
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import CostModel
+    from yggtree.runtime.cost import CostModel
 
     out = tmp_path / "profiles"
     args = ["profile", "--hw", "cpu-test", "--plan", str(plan_path), "--quick", "--out-dir", str(out),
@@ -99,13 +99,13 @@ def test_interrupted_profile_leaves_nothing_half_written(plan_path, tmp_path, mo
 @pytest.mark.parametrize("point", ["before-write", "mid-write", "after-write"])
 def test_interrupted_calibration_leaves_nothing_half_written(plan_path, tmp_path, monkeypatch, capsys, point):
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import Calibration
+    from yggtree.runtime.calibration import Calibration
 
     out = tmp_path / "pair"
     args = ["calibrate", "--plan", str(plan_path), "--prompts", "2", "--max-new-tokens", "6",
             "--out-dir", str(out)]
     with monkeypatch.context() as m:
-        {"before-write": lambda: raise_in(m, "yggtree.runtime.objective.pair_identity"),
+        {"before-write": lambda: raise_in(m, "yggtree.runtime.artifacts.pair_identity"),
          "mid-write": lambda: half_write(m, "calibration"),
          "after-write": lambda: raise_in(m, "yggtree.offline.fit.plot_calibration")}[point]()
         assert main(args) == 130
@@ -141,7 +141,7 @@ def test_sigkilled_calibration_is_repaired_by_the_next_run(plan_path, tmp_path):
     temporary stays behind (nothing can clean up after SIGKILL), calibration.json does not exist,
     and the next run writes it whole."""
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import Calibration
+    from yggtree.runtime.calibration import Calibration
 
     out = tmp_path / "pair"
     args = ["calibrate", "--plan", str(plan_path), "--prompts", "2", "--max-new-tokens", "6",
@@ -166,7 +166,7 @@ def records(tmp_path):
 
     from yggtree.offline.train_predictor import save_records
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import pair_identity
+    from yggtree.runtime.artifacts import pair_identity
 
     (tmp_path / "model.gguf").write_bytes(b"x" * 100)
     plan_path = tmp_path / "plan.yaml"

@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from test_objective import cost_model, policy, table
 from yggtree.runtime.lookup import Proposal
 from yggtree.runtime.merge import merge_lookup, root_tree
-from yggtree.runtime.objective import Calibration, Feedback, ObjectivePolicy, Prediction
+from yggtree.runtime.calibration import Calibration
+from yggtree.runtime.feedback import Feedback
+from yggtree.runtime.objective import ObjectivePolicy
+from yggtree.runtime.prediction import Prediction
 from yggtree.runtime.policy import StepChoice
 
 CAL = Calibration((0.0, 0.2, 0.5, 1.0), (0.0, 0.1, 0.6, 0.95), table(lambda wd, d, wv: 1.05), (4, 8, 16, 32))

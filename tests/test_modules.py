@@ -159,7 +159,8 @@ def test_calibration_is_refused_once_the_drafter_weights_change(tmp_path, capsys
     from yggtree.cli import main
     from yggtree.errors import YggError
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import Calibration, pair_identity, timing_identity
+    from yggtree.runtime.artifacts import pair_identity, timing_identity
+    from yggtree.runtime.calibration import Calibration
 
     save_tiny_checkpoint(tmp_path / "model")
     save_tiny_checkpoint(tmp_path / "drafter")

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from test_prune import prune_bruteforce, random_parents
 from yggtree.errors import YggError
 from yggtree.plan import validate_plan
-from yggtree.runtime.objective import (
-    CALIBRATION_KIND, FORMAT_VERSION, PROFILE_KIND, Calibration, CostModel, Curve,
-    ObjectivePolicy, aal_by_width, best_verify, pair_identity, path_values, timing_identity,
-)
+from yggtree.runtime.artifacts import CALIBRATION_KIND, FORMAT_VERSION, PROFILE_KIND, pair_identity, timing_identity
+from yggtree.runtime.calibration import Calibration, aal_by_width, path_values
+from yggtree.runtime.cost import CostModel, Curve
+from yggtree.runtime.objective import ObjectivePolicy, best_verify
 from yggtree.runtime.policy import StepChoice
 from yggtree.runtime.prune import prune_dp, prune_topk
 from yggtree.runtime.tree import Tree
@@ -414,7 +414,8 @@ def _record(choice: StepChoice, n_accepted: int, ms: float, verify_ms: float | N
 
 
 def test_feedback_tracks_measured_ratios():
-    from yggtree.runtime.objective import Feedback, Prediction
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
 
     fb = Feedback(alpha=0.2, accept_alpha=0.2, prior_tokens=0.0)  # the steps' own rate
     spec = Prediction(100, 2, 8, aal=3.0, step_ms=40.0, plain_ms=30.0)
@@ -433,7 +434,8 @@ def test_feedback_tracks_measured_ratios():
 def test_feedback_scales_acceptance_per_depth():
     """Deep trees deliver half the calibrated tokens, one-call trees all of them: each depth
     keeps its own scale (no prior here)."""
-    from yggtree.runtime.objective import Feedback, Prediction
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
 
     fb = Feedback(alpha=0.2, accept_alpha=0.2, prior_tokens=0.0)
     deep = Prediction(100, 3, 16, aal=3.0, step_ms=40.0, plain_ms=30.0)
@@ -451,7 +453,8 @@ def test_feedback_depth_not_run_inherits_the_shallower_scale():
     """One-call trees deliver 40% of the calibrated tokens: a depth not run yet starts at that
     scale (a deeper tree multiplies more over-rated edges), not at the offline model's 1; its own
     steps then take over, the prior weighing ``prior_tokens`` expected tokens."""
-    from yggtree.runtime.objective import Feedback, Prediction
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
 
     fb = Feedback(accept_alpha=0.02, prior_tokens=2.0)
     one = Prediction(100, 1, 4, aal=1.5, step_ms=35.0, plain_ms=30.0)
@@ -472,7 +475,8 @@ def test_feedback_depth_not_run_inherits_the_shallower_scale():
 def test_feedback_learns_each_request_from_the_all_requests_scale():
     """Requests differ: the first delivers 40% of the calibrated tokens, the next all of them.
     A request starts at the all-requests scale and moves to its own within a few steps."""
-    from yggtree.runtime.objective import Feedback, Prediction
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
 
     fb = Feedback(request_prior_tokens=3.0)
     one = Prediction(100, 1, 4, aal=1.5, step_ms=35.0, plain_ms=30.0)
@@ -493,7 +497,8 @@ def test_feedback_machine_factor_follows_the_verify_calls_of_drafted_steps():
     """With no plain step at all, the plain-time estimate still follows the machine: drafted
     steps' verify calls run 1.3x slower than profiled, so plain steps would too; the rest of the
     drafted step runs 2.6x its prediction (1.3 of it the machine's)."""
-    from yggtree.runtime.objective import Feedback, Prediction
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
 
     fb = Feedback(alpha=0.2, accept_alpha=0.2)
     spec = Prediction(100, 2, 8, aal=3.0, step_ms=40.0, plain_ms=30.0, verify_ms=32.0)
@@ -510,7 +515,8 @@ def test_feedback_learns_each_verify_width_relative_to_the_machine():
     """Plain (width-1) calls run 1.1x the profile, width-4 verify calls 0.95x, steps of both
     kinds interleaved: each width's corrected time converges to its own measured time, though
     one machine factor follows both (the profile had the widths' ratio wrong by 16%)."""
-    from yggtree.runtime.objective import Feedback, Prediction
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
 
     fb = Feedback()
     spec = Prediction(100, 1, 4, aal=1.5, step_ms=50.0, plain_ms=30.0, verify_ms=30.0)
@@ -528,7 +534,8 @@ def test_feedback_falls_back_to_plain_and_probes():
     """Speculation predicted to pay but measured not to: the policy turns to plain steps, and
     after ``probe_every`` plain steps tries the best tree once; each losing probe doubles the
     gap to the next (up to ``probe_max``)."""
-    from yggtree.runtime.objective import Feedback, predicted_speedup
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import predicted_speedup
 
     def aal(wd, d, wv):
         return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9

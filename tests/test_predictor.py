@@ -22,7 +22,8 @@ from yggtree.offline.train_predictor import (
 )
 from yggtree.plan import validate_plan
 from yggtree.runtime.engine import Engine, EngineConfig, TreeParams
-from yggtree.runtime.objective import Calibration, CostModel, Curve
+from yggtree.runtime.calibration import Calibration
+from yggtree.runtime.cost import CostModel, Curve
 from yggtree.runtime.policy import StepChoice
 from yggtree.runtime.predictor import (
     LOGP_FLOOR, MANIFEST_FILE, MODEL_FILES, DepthFn, features, DepthPredictor, LinearDepthPredictor, choose_depth,
@@ -433,7 +434,7 @@ def test_train_command_on_stored_records(tmp_path, capsys):
 
     from yggtree.offline.train_predictor import main
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import pair_identity
+    from yggtree.runtime.artifacts import pair_identity
 
     model = tmp_path / "model.gguf"
     model.write_bytes(b"x" * 100)

@@ -41,7 +41,7 @@ def test_hw_names_are_file_names():
 def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_path, capsys):
     from yggtree.cli import main
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import CostModel
+    from yggtree.runtime.cost import CostModel
 
     out = tmp_path / "profiles"
     args = ["profile", "--hw", "cpu-test", "--plan", str(plan_path), "--quick", "--out-dir", str(out),
@@ -67,7 +67,7 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
 def test_calibrate_writes_a_loadable_calibration(plan_path, tmp_path, capsys):
     from yggtree.cli import main
     from yggtree.plan import load_plan
-    from yggtree.runtime.objective import Calibration
+    from yggtree.runtime.calibration import Calibration
 
     out = tmp_path / "pair"
     args = ["calibrate", "--plan", str(plan_path), "--prompts", "2", "--max-new-tokens", "6",

@@ -343,7 +343,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
             res.stats["steps_by_choice"] = dict(sorted(steps.items()))
             log = getattr(policy, "log", None)  # the objective's prediction of every step
             if log:
-                from .runtime.objective import predicted_speedup
+                from .runtime.prediction import predicted_speedup
 
                 res.stats["predicted_speedup"] = round(predicted_speedup(log), 4)
         text = tok.decode(res.token_ids, skip_special_tokens=True)

@@ -46,7 +46,7 @@ class QuickStart:
 
     def cached(self) -> bool:
         """Whether a usable quick profile is cached (measured on this device, for this plan)."""
-        from .runtime.objective import CostModel
+        from .runtime.cost import CostModel
 
         try:
             CostModel.from_profile(self.profile, self.plan)
@@ -112,7 +112,7 @@ def quick_start(base, calibration: Path | None, device: dict, threads: int, root
 
     if importlib.util.find_spec("sklearn") is None:  # the profile's curve fit
         return None, "a quick profile needs the offline extra: pip install 'yggtree[offline]'"
-    from .runtime.objective import Calibration
+    from .runtime.calibration import Calibration
 
     plan = replace(base, calibration=str(Path(calibration).resolve()), profile=None, predictor=None)
     try:

@@ -2,7 +2,7 @@
 
 - :func:`fit_curve`: per context bucket, an isotonic (monotone non-decreasing) piecewise-linear
   fit of milliseconds against width (scikit-learn ``IsotonicRegression``), exported as knots the
-  runtime interpolates (:class:`yggtree.runtime.objective.Curve`); :func:`loo_errors` reports the
+  runtime interpolates (:class:`yggtree.runtime.cost.Curve`); :func:`loo_errors` reports the
   relative error on held-out grid widths (leave-one-out, interior widths).
 - ``yggtree calibrate``: run the plan's pair on calibration prompts (never evaluation prompts),
   verify every drafted node, and fit the monotone map from the drafter's probability of a token to
@@ -55,7 +55,7 @@ def fit_curve(points: list[tuple[int, int, float]]) -> dict:
 
 def loo_errors(points: list[tuple[int, int, float]]) -> list[dict]:
     """Relative error at every interior grid width of every bucket, fitted without it."""
-    from ..runtime.objective import Curve
+    from ..runtime.cost import Curve
 
     out = []
     for b in sorted({b for _, b, _ in points}):
@@ -103,7 +103,7 @@ def plot_profile(profile: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..runtime.objective import Curve
+    from ..runtime.cost import Curve
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, ("verify", "draft")):
@@ -202,7 +202,7 @@ def run_calibrate(args) -> int:
     from ..runtime.build import EngineSpec, build_engine
     from ..runtime.engine import SamplingParams, TreeParams
     from ..runtime.loading import encode_auto
-    from ..runtime.objective import CALIBRATION_KIND, FORMAT_VERSION, pair_identity
+    from ..runtime.artifacts import CALIBRATION_KIND, FORMAT_VERSION, pair_identity
     from ..runtime.policy import FixedPolicy, StepChoice
 
     torch.set_num_threads(args.threads)

@@ -203,7 +203,8 @@ def stage_calls(engine, plan):
     from ..runtime import steps
     from ..runtime.accept import greedy_accept
     from ..runtime.egt import egt_expand, egt_feed_inputs, egt_select
-    from ..runtime.objective import Calibration, aal_by_width, best_verify, path_values
+    from ..runtime.calibration import Calibration, aal_by_width, path_values
+    from ..runtime.objective import best_verify
     from ..runtime.prune import prune_topk, subtree
     from ..runtime.tree import ancestor_mask
 
@@ -369,7 +370,8 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
                 else:
                     stages.setdefault(name, {})[str(key)] = s["median_ms"]
                 progress.advance(task)
-    from ..runtime.objective import FORMAT_VERSION, PROFILE_KIND, CostModel, timing_identity
+    from ..runtime.artifacts import FORMAT_VERSION, PROFILE_KIND, timing_identity
+    from ..runtime.cost import CostModel
 
     fit, errors = fit_profile(rows)
     profile = {
@@ -416,7 +418,7 @@ def write_profile(profile: dict, out_dir: Path, plot: bool = True) -> Path | Non
 
 def profile_summary(profile: dict, dst: Path, png: Path | None, elapsed_s: float) -> dict:
     """The one JSON line of ``yggtree profile``."""
-    from ..runtime.objective import CostModel
+    from ..runtime.cost import CostModel
 
     cost = CostModel.from_profile_dict(profile)
     contexts = profile["grid"]["contexts"]

@@ -164,7 +164,7 @@ def save_records(path: str | Path, rec: Records, meta: dict) -> Path:
 def load_records(path: str | Path) -> tuple[Records, dict]:
     """Records and their sidecar; YggError if either is missing, corrupt, or they disagree."""
     from ..runtime.loading import read_safetensors
-    from ..runtime.objective import read_artifact
+    from ..runtime.artifacts import read_artifact
 
     p, side_p = Path(path), sidecar_path(path)
 
@@ -428,7 +428,7 @@ def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None 
     from safetensors.torch import save_file
 
     from ..files import file_sha256
-    from ..runtime.objective import pair_identity
+    from ..runtime.artifacts import pair_identity
     from ..runtime.predictor import (
         FEATURE_LAYER, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILES, PREDICTOR_KIND,
         predictor_state,
@@ -472,7 +472,7 @@ def _record(args, plan, rec_path: Path | None) -> tuple[Records, dict]:
     """Records from ``--records`` (checked against the plan) or a fresh record run."""
     import torch
 
-    from ..runtime.objective import pair_identity
+    from ..runtime.artifacts import pair_identity
 
     want = {"identity": pair_identity(plan), "d_max": plan.d_max}
     if args.records:
@@ -587,7 +587,7 @@ def run_train_predictor(args) -> int:
     bias = {k: depth_bias(p, te) for k, p in held_preds.items() if k != "constant"}
     headroom = None
     if plan.profile is not None:  # what depth choice could gain on the held-out steps
-        from ..runtime.objective import CostModel
+        from ..runtime.cost import CostModel
         from ..runtime.predictor import verify_width_for
 
         cost = CostModel.from_profile(plan.profile, plan)

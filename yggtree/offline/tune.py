@@ -81,7 +81,7 @@ class Setup:
 def study_identity(base, device: dict, threads: int, space) -> dict:
     """What a study's trials depend on: the pair, dtype, backend, context, device, threads and
     the search space."""
-    from ..runtime.objective import timing_identity
+    from ..runtime.artifacts import timing_identity
 
     return {
         "format": 1,
@@ -150,7 +150,8 @@ def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
     """Cost model, calibration, the calibration prompts' contexts and the held-out prompts."""
     from ..data import calibration_chat_prompts
     from ..runtime.loading import encode_auto, load_tokenizer, resolve_model
-    from ..runtime.objective import Calibration, CostModel
+    from ..runtime.calibration import Calibration
+    from ..runtime.cost import CostModel
     from .tune_objective import token_contexts
 
     cost = CostModel.from_profile(profile, env)

@@ -33,7 +33,7 @@ def envelope_plan(base, space, hw: str):
 
 def profile_covers(path: Path, plan, threads: int) -> str | None:
     """Why the profile at ``path`` cannot serve ``plan`` on this machine (None: it can)."""
-    from ..runtime.objective import CostModel
+    from ..runtime.cost import CostModel
 
     try:
         CostModel.from_profile(path, plan)
@@ -51,7 +51,7 @@ def profile_covers(path: Path, plan, threads: int) -> str | None:
 
 def calibration_covers(path: Path, plan) -> str | None:
     """Why the calibration at ``path`` cannot serve every candidate of ``plan``'s envelope."""
-    from ..runtime.objective import Calibration
+    from ..runtime.calibration import Calibration
 
     try:
         cal = Calibration.load(path, plan)

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..errors import YggError
 from ..files import file_sha256
+from .artifacts import first_difference, pair_identity, read_artifact
 from .loading import read_safetensors
 
 __all__ = [
@@ -160,7 +161,7 @@ def choose_depth(
     """The D in 1..len(p_ge) maximising ``AAL(D) * T_plain / (T_step(D) + overhead_ms)``, or 0
     (a plain step) when none beats plain decoding (speed-up <= 1). First D wins ties.
 
-    ``p_ge`` [D_max] P(len >= d); ``cost`` a :class:`~yggtree.runtime.objective.CostModel`;
+    ``p_ge`` [D_max] P(len >= d); ``cost`` a :class:`~yggtree.runtime.cost.CostModel`;
     ``wv_for_depth[D-1]`` the verify width of a D-call tree; ``overhead_ms`` extra time of a
     speculation step (the predictor's own cost)."""
     p = [float(v) for v in p_ge]
@@ -177,16 +178,7 @@ def choose_depth(
 # ----------------------------------------------------------------------------- files
 
 
-def _diff(have: dict, want: dict) -> str:
-    for k in sorted(set(have) | set(want)):
-        if have.get(k) != want.get(k):
-            return k
-    return "?"
-
-
 def _manifest(path: Path) -> dict:
-    from .objective import read_artifact
-
     return read_artifact(path, "depth predictor manifest", PREDICTOR_KIND, FORMAT_VERSION,
                          " (train one with `yggtree train-predictor --plan PLAN`)")
 
@@ -202,16 +194,14 @@ def load_predictor(
     """The predictor ``which`` ("mlp" or "baseline") stored in directory ``path`` (or next to the
     file ``path``) for ``plan``, in eval mode. YggError (one line, naming the file) when the
     manifest or weights are missing, corrupt or truncated, or were trained for another target,
-    drafter or dtype than the plan's (:func:`~yggtree.runtime.objective.pair_identity`), or for
+    drafter or dtype than the plan's (:func:`~yggtree.runtime.artifacts.pair_identity`), or for
     another hidden size than ``hidden_size`` (the target's; not checked when None)."""
-    from .objective import pair_identity
-
     d = _predictor_dir(path)
     mpath = d / MANIFEST_FILE
     m = _manifest(mpath)
     ident, want = m.get("identity"), pair_identity(plan)
     if not isinstance(ident, dict) or ident != want:
-        key = _diff(ident, want) if isinstance(ident, dict) else "identity"
+        key = first_difference(ident, want) if isinstance(ident, dict) else "identity"
         raise YggError(f"depth predictor {mpath} was trained for another target/drafter/dtype than "
                        f"plan {plan.name!r} (differs in {key}); run `yggtree train-predictor --plan ...`")
     try:
@@ -297,7 +287,7 @@ class DepthFn:
     def aal_scale(self, h_root: torch.Tensor, calib, head_logp: torch.Tensor | None = None) -> np.ndarray:
         """[d_max] factors on the calibration's expected drafted tokens (AAL - 1) of a D-call
         tree, D = 1..d_max: the predictor's expectation for this context, ``cumsum(P(len >=
-        d))``, over the calibration's (``calib``, an objective.Calibration) for the tree shape the
+        d))``, over the calibration's (``calib``, a calibration.Calibration) for the tree shape the
         predictor was trained on (W_d, W_v(D)); 1 where the calibration expects nothing."""
         if id(calib) not in self._base:  # the calibration's side is fixed: computed once
             self._base[id(calib)] = (calib, np.array([

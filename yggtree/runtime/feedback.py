@@ -1,0 +1,135 @@
+"""Online correction of the offline model (profile + calibration) from the steps actually run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .prediction import Prediction
+
+__all__ = ["Feedback"]
+
+
+@dataclass
+class Feedback:
+    """Online correction of the offline model from the steps actually run.
+
+    The profile times each stage in isolation and the calibration measures acceptance on
+    calibration prompts; on a real workload the machine may be slower or faster than when it was
+    profiled (other processes), one graph width may run relatively faster or slower than it did
+    then, a drafted step pays loop overhead the stage timings miss, and the prompts may be easier
+    or harder for the drafter than the calibration's. Moving averages, starting at "the offline
+    model is right", track what the offline model misses:
+
+    - ``machine`` (fast, ``alpha``): measured / predicted time of the target's call, learnt from
+      EVERY step (a plain step; a drafted step's verify stage), so it follows the machine's load
+      whichever kind of step dominates;
+    - per verify width W, a relative factor (slow, ``slow_alpha``): what remains of the measured /
+      predicted ratio of width-W calls after ``machine``. Widths whose measured ratio drifts apart
+      from the profile's (a plain graph slower than a wider one next to it) would otherwise push
+      that error into the drafted step's overhead and bias the choice between plain and tree steps;
+    - ``spec_extra`` (fast): measured / (``machine`` x predicted) time of the drafted step's
+      non-verify part (drafter head and steps, tree building, pruning, acceptance, commit, the
+      policy), the part the profile times stage by stage;
+    - acceptance per draft depth D: realised / expected drafted tokens accepted (AAL - 1) over
+      D-deep steps, as discounted sums (weight ``1 - accept_alpha`` per step of that depth: per
+      step acceptance is a coin toss) with ``prior_tokens`` pseudo-tokens at the scale of depth
+      D - 1 (1 for D = 1): a depth not run yet inherits what the shallower trees showed, as a
+      deeper tree multiplies more over-rated edges, instead of the offline model's optimism
+      (which made the policy try every depth in turn on text the drafter does badly on);
+    - and per request (``start_request``): the same sums over this request's steps alone, with
+      ``request_prior_tokens`` pseudo-tokens at the all-requests scale. How well a drafter does
+      is a property of the text: on MT-Bench with the default pair, a one-call tree paid 0.98x
+      on one prompt and 1.25x on the next, and a policy that carried one prompt's bad luck into
+      the next stayed on plain steps where the tree paid 1.07x over the set.
+
+    Corrected: AAL' = 1 + (AAL - 1) x scale(D); T_plain' = machine x rel(1) x T_plain;
+    T_step' = machine x (rel(W_v) x T_v(W_v) + spec_extra x (T_step - T_v(W_v))).
+    A ratio enters clipped to within ``clip`` x the current estimate, so one outlier step (a page
+    fault, another process) moves an estimate by at most ``alpha * (clip - 1)``."""
+
+    alpha: float = 0.1
+    clip: float = 1.5
+    accept_alpha: float = 0.02
+    slow_alpha: float = 0.02
+    prior_tokens: float = 2.0
+    request_prior_tokens: float = 3.0
+    machine: float = 1.0
+    spec_extra: float = 1.0
+    _width: dict = field(default_factory=dict)  # W -> relative factor of width-W target calls
+    _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
+    _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
+
+    def start_request(self) -> None:
+        """A new request begins: its own acceptance starts at the all-requests estimate."""
+        self._request = {}
+
+    def width_factor(self, w: int) -> float:
+        return self._width.get(int(w), 1.0)
+
+    def plain_ms(self, plain_ms: float) -> float:
+        """Corrected time of a plain step predicted at ``plain_ms``."""
+        return self.machine * self.width_factor(1) * plain_ms
+
+    def step_ms(self, step_ms, verify_ms, wv):
+        """Corrected time of drafted steps predicted at ``step_ms`` with ``verify_ms`` of it in the
+        verify call at width ``wv`` (floats, or numpy arrays alike)."""
+        rel = (np.array([self.width_factor(w) for w in np.ravel(wv)]).reshape(np.shape(wv))
+               if np.ndim(wv) else self.width_factor(wv))
+        return self.machine * (rel * verify_ms + self.spec_extra * (step_ms - verify_ms))
+
+    def global_scale_at(self, d: int) -> float:
+        """Acceptance scale of D-deep trees over all requests (prior: depth D - 1's)."""
+        prior = 1.0 if d <= 1 else self.global_scale_at(d - 1)
+        return _shrunk(self._by_depth.get(d), self.prior_tokens, prior)
+
+    def accept_scale_at(self, d: int) -> float:
+        """Acceptance scale of D-deep trees in this request (prior: all requests')."""
+        return _shrunk(self._request.get(d), self.request_prior_tokens, self.global_scale_at(d))
+
+    def aal(self, aal, depth):
+        """Corrected expected accepted length (float or numpy array) of trees of ``depth`` draft
+        calls (an int, or an int array like ``aal``)."""
+        if np.ndim(depth) == 0:
+            return 1.0 + (aal - 1.0) * self.accept_scale_at(int(depth))
+        depth = np.asarray(depth)
+        scales = np.array([self.accept_scale_at(d) for d in range(int(depth.max()) + 1)])
+        return 1.0 + (aal - 1.0) * scales[depth]
+
+    def update(self, pred: Prediction, n_accepted: int, step_ms: float, verify_ms: float | None = None) -> None:
+        """Fold in one step: its prediction, drafted tokens accepted, measured wall time, and
+        (drafted steps) the measured time of its verify stage. A plain step is all target call."""
+        def toward(est: float, ratio: float, a: float) -> float:
+            return est + a * (min(max(ratio, est / self.clip), est * self.clip) - est)
+
+        plain = pred.draft_depth == 0 and pred.verify_width == 1  # (D 0, W_v > 1: lookup-only)
+        if plain:
+            w, v_ms, v_pred = 1, step_ms, pred.plain_ms
+        else:
+            w = pred.verify_width
+            have = verify_ms is not None and pred.verify_ms
+            v_ms, v_pred = (verify_ms, pred.verify_ms) if have else (None, 0.0)
+        if v_ms is not None and v_pred > 0:
+            # the machine first: the slow width factor then learns only what the machine's
+            # factor does not explain (it still takes a small share of a change in the
+            # machine's speed while ``machine`` catches up)
+            self.machine = toward(self.machine, v_ms / (self.width_factor(w) * v_pred), self.alpha)
+            self._width[int(w)] = toward(self.width_factor(w), v_ms / (self.machine * v_pred), self.slow_alpha)
+        if plain:
+            return
+        rest, rest_pred = step_ms - (v_ms or 0.0), pred.step_ms - v_pred
+        if rest_pred > 0:
+            self.spec_extra = toward(self.spec_extra, rest / (self.machine * rest_pred), self.alpha)
+        b = self.accept_alpha
+        acc, exp = self._by_depth.get(pred.draft_depth, (0.0, 0.0))
+        self._by_depth[pred.draft_depth] = ((1 - b) * acc + n_accepted, (1 - b) * exp + pred.aal - 1.0)
+        acc, exp = self._request.get(pred.draft_depth, (0.0, 0.0))
+        self._request[pred.draft_depth] = (acc + n_accepted, exp + pred.aal - 1.0)
+
+
+def _shrunk(sums: tuple[float, float] | None, k: float, prior: float) -> float:
+    """(accepted + k x prior) / (expected + k) of ``sums`` = (accepted, expected)."""
+    acc, exp = sums or (0.0, 0.0)
+    return prior if exp + k < 1e-9 else (acc + k * prior) / (exp + k)
+
