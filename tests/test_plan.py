@@ -21,7 +21,6 @@ from yggtree.plan import (
     default_plan,
     load_plan,
     save_plan,
-    validate_plan,
 )
 from yggtree.runtime import graphs
 from yggtree.runtime.build import fixed_policy, plan_slots, warm_plan
@@ -358,6 +357,62 @@ def test_non_graph_fields_keep_the_artifacts(tmp_path):
     assert load_plan(out / "t" / "plan.yaml").hash() == edited.hash()
     assert compile_plan(edited, out)["status"] == "up-to-date"
     assert check_artifacts(plan, out / "t") == []
+
+
+def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path):
+    """The padding of short packed products comes from the plan's profile (1 without one; a
+    profile older than the measurement: what the runtime padded to then), reaches the engine's
+    spec, is recorded in the manifest, and a profile padding otherwise makes compiled packages
+    stale (they hold it); the eager backend compiles nothing and ignores it."""
+    from dataclasses import replace
+
+    from yggtree.plan import LEGACY_MIN_ROWS, plan_min_rows, profile_min_rows
+    from yggtree.runtime.build import EngineSpec
+
+    prof = tmp_path / "prof.json"
+
+    def padding(rows):
+        prof.write_text(json.dumps({"packed_padding": {"min_rows": rows, "median_ms": {"1": 2.0}}}))
+
+    padding(2)
+    plan = load_plan(eager_plan(tmp_path, profile="prof.json"))
+    assert plan_min_rows(plan) == 2 and EngineSpec.from_plan(plan).min_rows == 2
+    assert EngineSpec.from_plan(plan, min_rows=8).min_rows == 8
+    assert plan_min_rows(replace(plan, profile=None)) == 1
+    out = tmp_path / "compile"
+    compile_plan(plan, out)
+    art = out / "t"
+    m = json.loads((art / MANIFEST).read_text())
+    assert m["packed_min_rows"] == 2
+    cpu = replace(plan, backend="inductor-cpu")  # as if compiled for it (the check needs no graph)
+    (art / MANIFEST).write_text(json.dumps(m | {"plan": cpu.to_dict(relative_to=art)}))
+    assert check_artifacts(cpu, art) == []
+    padding(4)
+    (r,) = check_artifacts(cpu, art)
+    assert r == "the padding of short packed products changed: compiled with min_rows 2, the plan's profile says 4"
+    prof.write_text("{}")  # an older profile
+    assert profile_min_rows(prof) == LEGACY_MIN_ROWS
+    assert check_artifacts(replace(cpu, profile=None), art)[0].endswith("the plan's profile says 1")
+    padding(0)
+    with pytest.raises(YggError, match=r"packed_padding.min_rows' must be an integer >= 1, got 0"):
+        plan_min_rows(plan)
+    assert "must be an integer >= 1" in check_artifacts(cpu, art)[0]
+    padding(True)
+    with pytest.raises(YggError, match="must be an integer >= 1, got True"):
+        plan_min_rows(plan)
+
+
+def test_shipped_profiles_load_with_the_legacy_padding():
+    """The checkout's profiles predate the padding measurement: they keep loading, with the
+    padding their curves were measured with."""
+    from yggtree.plan import LEGACY_MIN_ROWS, profile_min_rows
+    from yggtree.runtime.build import EngineSpec
+
+    root = Path(__file__).resolve().parent.parent / "profiles"
+    for p in sorted(root.glob("*.json")):
+        assert profile_min_rows(p) == LEGACY_MIN_ROWS, p
+    for p in sorted(root.glob("*.yaml")):
+        assert EngineSpec.from_plan(load_plan(p)).min_rows == LEGACY_MIN_ROWS, p
 
 
 def test_refuses_to_overwrite_another_plans_artifacts(tmp_path):

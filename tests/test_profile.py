@@ -52,6 +52,9 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
     prof = json.loads((out / "cpu-test.json").read_text())
     assert prof["hardware"]["device_name"] == detect_device()["name"]
     assert {r["kind"] for r in prof["points"]} == {"verify", "draft", "head"}
+    pad = prof["packed_padding"]  # measured first; the curves ran padded so, as plan engines do
+    assert pad["min_rows"] in (1, 2, 4, 8) and summary["packed_min_rows"] == pad["min_rows"]
+    assert set(pad["median_ms"]) == {"1", "2", "4", "8"} and pad["products"] > 0
     assert (out / "cpu-test.csv").is_file() and (out / "cpu-test.png").is_file()
     cost = CostModel.from_profile(out / "cpu-test.json", load_plan(plan_path))
     assert cost.t_verify(4, 10) > 0 and cost.plain_ms(10) > 0

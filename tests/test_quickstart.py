@@ -52,6 +52,9 @@ def test_quick_profile_is_measured_once_then_reused(pair):
     assert sorted({r["width"] for r in prof["points"] if r["kind"] == "verify"}) == [1, 2, 4]
     assert sorted({r["width"] for r in prof["points"] if r["kind"] == "draft"}) == [1, 2]
     assert qs.cached() and policy is not None
+    from yggtree.runtime.packed import min_rows_of
+
+    assert min_rows_of(engine.target) == prof["packed_padding"]["min_rows"]  # built as measured
     plain, _ = build_engine(EngineSpec(model=str(root / "model"), mode="reference", max_context=96,
                                        prefill_chunk=4))
     params = SamplingParams(max_new_tokens=12)
@@ -59,8 +62,9 @@ def test_quick_profile_is_measured_once_then_reused(pair):
         assert engine.generate(prompt, params, policy=policy).token_ids == plain.generate(prompt, params).token_ids
     said.clear()
     before = qs.profile.stat().st_mtime_ns
-    qs.engine(say=said.append)  # a later start loads the cached profile
+    again, _, _ = qs.engine(say=said.append)  # a later start loads the cached profile
     assert len(said) == 1 and "default plan with the quick profile" in said[0]
+    assert min_rows_of(again.target) == prof["packed_padding"]["min_rows"]
     assert qs.profile.stat().st_mtime_ns == before
 
 

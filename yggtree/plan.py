@@ -45,7 +45,9 @@ sampling       mapping          see below      run defaults, overridable per req
   .temperature float >= 0       0.0            0 = greedy
   .top_p       float in (0, 1]  1.0
   .max_new_tokens int >= 1      128            < max_context
-profile        path | null      null           hardware profile JSON (must exist)
+profile        path | null      null           hardware profile JSON (must exist); also sets
+                                               the padding of short packed products
+                                               (:func:`plan_min_rows`)
 predictor      path | null      null           depth predictor (must exist)
 calibration    path | null      null           acceptance calibration (must exist)
 stages         str              sequential     execution plan: sequential | ahead (runtime/schedule.py)
@@ -60,8 +62,9 @@ files its plan names, or alone when they are not beside it) stays usable.
 The artifacts of a compiled plan live in one directory (``compile/<name>/``)::
 
     manifest.json      the plan and its hash, model fingerprints, torch/python versions and a
-                       hash of yggtree's runtime sources, backend, dtype, every graph (shapes,
-                       compile seconds, sha256), size on disk; paths relative to the directory
+                       hash of yggtree's runtime sources, backend, dtype, the padding of short
+                       packed products (``packed_min_rows``), every graph (shapes, compile
+                       seconds, sha256), size on disk; paths relative to the directory
     plan.yaml          the plan as compiled (paths rewritten relative to this directory)
     graphs/            one AOTInductor package per block shape (block-<kind>-w<W>-c<C>.pt2)
 
@@ -221,7 +224,8 @@ class Plan:
     def graph_hash(self) -> str:
         """sha256 of the fields the compiled graphs depend on (:data:`GRAPH_FIELDS`): a plan that
         changes only its sampling defaults, profile, predictor, calibration or stage plan keeps
-        its compiled artifacts."""
+        its compiled artifacts, unless the new profile pads short packed products differently
+        (:func:`plan_min_rows`, compared by :func:`check_artifacts`)."""
         return graph_hash_of(self.to_dict())
 
 
@@ -251,6 +255,39 @@ def content_sha256(p: Path) -> str:
         return file_sha256(p)
     files = sorted(f for f in p.iterdir() if f.is_file())
     return hashlib.sha256("".join(f"{f.name}\0{file_sha256(f)}\n" for f in files).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- packed padding
+
+PADDING_KEY = "packed_padding"  # a profile's measurement of padded short packed products
+# the padding of a profile without that key: until profiles measured it, every packed product of
+# fewer rows ran padded to this many (a constant of the runtime then), so such a profile's
+# latency curves hold for it
+LEGACY_MIN_ROWS = 4
+
+
+def profile_min_rows(path: str | Path) -> int:
+    """The ``min_rows`` (see :mod:`yggtree.runtime.packed`) the profile at ``path`` chose for its
+    machine: ``packed_padding.min_rows``, or :data:`LEGACY_MIN_ROWS` for a profile older than
+    that field. YggError if the file is unreadable or the value invalid."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise YggError(f"cannot read profile {path}: {e}") from None
+    pad = d.get(PADDING_KEY) if isinstance(d, dict) else None
+    if pad is None:
+        return LEGACY_MIN_ROWS
+    v = pad.get("min_rows") if isinstance(pad, dict) else None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise YggError(f"profile {path}: '{PADDING_KEY}.min_rows' must be an integer >= 1, got {v!r} "
+                       "(measure it again: yggtree profile --force)")
+    return v
+
+
+def plan_min_rows(plan: Plan) -> int:
+    """How many rows the packed products of ``plan``'s engine run with at least: its profile's
+    measured padding (:func:`profile_min_rows`), 1 (no padding) for a plan without a profile."""
+    return 1 if plan.profile is None else profile_min_rows(plan.profile)
 
 
 def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:
@@ -628,6 +665,15 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         if was != v:
             what = "yggtree runtime code" if k == "yggtree_runtime" else f"{k} version"
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
+    if plan.backend != "eager":  # the packages hold the padding of their packed products
+        try:
+            rows = plan_min_rows(plan)
+        except YggError as e:
+            reasons.append(str(e))
+        else:
+            if m.get("packed_min_rows") != rows:
+                reasons.append(f"the padding of short packed products changed: compiled with min_rows "
+                               f"{m.get('packed_min_rows')}, the plan's profile says {rows}")
     # a model file is known by its role and name (the manifest records its path relative to its
     # directory, which changes when either moves); its size, mtime and checksum identify it
     was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])}

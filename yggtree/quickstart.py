@@ -57,20 +57,25 @@ class QuickStart:
     def engine(self, mode: str | None = None, say=None):
         """(engine, tokenizer, policy): the plan's engine with every width built (dynamo graphs,
         cached by inductor under the user cache directory) and its latency objective; the quick
-        profile is measured on this very engine first when none is cached. ``say(line)``
-        reports what happened (default: one line on stderr)."""
-        from .offline.profile import ProfileGrid, measure_profile
-        from .plan import validate_plan
+        profile is measured on this very engine first when none is cached (after the padding of
+        short packed products, which the engine is built with). ``say(line)`` reports what
+        happened (default: one line on stderr)."""
+        from .offline.profile import ProfileGrid, measure_padding, measure_profile
+        from .plan import profile_min_rows, validate_plan
         from .runtime.build import build_plan_engine
         from .runtime.graphs import inductor_cache
         from .runtime.objective import plan_policy
 
         say = say or (lambda line: sys.stderr.write(f"yggtree: {line}\n"))
+        measured = not self.cached()
+        t0 = time.perf_counter()
+        padding = measure_padding(self.plan, self.threads, warmup=1, repeats=5) if measured else None
+        pad_s = time.perf_counter() - t0
+        min_rows = padding["min_rows"] if measured else profile_min_rows(self.profile)
         t0 = time.perf_counter()
         with inductor_cache(cache_root() / "inductor"):
-            engine, tok = build_plan_engine(self.plan, None, mode)
+            engine, tok = build_plan_engine(self.plan, None, mode, min_rows=min_rows)
         built = time.perf_counter() - t0
-        measured = not self.cached()
         if measured:
             import contextlib
             import io
@@ -83,11 +88,12 @@ class QuickStart:
             grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths)
             with contextlib.redirect_stderr(io.StringIO()):  # no progress bar for a plain run
                 prof = measure_profile(self.plan, self.profile.stem, self.threads, grid,
-                                       "yggtree run (quick profile of the default plan)", engine=engine)
+                                       "yggtree run (quick profile of the default plan)", engine=engine,
+                                       padding=padding)
             self.profile.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.profile, json.dumps(prof, indent=1) + "\n")
             say(f"no tuned plan for this device: measured a quick latency profile in "
-                f"{time.perf_counter() - t1:.0f} s (graphs built in {built:.0f} s), cached in "
+                f"{time.perf_counter() - t1 + pad_s:.0f} s (graphs built in {built:.0f} s), cached in "
                 f"{self.profile}; the default plan's latency objective chooses every step (plain "
                 f"where nothing pays). {self.hint}")
         else:

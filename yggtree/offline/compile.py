@@ -58,6 +58,7 @@ from ..plan import (
     graph_hash_of,
     load_plan,
     model_fingerprints,
+    plan_min_rows,
     read_manifest,
     save_plan,
     versions,
@@ -140,10 +141,10 @@ def _roles_drafter(plan: Plan, w: int, head: int) -> str:
 # ----------------------------------------------------------------------------- the build
 
 
-def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], dict]:
-    """Load the plan's models, record every block shape the engine's warm-up asks for, and
-    compile one AOTInductor package per distinct (block kind, W, C) into ``out``. Returns one
-    record per (model, W, C) and load timings."""
+def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple[list[dict], dict]:
+    """Load the plan's models (packed products padded to ``min_rows``), record every block shape
+    the engine's warm-up asks for, and compile one AOTInductor package per distinct (block kind,
+    W, C) into ``out``. Returns one record per (model, W, C) and load timings."""
     import torch
 
     from ..runtime.aoti import ShapeRecorder, compile_package, install_recorder, package_name
@@ -170,7 +171,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path) -> tuple[list[dict], di
     if spec is None or spec.pack:  # as build_engine does: the packages take the packed weights
         from ..runtime.build import pack_models
 
-        pack_models(target, drafter)
+        pack_models(target, drafter, min_rows)
     load_s = time.perf_counter() - t0
 
     # 1. shapes: the engine's own warm-up code, run eagerly with a recorder on every block
@@ -285,6 +286,7 @@ def compile_plan(
     if missing:
         raise YggError(f"plan {plan.name!r}: model file not found: {missing[0]}")
     prints = [f | {"path": manifest_path(f["path"], art)} for f in prints]  # no absolute paths
+    min_rows = plan_min_rows(plan)  # the padding of packed products the packages hold
 
     records: list[dict] = []
     info: dict = {"load_s": 0.0, "n_slots": None, "threads": None}
@@ -304,7 +306,7 @@ def compile_plan(
         with tempfile.TemporaryDirectory(prefix="build-", dir=art) as scratch, inductor_cache(scratch), \
                 Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task("loading", total=None)
-            records, info = _build_graphs(plan, progress, task, out)
+            records, info = _build_graphs(plan, progress, task, out, min_rows)
     save_plan(plan, art / PLAN_COPY)
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -318,6 +320,7 @@ def compile_plan(
         "n_slots": info["n_slots"],
         # inductor's CPU kernels are built for the thread count of the compiling process
         "threads": info["threads"],
+        "packed_min_rows": min_rows,  # compared with the plan's profile by check_artifacts
         "cache_dir": CACHE_SUBDIR if plan.backend != "eager" else None,
         "graphs": records,
         # distinct packages: a record "shared" uses one built for another model (a self-drafter

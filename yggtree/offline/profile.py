@@ -14,6 +14,12 @@ for W in 1..128 (powers of two and the plan's widths) and one context per contex
 then ``repeats`` timed calls; median, 10th and 90th percentile. The fitted curves
 (:mod:`yggtree.offline.fit`), their held-out error, the hardware and software are written to
 ``profiles/NAME.json`` with a CSV of every point and a PNG of the curves.
+
+Before the curves, the padding of short packed products (:mod:`yggtree.runtime.packed`): one row
+through every packed product of the target (one plain step's products), unpadded and padded to
+2, 4 and 8 rows, the variants interleaved; the fastest by median becomes the profile's
+``packed_padding.min_rows`` (1: no padding), recorded with every median, and the curves are
+measured on an engine that pads so, as every engine built from a plan naming the profile does.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +37,7 @@ from pathlib import Path
 
 from ..errors import YggError, module_main
 from ..files import atomic_path, manifest_args, write_text_atomic
-from ..plan import default_plan, load_plan, versions
+from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
 
@@ -63,8 +70,6 @@ def hardware_info(threads: int) -> dict:
 
 def software_info(plan, mode: str) -> dict:
     import numpy
-    import torch
-
 
     return versions() | {
         "numpy": numpy.__version__,
@@ -124,6 +129,74 @@ def summarise(samples: list[float]) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- padding
+
+PADDING_ROWS = (1, 2, 4, 8)  # the min_rows compared (1: no padding)
+
+
+def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int = 2,
+                 repeats: int = 9) -> dict:
+    """One row through every packed product of ``model`` (:func:`yggtree.runtime.packed.packed_layers`:
+    one plain step's products, in module order), timed for each ``min_rows`` of ``candidates``.
+    Rounds of one call per variant, the order rotating every round so drifting load hits all of
+    them alike; ``warmup`` rounds, then ``repeats`` timed. Returns the profile's
+    ``packed_padding``: the fastest ``min_rows`` by median (ties: the fewer rows) and the medians."""
+    import torch
+
+    from ..runtime.packed import packed_layers, packed_linear
+
+    layers = packed_layers(model)
+    if not layers:  # nothing packed (another device or dtype): nothing to pad
+        return {"min_rows": 1, "products": 0, "median_ms": {}}
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    calls = [(torch.randn(1, m.in_features, generator=g).to(dtype), m.packed, m.out_features, m.bias)
+             for m in layers]
+
+    def step(min_rows: int) -> None:
+        for x, packed, out, bias in calls:
+            packed_linear(x, packed, out, bias, min_rows)
+
+    samples: dict[int, list[float]] = {r: [] for r in candidates}
+    with torch.no_grad():
+        for i in range(warmup + repeats):
+            k = i % len(candidates)
+            for r in (*candidates[k:], *candidates[:k]):
+                t = time.perf_counter()
+                step(r)
+                if i >= warmup:
+                    samples[r].append((time.perf_counter() - t) * 1e3)
+    medians = {r: statistics.median(v) for r, v in samples.items()}
+    best = min(candidates, key=lambda r: (medians[r], r))
+    return {"min_rows": best, "products": len(calls), "warmup": warmup, "repeats": repeats,
+            "median_ms": {str(r): round(medians[r], 4) for r in candidates}}
+
+
+def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
+    """:func:`time_padding` on ``plan``'s target, loaded and packed here, in ``threads`` threads
+    (a plan for an accelerator packs nothing: no padding)."""
+    import torch
+
+    from ..runtime.loading import load_model, resolve_model
+    from ..runtime.packed import pack_linears
+
+    if plan.backend not in ("inductor-cpu", "eager"):
+        return {"min_rows": 1, "products": 0, "median_ms": {}}
+    torch.set_num_threads(threads)
+    model = load_model(resolve_model(plan.target), plan.dtype)
+    pack_linears(model)
+    return time_padding(model, warmup=warmup, repeats=repeats)
+
+
+def padding_line(padding: dict) -> str:
+    """One line saying what the padding measurement found."""
+    if not padding["products"]:
+        return "no packed products: no padding"
+    times = ", ".join(f"{r}: {ms:.2f}" for r, ms in padding["median_ms"].items())
+    return (f"{padding['products']} packed products of one row, median ms by rows run ({times}): "
+            f"min_rows {padding['min_rows']}")
+
+
 # ----------------------------------------------------------------------------- measurements
 
 
@@ -131,8 +204,6 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widt
     """(kind, width, context, bucket, thunk) for every model-call grid point (drafter steps only
     at ``draft_widths`` when given)."""
     import torch
-
-    from ..runtime import steps
 
     target, drafter = engine.target, engine.drafter
     layers = drafter.target_layers
@@ -310,11 +381,14 @@ def check_profile_plan(plan, device: dict) -> None:
 
 
 def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str,
-                    cache: Path | None = None, engine=None) -> dict:
-    """Measure ``plan``'s latency curves on this machine; returns the profile (not written).
+                    cache: Path | None = None, engine=None, padding: dict | None = None) -> dict:
+    """Measure ``plan``'s padding of short packed products and its latency curves on this
+    machine; returns the profile (not written).
 
-    ``engine``: an engine already built from ``EngineSpec.from_plan(plan)`` (its graphs are
-    reused); otherwise one is built, its graphs compiled into the inductor cache ``cache``."""
+    ``engine``: an engine already built from ``EngineSpec.from_plan(plan, min_rows=...)`` (its
+    graphs are reused), given with the ``padding`` (:func:`measure_padding`) it was built with;
+    otherwise the padding is measured and an engine padding so is built, its graphs compiled into
+    the inductor cache ``cache``."""
     import contextlib
 
     import torch
@@ -335,6 +409,18 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     contexts = grid_contexts(buckets, plan.max_context, max(widths))
     if grid.quick:
         contexts = contexts[:2]
+    from ..runtime.packed import min_rows_of
+
+    if engine is not None:
+        if padding is None:
+            raise ValueError("measure_profile: an engine comes with the padding it was built with")
+        if min_rows_of(engine.target) not in (None, padding["min_rows"]):
+            raise YggError(f"this engine pads packed products to {min_rows_of(engine.target)} rows, "
+                           f"the profile's padding is {padding['min_rows']}: build it with that min_rows")
+    elif padding is None:
+        sys.stderr.write(f"profile {hw}: timing padded and unpadded packed products...\n")
+        padding = measure_padding(plan, threads, max(1, grid.warmup), max(5, grid.repeats))
+    sys.stderr.write(f"profile {hw}: {padding_line(padding)}\n")
     where = f"inductor cache {cache}" if cache is not None else "the default inductor cache"
     sys.stderr.write(
         f"profile {hw}: plan {plan.name!r} ({plan.dtype}, {mode}), widths {widths}, contexts "
@@ -345,7 +431,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         t0 = time.perf_counter()
         built = 0.0
         if engine is None:
-            engine, _ = build_engine(EngineSpec.from_plan(plan, mode))
+            engine, _ = build_engine(EngineSpec.from_plan(plan, mode, min_rows=padding["min_rows"]))
             built = engine.compile_s
         if engine.n_slots != n_slots:
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
@@ -393,6 +479,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         "compile_s": round(compile_s, 1),
         "points": rows,
         "stage_ms": stages,
+        PADDING_KEY: padding,
         "fit": fit,
         "fit_error": errors,
     }
@@ -432,6 +519,7 @@ def profile_summary(profile: dict, dst: Path, png: Path | None, elapsed_s: float
         "dtype": profile["software"]["dtype"],
         "points": len(profile["points"]),
         "verify_ms_w1": {str(c): round(cost.t_verify(1, c), 2) for c in contexts},
+        "packed_min_rows": profile[PADDING_KEY]["min_rows"],
         "fit_median_rel_err": errors["overall"]["median_rel"],
         "fit_max_rel_err": errors["overall"]["max_rel"],
         "pruning_share_max": max(v["share"] for v in profile["pruning_share"]),
@@ -482,6 +570,7 @@ def print_table(profile: dict) -> None:
     for k, v in profile["stage_ms"].items():
         s.add_row(k, ", ".join(f"{w}: {x:.3f}" for w, x in v.items()) if isinstance(v, dict) else f"{v:.3f}")
     console.print(s)
+    console.print(f"padding of short packed products: {padding_line(profile[PADDING_KEY])}")
     e = profile["fit_error"]
     console.print(
         "fit (held-out widths, leave-one-out): "

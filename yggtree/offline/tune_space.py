@@ -20,8 +20,9 @@ A dimension with one value is fixed (no optuna parameter). ``--space KEY=V1,V2``
 ``--space KEY=LO..HI`` overrides one dimension; an override that no valid plan can satisfy is
 refused before anything runs (:func:`check_space`). Sampled combinations that make no valid plan
 (a verify width above 1 + d_max * max W_d, lookup above the largest verify width, ...) are found
-by :func:`infeasible` before a trial builds anything. Context buckets, product kernels, weight
-format and padding are not plan fields (they are constants of the runtime) and are not searched.
+by :func:`infeasible` before a trial builds anything. Context buckets, product kernels and weight
+format are not plan fields (they are constants of the runtime) and are not searched; the padding
+of short packed products is measured by the profile, not searched.
 """
 
 from __future__ import annotations

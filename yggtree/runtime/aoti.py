@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import YggError
-from . import packed as _packed  # noqa: F401  (registers yggtree::packed_linear, which packages call)
+from . import packed as _packed  # registers yggtree::packed_linear, which packages call
 
 # inductor settings of CPU graphs, torch.compile'd and AOTInductor-packaged alike: no per-call
 # size/stride asserts (Python checks of every input and extern-kernel output; see graphs.compile_options)
@@ -39,11 +39,15 @@ N_ACT = 5  # x, cos, sin, slots, mask
 
 
 def block_key(block: nn.Module) -> str:
-    """12 hex digits naming a block's kind: class, heads, weight shapes and dtypes. The cache
+    """12 hex digits naming a block's kind: class, heads, weight shapes and dtypes, and the
+    padding of its packed products (``min_rows``, a constant of the compiled graph). The cache
     size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
     cfg = block.self_attn.cfg
     parts = [type(block).__qualname__, f"heads{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"]
     parts += [f"{n}{tuple(p.shape)}{p.dtype}" for n, p in block_tensors(block)]
+    min_rows = _packed.min_rows_of(block)
+    if min_rows is not None:
+        parts.append(f"min_rows{min_rows}")
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
 
 

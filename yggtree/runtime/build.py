@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, read_manifest  # noqa: F401  (re-exported)
+from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, plan_min_rows, read_manifest  # noqa: F401  (re-exported)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
@@ -32,18 +32,21 @@ class EngineSpec:
     draft_widths: tuple[int, ...] = ()
     verify_widths: tuple[int, ...] = ()
     pack: bool = True  # oneDNN-packed linear layers where the device supports them
+    # packed products of fewer rows run padded to this many (1: none); a plan's profile measures it
+    min_rows: int = 1
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
     stages: str = "sequential"  # execution plan (EngineConfig.stages)
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
-                  stages: str = "auto", threads: int = 0) -> "EngineSpec":
+                  stages: str = "auto", threads: int = 0, min_rows: int | None = None) -> "EngineSpec":
         """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`).
 
         ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
         caches so that every width of the plan fits, and :func:`warm_plan` then builds the rest.
-        ``mode`` defaults to performance, or reference for the eager backend."""
+        ``mode`` defaults to performance, or reference for the eager backend. ``min_rows``
+        defaults to the padding the plan's profile measured (:func:`yggtree.plan.plan_min_rows`)."""
         check_backend(plan.backend)
         if plan.backend in ("cuda", "npu"):
             raise YggError(
@@ -67,6 +70,7 @@ class EngineSpec:
             lookup=plan.lookup,
             stages=plan.stages if stages == "auto" else stages,
             threads=threads,
+            min_rows=plan_min_rows(plan) if min_rows is None else min_rows,
         )
 
 
@@ -125,12 +129,13 @@ def drafter_feeds_leaves(plan) -> bool:
     return EagleDrafter.feeds_leaves
 
 
-def pack_models(target, drafter=None) -> None:
+def pack_models(target, drafter=None, min_rows: int = 1) -> None:
     """oneDNN-packed weights (runtime/packed.py) for an engine's target and its drafter's model,
-    before any graph or package is built for them (``build_engine`` and ``yggtree compile``)."""
-    pack_linears(target)
+    before any graph or package is built for them (``build_engine`` and ``yggtree compile``);
+    products of fewer than ``min_rows`` rows run padded to that many."""
+    pack_linears(target, min_rows=min_rows)
     if drafter is not None:
-        pack_linears(drafter.graphs.model)
+        pack_linears(drafter.graphs.model, min_rows=min_rows)
 
 
 def build_engine(spec: EngineSpec, prepare=None):
@@ -145,7 +150,7 @@ def build_engine(spec: EngineSpec, prepare=None):
     tokenizer = load_tokenizer(src)
     drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
     if spec.pack:  # oneDNN-packed block weights on a CPU (see runtime/packed.py)
-        pack_models(target, drafter)
+        pack_models(target, drafter, spec.min_rows)
     if prepare is not None:
         prepare(target, drafter)
     spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
@@ -225,13 +230,16 @@ def fixed_policy(
 
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
-                      stages: str = "auto", threads: int = 0):
+                      stages: str = "auto", threads: int = 0, min_rows: int | None = None):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
     ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
     drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
-    Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start)."""
-    spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads)
+    Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start).
+    ``min_rows`` overrides the padding of short packed products the plan's profile measured
+    (packages hold theirs: with ``artifacts`` an override they were not compiled with finds no
+    package)."""
+    spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows)
     prepare = None
     if artifacts is not None and spec.mode == "performance" and plan.backend == "inductor-cpu":
         prepare = _package_installer(Path(artifacts))

@@ -14,6 +14,15 @@ packed copy as a non-persistent buffer (so packed models hold their block weight
 product runs through the custom op ``yggtree::packed_linear``, which torch.compile and
 AOTInductor treat as an opaque call taking the packed tensor as an ordinary input, so one graph
 still serves every layer (regional compilation lifts weights to graph inputs).
+
+Short products can run padded: with ``min_rows`` > 1 a product of fewer rows is computed on that
+many (zero rows appended, dropped from the result), which on some CPUs reaches a faster oneDNN
+kernel and on others is slower. The kernel is batch-invariant, so padding never changes the real
+rows' bits, only the time. Which value is best is a property of the machine: ``yggtree profile``
+measures it and records it in the profile (``packed_padding``), and a plan's engine packs its
+layers with its profile's value (:func:`yggtree.plan.plan_min_rows`); 1 is no padding. The value
+is each packed layer's attribute, passed to the op as an argument, so compiled graphs and
+AOTInductor packages hold it as a constant (:func:`yggtree.runtime.aoti.block_key` names it).
 """
 
 from __future__ import annotations
@@ -24,11 +33,8 @@ from torch import nn
 
 from .model import FUSED_PROJECTIONS
 
-__all__ = ["packed_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears"]
-
-# products of fewer rows run padded to this many (see _packed_linear_cpu); which value is best
-# depends on the CPU (scripts/ab_padding.py measures it)
-MIN_ROWS = 4
+__all__ = ["packed_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears", "packed_layers",
+           "min_rows_of"]
 
 
 def _packed_linear_cpu(
@@ -36,15 +42,15 @@ def _packed_linear_cpu(
     packed: torch.Tensor,  # oneDNN-reordered [out, in] weight (torch.ops.mkldnn._reorder_linear_weight)
     out_features: int,  # out (the packed tensor is opaque: the output width is passed along)
     bias: torch.Tensor | None = None,  # [out]
+    min_rows: int = 1,  # products of fewer rows run padded with zero rows to this many (1: never)
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed by oneDNN from ``packed``: [..., out]. oneDNN
-    flattens and restores the leading dimensions itself; fewer than ``MIN_ROWS`` rows are padded
-    with zero rows to ``MIN_ROWS`` (the kernel is batch-invariant: the real rows are bitwise
-    what they were) because on some CPUs oneDNN's kernels for 1-3 rows are slower than its
-    kernel for 4."""
+    flattens and restores the leading dimensions itself. A product of fewer than ``min_rows``
+    rows runs on ``min_rows`` rows, the real ones followed by zero rows that are dropped from the
+    result (the kernel is batch-invariant: the real rows are bitwise what they were)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows < MIN_ROWS:
-        pad = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, MIN_ROWS - rows))
+    if 0 < rows < min_rows:
+        pad = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, min_rows - rows))
         y = torch.ops.mkldnn._linear_pointwise.default(pad, packed, bias, "none", [], "")
         return y[:rows].reshape(*x.shape[:-1], out_features)
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
@@ -55,14 +61,14 @@ def _packed_linear_cpu(
 # registered straight on the dispatch keys adds to the oneDNN call. The handle must outlive the
 # module's import (dropping it unregisters the op).
 _LIB = torch.library.Library("yggtree", "DEF")
-_LIB.define("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor")
+_LIB.define("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, int min_rows=1) -> Tensor")
 for _key in ("CPU", "MkldnnCPU"):  # ``packed`` is an mkldnn tensor, the rest are dense CPU tensors
     _LIB.impl("packed_linear", _packed_linear_cpu, _key)
 packed_linear = torch.ops.yggtree.packed_linear
 
 
 @torch.library.register_fake("yggtree::packed_linear")
-def _(x, packed, out_features, bias=None):
+def _(x, packed, out_features, bias=None, min_rows=1):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -71,22 +77,30 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+def _check_min_rows(min_rows: int) -> int:
+    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
+        raise ValueError(f"min_rows must be an integer >= 1, got {min_rows!r}")
+    return min_rows
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose product runs on a oneDNN-packed copy of its weight."""
 
     packed: torch.Tensor  # oneDNN blocked layout of ``weight`` (an mkldnn tensor)
+    min_rows: int = 1  # products of fewer rows run padded to this many (1: no padding)
 
     @classmethod
-    def of(cls, lin: nn.Linear) -> "PackedLinear":
+    def of(cls, lin: nn.Linear, min_rows: int = 1) -> "PackedLinear":
         with torch.device("meta"):
             out = cls(lin.in_features, lin.out_features, bias=lin.bias is not None)
         out.weight = lin.weight  # shared, not copied
         out.bias = lin.bias
         out.register_buffer("packed", _pack(lin.weight), persistent=False)
+        out.min_rows = _check_min_rows(min_rows)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.out_features, self.bias)
+        return packed_linear(x, self.packed, self.out_features, self.bias, self.min_rows)
 
 
 class PackedConcat(nn.Module):
@@ -96,17 +110,20 @@ class PackedConcat(nn.Module):
     One product instead of three (or two) saves the per-call cost of the op and of oneDNN (about
     90 calls per decode step of the default model; ``scripts/ab_fusion.py`` measures it). The parts
     keep their own weights (state dict, checks); this module holds only the packed stack, so
-    packing still costs one extra copy of the weights. Rows stay batch-invariant, as for
-    :class:`PackedLinear`."""
+    packing still costs one extra copy of the weights. Rows stay batch-invariant, and short
+    products are padded to ``min_rows``, as for :class:`PackedLinear`."""
 
     packed: torch.Tensor  # oneDNN blocked layout of cat([p.weight for p in parts]) [sum(sizes), in]
     bias: torch.Tensor | None  # [sum(sizes)], zeros for parts without one; None if none has one
 
-    def __init__(self, parts: list[nn.Linear]) -> None:
+    def __init__(self, parts: list[nn.Linear], min_rows: int = 1) -> None:
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("PackedConcat parts must share their input width")
+        self.min_rows = _check_min_rows(min_rows)
+        self.in_features = parts[0].in_features
         self.sizes = tuple(p.out_features for p in parts)
+        self.out_features = sum(self.sizes)
         self.register_buffer("packed", _pack(torch.cat([p.weight.detach() for p in parts])), persistent=False)
         bias = None
         if any(p.bias is not None for p in parts):
@@ -116,7 +133,7 @@ class PackedConcat(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., sum(sizes)]
-        return packed_linear(x, self.packed, sum(self.sizes), self.bias)
+        return packed_linear(x, self.packed, self.out_features, self.bias, self.min_rows)
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -130,10 +147,12 @@ def can_pack(model: nn.Module) -> bool:
     return w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_linears(model: nn.Module, fuse: bool = True) -> int:
+def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1) -> int:
     """Pack the ``nn.Linear`` layers of ``model.layers`` (its decoder blocks) and its
     ``lm_head`` in place; returns how many linear layers were packed (0 where :func:`can_pack`
-    is False, or when they are packed already).
+    is False, or when they are packed already: layers packed before keep their ``min_rows``).
+    Every packed layer pads products of fewer than ``min_rows`` rows to that many (1: none;
+    see the module docstring).
 
     Each one becomes a :class:`PackedLinear`, except, with ``fuse``, the attention's q/k/v and the
     MLP's gate/up projections of a decoder block, which become one :class:`PackedConcat` each
@@ -141,6 +160,7 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
 
     The LM head matters most: it is the largest product (49152 x 576 for the default model), and
     ``F.linear`` pays most there for a few rows."""
+    _check_min_rows(min_rows)
     if not can_pack(model):
         return 0
     n, fused_parts = 0, set()
@@ -150,7 +170,7 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
             if getattr(mod, attr, False) is None and fuse:  # a fusion hook, not yet fused
                 parts = [getattr(mod, k, None) for k in names]
                 if all(type(p) is nn.Linear for p in parts):
-                    setattr(mod, attr, PackedConcat(parts))
+                    setattr(mod, attr, PackedConcat(parts, min_rows))
                     n += len(parts)
             if getattr(mod, attr, None) is not None:
                 fused_parts.update(id(getattr(mod, k)) for k in names)
@@ -158,6 +178,21 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and id(child) not in fused_parts and (
                     mod is not model or child_name == "lm_head"):
-                setattr(mod, child_name, PackedLinear.of(child))
+                setattr(mod, child_name, PackedLinear.of(child, min_rows))
                 n += 1
     return n
+
+
+def packed_layers(model: nn.Module) -> list[nn.Module]:
+    """The packed layers (:class:`PackedLinear`, :class:`PackedConcat`) inside ``model``, in
+    module order: for a packed decoder, one per product of a step."""
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, PackedConcat))]
+
+
+def min_rows_of(model: nn.Module) -> int | None:
+    """The ``min_rows`` of ``model``'s packed layers (None when none is packed); ValueError if
+    they differ (:func:`pack_linears` gives one model one value)."""
+    rows = {m.min_rows for m in packed_layers(model)}
+    if len(rows) > 1:
+        raise ValueError(f"packed layers with different min_rows {sorted(rows)}")
+    return rows.pop() if rows else None
