@@ -13,6 +13,35 @@ from .distill_data import FeatureLayout, TeacherData
 from .distill_loss import TargetHead, make_batch, step_losses, unrolled_forward
 
 
+def decode_walk(hits: torch.Tensor, greedy: torch.Tensor) -> tuple[int, int]:
+    """(tokens, verify steps) of decoding the greedy answers with chains of ``D`` drafts, walked
+    as the engine walks them: from a root at pair ``p`` the chain accepts depth ``k`` while the
+    step-``k`` draft at pair ``p + k`` hits (``hits[k, b, p + k]``) inside the answer; the step
+    emits the accepted tokens plus the target's own and the next root is ``a + 1`` pairs on.
+
+    Unlike the mean over every root (``est_*``), this weights hard stretches by the steps decoding
+    spends in them, so tokens / steps is what the engine's mean accepted length comes to.
+
+    hits: [D, B, T] bool; greedy: [B, T] bool (pair ``p``'s next token is a greedy answer token).
+    """
+    d = hits.shape[0]
+    h, g = hits.tolist(), greedy.tolist()
+    tokens = steps = 0
+    for b, row in enumerate(g):
+        t, p = len(row), 0
+        while p < t:
+            if not row[p]:
+                p += 1
+                continue
+            a = 0
+            while a < d and p + a < t and row[p + a] and h[a][b][p + a]:
+                a += 1
+            tokens += a + 1
+            steps += 1
+            p += a + 1
+    return tokens, steps
+
+
 @torch.no_grad()
 def evaluate(
     net, th: TargetHead, data: TeacherData, idx: list[int], cfg: DistillConfig, feat_scale: torch.Tensor, rope,
@@ -31,6 +60,7 @@ def evaluate(
     acc_roots = 0
     topk_hits = torch.zeros(cfg.eval_depth)
     tree_hits = torch.zeros(cfg.eval_depth)
+    walk = {"chain": [0, 0], "tree": [0, 0]}  # [tokens, steps]
     for s in range(0, len(idx), cfg.batch_size):
         batch = make_batch(data, idx[s : s + cfg.batch_size], cfg.max_seq_len, layout)
         outs = unrolled_forward(net, batch.tok, batch.feat, steps, rope)
@@ -50,6 +80,11 @@ def evaluate(
             hit.append(top[..., 0] == arg_full)
             hitk.append((top == arg_full[..., None]).any(-1))
             hit4.append((top[..., :4] == arg_full[..., None]).any(-1))
+        greedy = batch.valid & batch.greedy
+        for name, h in (("chain", torch.stack(hit[:4])), ("tree", torch.stack(hit4))):
+            tok_n, step_n = decode_walk(h, greedy)
+            walk[name][0] += tok_n
+            walk[name][1] += step_n
         t = batch.tok.shape[1]
         d = cfg.eval_depth
         n_roots = t - d
@@ -82,6 +117,10 @@ def evaluate(
         # bound of what W_d = 4 trees of that depth accept)
         "accept_top4_tree_by_depth": (tree_hits / max(acc_roots, 1)).tolist(),
         "est_tree4_aal": 1.0 + float((tree_hits / max(acc_roots, 1)).sum()),
+        # the same two drafts decoded as the engine walks (tokens per verify step of the greedy
+        # answers): what eval_drafter measures on these prompts
+        "walk_chain4_aal": walk["chain"][0] / max(walk["chain"][1], 1),
+        "walk_tree4_aal": walk["tree"][0] / max(walk["tree"][1], 1),
     }
 
 

@@ -228,7 +228,8 @@ def train(
             ev = evaluate(net, th, data, val_idx, cfg, feat_scale, rope, layout)
             row.update(val_ce=ev["val_ce"], val_kl=ev["val_kl"], val_reg=ev["val_reg"],
                        val_top1=ev["val_top1_by_step"][0], est_chain4_aal=ev["est_chain4_aal"],
-                       est_tree4_aal=ev["est_tree4_aal"])
+                       est_tree4_aal=ev["est_tree4_aal"], walk_chain4_aal=ev["walk_chain4_aal"],
+                       walk_tree4_aal=ev["walk_tree4_aal"])
             log["last_eval"] = ev
         rows.append(row)
         desc = (
