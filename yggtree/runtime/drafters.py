@@ -109,8 +109,50 @@ class Drafter(Protocol):
         slot ``committed + 1 + n_accepted``); the rest is dropped. Returns the next step's head
         ([1, k], the leaf's head row): it is picked up, not called."""
 
+    def snapshot(self, lo: int, hi: int) -> "Snapshot":
+        """Copies of the state a speculation may overwrite: cache slots ``lo..hi-1`` and any
+        per-step state (the overlap plan's worker takes it before :meth:`speculate`)."""
+
+    def restore(self, snap: "Snapshot") -> None:
+        """Put back what :meth:`snapshot` copied (a speculation that was not used)."""
+
+    def speculate(
+        self,
+        tokens: torch.Tensor,  # [n+1] int64 the guessed path's tokens, root first
+        nodes: torch.Tensor,  # [n+1] int64 their drafted-tree nodes (slots committed + node)
+        n: int,  # guessed accepted tokens
+        committed: torch.Tensor,  # [] int64 this step's root position
+        k: int,
+    ) -> TopK:
+        """From the drafter's own state alone (no target features: the target is verifying),
+        leave the drafter as a commit of the guessed path would, with the path's leaf (position
+        ``committed + n``) as the last token it holds, ready for ``head(bonus, committed + n +
+        1)``; return the leaf's top-k ([1, k]), from which the bonus is guessed."""
+
     def frozen(self):
         """Context manager for the decode loop (no compiles allowed in compiled mode)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Copies of a drafter's state that a speculation may overwrite (:meth:`Drafter.snapshot`)."""
+
+    lo: int  # first cache slot copied
+    rows: tuple[torch.Tensor, ...]  # per cache buffer (k and v of every layer): [B, hi - lo, H, D]
+    state: tuple[torch.Tensor, ...]  # copies of the drafter's per-step tensors (their own shapes)
+
+
+def take_snapshot(caches, lo: int, hi: int, state: tuple[torch.Tensor, ...]) -> Snapshot:
+    rows = tuple(buf[:, lo:hi].clone() for c in caches for buf in (c.k, c.v))
+    return Snapshot(lo, rows, tuple(x.clone() for x in state))
+
+
+def put_back(caches, snap: Snapshot, state: tuple[torch.Tensor, ...]) -> None:
+    bufs = [buf for c in caches for buf in (c.k, c.v)]
+    for buf, rows in zip(bufs, snap.rows):
+        buf[:, snap.lo : snap.lo + rows.shape[1]].copy_(rows)
+    for x, y in zip(state, snap.state):
+        x.copy_(y)
 
 
 def topk_logp(logits: torch.Tensor, k: int) -> TopK:
@@ -185,6 +227,19 @@ class LMDrafter:
     def take(self, path, n_accepted, room, committed, k: int) -> TopK:
         take_path(self.model.caches(), path, n_accepted, room, committed)
         return topk_logp(self.ahead_logits.index_select(0, path[-1:]), k)
+
+    def snapshot(self, lo: int, hi: int) -> Snapshot:
+        return take_snapshot(self.model.caches(), lo, hi, ())
+
+    def restore(self, snap: Snapshot) -> None:
+        put_back(self.model.caches(), snap, ())
+
+    def speculate(self, tokens, nodes, n: int, committed, k: int) -> TopK:
+        """Move the path's entries to contiguous slots (as :meth:`commit`), then a head call at
+        the leaf rewrites its entry (the same values) and gives its top-k."""
+        if n:
+            steps.commit(self.model, committed + nodes[1:], committed + torch.arange(1, n + 1, device=nodes.device))
+        return self.head(tokens[n], committed + n, k)
 
     def frozen(self):
         return self.graphs.frozen()

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import YggError
-from .drafters import TopK, ahead_layout, take_path
+from .drafters import Snapshot, TopK, ahead_layout, put_back, take_path, take_snapshot
 from .graphs import Graphs
 from .kv_cache import KVCache
 from .loading import read_safetensors
@@ -554,6 +554,34 @@ class EagleDrafter:
         self.pend_feat[0] = self.ahead_f.index_select(0, leaf)[0]
         self.pend_n.zero_()
         return self._topk(self.net.logits(root_h), k)
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return (self.pend_tok, self.pend_feat, self.pend_n, self.node_feat)
+
+    def snapshot(self, lo: int, hi: int) -> Snapshot:
+        return take_snapshot(self.net.caches(), lo, hi, self._state())
+
+    def restore(self, snap: Snapshot) -> None:
+        put_back(self.net.caches(), snap, self._state())
+
+    def speculate(self, tokens, nodes, n: int, committed, k: int) -> TopK:
+        """The target's features of the guessed path do not exist yet (it is verifying), so the
+        path's pairs take the drafter's own predictions f̂ at its nodes: one head call (width
+        D_max + 1) over slots L+1..L+n gives the leaf's f̂ and top-k; the leaf's f̂ then pends
+        for the next head. (On a used guess these rows keep predicted features where a sequential
+        commit would rewrite them from true ones: other proposals later, the same output.)"""
+        self._check_k(k)
+        if n == 0:  # the root's entry and f̂ exist (this step's head)
+            leaf_h = self.node_feat[:1].clone()
+        else:
+            self.pend_tok[: n - 1] = tokens[1:n]
+            self.pend_feat[:n] = self.node_feat.index_select(0, nodes[:n])
+            self.pend_n.fill_(n - 1)
+            self.head(tokens[n], committed + n, k)  # sets node_feat[0] = the leaf's f̂
+            leaf_h = self.node_feat[:1].clone()
+        self.pend_feat[0] = leaf_h[0]
+        self.pend_n.zero_()
+        return self._topk(self.net.logits(leaf_h), k)
 
     def frozen(self):
         return self.graphs.frozen()

@@ -39,6 +39,7 @@ from .graphs import Graphs
 from .lookup import LookupCalibration, LookupIndex
 from .merge import SOURCE_NAMES
 from .model import Transformer
+from .overlap import make_worker
 from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 from .schedule import BUCKETS, ExecutionPlan, StageTimer, resolve_plan
 from .stages import STAGE_FNS, Request, Step, choose_token
@@ -167,6 +168,8 @@ def step_stats(n: int, total: float, ttft: float, c: dict, stage: dict, d: int, 
         "verify_calls": c["verify_calls"],
         "stages": plan.name,
         "threads": plan.threads or torch.get_num_threads(),
+        "draft_threads": plan.draft_threads,
+        "plan": plan.label,  # the stage plan with its thread split, as --stages takes it
     }
     if speculative:
         hist = c["accept_hist"]
@@ -175,6 +178,8 @@ def step_stats(n: int, total: float, ttft: float, c: dict, stage: dict, d: int, 
             plain_steps=c["plain_steps"],
             resyncs=c["resyncs"],
             ahead_calls=c["ahead_calls"],
+            speculation={"steps": c["spec_steps"], "hits": c["spec_hits"],
+                         "worker_ms": round(c["spec_ms"], 3)},
             accepted_tokens=c["accepted_tokens"],
             aal=(c["accepted_tokens"] + c["verify_calls"]) / verify,
             accept_by_position=[sum(1 for a in hist if a >= i) / verify for i in range(1, d + 1)],
@@ -237,6 +242,7 @@ class Engine:
         self.target, self.drafter, self.eos_ids = target, drafter, tuple(eos_ids)
         self.envelope = Envelope.of(cfg.tree, cfg.draft_widths, cfg.verify_widths, cfg.d_max)
         self.plan = resolve_plan(cfg.stages, cfg.tree is not None, threads=cfg.threads)
+        self.worker = None  # the drafter's worker (overlap plans), made once the drafter is set
         self._lock = threading.Lock()  # one generate at a time: caches and graphs are shared state
         self.graphs = Graphs(target, cfg.mode)
         self.n_slots = cfg.max_context + self.envelope.reserve() + 1  # + scratch slot
@@ -251,6 +257,7 @@ class Engine:
             w = target.embed_tokens.weight
             self.feat_buf = tuple(torch.zeros(self.n_slots, target.cfg.hidden_size, dtype=w.dtype,
                                               device=w.device) for _ in drafter.target_layers)
+        self.worker = self._worker(self.plan, None)
 
     def drafter_widths(self, plan: ExecutionPlan) -> list[int]:
         """Drafter input widths ``plan`` runs: its prefill chunk, the head (1), every W_d, and
@@ -293,8 +300,19 @@ class Engine:
         plan = resolve_plan(stages, self.cfg.tree is not None, threads=threads)
         if self.drafter is not None:
             self.drafter.setup(self.n_slots, self.drafter_widths(plan), self.cfg.prefill_chunk)
+        self.worker = self._worker(plan, self.worker)
         self.plan = plan
         return plan
+
+    def _worker(self, plan: ExecutionPlan, old):
+        """The worker ``plan`` runs the drafter's stages on (None: it runs none); ``old`` is
+        kept when it has the plan's thread budget, else closed."""
+        want = plan.draft_threads if plan.overlap and self.drafter is not None else 0
+        if old is not None and old.threads == want:
+            return old
+        if old is not None:
+            old.close()
+        return make_worker(want, self.target.embed_tokens.weight.device) if want else None
 
     @_serialised
     def generate(
@@ -366,20 +384,24 @@ class Engine:
         """The decode loop: run the execution plan's stages once per step until a finish."""
         stages = [(name, STAGE_FNS[name]) for name in self.plan.stages]
         report = [fn for fn in (on_step, req.policy.observe if req.policy else None) if fn is not None]
-        while True:
-            st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
-            h_root, committed = req.h_root, req.committed
-            timer.new_step()
-            for name, fn in stages:
-                timer.run(name, fn, self, req, st)
-            if report:
-                rec = step_record(st, committed, h_root, timer.step_ms(), on_step is not None)
-                for fn in report:
-                    fn(rec)
-            if trace:
-                trace(step_trace(st, committed, req.counters["verify_calls"], timer.step_ms()))
-            if st.reason is not None:
-                return st.reason
+        try:
+            while True:
+                st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
+                h_root, committed = req.h_root, req.committed
+                timer.new_step()
+                for name, fn in stages:
+                    timer.run(name, fn, self, req, st)
+                if report:
+                    rec = step_record(st, committed, h_root, timer.step_ms(), on_step is not None)
+                    for fn in report:
+                        fn(rec)
+                if trace:
+                    trace(step_trace(st, committed, req.counters["verify_calls"], timer.step_ms()))
+                if st.reason is not None:
+                    return st.reason
+        finally:
+            if self.worker is not None:  # a step that failed between fork and join
+                self.worker.drain()
 
     def _fixed_policy(self) -> FixedPolicy:
         """``cfg.tree`` every step (lookup-only speculation when there is no drafter)."""

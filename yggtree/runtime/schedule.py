@@ -11,9 +11,17 @@ is an order of stages that respects it. Named plans::
                 static-shape call; the commit keeps the accepted leaf's row, so the next head
                 is picked up, not called
 
+    overlap     sequential + fork (after prune) and join (before commit): the next step's head
+                and draft run on the drafter's own worker, concurrently with the target's
+                verify, from the most likely accepted path; used only if that path is what
+                acceptance returns (runtime/overlap.py)
+
 ``--stages NAME`` picks one by name (or a comma-separated order of stage names, for ablations);
-``auto`` takes the plan's recorded ``stages`` field. A name that does not exist, an order that
-breaks a dependency, or a thread count above the machine's cores is refused with one line.
+``auto`` takes the plan's recorded ``stages`` field. A thread split may follow the name:
+``NAME@T`` (T intra-op threads while decoding) and ``overlap@T+D`` (T for the target, D for the
+drafter's worker; ``overlap`` alone: one for the worker, the rest of the usable cores for the
+target). A name that does not exist, an order that breaks a dependency, or threads above the
+cores this process may use (its affinity mask) are refused with one line.
 """
 
 from __future__ import annotations
@@ -38,13 +46,18 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "verify": (),  # the root alone without prune (a plain step)
     "accept": ("verify",),
     "ahead": ("accept",),
+    "fork": ("prune",),  # the worker drafts from the verified tree's likeliest path
+    "join": ("fork", "accept"),  # the guess is checked against the acceptance
     "commit": ("accept",),
 }
 # stage -> stages that, when in the plan, must run before it (their products change what it does)
-AFTER: dict[str, tuple[str, ...]] = {"verify": ("prune",), "commit": ("ahead",)}
+AFTER: dict[str, tuple[str, ...]] = {"verify": ("prune", "fork"), "commit": ("ahead", "join")}
+# stages that cannot share a plan (both use the drafter between verify and commit)
+EXCLUSIVE = (("ahead", "fork"),)
 # the wall-time bucket each stage is reported under (stats ``stage_ms``, StepRecord.stage_ms)
 BUCKET = {"choose": "policy", "refine": "policy", "size": "policy", "merge": "lookup"}
-BUCKETS = ("head", "draft", "prune", "verify", "accept", "commit", "policy", "resync", "lookup", "ahead")
+BUCKETS = ("head", "draft", "prune", "verify", "accept", "commit", "policy", "resync", "lookup", "ahead",
+           "fork", "join")
 
 SEQUENTIAL = ("lookup", "choose", "resync", "head", "refine", "draft", "merge", "size", "prune",
               "verify", "accept", "commit")
@@ -52,6 +65,7 @@ PLANS: dict[str, tuple[str, ...]] = {
     "plain": ("verify", "accept", "commit"),
     "sequential": SEQUENTIAL,
     "ahead": SEQUENTIAL[:-1] + ("ahead", "commit"),
+    "overlap": SEQUENTIAL[:-3] + ("fork", "verify", "accept", "join", "commit"),
 }
 
 
@@ -62,10 +76,22 @@ class ExecutionPlan:
     name: str
     stages: tuple[str, ...]
     threads: int = 0  # intra-op threads while decoding (0: leave the process setting)
+    draft_threads: int = 0  # the drafter's worker's threads (overlap plans; 0: no worker)
 
     @property
     def ahead(self) -> bool:
         return "ahead" in self.stages
+
+    @property
+    def overlap(self) -> bool:
+        return "fork" in self.stages
+
+    @property
+    def label(self) -> str:
+        """The plan with its thread split, as ``--stages`` takes it (``overlap@1+1``)."""
+        if self.overlap:
+            return f"{self.name}@{self.threads}+{self.draft_threads}"
+        return f"{self.name}@{self.threads}" if self.threads else self.name
 
 
 def check_order(stages: tuple[str, ...], speculative: bool) -> None:
@@ -83,6 +109,9 @@ def check_order(stages: tuple[str, ...], speculative: bool) -> None:
         for before in AFTER.get(s, ()):
             if before in at and at[before] > i:
                 raise YggError(f"stage {s!r} must run after {before!r} (plan {','.join(stages)})")
+    for a, b in EXCLUSIVE:
+        if a in at and b in at:
+            raise YggError(f"stages {a!r} and {b!r} cannot share a plan (plan {','.join(stages)})")
     for s in ("verify", "accept", "commit"):
         if s not in at:
             raise YggError(f"stage plan {','.join(stages)} has no {s!r} stage")
@@ -93,19 +122,37 @@ def check_order(stages: tuple[str, ...], speculative: bool) -> None:
         raise YggError(f"stage plan {','.join(stages)} drafts, but the engine has no tree to draft")
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        return os.cpu_count() or 1
+
+
+def split_name(name: str) -> tuple[str, int | None, int | None]:
+    """``NAME``, ``NAME@T`` or ``NAME@T+D`` -> (NAME, T, D) (None where not given)."""
+    if "@" not in name:
+        return name, None, None
+    base, _, split = name.partition("@")
+    parts = split.split("+")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise YggError(f"thread split {split!r} of stage plan {name!r}: use NAME@T or NAME@T+D "
+                       "(T target threads, D drafter threads)")
+    return base, int(parts[0]), int(parts[1]) if len(parts) == 2 else None
+
+
 def resolve_plan(name: str, speculative: bool, recorded: str = "sequential",
                  threads: int = 0) -> ExecutionPlan:
     """The execution plan ``name`` stands for: ``auto`` (the plan's recorded choice), a named
-    plan, or a comma-separated stage order; a plain engine always runs ``plain``."""
+    plan, or a comma-separated stage order, each optionally with a thread split (``@T``,
+    ``@T+D``, which overrides ``threads``); a plain engine always runs ``plain``."""
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
         raise YggError(f"threads must be an integer >= 0, got {threads!r}")
-    cores = os.cpu_count() or 1
-    if threads > cores:
-        raise YggError(f"threads {threads} exceeds this machine's {cores} cores")
     if name == "auto":
         name = recorded
-    if not speculative:
-        return ExecutionPlan("plain", PLANS["plain"], threads)
+    name, t, draft_t = split_name(name)
+    threads = threads if t is None else t
     if name in PLANS:
         stages = PLANS[name]
     elif "," in name:
@@ -113,8 +160,24 @@ def resolve_plan(name: str, speculative: bool, recorded: str = "sequential",
     else:
         raise YggError(f"unknown stage plan {name!r} (choose from auto, {', '.join(n for n in PLANS if n != 'plain')}, "
                        "or a comma-separated stage order)")
+    cores = usable_cores()
+    overlap = speculative and "fork" in stages
+    if draft_t is not None and speculative and not overlap:
+        raise YggError(f"stage plan {name!r} has no drafter worker: a thread split T+D needs an "
+                       "overlap plan")
+    if overlap:
+        draft_t = 1 if draft_t is None else draft_t
+        threads = threads or max(cores - draft_t, 1)
+        if draft_t < 1 or threads < 1:
+            raise YggError(f"overlap@{threads}+{draft_t}: the target and the drafter need >= 1 thread each")
+    draft_t = draft_t if overlap else 0
+    if threads + draft_t > cores:
+        split = f"{threads}+{draft_t}" if overlap else f"{threads}"
+        raise YggError(f"threads {split} exceeds this machine's {cores} usable cores")
+    if not speculative:
+        return ExecutionPlan("plain", PLANS["plain"], threads)
     check_order(stages, speculative)
-    return ExecutionPlan(name, stages, threads)
+    return ExecutionPlan(name, stages, threads, draft_t)
 
 
 class StageTimer:

@@ -17,6 +17,8 @@ to do this step (no drafting on a plain step, no lookup index) returns at once::
     verify   the target over the verified tree                             -> logits, caps
     accept   the target's choice at every node, the accepted walk, emit    -> acc, new
     ahead    the drafter over every verified node + a head row under each  (drafter state)
+    fork     the next step's head and draft start on the drafter's worker  -> pending
+    join     the worker's draft is kept if the guessed path was accepted    -> hit (drafter state)
     commit   the accepted path to contiguous slots (target, drafter)       (caches)
 
 A plain step (D = 0, nothing looked up) is the same machinery over the root alone: only verify,
@@ -35,9 +37,9 @@ from ..shapes import SamplingParams
 from . import steps
 from .accept import Accepted, filter_probs, sample_choices, truncate, walk
 from .drafters import TopK
-from .egt import egt_expand, egt_feed_inputs, egt_init, egt_select
 from .lookup import LookupIndex, Proposal, propose
 from .merge import SOURCE_DRAFTER, SOURCE_LOOKUP, SOURCE_NAMES, merge_lookup, root_tree
+from .overlap import Speculation, draft_tree, fits, guess_path, speculate
 from .policy import StepChoice, StepPolicy
 from .prune import prune_topk, subtree
 from .tree import Tree, ancestor_mask, check_invariants
@@ -59,10 +61,12 @@ class Request:
     synced: bool = True  # the drafter holds everything below sync_from
     sync_from: int = 0
     ahead_head: TopK | None = None  # [1, k] the next root's head, picked up at the commit
+    spec: Speculation | None = None  # the next step's tree, drafted on the worker (a used guess)
     keep_feats: bool = False  # keep target features of committed tokens (for resyncs)
     counters: dict = field(default_factory=lambda: {
         "verify_calls": 0, "draft_calls": 0, "accepted_tokens": 0, "accept_hist": [],
         "plain_steps": 0, "resyncs": 0, "lookup_steps": 0, "ahead_calls": 0,
+        "spec_steps": 0, "spec_hits": 0, "spec_ms": 0.0,
         "by_source": {name: 0 for name in SOURCE_NAMES},
     })
 
@@ -95,6 +99,8 @@ class Step:
     new: list[int] = field(default_factory=list)  # tokens emitted this step
     reason: str | None = None  # "stop" | "length" once decoding ends
     room: int = 0  # > 0: the ahead call ran, its head rows at slots L + room + v
+    pending: object = None  # the worker's job under way (a Future of a Speculation)
+    hit: bool = False  # the worker's guess was accepted: it committed the path in the drafter
 
     @property
     def drafted(self) -> bool:
@@ -160,22 +166,18 @@ def refine(eng, req: Request, st: Step) -> None:
 
 
 def draft(eng, req: Request, st: Step) -> None:
-    """D levels: EGT picks W_d nodes, the drafter proposes the top-k children of each."""
+    """D levels: EGT picks W_d nodes, the drafter proposes the top-k children of each (or the
+    tree the worker drafted from an accepted guess, when the choice is the one it drafted)."""
+    spec, req.spec = req.spec, None
     if not st.drafted:
         if len(st.prop):  # lookup-only: the chains hang from the root alone
             st.tree = root_tree(st.root)
         return
-    drafter, k = eng.drafter, eng.envelope.top_k
-    state = egt_init(st.root, st.head.token[0], st.head.logp[0], st.d, st.wd)
-    for s in range(st.d):
-        state, fed = egt_select(state, s)
-        if s == st.d - 1 and not drafter.feeds_leaves:
-            break  # the children of the last level would never be picked
-        tokens, pos, rows = egt_feed_inputs(state, fed, st.L)
-        top = drafter.step(tokens, pos - st.L, fed, state.tree.parent[fed], rows, st.L, k)
-        state = egt_expand(state, fed, top.token, top.logp)
-    req.counters["draft_calls"] += st.d + int(drafter.feeds_leaves)
-    st.tree = state.tree
+    if spec is not None and (spec.d, spec.wd) == (st.d, st.wd) and st.head is spec.head:
+        st.tree = spec.tree
+        return
+    st.tree, calls = draft_tree(eng.drafter, st.root, st.head, st.d, st.wd, st.L, eng.envelope.top_k)
+    req.counters["draft_calls"] += calls + 1  # + the head
 
 
 def merge(eng, req: Request, st: Step) -> None:
@@ -265,6 +267,34 @@ def ahead(eng, req: Request, st: Step) -> None:
     req.counters["ahead_calls"] += 1
 
 
+def fork(eng, req: Request, st: Step) -> None:
+    """Start drafting the next step on the drafter's worker, from the verified path the drafter
+    scores highest (runtime/overlap.py); the target verifies meanwhile."""
+    if not st.drafted or eng.worker is None:
+        return
+    guess = guess_path(st.vtree, st.kept, st.src)
+    if fits(req.committed, guess.n, st.d, st.wd, eng.n_slots):
+        st.pending = eng.worker.submit(speculate, eng.drafter, guess, st.L, st.d, st.wd,
+                                       eng.envelope.top_k, eng.n_slots)
+
+
+def join(eng, req: Request, st: Step) -> None:
+    """Wait for the worker; keep its draft if the acceptance returned the guessed path and bonus,
+    else put the drafter's state back (the commit and the next draft then run in sequence)."""
+    if st.pending is None:
+        return
+    spec, st.pending = eng.worker.result(st.pending), None
+    c = req.counters
+    c["spec_steps"] += 1
+    c["draft_calls"] += spec.calls
+    c["spec_ms"] += spec.worker_ms
+    if st.reason is None and spec.matches(st.acc.path.tolist(), st.n_acc, st.new[-1]):
+        c["spec_hits"] += 1
+        st.hit, req.spec, req.ahead_head = True, spec, spec.head
+    else:
+        eng.drafter.restore(spec.snapshot)
+
+
 def commit(eng, req: Request, st: Step) -> None:
     """Move the accepted path's KV to contiguous slots (target and drafter), keep features."""
     if st.reason is None and not st.plain:
@@ -274,6 +304,8 @@ def commit(eng, req: Request, st: Step) -> None:
         feats = tuple(x[st.acc.path] for x in st.caps)
         if st.room:  # the ahead call holds every verified node: keep the path and the leaf's head
             req.ahead_head = eng.drafter.take(path, st.acc.n_accepted, st.room, st.L, eng.envelope.top_k)
+        elif st.hit:
+            pass  # the worker committed the guessed path inside the drafter
         elif st.drafted:
             # a lookup-only node has no drafter state: its move is a no-op, and a drafter whose
             # commit keeps its own KV catches up from it before its next step
@@ -305,5 +337,5 @@ def commit(eng, req: Request, st: Step) -> None:
 STAGE_FNS: dict[str, Callable[[object, Request, Step], None]] = {
     "lookup": lookup, "choose": choose, "resync": resync, "head": head, "refine": refine,
     "draft": draft, "merge": merge, "size": size, "prune": prune, "verify": verify,
-    "accept": accept, "ahead": ahead, "commit": commit,
+    "accept": accept, "ahead": ahead, "fork": fork, "join": join, "commit": commit,
 }
