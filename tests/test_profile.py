@@ -6,6 +6,8 @@ refused."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +60,8 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
     assert (out / "cpu-test.csv").is_file() and (out / "cpu-test.png").is_file()
     cost = CostModel.from_profile(out / "cpu-test.json", load_plan(plan_path))
     assert cost.t_verify(4, 10) > 0 and cost.plain_ms(10) > 0
+    check_stage_forms(prof["stage_forms"], replace(load_plan(plan_path), profile=str(out / "cpu-test.json")),
+                      tmp_path)
     before = (out / "cpu-test.json").read_text()
     assert main(args) == 1  # exists: refused, file untouched
     assert "already exists (pass --force" in capsys.readouterr().err
@@ -65,6 +69,37 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
     assert main(["profile", "--hw", "../x", "--plan", str(plan_path), "--out-dir", str(out)]) == 1
     assert "use letters, digits" in capsys.readouterr().err
     assert not (out.parent / "x.json").exists()
+
+
+def check_stage_forms(forms, plan, tmp):
+    """Every thread split measured: alone (verify, head, draft, the ahead call) and overlapped
+    (every W_v, W_d pair); the plan search reads them and picks one of its candidates."""
+    from yggtree.offline.compile import compile_plan
+    from yggtree.offline.plan_search import candidates, search_plan
+    from yggtree.runtime.build import searched_stages
+    from yggtree.offline.profile_stages import thread_splits
+    from yggtree.runtime.schedule import usable_cores
+
+    assert list(forms["splits"]) == thread_splits(usable_cores())
+    for split, rec in forms["splits"].items():
+        assert set(rec["verify_ms"]) == {"2", "4"}
+        if "+" in split:
+            assert set(rec["pair"]) == {f"{wv},{wd}" for wv in (2, 4) for wd in (1, 2)}
+            assert all(p["wall_ms"] > 0 and p["spec_ms"] > 0 for p in rec["pair"].values())
+        else:
+            assert set(rec["ahead_ms"]) == {"2", "4"} and rec["head_ms"] > 0
+    found = search_plan(plan)
+    assert found["candidates"] == candidates(forms) and found["chosen"] in found["candidates"]
+    assert all(set(r["predicted_ms"]) == set(found["candidates"]) for r in found["per_shape"])
+    # compile records the search in the manifest; `--stages auto` of a `stages: auto` plan runs it
+    summary = compile_plan(replace(plan, stages="auto"), tmp / "compile")
+    assert summary["stage_plan"] == found and searched_stages(summary["dir"]) == found["chosen"]
+    # a profile made before stage forms existed: no candidates, the runtime runs sequential
+    old = json.loads(Path(plan.profile).read_text())
+    del old["stage_forms"]
+    (tmp / "old.json").write_text(json.dumps(old))
+    summary = compile_plan(replace(plan, stages="auto", profile=str(tmp / "old.json")), tmp / "compile-old")
+    assert summary["stage_plan"] is None and searched_stages(summary["dir"]) == "sequential"
 
 
 def test_calibrate_writes_a_loadable_calibration(plan_path, tmp_path, capsys):

@@ -50,7 +50,9 @@ profile        path | null      null           hardware profile JSON (must exist
                                                (:func:`plan_min_rows`)
 predictor      path | null      null           depth predictor (must exist)
 calibration    path | null      null           acceptance calibration (must exist)
-stages         str              sequential     execution plan: sequential | ahead (runtime/schedule.py)
+stages         str              sequential     execution plan: sequential | ahead | overlap, with an
+                                               optional thread split (@T, @T+D), or auto: the
+                                               compile-time plan search's choice (runtime/schedule.py)
 ============== ================ ============== ==================================================
 
 Relative paths (target, drafter, profile, predictor, calibration) are relative to the plan
@@ -85,7 +87,7 @@ from typing import Any
 
 from .errors import YggError
 from .files import file_sha256
-from .runtime.schedule import PLANS
+from .runtime.schedule import PLANS, split_name
 from .shapes import (
     DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
     DEFAULT_TOP_K, DEFAULT_VERIFY_WIDTH, MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes,
@@ -339,6 +341,21 @@ def _str(d: dict, key: str, default: str | None, origin: str, choices=None) -> s
     return v
 
 
+def _stages(v: str, origin: str) -> str:
+    """``auto`` (the compile-time plan search's choice) or a named execution plan with an optional
+    thread split (``ahead``, ``overlap@1+1``); the split is checked against the cores at run time."""
+    if v == "auto":
+        return v
+    try:
+        name, _, _ = split_name(v)
+    except YggError as e:
+        raise YggError(f"{_where('stages', origin)}: {e}") from None
+    if name not in STAGE_PLANS:
+        raise YggError(f"{_where('stages', origin)}: unknown value {v!r} (choose from auto, "
+                       f"{', '.join(STAGE_PLANS)}, optionally with @T or @T+D)")
+    return v
+
+
 def _widths(d: dict, key: str, default: tuple[int, ...], origin: str) -> tuple[int, ...]:
     v = d.get(key, list(default))
     if isinstance(v, int) and not isinstance(v, bool):
@@ -442,7 +459,7 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
     paths = {}
     for k in PATH_KEYS:
         paths[k] = _path(raw.get(k), k, base, origin)
-    stages = _str(raw, "stages", "sequential", origin, STAGE_PLANS)
+    stages = _stages(_str(raw, "stages", "sequential", origin), origin)
     return Plan(
         name=name,
         target=target,

@@ -64,6 +64,8 @@ from ..plan import (
     versions,
 )
 
+from .plan_search import search_plan
+
 OLD_CACHE_SUBDIR = "inductor-cache"  # manifest format 1 (removed by a rebuild)
 
 # ----------------------------------------------------------------------------- helpers
@@ -270,6 +272,7 @@ def compile_plan(
             # predictor, stages): refresh the plan copy and the manifest, keep every package
             save_plan(plan, art / PLAN_COPY)
             m = {**m, "plan_hash": plan.hash(), "plan": plan.to_dict(relative_to=art),
+                 "stage_plan": search_plan(plan),
                  "plan_updated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             _write_manifest(art, m)
             status = "plan-updated"
@@ -331,6 +334,9 @@ def compile_plan(
         "load_s": info["load_s"],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "replaced_because": stale,
+        # the execution plan search over the profile's stage forms (plan_search.py; None: no
+        # data): `--stages auto` runs its choice when the plan's stages field is `auto`
+        "stage_plan": search_plan(plan),
     }
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)
     _write_manifest(art, manifest)

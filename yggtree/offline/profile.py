@@ -8,6 +8,8 @@ What is timed is exactly what the decode loop calls, on the compiled graphs the 
 - head    the drafter's head call (fixed width)
 - stages  the non-model work of a step: EGT select/expand per call, pruning (top-k, re-index,
   ancestor table) per W_v, the objective's W_v choice, acceptance per W_v, KV commit
+- stage forms  the stages as the execution plans run them, under every thread split, alone and
+  overlapped (:mod:`yggtree.offline.profile_stages`; the plan search reads them)
 
 for W in 1..128 (powers of two and the plan's widths) and one context per context bucket
 (attention reads the whole bucket, so that is where latency changes). Each point: warm-up calls,
@@ -244,35 +246,13 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widt
     return out
 
 
-def random_tree(plan, wd: int, seed: int = 0):
-    """A full EGT tree of the plan's envelope depth at width ``wd`` with random proposals."""
-    import torch
-
-    from ..runtime.egt import egt_expand, egt_init, egt_select
-
-    g = torch.Generator().manual_seed(seed)
-    k = plan.top_k
-
-    def topk(rows):
-        lp = torch.log_softmax(torch.randn(rows, 4 * k, generator=g), -1)
-        val, idx = torch.topk(lp, k, -1)
-        return idx, val
-
-    tok, lp = topk(1)
-    state = egt_init(torch.tensor(0), tok[0], lp[0], plan.d_max, wd)
-    for s in range(plan.d_max):
-        state, fed = egt_select(state, s)
-        tok, lp = topk(wd)
-        state = egt_expand(state, fed, tok, lp)
-    return state
-
-
 def stage_calls(engine, plan):
     """(stage, key, thunk) for the non-model work of a step at the plan's widths."""
     import torch
 
     from ..runtime import steps
     from ..runtime.accept import greedy_accept
+    from .profile_stages import random_tree
     from ..runtime.egt import egt_expand, egt_feed_inputs, egt_select
     from ..runtime.calibration import Calibration, aal_by_width, path_values
     from ..runtime.objective import best_verify
@@ -394,7 +374,9 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     import torch
 
     from ..runtime.graphs import context_buckets
+    from ..runtime.schedule import usable_cores
     from .fit import fit_profile
+    from .profile_stages import measure_stage_forms
 
     torch.set_num_threads(threads)
     device = detect_device()
@@ -437,7 +419,8 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
         drafted = set(plan.draft_widths) if grid.widths else set(widths)
         engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)), engine.drafter.target_layers)
-        engine.drafter.setup(n_slots, sorted(drafted | {1, *plan.draft_widths}), plan.prefill_chunk)
+        ahead = {2 * w for w in plan.verify_widths}  # the ahead-of-time call (stage_forms)
+        engine.drafter.setup(n_slots, sorted(drafted | ahead | {1, *plan.draft_widths}), plan.prefill_chunk)
     compile_s = time.perf_counter() - t0 + built
     rows, stages = [], {}
     with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen():
@@ -456,6 +439,8 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
                 else:
                     stages.setdefault(name, {})[str(key)] = s["median_ms"]
                 progress.advance(task)
+        sys.stderr.write(f"profile {hw}: stage forms (ahead-of-time, each thread split, overlapped)...\n")
+        forms = measure_stage_forms(engine, plan, contexts[0], grid.warmup, grid.repeats, usable_cores())
     from ..runtime.artifacts import FORMAT_VERSION, PROFILE_KIND, timing_identity
     from ..runtime.cost import CostModel
 
@@ -479,6 +464,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         "compile_s": round(compile_s, 1),
         "points": rows,
         "stage_ms": stages,
+        "stage_forms": forms,  # profile_stages.py: ahead-of-time and overlapped stage times
         PADDING_KEY: padding,
         "fit": fit,
         "fit_error": errors,

@@ -187,7 +187,8 @@ def drafter_widths(plan) -> list[int]:
     """Widths the engine asks its drafter to build (``Drafter.setup``): 1 (the head of a
     standalone LM), every W_d, and with an ahead-of-time stage plan 2 W_v for every W_v (1
     included: the ahead call); the drafter adds its own (prefill chunk, EAGLE's D_max + 1)."""
-    ahead = plan.speculative and resolve_plan(plan.stages, True).ahead
+    # a plan whose stages the compile-time search picks (auto) may run the ahead call
+    ahead = plan.speculative and (plan.stages == "auto" or resolve_plan(plan.stages, True).ahead)
     return sorted({1, *plan.draft_widths, *((2 * w for w in (1, *plan.verify_widths)) if ahead else ())})
 
 
@@ -239,6 +240,8 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     ``min_rows`` overrides the padding of short packed products the plan's profile measured
     (packages hold theirs: with ``artifacts`` an override they were not compiled with finds no
     package)."""
+    if stages == "auto" and plan.stages == "auto" and artifacts is not None:
+        stages = searched_stages(artifacts)
     spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows)
     prepare = None
     if artifacts is not None and spec.mode == "performance" and plan.backend == "inductor-cpu":
@@ -246,6 +249,14 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     engine, tokenizer = build_engine(spec, prepare)
     warm_plan(engine, plan)
     return engine, tokenizer
+
+
+def searched_stages(art: str | Path) -> str:
+    """The execution plan ``yggtree compile``'s plan search chose (its manifest's ``stage_plan``);
+    ``sequential`` when it had no data."""
+    m = read_manifest(Path(art)) or {}
+    chosen = (m.get("stage_plan") or {}).get("chosen")
+    return chosen if isinstance(chosen, str) else "sequential"
 
 
 def _package_installer(art: Path):
