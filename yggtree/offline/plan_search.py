@@ -20,6 +20,8 @@ Everything here is a pure function of its arguments.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..runtime.schedule import split_name
 
 
@@ -102,15 +104,26 @@ def plan_shapes(plan) -> list[tuple[int, int, int]]:
 
 def search_plan(plan) -> dict | None:
     """:func:`search` over ``plan``'s shapes from its profile's stage forms and its calibration's
-    AAL table (None: no profile, no drafter, or a profile without stage forms)."""
+    AAL table (None: no profile, no drafter, or a profile without stage forms, such as one made
+    before they existed). The profile's device is not checked here: a run checks it."""
     if plan.profile is None or not plan.speculative:
         return None
-    from ..runtime.artifacts import PROFILE_KIND, read_artifact
+    import json
+    from dataclasses import replace
+
+    from ..runtime.build import drafter_feeds_leaves
     from ..runtime.calibration import Calibration
     from ..runtime.cost import CostModel
 
-    cost = CostModel.from_profile(plan.profile, plan)  # identity and device checked
-    forms = read_artifact(plan.profile, "profile", PROFILE_KIND).get("stage_forms")
+    try:
+        prof = json.loads(Path(plan.profile).read_text())
+    except (OSError, ValueError):
+        return None
+    forms = prof.get("stage_forms") if isinstance(prof, dict) else None
+    if not candidates(forms):
+        return None
+    cost = replace(CostModel.from_profile_dict(prof, f"profile {plan.profile}"),
+                   feeds_leaves=drafter_feeds_leaves(plan))
     calib = Calibration.load(plan.calibration, plan) if plan.calibration else None
     aal, cols = (calib.aal, calib.verify_widths) if calib is not None else (None, ())
     return search(forms, plan_shapes(plan), lambda s: cost.overhead_ms(*s),
