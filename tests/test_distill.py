@@ -311,9 +311,9 @@ def test_cli_parser_registers_distill():
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    D.add_distill_parser(sub)
+    D.add_parser(sub)
     args = parser.parse_args(["distill", "--draft-vocab", "4096", "--unroll", "2", "--target-layers", "2,15,-1"])
-    assert args.func is D.run_distill
+    assert args.func is D.run
     cfg = D._cfg_from_args(args)
     assert cfg.draft_vocab == 4096 and cfg.unroll == 2 and cfg.model == "default"
     assert cfg.target_layers == (2, 15, -1)

@@ -519,7 +519,8 @@ def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(mon
     """`yggtree run --prompt ...`: the default plan fills unset flags; a ready tuned plan is used
     only when no model, drafter, tree or context flag says otherwise."""
     import yggtree.plan as plan_mod
-    from yggtree.cli import _pick_plan, build_parser
+    from yggtree.cli import build_parser
+    from yggtree.run_cmd import _pick_plan
 
     ready = tmp_path / "tuned.yaml"
     monkeypatch.setattr(plan_mod, "find_tuned_plan", lambda dtype, device, *a, **k: (ready, None))

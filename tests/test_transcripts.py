@@ -385,8 +385,8 @@ def test_cli_on_a_non_zero_rank_exits_cleanly(monkeypatch, capsys, tmp_path):
     import argparse
 
     p = argparse.ArgumentParser()
-    D.add_distill_arguments(p)
+    D.add_arguments(p)
     args = p.parse_args(["--out", str(tmp_path / "o"), "--transcripts", str(tmp_path)])
     monkeypatch.setattr(D, "distill", lambda cfg, argv=None: {"complete": True, "rank": 1})
-    assert D.run_distill(args) == 0
+    assert D.run(args) == 0
     assert capsys.readouterr().out == ""

@@ -36,10 +36,10 @@ SPACE = ["--space", "prefill_chunk=4,8", "--space", "lookup=0,2", "--space", "to
          "--space", "d_max=1..2"]
 DRIVER = textwrap.dedent("""
     import argparse, os, signal, sys, time
-    from yggtree.offline.tune import add_tune_arguments, run_tune
+    from yggtree.offline.tune import add_arguments, run
     kill_at, kill_from, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     p = argparse.ArgumentParser()
-    add_tune_arguments(p)
+    add_arguments(p)
     args = p.parse_args(sys.argv[4:])
     args.argv = sys.argv[4:]
     def on_event(name, number):
@@ -47,7 +47,7 @@ DRIVER = textwrap.dedent("""
             time.sleep(pause)  # slow trials: two processes surely overlap
         if name == kill_at and number >= kill_from:
             os.kill(os.getpid(), signal.SIGKILL)
-    sys.exit(run_tune(args, on_event))
+    sys.exit(run(args, on_event))
 """)
 
 

@@ -406,7 +406,7 @@ def render_table(rows: list[dict], title: str):
     return table
 
 
-def run_bench(args) -> int:
+def run(args) -> int:
     """The ``bench`` subcommand: table on stdout, one JSON line last. Returns the exit code."""
     from rich.console import Console
 
@@ -479,7 +479,7 @@ def run_bench(args) -> int:
 # ----------------------------------------------------------------------------- argparse
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default', a HF directory or a .gguf file")
     p.add_argument("--dtype", default="both", choices=[*BENCH_DTYPES, "both"])
     p.add_argument(
@@ -496,21 +496,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON line (no table)")
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``bench`` on a CLI's subparsers; the handler is ``args.func = run_bench``."""
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``bench`` on a CLI's subparsers (help line, description, flags), handled by :func:`run`."""
     p = subparsers.add_parser(
         "bench",
         help="plain-decoding benchmark: transformers vs yggtree reference and compiled",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    add_bench_arguments(p)
-    p.set_defaults(func=run_bench)
+    add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.bench ...``: the same options as ``yggtree bench``."""
-    return module_main("yggtree.bench", "bench", __doc__, add_bench_arguments, run_bench, argv)
+    return module_main("yggtree.bench", "bench", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -423,14 +423,14 @@ def ensure_artifacts(plan: Plan, compile_missing: bool, compile_root: str | Path
 # ----------------------------------------------------------------------------- command line
 
 
-def add_compile_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan YAML file (see yggtree/plan.py for the schema)")
     p.add_argument("--out", default="compile", metavar="DIR", help="artifact root: DIR/<plan-name>/ (default: compile)")
     p.add_argument("--force", action="store_true", help="rebuild from an empty cache; replace another plan's artifacts")
     p.add_argument("--json", action="store_true", help="print only the JSON line (no table)")
 
 
-def run_compile(args) -> int:
+def run(args) -> int:
     """The ``compile`` subcommand: progress on stderr, table on stdout, one JSON line last."""
     from rich.console import Console
 
@@ -445,21 +445,21 @@ def run_compile(args) -> int:
     return 0
 
 
-def add_compile_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``compile`` on a CLI's subparsers; the handler is ``args.func = run_compile``."""
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``compile`` on a CLI's subparsers (help line, description, flags), handled by :func:`run`."""
     p = subparsers.add_parser(
         "compile",
         help="build every static graph of a plan into compile/<plan-name>/",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    add_compile_arguments(p)
-    p.set_defaults(func=run_compile)
+    add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.offline.compile ...``: the same options as ``yggtree compile``."""
-    return module_main("yggtree.offline.compile", "compile", __doc__, add_compile_arguments, run_compile, argv)
+    return module_main("yggtree.offline.compile", "compile", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

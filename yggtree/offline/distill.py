@@ -206,7 +206,7 @@ def distill(
     return manifest
 
 
-def run_distill(args) -> int:
+def run(args) -> int:
     """The ``distill`` subcommand. Returns the exit code."""
     cfg = _cfg_from_args(args)
     manifest = distill(cfg, getattr(args, "argv", None))
@@ -250,7 +250,7 @@ def _layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
 
 
-def add_distill_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DistillConfig()
     p.add_argument("--model", default=d.model, help="target: 'default', a HF directory or a .gguf file")
     p.add_argument("--out", default=d.out, help="output directory (config.json, model.safetensors, manifest.json, report/)")
@@ -317,15 +317,15 @@ def add_distill_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop after this many minutes of training with a checkpoint; the same command continues")
 
 
-def add_distill_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``distill`` on a CLI's subparsers; the handler is ``args.func = run_distill``."""
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``distill`` on a CLI's subparsers (help line, description, flags), handled by :func:`run`."""
     p = subparsers.add_parser(
         "distill",
         help="train an EAGLE-style drafter head for a target from the calibration corpus",
         description=__doc__.split("\n\n")[0],
     )
-    add_distill_arguments(p)
-    p.set_defaults(func=run_distill)
+    add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 
@@ -334,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m yggtree.offline.distill", description=__doc__)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_distill_arguments(parser)
+    add_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = argv
-    return run_reporting("yggtree distill", run_distill, args)
+    return run_reporting("yggtree distill", run, args)
 
 
 if __name__ == "__main__":

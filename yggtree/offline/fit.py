@@ -351,7 +351,7 @@ def plot_calibration(cal: dict, q, acc, depth, edges, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, help="plan YAML (default: the embedded default plan)")
     p.add_argument("--prompts", type=int, default=6, help="calibration prompts (default 6)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -361,24 +361,26 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing calibration")
 
 
-def _checked(args) -> int:
+def run(args) -> int:
+    """The ``calibrate`` subcommand: :func:`run_calibrate` once its flags are checked."""
     if args.prompts < 1 or args.max_new_tokens < 1 or args.threads < 1:
         raise YggError("--prompts, --max-new-tokens and --threads must be >= 1")
     return run_calibrate(args)
 
 
-def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``calibrate`` on a CLI's subparsers (help line, flags), handled by :func:`run`."""
     p = subparsers.add_parser(
         "calibrate", help="fit the drafter-probability -> acceptance map on calibration prompts"
     )
-    add_calibrate_arguments(p)
-    p.set_defaults(func=_checked)
+    add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.offline.fit ...``: the same options as ``yggtree calibrate``."""
-    return module_main("yggtree.offline.fit", "calibrate", __doc__, add_calibrate_arguments, _checked, argv)
+    return module_main("yggtree.offline.fit", "calibrate", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

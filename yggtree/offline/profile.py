@@ -564,7 +564,7 @@ def print_table(profile: dict) -> None:
     )
 
 
-def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hw", required=True, help="profile name, e.g. cpu-2core (profiles/<hw>.json; the profile records the device it measured)")
     p.add_argument("--plan", default=None, help="plan YAML (default: the embedded default plan)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -578,14 +578,15 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="inductor cache for the profiled graphs (reused by later runs)")
 
 
-def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``profile`` on a CLI's subparsers (help line, flags), handled by :func:`run`."""
     p = subparsers.add_parser("profile", help="measure latency curves of a plan's pair on this machine")
-    add_profile_arguments(p)
-    p.set_defaults(func=_checked_run)
+    add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 
-def _checked_run(args) -> int:
+def run(args) -> int:
     """``args.argv``: the subcommand's own arguments (set by both entry points), for the manifest."""
     if args.threads < 1:
         raise YggError(f"--threads must be >= 1, got {args.threads}")
@@ -596,7 +597,7 @@ def _checked_run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.offline.profile ...``: the same options as ``yggtree profile``."""
-    return module_main("yggtree.offline.profile", "profile", __doc__, add_profile_arguments, _checked_run, argv)
+    return module_main("yggtree.offline.profile", "profile", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

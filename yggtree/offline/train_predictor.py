@@ -649,7 +649,7 @@ def run_train_predictor(args) -> int:
     return 0
 
 
-def add_train_predictor_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, help="plan YAML (default: the embedded default plan)")
     p.add_argument("--prompts", type=int, default=32, help="calibration prompts to record (default 32)")
     p.add_argument("--first-prompt", type=int, default=0,
@@ -677,7 +677,8 @@ def add_train_predictor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="overwrite existing outputs")
 
 
-def _checked(args) -> int:
+def run(args) -> int:
+    """The ``train-predictor`` subcommand: :func:`run_train_predictor` once its flags are checked."""
     if min(args.prompts, args.max_new_tokens, args.threads, args.epochs, args.units) < 1:
         raise YggError("--prompts, --max-new-tokens, --threads, --epochs and --units must be >= 1")
     if args.first_prompt < 0:
@@ -689,20 +690,21 @@ def _checked(args) -> int:
     return run_train_predictor(args)
 
 
-def add_train_predictor_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``train-predictor`` on a CLI's subparsers (help line, flags), handled by :func:`run`."""
     p = subparsers.add_parser(
         "train-predictor",
         help="record deep-tree acceptance on calibration prompts and train the depth predictor",
     )
-    add_train_predictor_arguments(p)
-    p.set_defaults(func=_checked)
+    add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.offline.train_predictor ...``: the same options as ``yggtree train-predictor``."""
     return module_main("yggtree.offline.train_predictor", "train-predictor", __doc__,
-                       add_train_predictor_arguments, _checked, argv)
+                       add_arguments, run, argv)
 
 
 if __name__ == "__main__":

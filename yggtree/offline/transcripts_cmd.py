@@ -151,6 +151,7 @@ def run(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``transcripts`` on a CLI's subparsers (help line, description, flags), handled by :func:`run`."""
     p = subparsers.add_parser("transcripts", help="generate teacher transcript shards for drafter training",
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)

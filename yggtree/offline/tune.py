@@ -488,7 +488,7 @@ def write_plan_file(plan, path: Path, key: str, best: dict, report: dict) -> Pat
 # ----------------------------------------------------------------------------- the command
 
 
-def run_tune(args, on_event=None) -> int:
+def run(args, on_event=None) -> int:
     """The ``tune`` subcommand (``on_event(name, trial_number)`` is called at each stage of a
     trial: start, compile, measure, rung<N>, end, told (after its result is stored); the tests
     stop processes there)."""
@@ -578,7 +578,7 @@ def _check_args(args) -> None:
         raise YggError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
 
 
-def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hw", required=True, help="name of this machine's plan: profiles/<hw>.yaml")
     p.add_argument("--plan", default=None, help="base plan (default: the embedded default plan)")
     p.add_argument("--trials", type=int, default=40, help="trials in the study in all (default 40)")
@@ -609,17 +609,18 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
 
 
-def add_tune_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``tune`` on a CLI's subparsers (help line, flags), handled by :func:`run`."""
     p = subparsers.add_parser("tune", help="profile, calibrate, search plans with optuna and compile the best")
-    add_tune_arguments(p)
-    p.set_defaults(func=run_tune)
+    add_arguments(p)
+    p.set_defaults(func=run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.offline.tune ...``: the same options as ``yggtree tune`` (the local
     workers of ``--workers N`` run this way)."""
-    return module_main("yggtree.offline.tune", "tune", __doc__, add_tune_arguments, run_tune, argv)
+    return module_main("yggtree.offline.tune", "tune", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,355 @@
+"""``yggtree run``: generate text for a prompt.
+
+With ``--plan``, the compiled plan's engine, steered by its latency objective when the plan names
+a profile and a calibration. Without one, the default plan's settings fill the flags left unset,
+and a compiled plan tuned for this device is taken when nothing else is asked (else the default
+plan with a quick profile); engine flags alone build one fixed tree. The text streams to stdout
+with a summary line on stderr, or comes as one JSON object (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from .errors import YggError
+from .offline.compile import prepare_run
+from .quickstart import default_quick_start
+from .runtime.device import detect_device
+from .runtime.schedule import resolve_plan
+from .shapes import DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_VERIFY_WIDTH, TreeParams
+from .streaming import TextStream
+
+
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+_positive_int, _nonneg_int = _int_at_least(1), _int_at_least(0)
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
+    p.add_argument("--raw", action="store_true", help="send the prompt untouched (no chat template)")
+    p.add_argument("--model", default="default", help="default | HF directory | .gguf file")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=_float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: the default plan's (float32)")
+    p.add_argument("--mode", choices=["reference", "performance"], default="performance")
+    p.add_argument("--max-context", type=_positive_int, default=None,
+                   help="default: the default plan's (1024)")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help="default: the default plan's (64)")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="self | HF directory | .gguf | EAGLE head directory | none (default: plain decoding; "
+        "none with --lookup N: lookup-only speculation)",
+    )
+    p.add_argument(
+        "--lookup",
+        type=_nonneg_int,
+        default=None,
+        help="at most N lookup nodes per step: continuations of the prompt and the text generated so "
+        "far join the drafter's tree (0 disables; <= the verify width; default: the plan's, 0)",
+    )
+    p.add_argument("--no-speculate", action="store_true", help="plain decoding even with a drafter")
+    p.add_argument("--draft-width", type=_positive_int, default=None, help=f"W_d (default {DEFAULT_DRAFT_WIDTH})")
+    p.add_argument("--draft-depth", type=_positive_int, default=None, help=f"D (default {DEFAULT_DRAFT_DEPTH})")
+    p.add_argument("--verify-width", type=_positive_int, default=None, help=f"W_v (default {DEFAULT_VERIFY_WIDTH})")
+    p.add_argument(
+        "--stages",
+        default="auto",
+        help="execution plan of a decode step: auto (default: the plan's recorded one, else "
+        "sequential) | sequential | ahead (ahead-of-time tail and head draft) | a comma-separated "
+        "stage order (ablations)",
+    )
+    p.add_argument("--threads", type=_nonneg_int, default=0,
+                   help="intra-op threads while decoding (0: torch's default; at most the cores)")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="default: the default plan's (4)")
+    p.add_argument(
+        "--depth",
+        default="auto",
+        help="with --plan: draft depth D per step; auto (default) = the plan's depth predictor if it "
+        "names one, else the latency objective's choice; N = always N drafter calls (1..d_max)",
+    )
+    p.add_argument(
+        "--plan",
+        metavar="PLAN_YAML",
+        help="run a compiled plan (its model, drafter, dtype, context and graphs); widths must be "
+        "in its compiled sets. Default: a plan tuned for this device and --dtype if one is "
+        "compiled (in ~/.local/share/yggtree/profiles/, or a checkout's profiles/), else the "
+        "default plan (yggtree/plans/default.yaml), which decodes "
+        "plainly on a device it has no latency profile for",
+    )
+    p.add_argument(
+        "--no-feedback",
+        action="store_true",
+        help="with --plan: the objective uses its offline profile and calibration only, without "
+        "correcting them from the measured steps",
+    )
+    p.add_argument(
+        "--compile-missing",
+        action="store_true",
+        help="with --plan: compile missing or stale artifacts instead of refusing",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument(
+        "--trace", metavar="FILE", help="write a JSONL record per decode step (reference mode only)"
+    )
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``run`` on a CLI's subparsers (help line, flags), handled by :func:`run`."""
+    p = subparsers.add_parser("run", help="generate text for a prompt")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    """The ``run`` subcommand: checks every flag before loading, builds the engine, generates."""
+    from .runtime.engine import SamplingParams
+    from .runtime.loading import encode_prompt
+
+    try:
+        args.prompt.encode("utf-8")  # undecodable argv bytes arrive as lone surrogates
+    except UnicodeEncodeError as e:
+        raise YggError(f"the prompt is not valid UTF-8 (undecodable byte at position {e.start})") from None
+    if not args.prompt.strip():
+        raise YggError("the prompt is empty")
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    params.validate()
+    resolve_plan(args.stages, True, threads=args.threads)  # a bad plan is refused before loading
+    if args.trace and args.mode != "reference":
+        raise YggError("--trace needs --mode reference")
+    if args.depth != "auto" and not args.plan:
+        raise YggError("--depth needs --plan (without a plan, --draft-depth sets a fixed tree)")
+    if args.depth != "auto" and args.draft_depth is not None:
+        raise YggError("--depth and --draft-depth exclude each other (--depth keeps the objective's "
+                       "widths, --draft-depth fixes the whole tree)")
+    if args.drafter == "none":  # lookup-only speculation with --lookup N, else plain decoding
+        if args.plan:
+            raise YggError("--drafter none and --plan exclude each other (a plan names its drafter)")
+        args.drafter, args.drafter_none = None, True
+    policy = None
+    if not args.plan:
+        _pick_plan(args)
+    if getattr(args, "quick", None) is not None:  # speculation by default
+        engine, tok, policy = args.quick.engine()
+    elif args.plan:
+        engine, tok, policy = _plan_engine(args)
+    else:
+        engine, tok = _flag_engine(args)
+    ids = encode_prompt(tok, args.prompt, raw=args.raw)
+    with open_trace(args.trace) as trace:
+        return _generate(args, engine, tok, ids, params, trace, policy)
+
+
+def _pick_plan(args) -> None:
+    """Without --plan: the default plan's settings fill the flags left unset, and when the run
+    asks for nothing but the embedded default (no model, drafter, tree or context flags), a compiled plan
+    tuned for this device and dtype (``yggtree.plan.find_tuned_plan``) is used instead: it
+    speculates by its measured latency objective. With none, decoding is plain: on a device
+    without a latency profile nothing says that speculation would pay."""
+    from .plan import default_plan, find_tuned_plan
+
+    base = default_plan()
+    shaped = (args.max_context, args.prefill_chunk, args.top_k, args.draft_width, args.draft_depth,
+              args.verify_width) != (None,) * 6  # flags a plan would otherwise decide
+    for flag, value in (("dtype", base.dtype), ("max_context", base.max_context),
+                        ("prefill_chunk", base.prefill_chunk), ("top_k", base.top_k)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    only_defaults = (args.model == "default" and args.drafter is None and not args.no_speculate
+                     and args.mode == "performance" and not shaped
+                     and not getattr(args, "drafter_none", False))
+    if not only_defaults:
+        return
+    device = detect_device()
+    ready, waiting = find_tuned_plan(args.dtype, device)
+    if ready is not None:
+        sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
+        args.plan = str(ready)
+        args.no_default_note = None
+    else:  # no compiled tuned plan: the default plan with a quick profile (yggtree.quickstart)
+        import torch
+
+        compile_hint = waiting and f"`yggtree compile {waiting}` once to speculate with the plan tuned for it"
+        args.quick, why = default_quick_start(args.dtype, device, torch.get_num_threads(), compile_hint)
+        args.no_default_note = (f"plan {waiting} is tuned for this {device['kind']} but not compiled: "
+                                f"{compile_hint}" if waiting is not None else
+                                why and f"no tuned plan for this {device['kind']} in {args.dtype}: {why}")
+
+
+def _plan_engine(args):
+    from .plan import artifact_dir
+    from .runtime.build import build_plan_engine, fixed_policy
+
+    plan = prepare_run(args.plan, args.compile_missing)
+    art = artifact_dir(plan) if plan.backend != "eager" else None
+    mode = "reference" if args.mode == "reference" else None
+    from .runtime.objective import plan_policy
+
+    fixed = (args.draft_width, args.verify_width, args.draft_depth) != (None, None, None)
+    depth = _depth_flag(args.depth, plan)
+    policy = (None if fixed or args.no_speculate  # checked before loading
+              else plan_policy(plan, feedback=not args.no_feedback))
+    if policy is None and plan.predictor is not None and not (fixed or args.no_speculate):
+        raise YggError(f"plan {plan.name!r} names a depth predictor but no profile and calibration: "
+                       "choosing a depth needs the latency objective")
+    # without an objective, --depth N is the depth of one fixed tree
+    draft_depth = args.draft_depth if policy is not None or depth is None else depth
+    lookup = 0 if args.no_speculate else (plan.lookup if args.lookup is None else args.lookup)
+    if lookup and not plan.speculative:
+        raise YggError(f"--lookup {lookup}: plan {plan.name!r} has no drafter and compiles no verify "
+                       "widths (lookup-only decoding: --drafter none --lookup N without a plan)")
+    _check_lookup(lookup, max(plan.verify_widths) if plan.speculative else 1)
+    engine, tok = build_plan_engine(plan, art, mode, stages=args.stages, threads=args.threads)
+    if engine.drafter is not None:
+        engine.set_lookup(lookup)
+    if policy is not None:
+        from .runtime.predictor import policy_with_predictor
+
+        if depth is None:
+            policy = policy_with_predictor(plan, policy, hidden_size=engine.target.cfg.hidden_size)
+        else:
+            policy = policy.fresh(depth_fn=lambda h_root, committed: depth)
+    if engine.drafter is not None and not args.no_speculate and policy is None:
+        policy = fixed_policy(engine, plan, args.draft_width, args.verify_width, draft_depth)
+    if args.no_speculate and engine.drafter is not None:
+        from .runtime.policy import FixedPolicy, StepChoice
+
+        policy = FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1)  # plain steps only
+    return engine, tok, policy
+
+
+def _depth_flag(text: str, plan) -> int | None:
+    """``--depth``: None for auto, else N checked against the plan's 1..d_max."""
+    if text == "auto":
+        return None
+    try:
+        d = int(text)
+    except ValueError:
+        raise YggError(f"--depth must be auto or an integer, got {text!r}") from None
+    if not plan.speculative:
+        raise YggError(f"--depth {d}: plan {plan.name!r} has no drafter")
+    if not 1 <= d <= plan.d_max:
+        raise YggError(f"--depth {d} is outside the plan's 1..d_max ({plan.d_max})")
+    return d
+
+
+def _flag_engine(args):
+    from .runtime.build import EngineSpec, build_engine
+    drafter = None if args.no_speculate else args.drafter
+    lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
+    # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
+    wv = args.verify_width or (min(lookup + 1, DEFAULT_VERIFY_WIDTH) if lookup and not drafter
+                               else DEFAULT_VERIFY_WIDTH)
+    tree = TreeParams(args.draft_width or DEFAULT_DRAFT_WIDTH, args.draft_depth or DEFAULT_DRAFT_DEPTH,
+                      wv, args.top_k)
+    if drafter or lookup:
+        tree.validate()
+    _check_lookup(lookup, tree.verify_width)
+    spec = EngineSpec(
+        model=args.model,
+        drafter=drafter,
+        dtype=args.dtype,
+        mode=args.mode,
+        max_context=args.max_context,
+        prefill_chunk=args.prefill_chunk,
+        tree=tree,
+        lookup=lookup,
+        stages="sequential" if args.stages == "auto" else args.stages,
+        threads=args.threads,
+    )
+    return build_engine(spec)
+
+
+def _check_lookup(n: int, verify_width: int) -> None:
+    """``--lookup N``: at most the verify width (the root and N - 1 lookup nodes fill it)."""
+    if n > verify_width:
+        raise YggError(f"--lookup {n} exceeds the verify width ({verify_width})")
+
+
+@contextlib.contextmanager
+def open_trace(path: str | None):
+    """A callable writing one JSON line per record to ``path`` (None: no trace)."""
+    if path is None:
+        yield None
+        return
+    try:
+        f = open(path, "x")  # never overwrite a user's file
+    except FileExistsError:
+        raise YggError(f"trace file already exists: {path}") from None
+    except OSError as e:
+        raise YggError(f"cannot write trace file {path}: {e.strerror}") from None
+    with f:
+        yield lambda rec: f.write(json.dumps(rec) + "\n")
+
+
+def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
+    steps: dict[str, int] = {}
+
+    def on_step(rec) -> None:  # how often each (D, W_d, W_v) ran
+        d = rec.choice.draft_depth
+        key = f"{d},{rec.choice.draft_width if d else 0},{rec.verify_width}"
+        steps[key] = steps.get(key, 0) + 1
+
+    kw = {"policy": policy, "on_step": on_step} if policy is not None else {}
+    if args.json:
+        res = engine.generate(ids, params, trace=trace, **kw)
+        if policy is not None:
+            res.stats["steps_by_choice"] = dict(sorted(steps.items()))
+            log = getattr(policy, "log", None)  # the objective's prediction of every step
+            if log:
+                from .runtime.prediction import predicted_speedup
+
+                res.stats["predicted_speedup"] = round(predicted_speedup(log), 4)
+        text = tok.decode(res.token_ids, skip_special_tokens=True)
+        obj = {
+            "text": text,
+            "token_ids": res.token_ids,
+            "prompt_token_ids": res.prompt_token_ids,
+            "finish_reason": res.finish_reason,
+            "stats": res.stats,
+        }
+        print(json.dumps(obj))
+        return 0
+    stream = TextStream(tok, sys.stdout)
+    res = engine.generate(ids, params, on_tokens=stream.push, trace=trace, **kw)
+    stream.close()
+    s = res.stats
+    extra = f", aal {s['aal']:.2f}" if "aal" in s else ""
+    note = getattr(args, "no_default_note", None)
+    if note and "aal" not in s:
+        extra += f", plain decoding ({note})"
+    sys.stderr.write(
+        f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
+        f"tpot {s['tpot_ms']:.1f} ms{extra}, compile {s['compile_s']:.1f} s, "
+        f"finish: {res.finish_reason}]\n"
+    )
+    return 0
