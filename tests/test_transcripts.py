@@ -323,6 +323,30 @@ def _ddp_worker(rank: int, world: int, port: int, path: str) -> None:
     dist.destroy_process_group()
 
 
+def _budget_worker(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # rank 0 alone has used up its time budget: both must stop at this step
+    torch.save([DT.any_rank(rank == 0, world), DT.any_rank(False, world)], f"{path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_a_budget_stop_on_one_rank_stops_every_rank(tmp_path):
+    """The ranks' clocks differ: the budget stop is agreed, so no rank waits for another's
+    gradients after it stopped (a run once ended with 'Connection closed by peer')."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_budget_worker, args=(2, port, str(tmp_path / "b")), nprocs=2, join=True)
+    assert [torch.load(f"{tmp_path / 'b'}.{r}") for r in range(2)] == [[True, False], [True, False]]
+
+
 def test_data_parallel_gradients_are_averaged_over_processes(tmp_path):
     import socket
 

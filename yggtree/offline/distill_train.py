@@ -119,6 +119,16 @@ def _all_reduce_grads(params, world: int) -> None:
             p.grad.div_(world)
 
 
+def any_rank(flag: bool, world: int) -> bool:
+    """True on every process when it is true on any: a decision (the time budget is used up) that
+    the ranks must take at the same step, or the ones still training wait for gradients forever."""
+    if world == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def train(
     net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: DistillConfig, progress, log,
     layout: FeatureLayout, ckpt: Path | None = None, identity: dict | None = None,
@@ -239,7 +249,7 @@ def train(
         )
         progress.update(task, advance=1, description=desc)
         plain_log(f"{desc}: step {step}/{total}", force="val_kl" in row)
-        over = budget_s is not None and time.perf_counter() - t0 >= budget_s and step < total
+        over = budget_s is not None and step < total and any_rank(time.perf_counter() - t0 >= budget_s, world)
         if step % cfg.checkpoint_every == 0 or step == total or over:
             checkpoint()
         if over:
