@@ -14,7 +14,7 @@ from .offline import distill, fit, profile, train_predictor, transcripts_cmd, tu
 
 
 # the offline extra (pyproject.toml), by import name: what the measuring and training commands need
-OFFLINE_EXTRA = {"sklearn": "scikit-learn", "pandas": "pandas", "matplotlib": "matplotlib"}
+OFFLINE_EXTRA = {"sklearn": "scikit-learn", "pandas": "pandas", "matplotlib": "matplotlib", "optuna": "optuna"}
 OFFLINE_COMMANDS = ("profile", "calibrate", "train-predictor", "distill", "tune")
 
 
