@@ -85,7 +85,7 @@ class QuickStart:
 
             t1 = time.perf_counter()
             widths = tuple(sorted({1, *self.plan.verify_widths}))
-            grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths)
+            grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths, stage_forms=False)
             with contextlib.redirect_stderr(io.StringIO()):  # no progress bar for a plain run
                 prof = measure_profile(self.plan, self.profile.stem, self.threads, grid,
                                        "yggtree run (quick profile of the default plan)", engine=engine,

@@ -350,6 +350,7 @@ class ProfileGrid:
     quick: bool = False
     widths: tuple[int, ...] = ()  # non-empty: exactly these verify widths and the plan's draft
     #                               widths (the plan's own shapes: nothing else is compiled)
+    stage_forms: bool = True  # also the stage forms (profile_stages.py; the plan search's data)
 
 
 def check_profile_plan(plan, device: dict) -> None:
@@ -419,7 +420,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
         drafted = set(plan.draft_widths) if grid.widths else set(widths)
         engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)), engine.drafter.target_layers)
-        ahead = {2 * w for w in plan.verify_widths}  # the ahead-of-time call (stage_forms)
+        ahead = {2 * w for w in plan.verify_widths} if grid.stage_forms else set()  # the ahead call
         engine.drafter.setup(n_slots, sorted(drafted | ahead | {1, *plan.draft_widths}), plan.prefill_chunk)
     compile_s = time.perf_counter() - t0 + built
     rows, stages = [], {}
@@ -439,8 +440,10 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
                 else:
                     stages.setdefault(name, {})[str(key)] = s["median_ms"]
                 progress.advance(task)
-        sys.stderr.write(f"profile {hw}: stage forms (ahead-of-time, each thread split, overlapped)...\n")
-        forms = measure_stage_forms(engine, plan, contexts[0], grid.warmup, grid.repeats, usable_cores())
+        forms = None
+        if grid.stage_forms:
+            sys.stderr.write(f"profile {hw}: stage forms (ahead-of-time, each thread split, overlapped)...\n")
+            forms = measure_stage_forms(engine, plan, contexts[0], grid.warmup, grid.repeats, usable_cores())
     from ..runtime.artifacts import FORMAT_VERSION, PROFILE_KIND, timing_identity
     from ..runtime.cost import CostModel
 
@@ -464,11 +467,12 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         "compile_s": round(compile_s, 1),
         "points": rows,
         "stage_ms": stages,
-        "stage_forms": forms,  # profile_stages.py: ahead-of-time and overlapped stage times
         PADDING_KEY: padding,
         "fit": fit,
         "fit_error": errors,
     }
+    if forms is not None:  # profile_stages.py: ahead-of-time and overlapped stage times
+        profile["stage_forms"] = forms
     profile["pruning_share"] = pruning_share(CostModel.from_profile_dict(profile), plan, contexts)
     return profile
 
