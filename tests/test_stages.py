@@ -78,6 +78,8 @@ def test_a_thread_count_above_the_cores_is_refused():
     (["--stages", "bogus"], "unknown stage plan 'bogus'"),
     (["--stages", "lookup,choose,resync,head,refine,draft,merge,size,prune,verify,commit,accept"], "needs 'accept'"),
     (["--threads", str((os.cpu_count() or 1) + 1)], "exceeds this machine's"),
+    (["--stages", f"overlap@{os.cpu_count() or 1}+1"], "exceeds this machine's"),
+    (["--stages", "sequential@1+1"], "has no drafter worker"),
 ])
 def test_cli_refuses_bad_stage_input_in_one_line(capsys, args, message):
     code = cli_main(["run", "--prompt", "hi", "--drafter", "self", *args])
