@@ -30,7 +30,11 @@ version        int              1              plan format version (only 1 exist
 name           str              (required)     ``[A-Za-z0-9._-]+``; artifacts go to compile/<name>/
 target         str              (required)     ``default`` | HF directory | .gguf file
 drafter        str | null       null           ``default`` | ``self`` | path | null = plain
-dtype          str              float32        float32 | bfloat16
+dtype          str              float32        float32 | bfloat16 (activations)
+weights        str | absent     (dtype)        float32 | bfloat16 | int8 | int4 | int4@G |
+                                               gguf-native: the decoder-block linears' and LM
+                                               heads' format (runtime/quant.py); absent: float
+                                               weights in dtype (yggtree.shapes.weight_format)
 backend        str              inductor-cpu   inductor-cpu | eager | cuda | npu
 max_context    int >= 2         1024           prompt + generated tokens (static KV cache)
 prefill_chunk  int >= 1         64             static prefill width C
@@ -91,6 +95,7 @@ from .runtime.schedule import PLANS, split_name
 from .shapes import (
     DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
     DEFAULT_TOP_K, DEFAULT_VERIFY_WIDTH, MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes,
+    weight_format,
 )
 
 PLAN_VERSION = 1
@@ -132,6 +137,7 @@ class Plan:
     target: str
     drafter: str | None = None
     dtype: str = "float32"
+    weights: str | None = None  # a quantized format (int8, int4@G, gguf-native); None: float in dtype
     backend: str = "inductor-cpu"
     max_context: int = DEFAULT_MAX_CONTEXT
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -200,8 +206,8 @@ class Plan:
             if f.name == "source":
                 continue
             v = getattr(self, f.name)
-            if f.name == "lookup" and v == 0:
-                continue  # plans without lookup keep the identity (hash) they had before it existed
+            if (f.name, v) in (("lookup", 0), ("weights", None)):
+                continue  # plans without them keep the identity (hash) they had before they existed
             if isinstance(v, Sampling):
                 v = {g.name: getattr(v, g.name) for g in fields(v)}
             elif isinstance(v, tuple):
@@ -242,6 +248,8 @@ def graph_hash_of(plan_dict: Any) -> str | None:
     if not isinstance(plan_dict, dict) or any(k not in plan_dict for k in GRAPH_FIELDS):
         return None
     d = _located({k: plan_dict[k] for k in GRAPH_FIELDS})
+    if plan_dict.get("weights") is not None:  # float plans keep the hash they had before the field
+        d["weights"] = plan_dict["weights"]
     text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -356,6 +364,21 @@ def _stages(v: str, origin: str) -> str:
     return v
 
 
+def _weights(v: Any, dtype: str, target: str, origin: str) -> str | None:
+    """A plan's ``weights`` in canonical form: None for float weights in ``dtype`` (the default),
+    ``int4@G`` with its group size spelled out; gguf-native only for a GGUF target."""
+    try:
+        fmt, group = weight_format(v, dtype)
+    except YggError as e:
+        raise YggError(f"{_where('weights', origin)}: {e}") from None
+    if fmt == "gguf-native" and target != "default" and not target.lower().endswith(".gguf"):
+        raise YggError(f"{_where('weights', origin)}: gguf-native needs a GGUF target, {target} is not "
+                       "one (use int8 or int4)")
+    if fmt == dtype:
+        return None
+    return f"{fmt}@{group}" if fmt == "int4" else fmt
+
+
 def _widths(d: dict, key: str, default: tuple[int, ...], origin: str) -> tuple[int, ...]:
     v = d.get(key, list(default))
     if isinstance(v, int) and not isinstance(v, bool):
@@ -409,6 +432,7 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
         raise YggError(f"{_where('drafter', origin)} must be default, self, a path or null, got {drafter!r}")
     drafter = _path(drafter, "drafter", base, origin, NON_PATH_MODELS["drafter"])
     dtype = _str(raw, "dtype", "float32", origin, DTYPES)
+    weights = _weights(raw.get("weights"), dtype, target, origin)
     backend = _str(raw, "backend", "inductor-cpu", origin, BACKENDS)
     max_context = _int(raw, "max_context", DEFAULT_MAX_CONTEXT, origin, lo=2)
     prefill_chunk = _int(raw, "prefill_chunk", DEFAULT_PREFILL_CHUNK, origin)
@@ -465,6 +489,7 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
         target=target,
         drafter=drafter,
         dtype=dtype,
+        weights=weights,
         backend=backend,
         max_context=max_context,
         prefill_chunk=prefill_chunk,
@@ -621,7 +646,8 @@ def model_fingerprints(plan: Plan) -> list[dict]:
 # the runtime sources compiled graphs are traced from (decoder block, KV cache, the export
 # wrapper); the rest of the runtime only decides which shapes are called, and a shape without a
 # graph is refused loudly at warm-up
-GRAPH_SOURCES = ("aoti.py", "kv_cache.py", "model.py", "packed.py")  # packed.py: the custom op packages call
+# packed.py and quant.py: the custom op and the quantized layers the packages call
+GRAPH_SOURCES = ("aoti.py", "kv_cache.py", "model.py", "packed.py", "quant.py")
 
 
 def runtime_code_hash() -> str:

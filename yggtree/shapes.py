@@ -30,6 +30,12 @@ DEFAULT_TOP_K = 4
 DEFAULT_MAX_CONTEXT = 1024
 DEFAULT_PREFILL_CHUNK = 64
 
+# Weight formats of the decoder-block linears and LM heads (runtime/quant.py). ``None`` (a plan
+# without ``weights``, a run without --weights) is the default: float weights in the run's dtype.
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native")
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel runs
+DEFAULT_INT4_GROUP = 32  # a GGUF block: the finest group the kernel runs
+
 
 def int_value(name: str, v) -> int:
     """``v`` as an int (bools and floats refused: a float token id is a bug, not a token)."""
@@ -177,3 +183,32 @@ class SamplingParams:
             raise YggError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= int_value("seed", self.seed) <= MAX_SEED:
             raise YggError(f"seed must be in 0..2**63-1, got {self.seed}")
+
+
+def weight_format(weights: str | None, dtype: str) -> tuple[str, int | None]:
+    """(format, int4 group size or None) of ``weights`` (a plan's field, a ``--weights`` flag)
+    for activations in ``dtype``: ``int4@G`` is 4-bit with groups of G input columns (plain
+    ``int4``: :data:`DEFAULT_INT4_GROUP`); None means float weights in ``dtype``. YggError in one
+    line for an unknown format, a group size the kernel does not run, or float weights in another
+    dtype than the activations (float products run in one dtype)."""
+    if weights is None:
+        return dtype, None
+    if not isinstance(weights, str):
+        raise YggError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    name, at, group = weights.partition("@")
+    if name not in WEIGHT_FORMATS:
+        raise YggError(f"unknown weight format {weights!r} (choose from {', '.join(WEIGHT_FORMATS)}, "
+                       "int4@G for G in " + ", ".join(map(str, INT4_GROUPS)) + ")")
+    if at:
+        if name != "int4":
+            raise YggError(f"weight format {weights!r}: only int4 takes a group size (int4@G)")
+        if not group.isdigit() or int(group) not in INT4_GROUPS:
+            raise YggError(f"weight format {weights!r}: the CPU int4 kernel runs groups of "
+                           f"{', '.join(map(str, INT4_GROUPS))} columns, not {group!r}")
+        return name, int(group)
+    if name in ("float32", "bfloat16") and name != dtype:
+        raise YggError(f"weights {name} with dtype {dtype}: float weights run in the activations' "
+                       f"dtype (use dtype {name}, or a quantized format)")
+    if name == dtype:
+        return dtype, None
+    return name, DEFAULT_INT4_GROUP if name == "int4" else None

@@ -173,7 +173,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     if spec is None or spec.pack:  # as build_engine does: the packages take the packed weights
         from ..runtime.build import pack_models
 
-        pack_models(target, drafter, min_rows)
+        pack_models(target, drafter, min_rows, plan.weights, src, plan.drafter)
     load_s = time.perf_counter() - t0
 
     # 1. shapes: the engine's own warm-up code, run eagerly with a recorder on every block

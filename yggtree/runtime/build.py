@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import YggError
 from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, plan_min_rows, read_manifest  # noqa: F401  (re-exported)
-from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes
+from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, weight_format
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
 from .graphs import check_backend
@@ -37,6 +37,7 @@ class EngineSpec:
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
     stages: str = "sequential"  # execution plan (EngineConfig.stages)
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
+    weights: str | None = None  # weight format (runtime/quant.py); None: float weights in dtype
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
@@ -71,6 +72,7 @@ class EngineSpec:
             stages=plan.stages if stages == "auto" else stages,
             threads=threads,
             min_rows=plan_min_rows(plan) if min_rows is None else min_rows,
+            weights=plan.weights,
         )
 
 
@@ -129,10 +131,37 @@ def drafter_feeds_leaves(plan) -> bool:
     return EagleDrafter.feeds_leaves
 
 
-def pack_models(target, drafter=None, min_rows: int = 1) -> None:
-    """oneDNN-packed weights (runtime/packed.py) for an engine's target and its drafter's model,
+def quantize_models(target, drafter, weights: str | None, src, drafter_name: str | None = None) -> None:
+    """The weight format ``weights`` (runtime/quant.py; None: float, nothing to do) for the
+    target (loaded from ``src``) and the drafter's model. Under ``gguf-native`` a drafter gets
+    its GGUF's own blocks (``self``: the target's; a standalone GGUF model: its file's); an EAGLE
+    head or an HF drafter has none and keeps float weights."""
+    from .loading import gguf_raw_weights
+    from .quant import quantize_linears
+
+    fmt, group = weight_format(weights, str(target.embed_tokens.weight.dtype).removeprefix("torch."))
+    if fmt in ("float32", "bfloat16"):
+        return
+    raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" else None
+    quantize_linears(target, fmt, group, raw)
+    if drafter is None:
+        return
+    model = drafter.graphs.model
+    if fmt != "gguf-native":
+        quantize_linears(model, fmt, group)
+    elif drafter_name == "self":
+        quantize_linears(model, fmt, group, raw)
+    elif _eagle_head_dir(drafter_name) is None and resolve_model(drafter_name).kind == "gguf":
+        quantize_linears(model, fmt, group, gguf_raw_weights(resolve_model(drafter_name), model.cfg))
+
+
+def pack_models(target, drafter=None, min_rows: int = 1, weights: str | None = None, src=None,
+                drafter_name: str | None = None) -> None:
+    """The weight format ``weights`` (:func:`quantize_models`), then oneDNN-packed weights
+    (runtime/packed.py) for what stays float, for an engine's target and its drafter's model,
     before any graph or package is built for them (``build_engine`` and ``yggtree compile``);
-    products of fewer than ``min_rows`` rows run padded to that many."""
+    packed products of fewer than ``min_rows`` rows run padded to that many."""
+    quantize_models(target, drafter, weights, src, drafter_name)
     pack_linears(target, min_rows=min_rows)
     if drafter is not None:
         pack_linears(drafter.graphs.model, min_rows=min_rows)
@@ -145,15 +174,22 @@ def build_engine(spec: EngineSpec, prepare=None):
     (``build_plan_engine`` installs the plan's compiled graphs there)."""
     # impossible sizes and trees are refused before anything loads
     check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
+    weight_format(spec.weights, spec.dtype)  # an unknown format or group size, before loading
     src = resolve_model(spec.model)
     target = load_model(src, spec.dtype)
     tokenizer = load_tokenizer(src)
     drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
     if spec.pack:  # oneDNN-packed block weights on a CPU (see runtime/packed.py)
-        pack_models(target, drafter, spec.min_rows)
+        pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter)
+    else:
+        quantize_models(target, drafter, spec.weights, src, spec.drafter)
     if prepare is not None:
         prepare(target, drafter)
     spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
+    if spec_on:  # quantized kernels must be batch-invariant for speculation to be exact
+        from .quant import check_batch_invariant
+
+        check_batch_invariant(target, max((*spec.verify_widths, spec.tree.verify_width)))
     cfg = EngineConfig(
         mode=spec.mode,
         max_context=spec.max_context,

@@ -244,28 +244,56 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gguf_state_name(gguf_name: str) -> str | None:
+    """The state-dict name of a GGUF tensor (None: not one the model holds)."""
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, layer, part, kind = gguf_name.split(".", 3)
+        if part in _GGUF_BLOCK:
+            return f"layers.{layer}.{_GGUF_BLOCK[part]}.{kind}"
+    return None
+
+
+def _gguf_rows_unpermuted(w: torch.Tensor, gguf_name: str, cfg: ModelConfig) -> torch.Tensor:
+    """``w`` (rows first) with llama.cpp's q/k row permutation undone where it applies."""
+    if cfg.arch in ("llama", "mistral") and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return _unpermute_qk(w, cfg.num_heads)
+    if cfg.arch in ("llama", "mistral") and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return _unpermute_qk(w, cfg.num_kv_heads)
+    return w
+
+
 def _load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name in _GGUF_NAMES:
-            name = _GGUF_NAMES[t.name]
-        elif t.name.startswith("blk."):
-            _, layer, part, kind = t.name.split(".", 3)
-            if part not in _GGUF_BLOCK:
-                continue
-            name = f"layers.{layer}.{_GGUF_BLOCK[part]}.{kind}"
-        else:
+        name = _gguf_state_name(t.name)
+        if name is None:
             continue
         shape = tuple(int(x) for x in reversed(t.shape))
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
-        if cfg.arch in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute_qk(w, cfg.num_heads)
-        elif cfg.arch in ("llama", "mistral") and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute_qk(w, cfg.num_kv_heads)
-        state[name] = w
+        state[name] = _gguf_rows_unpermuted(w, t.name, cfg)
     return state
+
+
+def gguf_raw_weights(src: ModelSource, cfg: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
+    """The 2-D weights of a GGUF file as stored: state-dict name -> (GGML type name, e.g.
+    ``Q4_1``, and its bytes [rows, bytes per row] uint8, rows in the model's order: llama.cpp's
+    q/k row permutation undone). Blocks run along a row, so permuting rows keeps them whole.
+    YggError for a source that is not a GGUF file (runtime/quant.py reads the blocks)."""
+    if src.kind != "gguf":
+        raise YggError(f"weights gguf-native need a GGUF model, {src.path} is a {src.kind} directory "
+                       "(use int8 or int4)")
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for t in _open_gguf(src.path).tensors:
+        name = _gguf_state_name(t.name)
+        if name is None or len(t.shape) != 2:
+            continue
+        raw = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(int(t.shape[1]), -1)
+        out[name] = (t.tensor_type.name, _gguf_rows_unpermuted(raw, t.name, cfg))
+    return out
 
 
 # ----------------------------------------------------------------------------- public API

@@ -1,0 +1,309 @@
+"""Weight-only quantized linear layers on the CPU: int8, 4-bit group-wise, and a GGUF's own blocks.
+
+A plan's ``weights`` (``--weights``; :func:`yggtree.shapes.weight_format`) picks the format of the
+decoder-block linears and the LM head of the target and of the drafter's model. Activations stay
+in the run's dtype; each product runs through one of torch's CPU kernels (signatures checked with
+torch 2.13):
+
+- ``int8``: ``aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scales [N])``, y = x @ (q * s).T;
+  symmetric per-output-channel scales (amax / 127), in the activations' dtype (the kernel's rule).
+- ``int4@G``: ``aten._weight_int4pack_mm_for_cpu(x [M, K], packed [N, K/2] uint8, G,
+  scale_zeros [K/G, N, 2])``, w = (q - 8) * scale + zero with q in 0..15, G in 32/64/128/256, K a
+  multiple of G, N a multiple of 16 (the head is padded with zero rows to one and the output cut),
+  scales and zeros in the activations' dtype; ``packed`` from
+  ``aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32, 1)``. Asymmetric min/max per group.
+- ``gguf-native``: the GGUF file's own blocks of 32 on the int4 kernel with G = 32:
+  Q4_0 (w = d (q - 8)): scale d, zero 0; Q4_1 (w = d q + m): scale d, zero m + 8 d; Q8_0
+  (w = d q, q int8) as two 4-bit planes summed, the high nibble (scale 16 d, zero 0, q >> 4 + 8)
+  and the low one (scale d, zero 8 d, q & 15). d and m are float16 in the file. With float32
+  activations every scale and zero is exact in float32 (16 d and 8 d are, and m + 8 d is unless
+  their exponents lie more than 13 binades apart: :func:`gguf_codes` checks each block and
+  refuses one that is not), and the kernel forms (q - 8) * scale + zero with one rounding, so
+  the weights it multiplies are bitwise llama.cpp's dequantized ones (``d * q + m`` in float32;
+  tests/test_quant.py reads them back through the kernel). With bfloat16 activations the kernel
+  takes bfloat16 scales: d, m + 8 d and 16 d are rounded to 8 significant bits, so the weights
+  are not llama.cpp's. Tensors stored as float stay float (packed by runtime/packed.py), any
+  other GGML type (K-quants) is refused. The products themselves round in the kernel's order,
+  not llama.cpp's (which also quantizes the activations to 8 bits): exactness of speculation is
+  relative to the format run.
+
+Speculation is exact only if a row of a W-row product is bitwise its one-row product (the
+kernels' rows are computed independently on the CPUs measured; :func:`check_batch_invariant`
+checks it on the model's own layers before a speculative engine runs, and refuses otherwise).
+Quantized layers replace the ``nn.Linear`` (its float weight is dropped: the codes are buffers,
+not parameters, so a quantized model's state dict lacks them); q/k/v and gate/up become one
+product each (the parts are set to None), as :func:`yggtree.runtime.packed.pack_linears` fuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import YggError
+from .model import FUSED_PROJECTIONS
+
+__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "dequantize", "Int8Linear",
+           "Int4Linear", "quant_layers", "quantize_linears", "check_kernel", "check_batch_invariant"]
+
+GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
+N_ALIGN = 16  # the int4 kernel's output width must be a multiple of this
+
+
+@dataclass(frozen=True)
+class Int4Codes:
+    """One 4-bit plane of a [N, K] weight: w = (q - 8) * scale + zero per group of columns."""
+
+    q: torch.Tensor  # [N, K] uint8 in 0..15
+    scale: torch.Tensor  # [N, K / group] float32
+    zero: torch.Tensor  # [N, K / group] float32
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of ``w`` [N, K]: (q [N, K] int8, scale [N] float32),
+    w ~ q * scale[:, None]; an all-zero row gets scale 1."""
+    w = w.detach().float()
+    scale = w.abs().amax(1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> Int4Codes:
+    """Asymmetric 4-bit codes of ``w`` [N, K] per group of ``group`` columns (min/max: the
+    group's minimum and maximum are represented to within rounding)."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return Int4Codes(q.reshape(n, k).to(torch.uint8), scale, lo + 8 * scale)
+
+
+def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
+    """Float16 at byte ``at`` of every block: raw [N, nb, size] uint8 -> [N, nb] float32."""
+    return raw[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """GGML's 4-bit order: byte j holds element j (low nibble) and j + 16 (high): [.., 16] -> [.., 32]."""
+    return torch.cat([qs & 15, qs >> 4], -1)
+
+
+def gguf_codes(kind: str, raw: torch.Tensor, name: str = "weight") -> list[Int4Codes]:
+    """The int4 planes (group 32) holding exactly a GGUF tensor's blocks: ``raw`` [N, bytes per
+    row] uint8 of GGML type ``kind`` (Q4_0, Q4_1: one plane; Q8_0: high and low nibble planes
+    whose sum is the weight). YggError for another type or a block whose zero m + 8 d is not
+    exact in float32."""
+    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+    if kind not in sizes:
+        raise YggError(f"weights gguf-native: {name} is stored as {kind}; the int4 kernel runs "
+                       "Q4_0, Q4_1 and Q8_0 blocks (use int8 or int4)")
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, sizes[kind])  # [N, nb, block bytes]
+    d = _f16(b, 0)
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1)  # [N, K] -128..127
+        hi = Int4Codes(((q >> 4) + 8).to(torch.uint8), 16 * d, torch.zeros_like(d))
+        lo = Int4Codes((q & 15).to(torch.uint8), d, 8 * d)
+        return [hi, lo]
+    q = _nibbles(b[..., 4 if kind == "Q4_1" else 2 :]).reshape(n, -1)
+    if kind == "Q4_0":
+        return [Int4Codes(q, d, torch.zeros_like(d))]
+    m = _f16(b, 2)
+    zero = m + 8 * d
+    if not torch.equal(zero.double(), m.double() + 8 * d.double()):
+        raise YggError(f"weights gguf-native: a Q4_1 block of {name} has no exact float32 zero "
+                       "(m + 8 d rounds); it cannot run on the int4 kernel bit-exactly")
+    return [Int4Codes(q, d, zero)]
+
+
+def dequantize(planes: list[Int4Codes]) -> torch.Tensor:
+    """The float32 weight [N, K] the planes stand for: sum of (q - 8) * scale + zero."""
+    w = 0
+    for c in planes:
+        g = c.group
+        w = w + (c.q.float() - 8) * c.scale.repeat_interleave(g, 1) + c.zero.repeat_interleave(g, 1)
+    return w
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class Int8Linear(nn.Module):
+    """``F.linear`` with int8 weights and per-output-channel scales (``_weight_int8pack_mm``)."""
+
+    qweight: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] in the activations' dtype
+    bias: torch.Tensor | None  # [N]
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        q, s = quantize_int8(w)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.register_buffer("qweight", q, persistent=False)
+        self.register_buffer("scales", s.to(dtype), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """``F.linear`` with 4-bit group-wise weights (``_weight_int4pack_mm_for_cpu``), one or more
+    planes summed (a GGUF Q8_0 weight is two); the output width is padded to a multiple of 16
+    with zero rows inside the kernel and cut after it."""
+
+    packed: torch.Tensor  # [P, Np, K / 2] uint8, the kernel's layout; Np = N rounded up to 16
+    scale_zeros: torch.Tensor  # [P, K / group, Np, 2] in the activations' dtype
+    bias: torch.Tensor | None  # [N]
+
+    def __init__(self, planes: list[Int4Codes], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        n, k = planes[0].q.shape
+        self.in_features, self.out_features, self.group = k, n, planes[0].group
+        pad = -n % N_ALIGN
+        packed, sz = [], []
+        for c in planes:
+            q = F.pad(c.q.to(torch.int32), (0, 0, 0, pad), value=8)  # zero rows: (8 - 8) * 1 + 0
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            s = F.pad(torch.stack([c.scale, c.zero], -1), (0, 0, 0, 0, 0, pad))  # [Np, K/g, 2]
+            sz.append(s.transpose(0, 1).to(dtype).contiguous())
+        self.register_buffer("packed", torch.stack(packed), persistent=False)
+        self.register_buffer("scale_zeros", torch.stack(sz), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed[0], self.group, self.scale_zeros[0])
+        for p in range(1, self.packed.shape[0]):
+            y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed[p], self.group,
+                                                                self.scale_zeros[p])
+        y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quant_layers(model: nn.Module) -> list[nn.Module]:
+    """The quantized layers inside ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+
+
+def check_kernel(fmt: str, dtype: torch.dtype) -> None:
+    """YggError in one line unless this torch and CPU run ``fmt``'s kernel for ``dtype``
+    activations (a 1-row product of a 16 x 32 weight)."""
+    name = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
+    try:
+        getattr(torch.ops.aten, name)  # absent in old torch builds
+        w = torch.zeros(16, GGUF_BLOCK)
+        lin = Int8Linear(w, None, dtype) if fmt == "int8" else Int4Linear([quantize_int4(w, GGUF_BLOCK)], None, dtype)
+        lin(torch.zeros(1, GGUF_BLOCK, dtype=dtype))
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        raise YggError(f"weights {fmt}: this torch/CPU cannot run aten.{name} on {str(dtype)[6:]} "
+                       f"activations ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _quant_layer(name: str, w: torch.Tensor | None, bias, fmt: str, group: int | None, dtype,
+                 planes: list[Int4Codes] | None = None) -> nn.Module:
+    if planes is not None:
+        return Int4Linear(planes, bias, dtype)
+    if fmt == "int8":
+        return Int8Linear(w, bias, dtype)
+    if w.shape[1] % group:
+        raise YggError(f"weights int4@{group}: the group size does not divide the input width "
+                       f"{w.shape[1]} of {name} (choose a group size dividing it)")
+    return Int4Linear([quantize_int4(w, group)], bias, dtype)
+
+
+def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
+                     raw: dict[str, tuple[str, torch.Tensor]] | None = None) -> int:
+    """Replace the ``nn.Linear`` layers of ``model.layers`` and its ``lm_head`` by quantized ones
+    in ``fmt`` (``int8``, ``int4`` with ``group``, ``gguf-native`` from ``raw``: state-dict name
+    -> (GGML type, bytes), :func:`yggtree.runtime.loading.gguf_raw_weights`); q/k/v and
+    gate/up become one layer each. Returns how many linears were replaced. GGUF tensors stored
+    as float stay ``nn.Linear``. YggError (one line) for what cannot run: see the module docs."""
+    if fmt not in ("int8", "int4", "gguf-native"):
+        raise YggError(f"not a quantized weight format: {fmt!r}")
+    if fmt == "gguf-native" and raw is None:
+        raise YggError("weights gguf-native need a GGUF model (use int8 or int4)")
+    dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else next(model.parameters()).dtype
+    if next(model.parameters()).device.type != "cpu":
+        raise YggError(f"weights {fmt} run on the CPU only (torch's weight-only kernels)")
+    check_kernel("int8" if fmt == "int8" else "int4", dtype)
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def planes_of(lin: nn.Linear) -> list[Int4Codes] | None:  # gguf-native: the file's blocks
+        if raw is None:
+            return None
+        key = names[id(lin)] + ".weight"
+        if key == "lm_head.weight" and key not in raw:
+            key = "embed_tokens.weight"  # tied
+        kind, data = raw.get(key, ("?", None))
+        if kind in ("F32", "F16", "BF16"):
+            return None  # stays float
+        if data is None:
+            raise YggError(f"weights gguf-native: the GGUF file has no tensor for {key}")
+        return gguf_codes(kind, data, key)
+
+    n = 0
+    for block in model.layers:
+        for mod_name, attr, parts in FUSED_PROJECTIONS:
+            mod = getattr(block, mod_name, None)
+            lins = [getattr(mod, k, None) for k in parts]
+            if getattr(mod, attr, False) is not None or not all(type(p) is nn.Linear for p in lins):
+                continue
+            planes = [planes_of(p) for p in lins]
+            if raw is not None and (None in planes or len({len(p) for p in planes}) != 1):
+                continue  # a float or mixed group: each part on its own below
+            w = torch.cat([p.weight.detach() for p in lins])
+            bias = None
+            if any(p.bias is not None for p in lins):
+                bias = torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features) for p in lins])
+            cat_planes = None if raw is None else [
+                Int4Codes(*(torch.cat([getattr(p[i], f) for p in planes]) for f in ("q", "scale", "zero")))
+                for i in range(len(planes[0]))]
+            setattr(mod, attr, _quant_layer(f"{names[id(mod)]}.{attr}", w, bias, fmt, group, dtype, cat_planes))
+            for k in parts:
+                setattr(mod, k, None)
+            n += len(lins)
+    for mod in [*(m for block in model.layers for m in block.modules()), model]:
+        for child_name, child in list(mod.named_children()):
+            if type(child) is nn.Linear and (mod is not model or child_name == "lm_head"):
+                planes = planes_of(child)
+                if raw is not None and planes is None:
+                    continue
+                setattr(mod, child_name, _quant_layer(names[id(child)], child.weight, child.bias, fmt,
+                                                       group, dtype, planes))
+                n += 1
+    return n
+
+
+def check_batch_invariant(model: nn.Module, rows: int, what: str = "target") -> None:
+    """YggError (one line) unless every quantized layer kind of ``model`` (one per distinct shape)
+    computes each row of a ``rows``-row product bitwise as its one-row product: what makes a
+    verified tree node's logits the ones a plain step computes."""
+    seen = set()
+    gen = torch.Generator().manual_seed(0)
+    for layer in quant_layers(model):
+        key = (type(layer), layer.in_features, layer.out_features, tuple(b.shape for b in layer.buffers()))
+        if key in seen:
+            continue
+        seen.add(key)
+        dtype = layer.scales.dtype if isinstance(layer, Int8Linear) else layer.scale_zeros.dtype
+        x = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
+        with torch.no_grad():
+            y = layer(x)
+            for i in range(rows):
+                if not torch.equal(y[i : i + 1], layer(x[i : i + 1])):
+                    raise YggError(
+                        f"the {type(layer).__name__} kernel of the {what} is not batch-invariant on this "
+                        f"CPU (row {i} of a {rows}-row product differs from its 1-row product): "
+                        "speculation would not be exact; decode plainly or use float weights")
