@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Accuracy of each weight format against float32 (issue #20 item 4): what a format costs in
+output, reported rather than hidden.
+
+For every ``--formats`` entry (runtime/quant.py; ``float32`` is the reference) the target is
+loaded in float32 activations with that weight format and measured on:
+
+- greedy token agreement: plain greedy decoding (the engine, reference mode) of the first
+  ``--prompts`` evaluation prompts (MT-Bench first turns, then HumanEval, chat template applied)
+  for ``--tokens`` new tokens each, against float32's tokens: the fraction of positions equal,
+  the mean length of the common prefix, and how many sequences are identical;
+- perplexity on the calibration corpus (``yggtree.data.calibration_texts``: the standard
+  library's sources and docs, decontaminated against the evaluation texts), teacher-forced in
+  chunks of ``--ppl-window`` tokens, ``--ppl-texts`` texts.
+
+Output: a table, then one JSON line (also written to ``--out``). One model is in memory at a time.
+
+    python scripts/format_accuracy.py --formats float32,int8,int4,int4@128,gguf-native \\
+        --prompts 20 --tokens 128 --ppl-texts 32 --out reports/format_accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from yggtree.errors import run_reporting
+
+
+def token_agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """How far ``got`` follows ``ref``, sequence by sequence: the fraction of positions (over
+    ``ref``'s lengths) with equal tokens, the mean common-prefix length, identical sequences."""
+    same = total = prefix = identical = 0
+    for a, b in zip(ref, got, strict=True):
+        same += sum(x == y for x, y in zip(a, b))
+        total += len(a)
+        p = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix += p
+        identical += a == b
+    return {"match": same / max(total, 1), "prefix_mean": prefix / max(len(ref), 1),
+            "identical": identical, "sequences": len(ref)}
+
+
+@torch.no_grad()
+def perplexity(model, chunks: list[list[int]]) -> float:
+    """exp of the mean next-token negative log-likelihood over ``chunks`` (each one causal
+    forward from an empty cache)."""
+    n, nll = 0, 0.0
+    for ids in chunks:
+        if len(ids) < 2:
+            continue
+        w = len(ids)
+        model.setup_cache(1, w)
+        pos = torch.arange(w)[None]
+        mask = torch.ones(1, w, w, dtype=torch.bool).tril()
+        logits = model.logits(model(torch.tensor([ids]), pos, pos, mask).hidden)[0, :-1]
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+        n += w - 1
+    return math.exp(nll / max(n, 1))
+
+
+def greedy(model, prompts: list[list[int]], tokens: int, eos: tuple[int, ...] = ()) -> list[list[int]]:
+    """Plain greedy decoding of every prompt (the engine in reference mode)."""
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
+
+    longest = max(len(p) for p in prompts) + tokens + 1
+    engine = Engine(model, EngineConfig(mode="reference", max_context=longest,
+                                              prefill_chunk=min(64, longest)), None, eos)
+    return [engine.generate(p, SamplingParams(max_new_tokens=tokens)).token_ids for p in prompts]
+
+
+def measure(load, formats: list[str], prompts: list[list[int]], tokens: int, chunks: list[list[int]],
+            eos: tuple[int, ...] = ()) -> dict:
+    """``{format: {"agreement": ..., "perplexity": ...}}``; ``load(fmt)`` returns the model in
+    format ``fmt`` (float32 is measured first: it is the reference)."""
+    order = ["float32", *(f for f in formats if f != "float32")]
+    out, ref = {}, None
+    for fmt in order:
+        model = load(fmt)
+        toks = greedy(model, prompts, tokens, eos)
+        ref = toks if ref is None else ref
+        out[fmt] = {"agreement": token_agreement(ref, toks), "perplexity": perplexity(model, chunks)}
+        del model
+    return out
+
+
+def loader(model_name: str):
+    """``load(fmt)`` for the real model: float32 activations, ``fmt`` weights (build.quantize_models)."""
+    from yggtree.runtime.build import quantize_models
+    from yggtree.runtime.loading import load_model, resolve_model
+
+    src = resolve_model(model_name)
+
+    def load(fmt: str):
+        m = load_model(src, "float32")
+        quantize_models(m, None, fmt, src)
+        return m
+
+    return load
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--formats", default="float32,int8,int4,int4@128,gguf-native")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--ppl-texts", type=int, default=32)
+    ap.add_argument("--ppl-window", type=int, default=256)
+    ap.add_argument("--out", type=Path)
+    return run_reporting("format_accuracy", run, ap.parse_args(argv))
+
+
+def run(args) -> int:
+    from yggtree.data import calibration_texts, load_prompts
+    from yggtree.runtime.loading import load_tokenizer, resolve_model
+    from yggtree.shapes import weight_format
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for f in formats:
+        weight_format(f, "float32")  # refused before anything loads
+    tok = load_tokenizer(resolve_model(args.model))
+    n_mt = min(args.prompts, 80)
+    prompts = [ids for _, ids in load_prompts(n_mt, args.prompts - n_mt, tok)]
+    chunks = []
+    for text in calibration_texts()[: args.ppl_texts]:
+        ids = tok(text)["input_ids"]
+        chunks += [ids[i : i + args.ppl_window] for i in range(0, len(ids), args.ppl_window)]
+    eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+    torch.manual_seed(0)
+    res = measure(loader(args.model), formats, prompts, args.tokens, chunks, eos)
+    print(f"{'format':<14} {'match':>7} {'prefix':>8} {'identical':>10} {'ppl':>9}")
+    for fmt, r in res.items():
+        a = r["agreement"]
+        print(f"{fmt:<14} {a['match']:>7.3f} {a['prefix_mean']:>8.1f} "
+              f"{a['identical']:>4}/{a['sequences']:<5} {r['perplexity']:>9.3f}")
+    line = json.dumps({"model": args.model, "prompts": len(prompts), "tokens": args.tokens,
+                       "ppl_tokens": sum(len(c) for c in chunks), "formats": res})
+    print(line)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

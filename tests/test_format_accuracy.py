@@ -1,0 +1,51 @@
+"""scripts/format_accuracy.py (issue #20 item 4) on tiny random-weight models: float32 agrees
+with itself, every format yields an agreement record and a finite perplexity."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from test_quant import gguf_blocks, tiny
+from yggtree.runtime.quant import quantize_linears
+from yggtree.shapes import weight_format
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "format_accuracy.py"
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("format_accuracy", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_token_agreement():
+    fa = script()
+    a = fa.token_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert a == {"match": 5 / 6, "prefix_mean": 2.0, "identical": 1, "sequences": 2}
+
+
+def test_formats_measured_against_float32_on_a_tiny_model():
+    fa = script()
+
+    def load(fmt):
+        m = tiny()
+        name, group = weight_format(fmt, "float32")
+        if name != "float32":
+            quantize_linears(m, name, group, gguf_blocks(m) if name == "gguf-native" else None)
+        return m
+
+    prompts = [[5, 6, 7], [(3 * i) % 90 + 1 for i in range(11)]]
+    chunks = [[(5 * i) % 97 for i in range(40)], [1, 2, 3, 4, 5, 6]]
+    res = fa.measure(load, ["int8", "int4@32", "gguf-native", "float32"], prompts, 12, chunks)
+    assert list(res) == ["float32", "int8", "int4@32", "gguf-native"]
+    assert res["float32"]["agreement"] == {"match": 1.0, "prefix_mean": 12.0, "identical": 2, "sequences": 2}
+    for r in res.values():
+        assert 0 <= r["agreement"]["match"] <= 1 and math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+    assert res["int4@32"]["perplexity"] != res["float32"]["perplexity"]
