@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: the default plan's (float32)")
+    p.add_argument("--weights", default=None,
+                   help="float32 | bfloat16 | int8 | int4 | int4@G | gguf-native: the format of the "
+                   "block linears and LM heads (default: float in --dtype; runtime/quant.py)")
     p.add_argument("--mode", choices=["reference", "performance"], default="performance")
     p.add_argument("--max-context", type=_positive_int, default=None,
                    help="default: the default plan's (1024)")
@@ -157,6 +160,8 @@ def run(args) -> int:
         if args.plan:
             raise YggError("--drafter none and --plan exclude each other (a plan names its drafter)")
         args.drafter, args.drafter_none = None, True
+    if args.weights is not None and args.plan:
+        raise YggError("--weights and --plan exclude each other (a plan names its format: its 'weights' key)")
     policy = None
     if not args.plan:
         _pick_plan(args)
@@ -187,7 +192,7 @@ def _pick_plan(args) -> None:
         if getattr(args, flag) is None:
             setattr(args, flag, value)
     only_defaults = (args.model == "default" and args.drafter is None and not args.no_speculate
-                     and args.mode == "performance" and not shaped
+                     and args.mode == "performance" and not shaped and args.weights is None
                      and not getattr(args, "drafter_none", False))
     if not only_defaults:
         return
@@ -287,6 +292,7 @@ def _flag_engine(args):
         lookup=lookup,
         stages="sequential" if args.stages == "auto" else args.stages,
         threads=args.threads,
+        weights=args.weights,
     )
     return build_engine(spec)
 
