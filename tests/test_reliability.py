@@ -235,3 +235,21 @@ def test_tiny_top_p_keeps_the_most_likely_token():
     logits = torch.tensor([[0.5, 2.0, -1.0, 2.0], [3.0, 0.0, 0.0, 1.0]])
     for top_p in (1e-136, 1e-30, 1e-3):
         assert filter_probs(logits, 0.7, top_p).tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def test_tune_refuses_more_worker_threads_than_cores(tmp_path, monkeypatch):
+    """Found by scripts/reliability_cases.py: `tune --workers 3 --threads 2` on 2 cores started
+    profiling with 6 threads (workers measure speed side by side: oversubscribed, they measure
+    contention); refused in one line before anything is measured or written."""
+    pytest.importorskip("optuna")
+    import yggtree.runtime.schedule as schedule
+
+    monkeypatch.setattr(schedule, "usable_cores", lambda: 2)
+    out = tmp_path / "profiles"
+    base = ["tune", "--hw", "t", "--out-dir", out, "--compile-root", tmp_path / "compile"]
+    code, stdout, err = cli([*base, "--workers", "3", "--threads", "2"])
+    assert (code, stdout) == (1, "")
+    assert err == "yggtree: error: --workers 3 x --threads 2 = 6 threads exceeds this machine's 2 usable cores\n"
+    code, _, err = cli([*base, "--threads", "3"])
+    assert code == 1 and "--workers 1 x --threads 3 = 3 threads exceeds" in err
+    assert not out.exists() and not (tmp_path / "compile").exists()

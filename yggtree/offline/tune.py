@@ -576,6 +576,12 @@ def _check_args(args) -> None:
             raise YggError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.budget_minutes is not None and args.budget_minutes <= 0:
         raise YggError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
+    from ..runtime.schedule import usable_cores
+
+    cores = usable_cores()  # workers measure speed side by side: oversubscribed, they measure contention
+    if args.workers * args.threads > cores:
+        raise YggError(f"--workers {args.workers} x --threads {args.threads} = {args.workers * args.threads} "
+                       f"threads exceeds this machine's {cores} usable cores")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -588,7 +594,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None, metavar="URL",
                    help="optuna RDB storage (SQLAlchemy URL; default sqlite:///<out-dir>/<hw>.study.db)")
     p.add_argument("--study", default=None, help="study name (default: --hw)")
-    p.add_argument("--workers", type=int, default=1, help="local worker processes (default 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="local worker processes (default 1; workers x threads at most the usable cores)")
     p.add_argument("--measure-top", type=int, default=3,
                    help="measure a candidate when its prediction ranks among the N best so far (default 3)")
     p.add_argument("--measure-prompts", type=int, default=4, help="held-out calibration prompts measured (default 4)")
