@@ -443,7 +443,15 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         forms = None
         if grid.stage_forms:
             sys.stderr.write(f"profile {hw}: stage forms (ahead-of-time, each thread split, overlapped)...\n")
-            forms = measure_stage_forms(engine, plan, contexts[0], grid.warmup, grid.repeats, usable_cores())
+            # the worker's job drafts a D_max-deep guess and a whole tree past the context, and the
+            # ahead call writes 2 W_v rows: time them where they fit in the cache
+            room = 1 + max(plan.d_max + 2 + plan.d_max * max(plan.draft_widths),
+                           2 * max(max(plan.verify_widths), plan.d_max + 1))
+            ctx_forms = min(contexts[0], engine.n_slots - room)
+            if ctx_forms >= 1:
+                forms = measure_stage_forms(engine, plan, ctx_forms, grid.warmup, grid.repeats, usable_cores())
+            else:
+                sys.stderr.write(f"profile {hw}: no stage forms (the cache of {engine.n_slots} slots has no room)\n")
     from ..runtime.artifacts import FORMAT_VERSION, PROFILE_KIND, timing_identity
     from ..runtime.cost import CostModel
 
