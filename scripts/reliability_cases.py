@@ -2,7 +2,10 @@
 """The bad-input and failure cases of issue #24 as command lines, each run in a fresh process.
 
 For every case: exit status, whether stderr is exactly one line, whether a Python traceback
-appears, wall time (every case bounded by a timeout, so a hang shows as ``timeout``). A case
+appears, wall and CPU time. Every case is bounded, so a hang shows as ``timeout``: by CPU seconds
+of its process group (``--timeout``, 60 by default; a busy hang such as compiling forever) and by
+``--wall-factor`` times that of wall time (a hang that waits; on a loaded machine a niced case
+gets a small share of a core, and a wall budget alone would call a slow start a hang). A case
 whose flag or subcommand the checkout does not have is reported as unsupported (its help text
 is read first). Prints a markdown table and writes JSON.
 
@@ -31,11 +34,13 @@ import json
 import os
 import platform
 import re
+import resource
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -131,6 +136,7 @@ class Setups:
     def make_model(self):
         self.py(TINY_MODEL, "model", "128")
         (self.w / "exists.jsonl").write_text("{}\n")
+        (self.w / "afile").write_text("a file, not a directory\n")
         (self.w / "empty_dir").mkdir(exist_ok=True)
         for name, text in PLANS.items():
             (self.w / name).write_text(text)
@@ -286,13 +292,16 @@ CASES = [
     Case("pt2-missing", "run --plan with a .pt2 package removed",
          f"yggtree run --plan plain.yaml {PLAN_P} --max-new-tokens 2", needs=("compiled",),
          before="remove_package", after="restore_package"),
+    Case("manifest-truncated", "run --plan with a truncated manifest.json",
+         f"yggtree run --plan plain.yaml {PLAN_P} --max-new-tokens 2", needs=("compiled",),
+         before="truncate_manifest", after="restore_package"),
     Case("compile-sigint", "compile --force, SIGINT (Ctrl-C to its process group) mid-compile",
          "yggtree compile plain.yaml --out compile --force", needs=("compiled",), expect="interrupted"),
     Case("run-after-sigint", "run --plan after the interrupted compile",
          f"yggtree run --plan plain.yaml {PLAN_P} --max-new-tokens 2", needs=("compiled",)),
     Case("rerun-compile-missing", "run --plan --compile-missing after the interrupted compile (rebuilds)",
          f"yggtree run --plan plain.yaml {PLAN_P} --max-new-tokens 2 --compile-missing", needs=("compiled",),
-         expect="ok", timeout=900),
+         expect="ok", timeout=600),
     Case("compile-plan-missing", "compile of a missing plan file", "yggtree compile nope.yaml --out compile"),
     Case("compile-bad-field", "compile of a plan with a bad field", "yggtree compile bad_field.yaml --out compile"),
     # --- transcripts and distill
@@ -322,6 +331,18 @@ CASES = [
     Case("train-predictor-records-missing", "train-predictor --records of a missing file",
          "yggtree train-predictor --plan eager.yaml --records nope.safetensors --out-dir pred"),
     Case("bench-threads-0", "bench --threads 0", "yggtree bench --threads 0 --prompts 1", needs=()),
+    # --- output paths that are files (afile is an existing file)
+    Case("compile-out-file", "compile --out onto a file", "yggtree compile eager.yaml --out afile"),
+    Case("calibrate-out-file", "calibrate --out-dir onto a file",
+         "yggtree calibrate --plan eager.yaml --prompts 1 --max-new-tokens 2 --out-dir afile"),
+    Case("profile-cache-under-file", "profile --cache-dir under a file",
+         "yggtree profile --hw x --plan eager.yaml --quick --out-dir prof --cache-dir afile/c"),
+    Case("transcripts-out-file", "transcripts --out onto a file",
+         f"yggtree transcripts --out afile --split train {TRANSCRIPT_ARGS}", needs=("chat",)),
+    Case("distill-out-file", "distill --out onto a file",
+         f"yggtree distill --transcripts tr --out afile --draft-vocab 64 {DISTILL_ARGS}", needs=("transcripts",)),
+    Case("tune-out-file", "tune --out-dir onto a file", "yggtree tune --hw t --plan eager.yaml --out-dir afile --trials 1",
+         flags=("tune --out-dir",)),
     # --- the Python API (issue 1, 4, 5): a YggError is printed as one line and exits 1
     Case("api-str-prompt", "generate(\"t5 t9\") (a str prompt, issue 4)", API + " str"),
     Case("api-float-id", "generate([5, 9.0]) (a float token id, issue 4)", API + " float"),
@@ -380,8 +401,9 @@ except YggError as e:
 
 
 class Runner:
-    def __init__(self, root: Path, work: Path, timeout: float, quiet: bool = False):
+    def __init__(self, root: Path, work: Path, timeout: float, wall_factor: float = 5.0, quiet: bool = False):
         self.root, self.work, self.timeout, self.quiet = root, work, timeout, quiet
+        self.wall_factor = wall_factor
         self.cli = f"{shlex.quote(sys.executable)} -m yggtree.cli"
         self.env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                     "API": API_SNIPPET, "PYTHONDONTWRITEBYTECODE": "1"}
@@ -395,28 +417,41 @@ class Runner:
             print(msg, file=sys.stderr, flush=True)
 
     def execute(self, argv: list[str], timeout: float, interrupt=None) -> dict:
-        """Run ``argv`` in its own process group in the scratch directory; on timeout the whole
-        group is killed. ``interrupt(proc)`` (optional) is called while it runs."""
+        """Run ``argv`` in its own session in the scratch directory, bounded by ``timeout`` seconds
+        of CPU time of its process group (a busy hang: compiling forever) or ``wall_factor`` times
+        that of wall time (a hang that waits, or a machine too busy to tell); then the whole group
+        is killed. A niced case on a loaded machine gets a small share of a core, so a budget of
+        wall time alone would call slow starts hangs. ``interrupt(proc)`` (optional) is called
+        while the command runs; both budgets count from its return."""
         t = time.perf_counter()
+        cpu0 = children_cpu()
         proc = subprocess.Popen(argv, cwd=self.work, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
-        note = interrupt(proc) if interrupt else None  # (the timeout counts from its return)
-        t_wait = time.perf_counter() if interrupt else t
-        try:
-            out, err = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t_wait)))
-            code: int | str = proc.returncode
-        except subprocess.TimeoutExpired:
-            with _suppress():
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            code = "timeout"
+        box: dict = {}
+        reader = threading.Thread(target=lambda: box.update(zip(("out", "err"), proc.communicate())), daemon=True)
+        reader.start()
+        note = interrupt(proc) if interrupt else None
+        t_wait, cpu_wait = time.perf_counter(), group_cpu(proc.pid) if interrupt else 0.0
+        code: int | str | None = None
+        while reader.is_alive():
+            reader.join(0.5)
+            if reader.is_alive() and (group_cpu(proc.pid) - cpu_wait > timeout
+                                      or time.perf_counter() - t_wait > timeout * self.wall_factor):
+                with _suppress():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                reader.join()
+                code = "timeout"
+        if code is None:
+            code = proc.returncode
         with _suppress():  # children the command left behind (compile workers ...)
             os.killpg(proc.pid, signal.SIGKILL)
         if interrupt:
             note = f"{note}; ended {time.perf_counter() - t_wait:.1f} s later" if code != "timeout" else \
-                f"{note}; still running {timeout:.0f} s later (killed)"
-        return {"exit": code, "stdout": out.decode("utf-8", "replace"), "stderr": err.decode("utf-8", "replace"),
-                "wall_s": round(time.perf_counter() - t, 1), "note": note}
+                f"{note}; still running {time.perf_counter() - t_wait:.0f} s later (killed)"
+        return {"exit": code, "stdout": box.get("out", b"").decode("utf-8", "replace"),
+                "stderr": box.get("err", b"").decode("utf-8", "replace"),
+                "wall_s": round(time.perf_counter() - t, 1), "cpu_s": round(children_cpu() - cpu0, 1),
+                "note": note}
 
     def help_text(self, sub: str) -> str:
         if sub not in self.helps:
@@ -449,7 +484,12 @@ class Runner:
         self.saved_path, self.saved = f, f.read_bytes()
         f.unlink()
 
-    def restore_package(self) -> None:
+    def truncate_manifest(self) -> None:
+        f = self.work / "compile" / "plain" / "manifest.json"
+        self.saved_path, self.saved = f, f.read_bytes()
+        f.write_bytes(self.saved[: len(self.saved) // 2])
+
+    def restore_package(self) -> None:  # (or the manifest)
         self.saved_path.write_bytes(self.saved)
         os.utime(self.saved_path)
 
@@ -486,7 +526,7 @@ class Runner:
         err = res["stderr"]
         lines = [ln for ln in err.splitlines()]
         row.update(
-            status="ran", exit=res["exit"], wall_s=res["wall_s"], stderr_lines=len(lines),
+            status="ran", exit=res["exit"], wall_s=res["wall_s"], cpu_s=res["cpu_s"], stderr_lines=len(lines),
             one_line=len(lines) == 1 and err.endswith("\n"), traceback="Traceback (most recent call last)" in err,
             stderr_last=(lines[-1] if lines else "")[:300], stderr_head="\n".join(lines[:3])[:600],
             stdout_head=res["stdout"][:200], note=res["note"],
@@ -499,6 +539,26 @@ class Runner:
 
 
 SIGINT_DELAY_S = 8.0
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished (waited-for) children and their own waited-for ones."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def group_cpu(pgid: int) -> float:
+    """CPU seconds the live processes of group ``pgid`` used, with their finished children's (Linux /proc)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # pgrp; then utime, stime, cutime, cstime are fields 11-14
+            total += sum(int(x) for x in fields[11:15])
+    return total / CLK_TCK
 ERROR = re.compile(r"^(yggtree[\w -]*: (error: |interrupted)|YggError: )")
 
 
@@ -533,8 +593,19 @@ def verdict(row: dict) -> str:
 # ----------------------------------------------------------------------------- reporting
 
 
-def show_cmd(cmd: str) -> str:
-    return cmd.replace("python -c \"$API\" model", "python -c API model")
+# the merged table's abbreviations of the repeated parts of the command lines
+ABBREVIATIONS = {
+    "$RUN": RUN, "$P": P, "$T_ARGS": TRANSCRIPT_ARGS, "$D_ARGS": DISTILL_ARGS,
+    "API": "the snippet API_SNIPPET in scripts/reliability_cases.py: an engine on the tiny model, drafter self",
+}
+
+
+def show_cmd(cmd: str, short: bool = False) -> str:
+    cmd = cmd.replace("python -c \"$API\" model", "python -c API model")
+    if short:
+        for k in ("$RUN", "$P", "$T_ARGS", "$D_ARGS"):
+            cmd = cmd.replace(ABBREVIATIONS[k], k)
+    return cmd
 
 
 def cell(row: dict | None) -> str:
@@ -544,14 +615,14 @@ def cell(row: dict | None) -> str:
         return f"n/a: {row['reason']}"
     code = row["exit"]
     if code == "timeout":
-        return f"**timeout** ({row['wall_s']:.0f} s)"
+        return f"**timeout** ({row['wall_s']:.0f} s, {row.get('cpu_s', 0):.0f} s CPU)"
     what = "traceback" if row["traceback"] else ("1 line" if row["one_line"] else f"{row['stderr_lines']} lines")
     if not row["one_line"] and row.get("one_error") and not row["traceback"]:
         what = f"{row['stderr_lines']} lines (progress, then 1 error line)"
-    return f"{code}, {what}, {row['wall_s']:.0f} s"
+    return f"{code}, {what}, {row['wall_s']:.0f} s ({row.get('cpu_s', 0):.0f} s CPU)"
 
 
-def message(row: dict | None) -> str:
+def message(row: dict | None, width: int = 110) -> str:
     if not row or row.get("status") != "ran":
         return ""
     text = row["stderr_last"] if row["exit"] != 0 or row["expect"] == "interrupted" else (
@@ -559,26 +630,30 @@ def message(row: dict | None) -> str:
     if row["traceback"]:
         text = row["stderr_last"]
     text = text.replace("|", "\\|").replace("`", "'")
-    return text[:110] + ("..." if len(text) > 110 else "")
+    return text[:width] + ("..." if len(text) > width else "")
 
 
 def markdown(result: dict) -> str:
     head = ["| case | command | expected | exit, stderr, time | verdict | last stderr line (or stdout) |",
             "|---|---|---|---|---|---|"]
     for r in result["cases"]:
-        head.append(f"| {r['name']} | `{show_cmd(r['cmd'])}` | {r['expect']} | {cell(r)} | "
+        head.append(f"| {r['name']} | `{show_cmd(r['cmd']).replace('|', chr(92) + '|')}` | {r['expect']} | {cell(r)} | "
                     f"{r.get('verdict', r['status'])} | {message(r)} |")
     return "\n".join(head)
 
 
 def merged(before: dict, after: dict) -> str:
     b = {r["name"]: r for r in before["cases"]}
-    lines = ["| case | command | before: exit, stderr, time | after: exit, stderr, time | after: message |",
-             "|---|---|---|---|---|"]
-    for r in after["cases"]:
+    lines = [f"`{k}` = `{v}`" if k != "API" else f"`{k}` = {v}" for k, v in ABBREVIATIONS.items()]
+    lines = ["Abbreviations: " + "; ".join(lines) + ".", "",
+             "| case | command | before: exit, stderr, time | before: last stderr line | after: exit, stderr, time "
+             "| after: last stderr line (or stdout) |",
+             "|---|---|---|---|---|---|"]
+    order = {c.name: i for i, c in enumerate(CASES)}
+    for r in sorted(after["cases"], key=lambda r: order.get(r["name"], len(order))):
         old = b.get(r["name"])
-        lines.append(f"| {r['name']} | `{show_cmd(r['cmd'])}` | {cell(old)}{' ' + verdict_mark(old)} | "
-                     f"{cell(r)}{' ' + verdict_mark(r)} | {message(r)} |")
+        lines.append(f"| {r['name']} | `{show_cmd(r['cmd'], short=True).replace('|', chr(92) + '|')}` | {cell(old)}{' ' + verdict_mark(old)} | "
+                     f"{message(old, 70)} | {cell(r)}{' ' + verdict_mark(r)} | {message(r, 70)} |")
     return "\n".join(lines)
 
 
@@ -614,26 +689,52 @@ def git_commit(root: Path) -> str:
     return r.stdout.strip() + (" (+ uncommitted changes)" if dirty else "")
 
 
+def load_results(files: str) -> dict:
+    """Results from comma-separated JSON files: a later file's rows replace the earlier ones'
+    (a rerun of some cases), new rows are appended."""
+    res = None
+    for f in files.split(","):
+        part = json.loads(Path(f).read_text())
+        if res is None:
+            res = part
+            continue
+        rows = {r["name"]: i for i, r in enumerate(res["cases"])}
+        for r in part["cases"]:
+            if r["name"] in rows:
+                res["cases"][rows[r["name"]]] = r
+            else:
+                res["cases"].append(r)
+        res["commit"] = res["commit"] if res["commit"] == part["commit"] else f"{res['commit']}; {part['commit']}"
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=str(HERE), help="checkout whose yggtree is tested (default: this one)")
     p.add_argument("--out", default=None, help="JSON file of the results")
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one, removed)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per case (some cases set their own)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="CPU seconds per case (some cases set their own); wall time: --wall-factor x that")
+    p.add_argument("--wall-factor", type=float, default=5.0)
     p.add_argument("--only", default=None, help="comma-separated case names or globs")
     p.add_argument("--list", action="store_true", help="list the cases")
-    p.add_argument("--merge", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"), help="print the before/after table")
+    p.add_argument("--merge", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
+                   help="print the before/after table (each a comma-separated list: later files' rows win)")
     args = p.parse_args(argv)
     if args.list:
         for c in CASES:
             print(f"{c.name:34s} {c.what}")
         return 0
     if args.merge:
-        before, after = (json.loads(Path(f).read_text()) for f in args.merge)
+        before, after = (load_results(f) for f in args.merge)
         print(f"before: {before['commit']}; after: {after['commit']}\n")
         print(merged(before, after))
         print(f"\nbefore: {summary(before)}\nafter: {summary(after)}")
         return 0
+    # a command started in the background by a shell without job control inherits SIGINT ignored,
+    # and Python then never raises KeyboardInterrupt: give the cases a Ctrl-C that works
+    # (exec resets a handled signal to its default; an ignored one stays ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     root = Path(args.root).resolve()
     cases = CASES
     if args.only:
@@ -646,7 +747,7 @@ def main(argv=None) -> int:
     else:
         tmp = tempfile.TemporaryDirectory(prefix="yggtree-reliability-")
         work = Path(tmp.name)
-    runner = Runner(root, work, args.timeout)
+    runner = Runner(root, work, args.timeout, args.wall_factor)
     probe = runner.execute([sys.executable, "-c", "import yggtree; print(yggtree.__file__)"], 120)
     where = probe["stdout"].strip()
     if probe["exit"] != 0 or not Path(where).resolve().is_relative_to(root):
@@ -655,7 +756,7 @@ def main(argv=None) -> int:
     runner.log(f"yggtree from {where}; scratch directory {work}")
     result = {"root": str(root), "commit": git_commit(root), "yggtree_file": where,
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-              "timeout_s": args.timeout, "cases": []}
+              "timeout_cpu_s": args.timeout, "wall_factor": args.wall_factor, "cases": []}
     t0 = time.perf_counter()
     for case in cases:
         row = runner.run_case(case)
