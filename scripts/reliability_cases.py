@@ -653,7 +653,7 @@ def merged(before: dict, after: dict) -> str:
     for r in sorted(after["cases"], key=lambda r: order.get(r["name"], len(order))):
         old = b.get(r["name"])
         lines.append(f"| {r['name']} | `{show_cmd(r['cmd'], short=True).replace('|', chr(92) + '|')}` | {cell(old)}{' ' + verdict_mark(old)} | "
-                     f"{message(old, 70)} | {cell(r)}{' ' + verdict_mark(r)} | {message(r, 70)} |")
+                     f"{message(old, 70)} | {cell(r)}{' ' + verdict_mark(r)} | {message(r, 120)} |")
     return "\n".join(lines)
 
 
