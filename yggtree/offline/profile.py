@@ -42,6 +42,7 @@ from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
+from .timing import time_ms
 
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -106,17 +107,6 @@ def grid_contexts(buckets: list[int], max_context: int, max_width: int) -> list[
         if ctx > lo or (i == 0 and ctx >= 1):
             out.append(ctx)
     return sorted(set(out))
-
-
-def time_ms(fn, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def summarise(samples: list[float]) -> dict:

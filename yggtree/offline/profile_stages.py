@@ -21,6 +21,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from .timing import time_ms
+
 
 def thread_splits(cores: int) -> list[str]:
     """Every split of ``cores``: ``T`` for T = 1..cores and ``T+D`` with T, D >= 1, T + D <= cores."""
@@ -52,15 +54,8 @@ def random_tree(plan, wd: int, seed: int = 0):
     return state
 
 
-def _median(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+def _median_ms(fn, warmup: int, repeats: int) -> float:
+    return statistics.median(time_ms(fn, warmup, repeats))
 
 
 def form_calls(engine, plan, ctx: int):
@@ -138,16 +133,16 @@ def measure_stage_forms(engine, plan, ctx: int, warmup: int, repeats: int, cores
         for split in thread_splits(cores):
             t, _, dt = split.partition("+")
             torch.set_num_threads(int(t))
-            rec: dict = {"threads": int(t), "verify_ms": {str(w): _median(verify(w), warmup, repeats) for w in wvs}}
+            rec: dict = {"threads": int(t), "verify_ms": {str(w): _median_ms(verify(w), warmup, repeats) for w in wvs}}
             if not dt:
-                rec |= {"head_ms": _median(head, warmup, repeats),
-                        "draft_ms": {str(w): _median(draft(w), warmup, repeats) for w in wds},
-                        "ahead_ms": {str(w): _median(ahead(w), warmup, repeats) for w in wvs}}
+                rec |= {"head_ms": _median_ms(head, warmup, repeats),
+                        "draft_ms": {str(w): _median_ms(draft(w), warmup, repeats) for w in wds},
+                        "ahead_ms": {str(w): _median_ms(ahead(w), warmup, repeats) for w in wvs}}
             else:
                 worker = ThreadWorker(int(dt))
                 try:
                     rec |= {"draft_threads": int(dt),
-                            "spec_ms": {str(w): worker.result(worker.submit(_median, spec(w), warmup, repeats))
+                            "spec_ms": {str(w): worker.result(worker.submit(_median_ms, spec(w), warmup, repeats))
                                         for w in wds},
                             "pair": {f"{wv},{wd}": overlapped(verify(wv), spec(wd), worker, warmup, repeats)
                                      for wv in wvs for wd in wds}}

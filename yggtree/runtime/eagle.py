@@ -571,14 +571,12 @@ class EagleDrafter:
         for the next head. (On a used guess these rows keep predicted features where a sequential
         commit would rewrite them from true ones: other proposals later, the same output.)"""
         self._check_k(k)
-        if n == 0:  # the root's entry and f̂ exist (this step's head)
-            leaf_h = self.node_feat[:1].clone()
-        else:
+        if n:  # (n = 0: the root's entry and f̂ exist from this step's head)
             self.pend_tok[: n - 1] = tokens[1:n]
             self.pend_feat[:n] = self.node_feat.index_select(0, nodes[:n])
             self.pend_n.fill_(n - 1)
             self.head(tokens[n], committed + n, k)  # sets node_feat[0] = the leaf's f̂
-            leaf_h = self.node_feat[:1].clone()
+        leaf_h = self.node_feat[:1].clone()
         self.pend_feat[0] = leaf_h[0]
         self.pend_n.zero_()
         return self._topk(self.net.logits(leaf_h), k)
