@@ -253,3 +253,30 @@ def test_tune_refuses_more_worker_threads_than_cores(tmp_path, monkeypatch):
     code, _, err = cli([*base, "--threads", "3"])
     assert code == 1 and "--workers 1 x --threads 3 = 3 threads exceeds" in err
     assert not out.exists() and not (tmp_path / "compile").exists()
+
+
+def test_an_output_path_that_is_a_file_is_one_line(tmp_path, capsys):
+    """An OSError out of a command (here: --out names an existing file) is one error line and
+    status 1, through the CLI and through the commands' ``python -m`` entry points."""
+    from yggtree.cli import main
+    from yggtree.errors import run_reporting
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+
+    def writes_under(_args):
+        (afile / "manifest.json").write_text("{}")
+
+    import yggtree.offline.compile as compile_cmd
+
+    real = compile_cmd.run
+    compile_cmd.run = writes_under
+    try:
+        assert main(["compile", "plan.yaml", "--out", str(afile)]) == 1
+    finally:
+        compile_cmd.run = real
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("yggtree: error: Not a directory: ") and str(afile) in err
+    assert run_reporting("yggtree compile", writes_under, None) == 1
+    assert capsys.readouterr().err.startswith("yggtree compile: error: Not a directory: ")
+    assert afile.read_text() == "mine"

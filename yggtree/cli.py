@@ -8,7 +8,7 @@ import os
 import sys
 
 from . import bench, run_cmd
-from .errors import YggError
+from .errors import YggError, os_error_line
 from .offline import compile as compile_cmd
 from .offline import distill, fit, profile, train_predictor, transcripts_cmd, tune
 
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout's reader went away (| head): stop quietly, like other tools
         _silence_stdout()
         return 0
+    except OSError as e:  # e.g. an output path that is an existing file
+        sys.stderr.write(f"yggtree: error: {os_error_line(e)}\n")
+        return 1
 
 
 def _silence_stdout() -> None:

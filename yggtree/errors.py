@@ -5,14 +5,27 @@ class YggError(Exception):
     """An error the user can fix; the CLI prints its message as one line and exits non-zero."""
 
 
+def os_error_line(e: OSError) -> str:
+    """An OSError as the words of one error line: what failed and on which path (an output path
+    that is an existing file, a directory that cannot be made, a disk that is full...)."""
+    what = e.strerror or str(e)
+    return f"{what}: {e.filename}" if e.filename is not None else what
+
+
 def run_reporting(name: str, fn, args, code: int = 1) -> int:
-    """Run a command's ``fn(args)``; a YggError becomes one stderr line and exit ``code``."""
+    """Run a command's ``fn(args)``; a YggError or an OSError becomes one stderr line and exit
+    ``code``."""
     import sys
 
     try:
         return fn(args)
     except YggError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
+        return code
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        print(f"{name}: error: {os_error_line(e)}", file=sys.stderr)
         return code
 
 
