@@ -7,8 +7,8 @@ Two scopes of compilation (both fullgraph, static shapes):
   graph per (input width, context bucket). The decoder layers are a ``nested_compile_region``
   (see ``model._block``), so dynamo traces and inductor compiles one layer per graph and the
   graph calls it once per layer: compile time stays that of one block while a decode step enters
-  Python once instead of once per layer. On the default model (30 layers, one core) that is ~10 ms
-  less per step than ``block`` scope (float32 64 ms vs 74 ms in one A/B run).
+  Python once instead of once per layer (measured faster per step than ``block`` scope:
+  docs/results.md).
 - ``block`` (regional): each decoder block is compiled once and the one graph per input width is
   shared by all layers (dynamo lifts parameters and buffers to graph inputs); the glue runs as
   eager ops. Used for modules that are not Transformers (the EAGLE head).
@@ -208,8 +208,8 @@ def compile_options(backend: str) -> dict | None:
     """``torch.compile`` keyword arguments of one block for ``backend``; None for ``eager``.
 
     - ``inductor-cpu``: fullgraph, static shapes (the tested path), without inductor's per-call
-      size/stride asserts (a Python check on every graph input and every extern-kernel output:
-      ~2 ms of a ~38 ms bfloat16 decode step of the default model, one in-process A/B run).
+      size/stride asserts (a Python check on every graph input and every extern-kernel output,
+      a measurable share of a decode step: docs/results.md).
     - ``cuda``: the same plus ``mode="reduce-overhead"`` (inductor with CUDA graphs).
     - ``npu``: torchair's graph-mode backend (torch_npu + torchair, imported lazily).
 
