@@ -1,11 +1,16 @@
-"""Artifact files written whole or not at all, and paths as manifests record them."""
+"""Artifact files written whole or not at all, JSON files read with a one-line error, and paths as
+manifests record them."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
+
+from .errors import YggError
 
 
 @contextlib.contextmanager
@@ -20,6 +25,20 @@ def atomic_path(dst: str | Path):
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def read_json(path: str | Path, what: str = "") -> Any:
+    """The JSON value in the file at ``path``. A file that cannot be read or is not JSON is a
+    YggError of one line naming it: ``cannot read [what ]PATH: reason``."""
+    name = f"{what} {path}" if what else str(path)
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise YggError(f"cannot read {name}: {e}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise YggError(f"cannot read {name}: not valid JSON: {e}") from None
 
 
 def write_text_atomic(dst: str | Path, text: str) -> Path:

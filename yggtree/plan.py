@@ -90,7 +90,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import YggError
-from .files import file_sha256
+from .files import file_sha256, read_json
 from .runtime.schedule import PLANS, split_name
 from .shapes import (
     DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
@@ -280,10 +280,7 @@ def profile_min_rows(path: str | Path) -> int:
     """The ``min_rows`` (see :mod:`yggtree.runtime.packed`) the profile at ``path`` chose for its
     machine: ``packed_padding.min_rows``, or :data:`LEGACY_MIN_ROWS` for a profile older than
     that field. YggError if the file is unreadable or the value invalid."""
-    try:
-        d = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise YggError(f"cannot read profile {path}: {e}") from None
+    d = read_json(path, "profile")
     pad = d.get(PADDING_KEY) if isinstance(d, dict) else None
     if pad is None:
         return LEGACY_MIN_ROWS
@@ -321,32 +318,78 @@ def _where(key: str, origin: str) -> str:
     return f"{origin}: key {key!r}"
 
 
-def _int(d: dict, key: str, default: int, origin: str, lo: int = 1, prefix: str = "") -> int:
-    v = d.get(key, default)
-    name = prefix + key
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise YggError(f"{_where(name, origin)} must be an integer, got {v!r}")
-    if v < lo:
-        raise YggError(f"{_where(name, origin)} must be >= {lo}, got {v}")
-    return v
+@dataclass(frozen=True)
+class _Fields:
+    """Typed readers of one mapping of a plan (the plan, or its ``sampling`` with ``prefix``
+    "sampling."): each returns a key's value, or its default when absent, and refuses a bad one
+    with a YggError naming the key and ``origin`` (the file)."""
 
+    d: dict
+    origin: str
+    prefix: str = ""
 
-def _float(d: dict, key: str, default: float, origin: str, prefix: str = "") -> float:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise YggError(f"{_where(prefix + key, origin)} must be a number, got {v!r}")
-    return float(v)
+    def where(self, key: str) -> str:
+        return _where(self.prefix + key, self.origin)
 
+    def only(self, known: set[str]) -> None:
+        for k in self.d:
+            if k not in known:
+                raise YggError(f"{self.origin}: unknown key {self.prefix + k!r} "
+                               f"(known: {', '.join(sorted(known))})")
 
-def _str(d: dict, key: str, default: str | None, origin: str, choices=None) -> str:
-    v = d.get(key, default)
-    if v is None:
-        raise YggError(f"{_where(key, origin)} is required")
-    if not isinstance(v, str) or not v:
-        raise YggError(f"{_where(key, origin)} must be a non-empty string, got {v!r}")
-    if choices is not None and v not in choices:
-        raise YggError(f"{_where(key, origin)}: unknown value {v!r} (choose from {', '.join(choices)})")
-    return v
+    def integer(self, key: str, default: int, lo: int = 1) -> int:
+        v = self.d.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise YggError(f"{self.where(key)} must be an integer, got {v!r}")
+        if v < lo:
+            raise YggError(f"{self.where(key)} must be >= {lo}, got {v}")
+        return v
+
+    def number(self, key: str, default: float) -> float:
+        v = self.d.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise YggError(f"{self.where(key)} must be a number, got {v!r}")
+        return float(v)
+
+    def string(self, key: str, default: str | None, choices=None) -> str:
+        v = self.d.get(key, default)
+        if v is None:
+            raise YggError(f"{self.where(key)} is required")
+        if not isinstance(v, str) or not v:
+            raise YggError(f"{self.where(key)} must be a non-empty string, got {v!r}")
+        if choices is not None and v not in choices:
+            raise YggError(f"{self.where(key)}: unknown value {v!r} (choose from {', '.join(choices)})")
+        return v
+
+    def widths(self, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        v = self.d.get(key, list(default))
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise YggError(f"{self.where(key)} must be a non-empty list of integers, got {v!r}")
+        for x in v:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise YggError(f"{self.where(key)} must hold integers, got {x!r}")
+            if x < 1:
+                raise YggError(f"{self.where(key)}: widths must be >= 1, got {x}")
+        if len(set(v)) != len(v):
+            raise YggError(f"{self.where(key)} lists a width twice: {v}")
+        return tuple(sorted(v))
+
+    def path(self, key: str, base: Path, keywords: tuple[str, ...] = ()) -> str | None:
+        """An existing file's normalised path (relative to ``base``), a keyword, or None."""
+        v = self.d.get(key)
+        if v is None or v in keywords:
+            return v
+        if not isinstance(v, str) or not v:
+            raise YggError(f"{self.where(key)} must be a path string or null, got {v!r}")
+        p = Path(v).expanduser()
+        if not p.is_absolute():
+            p = base / p
+        p = Path(os.path.normpath(p))
+        if not p.exists():
+            raise YggError(f"{self.where(key)}: file not found: {p}")
+        return str(p)
 
 
 def _stages(v: str, origin: str) -> str:
@@ -379,34 +422,67 @@ def _weights(v: Any, dtype: str, target: str, origin: str) -> str | None:
     return f"{fmt}@{group}" if fmt == "int4" else fmt
 
 
-def _widths(d: dict, key: str, default: tuple[int, ...], origin: str) -> tuple[int, ...]:
-    v = d.get(key, list(default))
-    if isinstance(v, int) and not isinstance(v, bool):
-        v = [v]
-    if not isinstance(v, list) or not v:
-        raise YggError(f"{_where(key, origin)} must be a non-empty list of integers, got {v!r}")
-    for x in v:
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise YggError(f"{_where(key, origin)} must hold integers, got {x!r}")
-        if x < 1:
-            raise YggError(f"{_where(key, origin)}: widths must be >= 1, got {x}")
-    if len(set(v)) != len(v):
-        raise YggError(f"{_where(key, origin)} lists a width twice: {v}")
-    return tuple(sorted(v))
+def _models(f: _Fields, base: Path) -> dict[str, Any]:
+    """``name``, ``target`` and ``drafter`` (a keyword or an existing path, relative to ``base``)."""
+    name = f.string("name", None)
+    if not _NAME_RE.match(name):
+        raise YggError(f"{f.where('name')} must match [A-Za-z0-9][A-Za-z0-9._-]* (it names a directory), got {name!r}")
+    f.string("target", None)
+    drafter = f.d.get("drafter")
+    if drafter is not None and not isinstance(drafter, str):
+        raise YggError(f"{f.where('drafter')} must be default, self, a path or null, got {drafter!r}")
+    return {"name": name, "target": f.path("target", base, NON_PATH_MODELS["target"]),
+            "drafter": f.path("drafter", base, NON_PATH_MODELS["drafter"])}
 
 
-def _path(v: Any, key: str, base: Path, origin: str, keywords: tuple[str, ...] = ()) -> str | None:
-    if v is None or v in keywords:
-        return v
-    if not isinstance(v, str) or not v:
-        raise YggError(f"{_where(key, origin)} must be a path string or null, got {v!r}")
-    p = Path(v).expanduser()
-    if not p.is_absolute():
-        p = base / p
-    p = Path(os.path.normpath(p))
-    if not p.exists():
-        raise YggError(f"{_where(key, origin)}: file not found: {p}")
-    return str(p)
+def _shapes(f: _Fields, speculative: bool) -> dict[str, Any]:
+    """The graph shapes: context, prefill chunk, draft and verify widths, depth, top-k and the lookup
+    nodes, each within the limits every run checks (refused here, before anything is compiled)."""
+    s = {"max_context": f.integer("max_context", DEFAULT_MAX_CONTEXT, lo=2),
+         "prefill_chunk": f.integer("prefill_chunk", DEFAULT_PREFILL_CHUNK),
+         "draft_widths": f.widths("draft_widths", (DEFAULT_DRAFT_WIDTH,)),
+         "d_max": f.integer("d_max", DEFAULT_DRAFT_DEPTH),
+         "top_k": f.integer("top_k", DEFAULT_TOP_K),
+         "verify_widths": f.widths("verify_widths", (DEFAULT_VERIFY_WIDTH,))}
+    d_max, w_d = s["d_max"], max(s["draft_widths"])
+    try:
+        check_sizes(s["max_context"], s["prefill_chunk"],
+                    TreeParams(w_d, d_max, 1, s["top_k"]) if speculative else None)
+    except YggError as e:
+        raise YggError(f"{f.origin}: {e}") from None
+    cap = 1 + d_max * w_d
+    for w in s["verify_widths"]:
+        if w > cap:
+            raise YggError(f"{f.where('verify_widths')}: W_v {w} exceeds the largest drafted tree "
+                           f"1 + d_max * max(draft_widths) = 1 + {d_max} * {w_d} = {cap}")
+    lookup = s["lookup"] = f.integer("lookup", 0, lo=0)
+    if lookup > max(s["verify_widths"]):
+        raise YggError(f"{f.where('lookup')}: {lookup} exceeds the largest verify width {max(s['verify_widths'])}")
+    if lookup and not speculative:
+        raise YggError(f"{f.where('lookup')}: a plan without a drafter compiles no verify widths "
+                       "(lookup-only decoding: yggtree run --drafter none --lookup N)")
+    return s
+
+
+def _sampling(raw: dict, origin: str, max_context: int) -> Sampling:
+    s = raw.get("sampling", {})
+    if s is None:
+        s = {}
+    if not isinstance(s, dict):
+        raise YggError(f"{_where('sampling', origin)} must be a mapping, got {s!r}")
+    f = _Fields(s, origin, "sampling.")
+    f.only({x.name for x in fields(Sampling)})
+    temperature = f.number("temperature", 0.0)
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise YggError(f"{f.where('temperature')} must be 0 or in "
+                       f"{MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, got {temperature}")
+    top_p = f.number("top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise YggError(f"{f.where('top_p')} must be in (0, 1], got {top_p}")
+    max_new = f.integer("max_new_tokens", 128)
+    if max_new >= max_context:
+        raise YggError(f"{f.where('max_new_tokens')} ({max_new}) must be below max_context ({max_context})")
+    return Sampling(temperature, top_p, max_new)
 
 
 def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Plan:
@@ -416,93 +492,20 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
     if not isinstance(raw, dict):
         raise YggError(f"{origin}: a plan must be a YAML mapping, got {type(raw).__name__}")
     base = Path(base).resolve()
-    known = {f.name for f in fields(Plan)} - {"source"}
-    for k in raw:
-        if k not in known:
-            raise YggError(f"{origin}: unknown key {k!r} (known: {', '.join(sorted(known))})")
-    version = _int(raw, "version", PLAN_VERSION, origin)
+    f = _Fields(raw, origin)
+    f.only({x.name for x in fields(Plan)} - {"source"})
+    version = f.integer("version", PLAN_VERSION)
     if version != PLAN_VERSION:
-        raise YggError(f"{_where('version', origin)}: unsupported plan version {version} (this yggtree reads {PLAN_VERSION})")
-    name = _str(raw, "name", None, origin)
-    if not _NAME_RE.match(name):
-        raise YggError(f"{_where('name', origin)} must match [A-Za-z0-9][A-Za-z0-9._-]* (it names a directory), got {name!r}")
-    target = _path(_str(raw, "target", None, origin), "target", base, origin, NON_PATH_MODELS["target"])
-    drafter = raw.get("drafter")
-    if drafter is not None and not isinstance(drafter, str):
-        raise YggError(f"{_where('drafter', origin)} must be default, self, a path or null, got {drafter!r}")
-    drafter = _path(drafter, "drafter", base, origin, NON_PATH_MODELS["drafter"])
-    dtype = _str(raw, "dtype", "float32", origin, DTYPES)
-    weights = _weights(raw.get("weights"), dtype, target, origin)
-    backend = _str(raw, "backend", "inductor-cpu", origin, BACKENDS)
-    max_context = _int(raw, "max_context", DEFAULT_MAX_CONTEXT, origin, lo=2)
-    prefill_chunk = _int(raw, "prefill_chunk", DEFAULT_PREFILL_CHUNK, origin)
-    draft_widths = _widths(raw, "draft_widths", (DEFAULT_DRAFT_WIDTH,), origin)
-    d_max = _int(raw, "d_max", DEFAULT_DRAFT_DEPTH, origin)
-    top_k = _int(raw, "top_k", DEFAULT_TOP_K, origin)
-    verify_widths = _widths(raw, "verify_widths", (DEFAULT_VERIFY_WIDTH,), origin)
-
-    try:  # the limits every run checks, refused here before anything is compiled
-        check_sizes(max_context, prefill_chunk,
-                    TreeParams(max(draft_widths), d_max, 1, top_k) if drafter is not None else None)
-    except YggError as e:
-        raise YggError(f"{origin}: {e}") from None
-    cap = 1 + d_max * max(draft_widths)
-    for w in verify_widths:
-        if w > cap:
-            raise YggError(
-                f"{_where('verify_widths', origin)}: W_v {w} exceeds the largest drafted tree "
-                f"1 + d_max * max(draft_widths) = 1 + {d_max} * {max(draft_widths)} = {cap}"
-            )
-    lookup = _int(raw, "lookup", 0, origin, lo=0)
-    if lookup > max(verify_widths):
-        raise YggError(f"{_where('lookup', origin)}: {lookup} exceeds the largest verify width {max(verify_widths)}")
-    if lookup and drafter is None:
-        raise YggError(f"{_where('lookup', origin)}: a plan without a drafter compiles no verify widths "
-                       "(lookup-only decoding: yggtree run --drafter none --lookup N)")
-    s = raw.get("sampling", {})
-    if s is None:
-        s = {}
-    if not isinstance(s, dict):
-        raise YggError(f"{_where('sampling', origin)} must be a mapping, got {s!r}")
-    sknown = {f.name for f in fields(Sampling)}
-    for k in s:
-        if k not in sknown:
-            raise YggError(f"{origin}: unknown key 'sampling.{k}' (known: {', '.join(sorted(sknown))})")
-    temperature = _float(s, "temperature", 0.0, origin, "sampling.")
-    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise YggError(f"{_where('sampling.temperature', origin)} must be 0 or in "
-                       f"{MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, got {temperature}")
-    top_p = _float(s, "top_p", 1.0, origin, "sampling.")
-    if not 0 < top_p <= 1:
-        raise YggError(f"{_where('sampling.top_p', origin)} must be in (0, 1], got {top_p}")
-    max_new = _int(s, "max_new_tokens", 128, origin, prefix="sampling.")
-    if max_new >= max_context:
-        raise YggError(
-            f"{_where('sampling.max_new_tokens', origin)} ({max_new}) must be below max_context ({max_context})"
-        )
-    paths = {}
-    for k in PATH_KEYS:
-        paths[k] = _path(raw.get(k), k, base, origin)
-    stages = _stages(_str(raw, "stages", "sequential", origin), origin)
-    return Plan(
-        name=name,
-        target=target,
-        drafter=drafter,
-        dtype=dtype,
-        weights=weights,
-        backend=backend,
-        max_context=max_context,
-        prefill_chunk=prefill_chunk,
-        draft_widths=draft_widths,
-        d_max=d_max,
-        top_k=top_k,
-        verify_widths=verify_widths,
-        lookup=lookup,
-        sampling=Sampling(temperature, top_p, max_new),
-        stages=stages,
-        version=version,
-        **paths,
-    )
+        raise YggError(f"{f.where('version')}: unsupported plan version {version} (this yggtree reads {PLAN_VERSION})")
+    models = _models(f, base)
+    dtype = f.string("dtype", "float32", DTYPES)
+    weights = _weights(raw.get("weights"), dtype, models["target"], origin)
+    backend = f.string("backend", "inductor-cpu", BACKENDS)
+    shapes = _shapes(f, models["drafter"] is not None)
+    return Plan(**models, dtype=dtype, weights=weights, backend=backend, **shapes,
+                sampling=_sampling(raw, origin, shapes["max_context"]),
+                **{k: f.path(k, base) for k in PATH_KEYS},
+                stages=_stages(f.string("stages", "sequential"), origin), version=version)
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -675,10 +678,7 @@ def read_manifest(art_dir: str | Path) -> dict | None:
     p = Path(art_dir) / MANIFEST
     if not p.is_file():
         return None
-    try:
-        m = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise YggError(f"cannot read manifest {p}: {e}") from None
+    m = read_json(p, "manifest")
     if not isinstance(m, dict):
         raise YggError(f"manifest {p} is not a JSON object")
     return m

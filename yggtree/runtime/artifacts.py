@@ -11,10 +11,10 @@ that differs (:func:`first_difference`).
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from ..errors import YggError
+from ..files import read_json
 from ..plan import model_fingerprints
 
 __all__ = [
@@ -74,10 +74,7 @@ def read_artifact(path: str | Path, what: str, kind: str, version: int = FORMAT_
     p = Path(path)
     if not p.is_file():
         raise YggError(f"{what} {p} does not exist{missing_hint}")
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise YggError(f"{what} {p} is not valid JSON: {e}") from None
+    d = read_json(p, what)
     if not isinstance(d, dict) or d.get("kind") != kind:
         raise YggError(f"{what} {p} is not a {kind} file")
     if d.get("version") != version:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import YggError
+from ..files import read_json
 from .drafters import Snapshot, TopK, ahead_layout, put_back, take_path, take_snapshot
 from .graphs import Graphs
 from .kv_cache import KVCache
@@ -647,11 +648,7 @@ def load_eagle(
     cfg_path, w_path = p / CONFIG_FILE, p / WEIGHTS_FILE
     if not cfg_path.is_file():
         raise YggError(f"not an EAGLE drafter directory: {cfg_path} is missing")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise YggError(f"cannot read {cfg_path}: {e}") from None
-    cfg = EagleConfig.from_json(raw, cfg_path)
+    cfg = EagleConfig.from_json(read_json(cfg_path), cfg_path)
     cfg.check_target(target.cfg, cfg_path)
     state = read_safetensors(w_path, "EAGLE weights")
     w = target.embed_tokens.weight

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import YggError
+from ..files import read_json
 from .model import ModelConfig, RopeScaling, Transformer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,13 +127,6 @@ def config_from_hf(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
     )
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise YggError(f"cannot read {path}: {e}") from None
-
-
 def read_safetensors(path: str | Path, what: str) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file ``path``; YggError naming ``what`` and the file when it
     does not exist or cannot be read (truncated, not safetensors)."""
@@ -151,7 +145,7 @@ def read_safetensors(path: str | Path, what: str) -> dict[str, torch.Tensor]:
 def _load_hf_state(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(_read_json(index)["weight_map"].values()))
+        files = sorted(set(read_json(index)["weight_map"].values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -303,7 +297,7 @@ def load_config(src: ModelSource) -> ModelConfig:
     if src.kind == "hf":
         gen = src.path / "generation_config.json"
         return config_from_hf(
-            _read_json(src.path / "config.json"), _read_json(gen) if gen.is_file() else None
+            read_json(src.path / "config.json"), read_json(gen) if gen.is_file() else None
         )
     return config_from_gguf(_open_gguf(src.path))
 

@@ -22,11 +22,11 @@ the context length. Everything here is host-side Python over token ids.
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import YggError
+from ..files import read_json
 
 __all__ = ["LookupIndex", "LookupCalibration", "Proposal", "propose", "DEFAULT_CALIBRATION",
            "LOOKUP_CALIBRATION_KIND"]
@@ -102,8 +102,8 @@ class LookupCalibration:
         p = Path(path)
         if not p.is_file():
             raise YggError(f"lookup calibration {p} does not exist (make one with scripts/fit_lookup.py)")
+        d = read_json(p, "lookup calibration")
         try:
-            d = json.loads(p.read_text())
             if d.get("kind") != LOOKUP_CALIBRATION_KIND or d.get("version") != 1:
                 raise ValueError("not a version-1 lookup calibration")
             c = cls(tuple(int(x) for x in d["lengths"]), tuple(float(x) for x in d["shares"]),
