@@ -110,7 +110,7 @@ def test_space_overrides_and_constraints():
     from yggtree.plan import validate_plan
 
     base = validate_plan(yaml.safe_load(PLAN) | {"target": "default", "verify_widths": [2, 4]})
-    space = ts.apply_overrides(ts.default_space(base), ["d_max=1..2", "top_k=2,4", "lookup=0"])
+    space = ts.apply_overrides(ts.default_space(base, 1), ["d_max=1..2", "top_k=2,4", "lookup=0"])
     assert space.d_max == (1, 2) and space.top_k == (2, 4) and space.lookup == (0,)
     assert ts.subsets((1, 2, 4)) == ("1", "2", "1,2", "4", "1,4", "2,4", "1,2,4")
     for bad, msg in ((["d_max=6..2"], "empty range"), (["width=4"], "unknown dimension"),

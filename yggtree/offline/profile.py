@@ -459,6 +459,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
             "name": plan.name, "hash": plan.hash(), "draft_widths": list(plan.draft_widths),
             "verify_widths": list(plan.verify_widths), "d_max": plan.d_max, "top_k": plan.top_k,
             "max_context": plan.max_context, "n_slots": n_slots, "buckets": buckets,
+            "weights": plan.weights or plan.dtype,  # the format the curves measured (canonical)
         },
         "grid": {"widths": widths, "contexts": contexts, "warmup": grid.warmup,
                  "repeats": grid.repeats, "quick": grid.quick},

@@ -4,16 +4,19 @@ Phases (each reports its wall time; every valid artifact found is reused and nam
 :mod:`.tune_artifacts`):
 
 1. profile: this machine's latency curves for the envelope of the search space (all candidate
-   widths, the largest d_max). Reused when ``profiles/NAME.json`` or another profile in the
-   output directory was measured for the same models and dtype on this device with the same
-   thread count and covers the widths; otherwise measured and written to ``profiles/NAME.json``.
+   widths, the largest d_max; the one weight format it prices, :func:`.tune_space.profiled_weights`).
+   Reused when ``profiles/NAME.json`` or another profile in the output directory was measured
+   for the same models, dtype and weight format on this device with the same thread count and
+   covers the widths; otherwise measured and written to ``profiles/NAME.json``.
 2. calibration: the pair's acceptance map (it belongs to target, drafter and dtype, not to the
    machine). Reused when the pair's ``predictors/<pair>/calibration.json`` (or one an earlier
    tune made, ``profiles/*.calibration/``) covers the space's widths and depth; otherwise
    ``yggtree calibrate`` runs on the envelope plan into ``profiles/NAME.calibration/``.
-3. search: an optuna study (:mod:`.tune_study`) over the plan space (:mod:`.tune_space`);
-   objective (:mod:`.tune_objective`): predicted tokens/s first, then compile and measure the
-   leading candidates on held-out calibration prompts with pruning; compile seconds and
+3. search: an optuna study (:mod:`.tune_study`) over the plan space (:mod:`.tune_space`:
+   widths, depth, top-k, lookup, prefill chunk, stage plan with its thread split, weight
+   format); objective (:mod:`.tune_objective`): predicted tokens/s first, then compile and
+   measure the leading candidates on held-out calibration prompts with pruning (a weight format
+   the profile did not measure has no prediction: measured directly); compile seconds and
    artifact bytes recorded per measured trial. ``--workers N`` runs N local processes on the
    study; more processes or machines may join with the same ``--storage`` and ``--study``.
 4. compile + report: the best measured trial becomes ``profiles/NAME.yaml`` (written last,
@@ -144,6 +147,8 @@ class Inputs:
     measure_ids: list
     profile: Path
     calibration: Path
+    forms: dict | None  # the profile's stage forms (None: it has none)
+    profile_weights: str  # the weight format the profile measured
 
 
 def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
@@ -152,9 +157,11 @@ def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
     from ..runtime.loading import encode_auto, load_tokenizer, resolve_model
     from ..runtime.calibration import Calibration
     from ..runtime.cost import CostModel
+    from .tune_artifacts import profile_weights
     from .tune_objective import token_contexts
 
     cost = CostModel.from_profile(profile, env)
+    prof = json.loads(profile.read_text())
     calib = Calibration.load(calibration, env)
     n_cal = int(json.loads(calibration.read_text()).get("data", {}).get("prompts", 0)) or 1
     tok = load_tokenizer(resolve_model(s.base.target))
@@ -163,7 +170,8 @@ def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
     contexts = token_contexts([len(x) for x in ids[:n_cal]], s.max_new_tokens, s.base.max_context)
     cap = min(s.prompt_tokens, s.base.max_context - s.max_new_tokens - 1)
     held = [x[-cap:] for x in ids[n_cal:]]  # never the prompts the calibration was fitted on
-    return Inputs(cost, calib, contexts, held, profile, calibration)
+    return Inputs(cost, calib, contexts, held, profile, calibration, prof.get("stage_forms"),
+                  profile_weights(prof, env.dtype))
 
 
 def _fields_key(fields: dict) -> str:
@@ -194,7 +202,7 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
     event("start")
     fields = plan_fields(suggest(trial, s.space), s.space)
     note("fields", fields)
-    why = infeasible(fields, s.base.max_context)
+    why = infeasible(fields, s.base.max_context, s.base.speculative, s.threads)
     plan = None
     if why is None:
         try:
@@ -207,16 +215,27 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
         trial.report(0.0, 0)  # refused before anything ran; the sampler learns it predicts nothing
         return "pruned", None
     note("shapes", block_shapes(plan))
-    pred = predicted_tokens_per_s(inp.cost, inp.calib, plan.draft_widths, plan.verify_widths,
-                                  plan.d_max, inp.contexts)
-    note("predicted_tps", round(pred, 3))
-    trial.report(pred, 0)
+    try:
+        scale = trial_stage_scale(plan, fields["stages"], s.threads, inp)
+    except YggError as e:
+        note("infeasible", str(e))  # the latency model cannot price this stage plan
+        trial.report(0.0, 0)
+        return "pruned", None
+    if fields["weights"] != inp.profile_weights:
+        note("unpriced", f"weights {fields['weights']}: the profile measured {inp.profile_weights} "
+                         "weights; no prediction, measured directly")
+    else:
+        note("stage_pricing", _stage_pricing(scale, s.threads, inp))
+        pred = predicted_tokens_per_s(inp.cost, inp.calib, plan.draft_widths, plan.verify_widths,
+                                      plan.d_max, inp.contexts, scale)
+        note("predicted_tps", round(pred, 3))
+        trial.report(pred, 0)
     key = _fields_key(fields)
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if _fields_key(t.user_attrs.get("fields", {})) == key:
             note("duplicate_of", t.number)
             return "pruned", None
-    if trial.should_prune():
+    if "predicted_tps" in notes and trial.should_prune():
         note("pruned_at", "predicted")
         return "pruned", None
     event("compile")
@@ -250,6 +269,30 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
         note("aal", round(m.aal, 4))
     event("end")
     return ("pruned", None) if m.pruned else ("complete", m.tokens_per_s)
+
+
+def trial_stage_scale(plan, stages: str, threads: int, inp: Inputs):
+    """The StageScale of a trial's stage plan over its tree shapes (None: ``sequential`` at the
+    profile's threads); YggError when the profile's stage forms cannot price it."""
+    from ..runtime.build import drafter_feeds_leaves
+    from .plan_search import hit_rate
+    from .tune_objective import stage_scale
+
+    shapes = [(d, wd, wv) for d in range(1, plan.d_max + 1) for wd in plan.draft_widths
+              for wv in plan.verify_widths]
+    return stage_scale(stages, inp.forms, threads, shapes, lambda sh: inp.cost.overhead_ms(*sh),
+                       lambda sh: hit_rate(inp.calib.aal, inp.calib.verify_widths, *sh),
+                       drafter_feeds_leaves(plan))
+
+
+def _stage_pricing(scale, threads: int, inp: Inputs) -> str:
+    """How a trial's stage plan was priced (its user attribute ``stage_pricing``)."""
+    if scale is not None:
+        return f"{scale.label}: the profile's sequential@{threads} curves scaled by its stage forms (plan_search)"
+    if inp.forms is None:
+        return (f"sequential@{threads}: the profile's curves; the profile has no stage forms, so "
+                f"sequential@{threads} is the only stage plan it prices")
+    return f"sequential@{threads}: the profile's curves"
 
 
 def _keep_best_dirs(s: Setup, study) -> None:
@@ -339,7 +382,7 @@ def _why(a: dict) -> str:
     bits = []
     if "predicted_tps" in a:
         bits.append(f"predicted {a['predicted_tps']:.1f} tok/s")
-    for k in ("infeasible", "pruned_at"):
+    for k in ("unpriced", "infeasible", "pruned_at"):
         if k in a:
             bits.append(str(a[k]))
     if "duplicate_of" in a:
@@ -407,6 +450,10 @@ def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
     _clean_trial_dirs(s, study)
     say(f"{'using the graphs compiled for' if reused else 'compiling'} the best plan (trial "
          f"{best['number']}) in {s.compile_root / s.hw}")
+    if best["fields"]["weights"] != inp.profile_weights:
+        say(f"note: the plan runs {best['fields']['weights']} weights, its profile {inp.profile} measured "
+            f"{inp.profile_weights}: its latency objective prices trees with those curves (profile the "
+            "machine under this plan to let it price its own format)")
     # check_outputs made sure compile/<hw> is absent, this study's, or --force was given
     summary = compile_plan(plan, s.compile_root, replace=True, console=Console(stderr=True))
     phases["compile"] = round(time.perf_counter() - t, 2)
@@ -479,10 +526,16 @@ def write_plan_file(plan, path: Path, key: str, best: dict, report: dict) -> Pat
         f"# tuned by `yggtree tune --hw {report['hw']}` on {report['identity']['device']} "
         f"({report['identity']['threads']} thread(s)), {report['created']}",
         f"# best trial {best['number']}: {best['measured_tps']:.1f} decode tok/s measured on held-out "
-        f"calibration prompts (predicted {best['predicted_tps']}), {t['complete']} measured of "
+        f"calibration prompts ({_predicted_text(best)}), {t['complete']} measured of "
         f"{t['total']} trials; report: {path.stem}.tuning.json",
     ]
     return write_text_atomic(path, "\n".join(head) + "\n" + body)
+
+
+def _predicted_text(best: dict) -> str:
+    if best.get("predicted_tps") is None:
+        return "not predicted: the profile did not measure its weight format"
+    return f"predicted {best['predicted_tps']}"
 
 
 # ----------------------------------------------------------------------------- the command
@@ -495,7 +548,9 @@ def run(args, on_event=None) -> int:
     from ..plan import default_plan, load_plan
     from ..runtime.device import detect_device
     from .profile import NAME_OK
-    from .tune_space import apply_overrides, check_space, default_space
+    from .tune_space import (
+        apply_overrides, check_space, default_space, override_key, runnable_weights, weight_problems,
+    )
     from .tune_study import open_study, sqlite_url
 
     import optuna
@@ -509,8 +564,11 @@ def run(args, on_event=None) -> int:
     base = load_plan(args.plan) if args.plan else default_plan()
     if not base.speculative:
         raise YggError(f"plan {base.name!r} has no drafter: there is no speculation to tune")
-    space = apply_overrides(default_space(base), args.space or [])
-    check_space(space, base)
+    space = apply_overrides(default_space(base, args.threads), args.space or [], base.dtype, args.threads)
+    problems = weight_problems(base, space.weights, max(base.verify_widths))
+    given = "weights" in {override_key(item) for item in args.space or []}
+    space = runnable_weights(space, problems, given)
+    check_space(space, base, args.threads)
     out_dir = Path(args.out_dir).resolve()
     compile_root = Path(args.compile_root).resolve()
     url = args.storage or sqlite_url(out_dir / f"{args.hw}.study.db")
@@ -525,6 +583,8 @@ def run(args, on_event=None) -> int:
     open_study(url, study_name, identity)  # bad URLs and foreign studies: refused before any work
     if not args.search_only:
         check_outputs(args.hw, out_dir, compile_root, key, args.force)
+        for fmt, why in problems.items():  # after every refusal: an error stays one line
+            say(f"weights {fmt} not searched: {why}")
     env = envelope_plan(base, space, args.hw)
     phases: dict = {}
     reuse: dict = {}
@@ -590,7 +650,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=40, help="trials in the study in all (default 40)")
     p.add_argument("--space", action="append", metavar="KEY=VALUES",
                    help="override a dimension: draft_widths=1,2,4 | d_max=2..6 | top_k=4 | lookup=0,8 | "
-                   "verify_widths=... | prefill_chunk=... (repeatable)")
+                   "verify_widths=... | prefill_chunk=... | stages=sequential@1,overlap@1+1 | "
+                   "weights=float32,int8,int4@32 (repeatable)")
     p.add_argument("--storage", default=None, metavar="URL",
                    help="optuna RDB storage (SQLAlchemy URL; default sqlite:///<out-dir>/<hw>.study.db)")
     p.add_argument("--study", default=None, help="study name (default: --hw)")

@@ -2,9 +2,11 @@
 so), otherwise measured.
 
 Both must cover the whole search space: the *envelope* plan (every candidate width, the largest
-d_max) is what they are checked against and, when missing, measured for. A profile is valid when
-it was measured for the same models, dtype and backend on this device with the same thread count
-and up to the largest width; a calibration when it belongs to the same pair and dtype and holds
+d_max, the one weight format the profile prices: :func:`tune_space.profiled_weights`) is what
+they are checked against and, when missing, measured for. A profile is valid when it was measured
+for the same models, dtype, backend and weight format on this device with the same thread count
+and up to the largest width (a profile without a recorded format measured float weights in its
+dtype: it was made before quantized formats existed or recorded); a calibration when it belongs to the same pair and dtype and holds
 accepted lengths for every candidate W_d up to the largest d_max and every candidate W_v. A file
 of this tune's own name that is not valid is never replaced without ``--force``.
 """
@@ -21,13 +23,14 @@ from ..errors import YggError
 
 
 def envelope_plan(base, space, hw: str):
-    """A plan spanning the whole space: what the profile and calibration must cover."""
-    from .tune_space import candidate_plan
+    """A plan spanning the whole space: what the profile and calibration must cover (in the one
+    weight format the profile prices)."""
+    from .tune_space import candidate_plan, profiled_weights
 
     env = space.envelope
     cap = 1 + env["d_max"] * max(env["draft_widths"])
     fields = {**env, "verify_widths": [w for w in env["verify_widths"] if w <= cap],
-              "lookup": 0, "prefill_chunk": base.prefill_chunk}
+              "lookup": 0, "prefill_chunk": base.prefill_chunk, "weights": profiled_weights(space, base)}
     return candidate_plan(base, fields, f"{hw}-envelope", None, None)
 
 
@@ -46,7 +49,18 @@ def profile_covers(path: Path, plan, threads: int) -> str | None:
     have = max(prof.get("grid", {}).get("widths", [0]))
     if have < need:
         return f"it measured widths up to {have}, the space needs {need}"
+    from .tune_space import plan_weights
+
+    if profile_weights(prof, plan.dtype) != plan_weights(plan):
+        return f"it measured {profile_weights(prof, plan.dtype)} weights, not {plan_weights(plan)}"
     return None
+
+
+def profile_weights(prof: dict, dtype: str) -> str:
+    """The weight format a profile measured (its ``plan.weights``; absent: float in ``dtype``)."""
+    plan = prof.get("plan")
+    fmt = plan.get("weights") if isinstance(plan, dict) else None
+    return fmt if isinstance(fmt, str) else dtype
 
 
 def calibration_covers(path: Path, plan) -> str | None:

@@ -6,6 +6,20 @@
    (``ObjectivePolicy.plan_choice``), whose predicted milliseconds per token are plain / speed-up.
    Lookup nodes, top-k and the prefill chunk do not enter the prediction (the calibration is
    measured at one top-k; lookup acceptance depends on the text): the measured fidelity sees them.
+
+   Stage plan (:class:`StageScale`): the profile's curves are ``sequential`` at the profile's
+   thread count P. Another stage plan or split scales each step by the compile-time plan
+   search's estimate from the profile's stage forms (offline/plan_search.predict_ms):
+   step(D, W_d, W_v) x predict(plan) / predict(sequential@P) for a tree step (the tree still
+   chosen by the sequential costs, as the runtime's objective chooses it), and a plain step
+   by the target's verify at the smallest stage-forms width, T threads over P. A profile
+   without stage forms prices ``sequential@P`` only: any other stage plan is not a candidate
+   (refused, the reason in the trial's user attributes).
+
+   Weight format: the profile measured one format (its ``plan.weights``; before the field, float
+   in the dtype). Its curves do not price another: a trial of another format gets no predicted
+   value (user attribute ``unpriced``) and goes to the measured fidelity directly, still pruned
+   at its measured rungs. Such a trial costs a compile and a measurement whatever its plan.
 2. Measured (leading candidates only): the compiled candidate decodes held-out calibration
    prompts (never MT-Bench or HumanEval), greedy, with its latency objective; decode tokens/s
    (prefill excluded) after each rung of prompts (1, 2, 4, ... prompts), so a pruner can stop
@@ -29,17 +43,78 @@ def token_contexts(prompt_lengths: list[int], max_new_tokens: int, max_context: 
     return out
 
 
+@dataclass(frozen=True)
+class StageScale:
+    """Step time under a stage plan over step time under ``sequential@P`` (the profile's curves):
+    per tree shape (D, W_d, W_v) and for a plain step (see the module docstring)."""
+
+    label: str
+    step: dict  # (D, W_d, W_v) -> factor
+    plain: float
+
+
+def stage_scale(label: str, forms: dict | None, threads: int, shapes, other_ms, hit,
+                feeds_leaves: bool) -> StageScale | None:
+    """The :class:`StageScale` of stage plan ``label`` over ``shapes`` from stage ``forms``
+    (``other_ms(shape)``, ``hit(shape)`` as offline/plan_search.search takes them); None for
+    ``sequential@threads`` (the curves' own). YggError (one line) when the forms cannot price
+    it: none recorded, or not this split or these widths."""
+    from ..errors import YggError
+    from ..runtime.schedule import split_name
+    from .plan_search import candidates, predict_ms
+
+    base = f"sequential@{threads}"
+    if label == base:
+        return None
+    if label not in candidates(forms):
+        have = "has no stage forms" if not candidates(forms) else "'s stage forms do not measure it"
+        raise YggError(f"stages {label} is not a candidate: the profile {have} (it prices {base}"
+                       + (")" if not candidates(forms) else f" and {', '.join(candidates(forms))})"))
+    try:
+        step = {}
+        for shape in shapes:
+            args = (forms, shape, other_ms(shape), hit(shape), feeds_leaves)
+            step[tuple(shape)] = predict_ms(label, *args) / predict_ms(base, *args)
+        mine = forms["splits"][str(split_name(label)[1])]["verify_ms"]
+        ref = forms["splits"][str(threads)]["verify_ms"]
+        w = min(mine, key=int)
+        plain = mine[w] / ref[w]
+    except (KeyError, ValueError, ZeroDivisionError) as e:
+        raise YggError(f"stages {label} is not a candidate: the profile's stage forms lack what it "
+                       f"needs ({type(e).__name__}: {e})") from None
+    return StageScale(label, step, plain)
+
+
+def chosen_verify(cost, calib, d: int, wd: int, verify_widths, ctx: int) -> int:
+    """The W_v the objective verifies with after drafting (D, W_d) at ``ctx`` (best_verify over
+    the calibrated widths, as ObjectivePolicy.plan_choice ranks its rows)."""
+    from ..runtime.objective import best_verify
+
+    rows = [(wv, calib.expected_aal(wd, d, wv)) for wv in sorted(verify_widths)]
+    rows = [(wv, a) for wv, a in rows if a is not None]
+    wv, _ = best_verify([a for _, a in rows], [w for w, _ in rows],
+                        [cost.step_ms(d, wd, w, ctx) for w, _ in rows], cost.plain_ms(ctx))
+    return wv
+
+
 def predicted_tokens_per_s(cost, calib, draft_widths, verify_widths, d_max: int,
-                           contexts: list[int]) -> float:
+                           contexts: list[int], scale: StageScale | None = None) -> float:
     """Predicted decode tokens/s of a plan with these width sets over ``contexts`` (see the module
-    docstring); plain decoding's when no tree pays anywhere."""
+    docstring); plain decoding's when no tree pays anywhere. ``scale``: the plan's stage plan
+    (None: ``sequential`` at the profile's threads)."""
     from ..runtime.objective import ObjectivePolicy
 
     pol = ObjectivePolicy(cost, calib, tuple(sorted(draft_widths)), tuple(sorted(verify_widths)), d_max)
     total_ms = 0.0
     for ctx in contexts:
-        _, speedup = pol.plan_choice(ctx)
-        total_ms += cost.plain_ms(ctx) / max(speedup, 1.0)
+        choice, speedup = pol.plan_choice(ctx)
+        ms = cost.plain_ms(ctx) / max(speedup, 1.0)
+        if scale is not None and (choice.draft_depth == 0 or speedup <= 1.0):
+            ms *= scale.plain
+        elif scale is not None:
+            d, wd = choice.draft_depth, choice.draft_width
+            ms *= scale.step[(d, wd, chosen_verify(cost, calib, d, wd, verify_widths, ctx))]
+        total_ms += ms
     return 1e3 * len(contexts) / total_ms if total_ms > 0 else 0.0
 
 

@@ -31,6 +31,7 @@ def trial_rows(study) -> list[dict]:
             "size_bytes": a.get("size_bytes"),
             "aal": a.get("aal"),
             "infeasible": bool(a.get("infeasible")),
+            "unpriced": a.get("unpriced"),  # no prediction: the profile did not measure its weights
             "why": a.get("infeasible") or a.get("duplicate_of") and f"same plan as #{a['duplicate_of']}"
             or a.get("pruned_at"),
             "seconds": (t.datetime_complete - t.datetime_start).total_seconds()
@@ -57,8 +58,10 @@ def complete_rows(rows: list[dict]) -> list[dict]:
 def fields_text(f: dict | None) -> str:
     if not f:
         return "?"
-    return (f"W_d {f['draft_widths']} W_v {f['verify_widths']} D {f['d_max']} k {f['top_k']} "
+    text = (f"W_d {f['draft_widths']} W_v {f['verify_widths']} D {f['d_max']} k {f['top_k']} "
             f"lookup {f['lookup']} chunk {f['prefill_chunk']}")
+    extra = [f.get("stages"), f.get("weights")]  # absent in trials of studies made before
+    return " ".join([text, *(v for v in extra if v)])
 
 
 def best_table(rows: list[dict], n: int = 8, title: str = "best trials"):

@@ -14,15 +14,38 @@ d_max           1..base d_max                  ``d_max``
 top_k           {2, 4, 8}                      ``top_k``
 lookup          {0, 4, 8}                      ``lookup`` (lookup nodes per step)
 prefill_chunk   {32, 64, 128}                  ``prefill_chunk``
+stages          ``sequential@T``, ``ahead@T``  ``stages`` (execution plan with its thread
+                for T = 1..threads,            split, runtime/schedule.py); ``threads`` is
+                ``overlap@T+D`` for            the worker's ``--threads``, itself within the
+                T + D <= threads               process's usable cores
+weights         the base plan's format, then   ``weights`` (runtime/quant.py): the float
+                float in dtype, ``int8``,      format of the plan's dtype and the quantized
+                ``int4@32``, ``gguf-native``   ones this torch/CPU and the model run
 =============== ============================== ===============================================
 
 A dimension with one value is fixed (no optuna parameter). ``--space KEY=V1,V2`` or
-``--space KEY=LO..HI`` overrides one dimension; an override that no valid plan can satisfy is
-refused before anything runs (:func:`check_space`). Sampled combinations that make no valid plan
-(a verify width above 1 + d_max * max W_d, lookup above the largest verify width, ...) are found
-by :func:`infeasible` before a trial builds anything. Context buckets, product kernels and weight
-format are not plan fields (they are constants of the runtime) and are not searched; the padding
-of short packed products is measured by the profile, not searched.
+``--space KEY=LO..HI`` overrides one dimension (``stages`` and ``weights`` take comma-separated
+names; a stage plan without a split gets the worker's threads: ``sequential`` is
+``sequential@T``, ``overlap`` is ``overlap@(T-1)+1``); an override that no valid plan can
+satisfy is refused before anything runs (:func:`check_space`): a thread split above the
+worker's ``--threads`` or above the usable cores (``schedule.resolve_plan``'s check against
+the affinity mask), a weight format the machine or the model cannot run.
+
+Weight formats: :func:`weight_problems` probes each candidate before the search, with
+runtime/quant.py's own checks: ``check_kernel`` (this torch/CPU runs the weight-only kernel for
+the dtype) and ``check_batch_invariant`` on one probe layer per input width of the model
+(``rows`` = the widest verify); ``int4@G`` needs G to divide every input width of the models it
+quantizes, ``gguf-native`` a GGUF target whose block tensors are Q4_0, Q4_1 or Q8_0. A default
+candidate that fails is left out of the space (``yggtree tune`` names it and why); an override
+naming one is refused. A trial's engine checks batch invariance again on the model's own layers.
+
+Sampled combinations that make no valid plan (a verify width above 1 + d_max * max W_d, lookup
+above the largest verify width, a split above the worker's threads, ...) are found by
+:func:`infeasible` before a trial builds anything. Which combinations the latency model can
+*price* is the objective's business (tune_objective.py): the profile prices one weight format
+and, with stage forms, every split it measured. Context buckets and product kernels are not
+plan fields (constants of the runtime) and are not searched; the padding of short packed
+products is measured by the profile, not searched.
 """
 
 from __future__ import annotations
@@ -31,10 +54,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import YggError
+from ..runtime.schedule import split_name
+from ..shapes import DEFAULT_INT4_GROUP, weight_format
 
 SET_KEYS = ("draft_widths", "verify_widths")
 SCALAR_KEYS = ("d_max", "top_k", "lookup", "prefill_chunk")
-KEYS = SET_KEYS + SCALAR_KEYS
+NAME_KEYS = ("stages", "weights")  # categorical names, not integers
+KEYS = SET_KEYS + SCALAR_KEYS + NAME_KEYS
+STAGE_NAMES = ("sequential", "ahead", "overlap")  # the execution plans searched (not auto)
 DEFAULT_TOP_K = (2, 4, 8)
 DEFAULT_LOOKUP = (0, 4, 8)
 DEFAULT_PREFILL = (32, 64, 128)
@@ -50,8 +77,10 @@ class SearchSpace:
     top_k: tuple[int, ...]
     lookup: tuple[int, ...]
     prefill_chunk: tuple[int, ...]
+    stages: tuple[str, ...]  # execution plans with their thread split (sequential@1, overlap@1+1)
+    weights: tuple[str, ...]  # canonical weight formats (float32, int8, int4@32, gguf-native)
 
-    def to_dict(self) -> dict[str, list[int]]:
+    def to_dict(self) -> dict[str, list]:
         return {f.name: list(getattr(self, f.name)) for f in fields(self)}
 
     @property
@@ -66,14 +95,80 @@ class SearchSpace:
         n = 1
         for k in SET_KEYS:
             n *= 2 ** len(getattr(self, k)) - 1
-        for k in SCALAR_KEYS:
+        for k in SCALAR_KEYS + NAME_KEYS:
             n *= len(getattr(self, k))
         return n
 
 
-def default_space(base) -> SearchSpace:
-    """The default space around ``base`` (a Plan): its width sets as candidates, d_max 1..its
-    own, and the scalar choices above that fit its context."""
+def stage_candidates(threads: int) -> tuple[str, ...]:
+    """``sequential@T`` and ``ahead@T`` for every T, ``overlap@T+D`` for every T + D, of the
+    splits of ``threads`` (profile_stages.thread_splits: the splits the profile's stage forms
+    measure)."""
+    from .profile_stages import thread_splits
+
+    splits = thread_splits(threads)
+    one = [sp for sp in splits if "+" not in sp]
+    return (tuple(f"{name}@{sp}" for name in ("sequential", "ahead") for sp in one)
+            + tuple(f"overlap@{sp}" for sp in splits if "+" in sp))
+
+
+def canonical_weights(text: str, dtype: str) -> str:
+    """A weight format as the space holds it: ``dtype`` for float weights, ``int4@G`` with its
+    group spelled out (YggError, one line, for an unknown format; :func:`shapes.weight_format`)."""
+    fmt, group = weight_format(text, dtype)
+    return f"int4@{group}" if fmt == "int4" else fmt
+
+
+def plan_weights(plan) -> str:
+    """The canonical weight format of a Plan (``weights`` None: float in its dtype)."""
+    return canonical_weights(plan.weights, plan.dtype) if plan.weights else plan.dtype
+
+
+def weight_candidates(base) -> tuple[str, ...]:
+    """The base plan's format, then float in its dtype, int8, int4 with the default group and
+    gguf-native (before :func:`weight_problems` removes what cannot run)."""
+    cands = (plan_weights(base), base.dtype, "int8", f"int4@{DEFAULT_INT4_GROUP}", "gguf-native")
+    return tuple(dict.fromkeys(cands))
+
+
+def canonical_stage(text: str, threads: int) -> str:
+    """A stage plan with its thread split spelled out (``sequential`` -> ``sequential@T``,
+    ``overlap`` -> ``overlap@(T-1)+1`` for a worker of ``threads``); YggError for a name that is
+    not a searched execution plan or a malformed split."""
+    name, t, d = split_name(text)
+    if name not in STAGE_NAMES:
+        raise YggError(f"unknown stage plan {text!r} (the tune searches {', '.join(STAGE_NAMES)}, "
+                       "optionally with @T or @T+D)")
+    if name == "overlap":
+        return f"overlap@{max(threads - 1, 1) if t is None else t}+{1 if d is None else d}"
+    if d is not None:
+        raise YggError(f"stage plan {text!r}: only overlap has a drafter worker (T+D)")
+    return f"{name}@{threads if t is None else t}"
+
+
+def stage_problem(label: str, threads: int) -> str | None:
+    """Why the canonical stage plan ``label`` cannot run in a worker of ``threads`` threads
+    (None: it can): schedule.resolve_plan's checks (names, thread splits against the cores of
+    the affinity mask), then the worker's own budget."""
+    from ..runtime.schedule import resolve_plan
+
+    _, t, d = split_name(label)
+    if not t:
+        return f"{label}: the target needs >= 1 thread"
+    try:
+        resolve_plan(label, True)
+    except YggError as e:
+        return f"{label}: {e}"
+    used = t + (d or 0)
+    if used > threads:
+        return f"{label} uses {used} threads, a worker has --threads {threads}"
+    return None
+
+
+def default_space(base, threads: int) -> SearchSpace:
+    """The default space around ``base`` (a Plan) for a worker of ``threads`` threads: its width
+    sets as candidates, d_max 1..its own, the scalar choices above that fit its context, every
+    stage plan within the threads and every weight candidate (:func:`weight_candidates`)."""
     return SearchSpace(
         draft_widths=tuple(base.draft_widths),
         verify_widths=tuple(base.verify_widths),
@@ -81,7 +176,23 @@ def default_space(base) -> SearchSpace:
         top_k=DEFAULT_TOP_K,
         lookup=tuple(n for n in DEFAULT_LOOKUP if n <= max(base.verify_widths)),
         prefill_chunk=tuple(c for c in DEFAULT_PREFILL if c < base.max_context) or (base.prefill_chunk,),
+        stages=stage_candidates(threads),
+        weights=weight_candidates(base),
     )
+
+
+def parse_names(key: str, text: str, dtype: str, threads: int) -> tuple[str, ...]:
+    """``"sequential@1,overlap@1+1"`` -> canonical stage plans, ``"float32,int8"`` -> canonical
+    weight formats (distinct, in the order given); YggError naming the override."""
+    where = f"--space {key}={text}"
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    if not vals:
+        raise YggError(f"{where}: no values")
+    try:
+        out = [canonical_stage(v, threads) if key == "stages" else canonical_weights(v, dtype) for v in vals]
+    except YggError as e:
+        raise YggError(f"{where}: {e}") from None
+    return tuple(dict.fromkeys(out))
 
 
 def parse_values(key: str, text: str) -> tuple[int, ...]:
@@ -108,23 +219,38 @@ def parse_values(key: str, text: str) -> tuple[int, ...]:
     return tuple(sorted(set(vals)))
 
 
-def apply_overrides(space: SearchSpace, overrides: list[str]) -> SearchSpace:
-    """``space`` with every ``KEY=VALUES`` override applied (unknown keys refused)."""
+def override_key(item: str) -> str:
+    """The dimension a ``--space KEY=VALUES`` item names (as given: not checked)."""
+    return item.partition("=")[0].strip().replace("-", "_")
+
+
+def apply_overrides(space: SearchSpace, overrides: list[str], dtype: str = "float32",
+                    threads: int = 1) -> SearchSpace:
+    """``space`` with every ``KEY=VALUES`` override applied (unknown keys refused); ``dtype``
+    and ``threads`` (the base plan's, the worker's) spell out weight formats and stage plans."""
     changes = {}
     for item in overrides:
-        key, eq, text = item.partition("=")
-        key = key.strip().replace("-", "_")
+        _, eq, text = item.partition("=")
+        key = override_key(item)
         if not eq:
             raise YggError(f"--space {item!r}: expected KEY=V1,V2 or KEY=LO..HI")
         if key not in KEYS:
             raise YggError(f"--space {item!r}: unknown dimension {key!r} (known: {', '.join(KEYS)})")
-        changes[key] = parse_values(key, text.strip())
+        changes[key] = (parse_names(key, text.strip(), dtype, threads) if key in NAME_KEYS
+                        else parse_values(key, text.strip()))
     return replace(space, **changes)
 
 
-def check_space(space: SearchSpace, base) -> None:
+def check_space(space: SearchSpace, base, threads: int = 1) -> None:
     """YggError (one line) unless the space holds at least one valid plan around ``base`` (a
-    Plan) and its widest plan is within the runtime's limits."""
+    Plan) for a worker of ``threads`` threads, every stage plan runs there
+    (:func:`stage_problem`) and its widest plan is within the runtime's limits."""
+    for label in space.stages:
+        why = stage_problem(label, threads)
+        if why is not None:
+            raise YggError(f"--space stages: {why}")
+    if not space.weights:
+        raise YggError("--space weights: no weight format this machine runs is left")
     cap = 1 + max(space.d_max) * max(space.draft_widths)
     if min(space.verify_widths) > cap:
         raise YggError(f"--space verify_widths: the smallest, {min(space.verify_widths)}, exceeds the "
@@ -150,6 +276,107 @@ def check_space(space: SearchSpace, base) -> None:
                        if max(space.verify_widths) <= cap else widest, base.name, None, None)
     except YggError as e:
         raise YggError(f"--space: the widest plan is invalid: {str(e).split(': ', 1)[-1]}") from None
+
+
+# ----------------------------------------------------------------------------- weight formats
+
+GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16")  # runtime/quant.py's blocks, or float
+
+
+def _quantized_configs(base) -> list:
+    """The ModelConfigs of the models a quantized format replaces linears of: the target, and a
+    standalone LM drafter (an EAGLE head keeps float weights; ``self`` is the target)."""
+    from ..runtime.build import drafter_feeds_leaves
+    from ..runtime.loading import load_config, resolve_model
+
+    cfgs = [load_config(resolve_model(base.target))]
+    if base.drafter not in (None, "self") and drafter_feeds_leaves(base):
+        cfgs.append(load_config(resolve_model(base.drafter)))
+    return cfgs
+
+
+def _input_widths(cfgs) -> list[int]:
+    """Every input width K of the models' quantized products (q/k/v, gate/up and the head read
+    the hidden size, o the heads, down the MLP)."""
+    return sorted({k for c in cfgs for k in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)})
+
+
+def _gguf_problem(base) -> str | None:
+    from ..runtime.loading import resolve_model
+
+    src = resolve_model(base.target)
+    if src.kind != "gguf":
+        return f"the target {src.path.name} is not a GGUF file"
+    import gguf
+
+    try:
+        kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(src.path)).tensors if len(t.shape) == 2}
+    except Exception as e:  # noqa: BLE001 - the reader raises bare ValueError/struct errors
+        return f"cannot read {src.path.name}: {e}"
+    other = sorted(kinds - set(GGUF_NATIVE_TYPES))
+    return f"the target stores {', '.join(other)} blocks (the int4 kernel runs Q4_0, Q4_1, Q8_0)" if other else None
+
+
+def weight_problem(fmt: str, base, rows: int) -> str | None:
+    """Why ``fmt`` (canonical) cannot run for ``base``'s models on this machine (None: it can):
+    quant.check_kernel, the group against the models' input widths, a GGUF target's block types
+    for gguf-native, and quant.check_batch_invariant on one probe layer per input width with
+    ``rows`` rows."""
+    import torch
+
+    from ..runtime.quant import Int4Linear, Int8Linear, check_batch_invariant, check_kernel, quantize_int4
+
+    name, group = weight_format(fmt, base.dtype)
+    if name == base.dtype:
+        return None  # float weights in the activations' dtype: the packed products
+    try:
+        if name == "gguf-native":
+            why = _gguf_problem(base)
+            if why is not None:
+                return why
+            group = 32  # quant.GGUF_BLOCK: the file's blocks run on the int4 kernel
+        dtype = getattr(torch, base.dtype)
+        check_kernel("int8" if name == "int8" else "int4", dtype)
+        widths = _input_widths(_quantized_configs(base))
+        bad = [k for k in widths if group and k % group]
+        if bad:
+            return f"group {group} does not divide the input width {bad[0]} of the model"
+        gen = torch.Generator().manual_seed(0)
+        probes = []
+        for k in widths:
+            w = torch.randn(32, k, generator=gen)
+            probes.append(Int8Linear(w, None, dtype) if name == "int8"
+                          else Int4Linear([quantize_int4(w, group)], None, dtype))
+        check_batch_invariant(torch.nn.ModuleList(probes), max(rows, 2), "probe layers")
+    except YggError as e:
+        return str(e)
+    return None
+
+
+def weight_problems(base, formats, rows: int) -> dict[str, str]:
+    """Every format of ``formats`` that cannot run here, with why (:func:`weight_problem`)."""
+    out = {}
+    for fmt in formats:
+        why = weight_problem(fmt, base, rows)
+        if why is not None:
+            out[fmt] = why
+    return out
+
+
+def runnable_weights(space: SearchSpace, problems: dict[str, str], given: bool) -> SearchSpace:
+    """``space`` without the weight formats that cannot run; YggError (one line) when the user
+    named one (``given``: ``--space weights=...``)."""
+    bad = [w for w in space.weights if w in problems]
+    if bad and given:
+        raise YggError(f"--space weights: {bad[0]} cannot run here: {problems[bad[0]]}")
+    return replace(space, weights=tuple(w for w in space.weights if w not in problems))
+
+
+def profiled_weights(space: SearchSpace, base) -> str:
+    """The one weight format the tune's profile measures (its latency curves price only it): the
+    base plan's when the space has it, else the space's first."""
+    own = plan_weights(base)
+    return own if own in space.weights else space.weights[0]
 
 
 # ----------------------------------------------------------------------------- trials
@@ -183,9 +410,11 @@ def plan_fields(params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:
     return out
 
 
-def infeasible(fields_: dict[str, Any], max_context: int) -> str | None:
-    """Why these plan fields make no valid plan (None: they do). Pure; mirrors the plan
-    schema's checks so that an invalid combination never reaches a build."""
+def infeasible(fields_: dict[str, Any], max_context: int, speculative: bool = True,
+               threads: int | None = None) -> str | None:
+    """Why these plan fields make no valid plan (None: they do). Pure but for the cores of the
+    affinity mask; mirrors the plan schema's checks (and, for ``stages``, the worker's
+    ``threads`` and :func:`stage_problem`) so that an invalid combination never reaches a build."""
     dw, vw = fields_["draft_widths"], fields_["verify_widths"]
     if not dw:
         return "no draft width chosen"
@@ -200,6 +429,13 @@ def infeasible(fields_: dict[str, Any], max_context: int) -> str | None:
         return f"prefill chunk {fields_['prefill_chunk']} > max_context {max_context}"
     if 1 + fields_["d_max"] * max(dw) >= max_context:
         return f"drafted tree 1 + {fields_['d_max']} * {max(dw)} does not fit the context {max_context}"
+    stages = fields_.get("stages")
+    if stages is not None:
+        if split_name(stages)[0] in ("ahead", "overlap") and not speculative:
+            return f"stages {stages} needs a drafter"
+        why = stage_problem(stages, threads) if threads is not None else None
+        if why is not None:
+            return why
     return None
 
 
