@@ -240,43 +240,25 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads()}
 
 
-def compile_plan(
-    plan: Plan,
-    out_root: str | Path = "compile",
-    force: bool = False,
-    console=None,
-    replace: bool = False,
-) -> dict:
-    """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
-    ``status`` = ``compiled`` | ``up-to-date``, ``dir`` and ``wall_s``).
+def _up_to_date(plan: Plan, art: Path) -> dict | None:
+    """The manifest of ``art`` with its ``status`` if its packages serve ``plan`` as they are
+    (``up-to-date``, or ``plan-updated``: only fields the graphs do not depend on changed, so the
+    plan copy and the manifest are refreshed and every package kept); None if they do not."""
+    m = read_manifest(art)
+    if m is None or check_artifacts(plan, art):
+        return None
+    if m.get("plan_hash") == plan.hash():
+        return {**m, "status": "up-to-date"}
+    save_plan(plan, art / PLAN_COPY)
+    m = {**m, "plan_hash": plan.hash(), "plan": plan.to_dict(relative_to=art), "stage_plan": search_plan(plan),
+         "plan_updated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    _write_manifest(art, m)
+    return {**m, "status": "plan-updated"}
 
-    Up to date (manifest matches: same plan hash, torch/python versions, model files) and not
-    ``force``: returns at once without loading anything. Stale artifacts of the same plan are
-    rebuilt from scratch.
-    A directory holding another plan's manifest is refused unless ``replace`` (keep the cache)
-    or ``force`` (start from an empty cache)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..runtime.graphs import check_backend, inductor_cache
-
-    t_start = time.perf_counter()
-    check_backend(plan.backend)
-    art = artifact_dir(plan, out_root)
-    _check_destination(plan, art, force or replace)
-    if not force and read_manifest(art) is not None and not check_artifacts(plan, art):
-        m = read_manifest(art)
-        status = "up-to-date"
-        if m.get("plan_hash") != plan.hash():
-            # only fields the graphs do not depend on changed (sampling, profile, calibration,
-            # predictor, stages): refresh the plan copy and the manifest, keep every package
-            save_plan(plan, art / PLAN_COPY)
-            m = {**m, "plan_hash": plan.hash(), "plan": plan.to_dict(relative_to=art),
-                 "stage_plan": search_plan(plan),
-                 "plan_updated": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-            _write_manifest(art, m)
-            status = "plan-updated"
-        return {**m, "status": status, "dir": str(art), "wall_s": time.perf_counter() - t_start}
+def _clear_for_rebuild(plan: Plan, art: Path, force: bool) -> list[str]:
+    """Empty ``art`` for a build (``force``: everything; else the stale manifest and the old cache
+    layout); returns why the artifacts there were stale (none if there were none)."""
     stale = check_artifacts(plan, art) if read_manifest(art) is not None else []
     if force:
         _clear(art)  # a forced rebuild starts from an empty cache
@@ -284,34 +266,47 @@ def compile_plan(
         (art / MANIFEST).unlink(missing_ok=True)  # stale: rebuilt below
         shutil.rmtree(art / OLD_CACHE_SUBDIR, ignore_errors=True)
     art.mkdir(parents=True, exist_ok=True)
+    return stale
+
+
+def _model_prints(plan: Plan, art: Path) -> list[dict]:
+    """The plan's model fingerprints with paths relative to ``art``; YggError if a file is missing."""
     prints = model_fingerprints(plan)
     missing = [f["path"] for f in prints if f.get("missing")]
     if missing:
         raise YggError(f"plan {plan.name!r}: model file not found: {missing[0]}")
-    prints = [f | {"path": manifest_path(f["path"], art)} for f in prints]  # no absolute paths
-    min_rows = plan_min_rows(plan)  # the padding of packed products the packages hold
+    return [f | {"path": manifest_path(f["path"], art)} for f in prints]  # no absolute paths
 
-    records: list[dict] = []
-    info: dict = {"load_s": 0.0, "n_slots": None, "threads": None}
-    if plan.backend != "eager":
-        console = console or Console(stderr=True)
-        columns = (
-            TextColumn("[bold]compile[/] {task.description:<22}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} graphs"),
-            TimeElapsedColumn(),
-        )
-        out = cache_dir(art)
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-        # inductor's build files go to a scratch cache that is deleted afterwards: a package is
-        # self-contained, and runs never read an inductor cache
-        with tempfile.TemporaryDirectory(prefix="build-", dir=art) as scratch, inductor_cache(scratch), \
-                Progress(*columns, console=console, transient=False) as progress:
-            task = progress.add_task("loading", total=None)
-            records, info = _build_graphs(plan, progress, task, out, min_rows)
-    save_plan(plan, art / PLAN_COPY)
-    manifest = {
+
+def _build_with_progress(plan: Plan, art: Path, console, min_rows: int) -> tuple[list[dict], dict]:
+    """Every graph of ``plan`` built into ``art``'s package cache, with a progress bar on ``console``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..runtime.graphs import inductor_cache
+
+    console = console or Console(stderr=True)
+    columns = (
+        TextColumn("[bold]compile[/] {task.description:<22}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} graphs"),
+        TimeElapsedColumn(),
+    )
+    out = cache_dir(art)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    # inductor's build files go to a scratch cache that is deleted afterwards: a package is
+    # self-contained, and runs never read an inductor cache
+    with tempfile.TemporaryDirectory(prefix="build-", dir=art) as scratch, inductor_cache(scratch), \
+            Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("loading", total=None)
+        return _build_graphs(plan, progress, task, out, min_rows)
+
+
+def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records: list[dict], info: dict,
+              stale: list[str]) -> dict:
+    """The manifest of a build of ``plan`` in ``art`` (no absolute paths)."""
+    return {
         "format": MANIFEST_FORMAT,
         "plan_name": plan.name,
         "plan_hash": plan.hash(),
@@ -338,6 +333,40 @@ def compile_plan(
         # data): `--stages auto` runs its choice when the plan's stages field is `auto`
         "stage_plan": search_plan(plan),
     }
+
+
+def compile_plan(
+    plan: Plan,
+    out_root: str | Path = "compile",
+    force: bool = False,
+    console=None,
+    replace: bool = False,
+) -> dict:
+    """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
+    ``status`` = ``compiled`` | ``up-to-date`` | ``plan-updated``, ``dir`` and ``wall_s``).
+
+    Up to date (manifest matches: same plan hash, torch/python versions, model files) and not
+    ``force``: returns at once without loading anything. Stale artifacts of the same plan are
+    rebuilt from scratch.
+    A directory holding another plan's manifest is refused unless ``replace`` (keep the cache)
+    or ``force`` (start from an empty cache)."""
+    from ..runtime.graphs import check_backend
+
+    t_start = time.perf_counter()
+    check_backend(plan.backend)
+    art = artifact_dir(plan, out_root)
+    _check_destination(plan, art, force or replace)
+    current = None if force else _up_to_date(plan, art)
+    if current is not None:
+        return {**current, "dir": str(art), "wall_s": time.perf_counter() - t_start}
+    stale = _clear_for_rebuild(plan, art, force)
+    prints = _model_prints(plan, art)
+    min_rows = plan_min_rows(plan)  # the padding of packed products the packages hold
+    records, info = [], {"load_s": 0.0, "n_slots": None, "threads": None}
+    if plan.backend != "eager":
+        records, info = _build_with_progress(plan, art, console, min_rows)
+    save_plan(plan, art / PLAN_COPY)
+    manifest = _manifest(plan, art, prints, min_rows, records, info, stale)
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)
     _write_manifest(art, manifest)
     return {**manifest, "status": "compiled", "dir": str(art), "wall_s": time.perf_counter() - t_start}

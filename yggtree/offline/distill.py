@@ -72,6 +72,59 @@ def _progress():
     return stderr_progress()
 
 
+def _load_target(cfg: DistillConfig, target, tokenizer):
+    """``(target, tokenizer, model_path)``: the given tiny target (tests), else ``cfg.model`` in
+    float32 (model_path: its file, for the manifest)."""
+    if target is not None:
+        return target, tokenizer, None
+    src = resolve_model(cfg.model)
+    return load_model(src, "float32"), load_tokenizer(src), str(src.path)
+
+
+def _new_head(cfg: DistillConfig, target, layout: FeatureLayout, vmap: torch.Tensor, base):
+    """The EAGLE head to train: ``base``'s weights (``--init-from``) or a fresh initialisation,
+    over the draft vocabulary ``vmap``; its net is in training mode."""
+    from ..runtime.eagle import EagleDrafter
+
+    drafter = EagleDrafter.random(
+        target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll), draft_vocab=vmap,
+        seed=cfg.seed, target_layers=layout.inputs, input_norm=cfg.input_norm,
+        num_layers=cfg.draft_layers,
+    )
+    net = drafter.net
+    if base is not None:
+        net.load_state_dict(base.net.state_dict(), strict=True)
+    else:
+        init_head(net, target, vmap, cfg, layout)
+    net.train().requires_grad_(True)
+    return net
+
+
+def _target_head(target, vmap: torch.Tensor) -> TargetHead:
+    """The target's final norm and LM head (full and on the draft vocabulary) in float32."""
+    w = target.lm_head.weight.detach()
+    return TargetHead(norm_weight=target.norm.weight.detach().float(), eps=target.cfg.rms_norm_eps,
+                      w_draft=w[vmap].float(), w_full=w.float())
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / max(len(rows), 1)
+
+
+def _training_record(log: dict, ev: dict) -> dict:
+    """The manifest's ``training``: steps, feature scale, the last 20 logged steps' means, validation."""
+    tail = log.get("curve", [])[-20:]
+    return {"steps": log.get("steps"), "steps_per_epoch": log.get("steps_per_epoch"),
+            "feature_scale": log.get("feat_scale"), "train_loss": _mean(tail, "loss"),
+            "train_kl": _mean(tail, "kl"), "train_top1": _mean(tail, "top1"), "val": ev}
+
+
+def _target_record(cfg: DistillConfig, tc, model_path: str | None, fp: str, layout: FeatureLayout) -> dict:
+    return {"model": cfg.model, "file": Path(model_path).name if model_path else None,
+            "fingerprint": fp, "feature_layers": list(layout.inputs),
+            "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size, "num_layers": tc.num_layers}
+
+
 def distill(
     cfg: DistillConfig,
     argv: list[str] | None = None,
@@ -91,12 +144,7 @@ def distill(
     join_process_group()
     t_start = time.perf_counter()
     out = Path(cfg.out).expanduser()
-    model_path = None
-    if target is None:
-        src = resolve_model(cfg.model)
-        model_path = str(src.path)
-        target = load_model(src, "float32")
-        tokenizer = load_tokenizer(src)
+    target, tokenizer, model_path = _load_target(cfg, target, tokenizer)
     tc = target.cfg
     layout = FeatureLayout.make(tuple(cfg.target_layers), tc.num_layers, tc.hidden_size)
     progress = _progress()
@@ -115,30 +163,14 @@ def distill(
         v_d = min(cfg.draft_vocab, tc.vocab_size)
         base = warm_start_head(cfg, target, layout, v_d) if cfg.init_from is not None else None
         vmap = base.net.draft_vocab if base is not None else build_draft_vocab(train_tokens, tc.vocab_size, v_d, specials)
-
-        drafter = EagleDrafter.random(
-            target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll), draft_vocab=vmap,
-            seed=cfg.seed, target_layers=layout.inputs, input_norm=cfg.input_norm,
-            num_layers=cfg.draft_layers,
-        )
-        net = drafter.net
-        if base is not None:
-            net.load_state_dict(base.net.state_dict(), strict=True)
-        else:
-            init_head(net, target, vmap, cfg, layout)
-        net.train().requires_grad_(True)
+        net = _new_head(cfg, target, layout, vmap, base)
         torch.manual_seed(cfg.seed)
-        th = TargetHead(
-            norm_weight=target.norm.weight.detach().float(),
-            eps=tc.rms_norm_eps,
-            w_draft=target.lm_head.weight.detach()[vmap].float(),
-            w_full=target.lm_head.weight.detach().float(),
-        )
         log: dict = {}
         identity = checkpoint_identity(cfg, data_info["data_sha256"])
         if base is not None:
             identity["init_sha256"] = file_sha256(Path(cfg.init_from) / "model.safetensors")
-        ev = train(net, th, data, train_idx, val_idx, cfg, progress, log, layout, out / CHECKPOINT_FILE, identity)
+        ev = train(net, _target_head(target, vmap), data, train_idx, val_idx, cfg, progress, log, layout,
+                   out / CHECKPOINT_FILE, identity)
     if rank_and_world()[0] != 0:  # data-parallel: rank 0 writes the head
         return {"complete": bool(log.get("complete")), "rank": rank_and_world()[0]}
     if not log.get("complete"):
@@ -148,30 +180,18 @@ def distill(
     net.eval().requires_grad_(False)
     if cfg.save_dtype == "bfloat16":
         net.to(torch.bfloat16)
-    final = EagleDrafter(net, target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll))
-    save_eagle(final, out)
+    save_eagle(EagleDrafter(net, target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll)), out)
     write_report(out / "report", log.get("curve", []), ev)
-    curve = log.get("curve", [])
-    tail = curve[-20:]
-    n_answer = int((data.role > 0).sum())
     manifest = {
         "kind": "eagle-distill",
         "command": "yggtree distill " + " ".join(argv) if argv is not None else None,
         "seed": cfg.seed,
         "hyperparameters": asdict(cfg),
-        "target": {
-            "model": cfg.model,
-            "file": Path(model_path).name if model_path else None,
-            "fingerprint": fp,
-            "feature_layers": list(layout.inputs),
-            "vocab_size": tc.vocab_size,
-            "hidden_size": tc.hidden_size,
-            "num_layers": tc.num_layers,
-        },
+        "target": _target_record(cfg, tc, model_path, fp, layout),
         "data": data_info | {
             "n_sequences": data.n_seq,
             "n_tokens": int(data.tokens.shape[0]),
-            "n_answer_tokens": n_answer,
+            "n_answer_tokens": int((data.role > 0).sum()),
             "n_train_sequences": len(train_idx),
             "n_val_sequences": len(val_idx),
             "n_train_tokens": int(train_tokens.shape[0]),
@@ -182,20 +202,8 @@ def distill(
             "train_coverage": vocab_coverage(train_tokens, vmap, tc.vocab_size),
             "val_coverage": vocab_coverage(val_tokens, vmap, tc.vocab_size),
         },
-        "training": {
-            "steps": log.get("steps"),
-            "steps_per_epoch": log.get("steps_per_epoch"),
-            "feature_scale": log.get("feat_scale"),
-            "train_loss": sum(r["loss"] for r in tail) / max(len(tail), 1),
-            "train_kl": sum(r["kl"] for r in tail) / max(len(tail), 1),
-            "train_top1": sum(r["top1"] for r in tail) / max(len(tail), 1),
-            "val": ev,
-        },
-        "wall_time_s": {
-            "data": data_s,
-            "train": log.get("train_s"),
-            "total": time.perf_counter() - t_start,
-        },
+        "training": _training_record(log, ev),
+        "wall_time_s": {"data": data_s, "train": log.get("train_s"), "total": time.perf_counter() - t_start},
         "weights_dtype": cfg.save_dtype,
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -195,45 +195,35 @@ def measured_aal(tree, path_ok, wd: int, d_max: int, widths: list[int]) -> list[
     return out
 
 
-def run_calibrate(args) -> int:
-    import torch
-
-    from ..data import calibration_chat_prompts
-    from ..runtime.build import EngineSpec, build_engine
-    from ..runtime.engine import SamplingParams, TreeParams
-    from ..runtime.loading import encode_auto
-    from ..runtime.artifacts import CALIBRATION_KIND, FORMAT_VERSION, pair_identity
-    from ..runtime.policy import FixedPolicy, StepChoice
-
-    torch.set_num_threads(args.threads)
-    plan = load_plan(args.plan) if args.plan else default_plan()
-    if not plan.speculative:
-        raise YggError(f"plan {plan.name!r} has no drafter: nothing to calibrate")
-    out_dir = Path(args.out_dir) if args.out_dir else pair_dir(plan)
-    dst = out_dir / "calibration.json"
-    if dst.exists() and not args.force:
-        raise YggError(f"calibration {dst} already exists (pass --force to overwrite it)")
-    t_start = time.perf_counter()
-    prompts = calibration_chat_prompts(args.prompts, seed=args.seed)
-    d_max, wds = plan.d_max, list(plan.draft_widths)
-    full = [1 + d_max * wd for wd in wds]  # verify the whole drafted tree
-    spec = EngineSpec.from_plan(plan, mode="reference")
+def _calibration_engine(plan):
+    """A reference engine of ``plan``'s pair that verifies every drafted tree whole (W_v = 1 + D W_d)."""
     from dataclasses import replace
 
-    spec = replace(spec, tree=TreeParams(max(wds), d_max, max(full), plan.top_k),
-                   draft_widths=tuple(wds), verify_widths=tuple(full))
-    engine, tok = build_engine(spec)
-    ids = [encode_auto(tok, p.text) for p in prompts]
-    cap = plan.max_context - args.max_new_tokens - 1
-    ids = [x[-cap:] for x in ids]
-    widths = list(plan.verify_widths)
+    from ..runtime.build import EngineSpec, build_engine
+    from ..runtime.engine import TreeParams
+
+    full = tuple(1 + plan.d_max * wd for wd in plan.draft_widths)
+    spec = EngineSpec.from_plan(plan, mode="reference")
+    spec = replace(spec, tree=TreeParams(max(plan.draft_widths), plan.d_max, max(full), plan.top_k),
+                   draft_widths=tuple(plan.draft_widths), verify_widths=full)
+    return build_engine(spec)
+
+
+def _collect_edges(engine, ids: list[list[int]], plan, max_new_tokens: int) -> tuple[list[dict], dict]:
+    """Decode every prompt at each draft width with full trees: the draft edges of every step
+    (``step_edges`` with ``wd`` and ``prompt``) and, per draft width, the mean measured AAL table
+    over the steps (``measured_aal`` at the plan's verify widths)."""
+    from ..runtime.engine import SamplingParams
+    from ..runtime.policy import FixedPolicy, StepChoice
+
+    d_max, widths = plan.d_max, list(plan.verify_widths)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
     edges: list[dict] = []
     aal: dict[str, list] = {}
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     with stderr_progress() as progress:
-        task = progress.add_task("calibration", total=len(wds) * len(ids))
-        for wd, n_full in zip(wds, full):
-            pol = FixedPolicy(StepChoice(d_max, wd), n_full)
+        task = progress.add_task("calibration", total=len(plan.draft_widths) * len(ids))
+        for wd in plan.draft_widths:
+            pol = FixedPolicy(StepChoice(d_max, wd), 1 + d_max * wd)
             tables = []
             for i, x in enumerate(ids):
                 recs = []
@@ -246,53 +236,87 @@ def run_calibrate(args) -> int:
                     edges.append(e)
                 progress.advance(task)
             aal[str(wd)] = np.mean(np.asarray(tables), axis=0).round(4).tolist()
-    q = np.concatenate([e["q"] for e in edges])
-    acc = np.concatenate([e["edge"] for e in edges]).astype(float)
-    depth = np.concatenate([e["depth"] for e in edges])
-    # held-out check: fit on the first prompts, score on the last quarter
-    prompt_of = np.concatenate([np.full(len(e["q"]), e["prompt"]) for e in edges])
-    n_hold = max(1, len(ids) // 4) if len(ids) > 1 else 0
-    train = prompt_of < len(ids) - n_hold
+    return edges, aal
+
+
+def _isotonic(q, acc, mask):
+    """Drafter probability -> acceptance, monotone and within [0, 1], fitted on the edges in ``mask``."""
     from sklearn.isotonic import IsotonicRegression
 
-    def fit(mask):
-        iso = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
-        return iso.fit(q[mask], acc[mask])
+    iso = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
+    return iso.fit(q[mask], acc[mask])
 
-    held = {}
-    if n_hold and train.any() and (~train).any():
-        iso = fit(train)
-        pred = iso.predict(q[~train])
-        held = {
-            "prompts": n_hold,
-            "edges": int((~train).sum()),
-            "mean_pred": float(pred.mean()),
-            "mean_true": float(acc[~train].mean()),
-            "brier": float(np.mean((pred - acc[~train]) ** 2)),
-            "brier_raw_q": float(np.mean((q[~train] - acc[~train]) ** 2)),
-        }
-    iso = fit(np.ones_like(train))
-    xs = [float(v) for v in iso.X_thresholds_]
-    ys = [float(min(max(v, 0.0), 1.0)) for v in iso.y_thresholds_]
-    by_depth = []
+
+def _held_out(q, acc, prompt_of, n_prompts: int) -> dict:
+    """The map fitted on the first prompts and scored on the last quarter (Brier score, and the
+    raw drafter probability's); empty with one prompt or nothing on one side."""
+    n_hold = max(1, n_prompts // 4) if n_prompts > 1 else 0
+    train = prompt_of < n_prompts - n_hold
+    if not (n_hold and train.any() and (~train).any()):
+        return {}
+    pred = _isotonic(q, acc, train).predict(q[~train])
+    return {
+        "prompts": n_hold,
+        "edges": int((~train).sum()),
+        "mean_pred": float(pred.mean()),
+        "mean_true": float(acc[~train].mean()),
+        "brier": float(np.mean((pred - acc[~train]) ** 2)),
+        "brier_raw_q": float(np.mean((q[~train] - acc[~train]) ** 2)),
+    }
+
+
+def _by_depth(q, acc, depth, d_max: int) -> list[dict]:
+    """Edge acceptance and mean drafter probability at each draft depth that has edges."""
+    rows = []
     for dd in range(1, d_max + 1):
         m = depth == dd
         if m.any():
-            by_depth.append({"depth": dd, "edges": int(m.sum()), "edge_accept": float(acc[m].mean()),
-                             "mean_q": float(q[m].mean())})
+            rows.append({"depth": dd, "edges": int(m.sum()), "edge_accept": float(acc[m].mean()),
+                         "mean_q": float(q[m].mean())})
+    return rows
+
+
+def run_calibrate(args) -> int:
+    import torch
+
+    from ..data import calibration_chat_prompts
+    from ..runtime.artifacts import CALIBRATION_KIND, FORMAT_VERSION, pair_identity
+    from ..runtime.loading import encode_auto
+
+    torch.set_num_threads(args.threads)
+    plan = load_plan(args.plan) if args.plan else default_plan()
+    if not plan.speculative:
+        raise YggError(f"plan {plan.name!r} has no drafter: nothing to calibrate")
+    out_dir = Path(args.out_dir) if args.out_dir else pair_dir(plan)
+    dst = out_dir / "calibration.json"
+    if dst.exists() and not args.force:
+        raise YggError(f"calibration {dst} already exists (pass --force to overwrite it)")
+    t_start = time.perf_counter()
+    prompts = calibration_chat_prompts(args.prompts, seed=args.seed)
+    engine, tok = _calibration_engine(plan)
+    cap = plan.max_context - args.max_new_tokens - 1
+    ids = [encode_auto(tok, p.text)[-cap:] for p in prompts]
+    edges, aal = _collect_edges(engine, ids, plan, args.max_new_tokens)
+    q = np.concatenate([e["q"] for e in edges])
+    acc = np.concatenate([e["edge"] for e in edges]).astype(float)
+    depth = np.concatenate([e["depth"] for e in edges])
+    prompt_of = np.concatenate([np.full(len(e["q"]), e["prompt"]) for e in edges])
+    held = _held_out(q, acc, prompt_of, len(ids))
+    iso = _isotonic(q, acc, np.ones(len(q), dtype=bool))
     out = {
         "kind": CALIBRATION_KIND,
         "version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "identity": pair_identity(plan),
-        "plan": {"name": plan.name, "hash": plan.hash(), "d_max": d_max, "draft_widths": wds,
-                 "top_k": plan.top_k},
+        "plan": {"name": plan.name, "hash": plan.hash(), "d_max": plan.d_max,
+                 "draft_widths": list(plan.draft_widths), "top_k": plan.top_k},
         "data": {"source": "yggtree.data.calibration_chat_prompts", "prompts": len(ids),
                  "seed": args.seed, "max_new_tokens": args.max_new_tokens, "edges": int(len(q))},
-        "map": {"x": xs, "y": ys},
-        "verify_widths": widths,
+        "map": {"x": [float(v) for v in iso.X_thresholds_],
+                "y": [float(min(max(v, 0.0), 1.0)) for v in iso.y_thresholds_]},
+        "verify_widths": list(plan.verify_widths),
         "aal": aal,
-        "by_depth": by_depth,
+        "by_depth": _by_depth(q, acc, depth, plan.d_max),
         "held_out": held,
     }
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -351,37 +351,9 @@ def check_profile_plan(plan, device: dict) -> None:
         raise YggError(f"plan {plan.name!r} is for backend {plan.backend!r}; this machine has no such device")
 
 
-def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str,
-                    cache: Path | None = None, engine=None, padding: dict | None = None) -> dict:
-    """Measure ``plan``'s padding of short packed products and its latency curves on this
-    machine; returns the profile (not written).
-
-    ``engine``: an engine already built from ``EngineSpec.from_plan(plan, min_rows=...)`` (its
-    graphs are reused), given with the ``padding`` (:func:`measure_padding`) it was built with;
-    otherwise the padding is measured and an engine padding so is built, its graphs compiled into
-    the inductor cache ``cache``."""
-    import contextlib
-
-    import torch
-
-    from ..runtime.graphs import context_buckets
-    from ..runtime.schedule import usable_cores
-    from .fit import fit_profile
-    from .profile_stages import measure_stage_forms
-
-    torch.set_num_threads(threads)
-    device = detect_device()
-    check_profile_plan(plan, device)
-    from ..runtime.build import EngineSpec, build_engine, plan_slots
-    from ..runtime.graphs import inductor_cache
-
-    mode = "reference" if plan.backend == "eager" else "performance"
-    widths = sorted(set(grid.widths)) if grid.widths else grid_widths(plan, grid.max_width)
-    n_slots = plan_slots(plan)
-    buckets = context_buckets(n_slots)
-    contexts = grid_contexts(buckets, plan.max_context, max(widths))
-    if grid.quick:
-        contexts = contexts[:2]
+def _checked_padding(plan, hw: str, threads: int, grid: ProfileGrid, engine, padding: dict | None) -> dict:
+    """The padding of short packed products to profile with: the one ``engine`` was built with
+    (refused if the engine pads otherwise), else ``padding``, else measured now."""
     from ..runtime.packed import min_rows_of
 
     if engine is not None:
@@ -393,6 +365,101 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     elif padding is None:
         sys.stderr.write(f"profile {hw}: timing padded and unpadded packed products...\n")
         padding = measure_padding(plan, threads, max(1, grid.warmup), max(5, grid.repeats))
+    return padding
+
+
+def _ready_engine(plan, engine, mode: str, min_rows: int, n_slots: int, widths: list[int], drafted: set[int],
+                  stage_forms: bool, cache: Path | None):
+    """``(engine, compile_s)``: the given engine, or one built from ``plan`` padding to ``min_rows``
+    (its graphs compiled into the inductor cache ``cache``), with every graph the timings call
+    warmed up: target widths, drafted widths and, for the stage forms, the ahead call's."""
+    import contextlib
+
+    from ..runtime.build import EngineSpec, build_engine
+    from ..runtime.graphs import inductor_cache
+
+    with inductor_cache(cache) if cache is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        built = 0.0
+        if engine is None:
+            engine, _ = build_engine(EngineSpec.from_plan(plan, mode, min_rows=min_rows))
+            built = engine.compile_s
+        if engine.n_slots != n_slots:
+            raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
+        engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)), engine.drafter.target_layers)
+        ahead = {2 * w for w in plan.verify_widths} if stage_forms else set()  # the ahead call
+        engine.drafter.setup(n_slots, sorted(drafted | ahead | {1, *plan.draft_widths}), plan.prefill_chunk)
+    return engine, time.perf_counter() - t0 + built
+
+
+def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: set[int],
+                 grid: ProfileGrid) -> tuple[list[dict], dict]:
+    """The timed model calls (one row each: kind, width, context, bucket and the summary of its
+    times) and the median of each stage call (``stage_ms``: per key where a stage has several)."""
+    rows, stages = [], {}
+    calls = model_calls(engine, plan, widths, contexts, drafted)
+    scalls = stage_calls(engine, plan)
+    with stderr_progress() as progress:
+        task = progress.add_task("timing", total=len(calls) + len(scalls))
+        for kind, w, ctx, bucket, fn in calls:
+            s = summarise(time_ms(fn, grid.warmup, grid.repeats))
+            rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | s)
+            progress.advance(task)
+        for name, key, fn in scalls:
+            s = summarise(time_ms(fn, grid.warmup, max(grid.repeats * 3, 10)))
+            if key is None:
+                stages[name] = s["median_ms"]
+            else:
+                stages.setdefault(name, {})[str(key)] = s["median_ms"]
+            progress.advance(task)
+    return rows, stages
+
+
+def _timed_stage_forms(engine, plan, hw: str, context: int, grid: ProfileGrid) -> dict | None:
+    """The ahead-of-time and overlapped stage forms (profile_stages.py) timed at ``context`` or
+    below, where the worker's job and the ahead call fit in the cache; None where none fits."""
+    from ..runtime.schedule import usable_cores
+    from .profile_stages import measure_stage_forms
+
+    sys.stderr.write(f"profile {hw}: stage forms (ahead-of-time, each thread split, overlapped)...\n")
+    # the worker's job drafts a D_max-deep guess and a whole tree past the context, and the
+    # ahead call writes 2 W_v rows: time them where they fit in the cache
+    room = 1 + max(plan.d_max + 2 + plan.d_max * max(plan.draft_widths),
+                   2 * max(max(plan.verify_widths), plan.d_max + 1))
+    ctx_forms = min(context, engine.n_slots - room)
+    if ctx_forms < 1:
+        sys.stderr.write(f"profile {hw}: no stage forms (the cache of {engine.n_slots} slots has no room)\n")
+        return None
+    return measure_stage_forms(engine, plan, ctx_forms, grid.warmup, grid.repeats, usable_cores())
+
+
+def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str,
+                    cache: Path | None = None, engine=None, padding: dict | None = None) -> dict:
+    """Measure ``plan``'s padding of short packed products and its latency curves on this
+    machine; returns the profile (not written).
+
+    ``engine``: an engine already built from ``EngineSpec.from_plan(plan, min_rows=...)`` (its
+    graphs are reused), given with the ``padding`` (:func:`measure_padding`) it was built with;
+    otherwise the padding is measured and an engine padding so is built, its graphs compiled into
+    the inductor cache ``cache``."""
+    import torch
+
+    from ..runtime.artifacts import FORMAT_VERSION, PROFILE_KIND, timing_identity
+    from ..runtime.build import plan_slots
+    from ..runtime.cost import CostModel
+    from ..runtime.graphs import context_buckets
+    from .fit import fit_profile
+
+    torch.set_num_threads(threads)
+    check_profile_plan(plan, detect_device())
+    mode = "reference" if plan.backend == "eager" else "performance"
+    widths = sorted(set(grid.widths)) if grid.widths else grid_widths(plan, grid.max_width)
+    n_slots = plan_slots(plan)
+    buckets = context_buckets(n_slots)
+    contexts = grid_contexts(buckets, plan.max_context, max(widths))
+    if grid.quick:
+        contexts = contexts[:2]
+    padding = _checked_padding(plan, hw, threads, grid, engine, padding)
     sys.stderr.write(f"profile {hw}: {padding_line(padding)}\n")
     where = f"inductor cache {cache}" if cache is not None else "the default inductor cache"
     sys.stderr.write(
@@ -400,51 +467,12 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         f"{contexts}, {grid.warmup} warm-up + {grid.repeats} timed calls each; compiling graphs "
         f"({where})...\n"
     )
-    with inductor_cache(cache) if cache is not None else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        built = 0.0
-        if engine is None:
-            engine, _ = build_engine(EngineSpec.from_plan(plan, mode, min_rows=padding["min_rows"]))
-            built = engine.compile_s
-        if engine.n_slots != n_slots:
-            raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
-        drafted = set(plan.draft_widths) if grid.widths else set(widths)
-        engine.graphs.warm_up(sorted(set(widths) | set(plan.target_widths)), engine.drafter.target_layers)
-        ahead = {2 * w for w in plan.verify_widths} if grid.stage_forms else set()  # the ahead call
-        engine.drafter.setup(n_slots, sorted(drafted | ahead | {1, *plan.draft_widths}), plan.prefill_chunk)
-    compile_s = time.perf_counter() - t0 + built
-    rows, stages = [], {}
+    drafted = set(plan.draft_widths) if grid.widths else set(widths)
+    engine, compile_s = _ready_engine(plan, engine, mode, padding["min_rows"], n_slots, widths, drafted,
+                                      grid.stage_forms, cache)
     with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen():
-        calls = model_calls(engine, plan, widths, contexts, drafted)
-        scalls = stage_calls(engine, plan)
-        with stderr_progress() as progress:
-            task = progress.add_task("timing", total=len(calls) + len(scalls))
-            for kind, w, ctx, bucket, fn in calls:
-                s = summarise(time_ms(fn, grid.warmup, grid.repeats))
-                rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | s)
-                progress.advance(task)
-            for name, key, fn in scalls:
-                s = summarise(time_ms(fn, grid.warmup, max(grid.repeats * 3, 10)))
-                if key is None:
-                    stages[name] = s["median_ms"]
-                else:
-                    stages.setdefault(name, {})[str(key)] = s["median_ms"]
-                progress.advance(task)
-        forms = None
-        if grid.stage_forms:
-            sys.stderr.write(f"profile {hw}: stage forms (ahead-of-time, each thread split, overlapped)...\n")
-            # the worker's job drafts a D_max-deep guess and a whole tree past the context, and the
-            # ahead call writes 2 W_v rows: time them where they fit in the cache
-            room = 1 + max(plan.d_max + 2 + plan.d_max * max(plan.draft_widths),
-                           2 * max(max(plan.verify_widths), plan.d_max + 1))
-            ctx_forms = min(contexts[0], engine.n_slots - room)
-            if ctx_forms >= 1:
-                forms = measure_stage_forms(engine, plan, ctx_forms, grid.warmup, grid.repeats, usable_cores())
-            else:
-                sys.stderr.write(f"profile {hw}: no stage forms (the cache of {engine.n_slots} slots has no room)\n")
-    from ..runtime.artifacts import FORMAT_VERSION, PROFILE_KIND, timing_identity
-    from ..runtime.cost import CostModel
-
+        rows, stages = _timed_calls(engine, plan, widths, contexts, drafted, grid)
+        forms = _timed_stage_forms(engine, plan, hw, contexts[0], grid) if grid.stage_forms else None
     fit, errors = fit_profile(rows)
     profile = {
         "kind": PROFILE_KIND,

@@ -537,11 +537,85 @@ def _record(args, plan, rec_path: Path | None) -> tuple[Records, dict]:
     return rec, meta
 
 
+def _output_paths(args, plan) -> tuple[Path, Path | None]:
+    """``(out_dir, rec_path)``: where the predictor goes and where new depth records go (None:
+    ``--records`` given); YggError if one of them exists and not ``--force``."""
+    from .fit import pair_dir
+
+    out_dir = Path(args.out_dir) if args.out_dir else pair_dir(plan)
+    clash = [out_dir / f for f in OUTPUT_FILES if (out_dir / f).exists()]
+    rec_path = None if args.records else Path(args.save_records or out_dir / "depth_records.safetensors")
+    if rec_path is not None and (rec_path.exists() or sidecar_path(rec_path).exists()):
+        clash.append(rec_path)
+    if clash and not args.force:
+        raise YggError(f"{clash[0]} already exists (pass --force to overwrite)")
+    return out_dir, rec_path
+
+
+def _heldout_prompts(prompt, holdout: int | None) -> tuple[int, int]:
+    """``(n_prompts, n_hold)``: the prompts recorded and how many are held out (``--holdout``,
+    default a quarter); YggError unless at least one is on each side."""
+    import torch
+
+    n_prompts = len(torch.unique(prompt))
+    n_hold = holdout if holdout is not None else max(1, n_prompts // 4)
+    if not 1 <= n_hold < n_prompts:
+        raise YggError(f"--holdout must be 1..{n_prompts - 1} (prompts recorded: {n_prompts}), got {n_hold}")
+    return n_prompts, n_hold
+
+
+def _evaluate_all(models: dict, parts: dict, d_max: int) -> tuple[dict, dict]:
+    """``(metrics, heldout predictions)``: each model's metrics on each split (``parts``: split ->
+    (records, features)); the constant model predicts the training steps' P(len >= d)."""
+    import torch
+
+    metrics, preds = {}, {}
+    for split, (part, x) in parts.items():
+        with torch.inference_mode():
+            preds[split] = {k: m(x) for k, m in models.items() if k != "constant"} | {
+                "constant": models["constant"].expand(part.h.shape[0], d_max)}
+        metrics[split] = {k: evaluate(p, part.n_accepted) for k, p in preds[split].items()}
+    return metrics, preds["heldout"]
+
+
+def _depth_headroom(plan, te, wd: int, d_max: int, held_preds: dict) -> dict | None:
+    """What depth choice could gain on the held-out steps at the profile's step costs (None
+    without a profile)."""
+    if plan.profile is None:
+        return None
+    from ..runtime.cost import CostModel
+    from ..runtime.predictor import verify_width_for
+
+    cost = CostModel.from_profile(plan.profile, plan)
+    ctx = te.committed.tolist()
+    wvs = [verify_width_for(d, wd, plan.verify_widths) for d in range(1, d_max + 1)]
+    step_ms = [[cost.step_ms(d, wd, wvs[d - 1], c) for d in range(1, d_max + 1)] for c in ctx]
+    headroom = depth_headroom(te.len_by_depth.numpy(), step_ms, [cost.plain_ms(c) for c in ctx],
+                              {k: p.numpy() for k, p in held_preds.items()})
+    headroom["tree"] = f"W_d {wd}, D levels, W_v {wvs} (the records' trees), profile {Path(plan.profile).name}"
+    return headroom
+
+
+def _data_record(args, meta: dict, rec, rec_path: Path | None, out_dir: Path, n_prompts: int, n_hold: int,
+                 tr, te) -> dict:
+    """The manifest's ``data``: the records (paths relative to ``out_dir``), their prompts and splits."""
+    return {"records": [manifest_path(f, out_dir) for f in (args.records or [rec_path])],
+            "data_hash": meta["data_hash"],
+            "files": [f | {"path": manifest_path(f["path"], out_dir)} for f in meta["files"]]
+            if meta.get("files") else meta.get("files"),
+            "steps": int(rec.h.shape[0]), "prompts": n_prompts,
+            "prompt_source": meta.get("prompts", {}).get("source"),
+            "prompt_seed": meta.get("prompts", {}).get("seed"),
+            "max_new_tokens": meta.get("max_new_tokens"),
+            "train_prompts": n_prompts - n_hold, "heldout_prompts": n_hold,
+            "train_steps": int(tr.h.shape[0]), "heldout_steps": int(te.h.shape[0])}
+
+
 def run_train_predictor(args) -> int:
+    import sklearn
     import torch
 
     from ..runtime.predictor import features, measure_ms
-    from .fit import pair_dir
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -550,22 +624,13 @@ def run_train_predictor(args) -> int:
         raise YggError(f"plan {plan.name!r} has no drafter: there is no depth to predict")
     if args.draft_width < 1:
         raise YggError(f"--draft-width must be >= 1, got {args.draft_width}")
-    out_dir = Path(args.out_dir) if args.out_dir else pair_dir(plan)
-    clash = [out_dir / f for f in OUTPUT_FILES if (out_dir / f).exists()]
-    rec_path = None if args.records else Path(args.save_records or out_dir / "depth_records.safetensors")
-    if rec_path is not None and (rec_path.exists() or sidecar_path(rec_path).exists()):
-        clash.append(rec_path)
-    if clash and not args.force:
-        raise YggError(f"{clash[0]} already exists (pass --force to overwrite)")
+    out_dir, rec_path = _output_paths(args, plan)
     rec, meta = _record(args, plan, rec_path)
     d_max, wd = rec.d_max, int(meta.get("draft_width", args.draft_width))
     if not 0 <= args.head_features <= rec.head_logp.shape[1]:
         raise YggError(f"--head-features must be 0..{rec.head_logp.shape[1]} (the recorded trees' "
                        f"W_d), got {args.head_features}")
-    n_prompts = len(torch.unique(rec.prompt))
-    n_hold = args.holdout if args.holdout is not None else max(1, n_prompts // 4)
-    if not 1 <= n_hold < n_prompts:
-        raise YggError(f"--holdout must be 1..{n_prompts - 1} (prompts recorded: {n_prompts}), got {n_hold}")
+    n_prompts, n_hold = _heldout_prompts(rec.prompt, args.holdout)
     hold = holdout_mask(rec.prompt, n_hold)
     tr, te = rec.select(~hold), rec.select(hold)
     hp = MLPParams(units=args.units, epochs=args.epochs)
@@ -574,29 +639,10 @@ def run_train_predictor(args) -> int:
     x_tr, x_te = (features(part.h, part.head_logp, hk) for part in (tr, te))
     mlp = train_mlp(x_tr, tr.n_accepted, d_max, hp, args.seed, wd, hk)
     base = fit_baseline(x_tr, tr.n_accepted, d_max, args.baseline_c, args.seed, wd, hk)
-    const = constant_p_ge(tr.n_accepted, d_max)
-    metrics: dict[str, dict] = {}
-    held_preds = {}
-    for split, part, x in (("train", tr, x_tr), ("heldout", te, x_te)):
-        with torch.inference_mode():
-            preds = {"mlp": mlp(x), "baseline": base(x),
-                     "constant": const.expand(part.h.shape[0], d_max)}
-        metrics[split] = {k: evaluate(p, part.n_accepted) for k, p in preds.items()}
-        if split == "heldout":
-            held_preds = preds
+    models = {"mlp": mlp, "baseline": base, "constant": constant_p_ge(tr.n_accepted, d_max)}
+    metrics, held_preds = _evaluate_all(models, {"train": (tr, x_tr), "heldout": (te, x_te)}, d_max)
     bias = {k: depth_bias(p, te) for k, p in held_preds.items() if k != "constant"}
-    headroom = None
-    if plan.profile is not None:  # what depth choice could gain on the held-out steps
-        from ..runtime.cost import CostModel
-        from ..runtime.predictor import verify_width_for
-
-        cost = CostModel.from_profile(plan.profile, plan)
-        ctx = te.committed.tolist()
-        wvs = [verify_width_for(d, wd, plan.verify_widths) for d in range(1, d_max + 1)]
-        step_ms = [[cost.step_ms(d, wd, wvs[d - 1], c) for d in range(1, d_max + 1)] for c in ctx]
-        headroom = depth_headroom(te.len_by_depth.numpy(), step_ms, [cost.plain_ms(c) for c in ctx],
-                                  {k: p.numpy() for k, p in held_preds.items()})
-        headroom["tree"] = f"W_d {wd}, D levels, W_v {wvs} (the records' trees), profile {Path(plan.profile).name}"
+    headroom = _depth_headroom(plan, te, wd, d_max, held_preds)
     z = x_te[0].clone()
     with torch.inference_mode():
         cost_ms = {"mlp": measure_ms(lambda: mlp(z), 300), "baseline": measure_ms(lambda: base(z), 300)}
@@ -607,20 +653,9 @@ def run_train_predictor(args) -> int:
                            f"depth predictor, plan {plan.name}: {n_hold} held-out calibration prompts "
                            f"({te.h.shape[0]} steps), D_max {d_max}, W_d {wd}")
     csv_path = write_metrics_csv(out_dir / "depth_metrics.csv", metrics)
-    import sklearn
-
     man_path = save_predictor(out_dir, plan, mlp, base, {
         "verify_width": int(meta.get("verify_width", 1 + d_max * wd)),
-        "data": {"records": [manifest_path(f, out_dir) for f in (args.records or [rec_path])],
-                 "data_hash": meta["data_hash"],
-                 "files": [f | {"path": manifest_path(f["path"], out_dir)} for f in meta["files"]]
-                 if meta.get("files") else meta.get("files"),
-                 "steps": int(rec.h.shape[0]), "prompts": n_prompts,
-                 "prompt_source": meta.get("prompts", {}).get("source"),
-                 "prompt_seed": meta.get("prompts", {}).get("seed"),
-                 "max_new_tokens": meta.get("max_new_tokens"),
-                 "train_prompts": n_prompts - n_hold, "heldout_prompts": n_hold,
-                 "train_steps": int(tr.h.shape[0]), "heldout_steps": int(te.h.shape[0])},
+        "data": _data_record(args, meta, rec, rec_path, out_dir, n_prompts, n_hold, tr, te),
         "metrics": metrics,
         "depth_bias_heldout": bias,
         "depth_headroom_heldout": headroom,
