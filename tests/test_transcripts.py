@@ -300,6 +300,116 @@ def test_training_resumes_to_the_same_weights(shard_dir, target, tokenizer, tmp_
         target.double()
 
 
+def _tensors(x, at=""):
+    """Every tensor inside a (nested) checkpoint state, by path."""
+    if isinstance(x, torch.Tensor):
+        return {at: x}
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+    out = {}
+    for k, v in items:
+        out.update(_tensors(v, f"{at}/{k}"))
+    return out
+
+
+def _mapped_from(path: Path, t: torch.Tensor) -> bool:
+    """Whether tensor ``t``'s memory lies in a mapping of the file ``path`` (/proc/self/maps)."""
+    ptr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        f = line.split(maxsplit=5)
+        if len(f) == 6 and f[5] == str(path):
+            lo, hi = (int(x, 16) for x in f[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_memory_mapped_features_train_exactly_the_in_memory_weights(shard_dir, target, tokenizer, tmp_path, monkeypatch):
+    """The features stay in their cache files (memory-mapped, not copied), and the trained
+    checkpoint equals, tensor for tensor, the one trained from the features copied into one
+    float16 buffer (the layout before memory mapping)."""
+    t32 = target.float()
+    real = DD.transcript_data
+    seen = {}
+
+    def keep(*a, **k):
+        out = real(*a, **k)
+        seen["data"] = out[0]
+        return out
+
+    try:
+        monkeypatch.setattr(D, "transcript_data", keep)
+        D.distill(_distill_cfg(shard_dir, tmp_path / "mapped", tmp_path / "c", checkpoint_every=100), target=t32,
+                  tokenizer=tokenizer)
+        feats = seen["data"].feats
+        assert isinstance(feats, DD.FeatureBlocks) and len(feats.blocks) == 3
+        files = sorted((tmp_path / "c").rglob("features.safetensors"))
+        assert len(files) == 3
+        for blk in feats.blocks:
+            assert blk.dtype == torch.float16
+            assert any(_mapped_from(f, blk) for f in files)
+        monkeypatch.setattr(D, "transcript_data", lambda *a, **k: keep(*a, **k, in_memory=True))
+        D.distill(_distill_cfg(shard_dir, tmp_path / "memory", tmp_path / "c", checkpoint_every=100), target=t32,
+                  tokenizer=tokenizer)
+        assert isinstance(seen["data"].feats, torch.Tensor) and seen["data"].feats.dtype == torch.float16
+        assert torch.equal(seen["data"].feats, feats.materialize())
+    finally:
+        target.double()
+    for name in ("model.safetensors", DT.CHECKPOINT_FILE):
+        if name.endswith(".pt"):
+            a = _tensors(torch.load(tmp_path / "mapped" / name, weights_only=False)["net"])
+            a |= _tensors(torch.load(tmp_path / "mapped" / name, weights_only=False)["opt"], "opt")
+            b = _tensors(torch.load(tmp_path / "memory" / name, weights_only=False)["net"])
+            b |= _tensors(torch.load(tmp_path / "memory" / name, weights_only=False)["opt"], "opt")
+        else:
+            a, b = _weights(tmp_path / "mapped"), _weights(tmp_path / "memory")
+        assert set(a) == set(b) and len(a) > 5
+        for k in a:
+            assert torch.equal(a[k], b[k]), (name, k)
+
+
+def test_feature_blocks_read_as_one_tensor():
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(n, 6, generator=g).to(torch.float16) for n in (5, 1, 7, 4)]
+    fb = DD.FeatureBlocks(blocks)
+    whole = torch.cat(blocks)
+    assert fb.shape == whole.shape and len(fb) == 17 and fb.dtype == torch.float16
+    for a in range(18):
+        for b in range(a, 18):
+            assert torch.equal(fb[a:b], whole[a:b])
+    for key in (slice(None, None, 3), slice(2, 15, 4), slice(None, None, 20), slice(16, None, 2)):
+        assert torch.equal(fb[key], whole[key])
+    assert fb[0:5].data_ptr() == blocks[0].data_ptr() and fb[6:9].data_ptr() == blocks[2][0:].data_ptr()
+    cols = fb[..., 2:4]
+    assert isinstance(cols, DD.FeatureBlocks) and torch.equal(cols[3:12], whole[3:12, 2:4])
+    assert torch.equal(cols[::2], whole[::2, 2:4]) and torch.equal(fb[:, 1:2].materialize(), whole[:, 1:2])
+    mixed = DD.FeatureBlocks([blocks[0], blocks[1].float()])  # a shard that overflowed float16 is float32
+    assert mixed.dtype == torch.float32 and torch.equal(mixed[3:6], torch.cat(blocks[:2]).float()[3:6])
+    assert torch.equal(mixed.materialize(), torch.cat(blocks[:2]).float())
+
+
+def test_feature_cache_is_mapped_checked_and_recomputed_when_damaged(target, tokenizer, tmp_path):
+    shard, feats = make(target, tokenizer)
+    fp = DD.target_fingerprint(target)
+    ident = tr.feature_identity(shard, fp, (0, 2), "float32")
+    path = tr.feature_path(tmp_path, shard, (0, 2), "float32")
+    tr.save_features(feats, path, ident)
+    assert not list(path.parent.glob(".*partial*"))  # written then renamed
+    got = tr.map_features(path, shard.n_tokens, 32, ident)
+    assert torch.equal(got, feats.to(torch.float16)) and _mapped_from(path, got)
+    assert tr.map_features(path, shard.n_tokens + 1, 32, ident) is None  # another shape: recomputed
+    for k, v in (("target_fingerprint", "0" * 16), ("layers", [0, 1]), ("shard_sha256", "ab" * 32)):
+        with pytest.raises(YggError, match=rf"^feature cache {path} holds other features: {k} is "):
+            tr.map_features(path, shard.n_tokens, 32, ident | {k: v})
+    legacy = tmp_path / "legacy" / "features.safetensors"
+    tr.save_features(feats, legacy)  # written before identities: used when its shape fits
+    assert torch.equal(tr.map_features(legacy, shard.n_tokens, 32, ident), got)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-10])
+    assert tr.map_features(cut, shard.n_tokens, 32, ident) is None
+    assert tr.map_features(tmp_path / "absent.safetensors", shard.n_tokens, 32, ident) is None
+
+
 def test_transcript_training_refuses_foreign_or_missing_shards(shard_dir, tokenizer, tmp_path):
     other = tiny(len(tokenizer), seed=5, dtype=torch.float32)
     with pytest.raises(YggError, match="another target"):

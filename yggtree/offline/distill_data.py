@@ -14,6 +14,7 @@ docstring.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import json
@@ -70,12 +71,73 @@ def rank_and_world() -> tuple[int, int]:
 # ----------------------------------------------------------------------------- teacher data
 
 
+class FeatureBlocks:
+    """[N, W] feature rows held as consecutive blocks (one per transcript shard, each typically
+    memory-mapped from the feature cache: :func:`transcripts.map_features`), never copied whole.
+
+    Indexing, as a tensor's: ``f[a:b]`` is a view of one block when the rows lie in it (a
+    sequence always does) and a copy otherwise; ``f[a:b:k]`` gathers rows (a copy); ``f[..., c:d]``
+    (or ``f[:, c:d]``) is a FeatureBlocks of column views. Copies have :attr:`dtype`: float16, or
+    float32 when some block is (a float16 block then converts exactly), so every read equals the
+    same read of the blocks concatenated into one tensor (:meth:`materialize`)."""
+
+    def __init__(self, blocks: list[torch.Tensor]) -> None:
+        if not blocks:
+            raise ValueError("FeatureBlocks needs at least one block")
+        if len({tuple(b.shape[1:]) for b in blocks}) != 1:
+            raise ValueError("FeatureBlocks: blocks of different widths")
+        self.blocks = list(blocks)
+        self.starts = [0]
+        for b in self.blocks:
+            self.starts.append(self.starts[-1] + int(b.shape[0]))
+        self.dtype = torch.float32 if any(b.dtype == torch.float32 for b in self.blocks) else torch.float16
+        self.shape = torch.Size([self.starts[-1], *self.blocks[0].shape[1:]])
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _rows(self, key: slice) -> torch.Tensor:
+        start, stop, step = key.indices(len(self))
+        if step < 1:
+            raise IndexError("FeatureBlocks: negative steps are not supported")
+        if step == 1 and start < stop:
+            j = bisect.bisect_right(self.starts, start) - 1
+            if stop <= self.starts[j + 1]:
+                return self.blocks[j][start - self.starts[j] : stop - self.starts[j]]
+        pieces = []
+        for b, s0, s1 in zip(self.blocks, self.starts, self.starts[1:]):
+            lo, hi = max(start, s0), min(stop, s1)
+            first = start + -(-(lo - start) // step) * step  # the first selected row >= lo
+            if first < hi:
+                pieces.append(b[first - s0 : hi - s0 : step].to(self.dtype))
+        if not pieces:
+            return torch.zeros(0, *self.shape[1:], dtype=self.dtype)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self._rows(key)
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], slice) and (
+            key[0] is Ellipsis or (isinstance(key[0], slice) and key[0] == slice(None))
+        ):
+            return FeatureBlocks([b[:, key[1]] for b in self.blocks])
+        raise TypeError(f"FeatureBlocks supports row slices and [..., columns], not {key!r}")
+
+    def materialize(self) -> torch.Tensor:
+        """The rows in one preallocated tensor of :attr:`dtype` (in memory: the layout before memory
+        mapping, kept for comparison and for features that must be private)."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        for b, s0, s1 in zip(self.blocks, self.starts, self.starts[1:]):
+            out[s0:s1] = b
+        return out
+
+
 @dataclass
 class TeacherData:
     """Sequences concatenated: ``tokens[offsets[i]:offsets[i+1]]`` and their features."""
 
     tokens: torch.Tensor  # [N] int64 target ids
-    feats: torch.Tensor  # [N, L*H] float16/float32: the L stored target layers' outputs, side by side
+    feats: torch.Tensor | FeatureBlocks  # [N, L*H] float16/float32: the L stored target layers' outputs, side by side
     offsets: torch.Tensor  # [n_seq + 1] int64
     role: torch.Tensor  # [N] uint8: 0 prompt / given text, 1 greedy answer, 2 sampled answer (transcripts.ROLE_*)
 
@@ -465,12 +527,14 @@ def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "Feat
     return data, train_idx, val_idx, info
 
 
-def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayout", progress):
+def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayout", progress, in_memory: bool = False):
     """Teacher data from transcript shards (``yggtree transcripts``): the train shards in index
     order (up to ``max_tokens``), the held-out shards for validation. Features come from the local
-    cache, else by batched prefill of the token ids (then cached). A conversation whose prompt
-    repeats an earlier one (across shards) is dropped. Returns (data, train_idx, val_idx, manifest
-    "data" entries)."""
+    cache, else by batched prefill of the token ids (then cached), and stay there: ``data.feats``
+    is a :class:`FeatureBlocks` of the memory-mapped cache files (``in_memory``: copied into one
+    tensor instead, as before memory mapping; the training reads the same values). A conversation
+    whose prompt repeats an earlier one (across shards) is dropped. Returns (data, train_idx,
+    val_idx, manifest "data" entries)."""
     root = Path(cfg.transcripts).expanduser()
     if not root.is_dir():
         raise YggError(f"transcript directory {root} does not exist")
@@ -491,39 +555,39 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
     held = [(p, tr.load_shard(p, fp, tok_fp)) for p in held_paths]
     cache = tr.feature_cache_root(cfg.feature_cache)
     teacher = None
-    parts, info_shards, reused = [], [], 0
+    parts, blocks, info_shards, reused = [], [], [], 0
     rank, world = rank_and_world()
     if rank != 0:  # data-parallel: rank 0 fills the feature cache, the others then read it
         torch.distributed.barrier()
     n_all = sum(sh.n_tokens for _, sh in shards + held)
     task = progress.add_task("features", total=n_all)
-    # one preallocated float16 buffer (float32 only if some feature overflows float16): the
-    # shards' features are copied in one by one, so the peak is the data plus one shard
-    buf = torch.empty(n_all, layout.width, dtype=torch.float16)
-    at = 0
+    # each shard's features stay in their cache file, memory-mapped: nothing is read before a batch
+    # uses it, and the ranks of one machine share the page cache's one copy
     for p, sh in shards + held:
         fpath = tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype)
-        feats = tr.load_features(fpath, sh.n_tokens, layout.width)
+        ident = tr.feature_identity(sh, fp, layout.stored, cfg.teacher_dtype)
+        feats = tr.map_features(fpath, sh.n_tokens, layout.width, ident)
         if feats is None:
             if teacher is None:
                 teacher = target if cfg.teacher_dtype == "float32" else copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
-            feats = tr.prefill_features(teacher, sh, layout.stored, on_batch=lambda r, t: progress.update(task, advance=t))
-            tr.save_features(feats, fpath)
+            made = tr.prefill_features(teacher, sh, layout.stored, on_batch=lambda r, t: progress.update(task, advance=t))
+            tr.save_features(made, fpath, ident)
+            del made
+            feats = tr.map_features(fpath, sh.n_tokens, layout.width, ident)
+            if feats is None:
+                raise YggError(f"feature cache {fpath} cannot be read back after writing it")
         else:
             reused += 1
             progress.update(task, advance=sh.n_tokens)
-        if buf.dtype == torch.float16 and feats.dtype != torch.float16 and float(feats.abs().max()) >= 60000:
-            buf = buf.float()
-        buf[at : at + sh.n_tokens] = feats
-        at += sh.n_tokens
-        del feats
-        parts.append(TeacherData(sh.tokens, buf[at - sh.n_tokens : at], sh.offsets, sh.role))
+        blocks.append(feats)
+        parts.append(TeacherData(sh.tokens, feats, sh.offsets, sh.role))
         info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
                             "sequences": sh.n_seq, "counts": sh.meta["counts"]})
     del teacher
     if world > 1 and rank == 0:
         torch.distributed.barrier()
-    data = concat_teacher(parts, feats=buf)
+    feats_all = FeatureBlocks(blocks)
+    data = concat_teacher(parts, feats=feats_all.materialize() if in_memory else feats_all)
     n_train_seq = sum(sh.n_seq for _, sh in shards)
     seen: set[bytes] = set()
     keep_train, keep_val, dup = [], [], 0

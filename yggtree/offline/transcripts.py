@@ -14,9 +14,10 @@ and temperature, drop counts, a sha256 of the tensors) in the file's header. A m
 about 3 MB, so shards are committed with the drafter and the features are never shipped.
 
 Features (the target's stored layers at every position) are captured while the answers are
-generated and cached on local disk next to nothing else (:func:`feature_path`); on a machine
-without that cache they are recomputed from the token ids by batched prefill
-(:func:`prefill_features`).
+generated and cached on local disk next to nothing else (:func:`feature_path`, one float16
+safetensors file per shard and layer set, its identity in the header); on a machine without that
+cache they are recomputed from the token ids by batched prefill (:func:`prefill_features`).
+Training memory-maps these files (:func:`map_features`) instead of reading them.
 
 Generation is batched over rows of similar prompt length with a static KV cache per batch;
 finished rows leave the batch (their cache rows are dropped), so the cost follows the tokens
@@ -446,27 +447,73 @@ def feature_path(cache_root: Path, shard: Shard, layers: tuple[int, ...], teache
     return Path(cache_root) / key / "features.safetensors"
 
 
-def save_features(feats: torch.Tensor, path: Path) -> None:
+FEATURES_FORMAT = 1
+
+
+def feature_identity(shard: Shard, target_fp: str, layers: tuple[int, ...], teacher_dtype: str) -> dict:
+    """What a feature cache file holds the features of: written in its header, checked when it is read."""
+    return {"format": FEATURES_FORMAT, "shard_sha256": shard.meta["sha256"], "target_fingerprint": target_fp,
+            "layers": [int(i) for i in layers], "teacher_dtype": teacher_dtype}
+
+
+def save_features(feats: torch.Tensor, path: Path, identity: dict | None = None) -> None:
+    """``feats`` [N, W] as one safetensors file (float16 unless some value overflows it), the
+    ``identity`` (:func:`feature_identity`) in its header; write-then-rename. The tensor's bytes are
+    one flat row-major block, which :func:`map_features` maps without reading."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     amax = float(feats.abs().max()) if feats.numel() else 0.0
     store = feats.to(torch.float16) if amax < 60000 else feats.float()
+    meta = {"yggtree": "features", "identity": json.dumps(identity, sort_keys=True)} if identity is not None else None
     with atomic_path(path) as tmp:
-        save_file({"feats": store.contiguous()}, str(tmp))
+        save_file({"feats": store.contiguous()}, str(tmp), metadata=meta)
 
 
-def load_features(path: Path, n_tokens: int, width: int) -> torch.Tensor | None:
-    """Cached features, or None when absent or unusable (the caller recomputes them)."""
-    from safetensors.torch import load_file
+_FEATURE_DTYPES = {"F16": np.float16, "F32": np.float32}
 
+
+def map_features(path: Path, n_tokens: int, width: int, identity: dict | None = None) -> torch.Tensor | None:
+    """The cached features [n_tokens, width], memory-mapped (nothing is read until a row is used;
+    the pages are the page cache's, shared by every process that maps the file: data-parallel
+    ranks on one machine hold one copy), or None when absent or unusable (unreadable header,
+    truncated, another shape): the caller recomputes and rewrites them.
+
+    A file whose header names another shard, target, layers or teacher dtype than ``identity`` is
+    refused (one line naming the file); a file without one (written before identities) is used
+    when its shape fits, as before (its path is already keyed by the shard, layers and dtype).
+    The mapping is private (copy-on-write): nothing writes to it, and nothing could reach the file.
+    """
+    path = Path(path)
     if not path.is_file():
         return None
     try:
-        f = load_file(str(path))["feats"]
-    except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= size - 8:
+                return None
+            header = json.loads(fh.read(n))
+        entry = header["feats"]
+        dtype = _FEATURE_DTYPES[entry["dtype"]]
+        shape = tuple(int(x) for x in entry["shape"])
+        a, b = (int(x) for x in entry["data_offsets"])
+        meta = header.get("__metadata__") or {}
+        theirs = json.loads(meta["identity"]) if "identity" in meta else None
+    except (OSError, ValueError, KeyError, TypeError):  # a damaged cache entry is recomputed
         return None
-    return f if tuple(f.shape) == (n_tokens, width) else None
+    if identity is not None and isinstance(theirs, dict):
+        diff = [k for k in identity if theirs.get(k) != identity[k]]
+        if diff:
+            k = diff[0]
+            raise YggError(f"feature cache {path} holds other features: {k} is {theirs.get(k)!r} there, "
+                           f"{identity[k]!r} here (delete it to recompute, or use another --feature-cache)")
+    itemsize = np.dtype(dtype).itemsize
+    if shape != (n_tokens, width) or b - a != n_tokens * width * itemsize or 8 + n + b != size:
+        return None
+    if n_tokens * width == 0:
+        return torch.zeros(shape, dtype=torch.float16 if dtype is np.float16 else torch.float32)
+    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", offset=8 + n + a, shape=shape))
 
 
 @torch.no_grad()

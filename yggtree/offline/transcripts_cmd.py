@@ -134,7 +134,8 @@ def run(args) -> int:
                 log(f"{spec.name()}: {n_tok[0]} tokens, {rate:.0f} tok/s")
 
             shard, feats = tr.build_shard(teacher, tokenizer, spec, fp, layers, log, on_tokens)
-            tr.save_features(feats, tr.feature_path(cache, shard, layers, args.teacher_dtype))
+            tr.save_features(feats, tr.feature_path(cache, shard, layers, args.teacher_dtype),
+                             tr.feature_identity(shard, fp, layers, args.teacher_dtype))
             tr.save_shard(shard, path)  # last: its presence marks the shard done
             progress.update(sub, visible=False)
             made += 1
