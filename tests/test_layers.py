@@ -94,10 +94,15 @@ def test_no_new_import_cycles():
 
 def test_runtime_never_imports_offline():
     """The run side (runtime/ and plan.py) imports neither the offline side nor the tools above it."""
-    above = ("yggtree.offline", "yggtree.bench", "yggtree.floor", "yggtree.data", "yggtree.cli")
+    above = ("yggtree.offline", "yggtree.bench", "yggtree.floor", "yggtree.data", "yggtree.cli",
+             "yggtree.run_cmd", "yggtree.quickstart")
     bad = [(a, b) for a, bs in import_graph().items() for b in bs
            if (a.startswith("yggtree.runtime") or a == "yggtree.plan") and b.startswith(above)]
     assert bad == []
+
+
+def test_nothing_imports_the_cli():
+    assert [a for a, bs in import_graph().items() if "yggtree.cli" in bs] == []
 
 
 def test_helpers_import_only_errors():

@@ -280,7 +280,7 @@ def run_calibrate(args) -> int:
     import torch
 
     from ..data import calibration_chat_prompts
-    from ..runtime.artifacts import CALIBRATION_KIND, FORMAT_VERSION, pair_identity
+    from ..runtime.artifacts import CALIBRATION_KIND, artifact_head, pair_identity
     from ..runtime.loading import encode_auto
 
     torch.set_num_threads(args.threads)
@@ -303,11 +303,7 @@ def run_calibrate(args) -> int:
     prompt_of = np.concatenate([np.full(len(e["q"]), e["prompt"]) for e in edges])
     held = _held_out(q, acc, prompt_of, len(ids))
     iso = _isotonic(q, acc, np.ones(len(q), dtype=bool))
-    out = {
-        "kind": CALIBRATION_KIND,
-        "version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "identity": pair_identity(plan),
+    out = artifact_head(CALIBRATION_KIND, pair_identity(plan)) | {
         "plan": {"name": plan.name, "hash": plan.hash(), "d_max": plan.d_max,
                  "draft_widths": list(plan.draft_widths), "top_k": plan.top_k},
         "data": {"source": "yggtree.data.calibration_chat_prompts", "prompts": len(ids),

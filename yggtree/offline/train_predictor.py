@@ -428,7 +428,7 @@ def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None 
     from safetensors.torch import save_file
 
     from ..files import file_sha256
-    from ..runtime.artifacts import pair_identity
+    from ..runtime.artifacts import artifact_head, pair_identity
     from ..runtime.predictor import (
         FEATURE_LAYER, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILES, PREDICTOR_KIND,
         predictor_state,
@@ -444,11 +444,7 @@ def save_predictor(out_dir: str | Path, plan, mlp, baseline, extra: dict | None 
         models[name] = {"type": kind, "file": f.name, "sha256": file_sha256(f)}
         if kind == "mlp":
             models[name]["units"] = model.units
-    manifest = {
-        "kind": PREDICTOR_KIND,
-        "version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "identity": pair_identity(plan),
+    manifest = artifact_head(PREDICTOR_KIND, pair_identity(plan), FORMAT_VERSION) | {
         "plan": {"name": plan.name, "hash": plan.hash(), "d_max": plan.d_max,
                  "draft_widths": list(plan.draft_widths), "verify_widths": list(plan.verify_widths)},
         "feature": {"layer": FEATURE_LAYER, "description": "target final-norm output at the root "

@@ -11,6 +11,7 @@ that differs (:func:`first_difference`).
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 from ..errors import YggError
@@ -19,7 +20,7 @@ from ..plan import model_fingerprints
 
 __all__ = [
     "PROFILE_KIND", "CALIBRATION_KIND", "FORMAT_VERSION", "timing_identity", "pair_identity",
-    "first_difference", "read_artifact",
+    "first_difference", "read_artifact", "artifact_head",
 ]
 
 PROFILE_KIND = "yggtree-profile"
@@ -64,6 +65,13 @@ def first_difference(have: dict, want: dict) -> str:
         if have.get(k) != want.get(k):
             return k
     return "?"
+
+
+def artifact_head(kind: str, identity: dict, version: int = FORMAT_VERSION) -> dict:
+    """The first keys of an offline artifact, those :func:`read_artifact` and the identity checks
+    read: kind, format version, when it was made (local time) and the identity it was made for."""
+    return {"kind": kind, "version": version, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "identity": identity}
 
 
 def read_artifact(path: str | Path, what: str, kind: str, version: int = FORMAT_VERSION,
