@@ -80,7 +80,7 @@ def check_stage_forms(forms, plan, tmp):
     from yggtree.offline.profile_stages import thread_splits
     from yggtree.runtime.schedule import usable_cores
 
-    assert list(forms["splits"]) == thread_splits(usable_cores())
+    assert sorted(forms["splits"]) == sorted(thread_splits(usable_cores()))
     for split, rec in forms["splits"].items():
         assert set(rec["verify_ms"]) == {"2", "4"}
         if "+" in split:
@@ -118,3 +118,26 @@ def test_calibrate_writes_a_loadable_calibration(plan_path, tmp_path, capsys):
     # so a one-call chain (W_d 1, D 1, W_v 2) accepts its drafted token at every step: AAL 2
     assert cal.expected_aal(1, 2, 4) is not None and cal.expected_aal(1, 1, 2) == 2.0
     assert main(args) == 1 and "already exists" in capsys.readouterr().err
+
+
+def test_stage_forms_rebuild_a_graph_for_another_thread_count():
+    """Dynamo guards a graph on the thread count: a profile that times a split at another count
+    must rebuild it first (``_built``) or its frozen stance refuses the call."""
+    import torch
+
+    from yggtree.offline.profile_stages import _built
+
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    x = torch.ones(3)
+    n0 = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        f(x)
+        torch.set_num_threads(2)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            with pytest.raises(RuntimeError, match="recompil"):
+                f(x)
+            _built(lambda: f(x))
+            assert torch.equal(f(x), x * 2 + 1)
+    finally:
+        torch.set_num_threads(n0)
