@@ -230,8 +230,9 @@ def drafter_widths(plan) -> list[int]:
 
 def warm_plan(engine: Engine, plan) -> None:
     """Build every graph ``plan`` can need on an engine made from ``EngineSpec.from_plan(plan)``:
-    the target at {prefill_chunk, 1} and every W_v, the drafter at every W_d. Widths already
-    built are skipped, so this is cheap after the engine's own warm-up."""
+    the target at {prefill_chunk, 1} and every W_v, the drafter at every W_d, at the thread
+    count the engine's plan decodes at. Widths already built are skipped, so this is cheap
+    after the engine's own warm-up."""
     if engine.n_slots != plan_slots(plan):
         raise YggError(
             f"this engine has {engine.n_slots} cache slots, plan {plan.name!r} needs "
@@ -244,10 +245,11 @@ def warm_plan(engine: Engine, plan) -> None:
     ):
         raise YggError(f"this engine's envelope {env} does not hold plan {plan.name!r}'s widths: "
                        "build it with EngineSpec.from_plan(plan)")
-    engine.graphs.warm_up(list(plan.target_widths))
+    threads = engine.plan_threads(engine.plan)  # compiled graphs are built at the count they run at
+    engine.graphs.warm_up(list(plan.target_widths), threads=threads)
     if engine.drafter is not None:
         widths = sorted({*drafter_widths(plan), *engine.drafter_widths(engine.plan)})
-        engine.drafter.setup(engine.n_slots, widths, plan.prefill_chunk)
+        engine.drafter.setup(engine.n_slots, widths, plan.prefill_chunk, threads=threads)
 
 
 def fixed_policy(

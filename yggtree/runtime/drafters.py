@@ -44,8 +44,15 @@ class Drafter(Protocol):
     # children of the last level) are never picked, so a D-deep tree costs the head + D - 1 steps
     feeds_leaves: bool
 
-    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
-        """Allocate state for ``n_slots`` cache slots and build graphs for these input widths."""
+    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int, threads: int | None = None) -> None:
+        """Allocate state for ``n_slots`` cache slots and build graphs for these input widths
+        and the prefill chunk, at ``threads`` intra-op threads (None: the calling thread's)."""
+
+    def warm_up(self, widths: list[int], threads: int | None = None) -> None:
+        """Build the graphs of these input widths (and of the head) at ``threads`` intra-op
+        threads (None: the calling thread's count) after :meth:`setup`; compiled graphs are
+        guarded on the count they were built at. The overlap worker calls it on its own thread
+        for the speculation job's widths."""
 
     def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
         """Absorb the prompt ([n] int64; feats: target layers [n, H] each, or ()).
@@ -178,13 +185,15 @@ class LMDrafter:
         self.graphs = Graphs(model, mode)
         self.ahead_logits: torch.Tensor | None = None  # [W, V] head rows of the last ahead call
 
-    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
+    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int, threads: int | None = None) -> None:
         if self.model.cache_slots != n_slots:
             self.model.setup_cache(1, n_slots)
-            self.graphs.widths.clear()
-            self.graphs.prefill_widths.clear()
-        self.graphs.warm_up(widths, prefill=prefill_chunk)
+            self.graphs.reset()
+        self.graphs.warm_up(widths, prefill=prefill_chunk, threads=threads)
         self.chunk = prefill_chunk
+
+    def warm_up(self, widths: list[int], threads: int | None = None) -> None:
+        self.graphs.warm_up(widths, threads=threads)
 
     def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
         chunk = self.chunk

@@ -39,7 +39,6 @@ Static shapes: head has width ``D_max + 1``, a step has width ``W_d``, prefill t
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -395,13 +394,14 @@ class EagleDrafter:
 
     # ---------------------------------------------------------------- Drafter protocol
 
-    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int) -> None:
+    def setup(self, n_slots: int, widths: list[int], prefill_chunk: int, threads: int | None = None) -> None:
         """Allocate the cache (``n_slots`` slots, as the target) and build the graphs used:
-        prefill chunk ``C``, head ``D_max + 1``, and the draft width(s) in ``widths``."""
+        prefill chunk ``C``, head ``D_max + 1``, and the draft width(s) in ``widths``, at
+        ``threads`` intra-op threads (None: the calling thread's count)."""
         net = self.net
         if net.cache_slots != n_slots:
             net.setup_cache(n_slots)
-            self.graphs.widths.clear()
+            self.graphs.reset()
         self.chunk = prefill_chunk
         dev, h = self._state_dev, self.cfg.hidden_size
         dtype = net.fc.weight.dtype
@@ -412,24 +412,25 @@ class EagleDrafter:
         self.pend_feat = torch.zeros(d1, h, dtype=dtype, device=dev)  # [D_max+1, H]
         self.pend_n = torch.zeros((), dtype=torch.int64, device=dev)  # [] a = accepted count
         self.node_feat = torch.zeros(self.n_tree, h, dtype=dtype, device=dev)  # [N, H] f̂ per node
-        self._warm_up(sorted(set(widths) | {prefill_chunk, d1}))
+        self.warm_up([*widths, prefill_chunk], threads)
 
-    def _warm_up(self, widths: list[int]) -> None:
-        todo = sorted(set(widths) - self.graphs.widths)
-        if not todo:
-            return
-        t0 = time.perf_counter()
+    def warm_up(self, widths: list[int], threads: int | None = None) -> None:
+        """Build the block graphs of ``widths`` and of the head (``D_max + 1``) at ``threads``
+        intra-op threads (None: the calling thread's count), each with one call into the
+        scratch slot."""
+        if self.chunk == 0:
+            raise YggError("EagleDrafter.setup() must be called before warm_up()")
         dev, s = self._state_dev, self.net.cache_slots
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
-            for w in todo:
-                ar = torch.arange(w, device=dev)
-                feat = torch.zeros(w, self.cfg.hidden_size, dtype=self.pend_feat.dtype, device=dev)
-                scratch = torch.full_like(ar, s - 1)
-                # contiguous like every real mask (an expanded one would guard on strides)
-                mask = (torch.arange(s, device=dev)[None, :] == s - 1).repeat(w, 1)
-                self.net(ar, feat, ar, scratch, mask)
-        self.graphs.widths.update(todo)
-        self.graphs.compile_s += time.perf_counter() - t0
+
+        def run(w: int) -> None:
+            ar = torch.arange(w, device=dev)
+            feat = torch.zeros(w, self.cfg.hidden_size, dtype=self.pend_feat.dtype, device=dev)
+            scratch = torch.full_like(ar, s - 1)
+            # contiguous like every real mask (an expanded one would guard on strides)
+            mask = (torch.arange(s, device=dev)[None, :] == s - 1).repeat(w, 1)
+            self.net(ar, feat, ar, scratch, mask)
+
+        self.graphs.build(sorted(set(widths) | {self.max_depth + 1}), run, threads)
 
     def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
         """Pairs (t_{i+1}, f_i), i = 0..n-2, at slots 1..n-1 in chunks of ``C``; f_{n-1} pends.

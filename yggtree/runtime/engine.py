@@ -249,15 +249,33 @@ class Engine:
         self.cfg, self.lookup_calib = cfg, None
         self.set_lookup(cfg.lookup)
         target.setup_cache(1, self.n_slots)
-        capture = drafter.target_layers if drafter is not None else ()
-        self.graphs.warm_up([1, *self.envelope.verify_widths], capture, prefill=cfg.prefill_chunk)
         self.feat_buf: tuple[torch.Tensor, ...] = ()  # per drafter layer [n_slots, H]
         if drafter is not None:
-            drafter.setup(self.n_slots, self.drafter_widths(self.plan), cfg.prefill_chunk)
+            drafter.setup(self.n_slots, self.drafter_widths(self.plan), cfg.prefill_chunk,
+                          threads=self.plan_threads(self.plan))
             w = target.embed_tokens.weight
             self.feat_buf = tuple(torch.zeros(self.n_slots, target.cfg.hidden_size, dtype=w.dtype,
                                               device=w.device) for _ in drafter.target_layers)
+        self._build(self.plan)
         self.worker = self._worker(self.plan, None)
+
+    def plan_threads(self, plan: ExecutionPlan) -> int:
+        """The intra-op thread count ``plan`` decodes at on the decoding thread (its ``threads``;
+        0: the calling thread's count now)."""
+        return plan.threads or torch.get_num_threads()
+
+    def _build(self, plan: ExecutionPlan) -> None:
+        """Build every graph the decoding thread runs under ``plan`` that is not built yet, at
+        the count it runs at (:meth:`plan_threads`): the target's at every verify width and the
+        prefill chunk, the drafter's at :meth:`drafter_widths`. Compiled graphs are guarded on
+        the thread count they were built at (graphs.py); with AOTInductor packages or eager
+        code this only checks. The worker's graphs are built by :meth:`_worker`."""
+        threads = self.plan_threads(plan)
+        capture = self.drafter.target_layers if self.drafter is not None else ()
+        self.graphs.warm_up([1, *self.envelope.verify_widths], capture, prefill=self.cfg.prefill_chunk,
+                            threads=threads)
+        if self.drafter is not None:
+            self.drafter.warm_up(self.drafter_widths(plan), threads=threads)
 
     def drafter_widths(self, plan: ExecutionPlan) -> list[int]:
         """Drafter input widths ``plan`` runs: its prefill chunk, the head (1), every W_d, and
@@ -294,25 +312,38 @@ class Engine:
 
     def use_plan(self, stages: str, threads: int | None = None) -> ExecutionPlan:
         """Run ``stages`` (``sequential``, ``ahead`` or a stage order) with ``threads`` intra-op
-        threads (None: unchanged) from now on; the drafter widths it needs are built now.
+        threads (None: unchanged) from now on; the graphs it needs at its thread counts (the
+        target's and the drafter's at ``threads``, the worker's at its own) are built now.
         Returns the execution plan."""
         threads = self.plan.threads if threads is None else threads
         plan = resolve_plan(stages, self.cfg.tree is not None, threads=threads)
         if self.drafter is not None:
-            self.drafter.setup(self.n_slots, self.drafter_widths(plan), self.cfg.prefill_chunk)
+            self.drafter.setup(self.n_slots, self.drafter_widths(plan), self.cfg.prefill_chunk,
+                               threads=self.plan_threads(plan))
+        self._build(plan)
         self.worker = self._worker(plan, self.worker)
         self.plan = plan
         return plan
 
     def _worker(self, plan: ExecutionPlan, old):
         """The worker ``plan`` runs the drafter's stages on (None: it runs none); ``old`` is
-        kept when it has the plan's thread budget, else closed."""
+        kept when it has the plan's thread budget, else closed. A new worker builds the
+        drafter's graphs of the speculation job (head and every W_d) on its own thread, at its
+        own thread count, before it takes a job."""
         want = plan.draft_threads if plan.overlap and self.drafter is not None else 0
         if old is not None and old.threads == want:
             return old
         if old is not None:
             old.close()
-        return make_worker(want, self.target.embed_tokens.weight.device) if want else None
+        if not want:
+            return None
+        worker = make_worker(want, self.target.embed_tokens.weight.device)
+        try:
+            worker.result(worker.submit(self.drafter.warm_up, [1, *self.envelope.draft_widths]))
+        except BaseException:
+            worker.close()
+            raise
+        return worker
 
     @_serialised
     def generate(
@@ -346,10 +377,11 @@ class Engine:
             policy = self._fixed_policy()
         if policy is not None:
             policy.start_request()  # a learning policy hears where one request's text ends
+        self._build(self.plan)  # built unless the plan takes the process's count and it changed
         gen = torch.Generator().manual_seed(params.seed)
         timer = StageTimer()
         t0 = time.perf_counter()
-        threads = self.plan.threads or torch.get_num_threads()
+        threads = self.plan_threads(self.plan)
         n_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:

@@ -17,6 +17,16 @@ After :meth:`Graphs.warm_up` every shape the engine can request has a graph; dec
 under ``torch.compiler.set_stance("fail_on_recompile")`` so a shape that slipped through is an
 error, never a silent compile in the decode loop.
 
+Thread counts. Dynamo guards every graph on the calling thread's intra-op thread count (its
+global-state guard holds ``num_threads``), and inductor bakes the count into the CPU kernels it
+generates. A graph built at one count is therefore a recompile at another, and the wrong kernel
+besides: graphs are built at the count they will run at (``warm_up(..., threads=T)`` sets the
+calling thread's count for the build), and the widths built are tracked per count
+(:meth:`Graphs.widths_at`). Graphs that do not depend on the count (eager code, AOTInductor
+packages) keep one set of widths under the key 0. The engine builds the target's (and the
+drafter's) graphs at its plan's count, and the overlap worker builds the drafter's speculation
+graphs on its own thread at its own count.
+
 A compiled plan replaces dynamo altogether: its blocks run AOTInductor packages loaded from
 ``compile/<plan>/`` (:mod:`yggtree.runtime.aoti`, installed before the engine is built). Warm-up
 then only checks that every (width, context bucket) has a package; nothing is traced or compiled
@@ -62,12 +72,13 @@ def check_backend(backend: str) -> None:
 @dataclass
 class Graphs:
     """A model plus its compiled step functions (step scope) or blocks (block scope).
-    ``compile_s`` accumulates warm-up time."""
+    ``compile_s`` accumulates warm-up time; ``built`` is the one record of what was built:
+    (kind, thread count) -> input widths (kind ``step``: tree steps, and blocks in block scope;
+    ``prefill``: step scope's prefill chunks; thread count 0: graphs that do not depend on it)."""
 
     model: Transformer
     mode: str
-    widths: set[int] = field(default_factory=set)  # input widths warmed up so far
-    prefill_widths: set[int] = field(default_factory=set)  # step scope: prefill chunks warmed up
+    built: dict[tuple[str, int], set[int]] = field(default_factory=dict)
     compile_s: float = 0.0
     backend: str = "inductor-cpu"  # performance mode only; see compile_options
     scope: str = "step"  # performance mode: "step" (whole step functions) or "block" (regional)
@@ -88,6 +99,52 @@ class Graphs:
                     "masked_step": torch.compile(steps.masked_step, **opts),
                     "prefill_chunk": torch.compile(steps.prefill_chunk, **opts),
                 }
+
+    def threads_key(self, threads: int | None = None) -> int:
+        """The thread count graphs built at ``threads`` (None or 0: the calling thread's) are
+        kept under: the count for dynamo graphs, 0 for eager code, AOTInductor packages and
+        a shape recorder (which may be installed after __init__), which do not depend on it."""
+        if not self.compiled or static_blocks(self.model) is not None:
+            return 0
+        return threads or torch.get_num_threads()
+
+    def widths_at(self, threads: int | None = None, kind: str = "step") -> set[int]:
+        """Input widths with a graph usable at ``threads`` (None: the calling thread's count)."""
+        return set(self.built.get((kind, self.threads_key(threads)), ()))
+
+    @property
+    def widths(self) -> set[int]:
+        """Input widths with a graph usable at the calling thread's count."""
+        return self.widths_at()
+
+    @property
+    def prefill_widths(self) -> set[int]:
+        """Step scope: prefill chunks with a graph usable at the calling thread's count."""
+        return self.widths_at(kind="prefill")
+
+    def reset(self) -> None:
+        """Forget every width built (the cache was reallocated: every shape must be built again)."""
+        self.built.clear()
+
+    def build(self, widths, run, threads: int | None = None, kind: str = "step") -> list[int]:
+        """Call ``run(w)`` -- a call of width ``w`` that builds its graphs -- for every width of
+        ``widths`` not built yet at ``threads`` (None: the calling thread's count), with the
+        calling thread set to that count, grad off and compiles allowed; record them and add the
+        time to ``compile_s``. Returns the widths built now."""
+        key = self.threads_key(threads)
+        have = self.built.setdefault((kind, key), set())
+        todo = sorted(set(widths) - have)
+        if not todo:
+            return todo
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256), at_threads(key):
+                for w in todo:
+                    run(w)
+                    have.add(w)
+        finally:
+            self.compile_s += time.perf_counter() - t0
+        return todo
 
     def _compiled_fns(self) -> dict:
         """The step scope's compiled functions, or {} (eager code, block scope, or blocks that
@@ -118,47 +175,43 @@ class Graphs:
         return next(b for b in self.buckets if b >= need)
 
     def warm_up(
-        self, widths: list[int], capture: tuple[int, ...] = (), prefill: int | None = None
+        self, widths: list[int], capture: tuple[int, ...] = (), prefill: int | None = None,
+        threads: int | None = None,
     ) -> None:
-        """Build the graph of every (width, context bucket) not built yet: ``tree_step`` at each
-        of ``widths`` and ``prefill_chunk`` at width ``prefill``, both capturing ``capture``
-        (block scope: one block graph per width serves both). Writes scratch data into the
-        cache, so call it before a prefill, never between decode steps."""
-        todo = sorted(set(widths) - self.widths)
-        if prefill is not None and self._compiled_fns():
-            todo_prefill = prefill not in self.prefill_widths
-        else:
-            todo_prefill = False
-            if prefill is not None and prefill not in self.widths:
-                todo = sorted({*todo, prefill})
+        """Build the graph of every (width, context bucket) not built yet at ``threads`` intra-op
+        threads (None: the calling thread's count; the build sets the calling thread to it):
+        ``tree_step`` at each of ``widths`` and ``prefill_chunk`` at width ``prefill``, both
+        capturing ``capture`` (block scope: one block graph per width serves both). Writes
+        scratch data into the cache, so call it before a prefill, never between decode steps."""
+        widths = list(widths)
+        step_scope = bool(self._compiled_fns())
+        if prefill is not None and not step_scope:
+            widths.append(prefill)
         if not self.compiled:  # eager code needs no warm-up
-            self.widths.update(todo)
+            self.built.setdefault(("step", 0), set()).update(widths)
             return
-        if not todo and not todo_prefill:
-            return
-        t0 = time.perf_counter()
         if isinstance(static_blocks(self.model), PackageSet):  # loaded packages: check only
-            self._require_packages(todo)
-            self.widths.update(todo)
-            self.compile_s += time.perf_counter() - t0
+            self.build(widths, lambda w: self._require_packages([w]), threads)
             return
         dev = self.model.embed_tokens.weight.device
         zero = torch.zeros((), dtype=torch.int64, device=dev)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
-            for w in todo:
-                ar = torch.arange(w, device=dev)
-                anc = ar[None, :] <= ar[:, None]
-                for n_ctx in self.buckets:
-                    if n_ctx >= w:
-                        self.tree_step(ar, ar, ar, anc, zero, capture, n_ctx)
-            if todo_prefill:
-                tokens = torch.zeros(1, prefill, dtype=torch.int64, device=dev)
-                for n_ctx in self.buckets:  # attention over a 64-row chunk is not free: keep buckets
-                    if n_ctx >= prefill:  # (one bucket for all: +30% prefill time on the default model)
-                        self.prefill_chunk(tokens, zero, zero + prefill, capture, n_ctx)
-                self.prefill_widths.add(prefill)
-        self.widths.update(todo)
-        self.compile_s += time.perf_counter() - t0
+
+        def step(w: int) -> None:
+            ar = torch.arange(w, device=dev)
+            anc = ar[None, :] <= ar[:, None]
+            for n_ctx in self.buckets:
+                if n_ctx >= w:
+                    self.tree_step(ar, ar, ar, anc, zero, capture, n_ctx)
+
+        def chunk(w: int) -> None:
+            tokens = torch.zeros(1, w, dtype=torch.int64, device=dev)
+            for n_ctx in self.buckets:  # attention over a 64-row chunk is not free: keep buckets
+                if n_ctx >= w:  # (one bucket for all: +30% prefill time on the default model)
+                    self.prefill_chunk(tokens, zero, zero + w, capture, n_ctx)
+
+        self.build(widths, step, threads)
+        if prefill is not None and step_scope:
+            self.build([prefill], chunk, threads, kind="prefill")
 
     def _require_packages(self, widths: list[int]) -> None:
         """YggError unless every (width, bucket) of ``widths`` has a loaded package."""
@@ -183,10 +236,37 @@ class Graphs:
 
         Every shape the loop can request was built by :meth:`warm_up`, so dynamo only needs the
         guards that tell those graphs apart (``skip_guard_eval_unsafe``): full guard evaluation
-        at every block call costs several percent of a decode step on a CPU."""
+        at every block call costs several percent of a decode step on a CPU.
+
+        Graphs of one shape built at several thread counts are safe under this stance (checked
+        with torch 2.13, ``tests/test_graph_threads.py``): it evaluates each cache entry's
+        "diff guard root" instead of its full guard tree, and that root is a clone of the full
+        root manager (``GuardManagerWrapper.populate_diff_guard_manager`` ->
+        ``root.clone_manager``) which keeps the root's own leaf guards, GLOBAL_STATE among them
+        (``___check_global_state()``: grad mode, autocast, default dtype, ``num_threads``, ...);
+        what it drops are the managers below the root off the "diff guard sources" (tensor
+        inputs and sources whose guards once failed). So the unsafe
+        stance runs the entry built at the calling thread's count, and a count with no graph
+        is a "Recompilation triggered" error, never another count's graph. One Graphs object
+        may therefore hold several counts; the engine builds each at the count it runs at."""
         if self.compiled and static_blocks(self.model) is None:
             return torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def at_threads(n: int):
+    """The calling thread's intra-op thread count set to ``n`` inside the block (0: left as
+    it is), restored after it (``torch.set_num_threads`` is per thread with ATen's OpenMP
+    back end: runtime/overlap.py)."""
+    before = torch.get_num_threads()
+    if n and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def context_buckets(n_slots: int, smallest: int = 256) -> list[int]:

@@ -21,7 +21,10 @@ Thread budgets: on CPUs ``torch.set_num_threads`` sets the calling thread's Open
 OpenMP back end: ``omp_set_num_threads`` is per thread, and so is MKL's local setting), so the
 worker, a long-lived thread, sets its own budget once and the decoding thread keeps the target's
 (measured with torch 2.13: after the worker set 1 the main thread still reported 2, and the
-worker's ops started no OpenMP team thread). On CUDA the same plan maps to streams
+worker's ops started no OpenMP team thread). Compiled graphs are guarded on (and their kernels
+built for) the thread count they were built at, so a new worker first builds the drafter's graphs
+of the speculation job on its own thread at its own count (``Engine._worker``), next to the ones
+the decoding thread runs the drafter with at the target's count. On CUDA the same plan maps to streams
 (:class:`StreamWorker`): the speculation's kernels go to a side stream, the join makes the main
 stream wait for it; it has not run on a GPU.
 """
