@@ -418,13 +418,12 @@ def vocab_coverage(tokens: torch.Tensor, vmap: torch.Tensor, vocab_size: int) ->
     return float(inside[tokens].float().mean()) if tokens.numel() else 0.0
 
 
-def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "FeatureLayout", progress):
-    """Teacher data from calibration chat prompts answered by the target (plus teacher-forced
-    calibration text): (data, train_idx, val_idx, manifest "data" entries)."""
-    tc = target.cfg
+def chat_prompt_ids(cfg: DistillConfig, tokenizer, prompt_ids) -> tuple[list[list[int]], str]:
+    """(the prompts' token ids, cut on the left to the training window; their corpus hash): the
+    calibration chat prompts, or the first ``cfg.prompts`` of the ``prompt_ids`` given."""
     if prompt_ids is None:
-        prompts = calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars, cfg.prompt_style)
-        prompt_texts = [p.text for p in prompts]
+        prompt_texts = [p.text for p in calibration_chat_prompts(cfg.prompts, cfg.seed, cfg.snippet_chars,
+                                                                 cfg.prompt_style)]
         data_hash = corpus_hash(prompt_texts)
         prompt_ids = [encode_auto(tokenizer, t) for t in prompt_texts]
     else:
@@ -432,11 +431,97 @@ def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "Feat
             raise YggError(f"{len(prompt_ids)} prompts given, asked for {cfg.prompts}")
         prompt_ids = [list(p) for p in prompt_ids[: cfg.prompts]]
         data_hash = corpus_hash([json.dumps(p) for p in prompt_ids])
-    max_prompt = cfg.max_seq_len  # prompts longer than the training window are cut on the left
-    prompt_ids = [p[-max_prompt:] for p in prompt_ids]
-    eos = tuple(tc.eos_token_ids) or (
+    return [p[-cfg.max_seq_len :] for p in prompt_ids], data_hash
+
+
+def teacher_eos(model_cfg, tokenizer) -> tuple[int, ...]:
+    """The ids that end a teacher answer: the target's, else the tokenizer's EOS, else none."""
+    return tuple(model_cfg.eos_token_ids) or (
         (tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) is not None else ()
     )
+
+
+def meta_key(meta: dict) -> str:
+    """The teacher cache's key of the data ``meta`` describes (a folder under the cache root)."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def teacher_cache_root(cfg: DistillConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "yggtree" / "distill"
+
+
+def teacher_in_dtype(target, dtype: str):
+    """The target itself in float32, else a copy in ``dtype`` (the target stays float32)."""
+    return target if dtype == "float32" else copy.deepcopy(target).to(getattr(torch, dtype))
+
+
+class LazyTeacher:
+    """The target in the teacher dtype, made at the first call (never when every cache is hit)."""
+
+    def __init__(self, target, dtype: str):
+        self.target, self.dtype, self.model = target, dtype, None
+
+    def __call__(self):
+        if self.model is None:
+            self.model = teacher_in_dtype(self.target, self.dtype)
+        return self.model
+
+
+def cached_teacher(path: Path, width: int, meta: dict, build) -> tuple[TeacherData, str, bool]:
+    """(data, sha256, reused): the teacher data cached at ``path``, else ``build()`` saved there."""
+    if path.is_file():
+        data = load_teacher(path, width)
+        return data, teacher_hash(data), True
+    data = build()
+    return data, save_teacher(data, path, meta), False
+
+
+def text_teacher(cfg: DistillConfig, tokenizer, fp: str, layout: "FeatureLayout", cache_root: Path, teacher,
+                 progress) -> tuple[TeacherData, dict]:
+    """Teacher-forced calibration text (``cfg.text_chars``), cached: (data, manifest "texts" entry)."""
+    texts = calibration_text_chunks(cfg.prompts, cfg.text_chars, cfg.seed)
+    text_ids = [tokenizer.encode(t)[: cfg.max_seq_len + 1] for t in texts]
+    text_ids = [t for t in text_ids if len(t) >= 8]
+    text_meta = {
+        "format": TEACHER_FORMAT,
+        "kind": "teacher-forced calibration texts",
+        "target_fingerprint": fp,
+        "target_layers": list(layout.stored),
+        "texts_hash": corpus_hash(texts),
+        "ids_hash": hashlib.sha256(json.dumps(text_ids).encode()).hexdigest(),
+        "teacher_dtype": cfg.teacher_dtype,
+    }
+    tkey = meta_key(text_meta)
+    tdata, text_sha, text_reused = cached_teacher(
+        cache_root / tkey / TEACHER_FILE, layout.width, text_meta,
+        lambda: teacher_force(teacher(), text_ids, layout.stored, cfg.text_batch, progress))
+    return tdata, {
+        "source": "yggtree.data.calibration_corpus chunks after those used by the chat "
+        "prompts, teacher-forced (no generation)",
+        "n_texts": len(text_ids),
+        "n_chars": sum(len(t) for t in texts),
+        "n_tokens": int(tdata.tokens.shape[0]),
+        "texts_hash": text_meta["texts_hash"],
+        "teacher_cache_key": tkey,
+        "teacher_sha256": text_sha,
+        "teacher_reused": text_reused,
+    }
+
+
+def split_sequences(n_seq: int, val_frac: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train_idx, val_idx) by a seeded permutation of the sequences: ``val_frac`` of them (at least
+    one when ``val_frac`` > 0, at most all but one) for validation, sorted."""
+    perm = torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = int(round(val_frac * n_seq)) if val_frac > 0 else 0
+    n_val = min(max(n_val, 1 if val_frac > 0 else 0), n_seq - 1)
+    return perm[n_val:], sorted(perm[:n_val])
+
+
+def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "FeatureLayout", progress):
+    """Teacher data from calibration chat prompts answered by the target (plus teacher-forced
+    calibration text): (data, train_idx, val_idx, manifest "data" entries)."""
+    prompt_ids, data_hash = chat_prompt_ids(cfg, tokenizer, prompt_ids)
+    eos = teacher_eos(target.cfg, tokenizer)
     fp = target_fingerprint(target)
     data_meta = {
         "format": TEACHER_FORMAT,
@@ -448,70 +533,17 @@ def prompt_data(cfg: DistillConfig, target, tokenizer, prompt_ids, layout: "Feat
         "teacher_dtype": cfg.teacher_dtype,
         "eos": list(eos),
     }
-    key = hashlib.sha256(json.dumps(data_meta, sort_keys=True).encode()).hexdigest()[:20]
-    cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "yggtree" / "distill"
-    teacher_path = cache_root / key / TEACHER_FILE
-
-    reused = teacher_path.is_file()
-    teacher = None
-
-    def teacher_model():
-        nonlocal teacher
-        if teacher is None:
-            teacher = target
-            if cfg.teacher_dtype != "float32":
-                teacher = copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
-        return teacher
-
-    if reused:
-        data = load_teacher(teacher_path, layout.width)
-        teacher_sha = teacher_hash(data)
-    else:
-        data = build_teacher(teacher_model(), prompt_ids, cfg, eos, layout.stored, progress)
-        teacher_sha = save_teacher(data, teacher_path, data_meta)
+    key, cache_root = meta_key(data_meta), teacher_cache_root(cfg)
+    teacher = LazyTeacher(target, cfg.teacher_dtype)
+    data, teacher_sha, reused = cached_teacher(
+        cache_root / key / TEACHER_FILE, layout.width, data_meta,
+        lambda: build_teacher(teacher(), prompt_ids, cfg, eos, layout.stored, progress))
     text_info = None
     if cfg.text_chars > 0:
-        texts = calibration_text_chunks(cfg.prompts, cfg.text_chars, cfg.seed)
-        text_ids = [tokenizer.encode(t)[: cfg.max_seq_len + 1] for t in texts]
-        text_ids = [t for t in text_ids if len(t) >= 8]
-        text_meta = {
-            "format": TEACHER_FORMAT,
-            "kind": "teacher-forced calibration texts",
-            "target_fingerprint": fp,
-            "target_layers": list(layout.stored),
-            "texts_hash": corpus_hash(texts),
-            "ids_hash": hashlib.sha256(json.dumps(text_ids).encode()).hexdigest(),
-            "teacher_dtype": cfg.teacher_dtype,
-        }
-        tkey = hashlib.sha256(json.dumps(text_meta, sort_keys=True).encode()).hexdigest()[:20]
-        text_path = cache_root / tkey / TEACHER_FILE
-        text_reused = text_path.is_file()
-        if text_reused:
-            tdata = load_teacher(text_path, layout.width)
-            text_sha = teacher_hash(tdata)
-        else:
-            tdata = teacher_force(teacher_model(), text_ids, layout.stored, cfg.text_batch, progress)
-            text_sha = save_teacher(tdata, text_path, text_meta)
-        text_info = {
-            "source": "yggtree.data.calibration_corpus chunks after those used by the chat "
-            "prompts, teacher-forced (no generation)",
-            "n_texts": len(text_ids),
-            "n_chars": sum(len(t) for t in texts),
-            "n_tokens": int(tdata.tokens.shape[0]),
-            "texts_hash": text_meta["texts_hash"],
-            "teacher_cache_key": tkey,
-            "teacher_sha256": text_sha,
-            "teacher_reused": text_reused,
-        }
+        tdata, text_info = text_teacher(cfg, tokenizer, fp, layout, cache_root, teacher, progress)
         data = concat_teacher([data, tdata])
     del teacher
-
-    # split by a seeded permutation of sequences
-    gen = torch.Generator().manual_seed(cfg.seed)
-    perm = torch.randperm(data.n_seq, generator=gen).tolist()
-    n_val = int(round(cfg.val_frac * data.n_seq)) if cfg.val_frac > 0 else 0
-    n_val = min(max(n_val, 1 if cfg.val_frac > 0 else 0), data.n_seq - 1)
-    val_idx, train_idx = sorted(perm[:n_val]), perm[n_val:]
+    train_idx, val_idx = split_sequences(data.n_seq, cfg.val_frac, cfg.seed)
     info = {
         "data_sha256": teacher_sha + (text_info["teacher_sha256"] if text_info else ""),
         "source": "yggtree.data.calibration_chat_prompts (stdlib source + pydoc topics, "
@@ -569,7 +601,7 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
         feats = tr.map_features(fpath, sh.n_tokens, layout.width, ident)
         if feats is None:
             if teacher is None:
-                teacher = target if cfg.teacher_dtype == "float32" else copy.deepcopy(target).to(getattr(torch, cfg.teacher_dtype))
+                teacher = teacher_in_dtype(target, cfg.teacher_dtype)
             made = tr.prefill_features(teacher, sh, layout.stored, on_batch=lambda r, t: progress.update(task, advance=t))
             tr.save_features(made, fpath, ident)
             del made

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -129,6 +129,145 @@ def any_rank(flag: bool, world: int) -> bool:
     return bool(t.item())
 
 
+def make_optimizer(params: list, cfg: DistillConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (not on norms and biases)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's length and learning rate: linear warm-up over ``warm`` steps, then cosine decay
+    to ``min_lr_frac`` of the peak at step ``total``."""
+
+    steps_per_epoch: int
+    total: int
+    warm: int
+    lr: float
+    min_lr_frac: float
+
+    @classmethod
+    def of(cls, cfg: DistillConfig, n_train: int) -> "Schedule":
+        steps_per_epoch = math.ceil(n_train / cfg.batch_size)
+        total = max(1, int(round(cfg.epochs * steps_per_epoch)))
+        return cls(steps_per_epoch, total, max(1, int(cfg.warmup_frac * total)), cfg.lr, cfg.min_lr_frac)
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warm:
+            return self.lr * (step + 1) / self.warm
+        frac = (step - self.warm) / max(1, self.total - self.warm)
+        return self.lr * (self.min_lr_frac + (1 - self.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@dataclass
+class TrainState:
+    """Where a run is: steps taken, the rest of this epoch's sequence order, the loss EMA and the
+    training seconds of earlier invocations (kept in the checkpoint under these names)."""
+
+    step: int = 0
+    order: list[int] = field(default_factory=list)
+    ema: float | None = None
+    trained_s: float = 0.0
+
+    def next_indices(self, train_idx: list[int], batch_size: int, gen: torch.Generator, rank: int, world: int):
+        """This rank's sequences of the next batch; a new seeded order when the epoch is used up."""
+        if not self.order:
+            self.order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=gen).tolist()]
+        idx, self.order = self.order[:batch_size], self.order[batch_size:]
+        return (idx[rank::world] or idx[:1]) if world > 1 else idx
+
+    def count(self, loss: float) -> None:
+        self.step += 1
+        self.ema = loss if self.ema is None else 0.95 * self.ema + 0.05 * loss
+
+
+def resume(ckpt: Path | None, identity: dict | None, net, opt, gen: torch.Generator, log: dict, total: int) -> TrainState:
+    """The state of the checkpoint at ``ckpt`` (weights, optimizer, random state and log restored
+    in place), else a fresh start."""
+    state = load_checkpoint(ckpt, identity or {}) if ckpt is not None else None
+    if state is None:
+        return TrainState()
+    net.load_state_dict(state["net"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["gen"])
+    log.update(state["log"])
+    plain_log(f"resumed from {ckpt} at step {state['step']}/{total}", force=True)
+    return TrainState(state["step"], state["order"], state["ema"], state["trained_s"])
+
+
+def checkpoint_state(identity: dict | None, net, opt, gen: torch.Generator, st: TrainState, trained_s: float,
+                     log: dict) -> dict:
+    return {
+        "identity": identity or {}, "net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+        "step": st.step, "order": st.order, "ema": st.ema, "trained_s": trained_s, "log": log,
+    }
+
+
+def add_feature_noise(batch, noise: float, hidden: int, gen: torch.Generator) -> None:
+    """Uniform noise on the input features, ``noise`` x each layer's RMS per position."""
+    if noise > 0:
+        u = torch.rand(batch.feat.shape, generator=gen) * 2 - 1
+        per_layer = batch.feat.unflatten(-1, (-1, hidden))  # [B, T, L, H]
+        rms = per_layer.pow(2).mean(-1, keepdim=True).sqrt().expand_as(per_layer).flatten(-2)
+        batch.feat = batch.feat + u * (noise * rms)
+
+
+def train_step(net, th: TargetHead, batch, opt, params: list, lr: float, cfg: DistillConfig, rope,
+               feat_scale: torch.Tensor, world: int):
+    """One optimizer step at learning rate ``lr``: (loss, per-step metrics, gradient norm before clipping)."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with train_autocast(cfg):
+        outs = unrolled_forward(net, batch.tok, batch.feat, cfg.unroll, rope)
+    loss, metrics = step_losses(net, th, outs, batch, feat_scale, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if world > 1:
+        _all_reduce_grads(params, world)
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    return float(loss.detach()), metrics, float(gnorm)
+
+
+def curve_row(step: int, sched: Schedule, loss: float, metrics: list[dict], gnorm: float, elapsed_s: float,
+              tokens_seen: int) -> dict:
+    """The training log's row of the step just taken (``step`` counts it)."""
+    return {
+        "step": step,
+        "epoch": step / sched.steps_per_epoch,
+        "lr": sched.lr_at(step - 1),
+        "loss": loss,
+        "ce": metrics[0]["ce"],
+        "kl": metrics[0]["kl"],
+        "reg": metrics[0]["reg"],
+        "top1": metrics[0]["top1"],
+        "top1_last_step": metrics[-1]["top1"],
+        "grad_norm": gnorm,
+        "elapsed_s": elapsed_s,
+        "tokens_seen": tokens_seen,
+    }
+
+
+def eval_columns(ev: dict) -> dict:
+    """The training log's validation columns from :func:`evaluate`'s metrics."""
+    return dict(val_ce=ev["val_ce"], val_kl=ev["val_kl"], val_reg=ev["val_reg"], val_top1=ev["val_top1_by_step"][0],
+                est_chain4_aal=ev["est_chain4_aal"], est_tree4_aal=ev["est_tree4_aal"],
+                walk_chain4_aal=ev["walk_chain4_aal"], walk_tree4_aal=ev["walk_tree4_aal"])
+
+
+def progress_text(ema: float, top1: float, last_eval: dict | None) -> str:
+    return (
+        f"training (loss {ema:.3f}, top1 {top1:.2f}"
+        + (f", val est. chain-4 AAL {last_eval['est_chain4_aal']:.2f}" if last_eval is not None else "")
+        + ")"
+    )
+
+
 def train(
     net, th: TargetHead, data: TeacherData, train_idx, val_idx, cfg: DistillConfig, progress, log,
     layout: FeatureLayout, ckpt: Path | None = None, identity: dict | None = None,
@@ -143,121 +282,44 @@ def train(
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     rope = rope_table(net.cfg.layer_config(), cfg.max_seq_len + 8)
     params = [p for p in net.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
-    steps_per_epoch = math.ceil(len(train_idx) / cfg.batch_size)
-    total = max(1, int(round(cfg.epochs * steps_per_epoch)))
-    warm = max(1, int(cfg.warmup_frac * total))
-
-    def lr_at(step: int) -> float:
-        if step < warm:
-            return cfg.lr * (step + 1) / warm
-        frac = (step - warm) / max(1, total - warm)
-        return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
-
+    opt = make_optimizer(params, cfg)
+    sched = Schedule.of(cfg, len(train_idx))
     # feature scale for the regression loss (scale-free smooth L1)
     feat_scale = feature_dim_std(layout.last_layer(data.feats))
     log["feat_scale"] = {"dim_std_min": float(feat_scale.min()), "dim_std_max": float(feat_scale.max())}
     rank, world = rank_and_world()
     if cfg.batch_size % world:
         raise YggError(f"batch-size {cfg.batch_size} is not a multiple of the {world} processes")
-    order: list[int] = []
-    step = 0
-    ema = None
-    trained_s = 0.0
-    state = load_checkpoint(ckpt, identity or {}) if ckpt is not None else None
-    if state is not None:
-        net.load_state_dict(state["net"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        step, order, ema, trained_s = state["step"], state["order"], state["ema"], state["trained_s"]
-        log.update(state["log"])
-        plain_log(f"resumed from {ckpt} at step {step}/{total}", force=True)
+    st = resume(ckpt, identity, net, opt, gen, log, sched.total)
     rows = log.setdefault("curve", [])
-
-    def checkpoint() -> None:
-        if ckpt is not None and rank == 0:
-            save_checkpoint(ckpt, {
-                "identity": identity or {}, "net": net.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                "step": step, "order": order, "ema": ema, "trained_s": trained_s + time.perf_counter() - t0,
-                "log": log,
-            })
-
-    task = progress.add_task("training", total=total, completed=step)
+    task = progress.add_task("training", total=sched.total, completed=st.step)
     t0 = time.perf_counter()
+    elapsed = lambda: st.trained_s + time.perf_counter() - t0  # noqa: E731 - this and earlier invocations
     budget_s = cfg.budget_minutes * 60 if cfg.budget_minutes is not None else None
-    log["complete"] = step >= total
-    while step < total:
-        if not order:
-            order = [train_idx[i] for i in torch.randperm(len(train_idx), generator=gen).tolist()]
-        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        if world > 1:
-            idx = idx[rank::world] or idx[:1]
-        batch = make_batch(data, idx, cfg.max_seq_len, layout, cfg.prompt_weight)
-        if cfg.feature_noise > 0:
-            u = torch.rand(batch.feat.shape, generator=gen) * 2 - 1
-            per_layer = batch.feat.unflatten(-1, (-1, layout.hidden))  # [B, T, L, H]
-            rms = per_layer.pow(2).mean(-1, keepdim=True).sqrt().expand_as(per_layer).flatten(-2)
-            batch.feat = batch.feat + u * (cfg.feature_noise * rms)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        with train_autocast(cfg):
-            outs = unrolled_forward(net, batch.tok, batch.feat, cfg.unroll, rope)
-        loss, metrics = step_losses(net, th, outs, batch, feat_scale, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if world > 1:
-            _all_reduce_grads(params, world)
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        step += 1
-        lv = float(loss.detach())
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        row = {
-            "step": step,
-            "epoch": step / steps_per_epoch,
-            "lr": lr_at(step - 1),
-            "loss": lv,
-            "ce": metrics[0]["ce"],
-            "kl": metrics[0]["kl"],
-            "reg": metrics[0]["reg"],
-            "top1": metrics[0]["top1"],
-            "top1_last_step": metrics[-1]["top1"],
-            "grad_norm": float(gnorm),
-            "elapsed_s": trained_s + time.perf_counter() - t0,
-            "tokens_seen": log.get("tokens_seen", 0) + int(batch.valid.sum()) * world,
-        }
-        log["tokens_seen"] = row["tokens_seen"]
-        if val_idx and rank == 0 and (step % cfg.eval_every == 0 or step == total):
+    log["complete"] = st.step >= sched.total
+    while st.step < sched.total:
+        batch = make_batch(data, st.next_indices(train_idx, cfg.batch_size, gen, rank, world), cfg.max_seq_len,
+                           layout, cfg.prompt_weight)
+        add_feature_noise(batch, cfg.feature_noise, layout.hidden, gen)
+        loss, metrics, gnorm = train_step(net, th, batch, opt, params, sched.lr_at(st.step), cfg, rope, feat_scale, world)
+        st.count(loss)
+        tokens_seen = log.get("tokens_seen", 0) + int(batch.valid.sum()) * world
+        row = curve_row(st.step, sched, loss, metrics, gnorm, elapsed(), tokens_seen)
+        log["tokens_seen"] = tokens_seen
+        if val_idx and rank == 0 and (st.step % cfg.eval_every == 0 or st.step == sched.total):
             net.eval()
-            ev = evaluate(net, th, data, val_idx, cfg, feat_scale, rope, layout)
-            row.update(val_ce=ev["val_ce"], val_kl=ev["val_kl"], val_reg=ev["val_reg"],
-                       val_top1=ev["val_top1_by_step"][0], est_chain4_aal=ev["est_chain4_aal"],
-                       est_tree4_aal=ev["est_tree4_aal"], walk_chain4_aal=ev["walk_chain4_aal"],
-                       walk_tree4_aal=ev["walk_tree4_aal"])
-            log["last_eval"] = ev
+            log["last_eval"] = evaluate(net, th, data, val_idx, cfg, feat_scale, rope, layout)
+            row.update(eval_columns(log["last_eval"]))
         rows.append(row)
-        desc = (
-            f"training (loss {ema:.3f}, top1 {metrics[0]['top1']:.2f}"
-            + (f", val est. chain-4 AAL {log['last_eval']['est_chain4_aal']:.2f}" if "last_eval" in log else "")
-            + ")"
-        )
+        desc = progress_text(st.ema, metrics[0]["top1"], log.get("last_eval"))
         progress.update(task, advance=1, description=desc)
-        plain_log(f"{desc}: step {step}/{total}", force="val_kl" in row)
-        over = budget_s is not None and step < total and any_rank(time.perf_counter() - t0 >= budget_s, world)
-        if step % cfg.checkpoint_every == 0 or step == total or over:
-            checkpoint()
+        plain_log(f"{desc}: step {st.step}/{sched.total}", force="val_kl" in row)
+        over = budget_s is not None and st.step < sched.total and any_rank(time.perf_counter() - t0 >= budget_s, world)
+        if (st.step % cfg.checkpoint_every == 0 or st.step == sched.total or over) and ckpt is not None and rank == 0:
+            save_checkpoint(ckpt, checkpoint_state(identity, net, opt, gen, st, elapsed(), log))
         if over:
-            log["train_s"] = trained_s + time.perf_counter() - t0
-            plain_log(f"budget of {cfg.budget_minutes} min used: checkpoint at step {step}/{total}", force=True)
+            log["train_s"] = elapsed()
+            plain_log(f"budget of {cfg.budget_minutes} min used: checkpoint at step {st.step}/{sched.total}", force=True)
             return {}
-    log["train_s"] = trained_s + time.perf_counter() - t0
-    log["steps"] = total
-    log["steps_per_epoch"] = steps_per_epoch
-    log["complete"] = True
+    log.update(train_s=elapsed(), steps=sched.total, steps_per_epoch=sched.steps_per_epoch, complete=True)
     return log.get("last_eval", {})
