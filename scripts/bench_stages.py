@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from yggtree.bench import paired_ratio
-from yggtree.errors import run_reporting
+from yggtree.errors import YggError, run_reporting
 
 
 def parse_args(argv=None):
@@ -55,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--artifacts", metavar="DIR",
                    help="load the compiled packages in DIR without the staleness check of the "
                    "plan's manifest (the caller vouches that they were built from the same graphs)")
-    p.add_argument("--out", help="also write the JSON line to this file")
+    p.add_argument("--out", help="also write the JSON line to this file (and every prompt's record to "
+                   "OUT.rows.jsonl as it runs)")
     return p.parse_args(argv)
 
 
@@ -90,11 +92,24 @@ def step_accuracy(steps: list[tuple], label: str, forms: dict | None, other_ms, 
 
     if not steps or label not in candidates(forms):
         return None
-    pred = [predict_ms(label, forms, s[:3], other_ms(s[:3]), hit(s[:3]), feeds_leaves) for s in steps]
-    meas = sum(s[3] for s in steps) / len(steps)
+    covered = [s for s in steps if covers(forms, label, s[:3])]
+    if not covered:
+        return {"steps": 0, "not_covered": len(steps)}
+    pred = [predict_ms(label, forms, s[:3], other_ms(s[:3]), hit(s[:3]), feeds_leaves) for s in covered]
+    meas = sum(s[3] for s in covered) / len(covered)
     mean = sum(pred) / len(pred)
-    return {"steps": len(steps), "predicted_ms": round(mean, 3), "measured_ms": round(meas, 3),
-            "error": round((mean - meas) / meas, 4) if meas else None}
+    return {"steps": len(covered), "not_covered": len(steps) - len(covered), "predicted_ms": round(mean, 3),
+            "measured_ms": round(meas, 3), "error": round((mean - meas) / meas, 4) if meas else None}
+
+
+def covers(forms: dict, label: str, shape: tuple[int, int, int]) -> bool:
+    """Whether the stage forms timed ``shape``'s widths for ``label`` (they time the plan's verify
+    and draft widths; a step the objective pruned to W_v = 1 is not among them)."""
+    from yggtree.runtime.schedule import split_name
+
+    _, t, _ = split_name(label)
+    seq = forms["splits"].get(str(t), {})
+    return str(shape[2]) in seq.get("verify_ms", {}) and str(shape[1]) in seq.get("draft_ms", {})
 
 
 # ----------------------------------------------------------------------------- the run
@@ -114,6 +129,8 @@ def run(args) -> int:
     from yggtree.runtime.policy import FixedPolicy, StepChoice
 
     threads = [int(t) for t in args.threads.split(",")]
+    if args.out and os.path.exists(args.out + ".rows.jsonl"):
+        raise YggError(f"{args.out}.rows.jsonl already exists: move it away or choose another --out")
     if args.artifacts:
         plan, art = load_plan(args.plan), args.artifacts
     else:
@@ -159,6 +176,9 @@ def run(args) -> int:
                 "speculation": s.get("speculation"), "steps": steps,
             }
         rows.append(row)
+        if args.out:  # every prompt's record as it is measured: a crash later keeps the run
+            with open(args.out + ".rows.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
         print(f"[{i + 1}/{len(prompts)}] {pid} " + " ".join(
             f"{n} {(row[n]['new_tokens'] - 1) / row[n]['decode_s']:.1f}" for n in order), flush=True)
     forms, other_ms, hit, leaves = None, (lambda s: 0.0), (lambda s: 0.0), drafter_feeds_leaves(plan)
