@@ -25,15 +25,6 @@ from yggtree.runtime.accept import (
 from yggtree.runtime.tree import Tree, build_tree
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: one intra-op thread is much faster on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def onehot_logits(argmaxes: list[int], v: int = 12) -> torch.Tensor:
     lg = torch.zeros(len(argmaxes), v)
     lg[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0

@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime.aoti import PackageSet, _BlockFn, block_key, install_packages, static_blocks
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.kv_cache import KVCache
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
-from yggtree.runtime.model import ModelConfig, Transformer
+from yggtree.runtime.model import Transformer
 
 TREE = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
 CHUNK, MAX_CTX = 8, 60
@@ -27,14 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed=0) -> Transformer:
-    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-    return m.eval().requires_grad_(False)
+    return tiny_model(max_pos=256, seed=seed)
 
 
 class FakeRunner:

@@ -6,9 +6,7 @@ A smoke test, not a measurement."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,17 +15,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+from helpers import load_script  # noqa: E402
 from test_compile import save_tiny_checkpoint, tiny_plan  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_plans.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_plans", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +55,7 @@ def argv(root, cal, *more):
 
 def test_plain_quick_and_a_plan_in_one_run(pair, tmp_path, capsys):
     root, cal, _ = pair
-    mod = load_script()
+    mod = load_script("bench_plans")
     out = tmp_path / "plans.json"
     assert mod.main(argv(root, cal, "--plan", str(root / "tuned.yaml"), "--plan", str(root / "fixed.yaml"),
                          "--out", str(out))) == 0
@@ -113,7 +102,7 @@ def test_plain_quick_and_a_plan_in_one_run(pair, tmp_path, capsys):
 
 def test_bad_input_is_one_line(pair, tmp_path, capsys):
     root, cal, profile = pair
-    mod = load_script()
+    mod = load_script("bench_plans")
     prof = json.loads(Path(profile).read_text())
     prof["hardware"]["device_name"] = "some other cpu"
     (tmp_path / "other.json").write_text(json.dumps(prof))

@@ -5,9 +5,7 @@ ratios and predicted vs measured step latency. A smoke test, not a measurement."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,20 +13,12 @@ from yggtree.runtime.schedule import usable_cores
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import load_script  # noqa: E402
 from test_compile import save_tiny_checkpoint, tiny_plan  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_stages.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_stages", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_system_labels_and_best_per_split():
-    mod = load_script()
+    mod = load_script("bench_stages")
     found = {"chosen": "ahead@2", "mean_ms": {"sequential@1": 9.0, "ahead@1": 8.0, "sequential@2": 7.0,
                                                "ahead@2": 6.0, "overlap@1+1": 6.5}}
     assert mod.best_per_split(found) == {"1": "ahead@1", "2": "ahead@2", "1+1": "overlap@1+1"}
@@ -55,7 +45,7 @@ def test_o4_run_on_a_tiny_plan(tmp_path, monkeypatch, capsys):
                                         "calibration: pair/calibration.json\nstages: auto\n")
     assert main(["compile", "plan.yaml"]) == 0  # eager: the manifest alone, with the plan search
     capsys.readouterr()
-    mod = load_script()
+    mod = load_script("bench_stages")
     # the plan's largest tree every step: the tiny model's objective may find speculation too dear
     assert mod.main(["--plan", "plan.yaml", "--synthetic", "2", "--max-new-tokens", "10", "--policy",
                      "fixed", "--threads", "1,2", "--out", "o4.json"]) == 0

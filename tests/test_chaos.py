@@ -26,13 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory):
-    from test_compile import save_tiny_checkpoint
+    from helpers import tiny_plan_dir
     from test_profile import PLAN
 
-    root = tmp_path_factory.mktemp("chaos")
-    save_tiny_checkpoint(root / "model")
-    (root / "plan.yaml").write_text(PLAN)
-    return root / "plan.yaml"
+    return tiny_plan_dir(tmp_path_factory.mktemp("chaos"), PLAN)
 
 
 def half_write(monkeypatch, name_part: str) -> None:
@@ -161,22 +158,9 @@ def test_sigkilled_calibration_is_repaired_by_the_next_run(plan_path, tmp_path):
 
 @pytest.fixture
 def records(tmp_path):
-    import yaml
-    from test_predictor import synthetic
+    from test_predictor import two_record_files
 
-    from yggtree.offline.train_predictor import save_records
-    from yggtree.plan import load_plan
-    from yggtree.runtime.artifacts import pair_identity
-
-    (tmp_path / "model.gguf").write_bytes(b"x" * 100)
-    plan_path = tmp_path / "plan.yaml"
-    plan_path.write_text(yaml.safe_dump({"name": "t", "target": "model.gguf", "drafter": "self",
-                                         "draft_widths": [1, 2], "d_max": 6, "verify_widths": [4, 8]}))
-    plan = load_plan(plan_path)
-    rec = synthetic(n_prompts=12, steps=20)
-    meta = {"identity": pair_identity(plan), "d_max": 6, "draft_width": 2, "verify_width": 13}
-    a = save_records(tmp_path / "a.safetensors", rec.select(rec.prompt < 8), meta)
-    b = save_records(tmp_path / "b.safetensors", rec.select(rec.prompt >= 8), meta)
+    plan, plan_path, a, b, _ = two_record_files(tmp_path)
     return plan, plan_path, a, b
 
 

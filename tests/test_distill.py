@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import tiny_model
 from yggtree.errors import YggError
 from yggtree.offline import distill as D
 from yggtree.offline import distill_config as DC
@@ -19,31 +20,14 @@ from yggtree.offline import distill_loss as DL
 from yggtree.offline import distill_train as DT
 from yggtree.runtime import steps
 from yggtree.runtime.eagle import EagleDrafter, load_eagle
-from yggtree.runtime.model import ModelConfig, Transformer, rope_table
+from yggtree.runtime.model import Transformer, rope_table
 
 DEFAULT_DIR = Path(D.__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m-eagle"
 REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny(seed: int = 0) -> Transformer:
-    cfg = ModelConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_ids=(2,),
-    )
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-    return m.eval().requires_grad_(False)
+    return tiny_model(eos=(2,), seed=seed)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

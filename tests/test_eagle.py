@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from helpers import tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime import steps
 from yggtree.runtime.eagle import EagleDrafter, is_eagle_dir, load_eagle, save_eagle
@@ -33,18 +34,18 @@ TREES = {
 
 
 def tiny(hidden: int = 64, seed: int = 0) -> Transformer:
-    cfg = ModelConfig(
-        vocab_size=97,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=256,
+    return tiny_model(hidden=hidden, max_pos=256, tied=False, seed=seed, std=None)
+
+
+def true_features(target: Transformer, prompt: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """[L, H] the target's last-layer features f_0 .. f_{L-1} of ``prompt``: one causal pass of a
+    fresh copy of the target with ``n_slots`` cache slots."""
+    twin = target.shared_copy()
+    twin.setup_cache(1, n_slots)
+    _, _, (feat,) = steps.prefill_chunk(
+        twin, prompt[None], torch.tensor(0), torch.tensor(prompt.shape[0]), (target.cfg.num_layers - 1,)
     )
-    torch.manual_seed(seed)
-    return Transformer(cfg).eval().requires_grad_(False)
+    return feat[0]
 
 
 def bigram_head(
@@ -243,12 +244,7 @@ def test_tree_steps_equal_per_path_causal_chains(target):
     predicted for its parent: tree attention, positions and the f̂ bookkeeping are right."""
     n_slots, prompt, root = 48, torch.tensor(PROMPTS[3][:10]), torch.tensor(42)
     L = prompt.shape[0]
-    twin = target.shared_copy()
-    twin.setup_cache(1, n_slots)
-    _, _, (feat,) = steps.prefill_chunk(
-        twin, prompt[None], torch.tensor(0), torch.tensor(L), (target.cfg.num_layers - 1,)
-    )
-    feat = feat[0]  # [L, H] true features f_0 .. f_{L-1}
+    feat = true_features(target, prompt, n_slots)
 
     d = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, seed=4)
     d.setup(n_slots, [CHUNK, 1, 2], CHUNK)
@@ -317,12 +313,7 @@ def test_draft_equals_reference_stack(target, shape, num_layers):
     parent's predicted feature): every layer's cache, tree mask and position is right."""
     n_slots, prompt, root = 48, torch.tensor(PROMPTS[3][:10]), torch.tensor(42)
     L = prompt.shape[0]
-    twin = target.shared_copy()
-    twin.setup_cache(1, n_slots)
-    _, _, (feat,) = steps.prefill_chunk(
-        twin, prompt[None], torch.tensor(0), torch.tensor(L), (target.cfg.num_layers - 1,)
-    )
-    feat = feat[0]  # [L, H] true features f_0 .. f_{L-1}
+    feat = true_features(target, prompt, n_slots)
     parents, depths, fed = DRAFTS[shape]
     parent, depth = torch.tensor(parents), torch.tensor(depths)
     token = torch.tensor([42, 5, 6, 7, 8])

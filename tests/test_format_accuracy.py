@@ -3,36 +3,26 @@ with itself, every format yields an agreement record and a finite perplexity."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
+from helpers import load_script
 from test_quant import gguf_blocks, tiny
 from yggtree.runtime.quant import quantize_linears
 from yggtree.shapes import weight_format
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "format_accuracy.py"
-
-
-def script():
-    spec = importlib.util.spec_from_file_location("format_accuracy", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_token_agreement():
-    fa = script()
+    fa = load_script("format_accuracy")
     a = fa.token_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
     assert a == {"match": 5 / 6, "prefix_mean": 2.0, "identical": 1, "sequences": 2}
 
 
 def test_formats_measured_against_float32_on_a_tiny_model():
-    fa = script()
+    fa = load_script("format_accuracy")
 
     def load(fmt):
         m = tiny()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_objective import CALIBRATION_KIND, FORMAT_VERSION, PROFILE_KIND, pair_identity, timing_identity, write
+from test_objective import tiny_objective_plan
 from yggtree.errors import YggError
 from yggtree.plan import validate_plan
 
@@ -17,30 +17,7 @@ PROMPT = "t3 t4 t5 t6 t3 t4 t5 t6 t3 t4"  # repeats itself: lookup has candidate
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    from test_compile import save_tiny_checkpoint
-
-    from yggtree.plan import load_plan
-    from yggtree.runtime.device import detect_device
-
-    d = tmp_path_factory.mktemp("lookup_cli")
-    save_tiny_checkpoint(d / "model")
-    (d / "plan.yaml").write_text(
-        "name: lk\ntarget: model\ndrafter: self\nbackend: eager\nmax_context: 64\nprefill_chunk: 4\n"
-        "draft_widths: [1, 2]\nd_max: 2\ntop_k: 2\nverify_widths: [2, 4]\n"
-        "sampling: {max_new_tokens: 12}\nprofile: prof.json\ncalibration: cal.json\n"
-    )
-    write(d, "{}", "prof.json")
-    write(d, "{}", "cal.json")
-    bare = load_plan(d / "plan.yaml")
-    here = detect_device()
-    cheap = {"buckets": [128], "xs": [[1, 8]], "ys": [[10.0, 10.5]]}
-    write(d, {"kind": PROFILE_KIND, "version": FORMAT_VERSION, "name": "t", "identity": timing_identity(bare),
-              "fit": {"verify": cheap, "draft": cheap | {"ys": [[0.5, 0.6]]}, "head": cheap | {"ys": [[0.5, 0.6]]}},
-              "hardware": {"device": here["kind"], "device_name": here["name"]}}, "prof.json")
-    write(d, {"kind": CALIBRATION_KIND, "version": FORMAT_VERSION, "identity": pair_identity(bare),
-              "map": {"x": [0.0, 1.0], "y": [0.2, 0.9]}, "verify_widths": [2, 4],
-              "aal": {"1": [[1.5, 1.5], [1.6, 2.2]], "2": [[1.7, 1.7], [1.9, 2.6]]}}, "cal.json")
-    return d
+    return tiny_objective_plan(tmp_path_factory.mktemp("lookup_cli"), "lk")
 
 
 def run(main, capsys, args):

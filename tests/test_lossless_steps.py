@@ -12,12 +12,12 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from yggtree.runtime.accept import filter_probs
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 
+from helpers import assert_cache_equals_causal, chi_square_p, perturbed  # noqa: F401 - chi_square_p: also for test_overlap, test_stages
 from test_engine import tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,17 +61,6 @@ def exact_sequences(model, prompt, n, temperature, top_p) -> torch.Tensor:
 
     walk([], 1.0, 0, 0)
     return out
-
-
-def chi_square_p(counts: torch.Tensor, exact: torch.Tensor) -> float:
-    expected = exact * counts.sum()
-    assert counts[exact == 0].sum() == 0, "emitted a sequence the target can never sample"
-    keep = expected >= 5  # pool small cells (chi-square validity)
-    obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
-    exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
 
 
 def sample_counts(eng, temperature, top_p) -> tuple[torch.Tensor, dict]:
@@ -134,11 +123,7 @@ def test_kv_cache_after_partial_acceptance_equals_causal_recompute():
     ends up), the target's cache rows of the committed sequence equal a plain causal forward over
     it; stale tree rows past it do not matter (never attended)."""
     target = tiny(vocab=97, hidden=64, layers=2, seed=0)
-    near = tiny(vocab=97, hidden=64, layers=2, seed=0)  # the target, perturbed: agrees often, not always
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for w in near.parameters():
-            w.add_(0.03 * torch.randn_like(w))
+    near = perturbed(tiny(vocab=97, hidden=64, layers=2, seed=0))  # the target, perturbed: agrees often, not always
     drafter = LMDrafter(near, "reference")
     eng = Engine(target, EngineConfig(mode="reference", max_context=120, prefill_chunk=16,
                                       tree=TreeParams(3, 3, 7, 3)), drafter)
@@ -149,16 +134,4 @@ def test_kv_cache_after_partial_acceptance_equals_causal_recompute():
     assert hist[0] > 0 and hist[-1] < 1  # partial acceptances happened
     # the last step (which ended the request) is not committed: compare up to its root's row
     committed = (prompt + res.token_ids)[: roots[-1] + 1]
-    ref = tiny(vocab=97, hidden=64, layers=2, seed=0)
-    ref.setup_cache(1, 256)
-    m = len(committed)
-    pos = torch.arange(m)[None]
-    mask = (torch.arange(256)[None, :] <= torch.arange(m)[:, None])[None]
-    with torch.no_grad():
-        ref(torch.tensor([committed]), pos, pos, mask)
-    for layer, (got, want) in enumerate(zip(target.layers, ref.layers)):
-        for name in ("k", "v"):
-            g = getattr(got.self_attn.cache, name)
-            w = getattr(want.self_attn.cache, name)
-            torch.testing.assert_close(g[:, :m], w[:, :m], rtol=1e-4, atol=1e-5,
-                                       msg=lambda s: f"layer {layer} {name}: {s}")  # [B, slot, ...]
+    assert_cache_equals_causal(target, tiny(vocab=97, hidden=64, layers=2, seed=0), committed)

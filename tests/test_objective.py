@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import numpy as np
@@ -76,12 +77,18 @@ trees = st.tuples(st.integers(1, 9), st.integers(0, 2**31 - 1),
                   st.lists(st.floats(0.01, 1.0), min_size=9, max_size=9))
 
 
+def drawn_tree(t) -> tuple[int, list[float], list[int], Tree]:
+    """(n, qs, parent, tree) of a drawn ``trees`` example: n nodes in topological order, node u's
+    edge probability qs[u]."""
+    n, seed, qs = t
+    parent = topo_parents(seed, n)
+    return n, qs, parent, topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+
+
 @settings(max_examples=60, deadline=None)
 @given(trees)
 def test_path_values_equal_products_along_paths(t):
-    n, seed, qs = t
-    parent = topo_parents(seed, n)
-    tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    n, qs, parent, tree = drawn_tree(t)
     got = path_values(tree, CAL.edge_prob, d_max=n).tolist()
     for i in range(n):
         want, u = 1.0, i
@@ -96,9 +103,7 @@ def test_path_values_equal_products_along_paths(t):
 @settings(max_examples=60, deadline=None)
 @given(trees, st.integers(1, 10))
 def test_topk_dp_bruteforce_agree_on_calibrated_values(t, w_v):
-    n, seed, qs = t
-    parent = topo_parents(seed, n)
-    tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    n, qs, parent, tree = drawn_tree(t)
     val = path_values(tree, CAL.edge_prob, d_max=n)
     kept, ok = prune_topk(tree, val, w_v)
     topk_value = float(val[kept[ok]].sum())
@@ -111,9 +116,7 @@ def test_topk_dp_bruteforce_agree_on_calibrated_values(t, w_v):
 @settings(max_examples=60, deadline=None)
 @given(trees)
 def test_aal_by_width_is_one_plus_top_values_by_key(t):
-    n, seed, qs = t
-    parent = topo_parents(seed, n)
-    tree = topo_tree(parent, [0.0] + [math.log(q) for q in qs[1:n]])
+    n, qs, parent, tree = drawn_tree(t)
     val = path_values(tree, CAL.edge_prob, d_max=n)
     widths = [1, 2, 3, 5, 8, 16]
     got = aal_by_width(val, tree, widths)
@@ -346,34 +349,39 @@ def test_plan_policy_needs_both_files_and_checks_them(tmp_path):
         plan_policy(replace(base, profile=str(tmp_path / "nope.json"), calibration=str(prof)))
 
 
+def tiny_objective_plan(d: Path, name: str) -> Path:
+    """``d`` with a tiny checkpoint and plan.yaml (self-drafting, eager, D <= 2, W_v in {2, 4})
+    naming a profile and a calibration made up so that speculation pays: wide steps cost about one
+    token, acceptance is high. Returns ``d``."""
+    from helpers import tiny_plan_dir
+
+    from yggtree.plan import load_plan
+    from yggtree.runtime.device import detect_device
+
+    tiny_plan_dir(d, f"name: {name}\ntarget: model\ndrafter: self\nbackend: eager\nmax_context: 64\n"
+                     "prefill_chunk: 4\ndraft_widths: [1, 2]\nd_max: 2\ntop_k: 2\nverify_widths: [2, 4]\n"
+                     "sampling: {max_new_tokens: 12}\nprofile: prof.json\ncalibration: cal.json\n")
+    write(d, "{}", "prof.json")
+    write(d, "{}", "cal.json")
+    bare = load_plan(d / "plan.yaml")
+    here = detect_device()
+    cheap = {"buckets": [128], "xs": [[1, 8]], "ys": [[10.0, 10.5]]}  # wide steps cost ~ one token
+    write(d, {"kind": PROFILE_KIND, "version": FORMAT_VERSION, "name": "t", "identity": timing_identity(bare),
+              "fit": {"verify": cheap, "draft": cheap | {"ys": [[0.5, 0.6]]}, "head": cheap | {"ys": [[0.5, 0.6]]}},
+              "hardware": {"device": here["kind"], "device_name": here["name"]}}, "prof.json")
+    write(d, {"kind": CALIBRATION_KIND, "version": FORMAT_VERSION, "identity": pair_identity(bare),
+              "map": {"x": [0.0, 1.0], "y": [0.2, 0.9]}, "verify_widths": [2, 4],
+              "aal": {"1": [[1.5, 1.5], [1.6, 2.2]], "2": [[1.7, 1.7], [1.9, 2.6]]}}, "cal.json")
+    return d
+
+
 def test_run_with_a_plan_decodes_with_the_objective(tmp_path, capsys):
     """`yggtree run --plan` with a profile and a calibration: the objective chooses every step,
     the output equals plain decoding, and --json reports the choices and the prediction."""
     pytest.importorskip("transformers")
-    from test_compile import save_tiny_checkpoint
-
     from yggtree.cli import main
-    from yggtree.plan import load_plan
-    from yggtree.runtime.device import detect_device
 
-    save_tiny_checkpoint(tmp_path / "model")
-    (tmp_path / "plan.yaml").write_text(
-        "name: obj\ntarget: model\ndrafter: self\nbackend: eager\nmax_context: 64\nprefill_chunk: 4\n"
-        "draft_widths: [1, 2]\nd_max: 2\ntop_k: 2\nverify_widths: [2, 4]\n"
-        "sampling: {max_new_tokens: 12}\nprofile: prof.json\ncalibration: cal.json\n"
-    )
-    write(tmp_path, "{}", "prof.json")
-    write(tmp_path, "{}", "cal.json")
-    bare = load_plan(tmp_path / "plan.yaml")
-    here = detect_device()
-    cheap = {"buckets": [128], "xs": [[1, 8]], "ys": [[10.0, 10.5]]}  # wide steps cost ~ one token
-    write(tmp_path, {"kind": PROFILE_KIND, "version": FORMAT_VERSION, "name": "t",
-                     "identity": timing_identity(bare), "fit": {"verify": cheap, "draft": cheap | {"ys": [[0.5, 0.6]]},
-                                                                "head": cheap | {"ys": [[0.5, 0.6]]}},
-                     "hardware": {"device": here["kind"], "device_name": here["name"]}}, "prof.json")
-    write(tmp_path, {"kind": CALIBRATION_KIND, "version": FORMAT_VERSION, "identity": pair_identity(bare),
-                     "map": {"x": [0.0, 1.0], "y": [0.2, 0.9]}, "verify_widths": [2, 4],
-                     "aal": {"1": [[1.5, 1.5], [1.6, 2.2]], "2": [[1.7, 1.7], [1.9, 2.6]]}}, "cal.json")
+    tiny_objective_plan(tmp_path, "obj")
     args = ["run", "--plan", str(tmp_path / "plan.yaml"), "--raw", "--prompt", "t3 t4 t5 t6",
             "--max-new-tokens", "12", "--json", "--no-feedback"]  # deterministic choices
     assert main(args) == 0

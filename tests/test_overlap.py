@@ -15,6 +15,7 @@ from yggtree.runtime.overlap import guess_path
 from yggtree.runtime.schedule import PLANS, resolve_plan, usable_cores
 from yggtree.runtime.tree import Tree
 
+from helpers import assert_cache_equals_causal, perturbed
 from test_engine import PROMPTS, TREES, tiny
 from test_lossless_steps import (PROMPT, TREES as SMALL_TREES, chi_square_p, exact_sequences,
                                  sample_counts, target_and_drafter)
@@ -26,12 +27,7 @@ needs_two = pytest.mark.skipif(usable_cores() < 2, reason="the overlap plan need
 
 def near_target(seed=0, noise=0.03):
     """A drafter model close to ``tiny(seed)``: partial acceptances, so guesses hit and miss."""
-    near = tiny(seed=seed)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for w in near.parameters():
-            w.add_(noise * torch.randn_like(w))
-    return near
+    return perturbed(tiny(seed=seed), noise)
 
 
 def drafter_of(kind, target, mode="reference"):
@@ -134,19 +130,8 @@ def test_near_drafter_hits_and_misses_and_both_caches_equal_a_causal_recompute()
     spec = res.stats["speculation"]
     assert 0 < spec["hits"] < spec["steps"], spec
     committed = (prompt + res.token_ids)[: roots[-1] + 1]
-    m = len(committed)
     for model, ref in ((target, tiny(seed=0)), (near, near.shared_copy())):
-        ref.setup_cache(1, 256)
-        pos = torch.arange(m)[None]
-        mask = (torch.arange(256)[None, :] <= torch.arange(m)[:, None])[None]
-        with torch.no_grad():
-            ref(torch.tensor([committed]), pos, pos, mask)
-        for layer, (got, want) in enumerate(zip(model.layers, ref.layers)):
-            for name in ("k", "v"):
-                g = getattr(got.self_attn.cache, name)
-                w = getattr(want.self_attn.cache, name)
-                torch.testing.assert_close(g[:, :m], w[:, :m], rtol=1e-4, atol=1e-5,
-                                           msg=lambda s: f"layer {layer} {name}: {s}")
+        assert_cache_equals_causal(model, ref, committed)
 
 
 @needs_two

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import tiny_model
 from yggtree.errors import YggError
 from yggtree.offline.compile import compile_plan, prepare_run
 from yggtree.plan import (
@@ -26,7 +27,7 @@ from yggtree.runtime import graphs
 from yggtree.runtime.build import fixed_policy, plan_slots, warm_plan
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig
-from yggtree.runtime.model import ModelConfig, Transformer
+from yggtree.runtime.model import Transformer
 
 BASE = {
     "name": "t",
@@ -194,13 +195,7 @@ def test_width_choice_must_be_in_the_compiled_set(tmp_path):
 
 
 def tiny(vocab=97, hidden=32, layers=2) -> Transformer:
-    cfg = ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
-        num_heads=4, num_kv_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return Transformer(cfg).eval().requires_grad_(False)
+    return tiny_model(vocab, hidden, layers, std=None)
 
 
 def test_plan_engine_slots_widths_and_width_switching(tmp_path):

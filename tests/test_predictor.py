@@ -427,17 +427,15 @@ def test_records_from_a_tiny_engine():
     assert bool((rec.head_logp[:, :-1] >= rec.head_logp[:, 1:]).all())
 
 
-def test_train_command_on_stored_records(tmp_path, capsys):
-    """``train-predictor --records A B``: two disjoint record files -> a loadable predictor, the
-    metrics and one JSON line; outputs are not overwritten without --force."""
+def two_record_files(tmp_path):
+    """A plan for a stand-in model file and synthetic records (12 prompts x 20 steps) stored as
+    two disjoint files, prompts 0-7 and 8-11: (plan, plan path, file a, file b, the records)."""
     import yaml
 
-    from yggtree.offline.train_predictor import main
     from yggtree.plan import load_plan
     from yggtree.runtime.artifacts import pair_identity
 
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"x" * 100)
+    (tmp_path / "model.gguf").write_bytes(b"x" * 100)
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(yaml.safe_dump({"name": "t", "target": "model.gguf", "drafter": "self",
                                          "draft_widths": [1, 2], "d_max": 6, "verify_widths": [4, 8]}))
@@ -446,6 +444,15 @@ def test_train_command_on_stored_records(tmp_path, capsys):
     meta = {"identity": pair_identity(plan), "d_max": 6, "draft_width": 2, "verify_width": 13}
     a = save_records(tmp_path / "a.safetensors", rec.select(rec.prompt < 8), meta)
     b = save_records(tmp_path / "b.safetensors", rec.select(rec.prompt >= 8), meta)
+    return plan, plan_path, a, b, rec
+
+
+def test_train_command_on_stored_records(tmp_path, capsys):
+    """``train-predictor --records A B``: two disjoint record files -> a loadable predictor, the
+    metrics and one JSON line; outputs are not overwritten without --force."""
+    from yggtree.offline.train_predictor import main
+
+    plan, plan_path, a, b, rec = two_record_files(tmp_path)
     out = tmp_path / "out"
     argv = ["--plan", str(plan_path), "--records", str(a), str(b), "--epochs", "3", "--holdout", "3",
             "--out-dir", str(out)]

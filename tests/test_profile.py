@@ -17,6 +17,7 @@ from yggtree.runtime.device import detect_device
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import tiny_plan_dir  # noqa: E402
 from test_compile import tiny_plan  # noqa: E402
 
 PLAN = tiny_plan()
@@ -24,12 +25,7 @@ PLAN = tiny_plan()
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory):
-    from test_compile import save_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("prof")
-    save_tiny_checkpoint(root / "model")
-    (root / "plan.yaml").write_text(PLAN)
-    return root / "plan.yaml"
+    return tiny_plan_dir(tmp_path_factory.mktemp("prof"), PLAN)
 
 
 def test_hw_names_are_file_names():

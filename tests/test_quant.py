@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import tiny_model
 from yggtree.errors import YggError
-from yggtree.runtime.model import ModelConfig, Transformer
+from yggtree.runtime.model import Transformer
 from yggtree.runtime.quant import (
     Int4Codes, Int4Linear, Int8Linear, check_batch_invariant, check_kernel, dequantize, gguf_codes,
     quant_layers, quantize_int4, quantize_linears,
@@ -32,14 +33,7 @@ FORMATS = ["int8", "int4@32", "int4@64", "gguf-native"]
 def tiny(seed=0) -> Transformer:
     """A random model whose widths the int4 kernel runs (K a multiple of 64); the vocabulary of
     97 is not a multiple of 16, so the head exercises the padded output rows."""
-    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-    return m.eval().requires_grad_(False)
+    return tiny_model(hidden=64, max_pos=256, seed=seed)
 
 
 def gguf_blocks(m: Transformer) -> dict[str, tuple[str, torch.Tensor]]:

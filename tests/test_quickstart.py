@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+from helpers import tiny_plan_dir  # noqa: E402
 from test_compile import tiny_plan  # noqa: E402
 
 PLAN = tiny_plan()
@@ -22,14 +23,11 @@ PLAN = tiny_plan()
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from test_compile import save_tiny_checkpoint
-
     from yggtree.cli import main
     from yggtree.plan import load_plan
 
     root = tmp_path_factory.mktemp("quick")
-    save_tiny_checkpoint(root / "model")
-    (root / "plan.yaml").write_text(PLAN)
+    tiny_plan_dir(root, PLAN)
     assert main(["calibrate", "--plan", str(root / "plan.yaml"), "--prompts", "2",
                  "--max-new-tokens", "6", "--out-dir", str(root / "cal")]) == 0
     return root, load_plan(root / "plan.yaml"), root / "cal" / "calibration.json"

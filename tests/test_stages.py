@@ -16,6 +16,7 @@ from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.schedule import PLANS, check_order, resolve_plan
 
+from helpers import assert_cache_equals_causal, perturbed
 from test_engine import PROMPTS, TREES, tiny
 from test_lossless_steps import (PROMPT, TREES as SMALL_TREES, chi_square_p, exact_sequences,
                                  sample_counts, target_and_drafter)
@@ -172,12 +173,7 @@ def test_both_caches_after_ahead_steps_equal_a_causal_recompute():
     """Partial acceptances under the ahead plan: the target's and the drafter's cache rows of
     the committed sequence equal plain causal forwards over it (the drafter's rows come from
     the ahead call's tail rows and the leaf's head row, moved by ``take``)."""
-    target = tiny(seed=0)
-    near = tiny(seed=0)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for w in near.parameters():
-            w.add_(0.03 * torch.randn_like(w))
+    target, near = tiny(seed=0), perturbed(tiny(seed=0))
     drafter = LMDrafter(near, "reference")
     eng = engine(target, TreeParams(3, 3, 7, 3), drafter, "ahead", max_context=120)
     prompt = [(7 * i) % 90 + 3 for i in range(19)]
@@ -187,19 +183,8 @@ def test_both_caches_after_ahead_steps_equal_a_causal_recompute():
     assert hist[0] > 0 and hist[-1] < 1  # partial acceptances happened
     # rows up to the last step's root are final in both caches (the drafter holds the root too)
     committed = (prompt + res.token_ids)[: roots[-1] + 1]
-    m = len(committed)
     for model, ref in ((target, tiny(seed=0)), (near, near.shared_copy())):
-        ref.setup_cache(1, 256)
-        pos = torch.arange(m)[None]
-        mask = (torch.arange(256)[None, :] <= torch.arange(m)[:, None])[None]
-        with torch.no_grad():
-            ref(torch.tensor([committed]), pos, pos, mask)
-        for layer, (got, want) in enumerate(zip(model.layers, ref.layers)):
-            for name in ("k", "v"):
-                g = getattr(got.self_attn.cache, name)
-                w = getattr(want.self_attn.cache, name)
-                torch.testing.assert_close(g[:, :m], w[:, :m], rtol=1e-4, atol=1e-5,
-                                           msg=lambda s: f"layer {layer} {name}: {s}")
+        assert_cache_equals_causal(model, ref, committed)
 
 
 def test_sequential_and_ahead_agree_in_sampling_with_one_seed():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import tiny_model
 from yggtree.errors import YggError
 from yggtree.offline import distill as D
 from yggtree.offline import distill_config as DC
@@ -20,7 +21,7 @@ from yggtree.offline import distill_eval as DE
 from yggtree.offline import distill_train as DT
 from yggtree.offline import requests as rq
 from yggtree.offline import transcripts as tr
-from yggtree.runtime.model import ModelConfig, Transformer
+from yggtree.runtime.model import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,15 +34,7 @@ def tokenizer():
 
 
 def tiny(vocab: int, seed: int = 0, dtype=torch.float64) -> Transformer:
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=4, max_position_embeddings=4096, tie_word_embeddings=True,
-                      eos_token_ids=(2,))
-    torch.manual_seed(seed)
-    m = Transformer(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.5)
-    return m.to(dtype).eval().requires_grad_(False)
+    return tiny_model(vocab, 16, 3, max_pos=4096, eos=(2,), seed=seed, std=0.5, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
