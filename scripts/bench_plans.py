@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from yggtree.bench import paired_ratio
+from yggtree.bench import by_prompt_set, decode_totals, paired_ratio
 from yggtree.errors import YggError, run_reporting
 
 WARMUP_TOKENS = 32  # new tokens of each system's untimed warm-up generate
@@ -290,13 +290,10 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
     """Per prompt set (and "all"): every system's decode speed, AAL, threads and identity with
     plain, and its speed over plain with a bootstrap interval."""
     sets = {}
-    for st in sorted({r["set"] for r in rows}) + ["all"]:
-        sel = [r for r in rows if st == "all" or r["set"] == st]
+    for st, sel in by_prompt_set(rows):
         res = {}
         for n in names:
-            dec_n = sum(max(r[n]["new_tokens"] - 1, 0) for r in sel)
-            dec_s = sum(r[n]["decode_s"] for r in sel)
-            steps = sum(r[n]["steps"] for r in sel)
+            dec_n, dec_s, steps = decode_totals(sel, n)
             res[n] = {
                 "decode_tok_s": round(dec_n / dec_s, 3) if dec_s else 0.0,
                 "aal": round(sum(r[n]["aal"] * r[n]["steps"] for r in sel) / steps, 3) if steps else None,

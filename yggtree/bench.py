@@ -219,19 +219,29 @@ def aggregate(timings: list[Timing]) -> dict[str, float]:
     }
 
 
+def by_prompt_set(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The rows of each prompt set (by ``set``), then all rows as ``"all"``."""
+    return [(st, [r for r in rows if st == "all" or r["set"] == st])
+            for st in sorted({r["set"] for r in rows}) + ["all"]]
+
+
+def decode_totals(rows: list[dict], name: str) -> tuple[int, float, int]:
+    """System ``name``'s decoded tokens (the first, prefill's, excluded), decode seconds and
+    steps summed over ``rows``."""
+    return (sum(max(r[name]["new_tokens"] - 1, 0) for r in rows),
+            sum(r[name]["decode_s"] for r in rows), sum(r[name]["steps"] for r in rows))
+
+
 def summarise_systems(rows: list[dict], names: list[str]) -> dict:
     """Per-prompt rows of several systems (each row: ``set``, and per system ``new_tokens``,
     ``decode_s``, ``steps``, ``tokens``, predicted times, plain-step counts; ``plain`` among them),
     per prompt set (and "all"): decode tok/s, measured and predicted speed-up over plain,
     prediction error, AAL, share of plain steps, outputs equal to plain."""
     summary = {}
-    for st in sorted({r["set"] for r in rows}) + ["all"]:
-        sel = [r for r in rows if st == "all" or r["set"] == st]
+    for st, sel in by_prompt_set(rows):
         res = {}
         for name in names:
-            dec_n = sum(max(r[name]["new_tokens"] - 1, 0) for r in sel)
-            dec_s = sum(r[name]["decode_s"] for r in sel)
-            steps = sum(r[name]["steps"] for r in sel)
+            dec_n, dec_s, steps = decode_totals(sel, name)
             res[name] = {
                 "decode_tok_s": dec_n / dec_s if dec_s else 0.0,
                 "ms_per_token": dec_s / dec_n * 1e3 if dec_n else float("nan"),
