@@ -142,9 +142,9 @@ def measure_stage_forms(engine, plan, ctx: int, warmup: int, repeats: int, cores
     n0 = torch.get_num_threads()
     out: dict = {"context": ctx, "d_max": plan.d_max, "warmup": warmup, "repeats": repeats, "splits": {}}
     try:
-        # every split at the process's own thread count first: a graph rebuilt for another count
-        # (see _built) is then never timed at the first count again
-        for split in sorted(thread_splits(cores), key=lambda s: (int(s.split("+")[0]) != n0, s)):
+        # graphs built at several thread counts coexist: dynamo's global-state guard (thread
+        # count included) tells them apart even under the frozen stance (Graphs.frozen)
+        for split in thread_splits(cores):
             t, _, dt = split.partition("+")
             torch.set_num_threads(int(t))
             rec: dict = {"threads": int(t),
