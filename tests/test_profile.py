@@ -137,3 +137,19 @@ def test_stage_forms_rebuild_a_graph_for_another_thread_count():
             assert torch.equal(f(x), x * 2 + 1)
     finally:
         torch.set_num_threads(n0)
+
+
+def test_time_rounds_interleaves_the_calls():
+    """Warm-up rounds untimed, then every call once per timed round, in order: a slow stretch of
+    the machine touches all calls of a round alike (timing.time_rounds)."""
+    from yggtree.offline.timing import time_ms, time_rounds
+
+    log, rounds = [], []
+    fns = {k: (lambda k=k: log.append(k)) for k in ("a", "b", "c")}
+    times = time_rounds(fns, warmup=2, repeats=3, on_round=lambda: rounds.append(len(log)))
+    assert log == ["a", "b", "c"] * 5
+    assert rounds == [3, 6, 9, 12, 15]
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(t >= 0 for v in times.values() for t in v)
+    calls = []
+    assert len(time_ms(lambda: calls.append(1), 1, 4)) == 4 and len(calls) == 5

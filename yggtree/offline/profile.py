@@ -42,7 +42,7 @@ from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
-from .timing import time_ms
+from .timing import time_ms, time_rounds
 
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -395,16 +395,17 @@ def _ready_engine(plan, engine, mode: str, min_rows: int, n_slots: int, widths: 
 def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: set[int],
                  grid: ProfileGrid) -> tuple[list[dict], dict]:
     """The timed model calls (one row each: kind, width, context, bucket and the summary of its
-    times) and the median of each stage call (``stage_ms``: per key where a stage has several)."""
+    times, all timed in rounds: timing.time_rounds) and the median of each stage call
+    (``stage_ms``: per key where a stage has several)."""
     rows, stages = [], {}
     calls = model_calls(engine, plan, widths, contexts, drafted)
     scalls = stage_calls(engine, plan)
     with stderr_progress() as progress:
-        task = progress.add_task("timing", total=len(calls) + len(scalls))
-        for kind, w, ctx, bucket, fn in calls:
-            s = summarise(time_ms(fn, grid.warmup, grid.repeats))
-            rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | s)
-            progress.advance(task)
+        task = progress.add_task("timing", total=grid.warmup + grid.repeats + len(scalls))
+        times = time_rounds({i: c[-1] for i, c in enumerate(calls)}, grid.warmup, grid.repeats,
+                            on_round=lambda: progress.advance(task))
+        for i, (kind, w, ctx, bucket, _) in enumerate(calls):
+            rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | summarise(times[i]))
         for name, key, fn in scalls:
             s = summarise(time_ms(fn, grid.warmup, max(grid.repeats * 3, 10)))
             if key is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .timing import time_ms
+from .timing import time_ms, time_rounds
 
 
 def thread_splits(cores: int) -> list[str]:
@@ -147,12 +147,17 @@ def measure_stage_forms(engine, plan, ctx: int, warmup: int, repeats: int, cores
         for split in thread_splits(cores):
             t, _, dt = split.partition("+")
             torch.set_num_threads(int(t))
-            rec: dict = {"threads": int(t),
-                         "verify_ms": {str(w): _median_ms(_built(verify(w)), warmup, repeats) for w in wvs}}
+            # one thread's calls timed in rounds (timing.time_rounds): a slow stretch of a shared
+            # host then touches every call alike instead of one call's block of repeats
+            fns = {("verify", w): _built(verify(w)) for w in wvs}
             if not dt:
-                rec |= {"head_ms": _median_ms(_built(head), warmup, repeats),
-                        "draft_ms": {str(w): _median_ms(_built(draft(w)), warmup, repeats) for w in wds},
-                        "ahead_ms": {str(w): _median_ms(_built(ahead(w)), warmup, repeats) for w in wvs}}
+                fns |= {("head", None): _built(head)} | {("draft", w): _built(draft(w)) for w in wds}
+                fns |= {("ahead", w): _built(ahead(w)) for w in wvs}
+            ms = {key: statistics.median(v) for key, v in time_rounds(fns, warmup, repeats).items()}
+            rec: dict = {"threads": int(t), "verify_ms": {str(w): ms["verify", w] for w in wvs}}
+            if not dt:
+                rec |= {"head_ms": ms["head", None], "draft_ms": {str(w): ms["draft", w] for w in wds},
+                        "ahead_ms": {str(w): ms["ahead", w] for w in wvs}}
             else:
                 worker = ThreadWorker(int(dt))
                 try:
