@@ -81,14 +81,33 @@ def test_kernel_rows_are_batch_invariant_at_the_model_shapes(kind, dtype):
         check_batch_invariant(torch.nn.Sequential(lin), 16)
 
 
+def _bf16_product_bound(y, x, w, b):
+    """The kernels' products are x and the scales in bfloat16, accumulated in float32, the result
+    rounded to bfloat16, then the bias added in float32: each output within 1/2 bfloat16 ulp
+    (2^-8 relative) of the exact product of the rounded inputs, plus float32 accumulation (2^-16
+    of sum |x w|, K <= 128) and the bias's addition (2^-23 relative)."""
+    xb = x.bfloat16().double()
+    xw = torch.nn.functional.linear(xb, w.double())
+    ref = xw if b is None else xw + b.double()
+    bound = 2 ** -8 * xw.abs() + 2 ** -16 * (xb.abs() @ w.double().abs().T) + 2 ** -23 * ref.abs()
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_products_are_the_dequantized_weights_product(bias):
+    """Whatever the run's dtype, a quantized product is the kernel's on bfloat16 activations and
+    scales, cast to the run's dtype: a float32 run computes bitwise what a bfloat16 run does
+    (then the bias in float32), within bfloat16 rounding of the dequantized weights' product."""
     torch.manual_seed(1)
     w, b = torch.randn(97, 128), torch.randn(97) if bias else None
     x = torch.randn(2, 3, 128)
     lin8 = Int8Linear(w, b, torch.float32)
-    w8 = lin8.qweight.float() * lin8.scales[:, None]
-    torch.testing.assert_close(lin8(x), torch.nn.functional.linear(x, w8, b), rtol=1e-5, atol=1e-4)
+    y = lin8(x)
+    assert y.dtype == torch.float32 and lin8.scales.dtype == torch.bfloat16
+    y0 = Int8Linear(w, None, torch.float32)(x)
+    assert torch.equal(y0, Int8Linear(w, None, torch.bfloat16)(x.bfloat16()).float())
+    assert torch.equal(y, y0 if b is None else y0 + b)
+    _bf16_product_bound(y, x, lin8.qweight.float() * lin8.scales.float()[:, None], b)
     for g in (32, 64, 128):
         codes = quantize_int4(w, g)
         assert codes.group == g and int(codes.q.max()) <= 15
@@ -96,15 +115,22 @@ def test_products_are_the_dequantized_weights_product(bias):
         lin4 = Int4Linear([codes], b, torch.float32)
         assert lin4.packed.shape == (1, 112, 64)  # 97 rows padded to 112
         y = lin4(x)
-        assert y.shape == (2, 3, 97)
-        torch.testing.assert_close(y, torch.nn.functional.linear(x, dequantize([codes]), b), rtol=1e-5, atol=1e-4)
+        assert y.shape == (2, 3, 97) and y.dtype == torch.float32
+        y0 = Int4Linear([codes], None, torch.float32)(x)
+        assert torch.equal(y0, Int4Linear([codes], None, torch.bfloat16)(x.bfloat16()).float())
+        assert torch.equal(y, y0 if b is None else y0 + b)
+        rounded = Int4Codes(codes.q, codes.scale.bfloat16().float(), codes.zero.bfloat16().float())
+        _bf16_product_bound(y, x, dequantize([rounded]), b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_run_bitwise_as_llama_cpp_dequantizes_them(kind):
+def test_gguf_blocks_run_as_llama_cpp_blocks_with_bfloat16_scales(kind, dtype):
     """The planes hold the GGUF blocks exactly: dequantized they are gguf's (llama.cpp's)
-    float32 weights bit for bit, and the kernel multiplies by exactly those (an identity input
-    reads them back) with float32 activations. With bfloat16 ones the scales are rounded."""
+    float32 weights bit for bit. The kernel multiplies by (q - 8) * scale + zero with the scale
+    and zero rounded to bfloat16 (one fused rounding to float32), its output rounded to
+    bfloat16 (an identity input reads the weights back so), in float32 and bfloat16 runs alike;
+    a Q8_0 weight's two planes are summed in the run's dtype."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize as gguf_dequantize, quantize
 
@@ -115,10 +141,11 @@ def test_gguf_blocks_run_bitwise_as_llama_cpp_dequantizes_them(kind):
     planes = gguf_codes(kind, torch.from_numpy(raw))
     assert len(planes) == (2 if kind == "Q8_0" else 1) and all(p.group == 32 for p in planes)
     assert torch.equal(dequantize(planes), want)
-    lin = Int4Linear(planes, None, torch.float32)
-    assert torch.equal(lin(torch.eye(96)).T, want)
-    bf = Int4Linear(planes, None, torch.bfloat16)(torch.eye(96, dtype=torch.bfloat16)).T.float()
-    torch.testing.assert_close(bf, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    read = 0
+    for c in planes:
+        s, z = (t.bfloat16().double().repeat_interleave(32, 1) for t in (c.scale, c.zero))
+        read = read + ((c.q.double() - 8) * s + z).float().bfloat16().to(dtype)
+    assert torch.equal(Int4Linear(planes, None, dtype)(torch.eye(96, dtype=dtype)).T, read)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -211,7 +238,7 @@ def test_missing_kernel_is_refused(monkeypatch):
 
     monkeypatch.setattr(q.Int4Linear, "forward", broken)
     with pytest.raises(YggError, match=r"^weights int4: this torch/CPU cannot run aten._weight_int4pack_mm_for_cpu "
-                                       r"on float32 activations \(_weight_int4pack_mm_cpu: not compiled"):
+                                       r"on bfloat16 activations \(_weight_int4pack_mm_cpu: not compiled"):
         quantize_linears(tiny(), "int4", 32)
 
 

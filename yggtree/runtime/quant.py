@@ -1,31 +1,37 @@
 """Weight-only quantized linear layers on the CPU: int8, 4-bit group-wise, and a GGUF's own blocks.
 
 A plan's ``weights`` (``--weights``; :func:`yggtree.shapes.weight_format`) picks the format of the
-decoder-block linears and the LM head of the target and of the drafter's model. Activations stay
-in the run's dtype; each product runs through one of torch's CPU kernels (signatures checked with
-torch 2.13):
+decoder-block linears and the LM head of the target and of the drafter's model. Each product runs
+through one of torch's CPU kernels (signatures checked with torch 2.13) *on bfloat16 activations
+with bfloat16 scales, whatever the run's dtype*: a quantized layer casts its input to bfloat16,
+runs the kernel (which accumulates in float32 and rounds its output to bfloat16) and casts the
+result back to the run's dtype (the bias, if any, is added in the run's dtype). This is the
+format's definition -- the model actually run, to which speculation is exact -- not an
+approximation of a float32 product. The reason is speed: torch's vectorized (AVX2/AVX-512) paths
+of both kernels take bfloat16 only; their float32 paths are scalar loops, 15-30x slower at the
+default model's shapes (docs/results.md, "Weight formats"). One rule for every format and dtype,
+gguf-native included (a bit-exact float32-activation variant of gguf-native was dropped: it was
+only exact where it was too slow to use).
 
 - ``int8``: ``aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scales [N])``, y = x @ (q * s).T;
-  symmetric per-output-channel scales (amax / 127), in the activations' dtype (the kernel's rule).
+  symmetric per-output-channel scales (amax / 127).
 - ``int4@G``: ``aten._weight_int4pack_mm_for_cpu(x [M, K], packed [N, K/2] uint8, G,
   scale_zeros [K/G, N, 2])``, w = (q - 8) * scale + zero with q in 0..15, G in 32/64/128/256, K a
-  multiple of G, N a multiple of 16 (the head is padded with zero rows to one and the output cut),
-  scales and zeros in the activations' dtype; ``packed`` from
-  ``aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32, 1)``. Asymmetric min/max per group.
+  multiple of G, N a multiple of 16 (the head is padded with zero rows to one and the output cut);
+  ``packed`` from ``aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32, 1)``. Asymmetric
+  min/max per group.
 - ``gguf-native``: the GGUF file's own blocks of 32 on the int4 kernel with G = 32:
   Q4_0 (w = d (q - 8)): scale d, zero 0; Q4_1 (w = d q + m): scale d, zero m + 8 d; Q8_0
-  (w = d q, q int8) as two 4-bit planes summed, the high nibble (scale 16 d, zero 0, q >> 4 + 8)
-  and the low one (scale d, zero 8 d, q & 15). d and m are float16 in the file. With float32
-  activations every scale and zero is exact in float32 (16 d and 8 d are, and m + 8 d is unless
+  (w = d q, q int8) as two 4-bit planes whose products are summed in the run's dtype, the high
+  nibble (scale 16 d, zero 0, q >> 4 + 8) and the low one (scale d, zero 8 d, q & 15). d and m
+  are float16 in the file. The codes hold the blocks exactly (:class:`Int4Codes` keeps scales
+  and zeros in float32, where every one is exact -- 16 d and 8 d are, and m + 8 d is unless
   their exponents lie more than 13 binades apart: :func:`gguf_codes` checks each block and
-  refuses one that is not), and the kernel forms (q - 8) * scale + zero with one rounding, so
-  the weights it multiplies are bitwise llama.cpp's dequantized ones (``d * q + m`` in float32;
-  tests/test_quant.py reads them back through the kernel). With bfloat16 activations the kernel
-  takes bfloat16 scales: d, m + 8 d and 16 d are rounded to 8 significant bits, so the weights
-  are not llama.cpp's. Tensors stored as float stay float (packed by runtime/packed.py), any
-  other GGML type (K-quants) is refused. The products themselves round in the kernel's order,
-  not llama.cpp's (which also quantizes the activations to 8 bits): exactness of speculation is
-  relative to the format run.
+  refuses one that is not -- so :func:`dequantize` gives llama.cpp's float32 weights bit for
+  bit); the kernel then takes the scales and zeros rounded to bfloat16 (8 significant bits), so
+  the weights it multiplies are llama.cpp's to within that rounding, and its products round in
+  its own order (llama.cpp also quantizes the activations to 8 bits). Tensors stored as float
+  stay float (packed by runtime/packed.py), any other GGML type (K-quants) is refused.
 
 Speculation is exact only if a row of a W-row product is bitwise its one-row product (the
 kernels' rows are computed independently on the CPUs measured; :func:`check_batch_invariant`
@@ -51,6 +57,7 @@ __all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "dequant
 
 GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
 N_ALIGN = 16  # the int4 kernel's output width must be a multiple of this
+KERNEL_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs (module docstring)
 
 
 @dataclass(frozen=True)
@@ -138,56 +145,60 @@ def dequantize(planes: list[Int4Codes]) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """``F.linear`` with int8 weights and per-output-channel scales (``_weight_int8pack_mm``)."""
+    """``F.linear`` with int8 weights and per-output-channel scales (``_weight_int8pack_mm`` on
+    bfloat16 activations, the result in the run's dtype ``dtype``)."""
 
     qweight: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N] in the activations' dtype
-    bias: torch.Tensor | None  # [N]
+    scales: torch.Tensor  # [N] bfloat16 (KERNEL_DTYPE)
+    bias: torch.Tensor | None  # [N] in the run's dtype
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         q, s = quantize_int8(w)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], dtype
         self.register_buffer("qweight", q, persistent=False)
-        self.register_buffer("scales", s.to(dtype), persistent=False)
+        self.register_buffer("scales", s.to(KERNEL_DTYPE), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(nn.Module):
-    """``F.linear`` with 4-bit group-wise weights (``_weight_int4pack_mm_for_cpu``), one or more
-    planes summed (a GGUF Q8_0 weight is two); the output width is padded to a multiple of 16
-    with zero rows inside the kernel and cut after it."""
+    """``F.linear`` with 4-bit group-wise weights (``_weight_int4pack_mm_for_cpu`` on bfloat16
+    activations, the result in the run's dtype ``dtype``), one or more planes whose products
+    are summed in the run's dtype (a GGUF Q8_0 weight is two); the output width is padded to a
+    multiple of 16 with zero rows inside the kernel and cut after it."""
 
     packed: torch.Tensor  # [P, Np, K / 2] uint8, the kernel's layout; Np = N rounded up to 16
-    scale_zeros: torch.Tensor  # [P, K / group, Np, 2] in the activations' dtype
-    bias: torch.Tensor | None  # [N]
+    scale_zeros: torch.Tensor  # [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE)
+    bias: torch.Tensor | None  # [N] in the run's dtype
 
     def __init__(self, planes: list[Int4Codes], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         n, k = planes[0].q.shape
-        self.in_features, self.out_features, self.group = k, n, planes[0].group
+        self.in_features, self.out_features, self.group, self.dtype = k, n, planes[0].group, dtype
         pad = -n % N_ALIGN
         packed, sz = [], []
         for c in planes:
             q = F.pad(c.q.to(torch.int32), (0, 0, 0, pad), value=8)  # zero rows: (8 - 8) * 1 + 0
             packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             s = F.pad(torch.stack([c.scale, c.zero], -1), (0, 0, 0, 0, 0, pad))  # [Np, K/g, 2]
-            sz.append(s.transpose(0, 1).to(dtype).contiguous())
+            sz.append(s.transpose(0, 1).to(KERNEL_DTYPE).contiguous())
         self.register_buffer("packed", torch.stack(packed), persistent=False)
         self.register_buffer("scale_zeros", torch.stack(sz), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        x2 = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed[0], self.group, self.scale_zeros[0])
-        for p in range(1, self.packed.shape[0]):
-            y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed[p], self.group,
-                                                                self.scale_zeros[p])
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        y = None
+        for p in range(self.packed.shape[0]):
+            yp = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed[p], self.group,
+                                                            self.scale_zeros[p]).to(x.dtype)
+            y = yp if y is None else y + yp
         y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -198,8 +209,8 @@ def quant_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def check_kernel(fmt: str, dtype: torch.dtype) -> None:
-    """YggError in one line unless this torch and CPU run ``fmt``'s kernel for ``dtype``
-    activations (a 1-row product of a 16 x 32 weight)."""
+    """YggError in one line unless this torch and CPU run ``fmt``'s kernel (on bfloat16
+    activations) in a layer of a ``dtype`` run: a 1-row product of a 16 x 32 weight."""
     name = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
     try:
         getattr(torch.ops.aten, name)  # absent in old torch builds
@@ -207,7 +218,7 @@ def check_kernel(fmt: str, dtype: torch.dtype) -> None:
         lin = Int8Linear(w, None, dtype) if fmt == "int8" else Int4Linear([quantize_int4(w, GGUF_BLOCK)], None, dtype)
         lin(torch.zeros(1, GGUF_BLOCK, dtype=dtype))
     except (AttributeError, RuntimeError, NotImplementedError) as e:
-        raise YggError(f"weights {fmt}: this torch/CPU cannot run aten.{name} on {str(dtype)[6:]} "
+        raise YggError(f"weights {fmt}: this torch/CPU cannot run aten.{name} on bfloat16 "
                        f"activations ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
@@ -297,8 +308,7 @@ def check_batch_invariant(model: nn.Module, rows: int, what: str = "target") -> 
         if key in seen:
             continue
         seen.add(key)
-        dtype = layer.scales.dtype if isinstance(layer, Int8Linear) else layer.scale_zeros.dtype
-        x = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
+        x = torch.randn(rows, layer.in_features, generator=gen).to(layer.dtype)
         with torch.no_grad():
             y = layer(x)
             for i in range(rows):
