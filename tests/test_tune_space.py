@@ -114,6 +114,149 @@ def test_infeasible_stage_combinations(cores):
     assert (plan.stages, plan.weights) == ("overlap@1+1", "int8")
 
 
+# ----------------------------------------------------------------------------- valid plans only
+
+
+def _random_space(draw):
+    from hypothesis import strategies as st
+
+    def ints(lo, hi, most):
+        return tuple(sorted(draw(st.sets(st.integers(lo, hi), min_size=1, max_size=most))))
+
+    return ts.SearchSpace(draft_widths=ints(1, 6, 3), verify_widths=ints(1, 24, 3), d_max=ints(1, 5, 3),
+                          top_k=ints(1, 4, 2), lookup=ints(0, 12, 3), prefill_chunk=ints(1, 40, 2),
+                          stages=draw(st.sampled_from([("sequential@1",), ("sequential@1", "ahead@1")])),
+                          weights=draw(st.sampled_from([("float32",), ("float32", "int8")])))
+
+
+def _valid_by_brute_force(space: ts.SearchSpace, max_context: int) -> set:
+    """Every (draft set, d_max, verify set, lookup, prefill chunk) of the space's product that
+    :func:`infeasible` (the plan schema's mirror) takes."""
+    import itertools
+
+    out = set()
+    for dw, d, vw, n, c in itertools.product(ts.subsets(space.draft_widths), space.d_max,
+                                             ts.subsets(space.verify_widths), space.lookup, space.prefill_chunk):
+        f = ts.plan_fields({"draft_widths": dw, "verify_widths": vw, "d_max": d, "top_k": 1, "lookup": n,
+                            "prefill_chunk": c, "stages": None, "weights": None}, space)
+        if ts.infeasible(f, max_context) is None:
+            out.add((dw, d, vw, n, c))
+    return out
+
+
+def test_allowed_leaves_exactly_the_valid_plans():
+    """Following :func:`allowed` key by key reaches every valid combination and nothing else, its
+    runs of d_max, verify sets and lookup are contiguous (what suggest's index ranges need), and
+    :func:`plan_count` counts them; a space with none is refused by check_space in one line."""
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.data(), st.integers(4, 40))
+    def check(data, max_context):
+        space = _random_space(data.draw)
+        want = _valid_by_brute_force(space, max_context)
+        got = set()
+        for dw in ts.allowed(space, max_context, "draft_widths", {}):
+            for d in ts.allowed(space, max_context, "d_max", {"draft_widths": dw}):
+                vws = ts.allowed(space, max_context, "verify_widths", {"draft_widths": dw, "d_max": d})
+                for vw in vws:
+                    ns = ts.allowed(space, max_context, "lookup", {"verify_widths": vw})
+                    for key, run in (("d_max", ts.allowed(space, max_context, "d_max", {"draft_widths": dw})),
+                                     ("verify_widths", vws), ("lookup", ns)):
+                        full = ts.choices(space, key)
+                        i = full.index(run[0])
+                        assert full[i:i + len(run)] == run, (key, run)
+                    got |= {(dw, d, vw, n, c) for n in ns
+                            for c in ts.allowed(space, max_context, "prefill_chunk", {})}
+        assert got == want
+        rest = len(space.top_k) * len(space.stages) * len(space.weights)
+        assert ts.plan_count(space, max_context) == len(want) * rest
+        if not want:
+            base = base_plan(max_context=max_context, prefill_chunk=1, draft_widths=[1], d_max=1,
+                             verify_widths=[1], sampling={"max_new_tokens": 1})
+            with pytest.raises(YggError, match="^--space") as e:
+                ts.check_space(space, base, 1)
+            assert "\n" not in str(e.value)
+
+    check()
+
+
+def test_every_sampled_plan_is_valid(cores):
+    """Many TPE trials (past its random start-up) over random spaces: every plan suggest draws is
+    valid (infeasible finds nothing, the plan schema takes it), unconstrained keys keep their
+    categorical names, and stage plans can be limited to those the profile prices."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    cores(1)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.data(), st.integers(8, 40), st.integers(0, 2**16))
+    def check(data, max_context, seed):
+        space = _random_space(data.draw)
+        base = base_plan(max_context=max_context, prefill_chunk=1, draft_widths=[1], d_max=1, verify_widths=[1],
+                         sampling={"max_new_tokens": 1})
+        valid = _valid_by_brute_force(space, max_context)
+        if not valid:
+            return
+        stages = data.draw(st.sampled_from([None, space.stages[-1:]]))  # as if the profile priced one
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, constant_liar=True)
+        study = optuna.create_study(direction="maximize", sampler=sampler)
+        seen = set()
+        for _ in range(30):
+            trial = study.ask()
+            params = ts.suggest(trial, space, max_context, stages)
+            fields = ts.plan_fields(params, space)
+            assert ts.infeasible(fields, max_context, True, 1) is None, fields
+            ts.candidate_plan(base, fields, "cand", None, None)  # the schema takes it
+            key = (params["draft_widths"], params["d_max"], params["verify_widths"], params["lookup"],
+                   params["prefill_chunk"])
+            assert key in valid
+            seen.add(key)
+            assert params["stages"] in (stages or space.stages)
+            assert ("weights" in trial.params) == (len(space.weights) > 1)
+            assert not {"d_max", "verify_widths", "lookup"} & set(trial.params)  # sampled as *_index
+            study.tell(trial, fields["d_max"] * max(fields["verify_widths"]) - fields["lookup"])
+
+    check()
+    # stage plans limited to some of the space's: a categorical of its own name (one choice set per name)
+    space = ts.SearchSpace((1, 2), (2, 4), (1, 2), (2,), (0,), (4,), ("sequential@1", "ahead@1", "overlap@1+1"),
+                           ("float32",))
+    trial = optuna.create_study().ask()
+    assert ts.suggest(trial, space, 96, ("sequential@1", "overlap@1+1"))["stages"] in ("sequential@1", "overlap@1+1")
+    assert "stages[sequential@1,overlap@1+1]" in trial.params and "stages" not in trial.params
+
+
+def test_a_space_without_a_valid_plan_is_refused_before_the_study(tiny, capsys):
+    """Each dimension on its own is possible (check_space's per-dimension checks pass) but no
+    combination is: lookup 6 needs a verify width >= 6, and 8, the only one, exceeds the largest
+    drafted tree (1 + 2 * 2 = 5)."""
+    from test_tune import _one_line_error
+
+    from yggtree.plan import load_plan
+
+    space = ts.apply_overrides(ts.default_space(load_plan(tiny / "plan.yaml"), 1),
+                               ["verify_widths=2,8", "lookup=6"])
+    assert ts.plan_count(space, 96) == 0
+    msg = ("--space: no combination of draft widths, d_max, verify widths and lookup makes a valid plan "
+           "(each needs max W_v <= 1 + d_max * max W_d < max_context 96 and lookup <= max W_v)")
+    _one_line_error(capsys, tune_args(tiny, "none", extra=("--space", "verify_widths=2,8", "--space", "lookup=6")),
+                    msg)
+    assert not (tiny / "profiles" / "none.study.db").exists()
+
+
+def test_a_study_of_the_old_parameter_encoding_is_refused(tmp_path):
+    from yggtree.offline.tune import STUDY_FORMAT
+    from yggtree.offline.tune_study import open_study
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    open_study(url, "old", {"format": 1, "target": "default"})
+    with pytest.raises(YggError, match=f"^study 'old' was made by another version of yggtree tune "
+                                       f"\\(study format 1, this tune writes {STUDY_FORMAT}: ") as e:
+        open_study(url, "old", {"format": STUDY_FORMAT, "target": "default"})
+    assert "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- weight formats
 
 
@@ -281,24 +424,25 @@ def test_a_format_the_profile_did_not_measure_is_measured_not_predicted(tiny):
     assert (plan.stages, ts.plan_weights(plan)) == ("sequential@1", best["weights"])
 
 
-def test_without_stage_forms_only_sequential_at_the_threads_is_priced(tiny, q):
-    """A profile made before stage forms (the key dropped from q's): ahead@1 is refused with the
-    reason, sequential@1 priced from the curves and said so."""
+def test_without_stage_forms_only_sequential_at_the_threads_is_sampled(tiny, q, capsys):
+    """A profile made before stage forms (the key dropped from q's): it prices sequential@1 only,
+    so ahead@1 is not sampled (said once, with the reason) and no trial is spent on it."""
     (tiny / "legacy").mkdir()
     prof = json.loads((tiny / "profiles" / "q.json").read_text())
     del prof["stage_forms"]
     (tiny / "legacy" / "old.json").write_text(json.dumps(prof))
     shutil.copytree(tiny / "profiles" / "q.calibration", tiny / "legacy" / "old.calibration")
+    capsys.readouterr()
     trials = tune(tiny, "nf", ["stages=sequential@1,ahead@1", "weights=int8"], trials=6, out="legacy")
-    assert {t.params["stages"] for t in trials} == {"sequential@1", "ahead@1"}
+    err = capsys.readouterr().err
+    assert ("stages ahead@1 not sampled: stages ahead@1 is not a candidate: the profile has no stage "
+            "forms (it prices sequential@1)") in err
+    assert len(trials) == 6 and not any("stages" in t.params for t in trials)  # one stage plan left: fixed
     for t in trials:
-        if t.params["stages"] == "ahead@1":
-            assert t.user_attrs["infeasible"] == ("stages ahead@1 is not a candidate: the profile has no "
-                                                  "stage forms (it prices sequential@1)")
-        else:
-            assert t.user_attrs["stage_pricing"] == (
-                "sequential@1: the profile's curves; the profile has no stage forms, so sequential@1 is "
-                "the only stage plan it prices")
+        assert t.user_attrs["fields"]["stages"] == "sequential@1" and "infeasible" not in t.user_attrs
+        assert t.user_attrs["stage_pricing"] == (
+            "sequential@1: the profile's curves; the profile has no stage forms, so sequential@1 is "
+            "the only stage plan it prices")
     assert not (tiny / "legacy" / "nf.json").exists()  # the old profile was reused
 
 

@@ -39,7 +39,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import YggError, module_main
@@ -55,6 +55,9 @@ from .tune_artifacts import (
 
 MARKER = "# yggtree-tune-study: "  # first line of a plan this command wrote, naming its study
 STALE_S = 3600.0  # a trial of another host silent this long is taken as dead
+# 2: only valid plans are sampled, d_max, verify_widths and lookup as *_index parameters
+# (tune_space.suggest); a format-1 study's parameters are encoded otherwise and are refused
+STUDY_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def study_identity(base, device: dict, threads: int, space) -> dict:
     from ..runtime.artifacts import timing_identity
 
     return {
-        "format": 1,
+        "format": STUDY_FORMAT,
         "target": base.target if base.target == "default" else Path(base.target).name,
         "drafter": base.drafter if base.drafter in (None, "default", "self") else Path(base.drafter).name,
         "models": hashlib.sha256(json.dumps(timing_identity(base), sort_keys=True).encode()).hexdigest()[:16],
@@ -149,6 +152,8 @@ class Inputs:
     calibration: Path
     forms: dict | None  # the profile's stage forms (None: it has none)
     profile_weights: str  # the weight format the profile measured
+    stages: tuple = ()  # the space's stage plans the profile prices (the ones sampled)
+    unpriced_stages: dict = field(default_factory=dict)  # the others, with why
 
 
 def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
@@ -170,8 +175,19 @@ def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
     contexts = token_contexts([len(x) for x in ids[:n_cal]], s.max_new_tokens, s.base.max_context)
     cap = min(s.prompt_tokens, s.base.max_context - s.max_new_tokens - 1)
     held = [x[-cap:] for x in ids[n_cal:]]  # never the prompts the calibration was fitted on
-    return Inputs(cost, calib, contexts, held, profile, calibration, prof.get("stage_forms"),
-                  profile_weights(prof, env.dtype))
+    inp = Inputs(cost, calib, contexts, held, profile, calibration, prof.get("stage_forms"),
+                 profile_weights(prof, env.dtype))
+    unpriced = {}
+    for label in s.space.stages:  # priced over the envelope's shapes: then over every plan's
+        try:
+            trial_stage_scale(env, label, s.threads, inp)
+        except YggError as e:
+            unpriced[label] = str(e)
+    stages = tuple(x for x in s.space.stages if x not in unpriced)
+    if not stages:
+        raise YggError(f"the profile {profile} prices none of the space's stage plans: "
+                       f"{next(iter(unpriced.values()))}")
+    return replace(inp, stages=stages, unpriced_stages=unpriced)
 
 
 def _fields_key(fields: dict) -> str:
@@ -200,8 +216,9 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
             on_event(name, trial.number)
 
     event("start")
-    fields = plan_fields(suggest(trial, s.space), s.space)
+    fields = plan_fields(suggest(trial, s.space, s.base.max_context, inp.stages), s.space)
     note("fields", fields)
+    # suggest samples valid plans only (tune_space.allowed): these checks are a guard
     why = infeasible(fields, s.base.max_context, s.base.speculative, s.threads)
     plan = None
     if why is None:
@@ -549,7 +566,8 @@ def run(args, on_event=None) -> int:
     from ..runtime.device import detect_device
     from .profile import NAME_OK
     from .tune_space import (
-        apply_overrides, check_space, default_space, override_key, runnable_weights, weight_problems,
+        apply_overrides, check_space, default_space, override_key, plan_count, runnable_weights,
+        weight_problems,
     )
     from .tune_study import open_study, sqlite_url
 
@@ -605,8 +623,10 @@ def run(args, on_event=None) -> int:
     if args.search_only:
         search(s, inp, args.worker_index, deadline, on_event)
         return 0
-    say(f"searching {space.size()} combinations in study {key} ({args.trials} trials, "
-         f"{args.workers} worker(s))")
+    for label, why in inp.unpriced_stages.items():
+        say(f"stages {label} not sampled: {why}")
+    say(f"searching {plan_count(replace(space, stages=inp.stages), base.max_context)} valid plans "
+        f"(of {space.size()} combinations) in study {key} ({args.trials} trials, {args.workers} worker(s))")
     if args.workers > 1:
         n = run_workers(s, args.argv, args.workers, inp, deadline)
     else:

@@ -14,7 +14,8 @@
    chosen by the sequential costs, as the runtime's objective chooses it), and a plain step
    by the target's verify at the smallest stage-forms width, T threads over P. A profile
    without stage forms prices ``sequential@P`` only: any other stage plan is not a candidate
-   (refused, the reason in the trial's user attributes).
+   (tune.py does not sample it; a trial given one anyway is refused, the reason in its user
+   attributes).
 
    Weight format: the profile measured one format (its ``plan.weights``; before the field, float
    in the dtype). Its curves do not price another: a trial of another format gets no predicted

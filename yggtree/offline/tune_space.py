@@ -8,11 +8,11 @@ dimension       values (default)               optuna parameters
 =============== ============================== ===============================================
 draft_widths    a non-empty subset of          ``draft_widths``, e.g. ``"1,2,8"``
                 candidates (the base plan's)
-verify_widths   a non-empty subset of          ``verify_widths``
-                candidates (the base plan's)
-d_max           1..base d_max                  ``d_max``
+verify_widths   a non-empty subset of          ``verify_widths_index`` (an index into the
+                candidates (the base plan's)   subsets, :func:`suggest`)
+d_max           1..base d_max                  ``d_max_index`` (index into the values)
 top_k           {2, 4, 8}                      ``top_k``
-lookup          {0, 4, 8}                      ``lookup`` (lookup nodes per step)
+lookup          {0, 4, 8}                      ``lookup_index`` (lookup nodes per step)
 prefill_chunk   {32, 64, 128}                  ``prefill_chunk``
 stages          ``sequential@T``, ``ahead@T``  ``stages`` (execution plan with its thread
                 for T = 1..threads,            split, runtime/schedule.py); ``threads`` is
@@ -39,9 +39,14 @@ quantizes, ``gguf-native`` a GGUF target whose block tensors are Q4_0, Q4_1 or Q
 candidate that fails is left out of the space (``yggtree tune`` names it and why); an override
 naming one is refused. A trial's engine checks batch invariance again on the model's own layers.
 
-Sampled combinations that make no valid plan (a verify width above 1 + d_max * max W_d, lookup
-above the largest verify width, a split above the worker's threads, ...) are found by
-:func:`infeasible` before a trial builds anything. Which combinations the latency model can
+The sampler draws valid plans only (:func:`suggest`): the dimensions are drawn in :data:`ORDER`,
+each among the values :func:`allowed` leaves given the ones before it (a verify width never above
+1 + d_max * max W_d, lookup never above the largest verify width, the drafted tree within the
+context), so that no trial of the budget goes to a combination that cannot be built; a space with
+no valid plan at all is refused before the study starts (:func:`check_space`, :func:`plan_count`).
+Stage plans are all runnable (:func:`check_space`); the tune samples only those its profile
+prices (tune.py). :func:`infeasible` still checks every sampled plan before a trial builds
+anything (a guard: it finds nothing). Which combinations the latency model can
 *price* is the objective's business (tune_objective.py): the profile prices one weight format
 and, with stage forms, every split it measured. Context buckets and product kernels are not
 plan fields (constants of the runtime) and are not searched; the padding of short packed
@@ -276,6 +281,10 @@ def check_space(space: SearchSpace, base, threads: int = 1) -> None:
                        if max(space.verify_widths) <= cap else widest, base.name, None, None)
     except YggError as e:
         raise YggError(f"--space: the widest plan is invalid: {str(e).split(': ', 1)[-1]}") from None
+    if not plan_count(space, base.max_context):
+        raise YggError(f"--space: no combination of draft widths, d_max, verify widths and lookup makes a "
+                       f"valid plan (each needs max W_v <= 1 + d_max * max W_d < max_context "
+                       f"{base.max_context} and lookup <= max W_v)")
 
 
 # ----------------------------------------------------------------------------- weight formats
@@ -390,15 +399,91 @@ def subsets(cands: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def suggest(trial, space: SearchSpace) -> dict[str, Any]:
-    """Ask ``trial`` (an optuna trial) for one point of ``space``: one categorical parameter
-    per dimension that has more than one value (a width set is one choice among the non-empty
-    subsets of its candidates); fixed dimensions are filled in."""
-    params: dict[str, Any] = {}
-    for key in KEYS:
-        vals = subsets(getattr(space, key)) if key in SET_KEYS else getattr(space, key)
-        params[key] = vals[0] if len(vals) == 1 else trial.suggest_categorical(key, vals)
-    return params
+ORDER = ("draft_widths", "d_max", "verify_widths", "lookup", "top_k", "prefill_chunk", "stages", "weights")
+COUPLED = ("d_max", "verify_widths", "lookup")  # their valid values depend on the keys before them
+
+
+def choices(space: SearchSpace, key: str) -> tuple:
+    """Every value of dimension ``key`` in ``space``, in the space's order (width sets: their
+    non-empty subsets, :func:`subsets`, grouped by their largest width)."""
+    return subsets(getattr(space, key)) if key in SET_KEYS else getattr(space, key)
+
+
+def _widest(value) -> int:
+    return max(int(w) for w in str(value).split(","))
+
+
+def allowed(space: SearchSpace, max_context: int, key: str, chosen: dict[str, Any]) -> tuple:
+    """The values of ``key`` (in :func:`choices` order) that some valid plan of ``space`` takes
+    together with ``chosen``, the values of the keys before ``key`` in :data:`ORDER`. Pure.
+
+    The constraints (:func:`infeasible`): 1 + d_max * max W_d < max_context; max W_v <= 1 +
+    d_max * max W_d; lookup <= max W_v; prefill chunk <= max_context. A width set enters only
+    by its largest width, so for d_max, the verify set and lookup the valid values are a
+    contiguous run of :func:`choices` (what :func:`suggest` relies on)."""
+    low = min(space.lookup)  # the verify set must reach the smallest lookup
+    if key == "draft_widths":
+        return tuple(s for s in choices(space, key) if allowed(space, max_context, "d_max", {key: s}))
+    if key == "d_max":
+        m = _widest(chosen["draft_widths"])
+        floor = min((v for v in space.verify_widths if v >= low), default=None)
+        return tuple(d for d in space.d_max if floor is not None and floor <= 1 + d * m < max_context)
+    if key == "verify_widths":
+        cap = 1 + chosen["d_max"] * _widest(chosen["draft_widths"])
+        return tuple(s for s in choices(space, key) if low <= _widest(s) <= cap)
+    if key == "lookup":
+        return tuple(n for n in space.lookup if n <= _widest(chosen["verify_widths"]))
+    if key == "prefill_chunk":
+        return tuple(c for c in space.prefill_chunk if c <= max_context)
+    return getattr(space, key)
+
+
+def plan_count(space: SearchSpace, max_context: int) -> int:
+    """How many parameter combinations of ``space`` make a valid plan (:func:`allowed`; a width
+    set counted as its largest width times the subsets with that largest width)."""
+    def with_max(cands, m):  # subsets of cands whose largest width is m
+        return 2 ** sum(c < m for c in cands)
+
+    n = 0
+    for m in space.draft_widths:
+        for d in allowed(space, max_context, "d_max", {"draft_widths": str(m)}):
+            for v in space.verify_widths:
+                if min(space.lookup) <= v <= 1 + d * m:
+                    n += with_max(space.draft_widths, m) * with_max(space.verify_widths, v) * sum(
+                        x <= v for x in space.lookup)
+    for key in ("top_k", "prefill_chunk", "stages", "weights"):
+        n *= len(allowed(space, max_context, key, {}))
+    return n
+
+
+def suggest(trial, space: SearchSpace, max_context: int, stages: tuple[str, ...] | None = None
+            ) -> dict[str, Any]:
+    """Ask ``trial`` (an optuna trial) for one *valid* point of ``space`` (valid for any trial:
+    :func:`infeasible` finds nothing), the keys in :data:`ORDER`, each among the values
+    :func:`allowed` leaves given the keys before it. ``stages``: the stage plans to sample (default
+    the space's; tune.py passes those the profile prices).
+
+    Optuna parameters (a dimension with one value is fixed, no parameter): an unconstrained key
+    is a categorical of its values (fixed per space: TPE needs one choice set per name); a coupled
+    key (:data:`COUPLED`) is ``KEY_index``, an integer index into :func:`choices`, its range the
+    contiguous run :func:`allowed` leaves (an index always names the same value; optuna and TPE
+    take integer ranges that change from trial to trial)."""
+    chosen: dict[str, Any] = {}
+    for key in ORDER:
+        full = choices(space, key)
+        ok = stages if key == "stages" and stages is not None else allowed(space, max_context, key, chosen)
+        if not ok:
+            raise YggError(f"no valid value of {key} is left after {chosen} (the space holds no valid plan)")
+        if key in COUPLED:
+            lo, hi = full.index(ok[0]), full.index(ok[-1])
+            assert full[lo:hi + 1] == ok, (key, ok)
+            chosen[key] = full[0] if len(full) == 1 else full[trial.suggest_int(f"{key}_index", lo, hi)]
+        elif len(ok) == 1:
+            chosen[key] = ok[0]
+        else:
+            name = key if key != "stages" or ok == space.stages else f"stages[{','.join(ok)}]"
+            chosen[key] = trial.suggest_categorical(name, ok)
+    return chosen
 
 
 def plan_fields(params: dict[str, Any], space: SearchSpace) -> dict[str, Any]:

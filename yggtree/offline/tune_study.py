@@ -107,6 +107,10 @@ def _open_study(storage, name: str, identity: dict, sampler, pruner, create: boo
                            "use another --study")
         study.set_user_attr(IDENTITY_ATTR, identity)
         return study
+    if have.get("format") != identity.get("format"):
+        raise YggError(f"study {name!r} was made by another version of yggtree tune (study format "
+                       f"{have.get('format')}, this tune writes {identity.get('format')}: its parameters are "
+                       "encoded otherwise); use another --study")
     if have != identity:
         key = next((k for k in sorted(set(have) | set(identity)) if have.get(k) != identity.get(k)), "?")
         raise YggError(f"study {name!r} tunes another setup (differs in {key}: study "
