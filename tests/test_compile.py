@@ -57,15 +57,15 @@ sampling: {{max_new_tokens: 8}}
 """
 
 
-def save_tiny_checkpoint(path: Path) -> None:
-    """A 2-layer random Llama (vocabulary 128) with a word-level tokenizer."""
+def save_tiny_checkpoint(path: Path, intermediate: int = 48) -> None:
+    """A 2-layer random Llama (vocabulary 128, hidden 32) with a word-level tokenizer."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=True,
     )

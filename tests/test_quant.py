@@ -51,8 +51,9 @@ def gguf_blocks(m: Transformer) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
-def quantized(fmt: str, seed: int = 0) -> Transformer:
-    m = tiny(seed)
+def quantized(fmt: str, seed: int = 0, model: Transformer | None = None) -> Transformer:
+    """``model`` (default: ``tiny(seed)``) in format ``fmt``, every linear of it quantized."""
+    m = tiny(seed) if model is None else model
     name, group = weight_format(fmt, "float32")
     raw = gguf_blocks(m) if name == "gguf-native" else None
     assert quantize_linears(m, name, group, raw) == 7 * len(m.layers) + 1

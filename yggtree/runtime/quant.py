@@ -144,6 +144,41 @@ def dequantize(planes: list[Int4Codes]) -> torch.Tensor:
 # ----------------------------------------------------------------------------- layers
 
 
+def _int4_linear_cpu(
+    x: torch.Tensor,  # [..., K] in the run's dtype
+    packed: torch.Tensor,  # [P, Np, K / 2] uint8, the int4 kernel's layout (Np: N rounded up to 16)
+    scale_zeros: torch.Tensor,  # [P, K / group, Np, 2] bfloat16
+    group: int,
+    out_features: int,  # N
+) -> torch.Tensor:
+    """The P planes' products on bfloat16 activations, each cast to x's dtype and summed in it,
+    the padded output rows cut: [..., N], contiguous."""
+    x2 = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
+    y = None
+    for p in range(packed.shape[0]):
+        yp = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed[p], group, scale_zeros[p]).to(x.dtype)
+        y = yp if y is None else y + yp
+    return y[:, :out_features].contiguous().reshape(*x.shape[:-1], out_features)
+
+
+# The int4 product is an opaque op for torch.compile and AOTInductor (as runtime/packed.py's
+# ``yggtree::packed_linear``): inside the step graphs' nested compile region (the decoder
+# layer), inductor's own lowering of ``_weight_int4pack_mm_for_cpu`` (to
+# ``_weight_int4pack_mm_cpu_tensor`` with the group size as a graph constant) fails at run time
+# in torch 2.13 ("group size must be a scalar"); called through this op the graphs run the same
+# aten kernel eager code does. The int8 kernel needs no such op (inductor calls it as it is).
+# The handle must outlive the module's import (dropping it unregisters the op).
+_LIB = torch.library.Library("yggtree", "FRAGMENT")
+_LIB.define("int4_linear(Tensor x, Tensor packed, Tensor scale_zeros, int group, int out_features) -> Tensor")
+_LIB.impl("int4_linear", _int4_linear_cpu, "CPU")
+int4_linear = torch.ops.yggtree.int4_linear
+
+
+@torch.library.register_fake("yggtree::int4_linear")
+def _(x, packed, scale_zeros, group, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class Int8Linear(nn.Module):
     """``F.linear`` with int8 weights and per-output-channel scales (``_weight_int8pack_mm`` on
     bfloat16 activations, the result in the run's dtype ``dtype``)."""
@@ -193,13 +228,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        y = None
-        for p in range(self.packed.shape[0]):
-            yp = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed[p], self.group,
-                                                            self.scale_zeros[p]).to(x.dtype)
-            y = yp if y is None else y + yp
-        y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        y = int4_linear(x, self.packed, self.scale_zeros, self.group, self.out_features)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,89 @@
+"""Quantized weight formats in performance mode: the engine's compiled graphs (torch.compile,
+whole steps) and ``yggtree compile``'s AOTInductor packages call the weight-only kernels
+(``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``: inductor keeps them as
+extern calls, no custom op needed), and greedy speculation equals plain decoding in the same
+format, token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import perturbed
+from test_quant import quantized, tiny
+from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+from yggtree.runtime.quant import Int4Linear, Int8Linear
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+TREE = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+PROMPTS = ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "gguf-native"])
+def test_compiled_quantized_engine_speculates_exactly(fmt):
+    """torch.compile'd step graphs over a quantized target and drafter (gguf-native: Q4_0/Q4_1
+    blocks and the Q8_0 head's two planes on the int4 kernel) emit plain decoding's tokens."""
+    from yggtree.runtime.drafters import LMDrafter
+
+    cfg = dict(mode="performance", max_context=80, prefill_chunk=8)
+    plain = Engine(quantized(fmt), EngineConfig(**cfg))
+    drafter = LMDrafter(quantized(fmt, model=perturbed(tiny())), "performance")  # agrees at times
+    spec = Engine(quantized(fmt), EngineConfig(**cfg, tree=TREE), drafter)
+    kind = Int8Linear if fmt == "int8" else Int4Linear
+    assert plain.graphs.compiled and isinstance(spec.target.lm_head, kind)
+    accepted = 0
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        got = spec.generate(prompt, SamplingParams(max_new_tokens=24))
+        assert got.token_ids == want, prompt
+        accepted += got.stats["accepted_tokens"]
+    assert accepted > 0  # trees were partly accepted, not only rejected
+
+
+PLAN = """\
+name: tiny-int4
+target: model
+drafter: self
+weights: int4@32
+max_context: 32
+prefill_chunk: 2
+draft_widths: [1, 2]
+d_max: 2
+top_k: 2
+verify_widths: [1, 2]
+sampling: {max_new_tokens: 8}
+"""
+
+
+def test_compiled_plan_runs_quantized_packages_exactly(tmp_path):
+    """``yggtree compile`` of a plan with ``weights: int4@32`` builds AOTInductor packages of the
+    quantized blocks (the self-drafter shares them); an engine loaded from them runs no dynamo
+    and its greedy tree speculation emits its plain steps' tokens."""
+    from torch._dynamo.utils import counters
+
+    from test_compile import run_main, save_tiny_checkpoint
+    from yggtree.plan import artifact_dir, load_plan
+    from yggtree.runtime.aoti import PackageSet, static_blocks
+    from yggtree.runtime.build import build_plan_engine, fixed_policy
+    from yggtree.runtime.policy import FixedPolicy, StepChoice
+
+    save_tiny_checkpoint(tmp_path / "model", intermediate=64)  # int4@32 divides every input width
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
+    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 2, stdout
+    plan = load_plan(tmp_path / "compile" / "tiny-int4" / "plan.yaml")
+    engine, _ = build_plan_engine(plan, artifact_dir(plan))
+    assert isinstance(static_blocks(engine.target), PackageSet)
+    assert isinstance(engine.target.layers[0].mlp.down_proj, Int4Linear)
+    tree, plain = fixed_policy(engine, plan), FixedPolicy(StepChoice(0, 1), 1)
+    frames = counters["frames"]["total"]
+    for prompt in ([3, 4, 5], list(range(10, 23))):
+        params = SamplingParams(max_new_tokens=8)
+        want = engine.generate(prompt, params, policy=plain)
+        got = engine.generate(prompt, params, policy=tree)
+        assert got.token_ids == want.token_ids and got.stats["verify_calls"] < want.stats["verify_calls"]
+    assert counters["frames"]["total"] == frames  # the packages ran, dynamo never did
