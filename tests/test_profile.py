@@ -153,3 +153,37 @@ def test_time_rounds_interleaves_the_calls():
     assert all(t >= 0 for v in times.values() for t in v)
     calls = []
     assert len(time_ms(lambda: calls.append(1), 1, 4)) == 4 and len(calls) == 5
+
+
+def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, monkeypatch):
+    """`yggtree profile` of a plan with ``weights: int8`` times the quantized engine (its
+    quantized layers pack nothing: no padding to measure) and records the format; the cost
+    model takes it for that plan only, and a float plan's profile is refused for it."""
+    import yggtree.runtime.quant as quant
+    from yggtree.cli import main
+    from yggtree.plan import load_plan
+    from yggtree.runtime.cost import CostModel
+
+    formats, real = [], quant.quantize_linears
+    monkeypatch.setattr(quant, "quantize_linears", lambda m, fmt, *a: formats.append(fmt) or real(m, fmt, *a))
+    plan_path = tiny_plan_dir(tmp_path, PLAN + "weights: int8\n")
+    out = tmp_path / "profiles"
+    assert main(["profile", "--hw", "cpu-int8", "--plan", str(plan_path), "--quick", "--out-dir", str(out),
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    prof = json.loads((out / "cpu-int8.json").read_text())
+    assert prof["plan"]["weights"] == summary["weights"] == "int8"
+    assert formats == ["int8"] * 3  # the padding's model, then the timed engine's target and drafter
+    assert prof["packed_padding"]["products"] == 0 and summary["packed_min_rows"] == 1
+    int8 = load_plan(plan_path)
+    assert CostModel.from_profile(out / "cpu-int8.json", int8).t_verify(4, 10) > 0
+    float_plan = replace(int8, weights=None)
+    with pytest.raises(YggError, match=r"cpu-int8.json measured int8 weights, plan 'tiny' runs float32: "
+                                       r"each weight format has its own curves") as e:
+        CostModel.from_profile(out / "cpu-int8.json", float_plan)
+    assert "\n" not in str(e.value)
+    del prof["plan"]["weights"]  # a profile without the record measured float weights in its dtype
+    (out / "float.json").write_text(json.dumps(prof))
+    assert CostModel.from_profile(out / "float.json", float_plan).t_verify(4, 10) > 0
+    with pytest.raises(YggError, match=r"float.json measured float32 weights, plan 'tiny' runs int8"):
+        CostModel.from_profile(out / "float.json", int8)

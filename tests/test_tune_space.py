@@ -392,8 +392,9 @@ def test_tune_searches_stages_and_weights_into_a_plan_that_loads(tiny, q):
     # the profile prices int8 only: a float envelope does not reuse it
     base = load_plan(tiny / "plan.yaml")
     space = ts.apply_overrides(ts.default_space(base, 1), ["weights=float32"])
-    assert profile_covers(out / "q.json", envelope_plan(base, space, "x"), 1) == \
-        "it measured int8 weights, not float32"
+    why = profile_covers(out / "q.json", envelope_plan(base, space, "x"), 1)
+    assert why.endswith("q.json measured int8 weights, plan 'x-envelope' runs float32: each weight format "
+                        "has its own curves; run `yggtree profile --plan ...` for this plan"), why
 
 
 def test_a_format_the_profile_did_not_measure_is_measured_not_predicted(tiny):
@@ -410,7 +411,7 @@ def test_a_format_the_profile_did_not_measure_is_measured_not_predicted(tiny):
         a = t.user_attrs
         if t.params["weights"] == "int8":
             assert a["unpriced"] == ("weights int8: the profile measured float32 weights; no prediction, "
-                                     "measured directly")
+                                     "measured directly with the envelope tree")
             assert "predicted_tps" not in a and 0 not in t.intermediate_values
             assert a.get("pruned_at") != "predicted" and "infeasible" not in a
             assert t.state == TrialState.COMPLETE or "duplicate_of" in a or a["pruned_at"].startswith("measured")
@@ -422,6 +423,8 @@ def test_a_format_the_profile_did_not_measure_is_measured_not_predicted(tiny):
     plan = load_plan(out / "mix.yaml")
     best = json.loads((out / "mix.tuning.json").read_text())["best"]["fields"]
     assert (plan.stages, ts.plan_weights(plan)) == ("sequential@1", best["weights"])
+    # a plan's objective refuses a profile of another format: an int8 winner names none
+    assert (plan.profile is None and plan.calibration is None) == (best["weights"] == "int8")
 
 
 def test_without_stage_forms_only_sequential_at_the_threads_is_sampled(tiny, q, capsys):

@@ -165,18 +165,20 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
 
 
 def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
-    """:func:`time_padding` on ``plan``'s target, loaded and packed here, in ``threads`` threads
-    (a plan for an accelerator packs nothing: no padding)."""
+    """:func:`time_padding` on ``plan``'s target, loaded in the plan's weight format and packed
+    here, in ``threads`` threads (a plan for an accelerator packs nothing, nor do quantized
+    layers: no padding)."""
     import torch
 
+    from ..runtime.build import pack_models
     from ..runtime.loading import load_model, resolve_model
-    from ..runtime.packed import pack_linears
 
     if plan.backend not in ("inductor-cpu", "eager"):
         return {"min_rows": 1, "products": 0, "median_ms": {}}
     torch.set_num_threads(threads)
-    model = load_model(resolve_model(plan.target), plan.dtype)
-    pack_linears(model)
+    src = resolve_model(plan.target)
+    model = load_model(src, plan.dtype)
+    pack_models(model, None, weights=plan.weights, src=src)  # a quantized plan packs what stays float
     return time_padding(model, warmup=warmup, repeats=repeats)
 
 
@@ -535,6 +537,7 @@ def profile_summary(profile: dict, dst: Path, png: Path | None, elapsed_s: float
         "device": hw["device_name"],
         "threads": hw["threads"],
         "dtype": profile["software"]["dtype"],
+        "weights": profile["plan"]["weights"],
         "points": len(profile["points"]),
         "verify_ms_w1": {str(c): round(cost.t_verify(1, c), 2) for c in contexts},
         "packed_min_rows": profile[PADDING_KEY]["min_rows"],

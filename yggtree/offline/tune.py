@@ -161,8 +161,7 @@ def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
     from ..data import calibration_chat_prompts
     from ..runtime.loading import encode_auto, load_tokenizer, resolve_model
     from ..runtime.calibration import Calibration
-    from ..runtime.cost import CostModel
-    from .tune_artifacts import profile_weights
+    from ..runtime.cost import CostModel, profile_weights
     from .tune_objective import token_contexts
 
     cost = CostModel.from_profile(profile, env)
@@ -188,6 +187,15 @@ def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
         raise YggError(f"the profile {profile} prices none of the space's stage plans: "
                        f"{next(iter(unpriced.values()))}")
     return replace(inp, stages=stages, unpriced_stages=unpriced)
+
+
+def objective_files(inp: Inputs, fields: dict) -> tuple[str | None, str | None]:
+    """The profile and calibration a candidate plan names: none when it runs another weight
+    format than the profile measured (a plan's latency objective refuses a profile of another
+    format, CostModel.from_profile): such a plan runs its envelope tree."""
+    if fields["weights"] != inp.profile_weights:
+        return None, None
+    return str(inp.profile), str(inp.calibration)
 
 
 def _fields_key(fields: dict) -> str:
@@ -224,7 +232,7 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
     if why is None:
         try:
             # named as the tuned plan: the winner's compiled directory becomes compile/<hw>
-            plan = candidate_plan(s.base, fields, s.hw, str(inp.profile), str(inp.calibration))
+            plan = candidate_plan(s.base, fields, s.hw, *objective_files(inp, fields))
         except YggError as e:
             why = str(e)
     if why is not None:
@@ -240,7 +248,7 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
         return "pruned", None
     if fields["weights"] != inp.profile_weights:
         note("unpriced", f"weights {fields['weights']}: the profile measured {inp.profile_weights} "
-                         "weights; no prediction, measured directly")
+                         "weights; no prediction, measured directly with the envelope tree")
     else:
         note("stage_pricing", _stage_pricing(scale, s.threads, inp))
         pred = predicted_tokens_per_s(inp.cost, inp.calib, plan.draft_widths, plan.verify_widths,
@@ -461,16 +469,16 @@ def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
                        f"({len(rows)} finished, all pruned); run more trials (--trials)")
     best = max(done, key=lambda r: r["measured_tps"])
     plan_path = s.out_dir / f"{s.hw}.yaml"
-    plan = candidate_plan(s.base, best["fields"], s.hw, str(inp.profile), str(inp.calibration))
+    plan = candidate_plan(s.base, best["fields"], s.hw, *objective_files(inp, best["fields"]))
     t = time.perf_counter()
     reused = adopt_trial_graphs(s, plan, best["number"])
     _clean_trial_dirs(s, study)
     say(f"{'using the graphs compiled for' if reused else 'compiling'} the best plan (trial "
          f"{best['number']}) in {s.compile_root / s.hw}")
     if best["fields"]["weights"] != inp.profile_weights:
-        say(f"note: the plan runs {best['fields']['weights']} weights, its profile {inp.profile} measured "
-            f"{inp.profile_weights}: its latency objective prices trees with those curves (profile the "
-            "machine under this plan to let it price its own format)")
+        say(f"note: the plan runs {best['fields']['weights']} weights, the profile {inp.profile} measured "
+            f"{inp.profile_weights}: the plan names no profile or calibration and runs its envelope tree "
+            "(profile and calibrate under this plan to give it the latency objective)")
     # check_outputs made sure compile/<hw> is absent, this study's, or --force was given
     summary = compile_plan(plan, s.compile_root, replace=True, console=Console(stderr=True))
     phases["compile"] = round(time.perf_counter() - t, 2)

@@ -49,18 +49,7 @@ def profile_covers(path: Path, plan, threads: int) -> str | None:
     have = max(prof.get("grid", {}).get("widths", [0]))
     if have < need:
         return f"it measured widths up to {have}, the space needs {need}"
-    from .tune_space import plan_weights
-
-    if profile_weights(prof, plan.dtype) != plan_weights(plan):
-        return f"it measured {profile_weights(prof, plan.dtype)} weights, not {plan_weights(plan)}"
-    return None
-
-
-def profile_weights(prof: dict, dtype: str) -> str:
-    """The weight format a profile measured (its ``plan.weights``; absent: float in ``dtype``)."""
-    plan = prof.get("plan")
-    fmt = plan.get("weights") if isinstance(plan, dict) else None
-    return fmt if isinstance(fmt, str) else dtype
+    return None  # (another weight format than the plan's: CostModel.from_profile refuses it)
 
 
 def calibration_covers(path: Path, plan) -> str | None:

@@ -20,7 +20,9 @@
    Weight format: the profile measured one format (its ``plan.weights``; before the field, float
    in the dtype). Its curves do not price another: a trial of another format gets no predicted
    value (user attribute ``unpriced``) and goes to the measured fidelity directly, still pruned
-   at its measured rungs. Such a trial costs a compile and a measurement whatever its plan.
+   at its measured rungs, with its envelope tree (its plan names no profile: a plan's latency
+   objective refuses a profile of another format). Such a trial costs a compile and a
+   measurement whatever its plan.
 2. Measured (leading candidates only): the compiled candidate decodes held-out calibration
    prompts (never MT-Bench or HumanEval), greedy, with its latency objective; decode tokens/s
    (prefill excluded) after each rung of prompts (1, 2, 4, ... prompts), so a pruner can stop

@@ -4,8 +4,9 @@ Latencies come from a measured profile (``yggtree profile``), never from constan
 :class:`CostModel` reads the fitted curves (monotone piecewise-linear in width, one :class:`Curve`
 per context bucket: attention reads the whole bucket, so within a bucket the context length does
 not matter) and the non-model stages' times. A profile is refused when it was measured for other
-models, another dtype or backend than the plan's, or on another device. Nothing here imports the
-offline package or scikit-learn.
+models, another dtype, backend or weight format than the plan's (a quantized format's products
+scale with the rows unlike float ones: each format is profiled under its own plan), or on another
+device. Nothing here imports the offline package or scikit-learn.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from ..errors import YggError
 from .artifacts import PROFILE_KIND, first_difference, read_artifact, timing_identity
 from .device import detect_device, measured_on
 
-__all__ = ["Curve", "CostModel"]
+__all__ = ["Curve", "CostModel", "profile_weights"]
+
+
+def profile_weights(prof: dict, dtype: str) -> str:
+    """The weight format a profile measured (its ``plan.weights``; absent: float in ``dtype``)."""
+    plan = prof.get("plan")
+    fmt = plan.get("weights") if isinstance(plan, dict) else None
+    return fmt if isinstance(fmt, str) else dtype
 
 
 @dataclass(frozen=True)
@@ -118,8 +126,8 @@ class CostModel:
     @classmethod
     def from_profile(cls, path: str | Path, plan) -> "CostModel":
         """Load ``path`` for ``plan``; YggError if missing, malformed, or measured for other
-        models / another dtype or backend than the plan's. The plan's drafter sets
-        ``feeds_leaves``."""
+        models / another dtype, backend or weight format (:func:`profile_weights`) than the
+        plan's. The plan's drafter sets ``feeds_leaves``."""
         d = read_artifact(path, "profile", PROFILE_KIND)
         where = f"profile {path}"
         ident = d.get("identity")
@@ -130,6 +138,12 @@ class CostModel:
                 f"{where} was measured for another setup than plan {plan.name!r} (differs in "
                 f"{key}: profile {ident.get(key) if isinstance(ident, dict) else None!r} vs plan "
                 f"{want.get(key)!r}); run `yggtree profile --plan ...` for this plan"
+            )
+        if profile_weights(d, plan.dtype) != (plan.weights or plan.dtype):
+            raise YggError(
+                f"{where} measured {profile_weights(d, plan.dtype)} weights, plan {plan.name!r} runs "
+                f"{plan.weights or plan.dtype}: each weight format has its own curves; run `yggtree "
+                "profile --plan ...` for this plan"
             )
         hw = d.get("hardware")
         if isinstance(hw, dict) and hw.get("device_name") is not None:
