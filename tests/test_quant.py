@@ -243,6 +243,31 @@ def test_missing_kernel_is_refused(monkeypatch):
         quantize_linears(tiny(), "int4", 32)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_format_this_machine_cannot_run_is_refused_before_loading(fmt, tmp_path, monkeypatch, capsys):
+    """`yggtree run --weights FMT` where the kernel does not run (here: made to fail) says so in
+    one line and exits 1 before any model loads."""
+    pytest.importorskip("transformers")
+    import yggtree.runtime.loading as loading
+    import yggtree.runtime.quant as q
+    from test_compile import save_tiny_checkpoint
+    from yggtree.cli import main
+
+    def no_kernel(self, x):
+        raise RuntimeError("the kernel is not compiled for this CPU\nsecond line")
+
+    save_tiny_checkpoint(tmp_path / "model", intermediate=64)
+    monkeypatch.setattr(q.Int8Linear if fmt == "int8" else q.Int4Linear, "forward", no_kernel)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    capsys.readouterr()
+    argv = ["run", "--model", str(tmp_path / "model"), "--raw", "--prompt", "t5 t6", "--max-new-tokens", "2",
+            "--mode", "reference"]
+    assert main([*argv, "--weights", fmt]) == 1
+    name = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
+    assert capsys.readouterr().err == (f"yggtree: error: weights {fmt}: this torch/CPU cannot run aten.{name} "
+                                       "on bfloat16 activations (the kernel is not compiled for this CPU)\n")
+
+
 def test_a_kernel_that_is_not_batch_invariant_refuses_speculation(monkeypatch):
     m = quantized("int8")
     real = Int8Linear.forward

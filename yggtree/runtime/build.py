@@ -174,7 +174,13 @@ def build_engine(spec: EngineSpec, prepare=None):
     (``build_plan_engine`` installs the plan's compiled graphs there)."""
     # impossible sizes and trees are refused before anything loads
     check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
-    weight_format(spec.weights, spec.dtype)  # an unknown format or group size, before loading
+    fmt, _ = weight_format(spec.weights, spec.dtype)  # an unknown format or group size, before loading
+    if fmt not in ("float32", "bfloat16"):  # ... and a kernel this torch/CPU does not run
+        import torch
+
+        from .quant import check_kernel
+
+        check_kernel("int8" if fmt == "int8" else "int4", getattr(torch, spec.dtype))
     src = resolve_model(spec.model)
     target = load_model(src, spec.dtype)
     tokenizer = load_tokenizer(src)
