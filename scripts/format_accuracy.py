@@ -3,7 +3,8 @@
 output, reported rather than hidden.
 
 For every ``--formats`` entry (runtime/quant.py; ``float32`` is the reference) the target is
-loaded in float32 activations with that weight format and measured on:
+loaded in a float32 run with that weight format (its products on bfloat16 activations,
+runtime/quant.py) and measured on:
 
 - greedy token agreement: plain greedy decoding (the engine, reference mode) of the first
   ``--prompts`` evaluation prompts (MT-Bench first turns, then HumanEval, chat template applied)
@@ -89,7 +90,7 @@ def measure(load, formats: list[str], prompts: list[list[int]], tokens: int, chu
 
 
 def loader(model_name: str):
-    """``load(fmt)`` for the real model: float32 activations, ``fmt`` weights (build.quantize_models)."""
+    """``load(fmt)`` for the real model: a float32 run, ``fmt`` weights (build.quantize_models)."""
     from yggtree.runtime.build import quantize_models
     from yggtree.runtime.loading import load_model, resolve_model
 
