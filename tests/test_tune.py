@@ -69,7 +69,8 @@ def tune_args(root: Path, hw: str, trials: int = 6, storage: str | None = None, 
               extra: tuple = ()) -> list[str]:
     args = ["tune", "--hw", hw, "--plan", str(root / "plan.yaml"), "--trials", str(trials),
             "--out-dir", str(root / "profiles"), "--compile-root", str(root / "compile"),
-            "--measure-prompts", "2", "--max-new-tokens", "6", "--calibration-prompts", "2",
+            "--measure-prompts", "2", "--confirm-prompts", "3", "--max-new-tokens", "6",
+            "--calibration-prompts", "2",
             "--quick-profile", *SPACE, *extra]
     if storage:
         args += ["--storage", storage]
@@ -101,6 +102,19 @@ def sqlite(root: Path, name: str) -> str:
     return f"sqlite:///{root / 'profiles' / name}"
 
 
+def base_trials(trials) -> list:
+    """The trials enqueued as the base plan's (user attribute ``base``)."""
+    return [t for t in trials if t.user_attrs.get("base")]
+
+
+def tiny_base_fields() -> dict:
+    import yaml
+
+    from yggtree.plan import validate_plan
+
+    return ts.base_fields(validate_plan(yaml.safe_load(PLAN) | {"target": "default"}), 1)
+
+
 # ----------------------------------------------------------------------------- pure pieces
 
 
@@ -129,6 +143,58 @@ def test_space_overrides_and_constraints():
     assert "prefill" in ts.infeasible(ok | {"prefill_chunk": 128}, 96)
 
 
+def test_base_plan_parameters():
+    import yaml
+
+    from yggtree.plan import validate_plan
+
+    base = validate_plan(yaml.safe_load(PLAN) | {"target": "default", "verify_widths": [2, 4]})
+    space = ts.apply_overrides(ts.default_space(base, 1), ["d_max=1..2", "top_k=2,4", "lookup=0,2"])
+    fields = ts.base_fields(base, 1)
+    assert fields["stages"] == "sequential@1" and fields["weights"] == "float32"
+    params, why = ts.trial_params(space, base.max_context, fields)
+    assert why is None and params["d_max_index"] == 1 and params["top_k"] == 2
+    study = optuna.create_study(direction="maximize")  # the sampler draws exactly the base plan
+    study.enqueue_trial(params)
+    assert ts.plan_fields(ts.suggest(study.ask(), space, base.max_context), space) == fields
+    for over, msg in ((["top_k=4,8"], "its top_k 2 is not in the search space"),
+                      (["d_max=1"], "its d_max 2 is not in the search space"),  # a fixed dimension
+                      (["verify_widths=2"], "its verify_widths 2,4 is not in the search space")):
+        assert ts.trial_params(ts.apply_overrides(space, over), base.max_context, fields) == (None, msg)
+    assert ts.trial_params(space, base.max_context, fields, ("ahead@1",)) == (
+        None, "its stages sequential@1 is not in the search space")  # not a priced stage plan
+    auto = validate_plan(yaml.safe_load(PLAN) | {"target": "default", "stages": "auto"})
+    assert ts.trial_params(space, base.max_context, ts.base_fields(auto, 1))[0] is None
+
+
+def test_confirmation_picks_and_compares():
+    from yggtree.offline.tune_objective import rotated
+    from yggtree.offline.tune_report import confirm_candidates, confirm_summary
+
+    assert [rotated([1, 2, 3], i) for i in range(4)] == [[1, 2, 3], [2, 3, 1], [3, 1, 2], [1, 2, 3]]
+    base = {"d_max": 1}
+    rows = [{"number": i, "state": st, "measured_tps": v, "fields": f, "infeasible": False}
+            for i, st, v, f in ((0, "pruned", 5.0, base), (1, "complete", 9.0, {"d_max": 2}),
+                                (2, "complete", 8.0, {"d_max": 3}), (3, "complete", 7.0, {"d_max": 4}),
+                                (4, "pruned", None, {"d_max": 5}))]
+    assert [r["number"] for r in confirm_candidates(rows, base, 2)] == [1, 2, 0]  # top 2, then the base
+    assert [r["number"] for r in confirm_candidates(rows, {"d_max": 3}, 2)] == [1, 2]  # base among them
+    assert [r["number"] for r in confirm_candidates(rows, None, 5)] == [1, 2, 3]
+
+    def row(a, b):  # tokens/s of systems 0 and 1 on one prompt, 11 tokens
+        return {0: {"new_tokens": 11, "decode_s": 10 / a}, 1: {"new_tokens": 11, "decode_s": 10 / b}}
+
+    noisy = [row(10, 13), row(10, 9), row(20, 22), row(20, 19)]  # 1 is faster overall, within noise
+    out = confirm_summary(noisy, [1, 0], ref=0)
+    assert out["winner"] == 1 and out["beat_base"] == []
+    c = out["candidates"]
+    assert c[0]["base"] and c[0]["ratio_to_base"] == 1.0
+    assert c[1]["ratio_to_base"] > 1 and c[1]["ci95"][0] < 1 < c[1]["ci95"][1]
+    assert c[1]["confirmed_tps"] == pytest.approx(40 / (10 / 13 + 10 / 9 + 10 / 22 + 10 / 19))
+    clear = [row(10, 12), row(20, 24), row(15, 18), row(12, 14.4)]  # 1.2x on every prompt
+    assert confirm_summary(clear, [0, 1], ref=0)["beat_base"] == [1]
+
+
 def test_pruning_rules_front_and_rungs():
     assert should_measure(5.0, [1.0, 9.0, 8.0], top=3) and not should_measure(5.0, [6, 9, 8], top=3)
     assert not should_stop(1.0, []) and should_stop(1.0, [2.0, 3.0]) and not should_stop(2.5, [2.0, 3.0])
@@ -152,6 +218,16 @@ def test_tune_writes_plan_report_plots_and_reuses_artifacts(root, capsys):
     report = json.loads((out / "first.tuning.json").read_text())
     assert report["reused"] == {"profile": "measured", "calibration": "measured"}
     assert report["trials"]["total"] == 4 and report["best"]["measured_tps"] > 0
+    # the base plan is trial 0; the confirmation measured the best trials and it again
+    trials = load(sqlite(root, "first.study.db"), "first").trials
+    assert [t.number for t in base_trials(trials)] == [0]
+    assert trials[0].user_attrs["fields"] == tiny_base_fields()
+    conf = report["confirm"]
+    assert conf["base_trial"] == 0 and conf["reference"] == 0 and conf["prompts"] == 3
+    assert 0 in [c["number"] for c in conf["candidates"]] and conf["winner"] == report["best"]["number"]
+    assert all(c["confirmed_tps"] > 0 and len(c["ci95"]) == 2 for c in conf["candidates"])
+    assert report["best"]["confirmed_tps"] == max(c["confirmed_tps"] for c in conf["candidates"])
+    assert "confirm" in report["phases_s"] and report["prompts"]["confirm_prompts"] == 3
     for kind in ("history", "importances", "pareto"):
         assert (out / f"first.{kind}.png").is_file() or report["plots"][kind] is None
     assert (out / "first.pareto.png").is_file() and report["pareto_front"]
@@ -168,6 +244,7 @@ def test_tune_writes_plan_report_plots_and_reuses_artifacts(root, capsys):
     trials = load(sqlite(root, "second.study.db"), "second").trials
     assert [t.number for t in trials] == list(range(5))
     assert all(t.state.is_finished() for t in trials)
+    assert [t.number for t in base_trials(trials)] == [0]  # enqueued once, not per run
 
 
 def test_resume_after_kills_between_and_inside_trials(root):
@@ -196,9 +273,18 @@ def test_resume_after_kills_between_and_inside_trials(root):
     assert not (out / "resume.yaml").exists()  # no plan before the search ends
     assert not [f for f in out.iterdir() if ".partial" in f.name]
     done_before = {t.number: t.params for t in study.trials if t.state.is_finished()}
-    # 3. the rerun continues the study and finishes it
+    # 3. the rerun continues the study to its end, then is killed in the confirmation: no plan
+    p = run_driver(args, "confirm", 0)
+    wait(p)
+    assert p.returncode == -9
+    searched = load(url, "resume").trials
+    assert len(searched) == 8 and all(t.state.is_finished() for t in searched)
+    assert not (out / "resume.yaml").exists()
+    assert not [f for f in out.iterdir() if ".partial" in f.name]
+    # 4. the last rerun runs no trial, redoes the confirmation and writes the plan
     assert main(args) == 0
     trials = load(url, "resume").trials
+    assert len(trials) == 8
     assert [t.number for t in trials] == list(range(len(trials)))  # numbers continue, no gaps
     by_number = {t.number: t for t in trials}
     assert by_number[killed.number].state == TrialState.FAIL
@@ -209,6 +295,7 @@ def test_resume_after_kills_between_and_inside_trials(root):
         assert by_number[n].params == params and by_number[n].state.is_finished()
     live = [t for t in trials if t.number != killed.number]
     assert len(live) == 7 and all(t.state.is_finished() for t in live)
+    assert [t.number for t in base_trials(trials)] == [0]  # enqueued once over four runs
     assert (out / "resume.yaml").is_file()
 
 
@@ -233,6 +320,7 @@ def test_two_processes_share_one_sqlite_study(root):
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     pids = {t.user_attrs["owner"]["pid"] for t in trials}
     assert len(pids) == 2  # both processes ran trials
+    assert [t.number for t in base_trials(trials)] == [0]  # two workers enqueue it once
     # the coordinating command then finds the budget spent and writes the plan
     assert main(tune_args(root, "pair", trials=n)) == 0
     assert len(load(sqlite(root, "pair.study.db"), "pair").trials) == n
@@ -241,6 +329,97 @@ def test_two_processes_share_one_sqlite_study(root):
     trials = load(sqlite(root, "pair.study.db"), "pair").trials
     assert [t.number for t in trials] == list(range(n + 4))
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    assert [t.number for t in base_trials(trials)] == [0]
+
+
+def test_confirmation_decides_on_other_prompts(root, monkeypatch, capsys):
+    """The trials' winner measured fast on its few prompts but is slow on the confirmation's:
+    the plan written is the candidate fastest there, and no prompt is used twice."""
+    import hashlib
+
+    import yggtree.data as data
+    import yggtree.offline.tune_objective as to
+    from yggtree.cli import main
+    from yggtree.plan import load_plan
+    from yggtree.runtime.loading import encode_auto, load_tokenizer, resolve_model
+
+    def prompts(n, *a, **k):  # distinct token ids per prompt (the tiny vocabulary is t0..t127)
+        return [data.Prompt(id=f"calib/{i}", text=f"t{i % 120 + 1} t{i // 120 + 1} t7 t8") for i in range(n)]
+
+    def speed(plan) -> float:  # a fixed, distinct speed per plan on the trials' prompts
+        key = repr((plan.draft_widths, plan.verify_widths, plan.d_max, plan.top_k, plan.lookup,
+                    plan.prefill_chunk, plan.stages, plan.weights))
+        return 20 + int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 1000 / 20
+
+    seen = {"trials": [], "confirm": []}
+    phase = ["trials"]
+    real_side = to.measure_side_by_side
+
+    def side_by_side(*a, **k):
+        phase[0] = "confirm"
+        return real_side(*a, **k)
+
+    def decode(runner, ids):  # the confirmation reverses the trials' ranking
+        v = speed(runner.plan) if phase[0] == "trials" else 100 - speed(runner.plan)
+        seen[phase[0]].append((runner.plan, tuple(ids)))
+        return to.Decoded(6, 5 / v, 3)
+
+    monkeypatch.setattr(data, "calibration_chat_prompts", prompts)
+    monkeypatch.setattr(to, "measure_side_by_side", side_by_side)
+    monkeypatch.setattr(to, "decode_once", decode)
+    capsys.readouterr()
+    assert main(tune_args(root, "conf", trials=6)) == 0
+    cap = capsys.readouterr()
+    summary = json.loads(cap.out.strip().splitlines()[-1])
+    report = json.loads((root / "profiles" / "conf.tuning.json").read_text())
+    conf = report["confirm"]
+    cands = {c["number"]: c for c in conf["candidates"]}
+    rows = {r["number"]: r for r in report["rows"]}
+    done = [r for r in rows.values() if r["state"] == "complete"]
+    trial_best = max(done, key=lambda r: r["measured_tps"])["number"]
+    assert len(cands) >= 2 and trial_best in cands and conf["base_trial"] == 0 in cands
+    assert set(cands) == {r["number"] for r in sorted(done, key=lambda r: -r["measured_tps"])[:3]} | {0}
+    # the winner is the candidate slowest on the trials' prompts, fastest on the confirmation's
+    expected = min(cands, key=lambda n: rows[n]["measured_tps"])
+    assert summary["best_trial"] == conf["winner"] == expected != trial_best
+    assert report["best"]["number"] == expected and "confirm" in report["phases_s"]
+    for n, c in cands.items():
+        assert c["confirmed_tps"] == pytest.approx(100 - rows[n]["measured_tps"])
+        assert c["ratio_to_base"] == pytest.approx(c["confirmed_tps"] / cands[0]["confirmed_tps"])
+    plan = load_plan(root / "profiles" / "conf.yaml")
+    won = rows[expected]["fields"]
+    assert (plan.d_max, plan.top_k, plan.lookup, plan.prefill_chunk) == (
+        won["d_max"], won["top_k"], won["lookup"], won["prefill_chunk"])
+    assert "confirmed on 3 held-out calibration prompts" in (root / "profiles" / "conf.yaml").read_text()
+    assert "confirmed tok/s" in cap.out  # the rich table
+    # prompts: the calibration's first, then the trials', then the confirmation's; none shared
+    calibration = next((root / "profiles").glob("*.calibration/calibration.json"))  # the one reused
+    n_cal = json.loads(calibration.read_text())["data"]["prompts"]
+    tok = load_tokenizer(resolve_model(str(root / "model")))
+    index = {tuple(encode_auto(tok, p.text)): i for i, p in enumerate(prompts(40))}
+    trial_prompts = {index[ids] for _, ids in seen["trials"]}
+    confirm_prompts = [index[ids] for _, ids in seen["confirm"]]
+    assert trial_prompts <= {n_cal, n_cal + 1}
+    assert sorted(set(confirm_prompts)) == [n_cal + 2, n_cal + 3, n_cal + 4]
+    # every candidate on a prompt before the next prompt, the order rotating
+    k = len(cands)
+    assert confirm_prompts == [p for p in sorted(set(confirm_prompts)) for _ in range(k)]
+    order = [[speed(pl) for pl, _ in seen["confirm"][i * k:(i + 1) * k]] for i in range(3)]
+    assert order[1] == order[0][1:] + order[0][:1] and sorted(order[0]) == sorted(order[1])
+
+
+def test_base_plan_outside_the_space_is_named(root, capsys):
+    from yggtree.cli import main
+
+    capsys.readouterr()
+    assert main(tune_args(root, "nobase", trials=3, extra=("--space", "prefill_chunk=8"))) == 0
+    err = capsys.readouterr().err
+    line = "the base plan 'tiny' is not a candidate: its prefill_chunk 4 is not in the search space"
+    assert f"tune: {line}" in err.splitlines(), err
+    trials = load(sqlite(root, "nobase.study.db"), "nobase").trials
+    assert not base_trials(trials) and len(trials) == 3
+    conf = json.loads((root / "profiles" / "nobase.tuning.json").read_text())["confirm"]
+    assert conf["base_trial"] is None and "not a trial" in conf["note"]
 
 
 # ----------------------------------------------------------------------------- bad input

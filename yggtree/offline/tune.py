@@ -19,13 +19,22 @@ Phases (each reports its wall time; every valid artifact found is reused and nam
    the profile did not measure has no prediction: measured directly); compile seconds and
    artifact bytes recorded per measured trial. ``--workers N`` runs N local processes on the
    study; more processes or machines may join with the same ``--storage`` and ``--study``.
-4. compile + report: the best measured trial becomes ``profiles/NAME.yaml`` (written last,
+   The base plan's own values (``--plan``, else the default plan) are the study's first trial,
+   enqueued once per study (:func:`.tune_study.enqueue_base`) when the space holds them.
+4. confirm: the ``--measure-top`` best measured trials and the base plan's trial decode
+   ``--confirm-prompts`` further held-out calibration prompts side by side (one engine each,
+   warmed once; every candidate on a prompt before the next, the order rotating); the fastest
+   over those prompts wins, its speed over the base plan's given with a 95% bootstrap interval
+   over prompts. The highest of several few-prompt trial measurements alone is a winner's
+   curse: per-prompt speed varies about 2x with the prompt.
+5. compile + report: the winner becomes ``profiles/NAME.yaml`` (written last,
    whole or not at all), compiled into ``compile/NAME/``; ``profiles/NAME.tuning.json`` (phases,
-   best trials, Pareto front of speed vs graphs to compile), a rich table and PNGs
-   (``NAME.history.png``, ``NAME.importances.png``, ``NAME.pareto.png``).
+   best trials, the confirmation, Pareto front of speed vs graphs to compile), a rich table and
+   PNGs (``NAME.history.png``, ``NAME.importances.png``, ``NAME.pareto.png``).
 
 A stopped tune resumes: run the same command again (trials continue under new numbers; a trial a
-killed process left RUNNING is re-run; completed trials never are). Nothing a user made is
+killed process left RUNNING is re-run; completed trials never are; the confirmation, which
+stores nothing, runs again). Nothing a user made is
 overwritten without ``--force`` (a plan, profile or compiled directory this study did not write).
 Evaluation prompts (MT-Bench, HumanEval) are never used: every prompt is a calibration prompt.
 """
@@ -76,6 +85,7 @@ class Setup:
     trials: int
     measure_top: int
     measure_prompts: int
+    confirm_prompts: int
     max_new_tokens: int
     prompt_tokens: int
     seed: int
@@ -147,7 +157,8 @@ class Inputs:
     cost: object
     calib: object
     contexts: list
-    measure_ids: list
+    measure_ids: list  # the trials' held-out prompts
+    confirm_ids: list  # the confirmation's: held out from the calibration and the trials
     profile: Path
     calibration: Path
     forms: dict | None  # the profile's stage forms (None: it has none)
@@ -157,7 +168,9 @@ class Inputs:
 
 
 def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
-    """Cost model, calibration, the calibration prompts' contexts and the held-out prompts."""
+    """Cost model, calibration, the calibration prompts' contexts and the held-out prompts: in
+    ``calibration_chat_prompts`` order the calibration's own, then the trials', then the
+    confirmation's (never MT-Bench or HumanEval)."""
     from ..data import calibration_chat_prompts
     from ..runtime.loading import encode_auto, load_tokenizer, resolve_model
     from ..runtime.calibration import Calibration
@@ -169,13 +182,14 @@ def load_inputs(s: Setup, env, profile: Path, calibration: Path) -> Inputs:
     calib = Calibration.load(calibration, env)
     n_cal = int(json.loads(calibration.read_text()).get("data", {}).get("prompts", 0)) or 1
     tok = load_tokenizer(resolve_model(s.base.target))
-    prompts = calibration_chat_prompts(n_cal + s.measure_prompts)
+    prompts = calibration_chat_prompts(n_cal + s.measure_prompts + s.confirm_prompts)
     ids = [encode_auto(tok, p.text) for p in prompts]
     contexts = token_contexts([len(x) for x in ids[:n_cal]], s.max_new_tokens, s.base.max_context)
     cap = min(s.prompt_tokens, s.base.max_context - s.max_new_tokens - 1)
     held = [x[-cap:] for x in ids[n_cal:]]  # never the prompts the calibration was fitted on
-    inp = Inputs(cost, calib, contexts, held, profile, calibration, prof.get("stage_forms"),
-                 profile_weights(prof, env.dtype))
+    trial_ids, confirm_ids = held[:s.measure_prompts], held[s.measure_prompts:]
+    inp = Inputs(cost, calib, contexts, trial_ids, confirm_ids, profile, calibration,
+                 prof.get("stage_forms"), profile_weights(prof, env.dtype))
     unpriced = {}
     for label in s.space.stages:  # priced over the envelope's shapes: then over every plan's
         try:
@@ -321,14 +335,39 @@ def _stage_pricing(scale, threads: int, inp: Inputs) -> str:
 
 
 def _keep_best_dirs(s: Setup, study) -> None:
-    """Remove the compiled directories of completed trials slower than the best one."""
-    from optuna.trial import TrialState
+    """Remove the compiled directories of completed trials the confirmation will not measure
+    (:func:`.tune_report.confirm_candidates`)."""
+    from .tune_report import confirm_candidates, trial_rows
+    from .tune_space import base_fields
 
-    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    best = max(t.value for t in done)
-    for t in done:
-        if t.value < best:
-            shutil.rmtree(trial_root(s, t.number), ignore_errors=True)
+    rows = trial_rows(study)
+    keep = {r["number"] for r in confirm_candidates(rows, base_fields(s.base, s.threads), s.measure_top)}
+    for r in rows:
+        if r["state"] == "complete" and r["number"] not in keep:
+            shutil.rmtree(trial_root(s, r["number"]), ignore_errors=True)
+
+
+def trial_graphs(s: Setup, plan, number: int) -> Path | None:
+    """The compiled directory of trial ``number``'s ``plan`` (None: the eager backend), compiled
+    again when the trial left none that matches (a pruned trial, a study of an older tune)."""
+    from ..plan import check_artifacts
+    from .compile import compile_plan
+
+    if plan.backend == "eager":
+        return None
+    d = trial_root(s, number) / s.hw
+    if d.is_dir() and not check_artifacts(plan, d):
+        return d
+    shutil.rmtree(trial_root(s, number), ignore_errors=True)
+    return Path(compile_plan(plan, trial_root(s, number), force=True, console=_quiet_console())["dir"])
+
+
+def base_params(s: Setup, inp: Inputs) -> tuple[dict | None, str | None]:
+    """The optuna parameters of the base plan's own values, or (None, why) when the search
+    space (with the stage plans the profile prices) does not hold them."""
+    from .tune_space import base_fields, trial_params
+
+    return trial_params(s.space, s.base.max_context, base_fields(s.base, s.threads), inp.stages)
 
 
 def _clean_trial_dirs(s: Setup, study) -> None:
@@ -366,11 +405,14 @@ def search(s: Setup, inp: Inputs, worker: int = 0, deadline: float | None = None
     import optuna
     from optuna.trial import TrialState
 
-    from .tune_study import make_pruner, next_trial, open_study, retry
+    from .tune_study import enqueue_base, make_pruner, next_trial, open_study, retry
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=s.seed + worker, n_startup_trials=8, constant_liar=True)
     study = open_study(s.url, s.study, s.identity, sampler, make_pruner(s.measure_top))
+    params, _ = base_params(s, inp)
+    if params is not None:  # the base plan is always a candidate: the study's first trial
+        enqueue_base(study, s.url, params)
     n = 0
     while True:
         trial = next_trial(study, s.url, s.trials, STALE_S, deadline)
@@ -452,7 +494,52 @@ def _without_flag(argv: list[str], flag: str) -> list[str]:
 # ----------------------------------------------------------------------------- the winner
 
 
-def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
+def confirm(s: Setup, inp: Inputs, rows: list[dict], on_event=None) -> dict:
+    """The confirmation: the ``measure_top`` best measured trials and the base plan's trial
+    decode the confirmation prompts side by side (every candidate on a prompt before the next,
+    the order rotating; :func:`.tune_objective.measure_side_by_side`); the winner is the
+    fastest over those prompts. Returns the report's ``confirm`` section."""
+    from .tune_objective import measure_side_by_side
+    from .tune_report import confirm_candidates, confirm_summary
+    from .tune_space import base_fields, candidate_plan
+
+    base = base_fields(s.base, s.threads)
+    cands = confirm_candidates(rows, base, s.measure_top)
+    base_no = next((r["number"] for r in cands if r["fields"] == base), None)
+    ref = base_no if base_no is not None else cands[0]["number"]
+    plans = {}
+    for r in cands:
+        plan = candidate_plan(s.base, r["fields"], s.hw, *objective_files(inp, r["fields"]))
+        plans[r["number"]] = (plan, trial_graphs(s, plan, r["number"]))
+    say(f"confirming trials {', '.join(map(str, plans))} (base plan: "
+        f"{'trial ' + str(base_no) if base_no is not None else 'not a trial'}) side by side on "
+        f"{len(inp.confirm_ids)} other held-out calibration prompts x {s.max_new_tokens} tokens")
+    if on_event is not None:
+        on_event("confirm", ref)
+    per_prompt = measure_side_by_side(plans, inp.confirm_ids, s.max_new_tokens, s.threads)
+    summ = confirm_summary(per_prompt, list(plans), ref)
+    win, c = summ["winner"], summ["candidates"]
+    note = None
+    if base_no is None:
+        note = (f"the base plan is not a trial (not in the search space): ratios are to trial {ref}, "
+                "the trial phase's best")
+    elif not summ["beat_base"]:
+        written = ("is the base plan" if win == ref else f"trial {win} ({c[win]['confirmed_tps']:.1f} vs "
+                   f"{c[ref]['confirmed_tps']:.1f} tok/s), is within noise of the base")
+        note = (f"no candidate beat the base plan (trial {ref}) beyond its 95% interval over "
+                f"{len(per_prompt)} prompts: the plan written {written}")
+    say(note or f"confirmed: trial {win} at {c[win]['confirmed_tps']:.1f} tok/s, "
+        f"{c[win]['ratio_to_base']:.3f}x the base plan (95% CI {c[win]['ci95'][0]:.3f}-{c[win]['ci95'][1]:.3f})")
+    return {"prompts": len(per_prompt), "max_new_tokens": s.max_new_tokens,
+            "source": "yggtree.data.calibration_chat_prompts, after the calibration's and the trials'",
+            "base_trial": base_no, "reference": ref, "winner": win,
+            "beat_base": summ["beat_base"], "note": note,
+            "candidates": [{"number": r["number"], "fields": r["fields"], "trial_tps": r["measured_tps"]}
+                           | c[r["number"]] for r in cands],
+            "per_prompt": [{str(k): v for k, v in row.items()} for row in per_prompt]}
+
+
+def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict, on_event=None) -> dict:
     """Compile the best trial, write the plan, its report and plots; returns the summary."""
     from rich.console import Console
 
@@ -467,7 +554,12 @@ def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
     if not done:
         raise YggError(f"no trial of study {s.study!r} has completed a measurement yet "
                        f"({len(rows)} finished, all pruned); run more trials (--trials)")
-    best = max(done, key=lambda r: r["measured_tps"])
+    t = time.perf_counter()
+    conf = confirm(s, inp, rows, on_event)
+    phases["confirm"] = round(time.perf_counter() - t, 2)
+    confirmed = {c["number"]: c for c in conf["candidates"]}
+    best = next(r for r in rows if r["number"] == conf["winner"]) | {
+        k: v for k, v in confirmed[conf["winner"]].items() if k not in ("number", "fields")}
     plan_path = s.out_dir / f"{s.hw}.yaml"
     plan = candidate_plan(s.base, best["fields"], s.hw, *objective_files(inp, best["fields"]))
     t = time.perf_counter()
@@ -501,6 +593,7 @@ def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
                    "infeasible": sum(r["infeasible"] for r in rows),
                    "failed_or_killed": len(study.trials) - len(rows)},
         "best": best,
+        "confirm": conf,
         "pareto_front": [r for r in done if r["number"] in front_ids],
         "rows": rows,
         "compile": {"dir": summary["dir"], "status": summary["status"], "graphs": summary["n_graphs"],
@@ -508,15 +601,19 @@ def finish(s: Setup, inp: Inputs, key: str, phases: dict, reuse: dict) -> dict:
         "plots": plots,
         "prompts": {"source": "yggtree.data.calibration_chat_prompts",
                     "predicted_contexts": len(inp.contexts), "measured_prompts": len(inp.measure_ids),
+                    "confirm_prompts": len(inp.confirm_ids),
                     "max_new_tokens": s.max_new_tokens, "prompt_tokens": s.prompt_tokens},
     }
     write_text_atomic(stem.with_suffix(".tuning.json"), json.dumps(report, indent=1, default=str) + "\n")
     phases["report"] = round(time.perf_counter() - t, 2)
     write_plan_file(plan, plan_path, key, best, report)  # last: a plan exists only when all is done
     console = Console(file=sys.stdout, width=160)
-    console.print(best_table(rows, title=f"study {s.study}: best of {len(done)} measured trials"))
+    console.print(best_table(rows, title=f"study {s.study}: best of {len(done)} measured trials, "
+                             f"{len(confirmed)} confirmed on {conf['prompts']} prompts", confirmed=confirmed))
     return {"command": "tune", "plan": str(plan_path), "compiled": summary["dir"],
-            "best_trial": best["number"], "measured_tps": round(best["measured_tps"], 2),
+            "best_trial": best["number"], "confirmed_tps": round(best["confirmed_tps"], 2),
+            "ratio_to_base": round(best["ratio_to_base"], 4), "ci95": best["ci95"],
+            "measured_tps": best["measured_tps"] and round(best["measured_tps"], 2),
             "predicted_tps": best["predicted_tps"], "trials": report["trials"],
             "pareto_front": front_ids, "phases_s": phases, "reused": reuse,
             "report": str(stem.with_suffix(".tuning.json"))}
@@ -550,17 +647,25 @@ def write_plan_file(plan, path: Path, key: str, best: dict, report: dict) -> Pat
         f"{MARKER}{key}",
         f"# tuned by `yggtree tune --hw {report['hw']}` on {report['identity']['device']} "
         f"({report['identity']['threads']} thread(s)), {report['created']}",
-        f"# best trial {best['number']}: {best['measured_tps']:.1f} decode tok/s measured on held-out "
-        f"calibration prompts ({_predicted_text(best)}), {t['complete']} measured of "
-        f"{t['total']} trials; report: {path.stem}.tuning.json",
+        f"# best trial {best['number']}: {best['confirmed_tps']:.1f} decode tok/s confirmed on "
+        f"{report['confirm']['prompts']} held-out calibration prompts, {_vs_base(best)} ({_predicted_text(best)}), "
+        f"{t['complete']} measured of {t['total']} trials; report: {path.stem}.tuning.json",
     ]
     return write_text_atomic(path, "\n".join(head) + "\n" + body)
 
 
 def _predicted_text(best: dict) -> str:
+    trial = "" if best.get("measured_tps") is None else f"trial prompts {best['measured_tps']:.1f}, "
     if best.get("predicted_tps") is None:
-        return "not predicted: the profile did not measure its weight format"
-    return f"predicted {best['predicted_tps']}"
+        return trial + "not predicted: the profile did not measure its weight format"
+    return trial + f"predicted {best['predicted_tps']}"
+
+
+def _vs_base(best: dict) -> str:
+    if best["base"]:
+        return "the base plan"
+    lo, hi = best["ci95"]
+    return f"{best['ratio_to_base']:.3f}x the base plan (95% CI {lo:.3f}-{hi:.3f})"
 
 
 # ----------------------------------------------------------------------------- the command
@@ -568,8 +673,9 @@ def _predicted_text(best: dict) -> str:
 
 def run(args, on_event=None) -> int:
     """The ``tune`` subcommand (``on_event(name, trial_number)`` is called at each stage of a
-    trial: start, compile, measure, rung<N>, end, told (after its result is stored); the tests
-    stop processes there)."""
+    trial: start, compile, measure, rung<N>, end, told (after its result is stored); and
+    ``on_event("confirm", base_trial)`` before the confirmation decodes; the tests stop
+    processes there)."""
     from ..plan import default_plan, load_plan
     from ..runtime.device import detect_device
     from .profile import NAME_OK
@@ -604,7 +710,7 @@ def run(args, on_event=None) -> int:
     key = study_key(url, study_name)
     identity = study_identity(base, device, args.threads, space)
     s = Setup(args.hw, base, space, url, study_name, identity, out_dir, compile_root, args.threads,
-              args.trials, args.measure_top, args.measure_prompts, args.max_new_tokens,
+              args.trials, args.measure_top, args.measure_prompts, args.confirm_prompts, args.max_new_tokens,
               args.prompt_tokens, args.seed)
     open_study(url, study_name, identity)  # bad URLs and foreign studies: refused before any work
     if not args.search_only:
@@ -633,6 +739,9 @@ def run(args, on_event=None) -> int:
         return 0
     for label, why in inp.unpriced_stages.items():
         say(f"stages {label} not sampled: {why}")
+    params, why = base_params(s, inp)
+    if params is None:
+        say(f"the base plan {base.name!r} is not a candidate: {why}")
     say(f"searching {plan_count(replace(space, stages=inp.stages), base.max_context)} valid plans "
         f"(of {space.size()} combinations) in study {key} ({args.trials} trials, {args.workers} worker(s))")
     if args.workers > 1:
@@ -641,7 +750,7 @@ def run(args, on_event=None) -> int:
         n = search(s, inp, 0, deadline, on_event)
     phases["search"] = round(time.perf_counter() - t, 2)
     phases["search_trials_here"] = n
-    out = finish(s, inp, key, phases, reuse)
+    out = finish(s, inp, key, phases, reuse, on_event)
     out["wall_s"] = round(time.perf_counter() - t_all, 2)
     print(json.dumps(out), flush=True)
     return 0
@@ -658,7 +767,7 @@ def _worker_artifacts(env, hw: str, out_dir: Path, threads: int) -> tuple[Path, 
 
 
 def _check_args(args) -> None:
-    for name in ("trials", "measure_top", "measure_prompts", "max_new_tokens", "prompt_tokens",
+    for name in ("trials", "measure_top", "measure_prompts", "confirm_prompts", "max_new_tokens", "prompt_tokens",
                  "threads", "workers", "calibration_prompts"):
         if getattr(args, name) < 1:
             raise YggError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -687,7 +796,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local worker processes (default 1; workers x threads at most the usable cores)")
     p.add_argument("--measure-top", type=int, default=3,
                    help="measure a candidate when its prediction ranks among the N best so far (default 3)")
-    p.add_argument("--measure-prompts", type=int, default=4, help="held-out calibration prompts measured (default 4)")
+    p.add_argument("--measure-prompts", type=int, default=4,
+                   help="held-out calibration prompts a trial measures, in rungs 1, 2, 4, ... (default 4)")
+    p.add_argument("--confirm-prompts", type=int, default=12,
+                   help="other held-out calibration prompts on which the --measure-top best trials and the "
+                   "base plan are measured again side by side; the fastest is the plan (default 12)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per measured prompt (default 64)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="longest measured prompt (default 256 tokens)")
     p.add_argument("--calibration-prompts", type=int, default=12,

@@ -27,6 +27,10 @@
    prompts (never MT-Bench or HumanEval), greedy, with its latency objective; decode tokens/s
    (prefill excluded) after each rung of prompts (1, 2, 4, ... prompts), so a pruner can stop
    a losing candidate after its first prompts.
+3. Confirmed (the best measured trials and the base plan, after the search): the same engines
+   (:func:`open_runner`) decode other held-out calibration prompts side by side
+   (:func:`measure_side_by_side`), so that the plan written is not merely the luckiest of
+   several few-prompt measurements.
 """
 
 from __future__ import annotations
@@ -162,12 +166,30 @@ class Measurement:
     pruned: bool
 
 
-def measure_plan(plan, artifacts, prompt_ids: list[list[int]], max_new_tokens: int,
-                 report: Callable[[int, float], bool], threads: int = 1) -> Measurement:
-    """Decode ``prompt_ids`` with ``plan`` (its compiled ``artifacts``, or None for the eager
-    backend) and its latency objective, greedy. After each rung (:func:`rungs`) ``report(step,
-    tokens_per_s)`` is called (step = 1, 2, ...); when it returns True the measurement stops
-    (pruned). One untimed request warms the engine first."""
+@dataclass
+class Runner:
+    """A built engine ready to decode one plan (see :func:`open_runner`)."""
+
+    plan: object
+    engine: object
+    kw: dict  # generate()'s policy argument
+    params: object  # SamplingParams of a measured request
+    build_s: float  # engine build and warm-up
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One measured request: tokens generated, decode seconds (prefill excluded; the first new
+    token comes from prefill), verify calls."""
+
+    new_tokens: int
+    decode_s: float
+    steps: int
+
+
+def open_runner(plan, artifacts, max_new_tokens: int, warm_ids: list[int], threads: int = 1) -> Runner:
+    """The engine of ``plan`` (its compiled ``artifacts``, or None for the eager backend) with
+    its lookup and latency objective, greedy, warmed by one untimed request on ``warm_ids``."""
     import torch
 
     from ..runtime.build import build_plan_engine
@@ -181,26 +203,66 @@ def measure_plan(plan, artifacts, prompt_ids: list[list[int]], max_new_tokens: i
     if engine.drafter is not None:
         engine.set_lookup(plan.lookup)
     policy = plan_policy(plan)
-    params = SamplingParams(max_new_tokens=max_new_tokens)
     kw = {"policy": policy} if policy is not None else {}
-    engine.generate(prompt_ids[0], SamplingParams(max_new_tokens=min(4, max_new_tokens)), **kw)
-    build_s = time.perf_counter() - t0
-    dec_n, dec_s, steps, n_new = 0, 0.0, 0, 0
-    done, pruned = 0, False
+    engine.generate(warm_ids, SamplingParams(max_new_tokens=min(4, max_new_tokens)), **kw)
+    return Runner(plan, engine, kw, SamplingParams(max_new_tokens=max_new_tokens), time.perf_counter() - t0)
+
+
+def decode_once(runner: Runner, ids: list[int]) -> Decoded:
+    """Decode one prompt with ``runner`` and time it (the engine's own decode tokens/s)."""
+    s = runner.engine.generate(ids, runner.params, **runner.kw).stats
+    n = s["new_tokens"]
+    dec = (n - 1) / s["decode_tokens_per_s"] if n > 1 and s.get("decode_tokens_per_s") else 0.0
+    return Decoded(n, dec, s.get("verify_calls", n))
+
+
+def decode_rate(rows: list[Decoded]) -> float:
+    """Decode tokens/s over requests: tokens after the first over decode seconds, summed."""
+    n = sum(r.new_tokens - 1 for r in rows if r.decode_s > 0)
+    t = sum(r.decode_s for r in rows)
+    return n / t if t else 0.0
+
+
+def measure_plan(plan, artifacts, prompt_ids: list[list[int]], max_new_tokens: int,
+                 report: Callable[[int, float], bool], threads: int = 1) -> Measurement:
+    """Decode ``prompt_ids`` with ``plan`` (its compiled ``artifacts``, or None for the eager
+    backend) and its latency objective, greedy. After each rung (:func:`rungs`) ``report(step,
+    tokens_per_s)`` is called (step = 1, 2, ...); when it returns True the measurement stops
+    (pruned). One untimed request warms the engine first."""
+    runner = open_runner(plan, artifacts, max_new_tokens, prompt_ids[0], threads)
+    out: list[Decoded] = []
+    pruned = False
     for step, upto in enumerate(rungs(len(prompt_ids)), start=1):
-        for ids in prompt_ids[done:upto]:
-            res = engine.generate(ids, params, **kw)
-            s = res.stats
-            n = s["new_tokens"]
-            n_new += n
-            if n > 1 and s.get("decode_tokens_per_s"):
-                dec_n += n - 1
-                dec_s += (n - 1) / s["decode_tokens_per_s"]
-            steps += s.get("verify_calls", n)
-        done = upto
-        if report(step, dec_n / dec_s if dec_s else 0.0):
+        out += [decode_once(runner, ids) for ids in prompt_ids[len(out):upto]]
+        if report(step, decode_rate(out)):
             pruned = True
             break
-    tps = dec_n / dec_s if dec_s else 0.0
-    aal = (n_new / steps) if steps else None
-    return Measurement(tps, done, n_new, aal, build_s, pruned)
+    steps = sum(r.steps for r in out)
+    n_new = sum(r.new_tokens for r in out)
+    return Measurement(decode_rate(out), len(out), n_new, n_new / steps if steps else None,
+                       runner.build_s, pruned)
+
+
+def rotated(keys: list, i: int) -> list:
+    """``keys`` rotated left by ``i`` (the order in which the systems decode prompt ``i``)."""
+    k = i % len(keys) if keys else 0
+    return keys[k:] + keys[:k]
+
+
+def measure_side_by_side(plans: dict, prompt_ids: list[list[int]], max_new_tokens: int,
+                         threads: int = 1) -> list[dict]:
+    """Decode every prompt with every plan (``plans``: key -> (plan, artifacts)): all engines are
+    built (each warmed once, untimed) and held, then every plan decodes a prompt before the next
+    prompt, the order rotating per prompt (:func:`rotated`), so that the machine's drift falls
+    on every plan alike. Returns one row per prompt: ``{key: {"new_tokens", "decode_s"}}`` (the
+    rows ``yggtree.bench.paired_ratio`` takes)."""
+    runners = {k: open_runner(plan, art, max_new_tokens, prompt_ids[0], threads)
+               for k, (plan, art) in plans.items()}
+    rows = []
+    for i, ids in enumerate(prompt_ids):
+        row = {}
+        for k in rotated(list(runners), i):
+            d = decode_once(runners[k], ids)
+            row[k] = {"new_tokens": d.new_tokens, "decode_s": d.decode_s}
+        rows.append(row)
+    return rows

@@ -64,19 +64,64 @@ def fields_text(f: dict | None) -> str:
     return " ".join([text, *(v for v in extra if v)])
 
 
-def best_table(rows: list[dict], n: int = 8, title: str = "best trials"):
-    """A rich table of the ``n`` best completed trials, fastest first."""
+def best_table(rows: list[dict], n: int = 8, title: str = "best trials", confirmed: dict | None = None):
+    """A rich table of the ``n`` best completed trials: the confirmed candidates first (fastest
+    confirmed first, ``confirmed``: trial number -> :func:`confirm_summary` candidate), then
+    the others by measured tokens/s."""
     from rich.table import Table
 
+    confirmed = confirmed or {}
     t = Table(title=title)
-    for name in ("trial", "measured tok/s", "predicted tok/s", "AAL", "plan", "graphs", "compile s", "MB"):
+    for name in ("trial", "confirmed tok/s", "vs base (95% CI)", "measured tok/s", "predicted tok/s",
+                 "AAL", "plan", "graphs", "compile s", "MB"):
         t.add_column(name, justify="left" if name == "plan" else "right")
-    best = sorted(complete_rows(rows), key=lambda r: -r["measured_tps"])[:n]
-    for r in best:
-        t.add_row(str(r["number"]), f"{r['measured_tps']:.1f}", _num(r["predicted_tps"]),
-                  _num(r["aal"], 2), fields_text(r["fields"]), str(r["graphs"] or ""),
-                  _num(r["compile_s"]), _num((r["size_bytes"] or 0) / 1e6, 1))
+    first = sorted((r for r in rows if r["number"] in confirmed),
+                   key=lambda r: -confirmed[r["number"]]["confirmed_tps"])
+    rest = sorted((r for r in complete_rows(rows) if r["number"] not in confirmed),
+                  key=lambda r: -r["measured_tps"])
+    for r in (first + rest)[:max(n, len(first))]:
+        c = confirmed.get(r["number"], {})
+        vs = (f"{c['ratio_to_base']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]"
+              if c and not c["base"] else "base" if c else "")
+        t.add_row(str(r["number"]), _num(c.get("confirmed_tps")), vs, _num(r["measured_tps"]),
+                  _num(r["predicted_tps"]), _num(r["aal"], 2), fields_text(r["fields"]),
+                  str(r["graphs"] or ""), _num(r["compile_s"]), _num((r["size_bytes"] or 0) / 1e6, 1))
     return t
+
+
+def confirm_candidates(rows: list[dict], base: dict | None, top: int) -> list[dict]:
+    """The trials the confirmation measures again: the ``top`` completed trials by measured
+    tokens/s, then the base plan's (plan fields ``base``; a completed trial of them first, else
+    a pruned one) when it is not among them. Pure."""
+    out = sorted(complete_rows(rows), key=lambda r: (-r["measured_tps"], r["number"]))[:top]
+    if base is not None and not any(r["fields"] == base for r in out):
+        mine = sorted((r for r in rows if r["fields"] == base and not r["infeasible"]),
+                      key=lambda r: (r["state"] != "complete", r["number"]))
+        out += mine[:1]
+    return out
+
+
+def confirm_summary(per_prompt: list[dict], keys: list, ref) -> dict:
+    """Candidates ``keys`` measured side by side (``per_prompt``: one row per prompt, key ->
+    ``{"new_tokens", "decode_s"}``) against the reference ``ref`` (the base plan's trial):
+    per key the decode tokens/s over all prompts, the paired ratio to ``ref`` with its 95%
+    bootstrap interval over prompts (``yggtree.bench.paired_ratio``); the winner (highest
+    tokens/s) and the keys faster than ``ref`` beyond the interval. Pure."""
+    from ..bench import paired_ratio
+
+    out = {}
+    for k in keys:
+        n = sum(max(r[k]["new_tokens"] - 1, 0) for r in per_prompt if r[k]["decode_s"] > 0)
+        t = sum(r[k]["decode_s"] for r in per_prompt)
+        c = {"confirmed_tps": n / t if t else 0.0, "base": k == ref,
+             "ratio_to_base": 1.0, "ci95": [1.0, 1.0], "faster_share": None}
+        if k != ref:
+            p = paired_ratio(per_prompt, k, ref)
+            c |= {"ratio_to_base": p["ratio"], "ci95": p["ci95"], "faster_share": p["a_faster_share"]}
+        out[k] = c
+    winner = max(keys, key=lambda k: out[k]["confirmed_tps"])
+    return {"candidates": out, "winner": winner,
+            "beat_base": [k for k in keys if k != ref and out[k]["ci95"][0] > 1.0]}
 
 
 def _num(v, digits: int = 1) -> str:

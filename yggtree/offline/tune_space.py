@@ -11,9 +11,9 @@ draft_widths    a non-empty subset of          ``draft_widths``, e.g. ``"1,2,8"`
 verify_widths   a non-empty subset of          ``verify_widths_index`` (an index into the
                 candidates (the base plan's)   subsets, :func:`suggest`)
 d_max           1..base d_max                  ``d_max_index`` (index into the values)
-top_k           {2, 4, 8}                      ``top_k``
-lookup          {0, 4, 8}                      ``lookup_index`` (lookup nodes per step)
-prefill_chunk   {32, 64, 128}                  ``prefill_chunk``
+top_k           {2, 4, 8} and the base's       ``top_k``
+lookup          {0, 4, 8} and the base's       ``lookup_index`` (lookup nodes per step)
+prefill_chunk   {32, 64, 128} and the base's   ``prefill_chunk``
 stages          ``sequential@T``, ``ahead@T``  ``stages`` (execution plan with its thread
                 for T = 1..threads,            split, runtime/schedule.py); ``threads`` is
                 ``overlap@T+D`` for            the worker's ``--threads``, itself within the
@@ -172,15 +172,16 @@ def stage_problem(label: str, threads: int) -> str | None:
 
 def default_space(base, threads: int) -> SearchSpace:
     """The default space around ``base`` (a Plan) for a worker of ``threads`` threads: its width
-    sets as candidates, d_max 1..its own, the scalar choices above that fit its context, every
-    stage plan within the threads and every weight candidate (:func:`weight_candidates`)."""
+    sets as candidates, d_max 1..its own, the scalar choices above that fit its context and its
+    own value of each (the base plan is a point of its default space: the tune's first trial),
+    every stage plan within the threads and every weight candidate (:func:`weight_candidates`)."""
     return SearchSpace(
         draft_widths=tuple(base.draft_widths),
         verify_widths=tuple(base.verify_widths),
         d_max=tuple(range(1, base.d_max + 1)),
-        top_k=DEFAULT_TOP_K,
-        lookup=tuple(n for n in DEFAULT_LOOKUP if n <= max(base.verify_widths)),
-        prefill_chunk=tuple(c for c in DEFAULT_PREFILL if c < base.max_context) or (base.prefill_chunk,),
+        top_k=tuple(sorted({*DEFAULT_TOP_K, base.top_k})),
+        lookup=tuple(sorted({n for n in DEFAULT_LOOKUP if n <= max(base.verify_widths)} | {base.lookup})),
+        prefill_chunk=tuple(sorted({c for c in DEFAULT_PREFILL if c < base.max_context} | {base.prefill_chunk})),
         stages=stage_candidates(threads),
         weights=weight_candidates(base),
     )
@@ -533,3 +534,76 @@ def candidate_plan(base, fields_: dict[str, Any], name: str, profile: str | None
     raw = base.to_dict() | {k: list(v) if isinstance(v, tuple) else v for k, v in fields_.items()} | {
         "name": name, "profile": profile, "calibration": calibration, "predictor": None}
     return validate_plan(raw, ".", f"candidate plan {name}")
+
+
+# ----------------------------------------------------------------------------- the base plan
+
+
+def base_fields(base, threads: int) -> dict[str, Any] | None:
+    """The plan fields of ``base`` (a Plan) as a trial holds them (:func:`plan_fields`: stage plan
+    and weight format spelled out for a worker of ``threads``); None when its stage plan is not
+    one the tune searches (e.g. ``auto``)."""
+    try:
+        stages = canonical_stage(base.stages, threads)
+    except YggError:
+        return None
+    return {"draft_widths": sorted(base.draft_widths), "verify_widths": sorted(base.verify_widths),
+            "d_max": base.d_max, "top_k": base.top_k, "lookup": base.lookup,
+            "prefill_chunk": base.prefill_chunk, "stages": stages, "weights": plan_weights(base)}
+
+
+class _Outside(Exception):
+    pass
+
+
+class _Pinned:
+    """Stands in for an optuna trial in :func:`suggest`: answers with given plan fields and
+    records the parameters it was asked (optuna's encoding of those fields)."""
+
+    def __init__(self, space: SearchSpace, wanted: dict[str, Any]):
+        self.space, self.wanted, self.params = space, wanted, {}
+
+    def suggest_categorical(self, name: str, options):
+        key = name.split("[")[0]
+        if self.wanted[key] not in options:
+            raise _Outside(key)
+        self.params[name] = self.wanted[key]
+        return self.wanted[key]
+
+    def suggest_int(self, name: str, lo: int, hi: int) -> int:
+        key = name[: -len("_index")]
+        full = choices(self.space, key)
+        if self.wanted[key] not in full[lo:hi + 1]:
+            raise _Outside(key)
+        self.params[name] = full.index(self.wanted[key])
+        return self.params[name]
+
+
+def trial_params(space: SearchSpace, max_context: int, fields_: dict[str, Any] | None,
+                 stages: tuple[str, ...] | None = None) -> tuple[dict | None, str | None]:
+    """The optuna parameters under which :func:`suggest` draws the plan ``fields_`` (for
+    ``study.enqueue_trial``), or (None, why) when the space cannot draw it. Pure: it runs
+    :func:`suggest` itself, so the encoding is the sampler's."""
+    if fields_ is None:
+        return None, "its stage plan is not one the tune searches"
+    wanted = {k: ",".join(map(str, sorted(v))) if k in SET_KEYS else v for k, v in fields_.items()}
+    for key in ORDER:
+        have = stages if key == "stages" and stages is not None else choices(space, key)
+        if wanted[key] not in have:
+            return None, f"its {key} {_shown(fields_[key])} is not in the search space"
+    pinned = _Pinned(space, wanted)
+    try:
+        got = plan_fields(suggest(pinned, space, max_context, stages), space)
+    except _Outside as e:
+        key = str(e)
+        return None, f"its {key} {_shown(fields_[key])} is not in the search space"
+    except YggError as e:
+        return None, str(e)
+    bad = next((k for k in KEYS if got[k] != fields_[k]), None)  # a dimension with one value
+    if bad is not None:
+        return None, f"its {bad} {_shown(fields_[bad])} is not in the search space"
+    return pinned.params, None
+
+
+def _shown(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)

@@ -32,6 +32,7 @@ from typing import Any
 from ..errors import YggError
 
 IDENTITY_ATTR = "yggtree_identity"
+BASE_ATTR = "yggtree_base_enqueued"  # set once the base plan's trial is enqueued
 
 
 def redacted(url: str) -> str:
@@ -188,6 +189,21 @@ def recover(study, stale_s: float) -> list[int]:
 def retry(study, number: int, params: dict) -> None:
     """Enqueue ``params`` again as the re-run of the failed trial ``number``."""
     study.enqueue_trial(params, user_attrs={"retry_of": number}, skip_if_exists=False)
+
+
+def enqueue_base(study, url: str, params: dict) -> bool:
+    """Enqueue the base plan's parameters once per study (user attribute ``base`` on the trial);
+    False when it was enqueued before. The study attribute :data:`BASE_ATTR`, checked under
+    :func:`trial_lock`, guards this host's workers and reruns; optuna's ``skip_if_exists``
+    guards the rest (a study whose trials already drew the plan). Processes on other hosts
+    starting at the same instant may still both enqueue it (the second run is a duplicate plan,
+    not a lost trial)."""
+    with trial_lock(url, study.study_name):
+        if BASE_ATTR in study.user_attrs:
+            return False
+        study.enqueue_trial(params, user_attrs={"base": True}, skip_if_exists=True)
+        study.set_user_attr(BASE_ATTR, params)
+        return True
 
 
 def counted(study) -> tuple[int, int]:
