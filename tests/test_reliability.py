@@ -280,3 +280,21 @@ def test_an_output_path_that_is_a_file_is_one_line(tmp_path, capsys):
     assert run_reporting("yggtree compile", writes_under, None) == 1
     assert capsys.readouterr().err.startswith("yggtree compile: error: Not a directory: ")
     assert afile.read_text() == "mine"
+
+
+def test_script_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """Scripts report through errors.run_reporting: ``| head`` stops them quietly too (it printed
+    a BrokenPipeError traceback: ab_versions' table piped into ``head -5``)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows = [{"prompt": f"p{i}", "plain": {"decode_s": 1.0 + i, "new_tokens": 9, "tokens": [1, 2]}} for i in range(40)]
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ab_versions.py"
+    cmd = (f"{sys.executable} {script} --a {tmp_path}/a.rows.jsonl --b {tmp_path}/b.rows.jsonl "
+           "| head -c 1; exit ${PIPESTATUS[0]}")
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr

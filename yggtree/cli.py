@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from . import bench, run_cmd
-from .errors import YggError, os_error_line
+from .errors import YggError, os_error_line, silence_stdout
 from .offline import compile as compile_cmd
 from .offline import distill, fit, profile, train_predictor, transcripts_cmd, tune
 
@@ -69,20 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("yggtree: interrupted\n")
         return 130
     except BrokenPipeError:  # stdout's reader went away (| head): stop quietly, like other tools
-        _silence_stdout()
+        silence_stdout()
         return 0
     except OSError as e:  # e.g. an output path that is an existing file
         sys.stderr.write(f"yggtree: error: {os_error_line(e)}\n")
         return 1
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's last flush does not fail again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is no real file (tests): nothing left to flush
-        pass
 
 
 if __name__ == "__main__":

@@ -12,9 +12,22 @@ def os_error_line(e: OSError) -> str:
     return f"{what}: {e.filename}" if e.filename is not None else what
 
 
+def silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush does not fail again (after a
+    BrokenPipeError: stdout's reader went away)."""
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no real file (tests): nothing left to flush
+        pass
+
+
 def run_reporting(name: str, fn, args, code: int = 1) -> int:
     """Run a command's ``fn(args)``; a YggError or an OSError becomes one stderr line and exit
-    ``code``."""
+    ``code``; a closed stdout (``| head``) stops quietly with status 0, like other tools."""
     import sys
 
     try:
@@ -23,7 +36,8 @@ def run_reporting(name: str, fn, args, code: int = 1) -> int:
         print(f"{name}: error: {e}", file=sys.stderr)
         return code
     except BrokenPipeError:
-        raise
+        silence_stdout()
+        return 0
     except OSError as e:
         print(f"{name}: error: {os_error_line(e)}", file=sys.stderr)
         return code
