@@ -238,6 +238,27 @@ def test_moved_compiled_directory_still_loads(compiled, tmp_path):
         assert engine.generate(prompt, params).token_ids == reference.generate(prompt, params).token_ids
 
 
+def test_packages_of_a_variant_padding_are_refused(compiled, monkeypatch):
+    """Packages compiled with products padded to 1 row (the plan has no profile) where one-row
+    products round otherwise than wider ones (a kernel made so here): the engine would pad to 2,
+    which the packages do not; it refuses them in one line naming them, never runs them."""
+    import yggtree.runtime.packed as packed
+    from yggtree.runtime.build import build_plan_engine
+
+    root, plan_path, _ = compiled
+    plan = load_plan(plan_path)
+    real = packed.packed_linear
+
+    def one_row_differs(x, p, out, bias=None, min_rows=1):
+        y = real(x, p, out, bias, min_rows)
+        return y + 1e-3 if max(x.numel() // x.shape[-1], min_rows) == 1 else y
+
+    monkeypatch.setattr(packed, "packed_linear", one_row_differs)
+    with pytest.raises(YggError, match=r"compiled graphs in .*block-.*\.pt2.* pad short packed products to 1 rows, "
+                                       r"this engine to 2 .*recompile the plan"):
+        build_plan_engine(plan, root / "compile" / "tiny")
+
+
 def test_interrupted_compile_is_refused_then_rebuilt(compiled, monkeypatch):
     """Chaos: a forced recompile stopped (Ctrl-C) while writing its second package leaves no
     manifest and a half-written package under a temporary name: a run refuses the directory in

@@ -13,7 +13,8 @@ from torch import nn
 
 from test_aoti import tiny
 from yggtree.runtime.packed import (
-    PackedConcat, PackedLinear, can_pack, min_rows_of, pack_linears, packed_layers, packed_linear,
+    PackedConcat, PackedLinear, can_pack, invariant_min_rows, min_rows_of, pack_linears, packed_layers,
+    packed_linear, padding_is_invariant,
 )
 
 pytestmark = [
@@ -55,6 +56,23 @@ def test_packed_concat_is_the_parts_side_by_side(dtype, bias):
         PackedConcat([nn.Linear(64, 8), nn.Linear(32, 8)])
 
 
+# (in, out) of the default model's packed products: q/k/v and gate/up fused, o, down, LM head
+REAL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
+THREADS = torch.get_num_threads()  # as the process started (OMP_NUM_THREADS), before one_thread
+
+
+def brute_invariant(lin, min_rows: int, widths: int = 16, samples: int = 1 << 18) -> bool:
+    """Rows of every M-row product, M = 1..``widths``, padded to ``min_rows``, bitwise the padded
+    one-row products of the same rows, on at least ``samples`` outputs per M (a bfloat16 kernel
+    may differ in one output of a few thousand): what padding_is_invariant checks, without
+    reasoning about which row counts reach oneDNN."""
+    n = max(widths, -(-samples // lin.out_features))
+    x = torch.randn(n, lin.in_features, generator=torch.Generator().manual_seed(5)).to(lin.weight.dtype)
+    one = torch.cat([packed_linear(x[i : i + 1], lin.packed, lin.out_features, None, min_rows) for i in range(n)])
+    return all(torch.equal(packed_linear(x[i : i + m], lin.packed, lin.out_features, None, min_rows), one[i : i + m])
+               for m in range(1, widths + 1) for i in range(0, n - m + 1, m))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_rows_are_batch_invariant(dtype):
     """What makes a verified tree node's logits the ones a plain step computes."""
@@ -66,6 +84,62 @@ def test_packed_rows_are_batch_invariant(dtype):
         y = lin(x[:m])
         for i in range(m):
             assert torch.equal(y[i : i + 1], rows[i]), (m, i)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", REAL_SHAPES, ids=lambda s: f"{s[0]}to{s[1]}")
+def test_real_shapes_run_at_an_invariant_padding(shape, dtype):
+    """The default model's product shapes, M = 1..16, at the thread count the tests run with:
+    padding_is_invariant agrees with a brute-force check at every padding compared, and the
+    padding an engine would use starting from each (invariant_min_rows) is invariant. Whether 1
+    is not asserted: on the AMD EPYC machine the float32 1536 -> 576 product is not
+    invariant at 1 row (docs/results.md)."""
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(4)
+    lin = PackedLinear.of(nn.Linear(*shape, bias=False).to(dtype).requires_grad_(False))
+    model = nn.ModuleList([lin])
+    widths = range(1, 17)
+    with torch.no_grad():
+        found = {r: padding_is_invariant(model, r, widths) for r in MIN_ROWS}
+        assert found == {r: brute_invariant(lin, r, 16) for r in MIN_ROWS}, found
+        for start in MIN_ROWS:
+            used = invariant_min_rows(model, widths, start)
+            assert used is not None and used >= start and brute_invariant(lin, used, 16), (start, used)
+            assert all(not found[r] for r in MIN_ROWS if start <= r < used)
+
+
+def skewed(real, bad):
+    """``packed_linear`` whose products that reach oneDNN with R rows (R = max(rows, min_rows))
+    are shifted by ``bad(R, y)`` (a kernel made batch-variant on purpose)."""
+
+    def op(x, packed, out, bias=None, min_rows=1):
+        y = real(x, packed, out, bias, min_rows)
+        return y + bad(max(x.numel() // x.shape[-1], min_rows), y)
+
+    return op
+
+
+def test_check_finds_the_smallest_invariant_padding(monkeypatch):
+    """A kernel whose products of fewer than 4 rows round otherwise by their row count: 4 is
+    the smallest invariant padding; one whose 8-row products do: invariant at 1 where no
+    product runs 8 rows, else only when every product runs 8 rows; one that depends on the
+    row's position: no padding is."""
+    import yggtree.runtime.packed as packed
+
+    m = tiny()
+    pack_linears(m)
+    real, widths = packed.packed_linear, range(1, 17)
+    assert invariant_min_rows(m, widths) == 1 and padding_is_invariant(m, 1, widths)  # the real kernel
+    monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * r if r < 4 else 0))
+    assert [padding_is_invariant(m, r, widths) for r in (1, 2, 3, 4, 8)] == [False, False, False, True, True]
+    assert padding_is_invariant(m, 1, (1,)) and padding_is_invariant(m, 2, (1, 2))  # one kernel run each
+    assert invariant_min_rows(m, widths) == 4 and invariant_min_rows(m, widths, start=6) == 6
+    monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * (r == 8)))
+    assert invariant_min_rows(m, (1, 4)) == 1 and invariant_min_rows(m, (1, 4, 8)) == 8
+    position = torch.arange(16.0)[:, None]
+    monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * position[: y.shape[0]]))
+    assert invariant_min_rows(m, (1, 4)) is None
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -207,4 +281,83 @@ def test_profile_times_every_padding_of_one_step():
     assert pad["min_rows"] in PADDING_ROWS and pad["products"] == len(packed_layers(m))
     assert list(pad["median_ms"]) == [str(r) for r in PADDING_ROWS]
     assert all(v > 0 for v in pad["median_ms"].values()) and (pad["warmup"], pad["repeats"]) == (1, 3)
+    assert pad["invariant"] == {str(r): True for r in PADDING_ROWS} and pad["widths"] == [1]  # the real kernel
     assert pad["median_ms"][str(pad["min_rows"])] == min(pad["median_ms"].values())
+
+
+def test_profile_never_records_a_non_invariant_padding(monkeypatch):
+    """No padding is fastest, but its one-row products round otherwise than wider ones: the
+    profile records that and chooses the fastest invariant padding; when none of its candidates
+    is invariant, the smallest invariant padding; when no padding is, it refuses."""
+    import time
+
+    import yggtree.runtime.packed as packed
+    from yggtree.errors import YggError
+    from yggtree.offline.profile import padding_line, time_padding
+
+    m = tiny()
+    pack_linears(m)
+    real = packed.packed_linear
+
+    def slow_padded(x, p, out, bias=None, min_rows=1):
+        if min_rows > 1:
+            time.sleep(2e-4)
+        return real(x, p, out, bias, min_rows)
+
+    monkeypatch.setattr(packed, "packed_linear", skewed(slow_padded, lambda r, y: 1e-3 * (r == 1)))
+    pad = time_padding(m, warmup=1, repeats=3, widths=(6,))
+    assert pad["invariant"] == {"1": False, "2": True, "4": True, "8": True} and pad["widths"] == [1, 6]
+    assert pad["median_ms"]["1"] < min(v for r, v in pad["median_ms"].items() if r != "1")  # 1 was fastest
+    assert pad["min_rows"] != 1 and pad["median_ms"][str(pad["min_rows"])] == min(
+        v for r, v in pad["median_ms"].items() if pad["invariant"][r])
+    assert "1: " in padding_line(pad) and "not batch-invariant" in padding_line(pad)
+    monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * (r < 9)))
+    pad = time_padding(m, warmup=0, repeats=1, widths=(1, 12))
+    assert not any(pad["invariant"].values()) and pad["min_rows"] == 9
+    position = torch.arange(16.0)[:, None]
+    monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * position[: y.shape[0]]))
+    with pytest.raises(YggError, match="not batch-invariant on this CPU"):
+        time_padding(m, warmup=0, repeats=1, widths=(1, 4))
+
+
+def test_engine_raises_a_variant_padding_and_speculates_exactly(tmp_path, monkeypatch, capsys):
+    """A kernel whose one-row products differ from rows of wider ones (grossly here; by
+    rounding on the EPYC CPU at 1536 -> 576): a speculative engine asked to pad to 1 row pads to
+    2, says so in one line, and its greedy output is plain decoding's at that padding. Unchecked,
+    it would keep 1 row and leave plain decoding."""
+    pytest.importorskip("transformers")
+    from test_compile import save_tiny_checkpoint
+
+    import yggtree.runtime.build as build
+    import yggtree.runtime.packed as packed
+    from yggtree.runtime.engine import SamplingParams, TreeParams
+
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_checkpoint(tmp_path / "m")
+    w = load_file(tmp_path / "m" / "model.safetensors")  # larger weights: its greedy tokens vary
+    save_file({k: v if "norm" in k else v * 15 for k, v in w.items()}, tmp_path / "m" / "model.safetensors",
+              metadata={"format": "pt"})
+    monkeypatch.setattr(packed, "packed_linear",
+                        skewed(packed.packed_linear, lambda r, y: 0.5 * y.flip(-1) * (r == 1)))
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+
+    def engine(min_rows, drafter=None):
+        return build.build_engine(build.EngineSpec(model=str(tmp_path / "m"), drafter=drafter, mode="reference",
+                                                   max_context=64, prefill_chunk=4, tree=tree, min_rows=min_rows))[0]
+
+    capsys.readouterr()
+    spec = engine(1, "self")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "padding them to 2 rows" in err and min_rows_of(spec.target) == 2
+    plain1, plain2 = engine(1), engine(2)
+    assert capsys.readouterr().err == ""  # plain engines keep their padding: nothing to verify
+    with monkeypatch.context() as mp:
+        mp.setattr(build, "invariant_padding", lambda *a: None)
+        unchecked = engine(1, "self")
+    assert min_rows_of(unchecked.target) == 1
+    params, left = SamplingParams(max_new_tokens=16), 0
+    for prompt in ([5, 6, 7, 8], list(range(10, 22)), [3, 9, 27]):
+        assert spec.generate(prompt, params).token_ids == plain2.generate(prompt, params).token_ids, prompt
+        left += unchecked.generate(prompt, params).token_ids != plain1.generate(prompt, params).token_ids
+    assert left > 0

@@ -19,9 +19,12 @@ then ``repeats`` timed calls; median, 10th and 90th percentile. The fitted curve
 
 Before the curves, the padding of short packed products (:mod:`yggtree.runtime.packed`): one row
 through every packed product of the target (one plain step's products), unpadded and padded to
-2, 4 and 8 rows, the variants interleaved; the fastest by median becomes the profile's
-``packed_padding.min_rows`` (1: no padding), recorded with every median, and the curves are
-measured on an engine that pads so, as every engine built from a plan naming the profile does.
+2, 4 and 8 rows, the variants interleaved; each is also checked for batch invariance at the plan's
+widths on this machine (a one-row product may round otherwise than a row of a wider one:
+:mod:`yggtree.runtime.packed`), and the fastest invariant one by median becomes the profile's
+``packed_padding.min_rows`` (1: no padding), recorded with every median and every invariance, and
+the curves are measured on an engine that pads so, as every engine built from a plan naming the
+profile does.
 """
 
 from __future__ import annotations
@@ -127,19 +130,25 @@ PADDING_ROWS = (1, 2, 4, 8)  # the min_rows compared (1: no padding)
 
 
 def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int = 2,
-                 repeats: int = 9) -> dict:
+                 repeats: int = 9, widths: tuple[int, ...] = (1,)) -> dict:
     """One row through every packed product of ``model`` (:func:`yggtree.runtime.packed.packed_layers`:
     one plain step's products, in module order), timed for each ``min_rows`` of ``candidates``.
     Rounds of one call per variant, the order rotating every round so drifting load hits all of
-    them alike; ``warmup`` rounds, then ``repeats`` timed. Returns the profile's
-    ``packed_padding``: the fastest ``min_rows`` by median (ties: the fewer rows) and the medians."""
+    them alike; ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for
+    batch invariance at ``widths`` (the row counts the plan's engine runs: 1 and its verify
+    widths; :func:`yggtree.runtime.packed.padding_is_invariant`, at the current thread count).
+    Returns the profile's ``packed_padding``: the fastest invariant ``min_rows`` by median
+    (ties: the fewer rows; if no candidate is invariant, the smallest invariant padding), the
+    medians and the invariance of each candidate. YggError if no padding is invariant."""
     import torch
 
-    from ..runtime.packed import packed_layers, packed_linear
+    from ..runtime.packed import invariant_min_rows, packed_layers, packed_linear, padding_is_invariant
 
     layers = packed_layers(model)
     if not layers:  # nothing packed (another device or dtype): nothing to pad
         return {"min_rows": 1, "products": 0, "median_ms": {}}
+    widths = tuple(sorted({1, *widths}))
+    invariant = {r: padding_is_invariant(model, r, widths) for r in candidates}
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(0)
     calls = [(torch.randn(1, m.in_features, generator=g).to(dtype), m.packed, m.out_features, m.bias)
@@ -159,9 +168,14 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
                 if i >= warmup:
                     samples[r].append((time.perf_counter() - t) * 1e3)
     medians = {r: statistics.median(v) for r, v in samples.items()}
-    best = min(candidates, key=lambda r: (medians[r], r))
+    ok = [r for r in candidates if invariant[r]]
+    best = min(ok, key=lambda r: (medians[r], r)) if ok else invariant_min_rows(model, widths)
+    if best is None:
+        raise YggError(f"packed products are not batch-invariant on this CPU at {torch.get_num_threads()} "
+                       f"thread(s) at any padding up to {max(widths)} rows: speculation would not be exact")
     return {"min_rows": best, "products": len(calls), "warmup": warmup, "repeats": repeats,
-            "median_ms": {str(r): round(medians[r], 4) for r in candidates}}
+            "median_ms": {str(r): round(medians[r], 4) for r in candidates},
+            "invariant": {str(r): invariant[r] for r in candidates}, "widths": list(widths)}
 
 
 def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
@@ -179,14 +193,16 @@ def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> di
     src = resolve_model(plan.target)
     model = load_model(src, plan.dtype)
     pack_models(model, None, weights=plan.weights, src=src)  # a quantized plan packs what stays float
-    return time_padding(model, warmup=warmup, repeats=repeats)
+    return time_padding(model, warmup=warmup, repeats=repeats, widths=(1, *plan.verify_widths))
 
 
 def padding_line(padding: dict) -> str:
     """One line saying what the padding measurement found."""
     if not padding["products"]:
         return "no packed products: no padding"
-    times = ", ".join(f"{r}: {ms:.2f}" for r, ms in padding["median_ms"].items())
+    inv = padding.get("invariant", {})  # absent in profiles made before it was checked
+    times = ", ".join(f"{r}: {ms:.2f}" + (" not batch-invariant" if inv.get(r) is False else "")
+                      for r, ms in padding["median_ms"].items())
     return (f"{padding['products']} packed products of one row, median ms by rows run ({times}): "
             f"min_rows {padding['min_rows']}")
 

@@ -167,11 +167,50 @@ def pack_models(target, drafter=None, min_rows: int = 1, weights: str | None = N
         pack_linears(drafter.graphs.model, min_rows=min_rows)
 
 
+def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int | None:
+    """Make the target's packed products batch-invariant at ``widths`` (the row counts a
+    speculative engine runs them at: 1 and its verify widths), checked at ``threads`` intra-op
+    threads (0: the process's count), the count the engine decodes at: keep their padding
+    (``min_rows``) if it is invariant, else raise it to the smallest invariant one and say so in
+    one line on stderr (slower perhaps, exact); YggError if no padding up to the widest width
+    is. Returns the padding (None: nothing packed). Call it before any graph or compiled
+    package is made for the target: they hold the padding as a constant."""
+    import sys
+
+    import torch
+
+    from .packed import invariant_min_rows, min_rows_of, packed_layers
+
+    rows = min_rows_of(target)
+    if rows is None:
+        return None
+    n = torch.get_num_threads()
+    threads = threads or n
+    torch.set_num_threads(threads)
+    try:
+        found = invariant_min_rows(target, widths, start=rows)
+    finally:
+        torch.set_num_threads(n)
+    if found is None:
+        raise YggError(f"the target's packed products are not batch-invariant on this CPU at {threads} "
+                       f"thread(s) at any padding from {rows} to {max(widths)} rows: speculation would not "
+                       "be exact; decode plainly")
+    if found != rows:
+        sys.stderr.write(f"yggtree: packed products padded to {rows} row(s) are not batch-invariant on this "
+                         f"CPU at {threads} thread(s) (widths {sorted(set(widths))}): padding them to "
+                         f"{found} rows, which are (exact speculation, perhaps slower)\n")
+        for layer in packed_layers(target):
+            layer.min_rows = found
+    return found
+
+
 def build_engine(spec: EngineSpec, prepare=None):
     """Load the target, its tokenizer and the drafter; build and warm up the engine.
 
     ``prepare(target, drafter)``, when given, runs after loading and before the engine is built
-    (``build_plan_engine`` installs the plan's compiled graphs there)."""
+    (``build_plan_engine`` installs the plan's compiled graphs there). A speculative engine's
+    packed products are made batch-invariant first (:func:`invariant_padding`), its quantized
+    ones checked after."""
     # impossible sizes and trees are refused before anything loads
     check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
     fmt, _ = weight_format(spec.weights, spec.dtype)  # an unknown format or group size, before loading
@@ -189,9 +228,12 @@ def build_engine(spec: EngineSpec, prepare=None):
         pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter)
     else:
         quantize_models(target, drafter, spec.weights, src, spec.drafter)
+    spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
+    if spec_on:  # packed products padded so that they are batch-invariant (before any graph)
+        threads = resolve_plan(spec.stages, True, threads=spec.threads).threads
+        invariant_padding(target, (1, *spec.verify_widths, spec.tree.verify_width), threads)
     if prepare is not None:
         prepare(target, drafter)
-    spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
     if spec_on:  # quantized kernels must be batch-invariant for speculation to be exact
         from .quant import check_batch_invariant
 
@@ -281,9 +323,11 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
     drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
     Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start).
-    ``min_rows`` overrides the padding of short packed products the plan's profile measured
-    (packages hold theirs: with ``artifacts`` an override they were not compiled with finds no
-    package)."""
+    ``min_rows`` overrides the padding of short packed products the plan's profile measured.
+    A speculative engine raises a padding that is not batch-invariant on this CPU
+    (:func:`invariant_padding`); packages hold the padding they were compiled with, so with
+    ``artifacts`` an engine padding otherwise (raised or overridden) is refused in one line
+    naming the packages: profile again and recompile."""
     if stages == "auto" and plan.stages == "auto" and artifacts is not None:
         stages = searched_stages(artifacts)
     spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows)
@@ -306,7 +350,7 @@ def searched_stages(art: str | Path) -> str:
 def _package_installer(art: Path):
     """``prepare`` hook of :func:`build_engine`: load the packages listed in ``art``'s manifest
     and install them on the target's and the drafter's blocks."""
-    from .aoti import PackageSet, install_packages
+    from .aoti import PackageSet, install_packages, package_name
 
     manifest = read_manifest(art)
     if manifest is None:
@@ -316,6 +360,15 @@ def _package_installer(art: Path):
     packages = PackageSet.load(cache_dir(art), entries, manifest["n_slots"], sums)
 
     def prepare(target, drafter) -> None:
+        from .packed import min_rows_of
+
+        rows, was = min_rows_of(target), manifest.get("packed_min_rows")
+        if rows is not None and rows != was:  # the packages hold their padding: never run them padded otherwise
+            raise YggError(f"the compiled graphs in {cache_dir(art)} ({package_name(*entries[0])}, ...) pad short "
+                           f"packed products to {was} rows, this engine to {rows} ({was} rows are not "
+                           "batch-invariant on this CPU at this thread count, or min_rows was overridden): "
+                           "profile this machine again (yggtree profile) and recompile the plan "
+                           "(yggtree compile --force)")
         install_packages(target, packages)
         if drafter is not None:
             install_packages(drafter.graphs.model, packages)

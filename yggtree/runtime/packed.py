@@ -4,9 +4,10 @@ A speculative step verifies W tokens with the same weight matrices a plain step 
 token by, so on a memory-bound device it should cost about the same. With ``F.linear`` it did
 not on the CPUs measured so far: for a few to 16 rows the BLAS picks kernels that are far from
 memory-bound, while oneDNN with its weights reordered once into its blocked layout streams them
-at every M (``scripts/bench_packed.py`` measures both; docs/results.md has the numbers). The packed kernel is also *batch-invariant*: row i of
-an M-row product is bitwise the same as the one-row product of row i, so verifying a tree
-computes every node exactly as a plain step would compute it (checked in tests/test_packed.py).
+at every M (``scripts/bench_packed.py`` measures both; docs/results.md has the numbers). Where the
+packed kernel is *batch-invariant* (row i of an M-row product bitwise the one-row product of row
+i), verifying a tree computes every node exactly as a plain step would compute it; that depends
+on the shape, the padding and the CPU (below, and tests/test_packed.py).
 
 :func:`pack_linears` swaps every ``nn.Linear`` inside a model's decoder blocks (and its LM head) for a
 :class:`PackedLinear` that keeps the original weight (state dict, tying, checks) and adds the
@@ -17,15 +18,25 @@ still serves every layer (regional compilation lifts weights to graph inputs).
 
 Short products can run padded: with ``min_rows`` > 1 a product of fewer rows is computed on that
 many (zero rows appended, dropped from the result), which on some CPUs reaches a faster oneDNN
-kernel and on others is slower. The kernel is batch-invariant, so padding never changes the real
-rows' bits, only the time. Which value is best is a property of the machine: ``yggtree profile``
-measures it and records it in the profile (``packed_padding``), and a plan's engine packs its
-layers with its profile's value (:func:`yggtree.plan.plan_min_rows`); 1 is no padding. The value
-is each packed layer's attribute, passed to the op as an argument, so compiled graphs and
-AOTInductor packages hold it as a constant (:func:`yggtree.runtime.aoti.block_key` names it).
+kernel and on others is slower. Which value is best is a property of the machine: ``yggtree
+profile`` measures it and records it in the profile (``packed_padding``), and a plan's engine
+packs its layers with its profile's value (:func:`yggtree.plan.plan_min_rows`); 1 is no padding.
+The value is each packed layer's attribute, passed to the op as an argument, so compiled graphs
+and AOTInductor packages hold it as a constant (:func:`yggtree.runtime.aoti.block_key` names it).
+
+Batch invariance is not a property of the op everywhere, and padding can change bits: oneDNN
+may run a one-row product on another kernel than an M-row one. On the AMD EPYC machine of
+docs/results.md the float32 1536 -> 576 product (the default model's down projection) rounds
+otherwise at one row than inside a product of 2 or more rows (bfloat16 likewise, in about one
+output in 8000), while padded to 2 rows it is invariant, at 1 and 2 threads. :func:`padding_is_invariant` checks a padding on a model's own
+layer shapes at the thread count it is called at, and :func:`invariant_min_rows` finds the
+smallest invariant one: the profile only chooses invariant paddings, and a speculative engine
+raises its padding to an invariant one at start (:func:`yggtree.runtime.build.build_engine`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +45,7 @@ from torch import nn
 from .model import FUSED_PROJECTIONS
 
 __all__ = ["packed_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears", "packed_layers",
-           "min_rows_of"]
+           "min_rows_of", "padding_is_invariant", "invariant_min_rows"]
 
 
 def _packed_linear_cpu(
@@ -47,7 +58,8 @@ def _packed_linear_cpu(
     """``F.linear(x, weight, bias)`` computed by oneDNN from ``packed``: [..., out]. oneDNN
     flattens and restores the leading dimensions itself. A product of fewer than ``min_rows``
     rows runs on ``min_rows`` rows, the real ones followed by zero rows that are dropped from the
-    result (the kernel is batch-invariant: the real rows are bitwise what they were)."""
+    result (bitwise what they were unpadded only where the kernel is batch-invariant, see
+    :func:`padding_is_invariant`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if 0 < rows < min_rows:
         pad = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, min_rows - rows))
@@ -110,8 +122,8 @@ class PackedConcat(nn.Module):
     One product instead of three (or two) saves the per-call cost of the op and of oneDNN (about
     90 calls per decode step of the default model; ``scripts/ab_fusion.py`` measures it). The parts
     keep their own weights (state dict, checks); this module holds only the packed stack, so
-    packing still costs one extra copy of the weights. Rows stay batch-invariant, and short
-    products are padded to ``min_rows``, as for :class:`PackedLinear`."""
+    packing still costs one extra copy of the weights. Short products are padded to
+    ``min_rows``, as for :class:`PackedLinear`."""
 
     packed: torch.Tensor  # oneDNN blocked layout of cat([p.weight for p in parts]) [sum(sizes), in]
     bias: torch.Tensor | None  # [sum(sizes)], zeros for parts without one; None if none has one
@@ -196,3 +208,50 @@ def min_rows_of(model: nn.Module) -> int | None:
     if len(rows) > 1:
         raise ValueError(f"packed layers with different min_rows {sorted(rows)}")
     return rows.pop() if rows else None
+
+
+MAX_SAMPLE_ROWS = 512  # rows a batch-invariance check draws per layer at most (narrow layers)
+
+
+def padding_is_invariant(model: nn.Module, min_rows: int, widths: Iterable[int], samples: int = 1 << 18) -> bool:
+    """True when every packed product of ``model`` (one layer per distinct shape, dtype and
+    bias), padded to ``min_rows``, computes each row of an M-row product bitwise as the product
+    of that row alone (itself padded to ``min_rows``), for every M in ``widths`` (the row counts
+    the products run at; 1, a plain step, is always one), at the current thread count.
+
+    Products of fewer than ``min_rows`` rows run on ``min_rows`` rows, so the row counts that
+    reach oneDNN are ``R = max(M, min_rows)``; each R is run on consecutive blocks of R random
+    rows (every row position, the other rows random rather than zero) and compared row by row
+    with the padded one-row products of the same rows. A kernel that rounds otherwise may differ
+    in only a few outputs of a row (bfloat16 outputs at 1536 -> 576 on the EPYC CPU: about 1 in
+    8000), so each R is checked on at least ``samples`` outputs (rows times the layer's width;
+    at most :data:`MAX_SAMPLE_ROWS` rows, or the widest R). A width not in ``widths`` is not
+    checked."""
+    rows = sorted({max(int(m), _check_min_rows(min_rows)) for m in (1, *widths)})
+    layers = {}
+    for layer in packed_layers(model):
+        layers.setdefault((layer.in_features, layer.out_features, layer.packed.dtype, layer.bias is None), layer)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in layers.values():
+            def product(x, layer=layer):
+                return packed_linear(x, layer.packed, layer.out_features, layer.bias, min_rows)
+
+            n = max(rows[-1], min(-(-samples // layer.out_features), MAX_SAMPLE_ROWS))
+            x = torch.randn(n, layer.in_features, generator=gen).to(layer.packed.dtype)
+            one = torch.cat([product(x[i : i + 1]) for i in range(n)])
+            for r in rows[1:] if rows[0] == 1 else rows:  # R = 1 is the one-row product itself
+                for i in range(0, n, r):
+                    i = min(i, n - r)
+                    if not torch.equal(product(x[i : i + r]), one[i : i + r]):
+                        return False
+    return True
+
+
+def invariant_min_rows(model: nn.Module, widths: Iterable[int], start: int = 1) -> int | None:
+    """The smallest padding >= ``start`` at which ``model``'s packed products are batch-invariant
+    at ``widths`` (:func:`padding_is_invariant`, at the current thread count), or None when none
+    up to the largest width is (padded to it, every product runs on that many rows)."""
+    widths = tuple(widths)
+    top = max(start, *widths, 1)
+    return next((m for m in range(start, top + 1) if padding_is_invariant(model, m, widths)), None)
