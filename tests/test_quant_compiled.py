@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import perturbed
+from test_compile import PLAN as TINY_PLAN
 from test_quant import quantized, tiny
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.quant import Int4Linear, Int8Linear
@@ -44,19 +45,7 @@ def test_compiled_quantized_engine_speculates_exactly(fmt):
     assert accepted > 0  # trees were partly accepted, not only rejected
 
 
-PLAN = """\
-name: tiny-int4
-target: model
-drafter: self
-weights: int4@32
-max_context: 32
-prefill_chunk: 2
-draft_widths: [1, 2]
-d_max: 2
-top_k: 2
-verify_widths: [1, 2]
-sampling: {max_new_tokens: 8}
-"""
+PLAN = TINY_PLAN.replace("name: tiny\n", "name: tiny-int4\nweights: int4@32\n")  # test_compile's, in int4
 
 
 def test_compiled_plan_runs_quantized_packages_exactly(tmp_path):

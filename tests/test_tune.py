@@ -198,6 +198,9 @@ def test_confirmation_picks_and_compares():
 def test_pruning_rules_front_and_rungs():
     assert should_measure(5.0, [1.0, 9.0, 8.0], top=3) and not should_measure(5.0, [6, 9, 8], top=3)
     assert not should_stop(1.0, []) and should_stop(1.0, [2.0, 3.0]) and not should_stop(2.5, [2.0, 3.0])
+    # too few completed trials to stop anyone: a lone fast base plan does not prune the others
+    assert not should_stop(1.0, [2.0], min_completed=3) and not should_stop(1.0, [2.0, 3.0], min_completed=3)
+    assert should_stop(1.0, [2.0, 3.0, 4.0], min_completed=3) and not should_stop(3.5, [2.0, 3.0, 4.0], 3)
     # (speed, graphs, id): 3 is beaten by 1 (faster, fewer graphs); 2 and 1 trade off
     assert pareto_front([(10.0, 8, 1), (12.0, 12, 2), (9.0, 9, 3)]) == [1, 2]
     assert rungs(1) == [1] and rungs(5) == [1, 2, 4, 5]

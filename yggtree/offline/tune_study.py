@@ -242,10 +242,12 @@ def should_measure(predicted: float, earlier: list[float], top: int) -> bool:
     return sum(v > predicted for v in earlier) < top
 
 
-def should_stop(value: float, completed_at_step: list[float]) -> bool:
+def should_stop(value: float, completed_at_step: list[float], min_completed: int = 1) -> bool:
     """A measured candidate stops when it is below the median of the completed trials at the
-    same step (nothing to compare with: it goes on)."""
-    if not completed_at_step:
+    same step, once at least ``min_completed`` of them reached it (fewer: it goes on). A median of
+    one or two few-prompt measurements is no yardstick: a real tune whose base plan completed first
+    at 50.1 tok/s pruned every later trial against that one number at its first prompt."""
+    if len(completed_at_step) < max(min_completed, 1):
         return False
     xs = sorted(completed_at_step)
     mid = len(xs) // 2
@@ -254,7 +256,9 @@ def should_stop(value: float, completed_at_step: list[float]) -> bool:
 
 
 def make_pruner(measure_top: int):
-    """An optuna pruner applying :func:`should_measure` at step 0 and :func:`should_stop` after."""
+    """An optuna pruner applying :func:`should_measure` at step 0 and :func:`should_stop` after
+    (against the median of at least ``measure_top`` completed trials: like optuna's MedianPruner's
+    start-up trials, nothing is stopped before that many finished)."""
     import optuna
     from optuna.trial import TrialState
 
@@ -271,6 +275,6 @@ def make_pruner(measure_top: int):
                 return not should_measure(value, earlier, measure_top)
             done = [t.intermediate_values[step] for t in others
                     if t.state == TrialState.COMPLETE and step in t.intermediate_values]
-            return should_stop(value, done)
+            return should_stop(value, done, measure_top)
 
     return LeaderPruner()
