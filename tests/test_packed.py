@@ -361,3 +361,48 @@ def test_engine_raises_a_variant_padding_and_speculates_exactly(tmp_path, monkey
         assert spec.generate(prompt, params).token_ids == plain2.generate(prompt, params).token_ids, prompt
         left += unchecked.generate(prompt, params).token_ids != plain1.generate(prompt, params).token_ids
     assert left > 0
+
+
+def test_engine_trusts_the_profiles_check_only_where_it_covers_it(tmp_path, monkeypatch):
+    """The profile checked its padding's invariance (threads, widths): an engine at those threads
+    and within those widths does not check again at start (it cost ~1 s on the real model); one
+    at another thread count, wider widths or without the record does."""
+    pytest.importorskip("transformers")
+    from test_compile import save_tiny_checkpoint
+
+    import yggtree.runtime.build as build
+    from yggtree.runtime.engine import TreeParams
+
+    save_tiny_checkpoint(tmp_path / "m")
+    checks = []
+    monkeypatch.setattr(build, "invariant_padding", lambda target, widths, threads: checks.append((widths, threads)))
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+    t = torch.get_num_threads()
+
+    def build_with(checked):
+        build.build_engine(build.EngineSpec(model=str(tmp_path / "m"), drafter="self", mode="reference",
+                                            max_context=64, prefill_chunk=4, tree=tree, min_rows=2,
+                                            padding_checked=checked))
+        return len(checks)
+
+    assert build_with((t, (1, 4, 6))) == 0
+    assert build_with(None) == 1
+    assert build_with((t + 1, (1, 4, 6))) == 2
+    assert build_with((t, (1, 4))) == 3 and checks[-1] == ((1, 6), t)
+
+
+def test_profile_invariance_reads_only_a_recorded_invariant_choice(tmp_path):
+    import json
+
+    from yggtree.plan import profile_invariance
+
+    def prof(pad, threads=2):
+        p = tmp_path / "p.json"
+        p.write_text(json.dumps({"hardware": {"threads": threads}, "packed_padding": pad}))
+        return p
+
+    ok = {"min_rows": 4, "invariant": {"1": False, "4": True}, "widths": [1, 8, 16]}
+    assert profile_invariance(prof(ok)) == (2, (1, 8, 16))
+    assert profile_invariance(prof(ok | {"min_rows": 1})) is None  # chosen, not invariant
+    assert profile_invariance(prof(ok | {"min_rows": 9})) is None  # chosen outside the candidates
+    assert profile_invariance(prof({"min_rows": 4})) is None  # an older profile: no record

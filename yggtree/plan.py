@@ -291,6 +291,20 @@ def profile_min_rows(path: str | Path) -> int:
     return v
 
 
+def profile_invariance(path: str | Path) -> tuple[int, tuple[int, ...]] | None:
+    """(threads, widths) at which the profile at ``path`` found its chosen padding batch-invariant
+    (``packed_padding.invariant`` at ``packed_padding.widths``, in the profile's thread count), or
+    None when it did not record that (older profiles) or found it not invariant."""
+    d = read_json(path, "profile")
+    pad = d.get(PADDING_KEY) if isinstance(d, dict) else None
+    if not isinstance(pad, dict) or not isinstance(pad.get("invariant"), dict):
+        return None
+    threads = (d.get("hardware") or {}).get("threads")
+    if pad["invariant"].get(str(pad.get("min_rows"))) is not True or not isinstance(threads, int):
+        return None
+    return threads, tuple(int(w) for w in pad.get("widths", ()))
+
+
 def plan_min_rows(plan: Plan) -> int:
     """How many rows the packed products of ``plan``'s engine run with at least: its profile's
     measured padding (:func:`profile_min_rows`), 1 (no padding) for a plan without a profile."""

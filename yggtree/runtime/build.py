@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, plan_min_rows, read_manifest  # noqa: F401  (re-exported)
+from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, plan_min_rows, profile_invariance, read_manifest  # noqa: F401  (re-exported)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, weight_format
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
@@ -34,6 +34,8 @@ class EngineSpec:
     pack: bool = True  # oneDNN-packed linear layers where the device supports them
     # packed products of fewer rows run padded to this many (1: none); a plan's profile measures it
     min_rows: int = 1
+    # (threads, widths) at which the plan's profile found min_rows batch-invariant (None: unchecked)
+    padding_checked: tuple[int, tuple[int, ...]] | None = None
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
     stages: str = "sequential"  # execution plan (EngineConfig.stages)
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
@@ -72,6 +74,7 @@ class EngineSpec:
             stages=plan.stages if stages == "auto" else stages,
             threads=threads,
             min_rows=plan_min_rows(plan) if min_rows is None else min_rows,
+            padding_checked=profile_invariance(plan.profile) if min_rows is None and plan.profile else None,
             weights=plan.weights,
         )
 
@@ -167,6 +170,13 @@ def pack_models(target, drafter=None, min_rows: int = 1, weights: str | None = N
         pack_linears(drafter.graphs.model, min_rows=min_rows)
 
 
+def torch_threads() -> int:
+    """The process's intra-op thread count."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int | None:
     """Make the target's packed products batch-invariant at ``widths`` (the row counts a
     speculative engine runs them at: 1 and its verify widths), checked at ``threads`` intra-op
@@ -230,8 +240,11 @@ def build_engine(spec: EngineSpec, prepare=None):
         quantize_models(target, drafter, spec.weights, src, spec.drafter)
     spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
     if spec_on:  # packed products padded so that they are batch-invariant (before any graph)
-        threads = resolve_plan(spec.stages, True, threads=spec.threads).threads
-        invariant_padding(target, (1, *spec.verify_widths, spec.tree.verify_width), threads)
+        threads = resolve_plan(spec.stages, True, threads=spec.threads).threads or torch_threads()
+        widths = (1, *spec.verify_widths, spec.tree.verify_width)
+        checked = spec.padding_checked  # the profile's check stands where it covers this engine
+        if checked is None or checked[0] != threads or not set(widths) <= set(checked[1]):
+            invariant_padding(target, widths, threads)
     if prepare is not None:
         prepare(target, drafter)
     if spec_on:  # quantized kernels must be batch-invariant for speculation to be exact
