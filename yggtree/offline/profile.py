@@ -133,8 +133,8 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
                  repeats: int = 9, widths: tuple[int, ...] = (1,)) -> dict:
     """One row through every packed product of ``model`` (:func:`yggtree.runtime.packed.packed_layers`:
     one plain step's products, in module order), timed for each ``min_rows`` of ``candidates``.
-    Rounds of one call per variant, the order rotating every round so drifting load hits all of
-    them alike; ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for
+    Rounds of one call per variant (:func:`yggtree.offline.timing.time_rounds`) so drifting load
+    hits all of them alike; ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for
     batch invariance at ``widths`` (the row counts the plan's engine runs: 1 and its verify
     widths; :func:`yggtree.runtime.packed.padding_is_invariant`, at the current thread count).
     Returns the profile's ``packed_padding``: the fastest invariant ``min_rows`` by median
@@ -158,15 +158,8 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
         for x, packed, out, bias in calls:
             packed_linear(x, packed, out, bias, min_rows)
 
-    samples: dict[int, list[float]] = {r: [] for r in candidates}
-    with torch.no_grad():
-        for i in range(warmup + repeats):
-            k = i % len(candidates)
-            for r in (*candidates[k:], *candidates[:k]):
-                t = time.perf_counter()
-                step(r)
-                if i >= warmup:
-                    samples[r].append((time.perf_counter() - t) * 1e3)
+    with torch.no_grad():  # in rounds (timing.time_rounds), as the grid and the stage forms
+        samples = time_rounds({r: (lambda r=r: step(r)) for r in candidates}, warmup, repeats)
     medians = {r: statistics.median(v) for r, v in samples.items()}
     ok = [r for r in candidates if invariant[r]]
     best = min(ok, key=lambda r: (medians[r], r)) if ok else invariant_min_rows(model, widths)
