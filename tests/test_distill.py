@@ -349,9 +349,34 @@ def test_warm_start_continues_from_a_head(run_a, target, tmp_path):
     assert ident["init_from"] == str(head) and len(ident["init_sha256"]) == 64
     with pytest.raises(YggError, match=r"--init-from .*out: the head has draft vocabulary 48, this run asks for 40"):
         D.distill(small_cfg(tmp_path, init_from=str(head), draft_vocab=40), target=target, prompt_ids=prompts())
-    with pytest.raises(YggError, match="decoder layers 1, this run asks for 2"):
-        D.distill(small_cfg(tmp_path, init_from=str(head), draft_layers=2), target=target, prompt_ids=prompts())
     assert "init_from" not in DT.checkpoint_identity(DC.DistillConfig(), "sha")
+
+
+def test_warm_start_grows_a_head_and_refuses_to_cut_one(run_a, target, tmp_path):
+    """--init-from a 1-layer head with --draft-layers 2: the added layer starts as an identity, so
+    the grown head's unrolled outputs equal the base head's bitwise; a head with more layers than the
+    run asks for is refused in one line."""
+    tmp_a, _ = run_a
+    head = tmp_a / "out"
+    cfg = small_cfg(tmp_a, init_from=str(head), draft_layers=2)
+    layout = DD.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
+    base = DT.warm_start_head(cfg, target, layout, 48)
+    grown = D._new_head(cfg, target, layout, base.net.draft_vocab, base)
+    assert len(grown.layers) == 2 and len(base.net.layers) == 1
+    tok = torch.randint(3, 48, (2, 9))
+    feat = torch.randn(2, 9, len(layout.inputs) * target.cfg.hidden_size)
+    rope = rope_table(base.net.cfg.layer_config(), 64)
+    with torch.no_grad():
+        a = DL.unrolled_forward(base.net, tok, feat, 3, rope)
+        b = DL.unrolled_forward(grown, tok, feat, 3, rope)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+    manifest = D.distill(small_cfg(tmp_path, init_from=str(head), draft_layers=2, epochs=1.0,
+                                   out=str(tmp_path / "grown")), ["--test"], target=target, prompt_ids=prompts())
+    assert manifest["training"]["steps"] > 0
+    with pytest.raises(YggError, match="the head has 2 decoder layers, this run asks for 1"):
+        D.distill(small_cfg(tmp_path, init_from=str(tmp_path / "grown")), target=target, prompt_ids=prompts())
 
 
 # ---------------------------------------------------------------- the shipped default head

@@ -65,7 +65,9 @@ from .distill_data import (
 )
 from .distill_eval import write_report
 from .distill_loss import TargetHead
-from .distill_train import CHECKPOINT_FILE, checkpoint_identity, init_head, join_process_group, train, warm_start_head
+from .distill_train import (
+    CHECKPOINT_FILE, checkpoint_identity, grow_layers, init_head, join_process_group, train, warm_start_head,
+)
 
 
 def _progress():
@@ -93,7 +95,7 @@ def _new_head(cfg: DistillConfig, target, layout: FeatureLayout, vmap: torch.Ten
     )
     net = drafter.net
     if base is not None:
-        net.load_state_dict(base.net.state_dict(), strict=True)
+        grow_layers(net, base.net)
     else:
         init_head(net, target, vmap, cfg, layout)
     net.train().requires_grad_(True)

@@ -48,7 +48,8 @@ def init_head(net, target, vmap: torch.Tensor, cfg: DistillConfig, layout: Featu
 
 def warm_start_head(cfg: DistillConfig, target, layout: FeatureLayout, v_d: int):
     """The head ``cfg.init_from`` to continue training from; refused (one line naming the
-    directory) unless it has the shape this run asks for."""
+    directory) unless it has the shape this run asks for. It may have fewer decoder layers than
+    the run asks for: the run then grows it (:func:`grow_layers`)."""
     from ..runtime.eagle import load_eagle
 
     base = load_eagle(cfg.init_from, target, "reference", max_depth=max(cfg.eval_depth, cfg.unroll))
@@ -56,13 +57,30 @@ def warm_start_head(cfg: DistillConfig, target, layout: FeatureLayout, v_d: int)
     for name, theirs, ours in (
         ("target layers", tuple(hc.target_layers), tuple(layout.inputs)),
         ("draft vocabulary", hc.draft_vocab_size, v_d),
-        ("decoder layers", hc.num_layers, cfg.draft_layers),
         ("input norm", hc.input_norm, cfg.input_norm),
     ):
         if theirs != ours:
             raise YggError(f"--init-from {cfg.init_from}: the head has {name} {theirs}, this run asks for {ours}")
+    if hc.num_layers > cfg.draft_layers:
+        raise YggError(f"--init-from {cfg.init_from}: the head has {hc.num_layers} decoder layers, this run "
+                       f"asks for {cfg.draft_layers} (a head can be grown, not cut)")
     base.net.float()
     return base
+
+
+@torch.no_grad()
+def grow_layers(net, base_net) -> None:
+    """``net`` starts as ``base_net`` with its extra decoder layers on top as identities: their
+    attention and MLP output projections are zero, so each added layer passes its input through
+    (the residual stream) and the grown head computes exactly what ``base_net`` did. Training then
+    moves the added layers away from zero (depth growth, as in progressive stacking)."""
+    n = len(base_net.layers)
+    own = net.state_dict()
+    for k, v in base_net.state_dict().items():
+        own[k].copy_(v)
+    for block in net.layers[n:]:
+        block.self_attn.o_proj.weight.zero_()
+        block.mlp.down_proj.weight.zero_()
 
 
 CHECKPOINT_FILE = "checkpoint.pt"
