@@ -33,21 +33,9 @@ from pathlib import Path
 import torch
 
 from yggtree.errors import YggError, run_reporting
+from yggtree.shapes import parse_tree
 
 MODES = ("reference", "performance")
-
-
-def parse_spec(text: str):
-    """``"W_d,D,W_v,k"`` -> TreeParams (validated)."""
-    from yggtree.runtime.engine import TreeParams
-
-    try:
-        wd, d, wv, k = (int(x) for x in text.split(","))
-    except ValueError:
-        raise YggError(f"--spec wants four integers W_d,D,W_v,k, got {text!r}") from None
-    tp = TreeParams(draft_width=wd, draft_depth=d, verify_width=wv, top_k=k)
-    tp.validate()
-    return tp
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -101,7 +89,7 @@ def check(args) -> int:
 
     if args.max_new_tokens < 1:
         raise YggError(f"max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    specs = [(s, parse_spec(s)) for s in args.spec]
+    specs = [(s, parse_tree(s, "--spec")) for s in args.spec]
     src = resolve_model(args.model)
     tokenizer = load_tokenizer(src)
     prompts = select_prompts(args, tokenizer)

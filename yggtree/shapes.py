@@ -85,6 +85,18 @@ class TreeParams:
             )
 
 
+def parse_tree(text: str, flag: str) -> TreeParams:
+    """``"W_d,D,W_v,k"`` (the value of a command's ``flag``) -> TreeParams, validated; YggError in
+    one line otherwise."""
+    try:
+        wd, d, wv, k = (int(x) for x in text.split(","))
+    except ValueError:
+        raise YggError(f"{flag} wants four integers W_d,D,W_v,k, got {text!r}") from None
+    tp = TreeParams(draft_width=wd, draft_depth=d, verify_width=wv, top_k=k)
+    tp.validate()
+    return tp
+
+
 @dataclass(frozen=True)
 class Envelope:
     """Every tree shape an engine can run: the compiled width sets and D_max. Built once from
