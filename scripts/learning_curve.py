@@ -37,6 +37,8 @@ def rows(dirs: list[str]) -> list[dict]:
             "epochs": m["hyperparameters"]["epochs"],
             "est_chain4_aal": val["est_chain4_aal"],
             "est_tree4_aal": val.get("est_tree4_aal"),
+            # the same drafts walked as the engine decodes (tokens per verify step); older heads lack it
+            "walk_chain4_aal": val.get("walk_chain4_aal"),
             "val_top1": val["val_top1_by_step"][0],
             "train_s": m["wall_time_s"]["train"],
             "hyperparameters": m["hyperparameters"],
@@ -51,14 +53,16 @@ def design_table(rs: list[dict]) -> str:
     """Markdown: one row per run, the head settings that differ between the runs, the figures."""
     keys = [k for k in HEAD_SETTINGS if len({json.dumps(r["hyperparameters"].get(k, 1 if k == "draft_layers" else None))
                                             for r in rs}) > 1]
-    head = ["run", *keys, "train tokens", "epochs", "est. chain-4 AAL", "est. tree AAL", "val top-1", "train min"]
+    head = ["run", *keys, "train tokens", "epochs", "est. chain-4 AAL", "est. tree AAL", "walk chain-4 AAL", "val top-1",
+            "train min"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rs:
         hp = r["hyperparameters"]
         vals = [str(hp.get(k, 1 if k == "draft_layers" else None)) for k in keys]
         tree = f"{r['est_tree4_aal']:.3f}" if r["est_tree4_aal"] is not None else "-"
+        walk = f"{r['walk_chain4_aal']:.3f}" if r["walk_chain4_aal"] is not None else "-"
         lines.append("| " + " | ".join([r["run"], *vals, str(r["train_tokens"]), f"{r['epochs']:g}",
-                                         f"{r['est_chain4_aal']:.3f}", tree, f"{r['val_top1']:.3f}",
+                                         f"{r['est_chain4_aal']:.3f}", tree, walk, f"{r['val_top1']:.3f}",
                                          f"{r['train_s'] / 60:.0f}"]) + " |")
     return "\n".join(lines)
 
