@@ -146,6 +146,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
         self.qkv: nn.Module | None = None  # q/k/v as one product (runtime.packed.pack_linears)
         self.cache: KVCache | None = None
+        # calls of at most this many query rows compute attention row by row (_rows_attention:
+        # each row's result independent of the call's other rows); wider calls use the grouped
+        # matmuls. Set for a whole model by set_invariant_rows (runtime.build.attention_rows).
+        self.invariant_rows = 1
 
     def forward(
         self,
@@ -170,10 +174,10 @@ class Attention(nn.Module):
         n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
         k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1)  # [B, Hkv, D, C], a view
         v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3)  # [B, Hkv, C, D], a view
-        if w == 1 and (bsz == 1 or torch.compiler.is_compiling()):
-            # one query: products and sums that inductor fuses into one pass over the cache (in eager
-            # with a batch they would materialise [B, Hkv, G, C, D]: the grouped products below serve)
-            return self.o_proj(_one_query_attention(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask))
+        if w <= self.invariant_rows and (bsz == 1 or torch.compiler.is_compiling()):
+            # row by row: products and sums that inductor fuses into passes over the cache (in eager
+            # with a batch they would materialise [B, Hkv, G, W, C, D]: the grouped products serve)
+            return self.o_proj(_rows_attention(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask))
         # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
         scores = torch.matmul(qg, k_t).float() * (1.0 / math.sqrt(d))
@@ -184,28 +188,51 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-def _one_query_attention(
-    q: torch.Tensor,  # [B, 1, H, D]
+def _rows_attention(
+    q: torch.Tensor,  # [B, W, H, D]
     k: torch.Tensor,  # [B, C, Hkv, D] the first C cache slots (a view)
     v: torch.Tensor,  # [B, C, Hkv, D]
-    mask: torch.Tensor,  # [B, 1, C] bool
+    mask: torch.Tensor,  # [B, W, C] bool
 ) -> torch.Tensor:
-    """Attention of one query token (a plain decode step, a drafter's head step): [B, 1, H*D].
+    """Attention of W query rows, each computed on its own: [B, W, H*D].
 
-    Written as broadcast products and sums, which inductor compiles into loops reading the cache
-    in place, instead of two batched matmuls: with one query row ``bmm`` is a matrix-vector
-    product per head that first copies the permuted cache slice (bfloat16) and pays a kernel
-    call per layer (an A/B run on the default model found the loops faster in both dtypes)."""
-    bsz, _, h, d = q.shape
+    Row-invariant by construction: every reduction (the score's sum over D, softmax over C, the
+    weighted sum over C) runs along one row's own axis of a broadcast elementwise product, never
+    through a matmul whose kernel (blocking, microkernel, split of the reduction) a library picks
+    from the number of rows. So a row's bits do not depend on W or on the other rows: plain
+    decoding (W = 1) and each row of a W-node verify step round alike, in float32 and bfloat16
+    (the sums are float32). Eager ATen reductions split work over output elements only;
+    inductor's CPU loops likewise, except that it parallelises a reduction loop 300x longer
+    than all output loops together (one row over a context of 2700+ slots, several threads).
+    With W = 1 this is the one-query step inductor fuses into one pass over the cache (faster
+    than ``bmm``, which first copies the permuted cache slice: an A/B on the default model)."""
+    bsz, w, h, d = q.shape
     hkv = k.shape[2]
-    qg = q.view(bsz, hkv, h // hkv, 1, d).float()  # [B, Hkv, G, 1, D]
-    kc = k.permute(0, 2, 1, 3)[:, :, None].float()  # [B, Hkv, 1, C, D]
-    scores = (qg * kc).sum(-1) * (1.0 / math.sqrt(d))  # [B, Hkv, G, C]
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, C]
-    vc = v.permute(0, 2, 1, 3)[:, :, None].float()  # [B, Hkv, 1, C, D]
-    out = (probs[..., None] * vc).sum(-2)  # [B, Hkv, G, D]
-    return out.reshape(bsz, 1, h * d).to(q.dtype)
+    qg = q.view(bsz, w, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)[..., None, :].float()  # [B, Hkv, G, W, 1, D]
+    kc = k.permute(0, 2, 1, 3)[:, :, None, None].float()  # [B, Hkv, 1, 1, C, D]
+    scores = (qg * kc).sum(-1) * (1.0 / math.sqrt(d))  # [B, Hkv, G, W, C]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, W, C]
+    vc = v.permute(0, 2, 1, 3)[:, :, None, None].float()  # [B, Hkv, 1, 1, C, D]
+    out = (probs[..., None] * vc).sum(-2)  # [B, Hkv, G, W, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(bsz, w, h * d).to(q.dtype)
+
+
+def attention_rows(prefill_chunk: int) -> int:
+    """How many query rows an engine's target computes row by row (``Attention.invariant_rows``):
+    every call narrower than a prefill chunk, so plain steps (W = 1) and each verify width below
+    the chunk round alike (exact speculation in every format, issue #20), while prefill chunks
+    keep the grouped matmuls. A function of the prefill chunk only: every engine of one plan,
+    plain or speculative, computes the same prefill and the same steps."""
+    return max(1, prefill_chunk - 1)
+
+
+def set_invariant_rows(model: nn.Module, rows: int) -> None:
+    """Every attention layer of ``model`` computes calls of at most ``rows`` query rows row by
+    row (:func:`_rows_attention`). Set before any graph is built: compiled graphs keep it."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.invariant_rows = rows
 
 
 class MLP(nn.Module):
