@@ -15,6 +15,17 @@ For a weight format (``--weights``, runtime/quant.py) and the padding of short p
 One JSON line.
 
     OMP_NUM_THREADS=1 python scripts/batch_invariance.py --weights int4 --rows 8
+
+``--cost``: what the row-invariant attention costs instead (model.Attention.invariant_rows). The
+target's verify step (a compiled tree step, graphs.Graphs in performance mode: what users run)
+with the grouped attention matmuls (``invariant_rows`` 1, before issue #20's fix) and with every
+width computed row by row, at each ``--widths`` x ``--contexts`` x ``--dtypes``, one call of each
+per round in interleaved rounds (offline/timing.time_rounds), medians in ms; each also says
+whether its root row's logits are bitwise the W = 1 step's (cache filled with random keys and
+values). One JSON line per dtype. On quiet cores:
+
+    OMP_NUM_THREADS=2 python scripts/batch_invariance.py --cost --min-rows 2 --dtypes float32,bfloat16 \
+        --widths 1,8,16,32 --contexts 256,1024 --warmup 5 --repeats 30
 """
 
 from __future__ import annotations
@@ -64,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", default=None, help="float32 | bfloat16 | int8 | int4@G | gguf-native")
     p.add_argument("--min-rows", type=int, default=1, help="padding of short packed products")
     p.add_argument("--rows", type=int, default=8)
-    return run_reporting("batch_invariance", run, p.parse_args(argv))
+    p.add_argument("--cost", action="store_true", help="time the row-invariant attention instead")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="--cost: comma-separated")
+    p.add_argument("--widths", default="1,8,16,32", help="--cost: verify widths, comma-separated")
+    p.add_argument("--contexts", default="256,1024", help="--cost: context buckets (slots read)")
+    p.add_argument("--warmup", type=int, default=5, help="--cost: untimed rounds")
+    p.add_argument("--repeats", type=int, default=30, help="--cost: timed rounds")
+    args = p.parse_args(argv)
+    return run_reporting("batch_invariance", cost if args.cost else run, args)
 
 
 def run(args) -> int:
@@ -90,6 +108,58 @@ def run(args) -> int:
     print(json.dumps({"model": args.model, "dtype": args.dtype, "weights": args.weights or args.dtype,
                       "min_rows": args.min_rows, "rows": args.rows, "threads": torch.get_num_threads(),
                       "products": products, "forward": forward}))
+    return 0
+
+
+def verify_call(graphs, width: int, context: int):
+    """A call of the target's verify step: a chain of ``width`` nodes whose last sits in the last
+    slot of a ``context``-slot bucket (attention reads all ``context`` slots); returns the root's
+    logits [V]."""
+    ar = torch.arange(width)
+    anc = ar[None, :] <= ar[:, None]  # [W, W] a chain
+    committed = torch.tensor(context - width)
+
+    def call() -> torch.Tensor:
+        return graphs.tree_step(ar + 100, ar, ar, anc, committed, (), context)[0][0]
+
+    return call
+
+
+def cost(args) -> int:
+    from statistics import median
+
+    from yggtree.offline.timing import time_rounds
+    from yggtree.runtime.build import pack_models
+    from yggtree.runtime.graphs import Graphs
+    from yggtree.runtime.loading import load_model, resolve_model
+    from yggtree.runtime.model import set_invariant_rows
+
+    src = resolve_model(args.model)
+    widths, contexts = ([int(x) for x in a.split(",")] for a in (args.widths, args.contexts))
+    widths = sorted({1, *widths})  # the plain step each root row is compared with
+    forms = {"grouped": 1, "rows": max(widths)}  # attention: invariant_rows
+    for dtype in args.dtypes.split(","):
+        calls = {}
+        for form, rows in forms.items():
+            model = load_model(src, dtype)
+            pack_models(model, None, args.min_rows, args.weights, src)
+            set_invariant_rows(model, rows)
+            model.setup_cache(1, max(contexts) + 1)
+            gen = torch.Generator().manual_seed(0)
+            for cache in model.caches():  # keys and values that make attention non-trivial
+                cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+                cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+            graphs = Graphs(model, "performance")
+            calls.update({(form, c, w): verify_call(graphs, w, c) for c in contexts for w in widths if w <= c})
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
+            root = {key: fn() for key, fn in calls.items()}  # builds every graph (untimed)
+            ms = time_rounds(calls, args.warmup, args.repeats)
+        rows = [{"attention": form, "context": c, "width": w, "median_ms": round(median(ms[form, c, w]), 3),
+                 "root_equals_plain": torch.equal(root[form, c, w], root[form, c, 1])}
+                for (form, c, w) in calls]
+        print(json.dumps({"model": args.model, "dtype": dtype, "weights": args.weights or dtype,
+                          "min_rows": args.min_rows, "threads": torch.get_num_threads(),
+                          "warmup": args.warmup, "repeats": args.repeats, "steps": rows}), flush=True)
     return 0
 
 
