@@ -62,7 +62,7 @@ def special_ids(tokenizer, model_cfg) -> list[int]:
 
 
 def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) under torchrun (gloo), else (0, 1). Rank 0 fills the feature cache."""
+    """(rank, world size) under torchrun (gloo), else (0, 1)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -586,38 +586,39 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
         n_tok += sh.n_tokens
     held = [(p, tr.load_shard(p, fp, tok_fp)) for p in held_paths]
     cache = tr.feature_cache_root(cfg.feature_cache)
-    teacher = None
-    parts, blocks, info_shards, reused = [], [], [], 0
     rank, world = rank_and_world()
-    if rank != 0:  # data-parallel: rank 0 fills the feature cache, the others then read it
+    every = shards + held
+    idents = [tr.feature_identity(sh, fp, layout.stored, cfg.teacher_dtype) for _, sh in every]
+    fpaths = [tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype) for _, sh in every]
+    # what the cache holds before this run (the same answer on every rank: nobody has written yet)
+    cached = [tr.map_features(f, sh.n_tokens, layout.width, i) is not None
+              for f, (_, sh), i in zip(fpaths, every, idents, strict=True)]
+    if world > 1:
         torch.distributed.barrier()
-    n_all = sum(sh.n_tokens for _, sh in shards + held)
-    task = progress.add_task("features", total=n_all)
+    # data-parallel: rank r fills the missing shards j with j % world == r, then every rank reads all
+    missing = [j for j in range(len(every)) if not cached[j] and j % world == rank]
+    task = progress.add_task("features", total=sum(every[j][1].n_tokens for j in missing))
+    teacher = teacher_in_dtype(target, cfg.teacher_dtype) if missing else None
+    for j in missing:
+        made = tr.prefill_features(teacher, every[j][1], layout.stored,
+                                   on_batch=lambda r, t: progress.update(task, advance=t))
+        tr.save_features(made, fpaths[j], idents[j])
+        del made
+    del teacher
+    if world > 1:
+        torch.distributed.barrier()
+    parts, blocks, info_shards = [], [], []
     # each shard's features stay in their cache file, memory-mapped: nothing is read before a batch
     # uses it, and the ranks of one machine share the page cache's one copy
-    for p, sh in shards + held:
-        fpath = tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype)
-        ident = tr.feature_identity(sh, fp, layout.stored, cfg.teacher_dtype)
+    for (p, sh), fpath, ident in zip(every, fpaths, idents, strict=True):
         feats = tr.map_features(fpath, sh.n_tokens, layout.width, ident)
         if feats is None:
-            if teacher is None:
-                teacher = teacher_in_dtype(target, cfg.teacher_dtype)
-            made = tr.prefill_features(teacher, sh, layout.stored, on_batch=lambda r, t: progress.update(task, advance=t))
-            tr.save_features(made, fpath, ident)
-            del made
-            feats = tr.map_features(fpath, sh.n_tokens, layout.width, ident)
-            if feats is None:
-                raise YggError(f"feature cache {fpath} cannot be read back after writing it")
-        else:
-            reused += 1
-            progress.update(task, advance=sh.n_tokens)
+            raise YggError(f"feature cache {fpath} cannot be read back after writing it")
         blocks.append(feats)
         parts.append(TeacherData(sh.tokens, feats, sh.offsets, sh.role))
         info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
                             "sequences": sh.n_seq, "counts": sh.meta["counts"]})
-    del teacher
-    if world > 1 and rank == 0:
-        torch.distributed.barrier()
+    reused = sum(cached)
     feats_all = FeatureBlocks(blocks)
     data = concat_teacher(parts, feats=feats_all.materialize() if in_memory else feats_all)
     n_train_seq = sum(sh.n_seq for _, sh in shards)
