@@ -148,7 +148,7 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
         # calls of at most this many query rows compute attention row by row (_rows_attention:
         # each row's result independent of the call's other rows); wider calls use the grouped
-        # matmuls. Set for a whole model by set_invariant_rows (runtime.build.attention_rows).
+        # matmuls. Set for a whole model by set_invariant_rows (see attention_rows).
         self.invariant_rows = 1
 
     def forward(
@@ -219,11 +219,16 @@ def _rows_attention(
 
 
 def attention_rows(prefill_chunk: int) -> int:
-    """How many query rows an engine's target computes row by row (``Attention.invariant_rows``):
-    every call narrower than a prefill chunk, so plain steps (W = 1) and each verify width below
-    the chunk round alike (exact speculation in every format, issue #20), while prefill chunks
-    keep the grouped matmuls. A function of the prefill chunk only: every engine of one plan,
-    plain or speculative, computes the same prefill and the same steps."""
+    """The widest call that can compute attention row by row without touching prefill: every call
+    narrower than a prefill chunk (prefill chunks keep the grouped matmuls).
+
+    Not set by engines (``Attention.invariant_rows`` stays 1, the one-query step alone): eager
+    row-by-row attention makes a verified row's logits bitwise a plain step's (tests/
+    test_attention_invariance), but the real model's *compiled* verify step still differs from its
+    plain step at W = 8 and 32 with either formulation (1 and 2 threads, float32, products padded
+    invariant: ``scripts/batch_invariance.py --cost``, docs/results.md), and row-by-row costs up
+    to 16% at W = 32 over 1024 slots. Exactness of compiled speculation in every format needs the
+    remaining reductions (norms, the compiled attention loops) made row-invariant too (issue #20)."""
     return max(1, prefill_chunk - 1)
 
 
