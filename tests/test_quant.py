@@ -296,3 +296,24 @@ def test_plan_field(tmp_path):
     with pytest.raises(YggError, match="key 'weights': gguf-native needs a GGUF target"):
         validate_plan({**base, "target": str(hf), "weights": "gguf-native"})
     assert "quant.py" in GRAPH_SOURCES
+
+
+def test_speculation_outside_float32_says_it_is_not_token_exact(tmp_path, capsys):
+    """A speculative engine with quantized weights says in one stderr line that its output can
+    leave the same format's plain decoding (measured on the real model: issue #20); float32 does
+    not."""
+    pytest.importorskip("transformers")
+    from test_compile import save_tiny_checkpoint
+    from yggtree.runtime.build import EngineSpec, build_engine
+    from yggtree.shapes import TreeParams
+
+    save_tiny_checkpoint(tmp_path / "model", intermediate=64)
+    tree = TreeParams(2, 2, 4, 2)
+    spec = dict(model=str(tmp_path / "model"), drafter="self", mode="reference", max_context=64, prefill_chunk=8,
+                tree=tree)
+    capsys.readouterr()
+    build_engine(EngineSpec(**spec, weights="int8"))
+    err = capsys.readouterr().err
+    assert "yggtree: note: speculative output with int8 weights in float32 can leave plain int8 decoding" in err
+    build_engine(EngineSpec(**spec))
+    assert "note: speculative output" not in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,7 +186,6 @@ def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int 
     one line on stderr (slower perhaps, exact); YggError if no padding up to the widest width
     is. Returns the padding (None: nothing packed). Call it before any graph or compiled
     package is made for the target: they hold the padding as a constant."""
-    import sys
 
     import torch
 
@@ -251,6 +251,11 @@ def build_engine(spec: EngineSpec, prepare=None):
         from .quant import check_batch_invariant
 
         check_batch_invariant(target, max((*spec.verify_widths, spec.tree.verify_width)))
+        if fmt != "float32" or spec.dtype != "float32":
+            # measured: 2-5 of 8 prompts left plain decoding (docs/results.md, issue #20)
+            sys.stderr.write(f"yggtree: note: speculative output with {fmt} weights in {spec.dtype} can leave plain "
+                             f"{fmt} decoding at near-ties (verify steps are not bitwise row-invariant yet); "
+                             "float32 weights give token-exact output\n")
     cfg = EngineConfig(
         mode=spec.mode,
         max_context=spec.max_context,
