@@ -186,7 +186,6 @@ def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int 
     one line on stderr (slower perhaps, exact); YggError if no padding up to the widest width
     is. Returns the padding (None: nothing packed). Call it before any graph or compiled
     package is made for the target: they hold the padding as a constant."""
-
     import torch
 
     from .packed import invariant_min_rows, min_rows_of, packed_layers
@@ -239,9 +238,9 @@ def build_engine(spec: EngineSpec, prepare=None):
     else:
         quantize_models(target, drafter, spec.weights, src, spec.drafter)
     spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
+    widths = (1, *spec.verify_widths, spec.tree.verify_width) if spec_on else (1,)  # verify row counts
     if spec_on:  # packed products padded so that they are batch-invariant (before any graph)
         threads = resolve_plan(spec.stages, True, threads=spec.threads).threads or torch_threads()
-        widths = (1, *spec.verify_widths, spec.tree.verify_width)
         checked = spec.padding_checked  # the profile's check stands where it covers this engine
         if checked is None or checked[0] != threads or not set(widths) <= set(checked[1]):
             invariant_padding(target, widths, threads)
@@ -250,7 +249,7 @@ def build_engine(spec: EngineSpec, prepare=None):
     if spec_on:  # quantized kernels must be batch-invariant for speculation to be exact
         from .quant import check_batch_invariant
 
-        check_batch_invariant(target, max((*spec.verify_widths, spec.tree.verify_width)))
+        check_batch_invariant(target, max(widths))
         if fmt != "float32" or spec.dtype != "float32":
             # measured: 2-5 of 8 prompts left plain decoding (docs/results.md, issue #20)
             sys.stderr.write(f"yggtree: note: speculative output with {fmt} weights in {spec.dtype} can leave plain "
