@@ -144,21 +144,16 @@ def dequantize(planes: list[Int4Codes]) -> torch.Tensor:
 # ----------------------------------------------------------------------------- layers
 
 
-def _int4_linear_cpu(
-    x: torch.Tensor,  # [..., K] in the run's dtype
-    packed: torch.Tensor,  # [P, Np, K / 2] uint8, the int4 kernel's layout (Np: N rounded up to 16)
-    scale_zeros: torch.Tensor,  # [P, K / group, Np, 2] bfloat16
+def _int4_mm_cpu(
+    x: torch.Tensor,  # [M, K] bfloat16 (KERNEL_DTYPE), contiguous
+    packed: torch.Tensor,  # [Np, K / 2] uint8, the int4 kernel's layout (Np: N rounded up to 16)
+    scale_zeros: torch.Tensor,  # [K / group, Np, 2] bfloat16
     group: int,
-    out_features: int,  # N
 ) -> torch.Tensor:
-    """The P planes' products on bfloat16 activations, each cast to x's dtype and summed in it,
-    the padded output rows cut: [..., N], contiguous."""
-    x2 = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
-    y = None
-    for p in range(packed.shape[0]):
-        yp = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed[p], group, scale_zeros[p]).to(x.dtype)
-        y = yp if y is None else y + yp
-    return y[:, :out_features].contiguous().reshape(*x.shape[:-1], out_features)
+    """One plane's product: [M, Np] bfloat16. Nothing but the kernel call: the casts, the sum of
+    planes and the cut of the padded rows are the caller's (:meth:`Int4Linear.forward`), where a
+    compiled graph fuses them into its own kernels."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zeros)
 
 
 # The int4 product is an opaque op for torch.compile and AOTInductor (as runtime/packed.py's
@@ -166,17 +161,20 @@ def _int4_linear_cpu(
 # layer), inductor's own lowering of ``_weight_int4pack_mm_for_cpu`` (to
 # ``_weight_int4pack_mm_cpu_tensor`` with the group size as a graph constant) fails at run time
 # in torch 2.13 ("group size must be a scalar"); called through this op the graphs run the same
-# aten kernel eager code does. The int8 kernel needs no such op (inductor calls it as it is).
-# The handle must outlive the module's import (dropping it unregisters the op).
+# aten kernel eager code does. The op holds the kernel call alone: every Python-level tensor
+# operation inside it would run once per layer and step outside the compiled kernels (measured:
+# a wrapper that also cast, summed and cut cost ~50 us per call, ~120 calls per step). The int8
+# kernel needs no such op (inductor calls it as it is). The handle must outlive the module's
+# import (dropping it unregisters the op).
 _LIB = torch.library.Library("yggtree", "FRAGMENT")
-_LIB.define("int4_linear(Tensor x, Tensor packed, Tensor scale_zeros, int group, int out_features) -> Tensor")
-_LIB.impl("int4_linear", _int4_linear_cpu, "CPU")
-int4_linear = torch.ops.yggtree.int4_linear
+_LIB.define("int4_mm(Tensor x, Tensor packed, Tensor scale_zeros, int group) -> Tensor")
+_LIB.impl("int4_mm", _int4_mm_cpu, "CPU")
+int4_mm = torch.ops.yggtree.int4_mm
 
 
-@torch.library.register_fake("yggtree::int4_linear")
-def _(x, packed, scale_zeros, group, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
+@torch.library.register_fake("yggtree::int4_mm")
+def _(x, packed, scale_zeros, group):
+    return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 class Int8Linear(nn.Module):
@@ -228,7 +226,14 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        y = int4_linear(x, self.packed, self.scale_zeros, self.group, self.out_features)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        y = None
+        for p in range(self.packed.shape[0]):  # the planes' products, each in x's dtype, summed in it
+            yp = int4_mm(x2, self.packed[p], self.scale_zeros[p], self.group).to(x.dtype)
+            y = yp if y is None else y + yp
+        if y.shape[1] != self.out_features:  # the padded output rows cut
+            y = y[:, : self.out_features].contiguous()
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
