@@ -1,8 +1,8 @@
 """Quantized weight formats in performance mode: the engine's compiled graphs (torch.compile,
 whole steps) and ``yggtree compile``'s AOTInductor packages call the weight-only kernels
-(``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``: inductor keeps them as
-extern calls, no custom op needed), and greedy speculation equals plain decoding in the same
-format, token for token."""
+(``aten._weight_int8pack_mm`` as inductor's extern call, ``aten._weight_int4pack_mm_for_cpu``
+through the one-call op ``yggtree::int4_mm``, runtime/quant.py), and greedy speculation equals
+plain decoding in the same format, token for token."""
 
 from __future__ import annotations
 
