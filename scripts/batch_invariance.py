@@ -21,8 +21,10 @@ target's verify step (a compiled tree step, graphs.Graphs in performance mode: w
 with the grouped attention matmuls (``invariant_rows`` 1, before issue #20's fix) and with every
 width computed row by row, at each ``--widths`` x ``--contexts`` x ``--dtypes``, one call of each
 per round in interleaved rounds (offline/timing.time_rounds), medians in ms; each also says
-whether its root row's logits are bitwise the W = 1 step's (cache filled with random keys and
-values). One JSON line per dtype. On quiet cores:
+whether its root row's logits are bitwise those of the W = 1 step that decodes the root's token
+at the root's slot and position (cache filled with random keys and values; before 2026-11-26
+the comparison took the W = 1 step at the bucket's last slot, another position, so it reported
+every root as differing). One JSON line per dtype. On quiet cores:
 
     OMP_NUM_THREADS=2 python scripts/batch_invariance.py --cost --min-rows 2 --dtypes float32,bfloat16 \
         --widths 1,8,16,32 --contexts 256,1024 --warmup 5 --repeats 30
@@ -111,13 +113,13 @@ def run(args) -> int:
     return 0
 
 
-def verify_call(graphs, width: int, context: int):
-    """A call of the target's verify step: a chain of ``width`` nodes whose last sits in the last
-    slot of a ``context``-slot bucket (attention reads all ``context`` slots); returns the root's
-    logits [V]."""
+def verify_call(graphs, width: int, context: int, committed: int | None = None):
+    """A call of the target's verify step: a chain of ``width`` nodes in a ``context``-slot bucket
+    after ``committed`` slots (default: the chain's last node in the bucket's last slot, so
+    attention reads all ``context`` slots); returns the root's logits [V]."""
     ar = torch.arange(width)
     anc = ar[None, :] <= ar[:, None]  # [W, W] a chain
-    committed = torch.tensor(context - width)
+    committed = torch.tensor(context - width if committed is None else committed)
 
     def call() -> torch.Tensor:
         return graphs.tree_step(ar + 100, ar, ar, anc, committed, (), context)[0][0]
@@ -139,7 +141,7 @@ def cost(args) -> int:
     widths = sorted({1, *widths})  # the plain step each root row is compared with
     forms = {"grouped": 1, "rows": max(widths)}  # attention: invariant_rows
     for dtype in args.dtypes.split(","):
-        calls = {}
+        calls, plain = {}, {}
         for form, rows in forms.items():
             model = load_model(src, dtype)
             pack_models(model, None, args.min_rows, args.weights, src)
@@ -151,11 +153,15 @@ def cost(args) -> int:
                 cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
             graphs = Graphs(model, "performance")
             calls.update({(form, c, w): verify_call(graphs, w, c) for c in contexts for w in widths if w <= c})
+            # the plain step each root is compared with: the root's token at the root's slot and
+            # position (committed c - w), one row
+            plain.update({(form, c, w): verify_call(graphs, 1, c, c - w) for c in contexts for w in widths if w <= c})
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256):
             root = {key: fn() for key, fn in calls.items()}  # builds every graph (untimed)
+            one = {key: fn() for key, fn in plain.items()}
             ms = time_rounds(calls, args.warmup, args.repeats)
         rows = [{"attention": form, "context": c, "width": w, "median_ms": round(median(ms[form, c, w]), 3),
-                 "root_equals_plain": torch.equal(root[form, c, w], root[form, c, 1])}
+                 "root_equals_plain": torch.equal(root[form, c, w], one[form, c, w])}
                 for (form, c, w) in calls]
         print(json.dumps({"model": args.model, "dtype": dtype, "weights": args.weights or dtype,
                           "min_rows": args.min_rows, "threads": torch.get_num_threads(),

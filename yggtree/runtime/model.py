@@ -222,13 +222,17 @@ def attention_rows(prefill_chunk: int) -> int:
     """The widest call that can compute attention row by row without touching prefill: every call
     narrower than a prefill chunk (prefill chunks keep the grouped matmuls).
 
-    Not set by engines (``Attention.invariant_rows`` stays 1, the one-query step alone): eager
-    row-by-row attention makes a verified row's logits bitwise a plain step's (tests/
-    test_attention_invariance), but the real model's *compiled* verify step still differs from its
-    plain step at W = 8 and 32 with either formulation (1 and 2 threads, float32, products padded
-    invariant: ``scripts/batch_invariance.py --cost``, docs/results.md), and row-by-row costs up
-    to 16% at W = 32 over 1024 slots. Exactness of compiled speculation in every format needs the
-    remaining reductions (norms, the compiled attention loops) made row-invariant too (issue #20)."""
+    Not set by engines (``Attention.invariant_rows`` stays 1, the one-query step alone). What is
+    measured (docs/results.md, issue #20): the real model's whole forward compiled by inductor
+    (nested block region, 1 and 2 threads, float32 and bfloat16, contexts 256-4096, products
+    padded invariant; captured layers and two context buckets checked at one thread in
+    bfloat16) is bitwise row-invariant with row-by-row attention at every width (row 0 of W = 2,
+    8, 32 equals W = 1 in every layer and in the logits) and differs from layer 0 on with the
+    grouped matmuls. But engines switched to it end to end still left plain decoding in
+    bfloat16 and the quantized formats (8, 6, 11, 5 of 20 prompts identical on the fixed tree
+    8,6,32; float32 is exact with the grouped matmuls), so another difference between a plain
+    and a speculative engine remains to be found, and row by row costs up to 16% at W = 32 over
+    1024 slots: until exactness is shown end to end, engines keep the grouped matmuls."""
     return max(1, prefill_chunk - 1)
 
 
