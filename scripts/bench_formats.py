@@ -19,6 +19,11 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   plain decoding and speculative decoding with ``--drafter`` on the fixed tree ``--spec-tree``
   (W_d,D,W_v,top_k; default 8,6,32,8 as scripts/eval_drafter.py). A speculative engine the format
   cannot run exactly (a kernel that is not batch-invariant on this CPU) is reported as refused.
+  Float weights run on oneDNN-packed products padded as ``yggtree profile`` chooses for a plan on
+  this machine (``--min-rows auto``: the fastest padding that is batch-invariant at widths 1 and
+  the tree's W_v, measured per format before its engines are built, the same for its plain and
+  speculative engine, as one plan's engine pads its plain and tree steps alike); ``--min-rows N``
+  fixes it.
 
 Timing: one untimed warm-up generate per system, then ``--repeats`` passes; in each pass every
 system decodes prompt i before any decodes prompt i + 1 (their order rotating per prompt), so a
@@ -89,6 +94,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="threads of every system (0: torch's setting)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes (per-prompt medians)")
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--min-rows", default="auto", metavar="auto|N",
+                   help="padding of short packed products (float formats): auto measures it per format on "
+                        "this machine as `yggtree profile` does (the fastest padding that is batch-invariant at "
+                        "the engine's widths); N fixes it")
     p.add_argument("--mode", choices=("performance", "reference"), default="performance",
                    help="yggtree engines: compiled (as yggtree run) or eager")
     p.add_argument("--out", metavar="DIR", help="write results.json and results.csv here")
@@ -293,6 +302,19 @@ def llama_runner(info: dict, gguf: Path, threads: int, ctx: int):
     return run
 
 
+def measured_padding(src, dtype: str, widths: tuple[int, ...]) -> dict:
+    """The padding of short packed products ``yggtree profile`` would choose for a float-weight
+    engine of ``dtype`` running rows ``widths``: the target loaded and packed here, timed
+    (``yggtree.offline.profile.time_padding``); ``min_rows`` 1 where nothing is packed."""
+    from yggtree.offline.profile import time_padding
+    from yggtree.runtime.build import pack_models
+    from yggtree.runtime.loading import load_model
+
+    model = load_model(src, dtype)
+    pack_models(model, None, src=src)
+    return time_padding(model, widths=widths)
+
+
 def build_systems(args, src, formats: list[str], tree, threads: int, say) -> list[System]:
     """Every system, built (engines compiled, transformers loaded), in table order."""
     from yggtree.bench import load_hf_model
@@ -318,10 +340,18 @@ def build_systems(args, src, formats: list[str], tree, threads: int, say) -> lis
     for fmt in formats:
         dtype = format_dtype(fmt.partition("@")[0], args.quant_dtype)
         weights = None if fmt in ("float32", "bfloat16") else fmt
+        pad, min_rows = None, 1
+        if weights is None and args.min_rows == "auto":  # float weights are packed: measure the padding
+            pad = measured_padding(src, dtype, (1, tree.verify_width))
+            min_rows = pad["min_rows"]
+            say(f"ygg/{fmt}: packed products padded to {min_rows} row(s) (median ms by rows: {pad['median_ms']})")
+        elif weights is None:
+            min_rows = int(args.min_rows)
         for kind in ("plain", "spec"):
             s = System(f"ygg/{fmt}/{kind}", kind, fmt, dtype)
+            s.info["min_rows"], s.info["padding"] = min_rows, pad
             spec = EngineSpec(model=args.model, drafter=args.drafter if kind == "spec" else None, dtype=dtype,
-                              mode=args.mode, max_context=args.max_context, weights=weights,
+                              mode=args.mode, max_context=args.max_context, weights=weights, min_rows=min_rows,
                               tree=tree if kind == "spec" else TreeParams())
 
             def make(s=s, spec=spec):
@@ -379,6 +409,8 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1 or args.repeats < 1 or args.prompts < 0 or args.synthetic < 0:
         raise YggError("--max-new-tokens and --repeats must be >= 1, --prompts and --synthetic >= 0")
+    if args.min_rows != "auto" and not (args.min_rows.isdigit() and int(args.min_rows) >= 1):
+        raise YggError(f"--min-rows must be 'auto' or an integer >= 1, got {args.min_rows!r}")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     src = resolve_model(args.model)
     check_formats(formats, src, args.quant_dtype)
@@ -456,6 +488,7 @@ def table_rows(rows: list[dict], systems: list[System], gbps: float) -> list[dic
              "x_ygg_float32": None, "x_ygg_float32_lo": None, "x_ygg_float32_hi": None,
              "weight_bytes": s.weight_bytes, "limit_tok_s": None, "limit_fraction": None, "aal": None,
              "identical_to_plain": None, "compared": None, "build_s": round(s.build_s, 2),
+             "min_rows": s.info.get("min_rows"),
              "note": f"refused: {s.refused}" if s.refused else ""}
         if s.refused is None:
             dec_n, dec_s, steps = decode_totals(rows, s.name)

@@ -57,6 +57,12 @@ def test_every_format_plain_and_speculative_in_one_run(model_dir, tmp_path, caps
         assert r["x_ygg_float32_lo"] <= r["x_ygg_float32"] <= r["x_ygg_float32_hi"]
         assert (r["compared"] == 3) == name.endswith("/spec")
     assert rows["ygg/float32/plain"]["x_ygg_float32"] == pytest.approx(1.0)
+    for name in names:  # --min-rows auto: float weights padded as measured, quantized ones not packed
+        pad = res["systems"][name].get("padding")
+        if name.startswith(("ygg/float32", "ygg/bfloat16")) and pad and pad["products"]:
+            assert rows[name]["min_rows"] == pad["min_rows"] and str(pad["min_rows"]) in pad["median_ms"]
+        elif name.startswith("ygg/int"):
+            assert rows[name]["min_rows"] == 1
     assert rows["ygg/float32/spec"]["identical_to_plain"] == 3  # greedy float32: exact
     assert rows["hf/float32"]["weight_bytes"] == rows["ygg/float32/plain"]["weight_bytes"]
     assert rows["ygg/int8/plain"]["weight_bytes"] < rows["ygg/bfloat16/plain"]["weight_bytes"] \
@@ -124,6 +130,7 @@ def test_bad_input_is_one_line(model_dir, tmp_path, capsys):
         (["--formats", "float32", "--llama-cpp", str(tmp_path)], "holds none of llama-completion"),
         (["--formats", "float32", "--spec-tree", "1,2"], "--spec-tree wants four integers"),
         (["--formats", "float32", "--threads", "999"], "exceeds this machine's"),
+        (["--formats", "float32", "--min-rows", "0"], "--min-rows must be 'auto' or an integer >= 1"),
     ]
     for more, said in cases:
         assert mod.main(base + more) == 1, more
