@@ -230,9 +230,11 @@ def attention_rows(prefill_chunk: int) -> int:
     8, 32 equals W = 1 in every layer and in the logits) and differs from layer 0 on with the
     grouped matmuls. But engines switched to it end to end still left plain decoding in
     bfloat16 and the quantized formats (8, 6, 11, 5 of 20 prompts identical on the fixed tree
-    8,6,32; float32 is exact with the grouped matmuls), so another difference between a plain
-    and a speculative engine remains to be found, and row by row costs up to 16% at W = 32 over
-    1024 slots: until exactness is shown end to end, engines keep the grouped matmuls."""
+    8,6,32; float32 is exact with the grouped matmuls): a verified node's ancestors sit at tree
+    slots with masked gaps where plain decoding has them contiguous, so the reductions over slots
+    group the same values differently (reports/invariance_bisect). Row by row also costs up to
+    16% at W = 32 over 1024 slots: until exactness is shown end to end, engines keep the grouped
+    matmuls."""
     return max(1, prefill_chunk - 1)
 
 
