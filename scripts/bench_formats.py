@@ -302,22 +302,10 @@ def llama_runner(info: dict, gguf: Path, threads: int, ctx: int):
     return run
 
 
-def measured_padding(src, dtype: str, widths: tuple[int, ...]) -> dict:
-    """The padding of short packed products ``yggtree profile`` would choose for a float-weight
-    engine of ``dtype`` running rows ``widths``: the target loaded and packed here, timed
-    (``yggtree.offline.profile.time_padding``); ``min_rows`` 1 where nothing is packed."""
-    from yggtree.offline.profile import time_padding
-    from yggtree.runtime.build import pack_models
-    from yggtree.runtime.loading import load_model
-
-    model = load_model(src, dtype)
-    pack_models(model, None, src=src)
-    return time_padding(model, widths=widths)
-
-
 def build_systems(args, src, formats: list[str], tree, threads: int, say) -> list[System]:
     """Every system, built (engines compiled, transformers loaded), in table order."""
     from yggtree.bench import load_hf_model
+    from yggtree.offline.profile import model_padding
     from yggtree.runtime.build import EngineSpec, build_engine
     from yggtree.runtime.engine import TreeParams
 
@@ -342,7 +330,7 @@ def build_systems(args, src, formats: list[str], tree, threads: int, say) -> lis
         weights = None if fmt in ("float32", "bfloat16") else fmt
         pad, min_rows = None, 1
         if weights is None and args.min_rows == "auto":  # float weights are packed: measure the padding
-            pad = measured_padding(src, dtype, (1, tree.verify_width))
+            pad = model_padding(src, dtype, None, (1, tree.verify_width))
             min_rows = pad["min_rows"]
             say(f"ygg/{fmt}: packed products padded to {min_rows} row(s) (median ms by rows: {pad['median_ms']})")
         elif weights is None:

@@ -177,16 +177,26 @@ def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> di
     layers: no padding)."""
     import torch
 
-    from ..runtime.build import pack_models
-    from ..runtime.loading import load_model, resolve_model
+    from ..runtime.loading import resolve_model
 
     if plan.backend not in ("inductor-cpu", "eager"):
         return {"min_rows": 1, "products": 0, "median_ms": {}}
     torch.set_num_threads(threads)
-    src = resolve_model(plan.target)
-    model = load_model(src, plan.dtype)
-    pack_models(model, None, weights=plan.weights, src=src)  # a quantized plan packs what stays float
-    return time_padding(model, warmup=warmup, repeats=repeats, widths=(1, *plan.verify_widths))
+    return model_padding(resolve_model(plan.target), plan.dtype, plan.weights, (1, *plan.verify_widths),
+                         warmup, repeats)
+
+
+def model_padding(src, dtype: str, weights: str | None, widths: tuple[int, ...], warmup: int = 2,
+                  repeats: int = 9) -> dict:
+    """:func:`time_padding` on the model ``src`` (a ModelSource) loaded in ``dtype`` and weight
+    format ``weights`` and packed here, at the current thread count, for an engine running
+    ``widths`` rows (a quantized model packs only what stays float)."""
+    from ..runtime.build import pack_models
+    from ..runtime.loading import load_model
+
+    model = load_model(src, dtype)
+    pack_models(model, None, weights=weights, src=src)
+    return time_padding(model, warmup=warmup, repeats=repeats, widths=widths)
 
 
 def padding_line(padding: dict) -> str:
