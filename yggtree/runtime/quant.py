@@ -162,8 +162,9 @@ def _int4_mm_cpu(
 # ``_weight_int4pack_mm_cpu_tensor`` with the group size as a graph constant) fails at run time
 # in torch 2.13 ("group size must be a scalar"); called through this op the graphs run the same
 # aten kernel eager code does. The op holds the kernel call alone: every Python-level tensor
-# operation inside it would run once per layer and step outside the compiled kernels (measured:
-# a wrapper that also cast, summed and cut cost ~50 us per call, ~120 calls per step). The int8
+# operation inside it would run once per layer and step outside the compiled kernels (a wrapper
+# that also cast, summed and cut did: docs/results.md, "Weight formats after the one-call int4
+# op"). The int8
 # kernel needs no such op (inductor calls it as it is). The handle must outlive the module's
 # import (dropping it unregisters the op).
 _LIB = torch.library.Library("yggtree", "FRAGMENT")
