@@ -118,6 +118,18 @@ def test_graphs_track_built_widths_per_thread_count(process_threads):
     assert g.widths == {1, 3} and g.widths_at(2) == {1, 3}
 
 
+def test_build_lifts_dynamo_recompile_limits_while_it_compiles():
+    """A process that builds many engines compiles one code object more than dynamo's
+    lifetime cap of 256 allows; builds lift both limits, and only while they run."""
+    import torch._dynamo.config as dc
+
+    g = Graphs(tiny(), "reference")
+    seen = []
+    g.build([1, 2], lambda w: seen.append((dc.recompile_limit, dc.accumulated_recompile_limit)))
+    assert seen == [(256, 1 << 20)] * 2
+    assert (dc.recompile_limit, dc.accumulated_recompile_limit) == (8, 256)
+
+
 # ----------------------------------------------------------------------------- engines
 
 

@@ -190,6 +190,36 @@ def test_overlap_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
     assert sum(counters["recompiles"].values()) == recompiles
 
 
+def test_overlap_runs_compiled_graphs_under_full_guard_evaluation():
+    """Two threads calling compiled graphs at once miss graphs they have under dynamo's
+    skip_guard_eval_unsafe stance (torch 2.13; a garbage collection inside a lookup, reproduced
+    with gc.set_threshold(1)): overlap plans hold the full-guard stance on both threads, the
+    sequential plan keeps the cheap one. Measured in docs/results.md."""
+    from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+
+    model = tiny()
+    tp = TreeParams(draft_width=2, draft_depth=2, verify_width=4, top_k=2)
+    drafter = EagleDrafter.random(model, "performance", max_depth=2, seed=1)
+    cfg = EngineConfig(mode="performance", max_context=200, prefill_chunk=16, tree=tp, stages=SPLIT)
+    eng = Engine(model, cfg, drafter)
+    seen = []
+    real = eng.drafter.speculate
+
+    def spy(*args):
+        seen.append(_is_skip_guard_eval_unsafe_stance())
+        return real(*args)
+
+    eng.drafter.speculate = spy
+    eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=12))
+    assert seen and set(seen) == {False}
+    eng.use_plan("sequential")
+    real_step = eng.drafter.step
+    eng.drafter.step = lambda *a: (seen.append(_is_skip_guard_eval_unsafe_stance()), real_step(*a))[1]
+    seen.clear()
+    eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=12))
+    assert seen and set(seen) == {True}
+
+
 # ----------------------------------------------------------------------------- thread budgets
 
 

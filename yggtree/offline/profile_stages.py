@@ -18,6 +18,8 @@ has data for (:mod:`yggtree.offline.plan_search`).
 
 from __future__ import annotations
 
+import contextlib
+
 import statistics
 import time
 
@@ -160,6 +162,11 @@ def measure_stage_forms(engine, plan, ctx: int, warmup: int, repeats: int, cores
                         "ahead_ms": {str(w): ms["ahead", w] for w in wvs}}
             else:
                 worker = ThreadWorker(int(dt))
+                # as the engine runs an overlap plan: full guard evaluation (Graphs.frozen)
+                threaded = contextlib.ExitStack()
+                threaded.enter_context(engine.graphs.frozen(threaded=True))
+                if engine.drafter is not None:
+                    threaded.enter_context(engine.drafter.frozen(threaded=True))
                 try:
                     jobs = {w: worker.result(worker.submit(_built, spec(w))) for w in wds}  # at D threads
                     rec |= {"draft_threads": int(dt),
@@ -169,6 +176,7 @@ def measure_stage_forms(engine, plan, ctx: int, warmup: int, repeats: int, cores
                                      for wv in wvs for wd in wds}}
                 finally:
                     worker.close()
+                    threaded.close()
             out["splits"][split] = rec
     finally:
         torch.set_num_threads(n0)

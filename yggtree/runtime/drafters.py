@@ -136,8 +136,10 @@ class Drafter(Protocol):
         ``committed + n``) as the last token it holds, ready for ``head(bonus, committed + n +
         1)``; return the leaf's top-k ([1, k]), from which the bonus is guessed."""
 
-    def frozen(self):
-        """Context manager for the decode loop (no compiles allowed in compiled mode)."""
+    def frozen(self, threaded: bool = False):
+        """Context manager for the decode loop (no compiles allowed in compiled mode);
+        ``threaded``: the drafter runs on a worker thread beside the decoding thread
+        (:meth:`Graphs.frozen`)."""
 
 
 @dataclass(frozen=True)
@@ -250,8 +252,8 @@ class LMDrafter:
             steps.commit(self.model, committed + nodes[1:], committed + torch.arange(1, n + 1, device=nodes.device))
         return self.head(tokens[n], committed + n, k)
 
-    def frozen(self):
-        return self.graphs.frozen()
+    def frozen(self, threaded: bool = False):
+        return self.graphs.frozen(threaded)
 
 
 def ahead_layout(tree: Tree, anc: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -583,8 +583,8 @@ class EagleDrafter:
         self.pend_n.zero_()
         return self._topk(self.net.logits(leaf_h), k)
 
-    def frozen(self):
-        return self.graphs.frozen()
+    def frozen(self, threaded: bool = False):
+        return self.graphs.frozen(threaded)
 
     # ---------------------------------------------------------------- helpers
 

@@ -385,7 +385,8 @@ class Engine:
         n_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            with torch.no_grad(), self.graphs.frozen():
+            threaded = self.worker is not None and self.worker.threaded
+            with torch.no_grad(), self.graphs.frozen(threaded):
                 prompt = torch.tensor(prompt_ids, dtype=torch.int64)
                 layers = self.drafter.target_layers if self.drafter is not None else ()
                 logits, h_root, feats = prefill(self.graphs, prompt, self.cfg.prefill_chunk, layers)
@@ -400,7 +401,7 @@ class Engine:
                 if reason is None:
                     for buf, x in zip(self.feat_buf, feats):
                         buf[: x.shape[0]] = x
-                    with self.drafter.frozen() if self.drafter else contextlib.nullcontext():
+                    with self.drafter.frozen(threaded) if self.drafter else contextlib.nullcontext():
                         if self.drafter is not None:
                             self.drafter.prefill(prompt, feats)
                         reason = self.decode(req, timer, trace, on_step)

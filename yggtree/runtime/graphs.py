@@ -49,6 +49,9 @@ from .aoti import INDUCTOR_CPU_CONFIG, PackageSet, static_blocks
 from .model import Transformer
 
 MODES = ("reference", "performance")
+# dynamo's recompile limits while :meth:`Graphs.build` compiles (one graph per width and bucket
+# is the design, not a runaway recompile)
+BUILD_LIMITS = dict(recompile_limit=256, accumulated_recompile_limit=1 << 20)
 SCOPES = ("step", "block")
 BACKENDS = ("inductor-cpu", "eager", "cuda", "npu")
 
@@ -138,7 +141,10 @@ class Graphs:
             return todo
         t0 = time.perf_counter()
         try:
-            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=256), at_threads(key):
+            # dynamo counts every compile of a code object over the process's life and refuses
+            # the one past accumulated_recompile_limit (256): a long-lived process that builds
+            # many engines (tuning trials, test suites) would reach it
+            with torch.no_grad(), torch._dynamo.config.patch(**BUILD_LIMITS), at_threads(key):
                 for w in todo:
                     run(w)
                     have.add(w)
@@ -231,12 +237,21 @@ class Graphs:
                         "the plan and recompile (yggtree compile --force if the plan lists it)"
                     )
 
-    def frozen(self):
+    def frozen(self, threaded: bool = False):
         """Context for the decode loop: compiled mode may not compile anything new.
 
         Every shape the loop can request was built by :meth:`warm_up`, so dynamo only needs the
         guards that tell those graphs apart (``skip_guard_eval_unsafe``): full guard evaluation
         at every block call costs several percent of a decode step on a CPU.
+
+        ``threaded``: compiled code runs on two Python threads at once (the overlap plan's
+        drafter worker beside the decoding thread). Then every guard is evaluated: with the
+        unsafe stance, calls from the worker thread miss graphs they have (torch 2.13, "Recompilation
+        triggered with skip_guard_eval_unsafe stance") once a garbage collection lands inside a
+        lookup -- measured: with ``gc.set_threshold(1)`` the EAGLE worker failed after 6-20
+        requests under the unsafe stance and ran 168 without a miss under full guards
+        (``tests/test_overlap.py``, docs/results.md). The stance is process-wide, so both
+        threads pay for full guards while it is held.
 
         Graphs of one shape built at several thread counts are safe under this stance (checked
         with torch 2.13, ``tests/test_graph_threads.py``): it evaluates each cache entry's
@@ -250,7 +265,7 @@ class Graphs:
         is a "Recompilation triggered" error, never another count's graph. One Graphs object
         may therefore hold several counts; the engine builds each at the count it runs at."""
         if self.compiled and static_blocks(self.model) is None:
-            return torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True)
+            return torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=not threaded)
         return contextlib.nullcontext()
 
 

@@ -138,6 +138,8 @@ def fits(committed: int, n: int, d: int, wd: int, n_slots: int) -> bool:
 class ThreadWorker:
     """One long-lived Python thread with its own intra-op thread budget (CPU)."""
 
+    threaded = True  # its compiled calls run beside the decoding thread's (Graphs.frozen)
+
     def __init__(self, threads: int) -> None:
         if threads < 1:
             raise YggError(f"the drafter's worker needs >= 1 thread, got {threads}")
@@ -171,6 +173,8 @@ class StreamWorker:
     """The overlap plan on CUDA: the speculation's kernels are queued on a side stream right away
     (the drafting loop has no host sync), the join makes the current stream wait for it. Not run
     here (no GPU); ``threads`` is meaningless on a GPU and ignored."""
+
+    threaded = False  # the side stream is fed from the decoding thread
 
     def __init__(self, device: torch.device) -> None:
         if not torch.cuda.is_available():
