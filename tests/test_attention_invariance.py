@@ -10,7 +10,8 @@ from helpers import tiny_model
 
 from yggtree.runtime import steps
 from yggtree.runtime.kv_cache import KVCache
-from yggtree.runtime.model import Attention, ModelConfig, _rows_attention, attention_rows, set_invariant_rows
+from yggtree.runtime.model import (Attention, ModelConfig, _rows_attention, attention_rows, row_window,
+                                   set_invariant_rows)
 from yggtree.runtime.packed import pack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,20 +31,26 @@ def _qkv(dtype, w=16, c=96, heads=6, kv_heads=2, d=32, seed=0):
     return q, k, v, mask
 
 
+def _rows(q, k, v, mask):
+    """Row-by-row attention of the rows of ``mask`` (their window split as the model does it)."""
+    window, head = row_window(mask)
+    return _rows_attention(q, k, v, head, window)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_attention_row_is_its_one_row_call(dtype):
     """Row i of a W-row call is bitwise the one-row call of row i, whatever the other rows are
     (two different sets of other rows)."""
     q, k, v, mask = _qkv(dtype)
     q2, _, _, mask2 = _qkv(dtype, seed=1)
-    one = [_rows_attention(q[:, i:i + 1], k, v, mask[:, i:i + 1]) for i in range(q.shape[1])]
+    one = [_rows(q[:, i:i + 1], k, v, mask[:, i:i + 1]) for i in range(q.shape[1])]
     for w in WIDTHS:
-        wide = _rows_attention(q[:, :w], k, v, mask[:, :w])  # [1, W, H*D]
+        wide = _rows(q[:, :w], k, v, mask[:, :w])  # [1, W, H*D]
         for i in range(w):
             assert torch.equal(wide[:, i:i + 1], one[i]), (w, i)
         # row 0 among other rows (those of another draw)
         mixed_q, mixed_m = torch.cat([q[:, :1], q2[:, 1:w]], 1), torch.cat([mask[:, :1], mask2[:, 1:w]], 1)
-        assert torch.equal(_rows_attention(mixed_q, k, v, mixed_m)[:, :1], one[0]), w
+        assert torch.equal(_rows(mixed_q, k, v, mixed_m)[:, :1], one[0]), w
 
 
 def test_rows_attention_is_attention():
@@ -113,7 +120,7 @@ def test_compiled_rows_are_the_one_row_graph():
 
     for dtype in DTYPES:
         q, k, v, mask = _qkv(dtype, w=5)
-        fn = torch.compile(_rows_attention, **compile_options("inductor-cpu"))
+        fn = torch.compile(_rows, **compile_options("inductor-cpu"))
         wide = fn(q, k, v, mask)
         for i in range(5):
             assert torch.equal(wide[:, i:i + 1], fn(q[:, i:i + 1], k, v, mask[:, i:i + 1])), (dtype, i)
@@ -129,6 +136,22 @@ def test_compiled_step_logits_do_not_depend_on_the_width():
     assert torch.equal(_root_logits(model, 5, run=run), _root_logits(model, 1, run=run))
 
 
+def test_engines_share_one_formulation():
+    """An engine sets its target's row-invariant widths from its prefill chunk alone, so a
+    plain and a speculative engine of one plan run the same prefill and the same steps (and
+    yggtree compile's packages, which apply the same rule, hold them)."""
+    from yggtree.runtime.engine import Engine, EngineConfig, TreeParams
+
+    assert attention_rows(64) == 63 and attention_rows(1) == 1
+    model = tiny_model()
+    Engine(model, EngineConfig(mode="reference", max_context=40, prefill_chunk=8))
+    assert {m.invariant_rows for m in model.modules() if isinstance(m, Attention)} == {7}
+    tree = TreeParams(draft_width=2, draft_depth=2, verify_width=4, top_k=2)
+    Engine(model, EngineConfig(mode="reference", max_context=40, prefill_chunk=8, tree=tree),
+           _self_drafter(model))
+    assert {m.invariant_rows for m in model.modules() if isinstance(m, Attention)} == {7}
+
+
 def _self_drafter(model):
     from yggtree.runtime.drafters import LMDrafter
 
@@ -137,13 +160,12 @@ def _self_drafter(model):
 
 def test_bfloat16_speculation_is_plain_decoding():
     """End to end on a bfloat16 target with packed products (every activation rounded to
-    bfloat16): greedy speculation emits plain decoding's tokens. Eager (reference) engines only:
-    compiled graphs of the real model are not row-invariant yet (model.attention_rows)."""
+    bfloat16): greedy speculation emits plain decoding's tokens (the engines set row-by-row
+    attention themselves; the real model, compiled, in every format: docs/results.md)."""
     from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 
     model = tiny_model(hidden=64, max_pos=256, seed=3, dtype=torch.bfloat16)
     pack_linears(model)
-    set_invariant_rows(model, attention_rows(8))  # engines do not set it (see model.attention_rows)
     cfg = dict(mode="reference", max_context=80, prefill_chunk=8)
     tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
     plain = Engine(model, EngineConfig(**cfg))
@@ -151,3 +173,51 @@ def test_bfloat16_speculation_is_plain_decoding():
     for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
         want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
         assert spec.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
+
+
+# a tree whose deepest node (6) sees its ancestors 0, 3, 4 at tree slots with other nodes between
+TREE_PARENT = (-1, 0, 0, 0, 3, 1, 4)
+
+
+def _deep_node_logits(model, run=None, n_ctx=64, prefix=20, seed=0):
+    """Logits [V] of tree node 6 of TREE_PARENT verified in one 7-row step after a ``prefix``-
+    token prefill, and those of the plain one-row steps that decode its path 0, 3, 4, 6 one token
+    at a time at the same positions (the path contiguous, as plain decoding holds it)."""
+    g = torch.Generator().manual_seed(seed)
+    v = model.cfg.vocab_size
+    tokens = torch.randint(0, v, (prefix + 7,), generator=g)
+    tree = tokens[prefix:]
+    depth = torch.tensor([0, 1, 1, 1, 2, 2, 3])
+    anc = torch.eye(7, dtype=torch.bool)
+    for i, p in enumerate(TREE_PARENT):
+        while p >= 0:
+            anc[i, p] = True
+            p = TREE_PARENT[p]
+    committed = torch.tensor(prefix)
+
+    def fill():
+        model.setup_cache(1, n_ctx + 1)
+        steps.prefill_chunk(model, tokens[None, :32], torch.tensor(0), committed, (), n_ctx)
+
+    fill()
+    node = steps.tree_step(model, tree, depth, torch.arange(7), anc, committed, n_ctx=n_ctx, run=run)[0][6]
+    fill()
+    one = torch.ones(1, 1, dtype=torch.bool)
+    zero = torch.zeros(1, dtype=torch.long)
+    for i, n in enumerate((0, 3, 4, 6)):
+        plain = steps.tree_step(model, tree[n:n + 1], zero, zero, one, committed + i, n_ctx=n_ctx, run=run)[0][0]
+    return node, plain
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_verified_node_is_the_plain_step_of_its_path(dtype):
+    """A verified node's logits are bitwise those plain decoding computes for the same token at
+    the same position, although its ancestors sit at tree slots with other nodes' between them
+    (row-by-row attention over the compacted context, eager and compiled)."""
+    from yggtree.runtime.graphs import compile_options
+
+    model = _packed_tiny(dtype, attention_rows(64))
+    for run in (None, torch.compile(steps.masked_step, **compile_options("inductor-cpu"))):
+        for seed in (0, 1, 2):
+            node, plain = _deep_node_logits(model, run, seed=seed)
+            assert torch.equal(node, plain), (dtype, run is None, seed)

@@ -22,6 +22,7 @@ from yggtree.cli import main as cli_main
 from yggtree.errors import YggError
 from yggtree.offline.compile import main, prepare_run
 from yggtree.plan import CACHE_SUBDIR, MANIFEST, check_artifacts, load_plan
+from yggtree.runtime.model import attention_formulation
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -104,6 +105,7 @@ def test_compile_builds_every_graph_once(compiled):
     assert m["plan_hash"] == plan.hash() == last["plan_hash"]
     n_slots = plan.max_context + plan.max_tree + 1
     assert m["n_slots"] == n_slots
+    assert m["attention"] == attention_formulation(plan.prefill_chunk)  # the engine's formulation
     target = [(r["width"], r["context"], r["cache"]) for r in m["graphs"] if r["model"] == "target"]
     assert target == [(1, n_slots, "compiled"), (2, n_slots, "compiled")]  # each built exactly once
     drafter = {r["width"]: r["cache"] for r in m["graphs"] if r["model"] == "drafter"}

@@ -382,6 +382,16 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path):
     cpu = replace(plan, backend="inductor-cpu")  # as if compiled for it (the check needs no graph)
     (art / MANIFEST).write_text(json.dumps(m | {"plan": cpu.to_dict(relative_to=art)}))
     assert check_artifacts(cpu, art) == []
+    from yggtree.runtime.model import attention_formulation
+
+    now = attention_formulation(plan.prefill_chunk)  # packages hold the attention formulation too
+    for was, said in (({"rows_up_to": 1, "logical_window": 32}, "row by row up to 1 rows, logical window 32"),
+                      (None, "an earlier one")):
+        (art / MANIFEST).write_text(json.dumps(m | {"plan": cpu.to_dict(relative_to=art), "attention": was}))
+        assert check_artifacts(cpu, art) == [
+            f"the attention formulation changed: compiled with {said}, an engine of this plan uses row by row "
+            f"up to {now['rows_up_to']} rows, logical window {now['logical_window']}"]
+    (art / MANIFEST).write_text(json.dumps(m | {"plan": cpu.to_dict(relative_to=art)}))
     padding(4)
     (r,) = check_artifacts(cpu, art)
     assert r == "the padding of short packed products changed: compiled with min_rows 2, the plan's profile says 4"

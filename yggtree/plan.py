@@ -731,6 +731,17 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             if m.get("packed_min_rows") != rows:
                 reasons.append(f"the padding of short packed products changed: compiled with min_rows "
                                f"{m.get('packed_min_rows')}, the plan's profile says {rows}")
+        from .runtime.model import attention_formulation
+
+        want = attention_formulation(plan.prefill_chunk)  # the packages hold the formulation
+        if m.get("attention") != want:
+            def say(f) -> str:
+                if not isinstance(f, dict) or set(f) != set(want):
+                    return "an earlier one"
+                return f"row by row up to {f['rows_up_to']} rows, logical window {f['logical_window']}"
+
+            reasons.append(f"the attention formulation changed: compiled with {say(m.get('attention'))}, an "
+                           f"engine of this plan uses {say(want)}")
     # a model file is known by its role and name (the manifest records its path relative to its
     # directory, which changes when either moves); its size, mtime and checksum identify it
     was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])}

@@ -153,6 +153,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
     from ..runtime.graphs import Graphs, backend_device
     from ..runtime.loading import load_model, load_tokenizer, resolve_model
+    from ..runtime.model import attention_rows, set_invariant_rows
 
     spec = EngineSpec.from_plan(plan) if plan.backend in ("inductor-cpu", "eager") else None
     t0 = time.perf_counter()
@@ -174,6 +175,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         from ..runtime.build import pack_models
 
         pack_models(target, drafter, min_rows, plan.weights, src, plan.drafter)
+    # the attention formulation an engine of this plan sets (Engine.__init__): packages hold it
+    set_invariant_rows(target, attention_rows(plan.prefill_chunk))
     load_s = time.perf_counter() - t0
 
     # 1. shapes: the engine's own warm-up code, run eagerly with a recorder on every block
@@ -306,6 +309,8 @@ def _build_with_progress(plan: Plan, art: Path, console, min_rows: int) -> tuple
 def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records: list[dict], info: dict,
               stale: list[str]) -> dict:
     """The manifest of a build of ``plan`` in ``art`` (no absolute paths)."""
+    from ..runtime.model import attention_formulation
+
     return {
         "format": MANIFEST_FORMAT,
         "plan_name": plan.name,
@@ -319,6 +324,8 @@ def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records:
         # inductor's CPU kernels are built for the thread count of the compiling process
         "threads": info["threads"],
         "packed_min_rows": min_rows,  # compared with the plan's profile by check_artifacts
+        # how the packages compute attention (model.attention_formulation), checked by check_artifacts
+        "attention": attention_formulation(plan.prefill_chunk),
         "cache_dir": CACHE_SUBDIR if plan.backend != "eager" else None,
         "graphs": records,
         # distinct packages: a record "shared" uses one built for another model (a self-drafter

@@ -250,11 +250,6 @@ def build_engine(spec: EngineSpec, prepare=None):
         from .quant import check_batch_invariant
 
         check_batch_invariant(target, max(widths))
-        if fmt != "float32" or spec.dtype != "float32":
-            # measured: 2-5 of 8 prompts left plain decoding (docs/results.md, issue #20)
-            sys.stderr.write(f"yggtree: note: speculative output with {fmt} weights in {spec.dtype} can leave plain "
-                             f"{fmt} decoding at near-ties (verify steps are not bitwise row-invariant yet); "
-                             "float32 weights give token-exact output\n")
     cfg = EngineConfig(
         mode=spec.mode,
         max_context=spec.max_context,

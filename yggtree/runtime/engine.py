@@ -38,7 +38,7 @@ from .drafters import Drafter
 from .graphs import Graphs
 from .lookup import LookupCalibration, LookupIndex
 from .merge import SOURCE_NAMES
-from .model import Transformer
+from .model import Transformer, attention_rows, set_invariant_rows
 from .overlap import make_worker
 from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 from .schedule import BUCKETS, ExecutionPlan, StageTimer, resolve_plan
@@ -239,6 +239,10 @@ class Engine:
     def __init__(self, target: Transformer, cfg: EngineConfig, drafter: Drafter | None = None,
                  eos_ids: tuple[int, ...] = ()) -> None:
         check_engine(target, cfg, drafter)
+        # one attention formulation for plain steps and every verify width narrower than a prefill
+        # chunk: row by row, so a verified node's logits are bitwise a plain step's (before any graph;
+        # yggtree compile applies the same rule to its packages)
+        set_invariant_rows(target, attention_rows(cfg.prefill_chunk))
         self.target, self.drafter, self.eos_ids = target, drafter, tuple(eos_ids)
         self.envelope = Envelope.of(cfg.tree, cfg.draft_widths, cfg.verify_widths, cfg.d_max)
         self.plan = resolve_plan(cfg.stages, cfg.tree is not None, threads=cfg.threads)

@@ -147,8 +147,8 @@ class Attention(nn.Module):
         self.qkv: nn.Module | None = None  # q/k/v as one product (runtime.packed.pack_linears)
         self.cache: KVCache | None = None
         # calls of at most this many query rows compute attention row by row (_rows_attention:
-        # each row's result independent of the call's other rows); wider calls use the grouped
-        # matmuls. Set for a whole model by set_invariant_rows (see attention_rows).
+        # each row's result independent of the call's other rows and of where its ancestors sit);
+        # wider calls use the grouped matmuls. Engines set it (set_invariant_rows, attention_rows).
         self.invariant_rows = 1
 
     def forward(
@@ -156,11 +156,15 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, W, hidden]
         cos: torch.Tensor,  # [B, W, 1, D/2]
         sin: torch.Tensor,  # [B, W, 1, D/2]
-        slots: torch.Tensor,  # [B, W]
-        mask: torch.Tensor,  # [B, W, C] bool, C <= S (context bucket)
+        slots: torch.Tensor,  # [B, W] int64, or [B, W, 1 + T] (row_window: slot, then the window)
+        mask: torch.Tensor,  # [B, W, C] bool, C <= S (context bucket); with [B, W, 1 + T] slots the
+        # window's first part (row_window)
     ) -> torch.Tensor:
         cfg = self.cfg
         bsz, w, _ = x.shape
+        window = None
+        if slots.dim() == 3:  # row_window(slots, mask) of this call
+            slots, window = slots[..., 0], slots[..., 1:]
         hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         if self.qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -174,10 +178,10 @@ class Attention(nn.Module):
         n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
         k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1)  # [B, Hkv, D, C], a view
         v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3)  # [B, Hkv, C, D], a view
-        if w <= self.invariant_rows and (bsz == 1 or torch.compiler.is_compiling()):
-            # row by row: products and sums that inductor fuses into passes over the cache (in eager
-            # with a batch they would materialise [B, Hkv, G, W, C, D]: the grouped products serve)
-            return self.o_proj(_rows_attention(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask))
+        if window is not None or rows_path(self.invariant_rows, bsz, w):
+            if window is None:
+                window, mask = row_window(mask)
+            return self.o_proj(_rows_attention(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask, window))
         # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
         scores = torch.matmul(qg, k_t).float() * (1.0 / math.sqrt(d))
@@ -188,54 +192,100 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+# A query row's last LOGICAL_WINDOW visible slots, taken in logical order (see _rows_attention):
+# a verified tree node whose depth is below it attends bitwise as plain decoding does.
+LOGICAL_WINDOW = 32
+
+
+def rows_path(invariant_rows: int, bsz: int, w: int) -> bool:
+    """Whether a call of ``w`` query rows (batch ``bsz``) computes attention row by row: up to
+    ``invariant_rows`` rows, in a batch of 1 or compiled (in eager with a batch the broadcast
+    products would materialise [B, Hkv, G, W, C, D]: the grouped products serve)."""
+    return w <= invariant_rows and (bsz == 1 or torch.compiler.is_compiling())
+
+
+def row_window(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split every row's visible slots (``mask`` [B, W, C] bool) into the two parts
+    :func:`_rows_attention` adds: its last T = LOGICAL_WINDOW visible slots, in slot order, as a
+    window [B, W, T] int64 of slots (-1: no slot, a row that sees fewer than T), and the mask of
+    the rest [B, W, C] bool. The same for every layer of a step: the model computes it once."""
+    bsz, w, c = mask.shape
+    t = LOGICAL_WINDOW
+    rank = mask.cumsum(-1)  # [B, W, C] visible slots up to and including each slot
+    first = rank[..., -1:] - t  # [B, W, 1] visible slots before the window (may be < 0)
+    # window position of every visible slot past the first part; the rest go to a dropped column
+    at = torch.where(mask & (rank > first), rank - 1 - first, t)  # [B, W, C]
+    ar = torch.arange(c, device=mask.device).expand_as(rank)
+    order = torch.zeros(bsz, w, t + 1, dtype=rank.dtype, device=mask.device).scatter_(-1, at, ar)[..., :t]
+    empty = torch.arange(t, device=mask.device) < -first  # [B, W, T] positions before a short row's slots
+    return torch.where(empty, -1, order), mask & (rank <= first)
+
+
 def _rows_attention(
     q: torch.Tensor,  # [B, W, H, D]
     k: torch.Tensor,  # [B, C, Hkv, D] the first C cache slots (a view)
     v: torch.Tensor,  # [B, C, Hkv, D]
-    mask: torch.Tensor,  # [B, W, C] bool
+    head: torch.Tensor,  # [B, W, C] bool: the slots each row reads in place (row_window)
+    window: torch.Tensor,  # [B, W, T] int64: the slots each row reads in its window, -1: none
 ) -> torch.Tensor:
     """Attention of W query rows, each computed on its own: [B, W, H*D].
 
     Row-invariant by construction: every reduction (the score's sum over D, softmax over C, the
     weighted sum over C) runs along one row's own axis of a broadcast elementwise product, never
     through a matmul whose kernel (blocking, microkernel, split of the reduction) a library picks
-    from the number of rows. So a row's bits do not depend on W or on the other rows: plain
-    decoding (W = 1) and each row of a W-node verify step round alike, in float32 and bfloat16
-    (the sums are float32). Eager ATen reductions split work over output elements only;
-    inductor's CPU loops likewise, except that it parallelises a reduction loop 300x longer
-    than all output loops together (one row over a context of 2700+ slots, several threads).
-    With W = 1 this is the one-query step inductor fuses into one pass over the cache (faster
-    than ``bmm``, which first copies the permuted cache slice: an A/B on the default model)."""
+    from the number of rows. So a row's bits do not depend on W or on the other rows. Eager ATen
+    reductions split work over output elements only; inductor's CPU loops likewise, except that
+    it parallelises a reduction loop 300x longer than all output loops together (one row over a
+    context of 2700+ slots, several threads).
+
+    Layout-invariant too. A row attends over two parts (:func:`row_window`): its first n - T
+    visible slots where they are in the cache, and its last T visible slots gathered in slot order
+    into a T-long window; the parts' maxima, sums and weighted sums are then added. A verified
+    tree node at depth d < T sees the committed prefix and then its ancestors at tree slots with
+    other nodes' slots between them (tree nodes are numbered parents first, so slot order is depth
+    order); plain decoding holds the same tokens contiguous after the prefix. The first part is
+    the same prefix slots for both, and the window holds the same values at the same places, so
+    every vectorised sum groups the same values alike and a verified node's logits are bitwise
+    those of the plain step at its position (reports/invariance_bisect: without the window
+    bfloat16 speculation left plain output). Only the T-slot window is gathered."""
     bsz, w, h, d = q.shape
     hkv = k.shape[2]
+    seen = window >= 0
+    b_ix = torch.arange(bsz, device=q.device)[:, None, None]
+    kw = k[b_ix, window.clamp(min=0)].permute(0, 3, 1, 2, 4)[:, :, None].float()  # [B, Hkv, 1, W, T, D]
+    vw = v[b_ix, window.clamp(min=0)].permute(0, 3, 1, 2, 4)[:, :, None].float()  # [B, Hkv, 1, W, T, D]
     qg = q.view(bsz, w, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)[..., None, :].float()  # [B, Hkv, G, W, 1, D]
     kc = k.permute(0, 2, 1, 3)[:, :, None, None].float()  # [B, Hkv, 1, 1, C, D]
-    scores = (qg * kc).sum(-1) * (1.0 / math.sqrt(d))  # [B, Hkv, G, W, C]
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, W, C]
     vc = v.permute(0, 2, 1, 3)[:, :, None, None].float()  # [B, Hkv, 1, 1, C, D]
-    out = (probs[..., None] * vc).sum(-2)  # [B, Hkv, G, W, D]
+    scale = 1.0 / math.sqrt(d)
+    s1 = ((qg * kc).sum(-1) * scale).masked_fill(~head[:, None, None], float("-inf"))  # [B, Hkv, G, W, C]
+    s2 = ((qg * kw).sum(-1) * scale).masked_fill(~seen[:, None, None], float("-inf"))  # [B, Hkv, G, W, T]
+    m = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))  # a row's window is never empty
+    p1, p2 = torch.exp(s1 - m), torch.exp(s2 - m)
+    total = p1.sum(-1, keepdim=True) + p2.sum(-1, keepdim=True)  # [B, Hkv, G, W, 1]
+    out = ((p1[..., None] * vc).sum(-2) + (p2[..., None] * vw).sum(-2)) / total  # [B, Hkv, G, W, D]
     return out.permute(0, 3, 1, 2, 4).reshape(bsz, w, h * d).to(q.dtype)
 
 
 def attention_rows(prefill_chunk: int) -> int:
-    """The widest call that can compute attention row by row without touching prefill: every call
-    narrower than a prefill chunk (prefill chunks keep the grouped matmuls).
+    """How many query rows an engine's target computes row by row (``Attention.invariant_rows``):
+    every call narrower than a prefill chunk, so plain steps (W = 1) and each verify width below
+    the chunk round alike, while prefill chunks keep the grouped matmuls. A function of the
+    prefill chunk only: every engine of one plan, plain or speculative, computes the same prefill
+    and the same steps; ``Engine`` sets it on its target and ``yggtree compile`` on the target
+    whose packages it exports.
 
-    Not set by engines (``Attention.invariant_rows`` stays 1, the one-query step alone). What is
-    measured (docs/results.md, issue #20): the real model's whole forward compiled by inductor
-    (nested block region, 1 and 2 threads, float32 and bfloat16, contexts 256-4096, products
-    padded invariant; captured layers and two context buckets checked at one thread in
-    bfloat16) is bitwise row-invariant with row-by-row attention at every width (row 0 of W = 2,
-    8, 32 equals W = 1 in every layer and in the logits) and differs from layer 0 on with the
-    grouped matmuls. But engines switched to it end to end still left plain decoding in
-    bfloat16 and the quantized formats (8, 6, 11, 5 of 20 prompts identical on the fixed tree
-    8,6,32; float32 is exact with the grouped matmuls): a verified node's ancestors sit at tree
-    slots with masked gaps where plain decoding has them contiguous, so the reductions over slots
-    group the same values differently (reports/invariance_bisect). Row by row also costs up to
-    16% at W = 32 over 1024 slots: until exactness is shown end to end, engines keep the grouped
-    matmuls."""
+    With :func:`_rows_attention`'s logical window, a verified node's logits are bitwise those of
+    the plain step at its position: tests/test_attention_invariance.py, and the real model in
+    every weight format (docs/results.md, issue #20). Rows cost more than the grouped matmuls at
+    wide verify steps (the per-format profile prices it)."""
     return max(1, prefill_chunk - 1)
+
+
+def attention_formulation(prefill_chunk: int) -> dict:
+    """How an engine with ``prefill_chunk`` computes attention, as compiled packages record it
+    (their manifest's ``attention``; plan.check_artifacts refuses packages built otherwise)."""
+    return {"rows_up_to": attention_rows(prefill_chunk), "logical_window": LOGICAL_WINDOW}
 
 
 def set_invariant_rows(model: nn.Module, rows: int) -> None:
@@ -352,6 +402,10 @@ class Transformer(nn.Module):
         cs = self.rope[positions]  # [B, W, D/2, 2]
         cos, sin = cs[..., 0].unsqueeze(2).contiguous(), cs[..., 1].unsqueeze(2).contiguous()
         x = self.embed_tokens(tokens)
+        if rows_path(self.layers[0].self_attn.invariant_rows, *tokens.shape):
+            # every layer's row-by-row attention reads the same split of the rows' context
+            window, mask = row_window(mask)
+            slots = torch.cat([slots[..., None], window], -1)  # [B, W, 1 + T]
         captured = []
         for i, block in enumerate(self.layers):
             x = _block(block, x, cos, sin, slots, mask)

@@ -1,0 +1,99 @@
+"""Is speculative decoding token-for-token plain decoding in every weight format? (issue #20)
+
+For each ``--formats`` entry: the plain engine and the speculative engine (``--drafter``, fixed
+tree ``--spec-tree``), both as ``yggtree run --weights FMT`` builds them (compiled, one plan's
+padding for both: the fastest padding of packed float products that is batch-invariant at
+widths 1 and W_v, measured here as a plan's profile chooses it), greedy on the same prompts (``--prompts N``: N MT-Bench first turns and N
+HumanEval prompts, chat template applied, as scripts/bench_formats.py). Prints per format how many
+prompts are identical and the first differing position of the others; one JSON line at the end;
+exit code 1 if any prompt differs. No timing: scripts/bench_formats.py measures speed.
+
+    python scripts/exact_formats.py --formats bfloat16,int8,int4,gguf-native --prompts 10 \\
+        --max-new-tokens 128 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from yggtree.errors import YggError, run_reporting
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--drafter", default="default")
+    p.add_argument("--formats", default="float32,bfloat16,int8,int4,gguf-native")
+    p.add_argument("--quant-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--spec-tree", default="8,6,32,8", metavar="W_d,D,W_v,k")
+    p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--out", metavar="FILE", help="also write the JSON record here")
+    return p.parse_args(argv)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run(args) -> int:
+    import torch
+
+    from yggtree.data import interleave, load_prompts
+    from yggtree.offline.profile import model_padding
+    from yggtree.runtime.build import EngineSpec, build_engine
+    from yggtree.runtime.engine import SamplingParams, TreeParams
+    from yggtree.runtime.loading import load_tokenizer, resolve_model
+
+    try:
+        tree = TreeParams(*(int(x) for x in args.spec_tree.split(",")))
+    except (TypeError, ValueError):
+        raise YggError(f"--spec-tree wants four integers W_d,D,W_v,k, got {args.spec_tree!r}") from None
+    torch.set_num_threads(args.threads)
+    tok = load_tokenizer(resolve_model(args.model))
+    prompts = interleave(load_prompts(args.prompts, args.prompts, tok))
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    record = {"spec_tree": args.spec_tree, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "threads": args.threads, "torch": torch.__version__, "formats": {}}
+    for fmt in args.formats.split(","):
+        dtype = fmt if fmt in ("float32", "bfloat16") else args.quant_dtype
+        weights = None if fmt in ("float32", "bfloat16") else fmt
+        # packed float products (a quantized model's too: what stays float): one padding for
+        # both engines, as a plan's profile gives it (the fastest one batch-invariant at 1 and W_v)
+        min_rows = model_padding(resolve_model(args.model), dtype, weights, (1, tree.verify_width))["min_rows"]
+        out = {}
+        for kind in ("plain", "spec"):
+            spec = EngineSpec(model=args.model, drafter=args.drafter if kind == "spec" else None, dtype=dtype,
+                              mode="performance", max_context=args.max_context, weights=weights,
+                              min_rows=min_rows, threads=args.threads,
+                              tree=tree if kind == "spec" else TreeParams())
+            engine, _ = build_engine(spec)
+            out[kind] = [engine.generate(ids, sp).token_ids for _, ids in prompts]
+            del engine
+        diffs = {pid: first_difference(p, s) for (pid, _), p, s in zip(prompts, out["plain"], out["spec"])}
+        same = sum(d is None for d in diffs.values())
+        record["formats"][fmt] = {"identical": same, "compared": len(prompts), "min_rows": min_rows,
+                                  "differ_at": {k: v for k, v in diffs.items() if v is not None}}
+        print(f"{fmt}: speculative = plain on {same}/{len(prompts)} prompts"
+              + "".join(f"; {k} differs at token {v}" for k, v in diffs.items() if v is not None), flush=True)
+    line = json.dumps(record)
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    return 0 if all(r["identical"] == r["compared"] for r in record["formats"].values()) else 1
+
+
+def main(argv=None) -> int:
+    return run_reporting("exact_formats", run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
