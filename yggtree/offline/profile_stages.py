@@ -163,20 +163,17 @@ def measure_stage_forms(engine, plan, ctx: int, warmup: int, repeats: int, cores
             else:
                 worker = ThreadWorker(int(dt))
                 # as the engine runs an overlap plan: full guard evaluation (Graphs.frozen)
-                threaded = contextlib.ExitStack()
-                threaded.enter_context(engine.graphs.frozen(threaded=True))
-                if engine.drafter is not None:
-                    threaded.enter_context(engine.drafter.frozen(threaded=True))
+                drafter_frozen = engine.drafter.frozen(threaded=True) if engine.drafter else contextlib.nullcontext()
                 try:
-                    jobs = {w: worker.result(worker.submit(_built, spec(w))) for w in wds}  # at D threads
-                    rec |= {"draft_threads": int(dt),
-                            "spec_ms": {str(w): worker.result(worker.submit(_median_ms, jobs[w], warmup, repeats))
-                                        for w in wds},
-                            "pair": {f"{wv},{wd}": overlapped(verify(wv), spec(wd), worker, warmup, repeats)
-                                     for wv in wvs for wd in wds}}
+                    with engine.graphs.frozen(threaded=True), drafter_frozen:
+                        jobs = {w: worker.result(worker.submit(_built, spec(w))) for w in wds}  # at D threads
+                        rec |= {"draft_threads": int(dt),
+                                "spec_ms": {str(w): worker.result(worker.submit(_median_ms, jobs[w], warmup, repeats))
+                                            for w in wds},
+                                "pair": {f"{wv},{wd}": overlapped(verify(wv), spec(wd), worker, warmup, repeats)
+                                         for wv in wvs for wd in wds}}
                 finally:
                     worker.close()
-                    threaded.close()
             out["splits"][split] = rec
     finally:
         torch.set_num_threads(n0)
