@@ -17,8 +17,14 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   int4[@G], gguf-native): the engine as ``yggtree run --weights FMT`` builds it
   (``yggtree.runtime.build``; float formats in their own dtype, quantized ones in ``--quant-dtype``),
   plain decoding and speculative decoding with ``--drafter`` on the fixed tree ``--spec-tree``
-  (W_d,D,W_v,top_k; default 8,6,32,8 as scripts/eval_drafter.py). A speculative engine the format
-  cannot run exactly (a kernel that is not batch-invariant on this CPU) is reported as refused.
+  (W_d,D,W_v,top_k; default 8,6,32,8 as scripts/eval_drafter.py; ``--spec-tree none``: no
+  fixed-tree systems). A speculative engine the format cannot run exactly (a kernel that is not
+  batch-invariant on this CPU) is reported as refused;
+- ``ygg/FMT/plan:NAME`` for every ``--plan PATH`` (repeatable): a compiled plan as ``yggtree run
+  --plan PATH`` runs it (its weight format FMT, which ``--formats`` must name so that its output
+  is checked against that format's plain decoding; its packages, stage plan, and the latency
+  objective over its own profile, with its depth predictor if it names one): the speculative
+  configuration the objective picks for the format on this machine.
   Float weights run on oneDNN-packed products padded as ``yggtree profile`` chooses for a plan on
   this machine (``--min-rows auto``: the fastest padding that is batch-invariant at widths 1 and
   the tree's W_v, measured per format before its engines are built, the same for its plain and
@@ -86,6 +92,11 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default="default", help="drafter of the speculative systems (as yggtree run)")
     p.add_argument("--spec-tree", default="8,6,32,8", metavar="W_d,D,W_v,k",
                    help="the speculative systems' fixed tree")
+    p.add_argument("--plan", action="append", default=[], metavar="PATH",
+                   help="a compiled plan to bench as a speculative system of its weight format (repeatable)")
+    p.add_argument("--compile-root", default="compile", help="where the plans' compiled directories are")
+    p.add_argument("--compile-missing", action="store_true", help="compile a missing or stale plan first")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers systems")
     p.add_argument("--llama-cpp", metavar="DIR", help="directory of the llama.cpp binaries (absent: skipped)")
     p.add_argument("--prompts", type=int, default=4, metavar="N", help="N MT-Bench + N HumanEval prompts")
     p.add_argument("--synthetic", type=int, default=0, metavar="N",
@@ -260,11 +271,13 @@ class System:
     info: dict = field(default_factory=dict)
 
 
-def ygg_runner(engine):
+def ygg_runner(engine, policy=None):
     from yggtree.runtime.engine import SamplingParams
 
+    kw = {"policy": policy} if policy is not None else {}
+
     def run(ids, _text, n):
-        res = engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0))
+        res = engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=0.0), **kw)
         st = res.stats
         return {"decode_s": (st["total_ms"] - st["ttft_ms"]) / 1e3, "prefill_s": st["ttft_ms"] / 1e3,
                 "new_tokens": st["new_tokens"], "tokens": res.token_ids, "steps": st["verify_calls"],
@@ -302,10 +315,16 @@ def llama_runner(info: dict, gguf: Path, threads: int, ctx: int):
     return run
 
 
-def build_systems(args, src, formats: list[str], tree, threads: int, say) -> list[System]:
+def plan_format(plan) -> str:
+    """The weight format a plan runs (its ``weights``, else float weights in its dtype)."""
+    return plan.weights or plan.dtype
+
+
+def build_systems(args, src, formats: list[str], tree, plans, threads: int, say) -> list[System]:
     """Every system, built (engines compiled, transformers loaded), in table order."""
     from yggtree.bench import load_hf_model
     from yggtree.offline.profile import model_padding
+    from yggtree.runtime.packed import min_rows_of
     from yggtree.runtime.build import EngineSpec, build_engine
     from yggtree.runtime.engine import TreeParams
 
@@ -335,7 +354,7 @@ def build_systems(args, src, formats: list[str], tree, threads: int, say) -> lis
             say(f"ygg/{fmt}: packed products padded to {min_rows} row(s) (median ms by rows: {pad['median_ms']})")
         elif weights is None:
             min_rows = int(args.min_rows)
-        for kind in ("plain", "spec"):
+        for kind in ("plain", "spec") if tree is not None else ("plain",):
             s = System(f"ygg/{fmt}/{kind}", kind, fmt, dtype)
             s.info["min_rows"], s.info["padding"] = min_rows, pad
             spec = EngineSpec(model=args.model, drafter=args.drafter if kind == "spec" else None, dtype=dtype,
@@ -352,8 +371,22 @@ def build_systems(args, src, formats: list[str], tree, threads: int, say) -> lis
 
             timed(s, make)
         if fmt in ("float32", "bfloat16"):
-            float_bytes[fmt] = systems[-2].weight_bytes
-    for dtype in ("float32", "bfloat16"):
+            float_bytes[fmt] = next(s.weight_bytes for s in systems if s.name == f"ygg/{fmt}/plain")
+        for plan, info, make_plan in plans:
+            if plan_format(plan) != fmt:
+                continue
+            s = System(f"ygg/{fmt}/plan:{plan.name}", "spec", fmt, plan.dtype)
+            s.info.update(info)
+
+            def make(s=s, make_plan=make_plan):
+                engine, tok, policy = make_plan()
+                s.weight_bytes = streamed_weight_bytes(engine.target)
+                s.info["compile_s"] = engine.compile_s
+                s.info["min_rows"] = min_rows_of(engine.target)
+                return ygg_runner(engine, policy)
+
+            timed(s, make)
+    for dtype in ("float32", "bfloat16") if not args.no_hf else ():
         s = System(f"hf/{dtype}", "hf", dtype, dtype)
 
         def make(s=s, dtype=dtype):
@@ -402,7 +435,18 @@ def run(args) -> int:
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     src = resolve_model(args.model)
     check_formats(formats, src, args.quant_dtype)
-    tree = parse_tree(args.spec_tree, "--spec-tree")
+    tree = None if args.spec_tree == "none" else parse_tree(args.spec_tree, "--spec-tree")
+    plans = []
+    for path in args.plan:  # checked before anything loads
+        from yggtree.bench import plan_runner
+
+        plan, info, make = plan_runner(path, args.compile_missing, args.compile_root)
+        if plan.target != args.model and resolve_model(plan.target).path != src.path:
+            raise YggError(f"plan {path} decodes {plan.target}, the bench decodes {src.path}")
+        if plan_format(plan) not in formats:
+            raise YggError(f"plan {path} runs weights {plan_format(plan)}: add it to --formats so that its "
+                           "output is checked against that format's plain decoding")
+        plans.append((plan, info, make))
     if args.llama_cpp:
         llama_binary(args.llama_cpp)  # a missing directory or binary, before anything loads
         if src.kind != "gguf":
@@ -419,7 +463,7 @@ def run(args) -> int:
     def say(line):
         print(f"bench_formats: {line}", file=sys.stderr, flush=True)
 
-    systems = build_systems(args, src, formats, tree, threads, say)
+    systems = build_systems(args, src, formats, tree, plans, threads, say)
     live = [s for s in systems if s.refused is None]
     tok = next((s.info["tokenizer"] for s in systems if "tokenizer" in s.info), None) or load_tokenizer(src)
     if args.synthetic:

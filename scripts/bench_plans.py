@@ -143,38 +143,15 @@ def plain_system(base) -> System:
 def plan_system(path: str, base, args, taken: set[str]) -> System:
     """A ``--plan``: checked now (artifacts, target, profile and calibration, thread split), built
     later as ``yggtree run --plan PATH`` builds it with no other flag."""
-    from yggtree.offline.compile import prepare_run
-    from yggtree.plan import artifact_dir
-    from yggtree.runtime.build import build_plan_engine, fixed_policy, searched_stages
-    from yggtree.runtime.objective import plan_policy
-    from yggtree.runtime.predictor import policy_with_predictor
-    from yggtree.runtime.schedule import resolve_plan
+    from yggtree.bench import plan_runner
 
-    plan = prepare_run(path, args.compile_missing, args.compile_root)
+    plan, info, make = plan_runner(path, args.compile_missing, args.compile_root)
     if (plan.target, plan.dtype) != (base.target, base.dtype):
         raise YggError(f"plan {path} decodes {plan.target} in {plan.dtype}, plain decodes {base.target} "
                        f"in {base.dtype}: compare plans of one target and dtype")
-    art = artifact_dir(plan, args.compile_root) if plan.backend != "eager" else None
-    stages = searched_stages(art) if plan.stages == "auto" and art is not None else plan.stages
-    resolve_plan(stages, plan.speculative)  # a split above the cores, refused before loading
-    policy = plan_policy(plan)  # a profile of another device or setup is refused here
-    if policy is None and plan.predictor is not None:
-        policy_with_predictor(plan, None)  # refused: a depth predictor needs the objective
     name = plan.name if plan.name not in taken else f"{plan.name}#{len(taken)}"
-
-    def make():
-        engine, tok = build_plan_engine(plan, art)
-        pol = policy
-        if engine.drafter is not None:
-            engine.set_lookup(plan.lookup)
-            pol = (policy_with_predictor(plan, policy, hidden_size=engine.target.cfg.hidden_size)
-                   if policy is not None else fixed_policy(engine, plan))
-        return engine, tok, pol
-
     s = System(name, "plan", str(path), make)
-    s.info = {"plan": plan.name, "stages": stages, "weights": plan.weights, "lookup": plan.lookup,
-              "policy": ("objective" + (" + depth predictor" if plan.predictor else "")
-                         if policy is not None else "largest tree")}
+    s.info = info
     return s
 
 

@@ -75,6 +75,33 @@ def test_every_format_plain_and_speculative_in_one_run(model_dir, tmp_path, caps
     assert csv_lines[0].startswith("system,format,dtype") and len(csv_lines) == 1 + len(names)
 
 
+def test_a_plan_is_its_formats_speculative_system(model_dir, tmp_path, capsys):
+    """--plan: a plan's engine and policy (here its largest tree: the plan names no profile) as
+    ``ygg/FMT/plan:NAME``, its output checked against that format's plain decoding; no fixed-tree
+    or transformers systems when asked."""
+    from test_compile import tiny_plan
+
+    mod = load_script("bench_formats")
+    plan = model_dir.parent / "int8plan.yaml"
+    plan.write_text(tiny_plan("[4]").replace("name: tiny", "name: q8") + "weights: int8\n")
+    out = tmp_path / "out"
+    assert mod.main(["--model", str(model_dir), "--formats", "int8", "--plan", str(plan), "--spec-tree", "none",
+                     "--no-hf", "--synthetic", "3", "--max-new-tokens", "8", "--threads", "1", "--mode",
+                     "reference", "--max-context", "96", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["systems"]) == ["ygg/int8/plain", "ygg/int8/plan:q8"]
+    assert res["systems"]["ygg/int8/plan:q8"]["policy"] == "largest tree"
+    rows = {r["system"]: r for r in res["table"]}
+    assert rows["ygg/int8/plan:q8"]["identical_to_plain"] == rows["ygg/int8/plan:q8"]["compared"] == 3
+    assert rows["ygg/int8/plan:q8"]["aal"] > 1.0  # it speculated
+    assert rows["ygg/int8/plan:q8"]["weight_bytes"] == rows["ygg/int8/plain"]["weight_bytes"]
+    # a plan whose format the run does not decode plainly: refused before anything loads
+    assert mod.main(["--model", str(model_dir), "--formats", "float32", "--plan", str(plan), "--synthetic", "1",
+                     "--threads", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bench_formats: error:") and "runs weights int8: add it to --formats" in err[-1]
+
+
 def test_streamed_weight_bytes_of_float_packed_and_quantized_models():
     from test_quant import quantized
 

@@ -270,6 +270,42 @@ def summarise_systems(rows: list[dict], names: list[str]) -> dict:
     return summary
 
 
+def plan_runner(path: str, compile_missing: bool = False, compile_root: str = "compile"):
+    """A compiled plan as ``yggtree run --plan PATH`` runs it with no other flag, for the bench
+    scripts: ``(plan, info, make)``. The plan is checked now (artifacts, profile and calibration
+    of this device, thread split), before anything loads; ``make()`` builds it and returns
+    ``(engine, tokenizer, policy)``: the latency objective (with the plan's depth predictor) when
+    the plan names a profile and calibration, else its largest tree every step."""
+    from .offline.compile import prepare_run
+    from .plan import artifact_dir
+    from .runtime.build import build_plan_engine, fixed_policy, searched_stages
+    from .runtime.objective import plan_policy
+    from .runtime.predictor import policy_with_predictor
+    from .runtime.schedule import resolve_plan
+
+    plan = prepare_run(path, compile_missing, compile_root)
+    art = artifact_dir(plan, compile_root) if plan.backend != "eager" else None
+    stages = searched_stages(art) if plan.stages == "auto" and art is not None else plan.stages
+    resolve_plan(stages, plan.speculative)  # a split above the cores, refused before loading
+    policy = plan_policy(plan)  # a profile of another device or setup is refused here
+    if policy is None and plan.predictor is not None:
+        policy_with_predictor(plan, None)  # refused: a depth predictor needs the objective
+
+    def make():
+        engine, tok = build_plan_engine(plan, art)
+        pol = policy
+        if engine.drafter is not None:
+            engine.set_lookup(plan.lookup)
+            pol = (policy_with_predictor(plan, policy, hidden_size=engine.target.cfg.hidden_size)
+                   if policy is not None else fixed_policy(engine, plan))
+        return engine, tok, pol
+
+    info = {"plan": plan.name, "stages": stages, "weights": plan.weights, "lookup": plan.lookup,
+            "policy": ("objective" + (" + depth predictor" if plan.predictor else "")
+                       if policy is not None else "largest tree")}
+    return plan, info, make
+
+
 def paired_ratio(rows: list[dict], a: str, b: str, n_boot: int = 4000, seed: int = 0) -> dict:
     """System ``a`` against ``b`` on the same prompts: the ratio of their decode speeds (summed
     decode time over summed decoded tokens, as in :func:`summarise_systems`) and a 95% percentile
