@@ -4,7 +4,8 @@ output, reported rather than hidden.
 
 For every ``--formats`` entry (runtime/quant.py; ``float32`` is the reference) the target is
 loaded in a float32 run with that weight format (its products on bfloat16 activations,
-runtime/quant.py) and measured on:
+runtime/quant.py), or for ``bfloat16`` in a bfloat16 run (weights and activations), and measured
+on:
 
 - greedy token agreement: plain greedy decoding (the engine, reference mode) of the first
   ``--prompts`` evaluation prompts (MT-Bench first turns, then HumanEval, chat template applied)
@@ -59,7 +60,7 @@ def perplexity(model, chunks: list[list[int]]) -> float:
         pos = torch.arange(w)[None]
         mask = torch.ones(1, w, w, dtype=torch.bool).tril()
         logits = model.logits(model(torch.tensor([ids]), pos, pos, mask).hidden)[0, :-1]
-        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+        nll += torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]), reduction="sum").item()
         n += w - 1
     return math.exp(nll / max(n, 1))
 
@@ -89,16 +90,22 @@ def measure(load, formats: list[str], prompts: list[list[int]], tokens: int, chu
     return out
 
 
+def run_dtype(fmt: str) -> str:
+    """The dtype a format runs in here: its own for bfloat16, float32 for the others."""
+    return "bfloat16" if fmt == "bfloat16" else "float32"
+
+
 def loader(model_name: str):
-    """``load(fmt)`` for the real model: a float32 run, ``fmt`` weights (build.quantize_models)."""
+    """``load(fmt)`` for the real model: a float32 run, ``fmt`` weights (build.quantize_models);
+    ``bfloat16``: the model in bfloat16."""
     from yggtree.runtime.build import quantize_models
     from yggtree.runtime.loading import load_model, resolve_model
 
     src = resolve_model(model_name)
 
     def load(fmt: str):
-        m = load_model(src, "float32")
-        quantize_models(m, None, fmt, src)
+        m = load_model(src, run_dtype(fmt))
+        quantize_models(m, None, fmt, src)  # float formats: nothing to do
         return m
 
     return load
@@ -107,7 +114,7 @@ def loader(model_name: str):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--formats", default="float32,int8,int4,int4@128,gguf-native")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,int4@128,gguf-native")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--ppl-texts", type=int, default=32)
@@ -123,7 +130,7 @@ def run(args) -> int:
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     for f in formats:
-        weight_format(f, "float32")  # refused before anything loads
+        weight_format(f, run_dtype(f))  # refused before anything loads
     tok = load_tokenizer(resolve_model(args.model))
     n_mt = min(args.prompts, 80)
     prompts = [ids for _, ids in load_prompts(n_mt, args.prompts - n_mt, tok)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from helpers import load_script
 from test_quant import gguf_blocks, tiny
@@ -26,6 +27,8 @@ def test_formats_measured_against_float32_on_a_tiny_model():
 
     def load(fmt):
         m = tiny()
+        if fmt == "bfloat16":  # a bfloat16 run: weights and activations
+            return m.to(torch.bfloat16)
         name, group = weight_format(fmt, "float32")
         if name != "float32":
             quantize_linears(m, name, group, gguf_blocks(m) if name == "gguf-native" else None)
@@ -33,8 +36,9 @@ def test_formats_measured_against_float32_on_a_tiny_model():
 
     prompts = [[5, 6, 7], [(3 * i) % 90 + 1 for i in range(11)]]
     chunks = [[(5 * i) % 97 for i in range(40)], [1, 2, 3, 4, 5, 6]]
-    res = fa.measure(load, ["int8", "int4@32", "gguf-native", "float32"], prompts, 12, chunks)
-    assert list(res) == ["float32", "int8", "int4@32", "gguf-native"]
+    res = fa.measure(load, ["int8", "int4@32", "gguf-native", "bfloat16", "float32"], prompts, 12, chunks)
+    assert list(res) == ["float32", "int8", "int4@32", "gguf-native", "bfloat16"]
+    assert fa.run_dtype("bfloat16") == "bfloat16" and fa.run_dtype("int4@32") == "float32"
     assert res["float32"]["agreement"] == {"match": 1.0, "prefix_mean": 12.0, "identical": 2, "sequences": 2}
     for r in res.values():
         assert 0 <= r["agreement"]["match"] <= 1 and math.isfinite(r["perplexity"]) and r["perplexity"] > 1
