@@ -16,7 +16,7 @@ from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.kv_cache import KVCache
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
-from yggtree.runtime.model import Transformer
+from yggtree.runtime.model import Transformer, attention_rows, set_invariant_rows
 
 TREE = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
 CHUNK, MAX_CTX = 8, 60
@@ -33,14 +33,20 @@ def tiny(seed=0) -> Transformer:
 
 class FakeRunner:
     """Stands in for an AOTIModelPackageLoader of one (kind, W, C): checks the shape it was
-    'compiled' for and runs the exported function eagerly on the flat inputs."""
+    'compiled' for, and that every call passes inputs of the shapes of the first (a package is
+    compiled for one signature: the slots with or without the row window, say), and runs the
+    exported function eagerly on the flat inputs."""
 
     def __init__(self, block, w, c) -> None:
         self.fn, self.w, self.c, self.calls = _BlockFn(block), w, c, 0
+        self.signature = None
 
     def run(self, args):
         assert args[0].shape[1] == self.w and args[4].shape[-1] == self.c
         assert all(a.is_contiguous() for a in args[:5])
+        signature = [tuple(a.shape) for a in args[:5]]
+        assert self.signature in (None, signature), (self.signature, signature)
+        self.signature = signature
         self.calls += 1
         return [self.fn(*args)]
 
@@ -52,25 +58,27 @@ def fake_packages(blocks, shapes) -> PackageSet:
     for b in blocks:
         cfg = b.self_attn.cfg
         clean = type(b)(cfg).eval().requires_grad_(False)
+        clean.self_attn.invariant_rows = b.self_attn.invariant_rows  # compiled into a real package
         clean.self_attn.cache = KVCache(1, cfg.num_kv_heads, 1, cfg.head_dim, torch.float32, "cpu")
         for w, c in shapes:
             runners[(block_key(b), w, c)] = FakeRunner(clean, w, c)
     return PackageSet(runners, N_SLOTS)
 
 
-def make(mode, drafter_kind, packages_for=None):
+def make(mode, drafter_kind, packages_for=None, tree=TREE):
     target = tiny()
     if drafter_kind == "self":
         drafter = LMDrafter(target.shared_copy(), mode)
     else:
         n = 2 if drafter_kind == "eagle-2-layers" else 1
-        drafter = EagleDrafter.random(target, mode, max_depth=TREE.draft_depth, seed=3, num_layers=n)
-    if packages_for is not None:
+        drafter = EagleDrafter.random(target, mode, max_depth=tree.draft_depth, seed=3, num_layers=n)
+    if packages_for is not None:  # installed as build_engine installs a plan's packages
+        set_invariant_rows(target, attention_rows(CHUNK))
         dmodel = drafter.graphs.model
         pset = fake_packages([target.layers[0], dmodel.layers[0]], packages_for)
         install_packages(target, pset)
         install_packages(dmodel, pset)
-    cfg = EngineConfig(mode=mode, max_context=MAX_CTX, prefill_chunk=CHUNK, tree=TREE)
+    cfg = EngineConfig(mode=mode, max_context=MAX_CTX, prefill_chunk=CHUNK, tree=tree)
     return Engine(target, cfg, drafter)
 
 
@@ -89,6 +97,23 @@ def test_packaged_engine_equals_reference_without_dynamo(drafter_kind):
     assert counters["frames"]["total"] == frames  # dynamo never ran
     runners = eng.target.layers[0].forward.runners
     assert sum(r.calls for r in runners.values()) > 0
+
+
+def test_an_eagle_head_shaped_like_the_target_runs_packages_of_its_own():
+    """The head's block has the target's weight shapes, but the target's narrow calls compute
+    attention row by row over windowed slots and the head's do not: one package each. Here the
+    target verifies 4 rows and the head is called with 4 (D_max + 1): sharing the (kind, 4, S)
+    package ran the head on the target's signature (an index out of bounds in a real package)."""
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=4, top_k=2)
+    widths = {CHUNK, 1, tree.verify_width, tree.draft_width, tree.draft_depth + 1}
+    eng = make("performance", "eagle", packages_for=[(w, N_SLOTS) for w in widths], tree=tree)
+    head = eng.drafter.graphs.model.layers[0]
+    assert block_key(head) != block_key(eng.target.layers[0])
+    ref = make("reference", "eagle", tree=tree)
+    for p in PROMPTS:
+        params = SamplingParams(max_new_tokens=12)
+        assert eng.generate(p, params).token_ids == ref.generate(p, params).token_ids
+    assert sum(r.calls for r in head.forward.runners.values()) > 0
 
 
 def test_missing_width_is_refused():

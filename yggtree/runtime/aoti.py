@@ -39,11 +39,15 @@ N_ACT = 5  # x, cos, sin, slots, mask
 
 
 def block_key(block: nn.Module) -> str:
-    """12 hex digits naming a block's kind: class, heads, weight shapes and dtypes, and the
-    padding of its packed products (``min_rows``, a constant of the compiled graph). The cache
+    """12 hex digits naming a block's kind: class, heads, weight shapes and dtypes, how its
+    attention computes (``invariant_rows``: which widths run row by row, and so whether a call's
+    slots carry the row window, :func:`yggtree.runtime.model.row_window`), and the padding of its
+    packed products (``min_rows``); the last two are constants of the compiled graph. A target's
+    blocks and an EAGLE head's block of the same shapes thus get packages of their own. The cache
     size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
     cfg = block.self_attn.cfg
-    parts = [type(block).__qualname__, f"heads{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}"]
+    parts = [type(block).__qualname__, f"heads{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}",
+             f"rows{block.self_attn.invariant_rows}"]
     parts += [f"{n}{tuple(p.shape)}{p.dtype}" for n, p in block_tensors(block)]
     min_rows = _packed.min_rows_of(block)
     if min_rows is not None:

@@ -13,6 +13,7 @@ from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
 from .graphs import check_backend
 from .loading import load_model, load_tokenizer, resolve_model
+from .model import attention_rows, set_invariant_rows
 from .packed import pack_linears
 from .policy import FixedPolicy
 from .schedule import resolve_plan
@@ -245,6 +246,8 @@ def build_engine(spec: EngineSpec, prepare=None):
         if checked is None or checked[0] != threads or not set(widths) <= set(checked[1]):
             invariant_padding(target, widths, threads)
     if prepare is not None:
+        # the target's attention formulation first, as Engine sets it: packages are keyed by it
+        set_invariant_rows(target, attention_rows(spec.prefill_chunk))
         prepare(target, drafter)
     if spec_on:  # quantized kernels must be batch-invariant for speculation to be exact
         from .quant import check_batch_invariant
