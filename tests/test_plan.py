@@ -328,6 +328,9 @@ def test_stale_detection(tmp_path):
     (r,) = check_artifacts(plan, art)
     assert "target model file changed" in r and str(w) in r
     compile_plan(plan, tmp_path / "compile")
+    # the model directory's documentation is not a model file: editing it keeps the artifacts
+    (tmp_path / "model" / "README.md").write_text("# notes written after the compile\n")
+    assert check_artifacts(plan, art) == []
     # the plan changed
     other = load_plan(eager_plan(tmp_path, verify_widths=[1, 2]))
     (r,) = check_artifacts(other, art)

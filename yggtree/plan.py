@@ -645,7 +645,8 @@ def _resolve_model_path(role: str, name: str | None) -> Path | None:
 def model_fingerprints(plan: Plan) -> list[dict]:
     """Size and mtime (plus sha256 of small config files) of every model file the plan uses.
 
-    A directory (HF checkpoint, EAGLE head) contributes every regular file at its top level."""
+    A directory (HF checkpoint, EAGLE head) contributes every regular file at its top level but
+    its documentation (``*.md``: a README edited after the compile changes no weight)."""
     out = []
     for role in MODEL_KEYS:
         p = _resolve_model_path(role, getattr(plan, role))
@@ -654,7 +655,7 @@ def model_fingerprints(plan: Plan) -> list[dict]:
         if not p.exists():
             out.append({"role": role, "path": str(p), "missing": True})
         elif p.is_dir():
-            out += [_file_print(f, role) for f in sorted(p.iterdir()) if f.is_file()]
+            out += [_file_print(f, role) for f in sorted(p.iterdir()) if f.is_file() and f.suffix != ".md"]
         else:
             out.append(_file_print(p, role))
     return out
@@ -744,7 +745,8 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
                            f"engine of this plan uses {say(want)}")
     # a model file is known by its role and name (the manifest records its path relative to its
     # directory, which changes when either moves); its size, mtime and checksum identify it
-    was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])}
+    was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])
+                  if Path(f["path"]).suffix != ".md"}  # earlier compiles recorded documentation too
     now_prints = {(f["role"], Path(f["path"]).name): f for f in model_fingerprints(plan)}
     for key, f in now_prints.items():
         old = was_prints.get(key)

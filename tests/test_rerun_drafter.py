@@ -1,0 +1,53 @@
+"""scripts/rerun_drafter.py (issue #19): its chunks are the shipped head's documented commands,
+and a work directory's progress is read from the files the chunks write (no state of its own)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from helpers import load_script
+
+README = Path(__file__).resolve().parent.parent / "yggtree/assets/drafters/smollm2-135m-eagle/README.md"
+
+
+def flags(cmd: str) -> dict[str, str]:
+    """--flag value pairs of a command line, paths dropped (they name other directories)."""
+    toks = cmd.replace("\\\n", " ").split()
+    out = {}
+    for i, t in enumerate(toks):
+        if t.startswith("--") and t not in ("--standalone",) and i + 1 < len(toks):
+            out[t] = toks[i + 1]
+    for path_flag in ("--transcripts", "--out", "--init-from"):
+        out.pop(path_flag, None)
+    return out
+
+
+def test_the_stages_are_the_documented_commands(tmp_path):
+    mod = load_script("rerun_drafter")
+    text = README.read_text()
+    documented = [flags(m) for m in re.findall(r"torchrun .*?--budget-minutes 55", text, re.S)]
+    ours = {c.name: flags(" ".join(c.commands[0])) for c in mod.chunks(tmp_path) if c.name.startswith("stage")}
+    assert len(documented) == 4 and len(ours) == 4
+    for n, doc in enumerate(documented, start=1):
+        mine = ours[f"stage{n}"]
+        if n in (2, 3):  # they read the first 13 shards, all there were when they ran (the README says so)
+            doc["--max-tokens"] = "1138407"
+        assert mine == doc, n
+
+
+def test_progress_is_read_from_the_files(tmp_path, capsys):
+    mod = load_script("rerun_drafter")
+    todo = mod.chunks(tmp_path)
+    assert [c.name for c in todo][:4] == ["transcripts-0-6", "transcripts-6-12", "transcripts-12-18",
+                                          "transcripts-18-20"]
+    assert not any(mod.done(c) for c in todo)
+    for p in todo[0].outputs:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"")
+    assert mod.done(todo[0]) and not mod.done(todo[1])
+    assert mod.main([str(tmp_path), "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "done  transcripts-0-6" and out[1] == "todo  transcripts-6-12" and out[-1] == "todo  compare"
+    # the held-out shard comes with the last group
+    assert todo[3].outputs[-1].name == "heldout-00000.safetensors"
