@@ -410,17 +410,20 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path):
         plan_min_rows(plan)
 
 
-def test_shipped_profiles_load_with_the_legacy_padding():
-    """The checkout's profiles predate the padding measurement: they keep loading, with the
-    padding their curves were measured with."""
-    from yggtree.plan import LEGACY_MIN_ROWS, profile_min_rows
+def test_shipped_profiles_load_and_set_their_padding():
+    """The checkout's profiles load (older ones, from before the padding measurement, with the
+    padding their curves were measured with), and an engine of each shipped plan pads its short
+    packed products as its profile says."""
+    from yggtree.plan import LEGACY_MIN_ROWS, PADDING_KEY, profile_min_rows
     from yggtree.runtime.build import EngineSpec
 
     root = Path(__file__).resolve().parent.parent / "profiles"
     for p in sorted(root.glob("*.json")):
-        assert profile_min_rows(p) == LEGACY_MIN_ROWS, p
+        measured = json.loads(p.read_text()).get(PADDING_KEY)
+        assert profile_min_rows(p) == (measured["min_rows"] if measured else LEGACY_MIN_ROWS), p
     for p in sorted(root.glob("*.yaml")):
-        assert EngineSpec.from_plan(load_plan(p)).min_rows == LEGACY_MIN_ROWS, p
+        plan = load_plan(p)
+        assert EngineSpec.from_plan(plan).min_rows == profile_min_rows(plan.profile), p
 
 
 def test_refuses_to_overwrite_another_plans_artifacts(tmp_path):
