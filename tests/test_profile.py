@@ -156,8 +156,9 @@ def test_time_rounds_interleaves_the_calls():
 
 
 def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, monkeypatch):
-    """`yggtree profile` of a plan with ``weights: int8`` times the quantized engine (its
-    quantized layers pack nothing: no padding to measure) and records the format; the cost
+    """`yggtree profile` of a plan with ``weights: int8``, naming the profile it writes, times the
+    quantized engine (its quantized layers pack nothing: no padding to measure) and records the
+    format; the cost
     model takes it for that plan only, and a float plan's profile is refused for it."""
     import yggtree.runtime.quant as quant
     from yggtree.cli import main
@@ -166,8 +167,9 @@ def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, mo
 
     formats, real = [], quant.quantize_linears
     monkeypatch.setattr(quant, "quantize_linears", lambda m, fmt, *a: formats.append(fmt) or real(m, fmt, *a))
-    plan_path = tiny_plan_dir(tmp_path, PLAN + "weights: int8\n")
     out = tmp_path / "profiles"
+    # the plan names the profile this command writes (it does not exist yet), as a per-format plan does
+    plan_path = tiny_plan_dir(tmp_path, PLAN + f"weights: int8\nprofile: {out / 'cpu-int8.json'}\n")
     assert main(["profile", "--hw", "cpu-int8", "--plan", str(plan_path), "--quick", "--out-dir", str(out),
                  "--cache-dir", str(tmp_path / "cache")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -175,7 +177,7 @@ def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, mo
     assert prof["plan"]["weights"] == summary["weights"] == "int8"
     assert formats == ["int8"] * 3  # the padding's model, then the timed engine's target and drafter
     assert prof["packed_padding"]["products"] == 0 and summary["packed_min_rows"] == 1
-    int8 = load_plan(plan_path)
+    int8 = load_plan(plan_path)  # its profile exists now
     assert CostModel.from_profile(out / "cpu-int8.json", int8).t_verify(4, 10) > 0
     float_plan = replace(int8, weights=None)
     with pytest.raises(YggError, match=r"cpu-int8.json measured int8 weights, plan 'tiny' runs float32: "

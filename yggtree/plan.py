@@ -390,8 +390,9 @@ class _Fields:
             raise YggError(f"{self.where(key)} lists a width twice: {v}")
         return tuple(sorted(v))
 
-    def path(self, key: str, base: Path, keywords: tuple[str, ...] = ()) -> str | None:
-        """An existing file's normalised path (relative to ``base``), a keyword, or None."""
+    def path(self, key: str, base: Path, keywords: tuple[str, ...] = (), must_exist: bool = True) -> str | None:
+        """An existing file's normalised path (relative to ``base``; with ``must_exist`` False, a
+        file that may not exist yet), a keyword, or None."""
         v = self.d.get(key)
         if v is None or v in keywords:
             return v
@@ -401,7 +402,7 @@ class _Fields:
         if not p.is_absolute():
             p = base / p
         p = Path(os.path.normpath(p))
-        if not p.exists():
+        if must_exist and not p.exists():
             raise YggError(f"{self.where(key)}: file not found: {p}")
         return str(p)
 
@@ -499,8 +500,10 @@ def _sampling(raw: dict, origin: str, max_context: int) -> Sampling:
     return Sampling(temperature, top_p, max_new)
 
 
-def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Plan:
-    """Check plain data against the schema; relative paths resolve against ``base``.
+def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan", unwritten: tuple[str, ...] = ()) -> Plan:
+    """Check plain data against the schema; relative paths resolve against ``base``. The files
+    of the ``unwritten`` keys (of PATH_KEYS) need not exist yet: the command loading the plan
+    writes them (``yggtree profile`` its profile).
 
     Raises :class:`YggError` naming the bad key (``origin`` is the file, for the message)."""
     if not isinstance(raw, dict):
@@ -518,12 +521,13 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan") -> Pla
     shapes = _shapes(f, models["drafter"] is not None)
     return Plan(**models, dtype=dtype, weights=weights, backend=backend, **shapes,
                 sampling=_sampling(raw, origin, shapes["max_context"]),
-                **{k: f.path(k, base) for k in PATH_KEYS},
+                **{k: f.path(k, base, must_exist=k not in unwritten) for k in PATH_KEYS},
                 stages=_stages(f.string("stages", "sequential"), origin), version=version)
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read and validate a plan file; relative paths in it are relative to its directory."""
+def load_plan(path: str | Path, unwritten: tuple[str, ...] = ()) -> Plan:
+    """Read and validate a plan file; relative paths in it are relative to its directory
+    (``unwritten``: see :func:`validate_plan`)."""
     import yaml
 
     p = Path(path).expanduser()
@@ -536,7 +540,7 @@ def load_plan(path: str | Path) -> Plan:
     except yaml.YAMLError as e:
         msg = " ".join(str(e).split())
         raise YggError(f"plan {p} is not valid YAML: {msg}") from None
-    plan = validate_plan(raw, p.resolve().parent, str(p))
+    plan = validate_plan(raw, p.resolve().parent, str(p), unwritten)
     return replace(plan, source=p.resolve())
 
 

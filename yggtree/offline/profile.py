@@ -337,7 +337,8 @@ def run_profile(args) -> int:
     dst = out_dir / f"{args.hw}.json"
     if dst.exists() and not args.force:
         raise YggError(f"profile {dst} already exists (pass --force to overwrite it)")
-    plan = load_plan(args.plan) if args.plan else default_plan()
+    # the profile a plan names is what this command writes: it need not exist yet
+    plan = load_plan(args.plan, unwritten=("profile",)) if args.plan else default_plan()
     t_start = time.perf_counter()
     grid = ProfileGrid(max_width=16 if args.quick else args.max_width,
                        warmup=1 if args.quick else args.warmup,
