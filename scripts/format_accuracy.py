@@ -17,7 +17,7 @@ on:
 
 Output: a table, then one JSON line (also written to ``--out``). One model is in memory at a time.
 
-    python scripts/format_accuracy.py --formats float32,int8,int4,int4@128,gguf-native \\
+    python scripts/format_accuracy.py --formats float32,bfloat16,int8,int4,int4@64,gguf-native \\
         --prompts 20 --tokens 128 --ppl-texts 32 --out reports/format_accuracy.json
 """
 
@@ -76,9 +76,10 @@ def greedy(model, prompts: list[list[int]], tokens: int, eos: tuple[int, ...] = 
 
 
 def measure(load, formats: list[str], prompts: list[list[int]], tokens: int, chunks: list[list[int]],
-            eos: tuple[int, ...] = ()) -> dict:
+            eos: tuple[int, ...] = (), done=None) -> dict:
     """``{format: {"agreement": ..., "perplexity": ...}}``; ``load(fmt)`` returns the model in
-    format ``fmt`` (float32 is measured first: it is the reference)."""
+    format ``fmt`` (float32 is measured first: it is the reference); ``done(results so far)`` is
+    called after each format."""
     order = ["float32", *(f for f in formats if f != "float32")]
     out, ref = {}, None
     for fmt in order:
@@ -87,6 +88,8 @@ def measure(load, formats: list[str], prompts: list[list[int]], tokens: int, chu
         ref = toks if ref is None else ref
         out[fmt] = {"agreement": token_agreement(ref, toks), "perplexity": perplexity(model, chunks)}
         del model
+        if done is not None:
+            done(out)
     return out
 
 
@@ -114,7 +117,7 @@ def loader(model_name: str):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,int4@128,gguf-native")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,int4@64,gguf-native")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--ppl-texts", type=int, default=32)
@@ -125,13 +128,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     from yggtree.data import calibration_texts, load_prompts
-    from yggtree.runtime.loading import load_tokenizer, resolve_model
+    from yggtree.errors import YggError
+    from yggtree.runtime.loading import load_config, load_tokenizer, resolve_model
     from yggtree.shapes import weight_format
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    for f in formats:
-        weight_format(f, run_dtype(f))  # refused before anything loads
-    tok = load_tokenizer(resolve_model(args.model))
+    src = resolve_model(args.model)
+    cfg = load_config(src)
+    for f in formats:  # refused before anything loads
+        _, group = weight_format(f, run_dtype(f))
+        widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+        if group is not None and any(w % group for w in widths):
+            raise YggError(f"weights {f}: the group size does not divide the model's input widths {widths}")
+    tok = load_tokenizer(src)
     n_mt = min(args.prompts, 80)
     prompts = [ids for _, ids in load_prompts(n_mt, args.prompts - n_mt, tok)]
     chunks = []
@@ -140,14 +149,21 @@ def run(args) -> int:
         chunks += [ids[i : i + args.ppl_window] for i in range(0, len(ids), args.ppl_window)]
     eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     torch.manual_seed(0)
-    res = measure(loader(args.model), formats, prompts, args.tokens, chunks, eos)
+    head = {"model": args.model, "prompts": len(prompts), "tokens": args.tokens,
+            "ppl_tokens": sum(len(c) for c in chunks)}
+
+    def done(res: dict) -> None:  # each format's result kept as it comes: a long run loses nothing
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({**head, "formats": res, "partial": True}) + "\n")
+
+    res = measure(loader(args.model), formats, prompts, args.tokens, chunks, eos, done)
     print(f"{'format':<14} {'match':>7} {'prefix':>8} {'identical':>10} {'ppl':>9}")
     for fmt, r in res.items():
         a = r["agreement"]
         print(f"{fmt:<14} {a['match']:>7.3f} {a['prefix_mean']:>8.1f} "
               f"{a['identical']:>4}/{a['sequences']:<5} {r['perplexity']:>9.3f}")
-    line = json.dumps({"model": args.model, "prompts": len(prompts), "tokens": args.tokens,
-                       "ppl_tokens": sum(len(c) for c in chunks), "formats": res})
+    line = json.dumps({**head, "formats": res, "partial": False})
     print(line)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
