@@ -315,9 +315,17 @@ def llama_runner(info: dict, gguf: Path, threads: int, ctx: int):
     return run
 
 
-def plan_format(plan) -> str:
-    """The weight format a plan runs (its ``weights``, else float weights in its dtype)."""
-    return plan.weights or plan.dtype
+def plan_format(plan, formats: list[str], quant_dtype: str) -> str | None:
+    """The entry of ``formats`` naming the weights ``plan`` runs (``int4`` for a plan's canonical
+    ``int4@32``), or None."""
+    from yggtree.shapes import weight_format
+
+    want = (weight_format(plan.weights, plan.dtype), plan.dtype)
+    for f in formats:
+        dtype = format_dtype(f.partition("@")[0], quant_dtype)
+        if (weight_format(None if f in ("float32", "bfloat16") else f, dtype), dtype) == want:
+            return f
+    return None
 
 
 def build_systems(args, src, formats: list[str], tree, plans, threads: int, say) -> list[System]:
@@ -373,7 +381,7 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
         if fmt in ("float32", "bfloat16"):
             float_bytes[fmt] = next(s.weight_bytes for s in systems if s.name == f"ygg/{fmt}/plain")
         for plan, info, make_plan in plans:
-            if plan_format(plan) != fmt:
+            if plan_format(plan, formats, args.quant_dtype) != fmt:
                 continue
             s = System(f"ygg/{fmt}/plan:{plan.name}", "spec", fmt, plan.dtype)
             s.info.update(info)
@@ -443,9 +451,9 @@ def run(args) -> int:
         plan, info, make = plan_runner(path, args.compile_missing, args.compile_root)
         if plan.target != args.model and resolve_model(plan.target).path != src.path:
             raise YggError(f"plan {path} decodes {plan.target}, the bench decodes {src.path}")
-        if plan_format(plan) not in formats:
-            raise YggError(f"plan {path} runs weights {plan_format(plan)}: add it to --formats so that its "
-                           "output is checked against that format's plain decoding")
+        if plan_format(plan, formats, args.quant_dtype) is None:
+            raise YggError(f"plan {path} runs weights {plan.weights or plan.dtype} in {plan.dtype}: add them to "
+                           "--formats so that its output is checked against that format's plain decoding")
         plans.append((plan, info, make))
     if args.llama_cpp:
         llama_binary(args.llama_cpp)  # a missing directory or binary, before anything loads

@@ -99,7 +99,7 @@ def test_a_plan_is_its_formats_speculative_system(model_dir, tmp_path, capsys):
     assert mod.main(["--model", str(model_dir), "--formats", "float32", "--plan", str(plan), "--synthetic", "1",
                      "--threads", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("bench_formats: error:") and "runs weights int8: add it to --formats" in err[-1]
+    assert err[-1].startswith("bench_formats: error:") and "runs weights int8 in float32: add them to --formats" in err[-1]
 
 
 def test_streamed_weight_bytes_of_float_packed_and_quantized_models():
