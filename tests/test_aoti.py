@@ -127,3 +127,16 @@ def test_wrong_cache_size_is_refused():
     install_packages(target, PackageSet(pset.runners, 99))
     with pytest.raises(YggError, match="99-slot KV cache"):
         Engine(target, EngineConfig(mode="performance", max_context=MAX_CTX, prefill_chunk=1))
+
+
+def test_loading_packages_registers_the_ops_they_call():
+    """A package of a quantized block calls yggtree::int4_mm: importing the package runtime alone
+    (as a plan engine does before any model is quantized) must register it, or the first package
+    fails to load ("Could not find schema for yggtree::int4_mm")."""
+    import subprocess
+    import sys
+
+    code = ("import torch, yggtree.runtime.aoti; "
+            "print(torch.ops.yggtree.int4_mm.default.name(), torch.ops.yggtree.packed_linear.default.name())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["yggtree::int4_mm", "yggtree::packed_linear"]

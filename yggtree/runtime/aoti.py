@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import YggError
 from . import packed as _packed  # registers yggtree::packed_linear, which packages call
+from . import quant as _quant  # noqa: F401  registers yggtree::int4_mm, which quantized blocks' packages call
 
 # inductor settings of CPU graphs, torch.compile'd and AOTInductor-packaged alike: no per-call
 # size/stride asserts (Python checks of every input and extern-kernel output; see graphs.compile_options)
