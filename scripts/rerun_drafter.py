@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -107,13 +108,19 @@ def run_chunk(c: Chunk, work: Path) -> int:
         rc = compare(work)
     else:
         procs = []
-        for i, cmd in enumerate(c.commands):
-            log = open(logs / f"{c.name}.{i}.log", "a")
-            procs.append((subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        rc = 0
-        for p, log in procs:
-            rc = max(rc, p.wait())
-            log.close()
+        try:
+            for i, cmd in enumerate(c.commands):
+                log = open(logs / f"{c.name}.{i}.log", "a")
+                procs.append((subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            rc = 0
+            for p, _ in procs:
+                rc = max(rc, p.wait())
+        finally:  # interrupted (Ctrl-C, SIGTERM): no worker outlives the chunk
+            for p, log in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait()
+                log.close()
     rec = {"chunk": c.name, "start": start, "wall_s": round(time.perf_counter() - t0, 1), "returncode": rc,
            "done": done(c)}
     with open(work / "rerun.jsonl", "a") as f:
@@ -164,6 +171,7 @@ def main(argv=None) -> int:
             print(f"{'done' if done(c) else 'todo'}  {c.name}")
         return 0
     work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds run_chunk: its workers stop too
     t0 = time.perf_counter()
     while True:
         nxt = next((c for c in todo if not done(c)), None)

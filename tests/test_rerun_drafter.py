@@ -51,3 +51,26 @@ def test_progress_is_read_from_the_files(tmp_path, capsys):
     assert out[0] == "done  transcripts-0-6" and out[1] == "todo  transcripts-6-12" and out[-1] == "todo  compare"
     # the held-out shard comes with the last group
     assert todo[3].outputs[-1].name == "heldout-00000.safetensors"
+
+
+def test_a_stopped_driver_stops_its_workers(tmp_path):
+    """SIGTERM to the driver ends the chunk's workers too (none is left running unseen)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    marker = f"{tmp_path}/never"
+    code = (f"import sys, signal; sys.path.insert(0, {str(scripts)!r}); import rerun_drafter as r\n"
+            "from pathlib import Path\n"
+            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+            f"r.run_chunk(r.Chunk('t', (('sleep', '301'), ('sleep', '301')), (Path({marker!r}),)), "
+            f"Path({str(tmp_path)!r}))\n")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 30
+    while time.time() < deadline and not subprocess.run(["pgrep", "-f", "sleep 301"], capture_output=True).stdout:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 143
+    assert subprocess.run(["pgrep", "-f", "sleep 301"], capture_output=True).stdout == b""
