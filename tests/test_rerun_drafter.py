@@ -67,10 +67,20 @@ def test_a_stopped_driver_stops_its_workers(tmp_path):
             "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
             f"r.run_chunk(r.Chunk('t', (('sleep', '301'), ('sleep', '301')), (Path({marker!r}),)), "
             f"Path({str(tmp_path)!r}))\n")
+    def sleepers() -> int:
+        n = 0
+        for d in Path("/proc").iterdir():
+            try:
+                n += (d / "cmdline").read_bytes() == b"sleep\x00301\x00"
+            except OSError:
+                continue
+        return n
+
     p = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.time() + 30
-    while time.time() < deadline and not subprocess.run(["pgrep", "-f", "sleep 301"], capture_output=True).stdout:
+    while time.time() < deadline and sleepers() < 2:
         time.sleep(0.1)
+    assert sleepers() == 2
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 143
-    assert subprocess.run(["pgrep", "-f", "sleep 301"], capture_output=True).stdout == b""
+    assert sleepers() == 0
