@@ -3,6 +3,7 @@ and a work directory's progress is read from the files the chunks write (no stat
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -84,3 +85,5 @@ def test_a_stopped_driver_stops_its_workers(tmp_path):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 143
     assert sleepers() == 0
+    log = [json.loads(line) for line in (tmp_path / "rerun.jsonl").read_text().splitlines()]
+    assert len(log) == 1 and log[0]["chunk"] == "t" and log[0]["interrupted"] and log[0]["wall_s"] > 0
