@@ -1,6 +1,6 @@
 import time, statistics, torch, sys
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from test_w4a8 import ext, pack
+from check_w4a8 import ext, pack
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
 def t(f, n=30):
     for _ in range(3): f()
