@@ -9,7 +9,7 @@ def t(f, n=30):
         t0 = time.perf_counter(); f(); ts.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ts)
 for N, K in ((49152, 576), (3072, 576), (576, 1536)):
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8); d = torch.rand(N, K // 32) * 0.02; m = -8 * d
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8); d = (torch.rand(N, K // 32) * 0.02).half().float(); m = -8 * d
     nib, dd, mm = pack(q, d, m)
     w = torch.randn(N, K)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 1)

@@ -7,7 +7,7 @@
 // Packed weights, per tile of 16 output columns t and K block b (T = N / 16, B = K / 32):
 //   nib [T, B, 4, 16, 4] uint8: byte (g, lane, i) = q[16t + lane][32b + 4g + i]
 //                                 | q[16t + lane][32b + 16 + 4g + i] << 4
-//   d, m [T, B, 16] float32
+//   d, m [T, B, 16] float16 (GGUF stores them so: exact)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,7 +39,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, 
 }
 
 template <int R>
-inline void tile_rows(const uint8_t* nib, const float* dw, const float* mw, const int8_t* qa, const float* da,
+inline void tile_rows(const uint8_t* nib, const at::Half* dw, const at::Half* mw, const int8_t* qa, const float* da,
                       const float* sa, int64_t K, int64_t B, float* out, int64_t ldo) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -61,8 +61,8 @@ inline void tile_rows(const uint8_t* nib, const float* dw, const float* mw, cons
         isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(ahi));
       }
     }
-    const __m512 d = _mm512_loadu_ps(dw + b * 16);
-    const __m512 m = _mm512_loadu_ps(mw + b * 16);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * 16)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mw + b * 16)));
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(da[r * B + b]));
       acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum[r]), acc[r]);
@@ -74,7 +74,7 @@ inline void tile_rows(const uint8_t* nib, const float* dw, const float* mw, cons
 
 }  // namespace
 
-// x [M, K] float32 contiguous; nib [T, B, 256] uint8; d, m [T, B, 16] float32 -> [M, 16 T] float32
+// x [M, K] float32 contiguous; nib [T, B, 256] uint8; d, m [T, B, 16] float16 -> [M, 16 T] float32
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor nib, torch::Tensor d, torch::Tensor m) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), T = nib.size(0), B = nib.size(1);
@@ -85,7 +85,7 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor nib, torch::Tensor d, torch
   auto sa = torch::empty({M, B}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, qa.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>());
   const uint8_t* nbp = nib.data_ptr<uint8_t>();
-  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  const at::Half *dp = d.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
   const int8_t* q = qa.data_ptr<int8_t>();
   const float *dap = da.data_ptr<float>(), *sap = sa.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -93,8 +93,8 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor nib, torch::Tensor d, torch
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* nb = nbp + t * B * 256;
-      const float* dw = dp + t * B * 16;
-      const float* mw = mp + t * B * 16;
+      const at::Half* dw = dp + t * B * 16;
+      const at::Half* mw = mp + t * B * 16;
       int64_t r = 0;
       for (; r + 4 <= M; r += 4)
         tile_rows<4>(nb, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
