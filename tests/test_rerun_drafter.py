@@ -86,4 +86,4 @@ def test_a_stopped_driver_stops_its_workers(tmp_path):
     assert p.wait(timeout=30) == 143
     assert sleepers() == 0
     log = [json.loads(line) for line in (tmp_path / "rerun.jsonl").read_text().splitlines()]
-    assert len(log) == 1 and log[0]["chunk"] == "t" and log[0]["interrupted"] and log[0]["wall_s"] > 0
+    assert len(log) == 1 and log[0]["chunk"] == "t" and log[0]["interrupted"] and log[0]["wall_s"] >= 0
