@@ -357,7 +357,7 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
         weights = None if fmt in ("float32", "bfloat16") else fmt
         pad, min_rows = None, 1
         if weights is None and args.min_rows == "auto":  # float weights are packed: measure the padding
-            pad = model_padding(src, dtype, None, (1, tree.verify_width))
+            pad = model_padding(src, dtype, None, (1, tree.verify_width) if tree is not None else (1,))
             min_rows = pad["min_rows"]
             say(f"ygg/{fmt}: packed products padded to {min_rows} row(s) (median ms by rows: {pad['median_ms']})")
         elif weights is None:
@@ -380,8 +380,8 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
             timed(s, make)
         if fmt in ("float32", "bfloat16"):
             float_bytes[fmt] = next(s.weight_bytes for s in systems if s.name == f"ygg/{fmt}/plain")
-        for plan, info, make_plan in plans:
-            if plan_format(plan, formats, args.quant_dtype) != fmt:
+        for plan_fmt, plan, info, make_plan in plans:
+            if plan_fmt != fmt:
                 continue
             s = System(f"ygg/{fmt}/plan:{plan.name}", "spec", fmt, plan.dtype)
             s.info.update(info)
@@ -451,10 +451,11 @@ def run(args) -> int:
         plan, info, make = plan_runner(path, args.compile_missing, args.compile_root)
         if plan.target != args.model and resolve_model(plan.target).path != src.path:
             raise YggError(f"plan {path} decodes {plan.target}, the bench decodes {src.path}")
-        if plan_format(plan, formats, args.quant_dtype) is None:
+        plan_fmt = plan_format(plan, formats, args.quant_dtype)
+        if plan_fmt is None:
             raise YggError(f"plan {path} runs weights {plan.weights or plan.dtype} in {plan.dtype}: add them to "
                            "--formats so that its output is checked against that format's plain decoding")
-        plans.append((plan, info, make))
+        plans.append((plan_fmt, plan, info, make))
     if args.llama_cpp:
         llama_binary(args.llama_cpp)  # a missing directory or binary, before anything loads
         if src.kind != "gguf":

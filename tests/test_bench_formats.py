@@ -85,11 +85,11 @@ def test_a_plan_is_its_formats_speculative_system(model_dir, tmp_path, capsys):
     plan = model_dir.parent / "int8plan.yaml"
     plan.write_text(tiny_plan("[4]").replace("name: tiny", "name: q8") + "weights: int8\n")
     out = tmp_path / "out"
-    assert mod.main(["--model", str(model_dir), "--formats", "int8", "--plan", str(plan), "--spec-tree", "none",
+    assert mod.main(["--model", str(model_dir), "--formats", "float32,int8", "--plan", str(plan), "--spec-tree", "none",
                      "--no-hf", "--synthetic", "3", "--max-new-tokens", "8", "--threads", "1", "--mode",
                      "reference", "--max-context", "96", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert list(res["systems"]) == ["ygg/int8/plain", "ygg/int8/plan:q8"]
+    assert list(res["systems"]) == ["ygg/float32/plain", "ygg/int8/plain", "ygg/int8/plan:q8"]
     assert res["systems"]["ygg/int8/plan:q8"]["policy"] == "largest tree"
     rows = {r["system"]: r for r in res["table"]}
     assert rows["ygg/int8/plan:q8"]["identical_to_plain"] == rows["ygg/int8/plan:q8"]["compared"] == 3
