@@ -646,6 +646,11 @@ def _resolve_model_path(role: str, name: str | None) -> Path | None:
     return Path(name)
 
 
+def _documentation(path: str | Path) -> bool:
+    """A model directory's documentation (``*.md``): no model file (editing it changes no weight)."""
+    return Path(path).suffix == ".md"
+
+
 def model_fingerprints(plan: Plan) -> list[dict]:
     """Size and mtime (plus sha256 of small config files) of every model file the plan uses.
 
@@ -659,7 +664,7 @@ def model_fingerprints(plan: Plan) -> list[dict]:
         if not p.exists():
             out.append({"role": role, "path": str(p), "missing": True})
         elif p.is_dir():
-            out += [_file_print(f, role) for f in sorted(p.iterdir()) if f.is_file() and f.suffix != ".md"]
+            out += [_file_print(f, role) for f in sorted(p.iterdir()) if f.is_file() and not _documentation(f)]
         else:
             out.append(_file_print(p, role))
     return out
@@ -750,7 +755,7 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
     # a model file is known by its role and name (the manifest records its path relative to its
     # directory, which changes when either moves); its size, mtime and checksum identify it
     was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])
-                  if Path(f["path"]).suffix != ".md"}  # earlier compiles recorded documentation too
+                  if not _documentation(f["path"])}  # earlier compiles recorded documentation too
     now_prints = {(f["role"], Path(f["path"]).name): f for f in model_fingerprints(plan)}
     for key, f in now_prints.items():
         old = was_prints.get(key)
