@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weights", default=None, help="float32 | bfloat16 | int8 | int4@G | gguf-native")
+    p.add_argument("--weights", default=None, help="float32 | bfloat16 | int8 | int4@G | gguf-native | w4a8")
     p.add_argument("--min-rows", type=int, default=1, help="padding of short packed products")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--cost", action="store_true", help="time the row-invariant attention instead")

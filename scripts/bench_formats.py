@@ -14,7 +14,7 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   processing, one process per prompt (its commit is printed, from ``--version``);
   its speed is its own reported eval (generation) time;
 - ``ygg/FMT/plain`` and ``ygg/FMT/spec`` for every ``--formats`` entry (float32, bfloat16, int8,
-  int4[@G], gguf-native): the engine as ``yggtree run --weights FMT`` builds it
+  int4[@G], gguf-native, w4a8): the engine as ``yggtree run --weights FMT`` builds it
   (``yggtree.runtime.build``; float formats in their own dtype, quantized ones in ``--quant-dtype``),
   plain decoding and speculative decoding with ``--drafter`` on the fixed tree ``--spec-tree``
   (W_d,D,W_v,top_k; default 8,6,32,8 as scripts/eval_drafter.py; ``--spec-tree none``: no
@@ -76,7 +76,7 @@ from pathlib import Path
 from yggtree.bench import by_prompt_set, decode_totals, paired_ratio
 from yggtree.errors import YggError, run_reporting
 
-FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native")
+FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native", "w4a8")
 WARMUP_TOKENS = 16  # new tokens of each system's untimed warm-up generate
 BANDWIDTH_BYTES = 256 << 20  # well above the last-level cache
 LLAMA_BINARIES = ("llama-completion", "llama-cli")  # newest first: llama-cli became chat-only
@@ -138,8 +138,8 @@ def check_formats(formats: list[str], src, quant_dtype: str) -> None:
     for f in formats:
         dtype = format_dtype(f.partition("@")[0], quant_dtype)
         name, _ = weight_format(f, dtype)
-        if name in ("int8", "int4", "gguf-native"):
-            check_kernel("int8" if name == "int8" else "int4", getattr(torch, dtype))
+        if name in ("int8", "int4", "gguf-native", "w4a8"):
+            check_kernel(name if name in ("int8", "w4a8") else "int4", getattr(torch, dtype))
         if name == "gguf-native" and src.kind != "gguf":
             raise YggError(f"weights gguf-native need a GGUF model, {src.path} is a {src.kind} directory")
 

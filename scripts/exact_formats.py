@@ -25,7 +25,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--drafter", default="default")
-    p.add_argument("--formats", default="float32,bfloat16,int8,int4,gguf-native")
+    p.add_argument("--formats", default="float32,bfloat16,int8,int4,gguf-native,w4a8")
     p.add_argument("--quant-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--spec-tree", default="8,6,32,8", metavar="W_d,D,W_v,k")
     p.add_argument("--prompts", type=int, default=10)

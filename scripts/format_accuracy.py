@@ -117,7 +117,7 @@ def loader(model_name: str):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,int4@64,gguf-native")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,int4@64,gguf-native,w4a8")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--ppl-texts", type=int, default=32)

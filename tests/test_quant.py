@@ -55,7 +55,7 @@ def quantized(fmt: str, seed: int = 0, model: Transformer | None = None) -> Tran
     """``model`` (default: ``tiny(seed)``) in format ``fmt``, every linear of it quantized."""
     m = tiny(seed) if model is None else model
     name, group = weight_format(fmt, "float32")
-    raw = gguf_blocks(m) if name == "gguf-native" else None
+    raw = gguf_blocks(m) if name in ("gguf-native", "w4a8") else None
     assert quantize_linears(m, name, group, raw) == 7 * len(m.layers) + 1
     return m
 

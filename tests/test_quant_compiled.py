@@ -16,26 +16,40 @@ from helpers import perturbed
 from test_compile import PLAN as TINY_PLAN
 from test_quant import quantized, tiny
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+from yggtree.errors import YggError
 from yggtree.runtime.quant import Int4Linear, Int8Linear
+from yggtree.runtime.w4a8 import W4A8Linear, load_kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 TREE = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
 PROMPTS = ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)])
+KINDS = {"int8": Int8Linear, "gguf-native": Int4Linear, "int4@32": Int4Linear, "w4a8": W4A8Linear}
 
 
-@pytest.mark.parametrize("fmt", ["int8", "gguf-native"])
+def _w4a8_problem() -> str | None:
+    try:
+        load_kernel()
+    except YggError as e:  # pragma: no cover - a CPU without AVX512-VNNI, or no compiler
+        return str(e)
+    return None
+
+
+W4A8 = pytest.param("w4a8", marks=pytest.mark.skipif(_w4a8_problem() is not None, reason=str(_w4a8_problem())))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "gguf-native", W4A8])
 def test_compiled_quantized_engine_speculates_exactly(fmt):
     """torch.compile'd step graphs over a quantized target and drafter (gguf-native: Q4_0/Q4_1
-    blocks and the Q8_0 head's two planes on the int4 kernel) emit plain decoding's tokens."""
+    blocks and the Q8_0 head's two planes on the int4 kernel; w4a8: the same blocks on
+    ``yggtree::w4a8_mm``) emit plain decoding's tokens."""
     from yggtree.runtime.drafters import LMDrafter
 
     cfg = dict(mode="performance", max_context=80, prefill_chunk=8)
     plain = Engine(quantized(fmt), EngineConfig(**cfg))
     drafter = LMDrafter(quantized(fmt, model=perturbed(tiny())), "performance")  # agrees at times
     spec = Engine(quantized(fmt), EngineConfig(**cfg, tree=TREE), drafter)
-    kind = Int8Linear if fmt == "int8" else Int4Linear
-    assert plain.graphs.compiled and isinstance(spec.target.lm_head, kind)
+    assert plain.graphs.compiled and isinstance(spec.target.lm_head, KINDS[fmt])
     accepted = 0
     for prompt in PROMPTS:
         want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
@@ -45,11 +59,9 @@ def test_compiled_quantized_engine_speculates_exactly(fmt):
     assert accepted > 0  # trees were partly accepted, not only rejected
 
 
-PLAN = TINY_PLAN.replace("name: tiny\n", "name: tiny-int4\nweights: int4@32\n")  # test_compile's, in int4
-
-
-def test_compiled_plan_runs_quantized_packages_exactly(tmp_path):
-    """``yggtree compile`` of a plan with ``weights: int4@32`` builds AOTInductor packages of the
+@pytest.mark.parametrize("fmt", ["int4@32", W4A8])
+def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
+    """``yggtree compile`` of a plan with ``weights: FMT`` builds AOTInductor packages of the
     quantized blocks (the self-drafter shares them); an engine loaded from them runs no dynamo
     and its greedy tree speculation emits its plain steps' tokens."""
     from torch._dynamo.utils import counters
@@ -61,13 +73,13 @@ def test_compiled_plan_runs_quantized_packages_exactly(tmp_path):
     from yggtree.runtime.policy import FixedPolicy, StepChoice
 
     save_tiny_checkpoint(tmp_path / "model", intermediate=64)  # int4@32 divides every input width
-    (tmp_path / "plan.yaml").write_text(PLAN)
+    (tmp_path / "plan.yaml").write_text(TINY_PLAN.replace("name: tiny\n", f"name: tiny-q\nweights: {fmt}\n"))
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
     assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 2, stdout
-    plan = load_plan(tmp_path / "compile" / "tiny-int4" / "plan.yaml")
+    plan = load_plan(tmp_path / "compile" / "tiny-q" / "plan.yaml")
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
     assert isinstance(static_blocks(engine.target), PackageSet)
-    assert isinstance(engine.target.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])
     tree, plain = fixed_policy(engine, plan), FixedPolicy(StepChoice(0, 1), 1)
     frames = counters["frames"]["total"]
     for prompt in ([3, 4, 5], list(range(10, 23))):

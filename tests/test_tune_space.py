@@ -83,7 +83,7 @@ def test_overrides_are_spelled_out_or_refused(cores):
                                      "weights=int4,float32,int8,int8"], "float32", 2)
     assert got.stages == ("sequential@2", "overlap@1+1", "ahead@1")
     assert got.weights == ("int4@32", "float32", "int8")
-    assert got.size() == space.size() // (5 * 4) * (3 * 3)
+    assert got.size() == space.size() // (5 * 5) * (3 * 3)
     assert ts.apply_overrides(space, ["stages=overlap"], "float32", 1).stages == ("overlap@1+1",)
     refused = {
         "stages=auto": "unknown stage plan 'auto'",
@@ -261,9 +261,9 @@ def test_a_study_of_the_old_parameter_encoding_is_refused(tmp_path):
 
 
 def test_weight_candidates_and_canonical_forms():
-    assert ts.weight_candidates(base_plan()) == ("float32", "int8", "int4@32", "gguf-native")
+    assert ts.weight_candidates(base_plan()) == ("float32", "int8", "int4@32", "gguf-native", "w4a8")
     assert ts.weight_candidates(base_plan(weights="int4@64")) == (
-        "int4@64", "float32", "int8", "int4@32", "gguf-native")
+        "int4@64", "float32", "int8", "int4@32", "gguf-native", "w4a8")
     assert ts.weight_candidates(base_plan(dtype="bfloat16", weights="int8"))[:2] == ("int8", "bfloat16")
     assert ts.plan_weights(base_plan()) == "float32" and ts.plan_weights(base_plan(weights="int4")) == "int4@32"
     space = ts.default_space(base_plan(weights="int8"), 1)
@@ -287,7 +287,8 @@ def test_weight_formats_the_model_or_machine_cannot_run_are_left_out(tiny, monke
     space = ts.default_space(base, 1)
     problems = ts.weight_problems(base, space.weights, 4)
     assert problems == {"int4@32": "group 32 does not divide the input width 48 of the model",
-                        "gguf-native": "the target model is not a GGUF file"}
+                        "gguf-native": "the target model is not a GGUF file",
+                        "w4a8": "group 32 does not divide the input width 48 of the model"}
     assert ts.runnable_weights(space, problems, given=False).weights == ("float32", "int8")
     with pytest.raises(YggError, match="^--space weights: int4@32 cannot run here: group 32 does not divide"):
         ts.runnable_weights(space, problems, given=True)

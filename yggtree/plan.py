@@ -32,8 +32,9 @@ target         str              (required)     ``default`` | HF directory | .ggu
 drafter        str | null       null           ``default`` | ``self`` | path | null = plain
 dtype          str              float32        float32 | bfloat16 (activations)
 weights        str | absent     (dtype)        float32 | bfloat16 | int8 | int4 | int4@G |
-                                               gguf-native: the decoder-block linears' and LM
-                                               heads' format (runtime/quant.py); absent: float
+                                               gguf-native | w4a8: the decoder-block linears'
+                                               and LM heads' format (runtime/quant.py,
+                                               runtime/w4a8.py); absent: float
                                                weights in dtype (yggtree.shapes.weight_format)
 backend        str              inductor-cpu   inductor-cpu | eager | cuda | npu
 max_context    int >= 2         1024           prompt + generated tokens (static KV cache)
@@ -137,7 +138,7 @@ class Plan:
     target: str
     drafter: str | None = None
     dtype: str = "float32"
-    weights: str | None = None  # a quantized format (int8, int4@G, gguf-native); None: float in dtype
+    weights: str | None = None  # a quantized format (int8, int4@G, gguf-native, w4a8); None: float in dtype
     backend: str = "inductor-cpu"
     max_context: int = DEFAULT_MAX_CONTEXT
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK

@@ -59,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: the default plan's (float32)")
     p.add_argument("--weights", default=None,
-                   help="float32 | bfloat16 | int8 | int4 | int4@G | gguf-native: the format of the "
-                   "block linears and LM heads (default: float in --dtype; runtime/quant.py)")
+                   help="float32 | bfloat16 | int8 | int4 | int4@G | gguf-native | w4a8: the format of "
+                   "the block linears and LM heads (default: float in --dtype; runtime/quant.py, "
+                   "runtime/w4a8.py)")
     p.add_argument("--mode", choices=["reference", "performance"], default="performance")
     p.add_argument("--max-context", type=_positive_int, default=None,
                    help="default: the default plan's (1024)")

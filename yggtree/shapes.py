@@ -30,9 +30,9 @@ DEFAULT_TOP_K = 4
 DEFAULT_MAX_CONTEXT = 1024
 DEFAULT_PREFILL_CHUNK = 64
 
-# Weight formats of the decoder-block linears and LM heads (runtime/quant.py). ``None`` (a plan
+# Weight formats of the decoder-block linears and LM heads (runtime/quant.py, runtime/w4a8.py). ``None`` (a plan
 # without ``weights``, a run without --weights) is the default: float weights in the run's dtype.
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native", "w4a8")
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel runs
 DEFAULT_INT4_GROUP = 32  # a GGUF block: the finest group the kernel runs
 

@@ -20,7 +20,8 @@ stages          ``sequential@T``, ``ahead@T``  ``stages`` (execution plan with i
                 T + D <= threads               process's usable cores
 weights         the base plan's format, then   ``weights`` (runtime/quant.py): the float
                 float in dtype, ``int8``,      format of the plan's dtype and the quantized
-                ``int4@32``, ``gguf-native``   ones this torch/CPU and the model run
+                ``int4@32``, ``gguf-native``,  ones this torch/CPU and the model run
+                ``w4a8``
 =============== ============================== ===============================================
 
 A dimension with one value is fixed (no optuna parameter). ``--space KEY=V1,V2`` or
@@ -35,7 +36,8 @@ Weight formats: :func:`weight_problems` probes each candidate before the search,
 runtime/quant.py's own checks: ``check_kernel`` (this torch/CPU runs the weight-only kernel for
 the dtype) and ``check_batch_invariant`` on one probe layer per input width of the model
 (``rows`` = the widest verify); ``int4@G`` needs G to divide every input width of the models it
-quantizes, ``gguf-native`` a GGUF target whose block tensors are Q4_0, Q4_1 or Q8_0. A default
+quantizes, ``gguf-native`` (and ``w4a8`` of a GGUF target) a GGUF target whose block tensors are
+Q4_0, Q4_1 or Q8_0 (or float). A default
 candidate that fails is left out of the space (``yggtree tune`` names it and why); an override
 naming one is refused. A trial's engine checks batch invariance again on the model's own layers.
 
@@ -131,8 +133,8 @@ def plan_weights(plan) -> str:
 
 def weight_candidates(base) -> tuple[str, ...]:
     """The base plan's format, then float in its dtype, int8, int4 with the default group and
-    gguf-native (before :func:`weight_problems` removes what cannot run)."""
-    cands = (plan_weights(base), base.dtype, "int8", f"int4@{DEFAULT_INT4_GROUP}", "gguf-native")
+    gguf-native and w4a8 (before :func:`weight_problems` removes what cannot run)."""
+    cands = (plan_weights(base), base.dtype, "int8", f"int4@{DEFAULT_INT4_GROUP}", "gguf-native", "w4a8")
     return tuple(dict.fromkeys(cands))
 
 
@@ -335,6 +337,7 @@ def weight_problem(fmt: str, base, rows: int) -> str | None:
     import torch
 
     from ..runtime.quant import Int4Linear, Int8Linear, check_batch_invariant, check_kernel, quantize_int4
+    from ..runtime.w4a8 import W4A8Linear, q4_1_blocks
 
     name, group = weight_format(fmt, base.dtype)
     if name == base.dtype:
@@ -345,8 +348,13 @@ def weight_problem(fmt: str, base, rows: int) -> str | None:
             if why is not None:
                 return why
             group = 32  # quant.GGUF_BLOCK: the file's blocks run on the int4 kernel
+        if name == "w4a8":
+            why = _gguf_problem(base) if base.target.lower().endswith(".gguf") or base.target == "default" else None
+            if why is not None:
+                return why.replace("the int4 kernel runs", "the w4a8 kernel reads")
+            group = 32  # w4a8.BLOCK
         dtype = getattr(torch, base.dtype)
-        check_kernel("int8" if name == "int8" else "int4", dtype)
+        check_kernel(name if name in ("int8", "w4a8") else "int4", dtype)
         widths = _input_widths(_quantized_configs(base))
         bad = [k for k in widths if group and k % group]
         if bad:
@@ -356,6 +364,7 @@ def weight_problem(fmt: str, base, rows: int) -> str | None:
         for k in widths:
             w = torch.randn(32, k, generator=gen)
             probes.append(Int8Linear(w, None, dtype) if name == "int8"
+                          else W4A8Linear(q4_1_blocks(w), None, dtype) if name == "w4a8"
                           else Int4Linear([quantize_int4(w, group)], None, dtype))
         check_batch_invariant(torch.nn.ModuleList(probes), max(rows, 2), "probe layers")
     except YggError as e:

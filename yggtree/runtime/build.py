@@ -140,24 +140,30 @@ def quantize_models(target, drafter, weights: str | None, src, drafter_name: str
     """The weight format ``weights`` (runtime/quant.py; None: float, nothing to do) for the
     target (loaded from ``src``) and the drafter's model. Under ``gguf-native`` a drafter gets
     its GGUF's own blocks (``self``: the target's; a standalone GGUF model: its file's); an EAGLE
-    head or an HF drafter has none and keeps float weights."""
+    head or an HF drafter has none and keeps float weights. Under ``w4a8`` every model's linears
+    become blocks: a GGUF's own where it has them, Q4_1 from float otherwise (an EAGLE head)."""
     from .loading import gguf_raw_weights
     from .quant import quantize_linears
 
     fmt, group = weight_format(weights, str(target.embed_tokens.weight.dtype).removeprefix("torch."))
     if fmt in ("float32", "bfloat16"):
         return
-    raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" else None
+    gguf = fmt in ("gguf-native", "w4a8")
+    raw = gguf_raw_weights(src, target.cfg) if gguf and (fmt == "gguf-native" or src.kind == "gguf") else None
     quantize_linears(target, fmt, group, raw)
     if drafter is None:
         return
     model = drafter.graphs.model
-    if fmt != "gguf-native":
+    if not gguf:
         quantize_linears(model, fmt, group)
-    elif drafter_name == "self":
-        quantize_linears(model, fmt, group, raw)
+        return
+    raw_d = None  # the drafter's own GGUF blocks, where it has a GGUF file
+    if drafter_name == "self":
+        raw_d = raw
     elif _eagle_head_dir(drafter_name) is None and resolve_model(drafter_name).kind == "gguf":
-        quantize_linears(model, fmt, group, gguf_raw_weights(resolve_model(drafter_name), model.cfg))
+        raw_d = gguf_raw_weights(resolve_model(drafter_name), model.cfg)
+    if raw_d is not None or fmt == "w4a8":
+        quantize_linears(model, fmt, group, raw_d)
 
 
 def pack_models(target, drafter=None, min_rows: int = 1, weights: str | None = None, src=None,

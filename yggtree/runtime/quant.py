@@ -94,12 +94,12 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Codes:
     return Int4Codes(q.reshape(n, k).to(torch.uint8), scale, lo + 8 * scale)
 
 
-def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
+def gguf_f16(raw: torch.Tensor, at: int) -> torch.Tensor:
     """Float16 at byte ``at`` of every block: raw [N, nb, size] uint8 -> [N, nb] float32."""
     return raw[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def gguf_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """GGML's 4-bit order: byte j holds element j (low nibble) and j + 16 (high): [.., 16] -> [.., 32]."""
     return torch.cat([qs & 15, qs >> 4], -1)
 
@@ -115,16 +115,16 @@ def gguf_codes(kind: str, raw: torch.Tensor, name: str = "weight") -> list[Int4C
                        "Q4_0, Q4_1 and Q8_0 blocks (use int8 or int4)")
     n = raw.shape[0]
     b = raw.reshape(n, -1, sizes[kind])  # [N, nb, block bytes]
-    d = _f16(b, 0)
+    d = gguf_f16(b, 0)
     if kind == "Q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1)  # [N, K] -128..127
         hi = Int4Codes(((q >> 4) + 8).to(torch.uint8), 16 * d, torch.zeros_like(d))
         lo = Int4Codes((q & 15).to(torch.uint8), d, 8 * d)
         return [hi, lo]
-    q = _nibbles(b[..., 4 if kind == "Q4_1" else 2 :]).reshape(n, -1)
+    q = gguf_nibbles(b[..., 4 if kind == "Q4_1" else 2 :]).reshape(n, -1)
     if kind == "Q4_0":
         return [Int4Codes(q, d, torch.zeros_like(d))]
-    m = _f16(b, 2)
+    m = gguf_f16(b, 2)
     zero = m + 8 * d
     if not torch.equal(zero.double(), m.double() + 8 * d.double()):
         raise YggError(f"weights gguf-native: a Q4_1 block of {name} has no exact float32 zero "
@@ -240,65 +240,50 @@ class Int4Linear(nn.Module):
 
 def quant_layers(model: nn.Module) -> list[nn.Module]:
     """The quantized layers inside ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    from .w4a8 import W4A8Linear
+
+    return [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, W4A8Linear))]
+
+
+def _kernel_name(fmt: str) -> str:
+    return {"int8": "aten._weight_int8pack_mm on bfloat16 activations", "w4a8": "yggtree::w4a8_mm"}.get(
+        fmt, "aten._weight_int4pack_mm_for_cpu on bfloat16 activations")
 
 
 def check_kernel(fmt: str, dtype: torch.dtype) -> None:
-    """YggError in one line unless this torch and CPU run ``fmt``'s kernel (on bfloat16
-    activations) in a layer of a ``dtype`` run: a 1-row product of a 16 x 32 weight."""
-    name = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
+    """YggError in one line unless this torch and CPU run ``fmt``'s kernel (``int8``, ``int4``,
+    ``w4a8``) in a layer of a ``dtype`` run: a 1-row product of a 16 x 32 weight."""
+    from .w4a8 import W4A8Linear, q4_1_blocks
+
+    w = torch.zeros(16, GGUF_BLOCK)
     try:
-        getattr(torch.ops.aten, name)  # absent in old torch builds
-        w = torch.zeros(16, GGUF_BLOCK)
-        lin = Int8Linear(w, None, dtype) if fmt == "int8" else Int4Linear([quantize_int4(w, GGUF_BLOCK)], None, dtype)
+        if fmt == "int8":
+            getattr(torch.ops.aten, "_weight_int8pack_mm")  # absent in old torch builds
+            lin = Int8Linear(w, None, dtype)
+        elif fmt == "w4a8":
+            lin = W4A8Linear(q4_1_blocks(w), None, dtype)  # builds the kernel (YggError if it cannot)
+        else:
+            getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            lin = Int4Linear([quantize_int4(w, GGUF_BLOCK)], None, dtype)
         lin(torch.zeros(1, GGUF_BLOCK, dtype=dtype))
     except (AttributeError, RuntimeError, NotImplementedError) as e:
-        raise YggError(f"weights {fmt}: this torch/CPU cannot run aten.{name} on bfloat16 "
-                       f"activations ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise YggError(f"weights {fmt}: this torch/CPU cannot run {_kernel_name(fmt)} "
+                       f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
-def _quant_layer(name: str, w: torch.Tensor | None, bias, fmt: str, group: int | None, dtype,
-                 planes: list[Int4Codes] | None = None) -> nn.Module:
-    if planes is not None:
-        return Int4Linear(planes, bias, dtype)
-    if fmt == "int8":
-        return Int8Linear(w, bias, dtype)
-    if w.shape[1] % group:
-        raise YggError(f"weights int4@{group}: the group size does not divide the input width "
-                       f"{w.shape[1]} of {name} (choose a group size dividing it)")
-    return Int4Linear([quantize_int4(w, group)], bias, dtype)
+def _cat_bias(lins: list[nn.Linear]) -> torch.Tensor | None:
+    if all(p.bias is None for p in lins):
+        return None
+    return torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features) for p in lins])
 
 
-def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
-                     raw: dict[str, tuple[str, torch.Tensor]] | None = None) -> int:
-    """Replace the ``nn.Linear`` layers of ``model.layers`` and its ``lm_head`` by quantized ones
-    in ``fmt`` (``int8``, ``int4`` with ``group``, ``gguf-native`` from ``raw``: state-dict name
-    -> (GGML type, bytes), :func:`yggtree.runtime.loading.gguf_raw_weights`); q/k/v and
-    gate/up become one layer each. Returns how many linears were replaced. GGUF tensors stored
-    as float stay ``nn.Linear``. YggError (one line) for what cannot run: see the module docs."""
-    if fmt not in ("int8", "int4", "gguf-native"):
-        raise YggError(f"not a quantized weight format: {fmt!r}")
-    if fmt == "gguf-native" and raw is None:
-        raise YggError("weights gguf-native need a GGUF model (use int8 or int4)")
-    dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else next(model.parameters()).dtype
-    if next(model.parameters()).device.type != "cpu":
-        raise YggError(f"weights {fmt} run on the CPU only (torch's weight-only kernels)")
-    check_kernel("int8" if fmt == "int8" else "int4", dtype)
+def _replace_linears(model: nn.Module, make) -> int:
+    """Replace ``model``'s decoder-block linears and ``lm_head`` by ``make(name, names, linears)``
+    (the new layer's name, its parts' names and linears): one
+    call per fused group (q/k/v, gate/up; the parts are set to None) and one per other linear;
+    ``make`` returns the new layer, or None to keep the linears (a fused group is then offered
+    part by part). Returns how many linears were replaced."""
     names = {id(m): n for n, m in model.named_modules()}
-
-    def planes_of(lin: nn.Linear) -> list[Int4Codes] | None:  # gguf-native: the file's blocks
-        if raw is None:
-            return None
-        key = names[id(lin)] + ".weight"
-        if key == "lm_head.weight" and key not in raw:
-            key = "embed_tokens.weight"  # tied
-        kind, data = raw.get(key, ("?", None))
-        if kind in ("F32", "F16", "BF16"):
-            return None  # stays float
-        if data is None:
-            raise YggError(f"weights gguf-native: the GGUF file has no tensor for {key}")
-        return gguf_codes(kind, data, key)
-
     n = 0
     for block in model.layers:
         for mod_name, attr, parts in FUSED_PROJECTIONS:
@@ -306,30 +291,86 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
             lins = [getattr(mod, k, None) for k in parts]
             if getattr(mod, attr, False) is not None or not all(type(p) is nn.Linear for p in lins):
                 continue
-            planes = [planes_of(p) for p in lins]
-            if raw is not None and (None in planes or len({len(p) for p in planes}) != 1):
-                continue  # a float or mixed group: each part on its own below
-            w = torch.cat([p.weight.detach() for p in lins])
-            bias = None
-            if any(p.bias is not None for p in lins):
-                bias = torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features) for p in lins])
-            cat_planes = None if raw is None else [
-                Int4Codes(*(torch.cat([getattr(p[i], f) for p in planes]) for f in ("q", "scale", "zero")))
-                for i in range(len(planes[0]))]
-            setattr(mod, attr, _quant_layer(f"{names[id(mod)]}.{attr}", w, bias, fmt, group, dtype, cat_planes))
+            layer = make(f"{names[id(mod)]}.{attr}", [names[id(p)] for p in lins], lins)
+            if layer is None:
+                continue
+            setattr(mod, attr, layer)
             for k in parts:
                 setattr(mod, k, None)
             n += len(lins)
     for mod in [*(m for block in model.layers for m in block.modules()), model]:
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and (mod is not model or child_name == "lm_head"):
-                planes = planes_of(child)
-                if raw is not None and planes is None:
-                    continue
-                setattr(mod, child_name, _quant_layer(names[id(child)], child.weight, child.bias, fmt,
-                                                       group, dtype, planes))
-                n += 1
+                layer = make(names[id(child)], [names[id(child)]], [child])
+                if layer is not None:
+                    setattr(mod, child_name, layer)
+                    n += 1
     return n
+
+
+def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
+                     raw: dict[str, tuple[str, torch.Tensor]] | None = None) -> int:
+    """Replace the ``nn.Linear`` layers of ``model.layers`` and its ``lm_head`` by quantized ones
+    in ``fmt`` (``int8``, ``int4`` with ``group``, ``gguf-native`` from ``raw``: state-dict name
+    -> (GGML type, bytes), :func:`yggtree.runtime.loading.gguf_raw_weights`; ``w4a8``: the
+    blocks of ``raw`` where it has them, Q4_1 otherwise, runtime/w4a8.py); q/k/v and gate/up
+    become one layer each. Returns how many linears were replaced. GGUF tensors stored as float
+    stay ``nn.Linear`` under gguf-native. YggError (one line) for what cannot run: see the
+    module docs."""
+    from .w4a8 import W4A8Linear, cat_blocks, gguf_blocks, q4_1_blocks
+
+    if fmt not in ("int8", "int4", "gguf-native", "w4a8"):
+        raise YggError(f"not a quantized weight format: {fmt!r}")
+    if fmt == "gguf-native" and raw is None:
+        raise YggError("weights gguf-native need a GGUF model (use int8, int4 or w4a8)")
+    dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else next(model.parameters()).dtype
+    if next(model.parameters()).device.type != "cpu":
+        raise YggError(f"weights {fmt} run on the CPU only (torch's weight-only kernels)")
+    check_kernel(fmt if fmt in ("int8", "w4a8") else "int4", dtype)
+
+    def stored(name: str) -> tuple[str, torch.Tensor | None]:  # the GGUF tensor of a linear
+        key = name + ".weight"
+        if key == "lm_head.weight" and key not in raw:
+            key = "embed_tokens.weight"  # tied
+        return raw.get(key, ("?", None))
+
+    def planes_of(name: str) -> list[Int4Codes] | None:  # gguf-native: the file's blocks
+        kind, data = stored(name)
+        if kind in ("F32", "F16", "BF16"):
+            return None  # stays float
+        if data is None:
+            raise YggError(f"weights gguf-native: the GGUF file has no tensor for {name}.weight")
+        return gguf_codes(kind, data, name + ".weight")
+
+    def blocks_of(name: str, lin: nn.Linear):  # w4a8: the file's blocks, else Q4_1
+        kind, data = stored(name) if raw is not None else ("F32", None)
+        if data is None or kind in ("F32", "F16", "BF16"):
+            return q4_1_blocks(lin.weight)
+        return gguf_blocks(kind, data, name + ".weight")
+
+    def make(name: str, names: list[str], lins: list[nn.Linear]) -> nn.Module | None:
+        bias = _cat_bias(lins)
+        if fmt == "w4a8":
+            if lins[0].in_features % GGUF_BLOCK:
+                raise YggError(f"weights w4a8: the input width {lins[0].in_features} of {name} is not a "
+                               f"multiple of {GGUF_BLOCK}")
+            return W4A8Linear(cat_blocks([blocks_of(n, p) for n, p in zip(names, lins)]), bias, dtype)
+        if raw is not None:
+            planes = [planes_of(n) for n in names]
+            if None in planes or len({len(p) for p in planes}) != 1:
+                return None  # float, or a mixed group: each part on its own
+            cat = [Int4Codes(*(torch.cat([getattr(p[i], f) for p in planes]) for f in ("q", "scale", "zero")))
+                   for i in range(len(planes[0]))]
+            return Int4Linear(cat, bias, dtype)
+        w = torch.cat([p.weight.detach() for p in lins])
+        if fmt == "int8":
+            return Int8Linear(w, bias, dtype)
+        if w.shape[1] % group:
+            raise YggError(f"weights int4@{group}: the group size does not divide the input width "
+                           f"{w.shape[1]} of {name} (choose a group size dividing it)")
+        return Int4Linear([quantize_int4(w, group)], bias, dtype)
+
+    return _replace_linears(model, make)
 
 
 def check_batch_invariant(model: nn.Module, rows: int, what: str = "target") -> None:

@@ -1,0 +1,179 @@
+"""The w4a8 weight format (yggtree.runtime.w4a8): the kernel against a float64 reference of its
+own arithmetic, rows independent of the call's other rows and of the thread count, a GGUF's
+blocks held exactly, Q4_1 from float, exact greedy speculation, and refusal in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_quant import gguf_blocks as tiny_gguf_blocks, tiny
+from yggtree.errors import YggError
+from yggtree.runtime import w4a8
+from yggtree.runtime.quant import check_batch_invariant, quant_layers, quantize_linears
+from yggtree.runtime.w4a8 import Blocks, W4A8Linear, dequantize_blocks, gguf_blocks, q4_1_blocks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+try:
+    w4a8.load_kernel()
+except YggError as e:  # pragma: no cover - a CPU without AVX512-VNNI, or no compiler
+    pytest.skip(str(e), allow_module_level=True)
+
+
+def reference(x: torch.Tensor, b: Blocks) -> torch.Tensor:
+    """The format's arithmetic in float64: activations quantized per row and block of 32 as the
+    kernel does (float32 da = amax / 127, qa = round-half-even(a * (1 / da))), times the
+    blocks' exact weights."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    da = xb.abs().amax(-1, keepdim=True) / 127
+    qa = torch.round(xb * torch.where(da > 0, 1 / da, torch.zeros_like(da)))
+    assert qa.abs().max() <= 127
+    return (qa.double() * da.double()).view(m, k) @ dequantize_blocks(b).double().T
+
+
+def random_blocks(n: int, k: int, bits: int, gen: torch.Generator) -> Blocks:
+    u = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=gen) / 64).half()
+    return Blocks(u, d, (-(2 ** (bits - 1)) * d.float()).half() if bits == 8 else (torch.randn(n, k // 32, generator=gen) / 8).half(), bits)
+
+
+# (in, out) of the default model's products and a width the kernel pads (not a multiple of 16)
+SHAPES = [(576, 960), (576, 576), (1536, 576), (64, 97)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_is_its_arithmetic_and_rows_are_independent(bits, dtype):
+    """Each output is the float64 reference to within float32 accumulation over K / 32 block
+    terms (relative 2^-20 of the sum of |terms|); row i of an M-row product is bitwise its
+    1-row product (M = 1..12) and the same at 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(bits)
+    for k, n in SHAPES:
+        b = random_blocks(n, k, bits, gen)
+        lin = W4A8Linear(b, None, dtype)
+        x = torch.randn(12, k, generator=gen).to(dtype)
+        y = lin(x)
+        assert y.dtype == dtype and y.shape == (12, n)
+        want = reference(x, b)
+        scale = (reference(x.abs(), Blocks(b.u, b.d.abs(), b.m.abs(), bits))).abs()
+        if dtype == torch.float32:
+            assert ((y.double() - want).abs() <= 2 ** -20 * scale + 1e-30).all(), (k, n)
+        else:  # the float32 result rounded to bfloat16
+            assert ((y.double() - want).abs() <= 2 ** -8 * want.abs() + 2 ** -20 * scale).all(), (k, n)
+        rows = [lin(x[i : i + 1]) for i in range(12)]
+        for m in range(1, 13):
+            ym = lin(x[:m])
+            assert all(torch.equal(ym[i : i + 1], rows[i]) for i in range(m)), (k, n, m)
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(lin(x), y)
+        finally:
+            torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_held_exactly(kind):
+    """Dequantized, the blocks are gguf's (llama.cpp's) float32 weights bit for bit; Q8_0 runs
+    as 8-bit codes, Q4_0 / Q4_1 as 4-bit ones."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize as gguf_dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    raw = quantize(w, T[kind])
+    b = gguf_blocks(kind, torch.from_numpy(raw))
+    assert b.bits == (8 if kind == "Q8_0" else 4) and int(b.u.max()) < 2 ** b.bits
+    want = torch.from_numpy(gguf_dequantize(raw, T[kind]).reshape(48, 96).copy())
+    assert torch.equal(dequantize_blocks(b), want)
+
+
+def test_q4_1_from_float():
+    """Per block, codes 0..15 on d = (max - min) / 15 and m = min rounded to float16: every
+    weight within half a step (plus m's rounding) of its block's grid; a constant block is exact."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 128, generator=gen) * torch.rand(32, 1, generator=gen)
+    w[3, 32:64] = 0.25
+    b = q4_1_blocks(w)
+    assert b.bits == 4 and int(b.u.max()) <= 15 and b.d.dtype == b.m.dtype == torch.float16
+    err = (dequantize_blocks(b) - w).abs().view(32, 4, 32).amax(-1)
+    lo = w.view(32, 4, 32).amin(-1)
+    assert (err <= b.d.float() / 2 + (b.m.float() - lo).abs() + 1e-6).all()
+    assert torch.equal(dequantize_blocks(b)[3, 32:64], w[3, 32:64])
+
+
+def test_w4a8_engine_speculates_exactly():
+    """Greedy tree speculation on a w4a8 target and drafter (the tiny model's GGUF blocks:
+    Q4_0 attention, Q4_1 MLP, the tied Q8_0 head as 8-bit codes) emits plain decoding's tokens."""
+    from yggtree.runtime.drafters import LMDrafter
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+
+    def gguf_like(seed: int):  # the head tied to the Q8_0 embedding, as the embedded model's
+        m = tiny(seed)
+        raw = tiny_gguf_blocks(m)
+        del raw["lm_head.weight"]
+        quantize_linears(m, "w4a8", raw=raw)
+        return m
+
+    target = gguf_like(0)
+    assert len(quant_layers(target)) == 4 * len(target.layers) + 1
+    assert target.lm_head.bits == 8 and target.layers[0].mlp.down_proj.bits == 4
+    check_batch_invariant(target, 8)
+    cfg = dict(mode="reference", max_context=80, prefill_chunk=8)
+    plain = Engine(target, EngineConfig(**cfg))
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+    spec = Engine(target, EngineConfig(**cfg, tree=tree), LMDrafter(gguf_like(1), "reference"))
+    for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)], [1, 2]):
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=32)).token_ids
+        assert spec.generate(prompt, SamplingParams(max_new_tokens=32)).token_ids == want, prompt
+
+
+def test_float_tensors_and_float_models_become_q4_1():
+    """Without GGUF blocks (a float model, an EAGLE head) or for a float GGUF tensor, a linear
+    is Q4_1 of its weights; q/k/v and gate/up are one product each."""
+    m = tiny()
+    raw = tiny_gguf_blocks(m)
+    w = m.layers[0].mlp.down_proj.weight.detach().clone()
+    raw["layers.0.mlp.down_proj.weight"] = ("F32", w)
+    assert quantize_linears(m, "w4a8", raw=raw) == 7 * len(m.layers) + 1
+    got = m.layers[0].mlp.down_proj
+    assert isinstance(got, W4A8Linear) and torch.equal(got.codes, W4A8Linear(q4_1_blocks(w), None, torch.float32).codes)
+    f = tiny()
+    assert quantize_linears(f, "w4a8") == 7 * len(f.layers) + 1
+    assert f.layers[0].self_attn.q_proj is None and f.layers[0].self_attn.qkv.out_features == 64 + 2 * 32
+
+
+def test_cpu_without_vnni_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(w4a8, "_cpu_flags", lambda: {"avx512f", "fma"})
+    with pytest.raises(YggError, match=r"^weights w4a8: this CPU lacks avx512bw, avx512vl, avx512_vnni, "
+                                       r"f16c \(the kernel's int8 dot products need AVX512-VNNI\); use int4 "
+                                       r"or gguf-native$"):
+        w4a8.load_kernel.__wrapped__()
+
+
+def test_a_failing_build_is_refused_in_one_line(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def broken(**kw):
+        raise RuntimeError("Error building extension 'yggtree_w4a8'\nw4a8.cpp:1: error: no compiler here\n")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with pytest.raises(YggError, match=r"^weights w4a8: building its kernel in .* failed \(w4a8.cpp:1: error: "
+                                       r"no compiler here\); it needs a C\+\+ compiler and ninja$"):
+        w4a8.load_kernel.__wrapped__()
+
+
+def test_width_not_a_multiple_of_32_is_refused():
+    m = tiny_model_of_width(48)
+    with pytest.raises(YggError, match=r"^weights w4a8: the input width 48 of layers.0.self_attn.qkv is not a "
+                                       r"multiple of 32$"):
+        quantize_linears(m, "w4a8")
+
+
+def tiny_model_of_width(hidden: int):
+    from helpers import tiny_model
+
+    return tiny_model(hidden=hidden, max_pos=64)

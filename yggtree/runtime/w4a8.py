@@ -1,0 +1,195 @@
+"""The ``w4a8`` weight format: blocks of 32 quantized weights times int8-quantized activations.
+
+llama.cpp's CPU arithmetic for a GGUF's 4-bit model, as a weight format of ours (runtime/quant.py
+holds the others). Every decoder-block linear and LM head, of the target and of the drafter's
+model, becomes blocks of 32 input columns ``w = d * u + m`` (d, m float16 per block and output
+column):
+
+- a GGUF tensor stored in Q4_0 / Q4_1 / Q8_0 keeps the file's blocks exactly: Q4_1 ``d q + m``
+  as it is, Q4_0 ``d (q - 8)`` as m = -8 d, Q8_0 ``d q`` (q int8) as 8-bit codes u = q + 128
+  with m = -128 d (both m exact in float16, checked);
+- any other linear (a float model, an EAGLE head, a float GGUF tensor) is quantized to Q4_1:
+  per block d = (max - min) / 15 and m = min, rounded to float16, u = round((w - m) / d).
+
+A product quantizes its input per row and block of 32 to int8 (a ~= da * qa, da = amax / 127),
+sums u * qa in int32 with AVX512-VNNI and scales each block's sum in float32 (``csrc/w4a8.cpp``
+states the exact arithmetic). So the format runs llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 scheme on
+the file's own weights, in any run dtype (the kernel takes and returns float32; a bfloat16 run
+casts around it). Each row's result is independent of the other rows of a call and of the
+thread count, by construction: speculation stays exact (``quant.check_batch_invariant`` checks).
+
+The kernel is C++ (``csrc/w4a8.cpp``), built once per machine and torch version by
+``torch.utils.cpp_extension`` into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use and registered
+as the op ``yggtree::w4a8_mm`` (an extern kernel to inductor and AOTInductor). It needs an x86 CPU
+with AVX512-VNNI, a C++ compiler and ninja; without them the format is refused in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import YggError
+
+__all__ = ["Blocks", "load_kernel", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
+           "pack_blocks", "W4A8Linear"]
+
+BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
+TILE = 16  # output columns per kernel tile; N is padded to a multiple
+SOURCE = Path(__file__).with_name("csrc") / "w4a8.cpp"
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
+NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")  # /proc/cpuinfo names
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A [N, K] weight in blocks of 32 input columns: w = d * u + m."""
+
+    u: torch.Tensor  # [N, K] uint8: 0..15 (bits 4) or 0..255 (bits 8)
+    d: torch.Tensor  # [N, K / 32] float16
+    m: torch.Tensor  # [N, K / 32] float16
+    bits: int  # 4 or 8
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@functools.cache
+def load_kernel() -> None:
+    """Build (first use on this machine and torch) and load ``yggtree::w4a8_mm``; YggError in
+    one line where it cannot run."""
+    missing = [f for f in NEEDED_FLAGS if f not in _cpu_flags()]
+    if missing:
+        raise YggError(f"weights w4a8: this CPU lacks {', '.join(missing)} (the kernel's int8 dot "
+                       "products need AVX512-VNNI); use int4 or gguf-native")
+    from torch.utils import cpp_extension
+
+    from ..quickstart import cache_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    build = cache_root() / "kernels" / f"w4a8-{key}-torch{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name="yggtree_w4a8", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                           build_directory=str(build), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
+        raise YggError(f"weights w4a8: building its kernel in {build} failed ({first}); it needs a "
+                       "C++ compiler and ninja") from None
+    torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
+
+
+def _w4a8_mm_fake(x, codes, d, m):
+    return x.new_empty((x.shape[0], codes.shape[0] * TILE))
+
+
+def _f16_exact(v: torch.Tensor, what: str) -> torch.Tensor:
+    """``v`` (float32) as float16, YggError unless every value is exact."""
+    h = v.half()
+    if not torch.equal(h.float(), v):
+        raise YggError(f"weights w4a8: {what} is not exact in float16")
+    return h
+
+
+def q4_1_blocks(w: torch.Tensor) -> Blocks:
+    """Q4_1 of a float weight [N, K] (K a multiple of 32): per block d = (max - min) / 15 and
+    m = min in float16, u = round((w - m) / d) in 0..15 with the float16 d and m."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    df = torch.where(d > 0, d.float(), torch.ones_like(lo))
+    u = torch.round((g - m.float()[..., None]) / df[..., None]).clamp(0, 15)
+    return Blocks(u.reshape(n, k).to(torch.uint8), d, m, 4)
+
+
+def gguf_blocks(kind: str, raw: torch.Tensor, name: str = "weight") -> Blocks:
+    """A GGUF tensor's own blocks: ``raw`` [N, bytes per row] uint8 of GGML type ``kind``
+    (Q4_0, Q4_1, Q8_0); YggError for another type."""
+    from .quant import gguf_f16, gguf_nibbles
+
+    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+    if kind not in sizes:
+        raise YggError(f"weights w4a8: {name} is stored as {kind}; the kernel reads Q4_0, Q4_1 and "
+                       "Q8_0 blocks")
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, sizes[kind])  # [N, nb, block bytes]
+    d = gguf_f16(b, 0)
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
+        return Blocks((q.to(torch.int16) + 128).to(torch.uint8), d.half(), _f16_exact(-128 * d, f"-128 d of {name}"), 8)
+    if kind == "Q4_0":
+        return Blocks(gguf_nibbles(b[..., 2:]).reshape(n, -1), d.half(), _f16_exact(-8 * d, f"-8 d of {name}"), 4)
+    return Blocks(gguf_nibbles(b[..., 4:]).reshape(n, -1), d.half(), gguf_f16(b, 2).half(), 4)
+
+
+def cat_blocks(parts: list[Blocks]) -> Blocks:
+    """The blocks of the weights stacked along the output (fused q/k/v, gate/up); 4-bit codes
+    are exact 8-bit ones, so a mixed stack is 8-bit."""
+    bits = max(p.bits for p in parts)
+    return Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("u", "d", "m")), bits)
+
+
+def dequantize_blocks(b: Blocks) -> torch.Tensor:
+    """The float32 weight [N, K] the blocks stand for."""
+    return b.d.float().repeat_interleave(BLOCK, 1) * b.u.float() + b.m.float().repeat_interleave(BLOCK, 1)
+
+
+def pack_blocks(b: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout (csrc/w4a8.cpp): codes [T, B, 256 | 512] uint8, d and m [T, B, 16]
+    float16, N padded with zero blocks (output 0) to T * 16 columns."""
+    n, k = b.u.shape
+    pad = -n % TILE
+    u, d, m = (F.pad(t, (0, 0, 0, pad)) for t in (b.u, b.d, b.m))
+    t_, nb = (n + pad) // TILE, k // BLOCK
+    tiles = u.view(t_, TILE, nb, BLOCK).permute(0, 2, 1, 3)  # [T, B, lane, 32]
+    if b.bits == 4:
+        lo = tiles[..., :16].reshape(t_, nb, TILE, 4, 4).permute(0, 1, 3, 2, 4)  # [T, B, g, lane, i]
+        hi = tiles[..., 16:].reshape(t_, nb, TILE, 4, 4).permute(0, 1, 3, 2, 4)
+        codes = (lo | (hi << 4)).reshape(t_, nb, 256)
+    else:
+        codes = tiles.reshape(t_, nb, TILE, 8, 4).permute(0, 1, 3, 2, 4).reshape(t_, nb, 512)
+    per_tile = lambda s: s.view(t_, TILE, nb).permute(0, 2, 1).contiguous()  # noqa: E731
+    return codes.contiguous(), per_tile(d), per_tile(m)
+
+
+class W4A8Linear(nn.Module):
+    """``F.linear`` with block-quantized weights on int8-quantized activations
+    (``yggtree::w4a8_mm``, float32 in and out; the result in the run's dtype ``dtype``)."""
+
+    codes: torch.Tensor  # [T, B, 256 | 512] uint8 (pack_blocks); T = N rounded up to 16, / 16
+    d: torch.Tensor  # [T, B, 16] float16
+    m: torch.Tensor  # [T, B, 16] float16
+    bias: torch.Tensor | None  # [N] in the run's dtype
+
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        load_kernel()
+        self.out_features, self.in_features = blocks.u.shape
+        self.bits, self.dtype = blocks.bits, dtype
+        codes, d, m = pack_blocks(blocks)
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("d", d, persistent=False)
+        self.register_buffer("m", m, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        y = torch.ops.yggtree.w4a8_mm(x2, self.codes, self.d, self.m)
+        if y.shape[1] != self.out_features:  # the padded output columns cut
+            y = y[:, : self.out_features]
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
