@@ -1,5 +1,8 @@
 """Weight-only quantized linear layers on the CPU: int8, 4-bit group-wise, and a GGUF's own blocks.
 
+(The ``w4a8`` format, blocks on int8-quantized activations with a kernel of ours, is
+runtime/w4a8.py; :func:`quantize_linears` applies every format.)
+
 A plan's ``weights`` (``--weights``; :func:`yggtree.shapes.weight_format`) picks the format of the
 decoder-block linears and the LM head of the target and of the drafter's model. Each product runs
 through one of torch's CPU kernels (signatures checked with torch 2.13) *on bfloat16 activations
