@@ -297,7 +297,7 @@ def test_plan_field(tmp_path):
     hf.mkdir()
     with pytest.raises(YggError, match="key 'weights': gguf-native needs a GGUF target"):
         validate_plan({**base, "target": str(hf), "weights": "gguf-native"})
-    assert "quant.py" in GRAPH_SOURCES
+    assert "quant.py" in GRAPH_SOURCES and "w4a8.py" in GRAPH_SOURCES
 
 
 def test_speculation_with_quantized_weights_is_plain_decoding(tmp_path, capsys):

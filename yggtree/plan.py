@@ -674,8 +674,9 @@ def model_fingerprints(plan: Plan) -> list[dict]:
 # the runtime sources compiled graphs are traced from (decoder block, KV cache, the export
 # wrapper); the rest of the runtime only decides which shapes are called, and a shape without a
 # graph is refused loudly at warm-up
-# packed.py and quant.py: the custom op and the quantized layers the packages call
-GRAPH_SOURCES = ("aoti.py", "kv_cache.py", "model.py", "packed.py", "quant.py")
+# packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
+# (csrc/w4a8.cpp is not traced: packages call the op, which the process loads)
+GRAPH_SOURCES = ("aoti.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "w4a8.py")
 
 
 def runtime_code_hash() -> str:
