@@ -23,6 +23,11 @@
 
 namespace {
 
+#ifndef PREFETCH
+#define PREFETCH 1024  // bytes of codes ahead of the block being read (measured: ~10% faster streaming the
+                       // default model's layers than none, 2 threads, AMD EPYC; 4096 and more no better)
+#endif
+
 // qa [M, K] int8, da and sa [M, B] float32 (see the header)
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa) {
   const int64_t B = K / 32;
@@ -61,6 +66,13 @@ inline void tile(const uint8_t* codes, const at::Half* dw, const at::Half* mw, c
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     const uint8_t* cb = codes + b * STRIDE;
+    // the weights are one stream (tiles are contiguous): fetch PREFETCH bytes ahead, which runs on
+    // into the next tile (a prefetch past the end is harmless); d and m are streams of their own
+    for (int i = 0; i < STRIDE; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + PREFETCH + i), _MM_HINT_T0);
+    if (b % 2 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(dw + b * 16 + PREFETCH / 8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(mw + b * 16 + PREFETCH / 8), _MM_HINT_T0);
+    }
     if constexpr (BITS == 4) {
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(cb + g * 64);
