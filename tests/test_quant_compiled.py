@@ -88,3 +88,14 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
         got = engine.generate(prompt, params, policy=tree)
         assert got.token_ids == want.token_ids and got.stats["verify_calls"] < want.stats["verify_calls"]
     assert counters["frames"]["total"] == frames  # the packages ran, dynamo never did
+    # a fresh process loads the packages before any layer is quantized: the ops they call must be
+    # registered first (yggtree::w4a8_mm is loaded on demand; this failed before the installer did)
+    import subprocess
+    import sys
+
+    code = ("from yggtree.plan import artifact_dir, load_plan\n"
+            "from yggtree.runtime.build import build_plan_engine\n"
+            f"plan = load_plan({str(tmp_path / 'compile' / 'tiny-q' / 'plan.yaml')!r})\n"
+            "build_plan_engine(plan, artifact_dir(plan))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]

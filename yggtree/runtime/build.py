@@ -378,6 +378,10 @@ def _package_installer(art: Path):
         raise YggError(f"no compiled artifacts in {art}: run `yggtree compile` on the plan first")
     entries = sorted({(g["key"], g["width"], g["context"]) for g in manifest["graphs"]})
     sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
+    if (manifest.get("plan") or {}).get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
+        from .w4a8 import load_kernel
+
+        load_kernel()
     packages = PackageSet.load(cache_dir(art), entries, manifest["n_slots"], sums)
 
     def prepare(target, drafter) -> None:
