@@ -84,3 +84,9 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/yggtree`` (default ``~/.cache/yggtree``): caches that any machine can
+    rebuild (converted weights, features, kernels)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree"

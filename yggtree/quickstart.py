@@ -20,13 +20,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import YggError
+from .files import cache_root
 
 TUNE_HINT = "`yggtree tune --hw NAME` tunes a plan for this machine"
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/yggtree`` (default ``~/.cache/yggtree``)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree"
 
 
 def quick_profile_path(device: dict, threads: int, dtype: str, root: Path | None = None) -> Path:

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import YggError
+from .gguf_blocks import read_blocks
 from .model import FUSED_PROJECTIONS
 
 __all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "dequantize", "Int8Linear",
@@ -97,37 +98,22 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Codes:
     return Int4Codes(q.reshape(n, k).to(torch.uint8), scale, lo + 8 * scale)
 
 
-def gguf_f16(raw: torch.Tensor, at: int) -> torch.Tensor:
-    """Float16 at byte ``at`` of every block: raw [N, nb, size] uint8 -> [N, nb] float32."""
-    return raw[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
-
-
-def gguf_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """GGML's 4-bit order: byte j holds element j (low nibble) and j + 16 (high): [.., 16] -> [.., 32]."""
-    return torch.cat([qs & 15, qs >> 4], -1)
-
-
 def gguf_codes(kind: str, raw: torch.Tensor, name: str = "weight") -> list[Int4Codes]:
     """The int4 planes (group 32) holding exactly a GGUF tensor's blocks: ``raw`` [N, bytes per
     row] uint8 of GGML type ``kind`` (Q4_0, Q4_1: one plane; Q8_0: high and low nibble planes
     whose sum is the weight). YggError for another type or a block whose zero m + 8 d is not
     exact in float32."""
-    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-    if kind not in sizes:
+    fields = read_blocks(kind, raw)
+    if fields is None:
         raise YggError(f"weights gguf-native: {name} is stored as {kind}; the int4 kernel runs "
                        "Q4_0, Q4_1 and Q8_0 blocks (use int8 or int4)")
-    n = raw.shape[0]
-    b = raw.reshape(n, -1, sizes[kind])  # [N, nb, block bytes]
-    d = gguf_f16(b, 0)
+    d, m, q = fields
     if kind == "Q8_0":
-        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1)  # [N, K] -128..127
         hi = Int4Codes(((q >> 4) + 8).to(torch.uint8), 16 * d, torch.zeros_like(d))
         lo = Int4Codes((q & 15).to(torch.uint8), d, 8 * d)
         return [hi, lo]
-    q = gguf_nibbles(b[..., 4 if kind == "Q4_1" else 2 :]).reshape(n, -1)
     if kind == "Q4_0":
         return [Int4Codes(q, d, torch.zeros_like(d))]
-    m = gguf_f16(b, 2)
     zero = m + 8 * d
     if not torch.equal(zero.double(), m.double() + 8 * d.double()):
         raise YggError(f"weights gguf-native: a Q4_1 block of {name} has no exact float32 zero "

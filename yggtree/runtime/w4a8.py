@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import YggError
+from .gguf_blocks import read_blocks
 
 __all__ = ["Blocks", "load_kernel", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
            "pack_blocks", "W4A8Linear"]
@@ -76,7 +77,7 @@ def load_kernel() -> None:
                        "products need AVX512-VNNI); use int4 or gguf-native")
     from torch.utils import cpp_extension
 
-    from ..quickstart import cache_root
+    from ..files import cache_root
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / f"w4a8-{key}-torch{torch.__version__}"
@@ -119,21 +120,16 @@ def q4_1_blocks(w: torch.Tensor) -> Blocks:
 def gguf_blocks(kind: str, raw: torch.Tensor, name: str = "weight") -> Blocks:
     """A GGUF tensor's own blocks: ``raw`` [N, bytes per row] uint8 of GGML type ``kind``
     (Q4_0, Q4_1, Q8_0); YggError for another type."""
-    from .quant import gguf_f16, gguf_nibbles
-
-    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-    if kind not in sizes:
+    fields = read_blocks(kind, raw)
+    if fields is None:
         raise YggError(f"weights w4a8: {name} is stored as {kind}; the kernel reads Q4_0, Q4_1 and "
                        "Q8_0 blocks")
-    n = raw.shape[0]
-    b = raw.reshape(n, -1, sizes[kind])  # [N, nb, block bytes]
-    d = gguf_f16(b, 0)
+    d, m, q = fields
     if kind == "Q8_0":
-        q = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
-        return Blocks((q.to(torch.int16) + 128).to(torch.uint8), d.half(), _f16_exact(-128 * d, f"-128 d of {name}"), 8)
+        return Blocks((q + 128).to(torch.uint8), d.half(), _f16_exact(-128 * d, f"-128 d of {name}"), 8)
     if kind == "Q4_0":
-        return Blocks(gguf_nibbles(b[..., 2:]).reshape(n, -1), d.half(), _f16_exact(-8 * d, f"-8 d of {name}"), 4)
-    return Blocks(gguf_nibbles(b[..., 4:]).reshape(n, -1), d.half(), gguf_f16(b, 2).half(), 4)
+        return Blocks(q, d.half(), _f16_exact(-8 * d, f"-8 d of {name}"), 4)
+    return Blocks(q, d.half(), m.half(), 4)
 
 
 def cat_blocks(parts: list[Blocks]) -> Blocks:
