@@ -313,12 +313,14 @@ def _input_widths(cfgs) -> list[int]:
     return sorted({k for c in cfgs for k in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)})
 
 
-def _gguf_problem(base) -> str | None:
+def _gguf_problem(base, kernel: str = "the int4 kernel runs", need_gguf: bool = True) -> str | None:
+    """Why ``base``'s target has no blocks ``kernel`` reads (not a GGUF file, when ``need_gguf``;
+    K-quant blocks); None when it has, or is no GGUF file and need not be."""
     from ..runtime.loading import resolve_model
 
     src = resolve_model(base.target)
     if src.kind != "gguf":
-        return f"the target {src.path.name} is not a GGUF file"
+        return f"the target {src.path.name} is not a GGUF file" if need_gguf else None
     import gguf
 
     try:
@@ -326,7 +328,7 @@ def _gguf_problem(base) -> str | None:
     except Exception as e:  # noqa: BLE001 - the reader raises bare ValueError/struct errors
         return f"cannot read {src.path.name}: {e}"
     other = sorted(kinds - set(GGUF_NATIVE_TYPES))
-    return f"the target stores {', '.join(other)} blocks (the int4 kernel runs Q4_0, Q4_1, Q8_0)" if other else None
+    return f"the target stores {', '.join(other)} blocks ({kernel} Q4_0, Q4_1, Q8_0)" if other else None
 
 
 def weight_problem(fmt: str, base, rows: int) -> str | None:
@@ -349,9 +351,9 @@ def weight_problem(fmt: str, base, rows: int) -> str | None:
                 return why
             group = 32  # quant.GGUF_BLOCK: the file's blocks run on the int4 kernel
         if name == "w4a8":
-            why = _gguf_problem(base) if base.target.lower().endswith(".gguf") or base.target == "default" else None
+            why = _gguf_problem(base, "the w4a8 kernel reads", need_gguf=False)
             if why is not None:
-                return why.replace("the int4 kernel runs", "the w4a8 kernel reads")
+                return why
             group = 32  # w4a8.BLOCK
         dtype = getattr(torch, base.dtype)
         check_kernel(name if name in ("int8", "w4a8") else "int4", dtype)

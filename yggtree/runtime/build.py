@@ -148,8 +148,8 @@ def quantize_models(target, drafter, weights: str | None, src, drafter_name: str
     fmt, group = weight_format(weights, str(target.embed_tokens.weight.dtype).removeprefix("torch."))
     if fmt in ("float32", "bfloat16"):
         return
-    gguf = fmt in ("gguf-native", "w4a8")
-    raw = gguf_raw_weights(src, target.cfg) if gguf and (fmt == "gguf-native" or src.kind == "gguf") else None
+    gguf = fmt in ("gguf-native", "w4a8")  # formats that run a GGUF's own blocks
+    raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" or (gguf and src.kind == "gguf") else None
     quantize_linears(target, fmt, group, raw)
     if drafter is None:
         return
