@@ -74,6 +74,19 @@ def test_kernel_is_its_arithmetic_and_rows_are_independent(bits, dtype):
             torch.set_num_threads(1)
 
 
+def test_kernel_runs_on_torchs_threads():
+    """The kernel's tile loop runs on as many threads as torch's intra-op count (a build without
+    OpenMP ran it on one thread whatever the count: 2 threads streamed no faster than 1)."""
+    w4a8.load_kernel()
+    x = torch.zeros(1)
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.ops.yggtree.w4a8_threads(x) == n
+    finally:
+        torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_are_held_exactly(kind):
     """Dequantized, the blocks are gguf's (llama.cpp's) float32 weights bit for bit; Q8_0 runs

@@ -44,7 +44,11 @@ __all__ = ["Blocks", "load_kernel", "q4_1_blocks", "gguf_blocks", "cat_blocks", 
 BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
 TILE = 16  # output columns per kernel tile; N is padded to a multiple
 SOURCE = Path(__file__).with_name("csrc") / "w4a8.cpp"
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
+# -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernel (without it the loop runs on
+# one thread); the build links the libgomp torch already loaded (same soname), so torch's thread
+# count governs it
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")  # /proc/cpuinfo names
 
 
@@ -79,12 +83,12 @@ def load_kernel() -> None:
 
     from ..files import cache_root
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / f"w4a8-{key}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(name="yggtree_w4a8", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                           build_directory=str(build), is_python_module=False, verbose=False)
+                           extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)

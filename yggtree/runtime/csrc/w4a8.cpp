@@ -19,7 +19,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <atomic>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -134,20 +136,42 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Te
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K == 32 * B, "w4a8_mm: x has ", K, " columns, the weight ", 32 * B);
   auto out = at::empty({M, 16 * T}, x.options());
-  auto qa = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto da = at::empty({M, B}, x.options());
-  auto sa = at::empty({M, B}, x.options());
-  quantize_rows(x.data_ptr<float>(), M, K, qa.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>());
+  // the quantized activations live in the calling thread's scratch (no allocation per product;
+  // the parallel tiles only read them)
+  static thread_local std::vector<int8_t> qa_buf;
+  static thread_local std::vector<float> da_buf, sa_buf;
+  if (static_cast<int64_t>(qa_buf.size()) < M * K) qa_buf.resize(M * K);
+  if (static_cast<int64_t>(da_buf.size()) < M * B) da_buf.resize(M * B), sa_buf.resize(M * B);
+  int8_t* qa = qa_buf.data();
+  float *da = da_buf.data(), *sa = sa_buf.data();
+  quantize_rows(x.data_ptr<float>(), M, K, qa, da, sa);
   const auto* cp = codes.data_ptr<uint8_t>();
   const auto *dp = d.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
   if (codes.size(2) == 256)
-    run<4>(cp, dp, mp, qa.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(), M, K, T, B, out.data_ptr<float>());
+    run<4>(cp, dp, mp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
   else
-    run<8>(cp, dp, mp, qa.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(), M, K, T, B, out.data_ptr<float>());
+    run<8>(cp, dp, mp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
   return out;
+}
+
+// The threads the kernel's parallel loop runs on at the calling thread's intra-op count (1 if the
+// build lacked OpenMP: at::parallel_for then runs serially); the argument only selects the CPU kernel
+int64_t w4a8_threads(const at::Tensor&) {
+  std::atomic<int64_t> most{1};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    int64_t n = at::get_thread_num() + 1, cur = most.load();
+    while (n > cur && !most.compare_exchange_weak(cur, n)) {}
+  });
+  return most.load();
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(yggtree, lib) { lib.def("w4a8_mm(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor"); }
-TORCH_LIBRARY_IMPL(yggtree, CPU, lib) { lib.impl("w4a8_mm", &w4a8_mm); }
+TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
+  lib.def("w4a8_mm(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
+  lib.def("w4a8_threads(Tensor any) -> int");
+}
+TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
+  lib.impl("w4a8_mm", &w4a8_mm);
+  lib.impl("w4a8_threads", &w4a8_threads);
+}
