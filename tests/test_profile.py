@@ -6,6 +6,7 @@ refused."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -189,3 +190,28 @@ def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, mo
     assert CostModel.from_profile(out / "float.json", float_plan).t_verify(4, 10) > 0
     with pytest.raises(YggError, match=r"float.json measured float32 weights, plan 'tiny' runs int8"):
         CostModel.from_profile(out / "float.json", int8)
+
+
+def test_load_meter_sees_other_work_and_the_warning_names_it():
+    """A busy loop in another process shows as ~1 core of other work (this process idles);
+    the warning names the measurement and the cores; a quiet result gives no warning."""
+    import subprocess
+    import sys
+    import time
+
+    from yggtree.offline.timing import LoadMeter, load_warning
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
+    try:
+        time.sleep(0.5)
+        with LoadMeter() as m:
+            time.sleep(1.5)
+    finally:
+        spin.kill()
+    assert 0.6 <= m.result["other_cores"] <= os.cpu_count()
+    line = load_warning("profile x", m.result)
+    assert line.startswith("profile x: while timing, other processes kept") and "\n" not in line
+    assert load_warning("profile x", {"wall_s": 1.0, "other_cores": 0.1, "steal_cores": 0.0}) is None
+    assert load_warning("profile x", None) is None

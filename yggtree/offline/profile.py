@@ -15,7 +15,10 @@ for W in 1..128 (powers of two and the plan's widths) and one context per contex
 (attention reads the whole bucket, so that is where latency changes). Each point: warm-up calls,
 then ``repeats`` timed calls; median, 10th and 90th percentile. The fitted curves
 (:mod:`yggtree.offline.fit`), their held-out error, the hardware and software are written to
-``profiles/NAME.json`` with a CSV of every point and a PNG of the curves.
+``profiles/NAME.json`` with a CSV of every point and a PNG of the curves. The profile also records
+what else ran while it timed (``load``: cores busy with other processes, cores stolen by the
+hypervisor; :class:`yggtree.offline.timing.LoadMeter`) and warns when that inflates its times:
+a profile measured beside other work prices every step too high.
 
 Before the curves, the padding of short packed products (:mod:`yggtree.runtime.packed`): one row
 through every packed product of the target (one plain step's products), unpadded and padded to
@@ -45,7 +48,7 @@ from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
-from .timing import time_ms, time_rounds
+from .timing import LoadMeter, load_warning, time_ms, time_rounds
 
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -493,9 +496,12 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     drafted = set(plan.draft_widths) if grid.widths else set(widths)
     engine, compile_s = _ready_engine(plan, engine, mode, padding["min_rows"], n_slots, widths, drafted,
                                       grid.stage_forms, cache)
-    with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen():
+    with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen(), LoadMeter() as load:
         rows, stages = _timed_calls(engine, plan, widths, contexts, drafted, grid)
         forms = _timed_stage_forms(engine, plan, hw, contexts[0], grid) if grid.stage_forms else None
+    warning = load_warning(f"profile {hw}", load.result)
+    if warning is not None:
+        sys.stderr.write(f"warning: {warning}\n")
     fit, errors = fit_profile(rows)
     profile = {
         "kind": PROFILE_KIND,
@@ -515,6 +521,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         "grid": {"widths": widths, "contexts": contexts, "warmup": grid.warmup,
                  "repeats": grid.repeats, "quick": grid.quick},
         "compile_s": round(compile_s, 1),
+        "load": load.result,  # what else ran while timing (timing.LoadMeter); None: unknown
         "points": rows,
         "stage_ms": stages,
         PADDING_KEY: padding,
@@ -566,6 +573,7 @@ def profile_summary(profile: dict, dst: Path, png: Path | None, elapsed_s: float
         "pruning_share_max": max(v["share"] for v in profile["pruning_share"]),
         "plot": str(png) if png is not None else None,
         "compile_s": profile["compile_s"],
+        "other_cores": (profile.get("load") or {}).get("other_cores"),
         "elapsed_s": round(elapsed_s, 1),
     }
 
@@ -612,6 +620,10 @@ def print_table(profile: dict) -> None:
         s.add_row(k, ", ".join(f"{w}: {x:.3f}" for w, x in v.items()) if isinstance(v, dict) else f"{v:.3f}")
     console.print(s)
     console.print(f"padding of short packed products: {padding_line(profile[PADDING_KEY])}")
+    load = profile.get("load")
+    if load is not None:
+        console.print(f"while timing ({load['wall_s']:.0f} s): other processes kept {load['other_cores']:.2f} "
+                      f"cores busy, the hypervisor took {load['steal_cores']:.2f}")
     e = profile["fit_error"]
     console.print(
         "fit (held-out widths, leave-one-out): "

@@ -32,3 +32,62 @@ def time_rounds(fns: dict[Hashable, Callable[[], object]], warmup: int, repeats:
         if on_round is not None:
             on_round()
     return out
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(busy, steal) CPU seconds of the whole machine since boot (``/proc/stat``; busy excludes
+    idle, iowait and steal) and this process's own CPU seconds (all its threads); None where
+    ``/proc/stat`` cannot be read."""
+    import os
+    import resource
+
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq = fields[:7]
+    steal = fields[7] if len(fields) > 7 else 0
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return (user + nice + system + irq + softirq) / hz, steal / hz, own.ru_utime + own.ru_stime
+
+
+class LoadMeter:
+    """What else ran on the machine while a measurement did (a context manager): ``other_cores``,
+    the average number of cores busy with other processes (the machine's busy CPU time minus
+    this process's, over the wall time), and ``steal_cores``, the cores the hypervisor gave to
+    other guests. Timings taken beside other work are inflated (two single-thread jobs on a
+    2-core machine double a two-thread profile's times); the profile records both numbers and
+    warns. ``result`` is None where ``/proc/stat`` is unreadable (not Linux)."""
+
+    def __init__(self) -> None:
+        self.result: dict | None = None
+
+    def __enter__(self) -> "LoadMeter":
+        self._t0, self._c0 = time.perf_counter(), _cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        c1, wall = _cpu_seconds(), time.perf_counter() - self._t0
+        if self._c0 is None or c1 is None or wall <= 0:
+            return
+        busy, steal, own = (b - a for a, b in zip(self._c0, c1))
+        self.result = {"wall_s": round(wall, 1), "other_cores": round(max(0.0, busy - own) / wall, 2),
+                       "steal_cores": round(steal / wall, 2)}
+
+
+BUSY_CORES = 0.25  # other work above this (cores on average) makes a measurement's times suspect
+
+
+def load_warning(what: str, load: dict | None) -> str | None:
+    """One line saying ``what``'s times are inflated by other work (``LoadMeter.result``), or None."""
+    if load is None:
+        return None
+    busy = [f"other processes kept {load['other_cores']:.2f} cores busy"] if load["other_cores"] > BUSY_CORES else []
+    if load["steal_cores"] > BUSY_CORES:
+        busy.append(f"the hypervisor gave {load['steal_cores']:.2f} cores to other guests")
+    if not busy:
+        return None
+    return (f"{what}: while timing, {' and '.join(busy)}: its times are inflated; measure again on a quiet "
+            "machine")
