@@ -156,6 +156,26 @@ def test_time_rounds_interleaves_the_calls():
     assert len(time_ms(lambda: calls.append(1), 1, 4)) == 4 and len(calls) == 5
 
 
+def test_time_rounds_settles_each_timed_call_with_one_of_its_own(monkeypatch):
+    """With ``settle``, each timed call comes right after that many untimed calls of the same
+    function, and only the timed call's time is recorded (a fake clock: settle calls take 1 s,
+    timed ones 2 ms)."""
+    from types import SimpleNamespace
+
+    from yggtree.offline import timing
+
+    clock, log = [0.0], []
+
+    def call(k):  # a key's calls alternate: settle, timed
+        clock[0] += 1.0 if log.count(k) % 2 == 0 else 0.002
+        log.append(k)
+
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    times = timing.time_rounds({k: (lambda k=k: call(k)) for k in ("a", "b")}, warmup=1, repeats=2, settle=1)
+    assert log == ["a", "a", "b", "b"] * 3
+    assert times == {"a": pytest.approx([2.0, 2.0]), "b": pytest.approx([2.0, 2.0])}
+
+
 def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, monkeypatch):
     """`yggtree profile` of a plan with ``weights: int8``, naming the profile it writes, times the
     quantized engine (its quantized layers pack nothing: no padding to measure) and records the

@@ -420,7 +420,8 @@ def _ready_engine(plan, engine, mode: str, min_rows: int, n_slots: int, widths: 
 def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: set[int],
                  grid: ProfileGrid) -> tuple[list[dict], dict]:
     """The timed model calls (one row each: kind, width, context, bucket and the summary of its
-    times, all timed in rounds: timing.time_rounds) and the median of each stage call
+    times, all timed in rounds, each timed call right after an untimed one of the same shape, as
+    in a decode loop: timing.time_rounds) and the median of each stage call
     (``stage_ms``: per key where a stage has several)."""
     rows, stages = [], {}
     calls = model_calls(engine, plan, widths, contexts, drafted)
@@ -428,7 +429,7 @@ def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: 
     with stderr_progress() as progress:
         task = progress.add_task("timing", total=grid.warmup + grid.repeats + len(scalls))
         times = time_rounds({i: c[-1] for i, c in enumerate(calls)}, grid.warmup, grid.repeats,
-                            on_round=lambda: progress.advance(task))
+                            on_round=lambda: progress.advance(task), settle=1)
         for i, (kind, w, ctx, bucket, _) in enumerate(calls):
             rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | summarise(times[i]))
         for name, key, fn in scalls:

@@ -150,12 +150,13 @@ def measure_stage_forms(engine, plan, ctx: int, warmup: int, repeats: int, cores
             t, _, dt = split.partition("+")
             torch.set_num_threads(int(t))
             # one thread's calls timed in rounds (timing.time_rounds): a slow stretch of a shared
-            # host then touches every call alike instead of one call's block of repeats
+            # host then touches every call alike instead of one call's block of repeats; each
+            # timed call follows an untimed one of its own shape (settle: as in a decode loop)
             fns = {("verify", w): _built(verify(w)) for w in wvs}
             if not dt:
                 fns |= {("head", None): _built(head)} | {("draft", w): _built(draft(w)) for w in wds}
                 fns |= {("ahead", w): _built(ahead(w)) for w in wvs}
-            ms = {key: statistics.median(v) for key, v in time_rounds(fns, warmup, repeats).items()}
+            ms = {key: statistics.median(v) for key, v in time_rounds(fns, warmup, repeats, settle=1).items()}
             rec: dict = {"threads": int(t), "verify_ms": {str(w): ms["verify", w] for w in wvs}}
             if not dt:
                 rec |= {"head_ms": ms["head", None], "draft_ms": {str(w): ms["draft", w] for w in wds},

@@ -18,13 +18,23 @@ def time_ms(fn, warmup: int, repeats: int) -> list[float]:
 
 
 def time_rounds(fns: dict[Hashable, Callable[[], object]], warmup: int, repeats: int,
-                on_round: Callable[[], None] | None = None) -> dict[Hashable, list[float]]:
+                on_round: Callable[[], None] | None = None, settle: int = 0) -> dict[Hashable, list[float]]:
     """``warmup`` untimed rounds, then ``repeats`` timed ones, each calling every call of ``fns``
     once, in order (``on_round`` after each round): the milliseconds of each call's ``repeats``
-    timed runs, by key."""
+    timed runs, by key.
+
+    ``settle``: untimed calls of the same function right before each timed one, so that the timed
+    call runs as a decode loop runs it, after calls of its own shape. Dynamo keeps a function's
+    graphs in one cache, most recently used first, and a call walks the entries before its own,
+    evaluating their guards (~0.2 ms each for a decode step whose weights are graph inputs):
+    cycling through a profile grid's 42 graphs of one step function put ~10 ms of lookups on every
+    timed call, which a decode loop -- a few shapes, or AOTInductor packages with no dynamo at
+    all -- never pays."""
     out: dict[Hashable, list[float]] = {key: [] for key in fns}
     for r in range(warmup + repeats):
         for key, fn in fns.items():
+            for _ in range(settle):
+                fn()
             t = time.perf_counter()
             fn()
             if r >= warmup:
