@@ -324,3 +324,30 @@ def test_prepare_run_refuses_or_compiles_stale_artifacts(compiled):
         victim.read_bytes()).hexdigest()
     assert victim.stat().st_size > len(good) // 2
     assert not list((art / CACHE_SUBDIR).glob("partial-*"))  # packages are written, then renamed
+
+
+def test_profile_of_the_compiled_packages(compiled, tmp_path, monkeypatch, capsys):
+    """`yggtree profile --compiled` times the plan's packages (what `yggtree run --plan` runs) at
+    the widths they were compiled for, without dynamo tracing anything, and keeps the padding of
+    the plan's profile (the packages hold it); without usable artifacts it is refused in one line."""
+    import torch
+
+    root, _, _ = compiled
+    (root / "prof.json").write_text(json.dumps({"packed_padding": {"min_rows": 1, "products": 0, "median_ms": {}}}))
+    plan_path = root / "plan-profiled.yaml"
+    plan_path.write_text(PLAN + "profile: prof.json\n")  # the profile is no graph field: still compiled
+    args = ["profile", "--hw", "t", "--plan", str(plan_path), "--compiled", "--quick", "--out-dir", str(tmp_path)]
+    monkeypatch.chdir(root)  # the artifacts are found in ./compile/<plan>, as `yggtree run --plan` finds them
+    before = dict(torch._dynamo.utils.counters["stats"])
+    assert cli_main(args) == 0
+    assert dict(torch._dynamo.utils.counters["stats"]) == before  # nothing traced or compiled
+    prof = json.loads((tmp_path / "t.json").read_text())
+    assert {r["width"] for r in prof["points"] if r["kind"] == "verify"} == {1, 2}  # 1 row and the plan's W_v
+    assert {r["width"] for r in prof["points"] if r["kind"] == "draft"} == {1, 2}
+    assert all(r["median_ms"] > 0 for r in prof["points"])
+    assert "AOTInductor packages" in prof["software"]["graphs"] and prof["packed_padding"]["min_rows"] == 1
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)  # no compiled artifacts here
+    assert cli_main([*args, "--force"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compiled: the artifacts of plan 'tiny'" in err[0] and "yggtree compile" in err[0]

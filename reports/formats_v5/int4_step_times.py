@@ -16,7 +16,7 @@ layers = eng.drafter.target_layers
 vocab = eng.target.cfg.vocab_size
 with torch.no_grad(), eng.graphs.frozen(), eng.drafter.frozen():
     for ctx in (128, 400):
-        for w in (1, 4):
+        for w in (1, 4, 8):
             ar = torch.arange(w); anc = ar[None, :] <= ar[:, None]; L = torch.tensor(ctx)
             b = eng.graphs.bucket(ctx + w)
             print("tree_step", w, ctx, round(t_call(lambda: eng.graphs.tree_step(ar % vocab, ar, ar, anc, L, layers, b)), 2))

@@ -40,7 +40,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError, module_main
@@ -347,7 +347,10 @@ def run_profile(args) -> int:
                        warmup=1 if args.quick else args.warmup,
                        repeats=3 if args.quick else args.repeats, quick=args.quick)
     command = "yggtree profile " + " ".join(manifest_args(args.argv, out_dir))
-    profile = measure_profile(plan, args.hw, args.threads, grid, command, Path(args.cache_dir))
+    if args.compiled:
+        profile = measure_compiled_profile(plan, args.hw, args.threads, grid, command)
+    else:
+        profile = measure_profile(plan, args.hw, args.threads, grid, command, Path(args.cache_dir))
     png = write_profile(profile, out_dir, plot=True)
     print_table(profile)
     print(json.dumps(profile_summary(profile, dst, png, time.perf_counter() - t_start)))
@@ -535,6 +538,42 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     return profile
 
 
+def measure_compiled_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str) -> dict:
+    """The profile of ``plan`` timed on its compiled packages (``yggtree compile``; what ``yggtree
+    run --plan`` runs), at the widths they were compiled for: every verify width of the plan and
+    one row, every draft width, at one context per bucket. The packages hold the padding of short
+    packed products they were compiled with, so the padding is the plan's profile's, not measured
+    again; the stage forms (the plan search's data) need graphs a sequential plan does not compile,
+    so they are the plan's profile's too, marked as such. YggError unless the plan has a profile
+    and fresh compiled artifacts."""
+    import torch
+
+    from ..files import read_json
+    from ..plan import artifact_dir, check_artifacts
+    from ..runtime.build import build_plan_engine
+
+    if plan.profile is None:
+        raise YggError(f"plan {plan.name!r} names no profile: profile it first (without --compiled), then "
+                       "compile it")
+    art = artifact_dir(plan)
+    reasons = check_artifacts(plan, art)
+    if reasons:
+        raise YggError(f"--compiled: the artifacts of plan {plan.name!r} in {art} are not usable "
+                       f"({'; '.join(reasons)}): run `yggtree compile` on the plan first")
+    before = read_json(plan.profile, "profile")
+    torch.set_num_threads(threads)
+    sys.stderr.write(f"profile {hw}: timing the compiled packages in {art}...\n")
+    engine, _ = build_plan_engine(plan, art, threads=threads)
+    widths = tuple(sorted({1, *plan.verify_widths}))
+    profile = measure_profile(plan, hw, threads, replace(grid, widths=widths, stage_forms=False), command,
+                              engine=engine, padding=before[PADDING_KEY])
+    profile["software"]["graphs"] = f"AOTInductor packages of {art} (yggtree compile)"
+    if before.get("stage_forms") is not None:
+        profile["stage_forms"] = before["stage_forms"] | {"from": f"{plan.profile} ({before.get('created')}), "
+                                                           "timed on dynamo graphs"}
+    return profile
+
+
 def write_profile(profile: dict, out_dir: Path, plot: bool = True) -> Path | None:
     """``<out_dir>/<name>.json`` (and its CSV of points and, with ``plot``, its PNG), each
     written whole or not at all; returns the PNG's path (None without ``plot``)."""
@@ -642,6 +681,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out-dir", default="profiles")
+    p.add_argument("--compiled", action="store_true",
+                   help="time the plan's compiled packages (after `yggtree compile`; what `yggtree run --plan` "
+                   "runs) at its own widths, keeping its profile's padding and stage forms")
     p.add_argument("--cache-dir", default="compile/_inductor-profile",
                    help="inductor cache for the profiled graphs (reused by later runs)")
 
