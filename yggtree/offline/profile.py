@@ -561,6 +561,9 @@ def measure_compiled_profile(plan, hw: str, threads: int, grid: ProfileGrid, com
         raise YggError(f"--compiled: the artifacts of plan {plan.name!r} in {art} are not usable "
                        f"({'; '.join(reasons)}): run `yggtree compile` on the plan first")
     before = read_json(plan.profile, "profile")
+    if not isinstance(before, dict) or not isinstance(before.get(PADDING_KEY), dict):
+        raise YggError(f"--compiled: profile {plan.profile} records no padding of short packed products: "
+                       "profile the plan again without --compiled, then compile it")
     torch.set_num_threads(threads)
     sys.stderr.write(f"profile {hw}: timing the compiled packages in {art}...\n")
     engine, _ = build_plan_engine(plan, art, threads=threads)
