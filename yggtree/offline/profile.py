@@ -570,10 +570,11 @@ def measure_compiled_profile(plan, hw: str, threads: int, grid: ProfileGrid, com
     widths = tuple(sorted({1, *plan.verify_widths}))
     profile = measure_profile(plan, hw, threads, replace(grid, widths=widths, stage_forms=False), command,
                               engine=engine, padding=before[PADDING_KEY])
-    profile["software"]["graphs"] = f"AOTInductor packages of {art} (yggtree compile)"
+    # (file names only: profiles are shipped, and hold no absolute path)
+    profile["software"]["graphs"] = f"AOTInductor packages of compile/{art.name} (yggtree compile)"
     if before.get("stage_forms") is not None:
-        profile["stage_forms"] = before["stage_forms"] | {"from": f"{plan.profile} ({before.get('created')}), "
-                                                           "timed on dynamo graphs"}
+        profile["stage_forms"] = before["stage_forms"] | {
+            "from": f"{Path(plan.profile).name} ({before.get('created')}), timed on dynamo graphs"}
     return profile
 
 
