@@ -1,9 +1,9 @@
-"""A/B of w4a8 kernel variants over the default model's 121 products (random uncached weights):
-the shipped op (yggtree::w4a8_mm) against scratch.cpp (the kernel as shipped since 0b3468b: built
-with OpenMP, scratch buffers) and inter.cpp (the same with d and m inline after each block's codes),
-outputs checked bitwise equal. Run from the repository root at 0b3468b~1 (whose shipped kernel was
-built without OpenMP) to get the A/B of docs/results.md:
-    OMP_NUM_THREADS=T python reports/formats_w4a8_omp/kernel_ab/ab.py T 1"""
+"""A/B of the shipped w4a8 kernel (yggtree::w4a8_mm, as this checkout builds it) against the same
+source built with OpenMP under another op name (ygg_s6::w4a8_mm), over the default model's 121
+products (random uncached weights), outputs checked bitwise equal. Run from the repository root at
+0b3468b~1 (whose kernel was built without OpenMP) for the A/B of docs/results.md:
+    OMP_NUM_THREADS=T python reports/formats_w4a8_omp/kernel_ab/ab.py T 1
+(The interleaved-layout variant also timed there is in git history, commit dee2993: reports/formats_w4a8_omp/kernel_ab/inter.cpp.)"""
 import os, tempfile
 import sys, statistics, time, torch
 from torch.utils import cpp_extension
@@ -11,13 +11,14 @@ from yggtree.runtime.w4a8 import load_kernel, pack_blocks, Blocks, CFLAGS
 from yggtree.offline.timing import time_rounds
 T, M = int(sys.argv[1]), int(sys.argv[2]); torch.set_num_threads(T)
 load_kernel()
-here = os.path.dirname(os.path.abspath(__file__))
-for name in ("scratch", "inter"):
-    build = os.path.join(tempfile.gettempdir(), f"ygg_kernel_ab_{name}")
-    os.makedirs(build, exist_ok=True)
-    cpp_extension.load(name=f"ygg_{name}", sources=[os.path.join(here, f"{name}.cpp")],
-                       extra_cflags=[f for f in CFLAGS if f != "-fopenmp"] + ["-fopenmp"], extra_ldflags=["-fopenmp"],
-                       build_directory=build, is_python_module=False, verbose=False)
+src = open("yggtree/runtime/csrc/w4a8.cpp").read().replace("(yggtree, ", "(ygg_s6, ")
+build = os.path.join(tempfile.gettempdir(), "ygg_kernel_ab_omp")
+os.makedirs(build, exist_ok=True)
+with open(os.path.join(build, "w4a8_omp.cpp"), "w") as f:
+    f.write(src)
+cpp_extension.load(name="ygg_omp", sources=[os.path.join(build, "w4a8_omp.cpp")],
+                   extra_cflags=[f for f in CFLAGS if f != "-fopenmp"] + ["-fopenmp"], extra_ldflags=["-fopenmp"],
+                   build_directory=build, is_python_module=False, verbose=False)
 g = torch.Generator().manual_seed(0)
 def blocks(N, K, bits):
     return Blocks(torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8), (torch.rand(N, K//32, generator=g)/64).half(), (torch.rand(N, K//32, generator=g)/64).half(), bits)
@@ -26,16 +27,13 @@ L = []
 for i, (N, K) in enumerate(shapes):
     b = blocks(N, K, 8 if i == len(shapes) - 1 else 4)
     c, d, m = pack_blocks(b)
-    t_, nb = c.shape[:2]
-    inter = torch.cat([c, d.view(torch.uint8).view(t_, nb, 32), m.view(torch.uint8).view(t_, nb, 32)], 2).contiguous()
-    L.append((K, c, d, m, inter))
+    L.append((K, c, d, m))
 xs = {K: torch.randn(M, K, generator=g) for K in (576, 1536)}
-ops = {"main": lambda K, c, d, m, i: torch.ops.yggtree.w4a8_mm(xs[K], c, d, m),
-       "scratch": lambda K, c, d, m, i: torch.ops.ygg_s6.w4a8_mm(xs[K], c, d, m),
-       "inter": lambda K, c, d, m, i: torch.ops.ygg_s6i.w4a8_mm(xs[K], i, d, m)}
+ops = {"main": lambda K, c, d, m: torch.ops.yggtree.w4a8_mm(xs[K], c, d, m),
+       "openmp": lambda K, c, d, m: torch.ops.ygg_s6.w4a8_mm(xs[K], c, d, m)}
 for l in L[:5] + L[-1:]:
     ref = ops["main"](*l)
-    for k in ("scratch", "inter"):
+    for k in ("openmp",):
         assert torch.equal(ref, ops[k](*l)), k
 def body(op, ls): 
     return lambda: [op(*l) for l in ls]
