@@ -17,6 +17,16 @@ under an hour on a 2-core CPU:
   the rerun's held-out acceptance against the shipped head's (the issue's bar: within 2% of its
   est. chain-4 AAL).
 
+**Across machines.** A work directory does not outlive its machine, so ``--carry P`` (a directory
+in the repository, ``reports/drafter_rerun``) keeps what a chunk leaves that the next one needs,
+small enough to commit: the chunk log, the tensor hash of every regenerated shard
+(``shards.json``), and each finished stage's head (config, weights, manifest, report; no optimizer
+checkpoint). On a new machine the same call seeds ``DIR`` from ``P``: the log, the committed
+shards in place of the regenerated ones whose hashes ``P`` holds (identical tensors, so the
+training chunks read the same data), and the finished stages' heads; ``compare`` then judges the
+shards by the hashes recorded when they were made. A stage cut short by the session's end is
+carried only as far as its last finished stage: stop between stages.
+
 ``python scripts/rerun_drafter.py DIR`` runs the next unfinished chunk and exits;
 ``--minutes M`` keeps starting chunks while one more fits in M minutes (a chunk is counted as an
 hour); ``--list`` prints the
@@ -25,7 +35,7 @@ line to ``DIR/rerun.jsonl`` (chunk, start, wall seconds, exit status): the total
 rerun is their sum. An interrupted chunk leaves nothing half-written (shards and checkpoints are
 written atomically), so running the script again continues it.
 
-    python scripts/rerun_drafter.py /work/rerun --minutes 170
+    python scripts/rerun_drafter.py /work/rerun --minutes 170 --carry reports/drafter_rerun
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,7 +109,7 @@ def done(c: Chunk) -> bool:
     return all(p.is_file() for p in c.outputs)
 
 
-def run_chunk(c: Chunk, work: Path) -> int:
+def run_chunk(c: Chunk, work: Path, carry: Path | None = None) -> int:
     env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache"), "OMP_NUM_THREADS": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(work / "cache" / "inductor")}  # nothing compiled here before
     logs = work / "logs"
@@ -106,13 +117,15 @@ def run_chunk(c: Chunk, work: Path) -> int:
     t0, start = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     rc = None
     try:
-        rc = compare(work) if c.name == "compare" else run_commands(c, work, env, logs)
+        rc = compare(work, carry) if c.name == "compare" else run_commands(c, work, env, logs)
     finally:  # an interrupted chunk is logged too: its time counts in the total
         rec = {"chunk": c.name, "start": start, "wall_s": round(time.perf_counter() - t0, 1),
                "returncode": rc, "done": done(c), **({} if rc is not None else {"interrupted": True})}
         with open(work / "rerun.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(json.dumps(rec), flush=True)
+        if carry is not None:
+            save(work, carry)
     return rc
 
 
@@ -143,11 +156,69 @@ def tensors_sha(path: Path) -> str | None:
         return json.loads((f.metadata() or {}).get("meta", "{}")).get("sha256")
 
 
-def compare(work: Path) -> int:
-    """Regenerated shards against the committed ones; the rerun's held-out estimate against the
-    shipped head's; writes DIR/compare.json (and says it)."""
+def seed(work: Path, carry: Path) -> list[str]:
+    """Fill a new work directory from a carried one: the chunk log, the committed shards whose
+    regenerated hashes were recorded (identical tensors), the finished stages' heads. What it
+    placed, one line each."""
+    placed = []
+    if not (work / "rerun.jsonl").is_file() and (carry / "rerun.jsonl").is_file():
+        shutil.copyfile(carry / "rerun.jsonl", work / "rerun.jsonl")
+        placed.append("rerun.jsonl")
     data = work / "data" / "transcripts"
-    same = {p.name: tensors_sha(p) == tensors_sha(COMMITTED / p.name)
+    for name, sha in recorded_shards(carry).items():
+        if not (data / name).is_file():
+            if tensors_sha(COMMITTED / name) != sha:
+                raise SystemExit(f"rerun_drafter: error: {carry / 'shards.json'}: {name} was regenerated with "
+                                 f"tensors {sha[:12]}..., the committed shard differs")
+            data.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(COMMITTED / name, data / name)
+            placed.append(f"data/transcripts/{name}")
+    for stage in sorted(carry.glob("stage*")):
+        dst = work / "runs" / stage.name
+        if (stage / "model.safetensors").is_file() and not (dst / "model.safetensors").is_file():
+            shutil.copytree(stage, dst, dirs_exist_ok=True)
+            placed.append(f"runs/{stage.name}")
+    return placed
+
+
+def save(work: Path, carry: Path) -> None:
+    """Keep in ``carry`` what the next machine needs: the log, the regenerated shards' hashes,
+    the finished stages' heads (checkpoints stay behind: a finished stage does not need them)."""
+    carry.mkdir(parents=True, exist_ok=True)
+    if (work / "rerun.jsonl").is_file():
+        shutil.copyfile(work / "rerun.jsonl", carry / "rerun.jsonl")
+    shards = recorded_shards(carry)
+    placed = set(seeded(work))
+    for p in sorted((work / "data" / "transcripts").glob("*.safetensors")):
+        if p.name not in placed and p.name not in shards:
+            shards[p.name] = tensors_sha(p)
+    (carry / "shards.json").write_text(json.dumps(shards, indent=1, sort_keys=True) + "\n")
+    for n in (1, 2, 3, 4):
+        src = work / "runs" / f"stage{n}"
+        if (src / "model.safetensors").is_file():
+            shutil.copytree(src, carry / src.name, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("checkpoint*"))
+
+
+def recorded_shards(carry: Path) -> dict[str, str]:
+    f = carry / "shards.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def seeded(work: Path) -> list[str]:
+    """Shard names this work directory took from the committed data (not regenerated here)."""
+    f = work / "seeded.json"
+    return json.loads(f.read_text()) if f.is_file() else []
+
+
+def compare(work: Path, carry: Path | None = None) -> int:
+    """Regenerated shards against the committed ones (a shard seeded from the committed data is
+    judged by the hash recorded when it was regenerated); the rerun's held-out estimate against
+    the shipped head's; writes DIR/compare.json (and says it)."""
+    data = work / "data" / "transcripts"
+    recorded = recorded_shards(carry) if carry else {}
+    from_record = set(seeded(work))
+    same = {p.name: (recorded[p.name] if p.name in from_record else tensors_sha(p)) == tensors_sha(COMMITTED / p.name)
             for p in sorted(data.glob("*.safetensors")) if (COMMITTED / p.name).is_file()}
     ours = json.loads((work / "runs" / "stage4" / "manifest.json").read_text())
     shipped = json.loads((SHIPPED / "manifest.json").read_text())
@@ -155,6 +226,7 @@ def compare(work: Path) -> int:
     rel = est["rerun"] / est["shipped"] - 1.0
     log = [json.loads(line) for line in (work / "rerun.jsonl").read_text().splitlines()]
     res = {"shards_identical": sum(same.values()), "shards_compared": len(same), "per_shard": same,
+           "shards_judged_by_recorded_hash": sorted(from_record),
            "est_chain4_aal": est, "relative": round(rel, 4), "within_2_percent": abs(rel) <= TOLERANCE,
            "wall_s_total": round(sum(r["wall_s"] for r in log), 1),
            "wall_s_by_chunk": {c: round(sum(r["wall_s"] for r in log if r["chunk"] == c), 1)
@@ -170,8 +242,19 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=0.0,
                     help="keep starting chunks while one more fits in this many minutes (0: one chunk)")
     ap.add_argument("--list", action="store_true", help="print the chunks and whether each is done")
+    ap.add_argument("--carry", type=Path, default=None,
+                    help="a directory to keep the run's progress in across machines (seeds DIR when DIR lacks it)")
     args = ap.parse_args(argv)
     work = args.dir.resolve()
+    carry = args.carry.resolve() if args.carry else None
+    if carry is not None:
+        work.mkdir(parents=True, exist_ok=True)
+        placed = seed(work, carry)
+        shards = [p.split("/")[-1] for p in placed if p.startswith("data/")]
+        if shards:
+            (work / "seeded.json").write_text(json.dumps(sorted(set(seeded(work)) | set(shards))) + "\n")
+        for p in placed:
+            print(f"rerun_drafter: carried {p} from {args.carry}", file=sys.stderr)
     todo = chunks(work)
     if args.list:
         for c in todo:
@@ -185,7 +268,7 @@ def main(argv=None) -> int:
         if nxt is None:
             print("rerun_drafter: every chunk is done (compare.json)", file=sys.stderr)
             return 0
-        if run_chunk(nxt, work) != 0:
+        if run_chunk(nxt, work, carry) != 0:
             print(f"rerun_drafter: error: chunk {nxt.name} failed (logs in {work / 'logs'})", file=sys.stderr)
             return 1
         if (time.perf_counter() - t0) / 60 + CHUNK_MINUTES > args.minutes:
