@@ -24,7 +24,9 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   --plan PATH`` runs it (its weight format FMT, which ``--formats`` must name so that its output
   is checked against that format's plain decoding; its packages, stage plan, and the latency
   objective over its own profile, with its depth predictor if it names one): the speculative
-  configuration the objective picks for the format on this machine.
+  configuration the objective picks for the format on this machine; and ``ygg/FMT/plan:NAME/plain``,
+  the same plan's compiled graphs decoding plainly as ``yggtree run --plan PATH --no-speculate``
+  runs it (no drafter loaded), checked against the format's plain decoding as well.
   Float weights run on oneDNN-packed products padded as ``yggtree profile`` chooses for a plan on
   this machine (``--min-rows auto``: the fastest padding that is batch-invariant at widths 1 and
   the tree's W_v, measured per format before its engines are built, the same for its plain and
@@ -260,7 +262,7 @@ def llama_command(info: dict, gguf: Path, text: str, n: int, threads: int, ctx: 
 @dataclass
 class System:
     name: str
-    kind: str  # hf | llama | plain | spec
+    kind: str  # hf | llama | plain | spec | plan-plain (a plan's graphs, plain steps)
     fmt: str
     dtype: str
     run: object = None  # (prompt ids, prompt text, new tokens) -> per-prompt record
@@ -345,7 +347,7 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
         try:
             s.run = make()
         except YggError as e:
-            if s.kind != "spec":
+            if s.kind not in ("spec", "plan-plain"):
                 raise
             s.refused = str(e)
             say(f"{s.name}: refused: {e}")
@@ -392,6 +394,17 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
                 s.info["compile_s"] = engine.compile_s
                 s.info["min_rows"] = min_rows_of(engine.target)
                 return ygg_runner(engine, policy)
+
+            timed(s, make)
+            s = System(f"ygg/{fmt}/plan:{plan.name}/plain", "plan-plain", fmt, plan.dtype)
+            s.info.update(info, policy="plain steps (--no-speculate)")
+
+            def make(s=s, make_plan=make_plan):
+                engine, tok, _ = make_plan(False)
+                s.weight_bytes = streamed_weight_bytes(engine.target)
+                s.info["compile_s"] = engine.compile_s
+                s.info["min_rows"] = min_rows_of(engine.target)
+                return ygg_runner(engine)
 
             timed(s, make)
     for dtype in ("float32", "bfloat16") if not args.no_hf else ():
@@ -547,7 +560,7 @@ def table_rows(rows: list[dict], systems: list[System], gbps: float) -> list[dic
                 r["limit_tok_s"] = gbps * 1e9 / s.weight_bytes
                 r["limit_fraction"] = r["decode_tok_s"] / r["limit_tok_s"]
             plain = f"ygg/{s.fmt}/plain"
-            if s.kind == "spec" and plain in names:
+            if s.kind in ("spec", "plan-plain") and plain in names:
                 r["identical_to_plain"] = sum(x[s.name]["tokens"] == x[plain]["tokens"] for x in rows)
                 r["compared"] = len(rows)
             if s.kind == "llama":

@@ -59,7 +59,7 @@ def fake_packages(blocks, shapes) -> PackageSet:
         cfg = b.self_attn.cfg
         clean = type(b)(cfg).eval().requires_grad_(False)
         clean.self_attn.invariant_rows = b.self_attn.invariant_rows  # compiled into a real package
-        clean.self_attn.cache = KVCache(1, cfg.num_kv_heads, 1, cfg.head_dim, torch.float32, "cpu")
+        clean.self_attn.cache = KVCache.zeros(1, cfg.num_kv_heads, 1, cfg.head_dim, torch.float32, "cpu")
         for w, c in shapes:
             runners[(block_key(b), w, c)] = FakeRunner(clean, w, c)
     return PackageSet(runners, N_SLOTS)

@@ -59,7 +59,7 @@ def test_rows_attention_is_attention():
     cfg = ModelConfig(vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=1,
                       num_heads=6, num_kv_heads=2, head_dim=16)
     attn = Attention(cfg).requires_grad_(False)
-    attn.cache = KVCache(1, 2, 40, 16, torch.float32, "cpu")
+    attn.cache = KVCache.zeros(1, 2, 40, 16, torch.float32, "cpu")
     attn.cache.k.normal_()
     attn.cache.v.normal_()
     x = torch.randn(1, 5, 48)
@@ -132,6 +132,7 @@ def test_compiled_step_logits_do_not_depend_on_the_width():
     from yggtree.runtime.graphs import compile_options
 
     model = _packed_tiny(torch.bfloat16, attention_rows(64))
+    torch._dynamo.reset()  # masked_step's code object may hold other tests' graphs up to dynamo's recompile limit
     run = torch.compile(steps.masked_step, **compile_options("inductor-cpu"))
     assert torch.equal(_root_logits(model, 5, run=run), _root_logits(model, 1, run=run))
 
@@ -217,6 +218,7 @@ def test_a_verified_node_is_the_plain_step_of_its_path(dtype):
     from yggtree.runtime.graphs import compile_options
 
     model = _packed_tiny(dtype, attention_rows(64))
+    torch._dynamo.reset()  # as above: a fresh recompile budget for masked_step
     for run in (None, torch.compile(steps.masked_step, **compile_options("inductor-cpu"))):
         for seed in (0, 1, 2):
             node, plain = _deep_node_logits(model, run, seed=seed)

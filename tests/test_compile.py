@@ -182,13 +182,18 @@ WARM = textwrap.dedent(
         runs += 1
         if temp == 0.0:
             same += out.token_ids == reference.generate(prompt, params).token_ids
+    # the plan's plain engine (run --no-speculate): no drafter, the packages' slot count, plain tokens
+    plain, _ = build_plan_engine(plan, artifact_dir(plan), speculate=False)
+    plain_same = sum(plain.generate(p, SamplingParams(max_new_tokens=8)).token_ids
+                     == reference.generate(p, SamplingParams(max_new_tokens=8)).token_ids for p in prompts)
+    plain_ok = plain.drafter is None and plain.cfg.tree is None and plain.n_slots == engine.n_slots
     try:
         engine.graphs.warm_up([3])
         refused = ""
     except YggError as e:
         refused = str(e)
     print(json.dumps({
-        "runs": runs, "same": same, "refused": refused,
+        "runs": runs, "same": same, "refused": refused, "plain_same": plain_same, "plain_ok": plain_ok,
         "used": sorted(policy.used), "choices": sorted(policy.choices),
         "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
         "recompiles": sum(counters["recompiles"].values()), "breaks": sum(counters["graph_break"].values()),
@@ -207,6 +212,7 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["runs"] == 6 and r["same"] == 3  # performance == reference, greedy
+    assert r["plain_ok"] and r["plain_same"] == 3  # the plan's plain engine on the same packages
     # a step policy drove every (D, W_d, W_v) of the plan, plain steps included, over 3 prompt
     # lengths at temperatures 0 and 0.7 ...
     assert r["used"] == r["choices"] and len(r["choices"]) == 9

@@ -293,7 +293,7 @@ def reference_stack(net, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tens
     x = net.fuse_input(F.embedding(tokens, net.embed_weight), feat)[None]
     for block in net.layers:
         block = copy.deepcopy(block)
-        block.self_attn.cache = KVCache(1, lc.num_kv_heads, n, lc.head_dim, x.dtype, "cpu")
+        block.self_attn.cache = KVCache.zeros(1, lc.num_kv_heads, n, lc.head_dim, x.dtype, "cpu")
         x = block(x, cos, sin, pos[None], causal[None])
     return x[0]
 

@@ -175,7 +175,7 @@ def test_one_query_attention_equals_the_batched_path(heads, kv_heads):
     cfg = ModelConfig(vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=1,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=16)
     attn = Attention(cfg).requires_grad_(False)
-    attn.cache = KVCache(1, kv_heads, 40, 16, torch.float32, "cpu")
+    attn.cache = KVCache.zeros(1, kv_heads, 40, 16, torch.float32, "cpu")
     attn.cache.k.normal_()
     attn.cache.v.normal_()
     x = torch.randn(1, 3, 48)

@@ -275,7 +275,8 @@ def plan_runner(path: str, compile_missing: bool = False, compile_root: str = "c
     scripts: ``(plan, info, make)``. The plan is checked now (artifacts, profile and calibration
     of this device, thread split), before anything loads; ``make()`` builds it and returns
     ``(engine, tokenizer, policy)``: the latency objective (with the plan's depth predictor) when
-    the plan names a profile and calibration, else its largest tree every step."""
+    the plan names a profile and calibration, else its largest tree every step; ``make(False)``
+    builds the plan's plain engine (no drafter, policy None), as ``--no-speculate`` runs it."""
     from .offline.compile import prepare_run
     from .plan import artifact_dir
     from .runtime.build import build_plan_engine, fixed_policy, searched_stages
@@ -291,8 +292,10 @@ def plan_runner(path: str, compile_missing: bool = False, compile_root: str = "c
     if policy is None and plan.predictor is not None:
         policy_with_predictor(plan, None)  # refused: a depth predictor needs the objective
 
-    def make():
-        engine, tok = build_plan_engine(plan, art)
+    def make(speculate: bool = True):
+        engine, tok = build_plan_engine(plan, art, speculate=speculate)
+        if not speculate:  # `yggtree run --plan PATH --no-speculate`: the plan's graphs, plain steps
+            return engine, tok, None
         pol = policy
         if engine.drafter is not None:
             engine.set_lookup(plan.lookup)

@@ -236,7 +236,8 @@ def _plan_engine(args):
         raise YggError(f"--lookup {lookup}: plan {plan.name!r} has no drafter and compiles no verify "
                        "widths (lookup-only decoding: --drafter none --lookup N without a plan)")
     _check_lookup(lookup, max(plan.verify_widths) if plan.speculative else 1)
-    engine, tok = build_plan_engine(plan, art, mode, stages=args.stages, threads=args.threads)
+    engine, tok = build_plan_engine(plan, art, mode, stages=args.stages, threads=args.threads,
+                                    speculate=not args.no_speculate)
     if engine.drafter is not None:
         engine.set_lookup(lookup)
     if policy is not None:
@@ -248,10 +249,6 @@ def _plan_engine(args):
             policy = policy.fresh(depth_fn=lambda h_root, committed: depth)
     if engine.drafter is not None and not args.no_speculate and policy is None:
         policy = fixed_policy(engine, plan, args.draft_width, args.verify_width, draft_depth)
-    if args.no_speculate and engine.drafter is not None:
-        from .runtime.policy import FixedPolicy, StepChoice
-
-        policy = FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1)  # plain steps only
     return engine, tok, policy
 
 

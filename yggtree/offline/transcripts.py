@@ -196,9 +196,7 @@ def generate(
         at = at + 1
         if not bool(keep.all()):
             idx = torch.nonzero(keep).flatten()
-            for cache in model.caches():
-                cache.k = cache.k.index_select(0, idx)
-                cache.v = cache.v.index_select(0, idx)
+            model.set_store(model.kv.keep_rows(idx))
             rows, at, nxt = rows[idx], at[idx], nxt[idx]
     return [
         Generated(answers[i], stopped[i], torch.cat(feats[i]) if layers else None) for i in range(b)

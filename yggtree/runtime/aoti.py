@@ -6,7 +6,7 @@ and a self-drafter's copy of it -- shares one package per shape: the package tak
 weights and KV cache as inputs and writes the cache in place (an exported input mutation).
 
     block inputs   x [1, W, H], cos [1, W, 1, D/2] f32, sin [1, W, 1, D/2] f32, slots [1, W] i64,
-                   mask [1, W, C] bool, then the cache k, v [1, S, Hkv, D] (mutated), then the
+                   mask [1, W, C] bool, then the cache kv [2, 1, S, Hkv, D] (mutated), then the
                    weights in ``named_parameters`` order, then the buffers (the oneDNN-packed
                    weights of a packed model, see :mod:`yggtree.runtime.packed`)
     block output   [1, W, H]
@@ -75,9 +75,9 @@ class _BlockFn(nn.Module):
         self.block = block
         self.names = [n for n, _ in block_tensors(block)]
 
-    def forward(self, x, cos, sin, slots, mask, k, v, *weights):
+    def forward(self, x, cos, sin, slots, mask, kv, *weights):
         state = dict(zip(self.names, weights))
-        state["self_attn.cache.k"], state["self_attn.cache.v"] = k, v
+        state["self_attn.cache.kv"] = kv
         return torch.func.functional_call(self.block, state, (x, cos, sin, slots, mask))
 
 
@@ -86,7 +86,7 @@ def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: P
     the AOTInductor package ``path``. The block's own cache is only read for its shape."""
     cache = block.self_attn.cache
     acts = tuple(a.contiguous() for a in example)
-    args = (*acts, cache.k.clone(), cache.v.clone(), *(p.detach() for _, p in block_tensors(block)))
+    args = (*acts, cache.kv.clone(), *(p.detach() for _, p in block_tensors(block)))
     fn = _BlockFn(block)
     # the packed (mkldnn) buffers reach the graph as inputs; while exporting, the module's own
     # slots hold empty dense stand-ins, which export can copy (it cannot copy mkldnn tensors)
@@ -195,7 +195,7 @@ class PackagedForward:
             )
         cache = self.block.self_attn.cache
         acts = (x.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous(), mask.contiguous())
-        return runner.run([*acts, cache.k, cache.v, *self.weights])[0]
+        return runner.run([*acts, cache.kv, *self.weights])[0]
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:

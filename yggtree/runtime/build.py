@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
@@ -42,6 +42,7 @@ class EngineSpec:
     stages: str = "sequential"  # execution plan (EngineConfig.stages)
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
     weights: str | None = None  # weight format (runtime/quant.py); None: float weights in dtype
+    n_slots: int = 0  # KV cache slots (EngineConfig.n_slots; 0: derived)
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
@@ -269,6 +270,7 @@ def build_engine(spec: EngineSpec, prepare=None):
         lookup=spec.lookup,
         stages=spec.stages,
         threads=spec.threads,
+        n_slots=spec.n_slots,
     )
     eos = tuple(target.cfg.eos_token_ids) or (
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -315,7 +317,9 @@ def warm_plan(engine: Engine, plan) -> None:
         raise YggError(f"this engine's envelope {env} does not hold plan {plan.name!r}'s widths: "
                        "build it with EngineSpec.from_plan(plan)")
     threads = engine.plan_threads(engine.plan)  # compiled graphs are built at the count they run at
-    engine.graphs.warm_up(list(plan.target_widths), threads=threads)
+    plain = engine.cfg.tree is None  # a plan's plain engine: its prefill chunk and one-row steps
+    widths = [w for w in plan.target_widths if w in (1, plan.prefill_chunk)] if plain else list(plan.target_widths)
+    engine.graphs.warm_up(widths, threads=threads)
     if engine.drafter is not None:
         widths = sorted({*drafter_widths(plan), *engine.drafter_widths(engine.plan)})
         engine.drafter.setup(engine.n_slots, widths, plan.prefill_chunk, threads=threads)
@@ -338,7 +342,8 @@ def fixed_policy(
 
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
-                      stages: str = "auto", threads: int = 0, min_rows: int | None = None):
+                      stages: str = "auto", threads: int = 0, min_rows: int | None = None,
+                      speculate: bool = True):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
     ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
@@ -348,10 +353,19 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     A speculative engine raises a padding that is not batch-invariant on this CPU
     (:func:`invariant_padding`); packages hold the padding they were compiled with, so with
     ``artifacts`` an engine padding otherwise (raised or overridden) is refused in one line
-    naming the packages: profile again and recompile."""
+    naming the packages: profile again and recompile.
+
+    ``speculate=False``: plain decoding on the plan's target graphs, with no drafter loaded and
+    no feature kept for one (``yggtree run --plan P --no-speculate``); the cache keeps the plan's
+    slot count and the packages' padding, so the same packages serve it."""
     if stages == "auto" and plan.stages == "auto" and artifacts is not None:
         stages = searched_stages(artifacts)
     spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows)
+    if not speculate:
+        rows = spec.min_rows
+        if artifacts is not None and min_rows is None:  # the packages' own padding
+            rows = (read_manifest(Path(artifacts)) or {}).get("packed_min_rows") or rows
+        spec = replace(spec, drafter=None, lookup=0, min_rows=rows, n_slots=plan_slots(plan))
     prepare = None
     if artifacts is not None and spec.mode == "performance" and plan.backend == "inductor-cpu":
         prepare = _package_installer(Path(artifacts))

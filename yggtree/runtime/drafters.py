@@ -147,19 +147,17 @@ class Snapshot:
     """Copies of a drafter's state that a speculation may overwrite (:meth:`Drafter.snapshot`)."""
 
     lo: int  # first cache slot copied
-    rows: tuple[torch.Tensor, ...]  # per cache buffer (k and v of every layer): [B, hi - lo, H, D]
+    rows: torch.Tensor  # [L, 2, B, hi - lo, H, D] the slots lo..hi-1 of every layer's keys and values
     state: tuple[torch.Tensor, ...]  # copies of the drafter's per-step tensors (their own shapes)
 
 
-def take_snapshot(caches, lo: int, hi: int, state: tuple[torch.Tensor, ...]) -> Snapshot:
-    rows = tuple(buf[:, lo:hi].clone() for c in caches for buf in (c.k, c.v))
-    return Snapshot(lo, rows, tuple(x.clone() for x in state))
+def take_snapshot(store, lo: int, hi: int, state: tuple[torch.Tensor, ...]) -> Snapshot:
+    """Copies of slots lo..hi-1 of every layer of ``store`` (a KVStore) and of ``state``."""
+    return Snapshot(lo, store.kv[:, :, :, lo:hi].clone(), tuple(x.clone() for x in state))
 
 
-def put_back(caches, snap: Snapshot, state: tuple[torch.Tensor, ...]) -> None:
-    bufs = [buf for c in caches for buf in (c.k, c.v)]
-    for buf, rows in zip(bufs, snap.rows):
-        buf[:, snap.lo : snap.lo + rows.shape[1]].copy_(rows)
+def put_back(store, snap: Snapshot, state: tuple[torch.Tensor, ...]) -> None:
+    store.kv[:, :, :, snap.lo : snap.lo + snap.rows.shape[3]].copy_(snap.rows)
     for x, y in zip(state, snap.state):
         x.copy_(y)
 
@@ -236,14 +234,14 @@ class LMDrafter:
         self.ahead_logits = logits[tree.token.shape[0]:]  # [W, V] the head rows' (in the graph)
 
     def take(self, path, n_accepted, room, committed, k: int) -> TopK:
-        take_path(self.model.caches(), path, n_accepted, room, committed)
+        take_path(self.model.kv, path, n_accepted, room, committed)
         return topk_logp(self.ahead_logits.index_select(0, path[-1:]), k)
 
     def snapshot(self, lo: int, hi: int) -> Snapshot:
-        return take_snapshot(self.model.caches(), lo, hi, ())
+        return take_snapshot(self.model.kv, lo, hi, ())
 
     def restore(self, snap: Snapshot) -> None:
-        put_back(self.model.caches(), snap, ())
+        put_back(self.model.kv, snap, ())
 
     def speculate(self, tokens, nodes, n: int, committed, k: int) -> TopK:
         """Move the path's entries to contiguous slots (as :meth:`commit`), then a head call at
@@ -272,15 +270,15 @@ def ahead_layout(tree: Tree, anc: torch.Tensor, room: int) -> tuple[torch.Tensor
     return ext, node, depth
 
 
-def take_path(caches, path: torch.Tensor, n_accepted: torch.Tensor, room: int, committed: torch.Tensor) -> None:
+def take_path(store, path: torch.Tensor, n_accepted: torch.Tensor, room: int, committed: torch.Tensor) -> None:
     """Move the accepted path's entries (slot committed + path[i] -> committed + 1 + i) and then
     the leaf's head row (slot committed + room + leaf -> committed + 1 + n_accepted) in every
-    cache. ``room`` > len(path), so the first move never overwrites a head row."""
+    layer of ``store`` (a :class:`~yggtree.runtime.kv_cache.KVStore`). ``room`` > len(path), so
+    the first move never overwrites a head row."""
     dst = committed + torch.arange(1, path.shape[0] + 1, device=path.device)
     leaf = path[-1:]  # [1] (the path is padded with its last node: the leaf, or the root)
-    for cache in caches:
-        cache.move((committed + path)[None], dst[None])
-        cache.move((committed + room + leaf)[None], (committed + 1 + n_accepted).reshape(1, 1))
+    store.move((committed + path)[None], dst[None])
+    store.move((committed + room + leaf)[None], (committed + 1 + n_accepted).reshape(1, 1))
 
 
 def check_pair(target_vocab: int, drafter_vocab: int, target_tok, drafter_tok, where: str) -> None:

@@ -50,7 +50,7 @@ from ..errors import YggError
 from ..files import read_json
 from .drafters import Snapshot, TopK, ahead_layout, put_back, take_path, take_snapshot
 from .graphs import Graphs
-from .kv_cache import KVCache
+from .kv_cache import KVCache, KVStore
 from .loading import read_safetensors
 from .model import Block, ModelConfig, RMSNorm, RopeScaling, Transformer, rope_table
 from .steps import tree_mask
@@ -260,8 +260,9 @@ class EagleNet(nn.Module):
     def setup_cache(self, n_slots: int) -> None:
         p = self.fc.weight
         lc = self.cfg.layer_config()
-        for block in self.layers:
-            block.self_attn.cache = KVCache(1, lc.num_kv_heads, n_slots, lc.head_dim, p.dtype, p.device)
+        self.kv = KVStore.zeros(len(self.layers), 1, lc.num_kv_heads, n_slots, lc.head_dim, p.dtype, p.device)
+        for block, cache in zip(self.layers, self.kv.caches, strict=True):
+            block.self_attn.cache = cache
         self.rope = rope_table(lc, n_slots).to(p.device)
         self.cache_slots = n_slots
 
@@ -549,7 +550,7 @@ class EagleDrafter:
         with nothing pending (a head call at the next root would recompute the same row). The
         LM head runs on the leaf's row alone, as in a head call."""
         self._check_k(k)
-        take_path(self.net.caches(), path, n_accepted, room, committed)
+        take_path(self.net.kv, path, n_accepted, room, committed)
         leaf = path[-1:]
         root_h = self.ahead_h.index_select(0, leaf)  # [1, H]
         self.node_feat[0] = root_h[0]
@@ -561,10 +562,10 @@ class EagleDrafter:
         return (self.pend_tok, self.pend_feat, self.pend_n, self.node_feat)
 
     def snapshot(self, lo: int, hi: int) -> Snapshot:
-        return take_snapshot(self.net.caches(), lo, hi, self._state())
+        return take_snapshot(self.net.kv, lo, hi, self._state())
 
     def restore(self, snap: Snapshot) -> None:
-        put_back(self.net.caches(), snap, self._state())
+        put_back(self.net.kv, snap, self._state())
 
     def speculate(self, tokens, nodes, n: int, committed, k: int) -> TopK:
         """The target's features of the guessed path do not exist yet (it is verifying), so the

@@ -64,6 +64,9 @@ class EngineConfig:
     lookup_calibration: str | None = None  # lookup calibration JSON (None: the shipped one)
     stages: str = "sequential"  # execution plan (runtime/schedule.py): sequential | ahead | a stage order
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
+    # KV cache slots (0: max_context + the tree's reserve + a scratch slot); a compiled plan's
+    # plain engine keeps the slot count its packages were compiled for
+    n_slots: int = 0
 
 
 @dataclass
@@ -249,7 +252,11 @@ class Engine:
         self.worker = None  # the drafter's worker (overlap plans), made once the drafter is set
         self._lock = threading.Lock()  # one generate at a time: caches and graphs are shared state
         self.graphs = Graphs(target, cfg.mode)
-        self.n_slots = cfg.max_context + self.envelope.reserve() + 1  # + scratch slot
+        need = cfg.max_context + self.envelope.reserve() + 1  # + scratch slot
+        if cfg.n_slots and cfg.n_slots < need:
+            raise YggError(f"{cfg.n_slots} cache slots cannot hold max-context {cfg.max_context} and this tree "
+                           f"({need} needed)")
+        self.n_slots = cfg.n_slots or need
         self.cfg, self.lookup_calib = cfg, None
         self.set_lookup(cfg.lookup)
         target.setup_cache(1, self.n_slots)

@@ -1,25 +1,46 @@
-"""Static KV cache: preallocated slots, slot-indexed writes, and the static-shape commit gather."""
+"""Static KV cache: preallocated slots, slot-indexed writes, and the static-shape commit gather.
+
+A model's layers keep their caches in one tensor (:class:`KVStore`): each layer's keys and values
+are views of it, so the commit moves the accepted path's slots in every layer with one gather and
+one indexed write instead of four operations per layer.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values for ``n_slots`` cache slots, laid out [B, S, H, D].
+    """One layer's keys and values for ``n_slots`` cache slots: one buffer ``kv`` [2, B, S, H, D]
+    (keys, then values).
 
     Slot-major layout: a context bucket (the first C slots) is a contiguous prefix, so attention
     reads it in place with strided matmuls and no copy. Slots are plain storage: which slot holds
     which position is decided by the caller (the engine keeps the committed sequence in slots
-    ``0..L-1`` and puts speculative tokens after it).
+    ``0..L-1`` and puts speculative tokens after it). Keys and values share one buffer so that a
+    layer's cache is one graph input, whatever tensor it is a view of (a compiled region refuses
+    two inputs that alias each other).
     """
 
-    def __init__(self, batch: int, heads: int, n_slots: int, head_dim: int, dtype, device) -> None:
+    def __init__(self, kv: torch.Tensor) -> None:  # [2, B, S, H, D], contiguous (a KVStore's view, or its own)
         super().__init__()
-        shape = (batch, n_slots, heads, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("kv", kv, persistent=False)
+
+    @classmethod
+    def zeros(cls, batch: int, heads: int, n_slots: int, head_dim: int, dtype, device) -> "KVCache":
+        """A cache of its own (one layer tested alone); models allocate theirs in a :class:`KVStore`."""
+        return cls(torch.zeros(2, batch, n_slots, heads, head_dim, dtype=dtype, device=device))
+
+    @property
+    def k(self) -> torch.Tensor:  # [B, S, H, D]
+        return self.kv[0]
+
+    @property
+    def v(self) -> torch.Tensor:  # [B, S, H, D]
+        return self.kv[1]
 
     def write(
         self,
@@ -27,22 +48,41 @@ class KVCache(nn.Module):
         k: torch.Tensor,  # [B, W, H, D]
         v: torch.Tensor,  # [B, W, H, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v at ``slots``; return the whole cache ([B, S, H, D] each).
+        """Store k/v at ``slots``; return the whole cache's keys and values ([B, S, H, D] each).
 
-        An ``index_put_`` (not ``scatter_``) so inductor updates the cache buffer in place instead
-        of cloning the whole cache and copying it back every call."""
-        bi = torch.arange(k.shape[0], device=slots.device)[:, None]
-        self.k.index_put_((bi, slots), k)
-        self.v.index_put_((bi, slots), v)
-        return self.k, self.v
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slots ``src`` [B, K] to slots ``dst`` [B, K] (gather first, so overlaps are safe)."""
-        bi = torch.arange(src.shape[0], device=src.device)[:, None]
-        k, v = self.k[bi, src], self.v[bi, src]  # advanced indexing copies: [B, K, H, D]
-        self.k.index_put_((bi, dst), k)
-        self.v.index_put_((bi, dst), v)
+        One ``index_put_`` on the buffer itself (not ``scatter_``, not through a view) so inductor
+        updates the cache in place instead of cloning it and copying it back every call."""
+        bi = torch.arange(k.shape[0], device=slots.device)[None, :, None]  # [1, B, 1]
+        kind = torch.arange(2, device=slots.device)[:, None, None]  # [2, 1, 1]
+        self.kv.index_put_((kind, bi, slots[None]), torch.stack([k, v]))
+        return self.kv[0], self.kv[1]
 
     def reset(self) -> None:
-        self.k.zero_()
-        self.v.zero_()
+        self.kv.zero_()
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """Every layer's cache in one tensor; layer i's cache is the view ``kv[i]``."""
+
+    kv: torch.Tensor  # [L, 2, B, S, H, D]: layer, keys/values, batch, slot, kv head, head dim
+    caches: tuple[KVCache, ...]  # L caches; cache i's buffer is the view kv[i] [2, B, S, H, D]
+
+    @classmethod
+    def zeros(cls, n_layers: int, batch: int, heads: int, n_slots: int, head_dim: int, dtype, device) -> "KVStore":
+        kv = torch.zeros(n_layers, 2, batch, n_slots, heads, head_dim, dtype=dtype, device=device)
+        return cls.over(kv)
+
+    @classmethod
+    def over(cls, kv: torch.Tensor) -> "KVStore":
+        return cls(kv, tuple(KVCache(kv[i]) for i in range(kv.shape[0])))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots ``src`` [B, K] to slots ``dst`` [B, K] in every layer (the gather is taken
+        before the write, so overlapping slot sets are safe)."""
+        bi = torch.arange(src.shape[0], device=src.device)[:, None]
+        self.kv[:, :, bi, dst] = self.kv[:, :, bi, src]  # [L, 2, B, K, H, D]
+
+    def keep_rows(self, idx: torch.Tensor) -> "KVStore":
+        """A store of the batch rows ``idx`` [B'] only (a batch whose finished rows leave)."""
+        return KVStore.over(self.kv.index_select(2, idx))

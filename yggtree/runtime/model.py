@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, KVStore
 
 
 @dataclass(frozen=True)
@@ -368,15 +368,20 @@ class Transformer(nn.Module):
         self.cache_slots = 0  # S; the rope table [S, D/2, 2] float32 covers positions 0..S-1
 
     def setup_cache(self, batch_size: int, n_slots: int) -> None:
-        """Allocate (or reallocate) the static KV cache: ``n_slots`` slots per layer."""
+        """Allocate (or reallocate) the static KV cache: ``n_slots`` slots per layer, every
+        layer's in one :class:`KVStore` (``self.kv``)."""
         p = self.embed_tokens.weight
         cfg = self.cfg
-        for block in self.layers:
-            block.self_attn.cache = KVCache(
-                batch_size, cfg.num_kv_heads, n_slots, cfg.head_dim, p.dtype, p.device
-            )
+        self.set_store(KVStore.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, n_slots, cfg.head_dim,
+                                     p.dtype, p.device))
         self.rope = rope_table(cfg, n_slots).to(p.device)
         self.cache_slots = n_slots
+
+    def set_store(self, store: KVStore) -> None:
+        """Make the layers read and write ``store``'s caches."""
+        self.kv = store
+        for block, cache in zip(self.layers, store.caches, strict=True):
+            block.self_attn.cache = cache
 
     def shared_copy(self) -> "Transformer":
         """A second model over the same weight tensors with its own (unallocated) cache."""

@@ -97,9 +97,9 @@ def masked_step(
 
 
 def commit(model: Transformer, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Move cache slots src [K] to dst [K] in every layer (accepted path -> contiguous prefix).
+    """Move cache slots src [K] to dst [K] in every layer, in one gather and one write over the
+    model's :class:`~yggtree.runtime.kv_cache.KVStore` (accepted path -> contiguous prefix).
 
     K is fixed (D_max); entries past the accepted length land beyond the new committed length,
     where the prefix mask never looks, so no host-side length is needed."""
-    for cache in model.caches():
-        cache.move(src[None], dst[None])
+    model.kv.move(src[None], dst[None])
