@@ -122,6 +122,24 @@ def test_greedy_matches_a_python_walk(n, n_pad, seed) -> None:
     assert acc.tokens.shape == (n + n_pad,)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 3), st.integers(0, 2**31 - 1), st.integers(0, 4))
+def test_host_walk_equals_the_tensor_walk(n, n_pad, seed, depth_cut) -> None:
+    """The CPU's list walk and the device-side tensor walk: the same path, count and tokens,
+    padded alike, at any max_depth (shorter than the tree too)."""
+    from yggtree.runtime.accept import walk_lists, walk_tensors
+
+    rng = random.Random(seed)
+    parent = [0] + [rng.randrange(i) for i in range(1, n)]
+    tree = build_tree(parent, [rng.randrange(3) for _ in range(n)], size=n + n_pad)
+    tree = with_tokens(tree, list(range(n, n + n_pad)), [rng.randrange(3) for _ in range(n_pad)])
+    choice = torch.randint(0, 3, (n + n_pad,), generator=torch.Generator().manual_seed(seed))
+    d = max(n + n_pad - 1 - depth_cut, 0)
+    a, b = walk_lists(tree, choice, d), walk_tensors(tree, choice, d)
+    for x, y in ((a.path, b.path), (a.n_accepted, b.n_accepted), (a.tokens, b.tokens)):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
 def test_greedy_on_meta() -> None:
     w, v = 6, 11
     m = "meta"

@@ -77,8 +77,8 @@ def test_every_format_plain_and_speculative_in_one_run(model_dir, tmp_path, caps
 
 def test_a_plan_is_its_formats_speculative_system(model_dir, tmp_path, capsys):
     """--plan: a plan's engine and policy (here its largest tree: the plan names no profile) as
-    ``ygg/FMT/plan:NAME``, its output checked against that format's plain decoding; no fixed-tree
-    or transformers systems when asked."""
+    ``ygg/FMT/plan:NAME``, and its plain engine (no drafter) as ``ygg/FMT/plan:NAME/plain``, both
+    checked against that format's plain decoding; no fixed-tree or transformers systems when asked."""
     from test_compile import tiny_plan
 
     mod = load_script("bench_formats")
@@ -89,10 +89,12 @@ def test_a_plan_is_its_formats_speculative_system(model_dir, tmp_path, capsys):
                      "--no-hf", "--synthetic", "3", "--max-new-tokens", "8", "--threads", "1", "--mode",
                      "reference", "--max-context", "96", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert list(res["systems"]) == ["ygg/float32/plain", "ygg/int8/plain", "ygg/int8/plan:q8"]
+    assert list(res["systems"]) == ["ygg/float32/plain", "ygg/int8/plain", "ygg/int8/plan:q8",
+                                    "ygg/int8/plan:q8/plain"]
     assert res["systems"]["ygg/int8/plan:q8"]["policy"] == "largest tree"
     rows = {r["system"]: r for r in res["table"]}
     assert rows["ygg/int8/plan:q8"]["identical_to_plain"] == rows["ygg/int8/plan:q8"]["compared"] == 3
+    assert rows["ygg/int8/plan:q8/plain"]["identical_to_plain"] == 3 and rows["ygg/int8/plan:q8/plain"]["aal"] == 1.0
     assert rows["ygg/int8/plan:q8"]["aal"] > 1.0  # it speculated
     assert rows["ygg/int8/plan:q8"]["weight_bytes"] == rows["ygg/int8/plain"]["weight_bytes"]
     # a plan whose format the run does not decode plainly: refused before anything loads

@@ -21,9 +21,11 @@ stops. Example (tokens in brackets)::
   probability exactly p(y) - the same joint law as one draw y ~ p, independent of sibling order.
   Hence every emitted token is distributed exactly as the target's (lossless).
 
-Both walks are device-side: a fixed ``max_depth``-step loop of small tensor ops, no host sync
-(sampling draws one uniform per node, for all W nodes at once, from the caller's generator,
-and inverts the CDF). EOS and max-new-tokens are not handled here: see :func:`truncate`.
+Both walks are device-side on an accelerator: a fixed ``max_depth``-step loop of small tensor
+ops, no host sync (sampling draws one uniform per node, for all W nodes at once, from the
+caller's generator, and inverts the CDF). On the CPU, where the host is the device and each small
+op costs more than the whole walk, the same walk runs over Python lists (:func:`walk_lists`).
+EOS and max-new-tokens are not handled here: see :func:`truncate`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ __all__ = [
     "filter_probs",
     "sample_tokens",
     "walk",
+    "walk_lists",
+    "walk_tensors",
     "greedy_accept",
     "sample_accept",
     "sample_choices",
@@ -131,6 +135,14 @@ def walk(tree: Tree, choice: torch.Tensor, max_depth: int | None = None) -> Acce
     """
     n = tree.num_nodes
     max_depth = n - 1 if max_depth is None else max_depth
+    if choice.device.type == "cpu" and not torch.compiler.is_compiling():
+        return walk_lists(tree, choice, max_depth)
+    return walk_tensors(tree, choice, max_depth)
+
+
+def walk_tensors(tree: Tree, choice: torch.Tensor, max_depth: int) -> Accepted:
+    """:func:`walk` as tensor ops only (no host sync; any device, and inside a compiled graph)."""
+    n = tree.num_nodes
     dev = choice.device
     can_enter = tree.valid & (torch.arange(n, device=dev) != 0)  # [W]
     # u is a 1-element index tensor: indexing with a 0-dim tensor would call .item() (a sync)
@@ -152,6 +164,28 @@ def walk(tree: Tree, choice: torch.Tensor, max_depth: int | None = None) -> Acce
     tokens = torch.where(i < n_acc, nxt_tok, bonus)
     n_acc = n_acc.squeeze(0)
     return Accepted(path=path_t, n_accepted=n_acc, tokens=tokens)
+
+
+def walk_lists(tree: Tree, choice: torch.Tensor, max_depth: int) -> Accepted:
+    """:func:`walk` on the host: the tree read once into lists, followed in Python (the same
+    first-matching-child rule), the result as :class:`Accepted` tensors."""
+    parent, token, valid, ch = (t.tolist() for t in (tree.parent, tree.token, tree.valid, choice))
+    child = {}  # (parent, token) -> its first valid child (lowest index), as torch.argmax picks
+    for j in range(1, len(parent)):
+        if valid[j]:
+            child.setdefault((parent[j], token[j]), j)
+    u, n_acc, path, alive = 0, 0, [0], True
+    for _ in range(max_depth):
+        nxt = child.get((u, ch[u])) if alive else None
+        alive = nxt is not None
+        if alive:
+            u, n_acc = nxt, n_acc + 1
+        path.append(u)  # padded with the last node once the walk stops
+    bonus = ch[u]
+    tokens = [token[path[i + 1]] if i < n_acc else bonus for i in range(max_depth + 1)]
+    i64 = torch.int64
+    return Accepted(path=torch.tensor(path, dtype=i64), n_accepted=torch.tensor(n_acc, dtype=i64),
+                    tokens=torch.tensor(tokens, dtype=i64))
 
 
 def greedy_accept(
