@@ -385,28 +385,18 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
         for plan_fmt, plan, info, make_plan in plans:
             if plan_fmt != fmt:
                 continue
-            s = System(f"ygg/{fmt}/plan:{plan.name}", "spec", fmt, plan.dtype)
-            s.info.update(info)
+            for suffix, kind, speculate in (("", "spec", True), ("/plain", "plan-plain", False)):
+                s = System(f"ygg/{fmt}/plan:{plan.name}{suffix}", kind, fmt, plan.dtype)
+                s.info.update(info, **({} if speculate else {"policy": "plain steps (--no-speculate)"}))
 
-            def make(s=s, make_plan=make_plan):
-                engine, tok, policy = make_plan()
-                s.weight_bytes = streamed_weight_bytes(engine.target)
-                s.info["compile_s"] = engine.compile_s
-                s.info["min_rows"] = min_rows_of(engine.target)
-                return ygg_runner(engine, policy)
+                def make(s=s, make_plan=make_plan, speculate=speculate):
+                    engine, tok, policy = make_plan(speculate)
+                    s.weight_bytes = streamed_weight_bytes(engine.target)
+                    s.info["compile_s"] = engine.compile_s
+                    s.info["min_rows"] = min_rows_of(engine.target)
+                    return ygg_runner(engine, policy)
 
-            timed(s, make)
-            s = System(f"ygg/{fmt}/plan:{plan.name}/plain", "plan-plain", fmt, plan.dtype)
-            s.info.update(info, policy="plain steps (--no-speculate)")
-
-            def make(s=s, make_plan=make_plan):
-                engine, tok, _ = make_plan(False)
-                s.weight_bytes = streamed_weight_bytes(engine.target)
-                s.info["compile_s"] = engine.compile_s
-                s.info["min_rows"] = min_rows_of(engine.target)
-                return ygg_runner(engine)
-
-            timed(s, make)
+                timed(s, make)
     for dtype in ("float32", "bfloat16") if not args.no_hf else ():
         s = System(f"hf/{dtype}", "hf", dtype, dtype)
 

@@ -158,8 +158,8 @@ def tensors_sha(path: Path) -> str | None:
 
 def seed(work: Path, carry: Path) -> list[str]:
     """Fill a new work directory from a carried one: the chunk log, the committed shards whose
-    regenerated hashes were recorded (identical tensors), the finished stages' heads. What it
-    placed, one line each."""
+    regenerated hashes were recorded (identical tensors; listed in ``DIR/seeded.json``), the
+    finished stages' heads. What it placed, one line each."""
     placed = []
     if not (work / "rerun.jsonl").is_file() and (carry / "rerun.jsonl").is_file():
         shutil.copyfile(carry / "rerun.jsonl", work / "rerun.jsonl")
@@ -178,6 +178,9 @@ def seed(work: Path, carry: Path) -> list[str]:
         if (stage / "model.safetensors").is_file() and not (dst / "model.safetensors").is_file():
             shutil.copytree(stage, dst, dirs_exist_ok=True)
             placed.append(f"runs/{stage.name}")
+    shards = [p.rsplit("/", 1)[-1] for p in placed if p.startswith("data/")]
+    if shards:  # compare judges these by their recorded hashes
+        (work / "seeded.json").write_text(json.dumps(sorted({*seeded(work), *shards})) + "\n")
     return placed
 
 
@@ -249,11 +252,7 @@ def main(argv=None) -> int:
     carry = args.carry.resolve() if args.carry else None
     if carry is not None:
         work.mkdir(parents=True, exist_ok=True)
-        placed = seed(work, carry)
-        shards = [p.split("/")[-1] for p in placed if p.startswith("data/")]
-        if shards:
-            (work / "seeded.json").write_text(json.dumps(sorted(set(seeded(work)) | set(shards))) + "\n")
-        for p in placed:
+        for p in seed(work, carry):
             print(f"rerun_drafter: carried {p} from {args.carry}", file=sys.stderr)
     todo = chunks(work)
     if args.list:

@@ -261,8 +261,7 @@ class EagleNet(nn.Module):
         p = self.fc.weight
         lc = self.cfg.layer_config()
         self.kv = KVStore.zeros(len(self.layers), 1, lc.num_kv_heads, n_slots, lc.head_dim, p.dtype, p.device)
-        for block, cache in zip(self.layers, self.kv.caches, strict=True):
-            block.self_attn.cache = cache
+        self.kv.attach(self.layers)
         self.rope = rope_table(lc, n_slots).to(p.device)
         self.cache_slots = n_slots
 

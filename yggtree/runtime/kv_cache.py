@@ -77,6 +77,11 @@ class KVStore:
     def over(cls, kv: torch.Tensor) -> "KVStore":
         return cls(kv, tuple(KVCache(kv[i]) for i in range(kv.shape[0])))
 
+    def attach(self, layers) -> None:
+        """Make each decoder layer of ``layers`` read and write its cache in this store."""
+        for block, cache in zip(layers, self.caches, strict=True):
+            block.self_attn.cache = cache
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` [B, K] to slots ``dst`` [B, K] in every layer (the gather is taken
         before the write, so overlapping slot sets are safe)."""

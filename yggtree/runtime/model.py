@@ -380,8 +380,7 @@ class Transformer(nn.Module):
     def set_store(self, store: KVStore) -> None:
         """Make the layers read and write ``store``'s caches."""
         self.kv = store
-        for block, cache in zip(self.layers, store.caches, strict=True):
-            block.self_attn.cache = cache
+        store.attach(self.layers)
 
     def shared_copy(self) -> "Transformer":
         """A second model over the same weight tensors with its own (unallocated) cache."""
