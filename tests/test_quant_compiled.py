@@ -77,6 +77,13 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
     assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 2, stdout
     plan = load_plan(tmp_path / "compile" / "tiny-q" / "plan.yaml")
+    if fmt == "w4a8":  # the packages call the kernel's C shim, not AOTInductor's proxy executor
+        import zipfile
+
+        for pt2 in (tmp_path / "compile" / "tiny-q").rglob("*.pt2"):
+            with zipfile.ZipFile(pt2) as z:
+                src = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+            assert "aoti_torch_cpu_w4a8_mm(" in src and "proxy_executor_call_function" not in src, pt2
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
     assert isinstance(static_blocks(engine.target), PackageSet)
     assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])

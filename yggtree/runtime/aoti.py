@@ -81,6 +81,18 @@ class _BlockFn(nn.Module):
         return torch.func.functional_call(self.block, state, (x, cos, sin, slots, mask))
 
 
+def package_config(block: nn.Module) -> dict:
+    """Inductor settings of ``block``'s packages: :data:`INDUCTOR_CPU_CONFIG`, and for w4a8
+    weights the kernel's C shim (a direct call; AOTInductor's proxy executor would box every
+    call's arguments, ~10 us a product)."""
+    from .w4a8 import W4A8Linear, aoti_shims
+
+    config = dict(INDUCTOR_CPU_CONFIG)
+    if any(isinstance(m, W4A8Linear) for m in block.modules()):
+        config["aot_inductor.custom_ops_to_c_shims"] = aoti_shims()
+    return config
+
+
 def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> Path:
     """Export ``block`` at the shapes of ``example`` (its 5 activation inputs) and compile it into
     the AOTInductor package ``path``. The block's own cache is only read for its shape."""
@@ -98,7 +110,7 @@ def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: P
         with torch.no_grad():
             ep = torch.export.export(fn, args, strict=False)
             out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
-                                                           inductor_configs=dict(INDUCTOR_CPU_CONFIG))
+                                                           inductor_configs=package_config(block))
     finally:
         for m, n, b in opaque:
             m._buffers[n] = b

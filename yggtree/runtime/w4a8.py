@@ -26,8 +26,10 @@ with AVX512-VNNI, a C++ compiler and ninja; without them the format is refused i
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +40,7 @@ from torch import nn
 from ..errors import YggError
 from .gguf_blocks import read_blocks
 
-__all__ = ["Blocks", "load_kernel", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
+__all__ = ["Blocks", "load_kernel", "aoti_shims", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
            "pack_blocks", "W4A8Linear"]
 
 BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
@@ -49,6 +51,9 @@ SOURCE = Path(__file__).with_name("csrc") / "w4a8.cpp"
 # count governs it
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+# the op's C shim as AOTInductor declares it in a package (csrc/w4a8.cpp defines it)
+SHIM = ("AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d, "
+        "AtenTensorHandle m, AtenTensorHandle* ret0)")
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")  # /proc/cpuinfo names
 
 
@@ -94,7 +99,18 @@ def load_kernel() -> None:
         first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
         raise YggError(f"weights w4a8: building its kernel in {build} failed ({first}); it needs a "
                        "C++ compiler and ninja") from None
+    # global symbols: AOTInductor packages compiled with the op's C shim (aoti_shims) resolve
+    # aoti_torch_cpu_w4a8_mm in this library when they are loaded
+    ctypes.CDLL(str(build / "yggtree_w4a8.so"), mode=os.RTLD_GLOBAL)
     torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
+
+
+def aoti_shims() -> dict:
+    """``aot_inductor.custom_ops_to_c_shims`` for packages calling ``yggtree::w4a8_mm``: they call
+    the kernel's C shim directly (``csrc/w4a8.cpp``) rather than through AOTInductor's proxy
+    executor. Loads the kernel (its op must exist to be named)."""
+    load_kernel()
+    return {torch.ops.yggtree.w4a8_mm.default: [SHIM]}
 
 
 def _w4a8_mm_fake(x, codes, d, m):
