@@ -190,6 +190,47 @@ def test_fixed_policy_equals_no_policy(target):
         assert a.stats["verify_calls"] == b.stats["verify_calls"]
 
 
+class Steady(StepPolicy):
+    """The same choice every step, but not a FixedPolicy: the engine must expect plain steps."""
+
+    def __init__(self, d: int, wd: int, wv: int) -> None:
+        self.choice, self.wv = StepChoice(d, wd), wv
+
+    def choose_draft(self, h_root, committed):
+        return self.choice
+
+    def choose_verify(self, tree, choice, committed):
+        return self.wv
+
+
+@pytest.mark.parametrize("kind", ["other-lm", "eagle-random"])
+def test_a_policy_that_may_decline_absorbs_the_prompt_into_the_drafter_when_it_first_drafts(target, plain, kind):
+    """A policy that may choose plain steps leaves the prompt's prefill to the drafter's first
+    drafted step (the resync stage, from slot 0): a request decoded in plain steps never runs it,
+    and the first drafted step's tree is bitwise the one after an eager prefill (a fixed tree)."""
+    drafter = drafters(target)[kind]
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=4, top_k=3)
+    eng = make_engine(target, drafter, tree)
+    calls = []
+    real = drafter.prefill
+    drafter.prefill = lambda *a, **k: (calls.append(a[2] if len(a) > 2 else 0), real(*a, **k))[1]
+    try:
+        for i, p in enumerate(PROMPTS):
+            calls.clear()
+            res = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=Steady(0, 1, 1))
+            assert res.token_ids == plain[i] and calls == [] and res.stats["draft_calls"] == 0
+            eager, lazy = [], []
+            a = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=FixedPolicy.of(tree), on_step=eager.append)
+            calls.clear()
+            b = eng.generate(p, SamplingParams(max_new_tokens=NEW), policy=Steady(3, 2, 4), on_step=lazy.append)
+            assert calls[0] == 0 and b.stats["resyncs"] == 1  # the whole prompt, at the first step
+            assert a.token_ids == b.token_ids == plain[i]
+            for x, y in zip(eager, lazy):  # the same trees, bit for bit
+                assert torch.equal(x.tree.token, y.tree.token) and torch.equal(x.tree.logp, y.tree.logp)
+    finally:
+        drafter.prefill = real
+
+
 @pytest.mark.parametrize(
     "choice, wv, match",
     [

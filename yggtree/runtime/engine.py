@@ -413,7 +413,11 @@ class Engine:
                     for buf, x in zip(self.feat_buf, feats):
                         buf[: x.shape[0]] = x
                     with self.drafter.frozen(threaded) if self.drafter else contextlib.nullcontext():
-                        if self.drafter is not None:
+                        if self.drafter is not None and self._may_skip_drafting(policy):
+                            # absorbed at the first drafted step (the resync stage, from slot 0): a
+                            # request the policy decodes in plain steps never pays the drafter's prefill
+                            req.synced, req.sync_from = False, 0
+                        elif self.drafter is not None:
                             self.drafter.prefill(prompt, feats)
                         reason = self.decode(req, timer, trace, on_step)
         finally:
@@ -455,13 +459,19 @@ class Engine:
             return FixedPolicy(StepChoice(0, tp.draft_width), tp.verify_width)
         return FixedPolicy.of(tp)
 
+    @staticmethod
+    def _may_skip_drafting(policy: StepPolicy | None) -> bool:
+        """Whether ``policy`` may choose plain steps (any policy but a fixed tree)."""
+        if policy is None:
+            return False
+        return not (isinstance(policy, FixedPolicy) and policy.choice.draft_depth > 0)
+
     def _keeps_features(self, policy: StepPolicy | None) -> bool:
         """Whether plain or lookup-only steps may leave the drafter behind (it then resyncs from
         the target features of the committed tokens, kept for it)."""
         if policy is None:
             return False
-        fixed = isinstance(policy, FixedPolicy) and policy.choice.draft_depth > 0
-        return self.cfg.lookup > 0 or not fixed
+        return self.cfg.lookup > 0 or self._may_skip_drafting(policy)
 
     def _lookup_index(self, prompt_ids: list[int], out: list[int]) -> LookupIndex | None:
         if not self.cfg.lookup:

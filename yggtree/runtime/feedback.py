@@ -75,14 +75,33 @@ class Feedback:
     def step_ms(self, step_ms, verify_ms, wv):
         """Corrected time of drafted steps predicted at ``step_ms`` with ``verify_ms`` of it in the
         verify call at width ``wv`` (floats, or numpy arrays alike)."""
-        rel = (np.array([self.width_factor(w) for w in np.ravel(wv)]).reshape(np.shape(wv))
-               if np.ndim(wv) else self.width_factor(wv))
+        if np.ndim(wv):  # every row's width factor from a table over the widths (the policy
+            wv = np.asarray(wv)  # prices ~100 rows a step)
+            table = np.ones(int(wv.max()) + 1 if wv.size else 1)
+            for w, f in self._width.items():
+                if w < len(table):
+                    table[w] = f
+            rel = table[wv]
+        else:
+            rel = self.width_factor(wv)
         return self.machine * (rel * verify_ms + self.spec_extra * (step_ms - verify_ms))
+
+    def _scales(self, d_max: int) -> list[float]:
+        """Acceptance scales of depths 0..d_max in this request: each depth's over all requests
+        (prior: the depth above's, 1 at depths 0 and 1), then this request's (prior: that)."""
+        out, prior = [], 1.0
+        for d in range(d_max + 1):
+            g = _shrunk(self._by_depth.get(d), self.prior_tokens, prior if d > 1 else 1.0)
+            prior = g
+            out.append(_shrunk(self._request.get(d), self.request_prior_tokens, g))
+        return out
 
     def global_scale_at(self, d: int) -> float:
         """Acceptance scale of D-deep trees over all requests (prior: depth D - 1's)."""
-        prior = 1.0 if d <= 1 else self.global_scale_at(d - 1)
-        return _shrunk(self._by_depth.get(d), self.prior_tokens, prior)
+        prior = 1.0
+        for dd in range(d + 1):
+            prior = _shrunk(self._by_depth.get(dd), self.prior_tokens, prior if dd > 1 else 1.0)
+        return prior
 
     def accept_scale_at(self, d: int) -> float:
         """Acceptance scale of D-deep trees in this request (prior: all requests')."""
@@ -94,8 +113,7 @@ class Feedback:
         if np.ndim(depth) == 0:
             return 1.0 + (aal - 1.0) * self.accept_scale_at(int(depth))
         depth = np.asarray(depth)
-        scales = np.array([self.accept_scale_at(d) for d in range(int(depth.max()) + 1)])
-        return 1.0 + (aal - 1.0) * scales[depth]
+        return 1.0 + (aal - 1.0) * np.array(self._scales(int(depth.max())))[depth]
 
     def update(self, pred: Prediction, n_accepted: int, step_ms: float, verify_ms: float | None = None) -> None:
         """Fold in one step: its prediction, drafted tokens accepted, measured wall time, and
