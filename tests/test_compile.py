@@ -58,7 +58,7 @@ sampling: {{max_new_tokens: 8}}
 """
 
 
-def save_tiny_checkpoint(path: Path, intermediate: int = 48) -> None:
+def save_tiny_checkpoint(path: Path, intermediate: int = 48, heads: int = 4, kv_heads: int = 2) -> None:
     """A 2-layer random Llama (vocabulary 128, hidden 32) with a word-level tokenizer."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -67,7 +67,7 @@ def save_tiny_checkpoint(path: Path, intermediate: int = 48) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)

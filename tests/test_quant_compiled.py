@@ -72,7 +72,8 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
     from yggtree.runtime.build import build_plan_engine, fixed_policy
     from yggtree.runtime.policy import FixedPolicy, StepChoice
 
-    save_tiny_checkpoint(tmp_path / "model", intermediate=64)  # int4@32 divides every input width
+    # int4@32 divides every input width; w4a8: head dim 16, which its attention kernel takes
+    save_tiny_checkpoint(tmp_path / "model", intermediate=64, **({"heads": 2, "kv_heads": 1} if fmt == "w4a8" else {}))
     (tmp_path / "plan.yaml").write_text(TINY_PLAN.replace("name: tiny\n", f"name: tiny-q\nweights: {fmt}\n"))
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
     assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 2, stdout
@@ -84,9 +85,11 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
             with zipfile.ZipFile(pt2) as z:
                 src = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
             assert "aoti_torch_cpu_w4a8_mm(" in src and "proxy_executor_call_function" not in src, pt2
+            assert "aoti_torch_cpu_rows_attention(" in src, pt2
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
     assert isinstance(static_blocks(engine.target), PackageSet)
     assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])
+    assert engine.target.layers[0].self_attn.native_rows == (fmt == "w4a8")
     tree, plain = fixed_policy(engine, plan), FixedPolicy(StepChoice(0, 1), 1)
     frames = counters["frames"]["total"]
     for prompt in ([3, 4, 5], list(range(10, 23))):

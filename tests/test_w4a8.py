@@ -143,6 +143,40 @@ def test_w4a8_engine_speculates_exactly():
         assert spec.generate(prompt, SamplingParams(max_new_tokens=32)).token_ids == want, prompt
 
 
+def test_native_rows_attention_is_the_reference_and_each_row_its_own():
+    """yggtree::rows_attention (csrc/rows_attention.cpp) against runtime/model.py's
+    _rows_attention on rows with prefixes of different lengths, gaps and short windows: close to
+    it (float32 sums in another order), each row bitwise its one-row call, the same at 1 and 2
+    threads and over a wider context bucket (work over the visible slots only)."""
+    from yggtree.runtime.model import _rows_attention, row_window
+
+    gen = torch.Generator().manual_seed(0)
+    b, w, h, hkv, d, c, s = 1, 6, 9, 3, 64, 96, 130
+    kv = torch.randn(2, b, s, hkv, d, generator=gen)
+    q = torch.randn(b, w, h, d, generator=gen)
+    mask = torch.zeros(b, w, c, dtype=torch.bool)
+    for r, n in enumerate([1, 7, 33, 40, 90, 96]):
+        mask[0, r, :n] = True
+    mask[0, 3, 10:14] = False  # a row that skips slots (a tree node's siblings)
+    mask[0, 4, 50:70:3] = False
+    window, head = row_window(mask)
+    k, v = kv[0][:, :c], kv[1][:, :c]  # strided views of the cache, as Attention passes them
+    got = torch.ops.yggtree.rows_attention(q, k, v, head, window)
+    want = _rows_attention(q, k, v, head, window)
+    assert got.shape == want.shape == (b, w, h * d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for r in range(w):
+        one = torch.ops.yggtree.rows_attention(q[:, r : r + 1], k, v, head[:, r : r + 1], window[:, r : r + 1])
+        assert torch.equal(one[:, 0], got[:, r]), r
+    wide = torch.nn.functional.pad(head, (0, s - c))  # the same rows in the whole cache
+    assert torch.equal(torch.ops.yggtree.rows_attention(q, kv[0], kv[1], wide, window), got)
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(torch.ops.yggtree.rows_attention(q, k, v, head, window), got)
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_float_tensors_and_float_models_become_q4_1():
     """Without GGUF blocks (a float model, an EAGLE head) or for a float GGUF tensor, a linear
     is Q4_1 of its weights; q/k/v and gate/up are one product each."""

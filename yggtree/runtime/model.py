@@ -150,6 +150,11 @@ class Attention(nn.Module):
         # each row's result independent of the call's other rows and of where its ancestors sit);
         # wider calls use the grouped matmuls. Engines set it (set_invariant_rows, attention_rows).
         self.invariant_rows = 1
+        # the row-by-row attention as the compiled kernel yggtree::rows_attention (the w4a8
+        # format's library, runtime/csrc/rows_attention.cpp: work over the visible slots only)
+        # instead of _rows_attention's broadcast products over the context bucket; the w4a8
+        # format sets it on float32 models (runtime/quant.py)
+        self.native_rows = False
 
     def forward(
         self,
@@ -181,7 +186,8 @@ class Attention(nn.Module):
         if window is not None or rows_path(self.invariant_rows, bsz, w):
             if window is None:
                 window, mask = row_window(mask)
-            return self.o_proj(_rows_attention(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask, window))
+            rows = torch.ops.yggtree.rows_attention if self.native_rows else _rows_attention
+            return self.o_proj(rows(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask, window))
         # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
         scores = torch.matmul(qg, k_t).float() * (1.0 / math.sqrt(d))

@@ -359,7 +359,14 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
                            f"{w.shape[1]} of {name} (choose a group size dividing it)")
         return Int4Linear([quantize_int4(w, group)], bias, dtype)
 
-    return _replace_linears(model, make)
+    n = _replace_linears(model, make)
+    if fmt == "w4a8" and dtype == torch.float32:  # the library's row-by-row attention too,
+        from .model import Attention  # where its kernel takes the head dim
+
+        for m in model.modules():
+            if isinstance(m, Attention) and m.cfg.head_dim % 16 == 0 and m.cfg.head_dim <= 256:
+                m.native_rows = True
+    return n
 
 
 def check_batch_invariant(model: nn.Module, rows: int, what: str = "target") -> None:

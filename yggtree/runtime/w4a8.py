@@ -45,15 +45,21 @@ __all__ = ["Blocks", "load_kernel", "aoti_shims", "q4_1_blocks", "gguf_blocks", 
 
 BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
 TILE = 16  # output columns per kernel tile; N is padded to a multiple
-SOURCE = Path(__file__).with_name("csrc") / "w4a8.cpp"
+# the kernel library: the products, and the row-by-row attention models in this format run
+# (csrc/rows_attention.cpp, runtime/model.py's Attention.native_rows)
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("w4a8.cpp", "rows_attention.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernel (without it the loop runs on
 # one thread); the build links the libgomp torch already loaded (same soname), so torch's thread
 # count governs it
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-# the op's C shim as AOTInductor declares it in a package (csrc/w4a8.cpp defines it)
-SHIM = ("AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d, "
-        "AtenTensorHandle m, AtenTensorHandle* ret0)")
+# the ops' C shims as AOTInductor declares them in a package (the csrc files define them)
+SHIMS = {
+    "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d, "
+               "AtenTensorHandle m, AtenTensorHandle* ret0)",
+    "rows_attention": "AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                      "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
+}
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")  # /proc/cpuinfo names
 
 
@@ -88,11 +94,11 @@ def load_kernel() -> None:
 
     from ..files import cache_root
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / f"w4a8-{key}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name="yggtree_w4a8", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        cpp_extension.load(name="yggtree_w4a8", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
                            extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -103,18 +109,23 @@ def load_kernel() -> None:
     # aoti_torch_cpu_w4a8_mm in this library when they are loaded
     ctypes.CDLL(str(build / "yggtree_w4a8.so"), mode=os.RTLD_GLOBAL)
     torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
+    torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
 
 
 def aoti_shims() -> dict:
-    """``aot_inductor.custom_ops_to_c_shims`` for packages calling ``yggtree::w4a8_mm``: they call
-    the kernel's C shim directly (``csrc/w4a8.cpp``) rather than through AOTInductor's proxy
-    executor. Loads the kernel (its op must exist to be named)."""
+    """``aot_inductor.custom_ops_to_c_shims`` for packages calling the library's ops: they call
+    the kernels' C shims directly (``csrc/``) rather than through AOTInductor's proxy executor.
+    Loads the library (its ops must exist to be named)."""
     load_kernel()
-    return {torch.ops.yggtree.w4a8_mm.default: [SHIM]}
+    return {getattr(torch.ops.yggtree, name).default: [decl] for name, decl in SHIMS.items()}
 
 
 def _w4a8_mm_fake(x, codes, d, m):
     return x.new_empty((x.shape[0], codes.shape[0] * TILE))
+
+
+def _rows_attention_fake(q, k, v, head, window):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2] * q.shape[3]))
 
 
 def _f16_exact(v: torch.Tensor, what: str) -> torch.Tensor:
