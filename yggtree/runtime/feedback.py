@@ -86,22 +86,18 @@ class Feedback:
             rel = self.width_factor(wv)
         return self.machine * (rel * verify_ms + self.spec_extra * (step_ms - verify_ms))
 
-    def _scales(self, d_max: int) -> list[float]:
-        """Acceptance scales of depths 0..d_max in this request: each depth's over all requests
-        (prior: the depth above's, 1 at depths 0 and 1), then this request's (prior: that)."""
+    def _global_scales(self, d_max: int) -> list[float]:
+        """Acceptance scales of depths 0..d_max over all requests, each with the depth above's as
+        its prior (1 at depths 0 and 1)."""
         out, prior = [], 1.0
         for d in range(d_max + 1):
-            g = _shrunk(self._by_depth.get(d), self.prior_tokens, prior if d > 1 else 1.0)
-            prior = g
-            out.append(_shrunk(self._request.get(d), self.request_prior_tokens, g))
+            prior = _shrunk(self._by_depth.get(d), self.prior_tokens, prior if d > 1 else 1.0)
+            out.append(prior)
         return out
 
     def global_scale_at(self, d: int) -> float:
         """Acceptance scale of D-deep trees over all requests (prior: depth D - 1's)."""
-        prior = 1.0
-        for dd in range(d + 1):
-            prior = _shrunk(self._by_depth.get(dd), self.prior_tokens, prior if dd > 1 else 1.0)
-        return prior
+        return self._global_scales(d)[d]
 
     def accept_scale_at(self, d: int) -> float:
         """Acceptance scale of D-deep trees in this request (prior: all requests')."""
@@ -113,7 +109,9 @@ class Feedback:
         if np.ndim(depth) == 0:
             return 1.0 + (aal - 1.0) * self.accept_scale_at(int(depth))
         depth = np.asarray(depth)
-        return 1.0 + (aal - 1.0) * np.array(self._scales(int(depth.max())))[depth]
+        scales = [_shrunk(self._request.get(d), self.request_prior_tokens, g)  # accept_scale_at,
+                  for d, g in enumerate(self._global_scales(int(depth.max())))]  # every depth at once
+        return 1.0 + (aal - 1.0) * np.array(scales)[depth]
 
     def update(self, pred: Prediction, n_accepted: int, step_ms: float, verify_ms: float | None = None) -> None:
         """Fold in one step: its prediction, drafted tokens accepted, measured wall time, and
