@@ -20,8 +20,11 @@ thread count, by construction: speculation stays exact (``quant.check_batch_inva
 
 The kernel is C++ (``csrc/w4a8.cpp``), built once per machine and torch version by
 ``torch.utils.cpp_extension`` into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use and registered
-as the op ``yggtree::w4a8_mm`` (an extern kernel to inductor and AOTInductor). It needs an x86 CPU
-with AVX512-VNNI, a C++ compiler and ninja; without them the format is refused in one line.
+as the op ``yggtree::w4a8_mm`` (an extern kernel to inductor; AOTInductor packages call its C shim
+directly, :func:`aoti_shims`). The same library holds ``yggtree::rows_attention``
+(``csrc/rows_attention.cpp``), the row-by-row attention float32 models in this format run. It
+needs an x86 CPU with AVX512-VNNI, a C++ compiler and ninja; without them the format is refused
+in one line.
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def load_kernel() -> None:
-    """Build (first use on this machine and torch) and load ``yggtree::w4a8_mm``; YggError in
-    one line where it cannot run."""
+    """Build (first use on this machine and torch) and load the kernel library
+    (``yggtree::w4a8_mm``, ``yggtree::rows_attention``); YggError in one line where it cannot run."""
     missing = [f for f in NEEDED_FLAGS if f not in _cpu_flags()]
     if missing:
         raise YggError(f"weights w4a8: this CPU lacks {', '.join(missing)} (the kernel's int8 dot "
@@ -105,8 +108,8 @@ def load_kernel() -> None:
         first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
         raise YggError(f"weights w4a8: building its kernel in {build} failed ({first}); it needs a "
                        "C++ compiler and ninja") from None
-    # global symbols: AOTInductor packages compiled with the op's C shim (aoti_shims) resolve
-    # aoti_torch_cpu_w4a8_mm in this library when they are loaded
+    # global symbols: AOTInductor packages compiled with the ops' C shims (aoti_shims) resolve
+    # aoti_torch_cpu_w4a8_mm and aoti_torch_cpu_rows_attention in this library when they are loaded
     ctypes.CDLL(str(build / "yggtree_w4a8.so"), mode=os.RTLD_GLOBAL)
     torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
     torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
