@@ -1,10 +1,13 @@
-"""A/B: the shipped w4a8 kernel (yggtree::w4a8_mm) against a variant source (its op renamed
-ygg_b::w4a8_mm, its C shim aoti_torch_cpu_w4a8_mm_b), outputs bitwise equal for 1-17 rows, over
-the default model's 121 products (random uncached weights), interleaved rounds, medians.
-    OMP_NUM_THREADS=2 python reports/w4a8_rows/ab.py VARIANT.cpp 2 1 2 3 4 8 16 32
-The recorded run (docs/results.md) ran at e6c663e (groups of 4 and 1) against
-reports/w4a8_rows/groups_8421.cpp (the kernel since)."""
-import os, sys, statistics, torch
+"""A/B: the shipped w4a8 kernel (yggtree::w4a8_mm) against another version of its source (built
+with its op renamed ygg_b::w4a8_mm and its C shim aoti_torch_cpu_w4a8_mm_b), outputs bitwise equal
+for 1-17 rows, over the default model's 121 products (random uncached weights), interleaved
+rounds, medians:
+    git show e6c663e:yggtree/runtime/csrc/w4a8.cpp > /tmp/groups_41.cpp
+    OMP_NUM_THREADS=2 python reports/w4a8_rows/ab.py /tmp/groups_41.cpp 2 1 2 3 4 8 16 32
+The recorded run (docs/results.md) ran the other way round: at e6c663e (row groups of 4 and 1)
+against the kernel of 5153b30 (groups of 8, 4, 2, 1), so its B/A is this command's A/B."""
+import os, sys, statistics, tempfile, torch
+from pathlib import Path
 from torch.utils import cpp_extension
 
 from yggtree.runtime.w4a8 import load_kernel, pack_blocks, Blocks, CFLAGS, LDFLAGS
@@ -12,9 +15,11 @@ from yggtree.offline.timing import time_rounds
 src, T = sys.argv[1], int(sys.argv[2]); Ms = [int(x) for x in sys.argv[3:]]
 torch.set_num_threads(T)
 load_kernel()
-build = "/tmp/kab_" + os.path.basename(src).replace(".", "_"); os.makedirs(build, exist_ok=True)
-cpp_extension.load(name="kab_" + os.path.basename(src).split(".")[0], sources=[src], extra_cflags=list(CFLAGS),
-                   extra_ldflags=list(LDFLAGS), build_directory=build, is_python_module=False, verbose=False)
+build = Path(tempfile.mkdtemp(prefix="ygg_kernel_ab_"))
+variant = build / "variant.cpp"
+variant.write_text(Path(src).read_text().replace("(yggtree, ", "(ygg_b, ").replace("aoti_torch_cpu_w4a8_mm", "aoti_torch_cpu_w4a8_mm_b"))
+cpp_extension.load(name="ygg_kernel_ab", sources=[str(variant)], extra_cflags=list(CFLAGS),
+                   extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
 g = torch.Generator().manual_seed(0)
 def blocks(N, K, bits):
     return Blocks(torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8), (torch.rand(N, K//32, generator=g)/64).half(), (torch.rand(N, K//32, generator=g)/64).half(), bits)

@@ -362,9 +362,10 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
     n = _replace_linears(model, make)
     if fmt == "w4a8" and dtype == torch.float32:  # the library's row-by-row attention too,
         from .model import Attention  # where its kernel takes the head dim
+        from .w4a8 import runs_attention
 
         for m in model.modules():
-            if isinstance(m, Attention) and m.cfg.head_dim % 16 == 0 and m.cfg.head_dim <= 256:
+            if isinstance(m, Attention) and runs_attention(m.cfg.head_dim):
                 m.native_rows = True
     return n
 

@@ -43,7 +43,7 @@ from torch import nn
 from ..errors import YggError
 from .gguf_blocks import read_blocks
 
-__all__ = ["Blocks", "load_kernel", "aoti_shims", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
+__all__ = ["Blocks", "load_kernel", "aoti_shims", "runs_attention", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
            "pack_blocks", "W4A8Linear"]
 
 BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
@@ -121,6 +121,12 @@ def aoti_shims() -> dict:
     Loads the library (its ops must exist to be named)."""
     load_kernel()
     return {getattr(torch.ops.yggtree, name).default: [decl] for name, decl in SHIMS.items()}
+
+
+def runs_attention(head_dim: int) -> bool:
+    """Whether ``yggtree::rows_attention`` takes this head dim (csrc/rows_attention.cpp: a
+    multiple of 16, at most 256)."""
+    return head_dim % 16 == 0 and head_dim <= 256
 
 
 def _w4a8_mm_fake(x, codes, d, m):
