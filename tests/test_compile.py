@@ -106,14 +106,17 @@ def test_compile_builds_every_graph_once(compiled):
     n_slots = plan.max_context + plan.max_tree + 1
     assert m["n_slots"] == n_slots
     assert m["attention"] == attention_formulation(plan.prefill_chunk)  # the engine's formulation
-    target = [(r["width"], r["context"], r["cache"]) for r in m["graphs"] if r["model"] == "target"]
-    assert target == [(1, n_slots, "compiled"), (2, n_slots, "compiled")]  # each built exactly once
+    target = [(r["scope"], r["width"], r["context"], r["cache"]) for r in m["graphs"] if r["model"] == "target"]
+    # each built exactly once; the plain step also as one whole-step package (one context bucket)
+    assert target == [("block", 1, n_slots, "compiled"), ("block", 2, n_slots, "compiled"),
+                      ("step", 1, n_slots, "compiled")]
     drafter = {r["width"]: r["cache"] for r in m["graphs"] if r["model"] == "drafter"}
     assert drafter == {1: "shared", 2: "shared"}  # the self-drafter shares the target's graphs
-    assert m["n_graphs"] == last["graphs"] == 2
+    assert m["n_graphs"] == last["graphs"] == 3
     assert all(r["compile_s"] > 0 for r in m["graphs"] if r["cache"] == "compiled")
     files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir())
-    assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 2
+    assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 3
+    assert sum(f.startswith("step-") for f in files) == 1
     assert not list(art.glob("build-*")) and m["size_bytes"] > 0  # the scratch build dir is gone
     # model files (and the embedded plan's paths) are recorded relative to the artifact directory
     assert m["plan"]["target"] == "../../model"
@@ -169,6 +172,15 @@ WARM = textwrap.dedent(
             d = rec.choice.draft_depth
             self.used.add((d, rec.choice.draft_width if d else 1, rec.verify_width))
 
+    from yggtree.runtime.aoti import StepPackages
+
+    whole_steps, run_step = [0], StepPackages.__call__
+
+    def counted(self, *args):
+        whole_steps[0] += 1
+        return run_step(self, *args)
+
+    StepPackages.__call__ = counted
     torch.set_num_threads(1)
     plan = load_plan(sys.argv[1])
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
@@ -194,6 +206,7 @@ WARM = textwrap.dedent(
         refused = str(e)
     print(json.dumps({
         "runs": runs, "same": same, "refused": refused, "plain_same": plain_same, "plain_ok": plain_ok,
+        "whole_steps": whole_steps[0],
         "used": sorted(policy.used), "choices": sorted(policy.choices),
         "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
         "recompiles": sum(counters["recompiles"].values()), "breaks": sum(counters["graph_break"].values()),
@@ -213,6 +226,7 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["runs"] == 6 and r["same"] == 3  # performance == reference, greedy
     assert r["plain_ok"] and r["plain_same"] == 3  # the plan's plain engine on the same packages
+    assert r["whole_steps"] > 0  # plain steps ran the whole-step package
     # a step policy drove every (D, W_d, W_v) of the plan, plain steps included, over 3 prompt
     # lengths at temperatures 0 and 0.7 ...
     assert r["used"] == r["choices"] and len(r["choices"]) == 9
@@ -220,6 +234,41 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     assert (r["frames"], r["graphs"], r["recompiles"], r["breaks"]) == (0, 0, 0, 0)
     assert r["inductor"] == {}
     assert "width 3 is not in the compiled set [1, 2]" in r["refused"]
+
+
+def test_whole_step_package_equals_the_block_packages_bitwise(compiled):
+    """The plain step's whole-step package and the same step over the 30 (here 2) block
+    packages give bitwise the same logits, hidden state and cache writes: plain and speculative
+    steps stay exact with each other whichever path a step takes."""
+    import torch
+
+    from yggtree.plan import artifact_dir
+    from yggtree.runtime.aoti import step_packages
+    from yggtree.runtime.build import build_plan_engine
+    from yggtree.runtime.engine import SamplingParams
+
+    root, _, _ = compiled
+    plan = load_plan(root / "compile" / "tiny" / "plan.yaml")
+    engine, _ = build_plan_engine(plan, artifact_dir(plan))
+    engine.generate(list(range(10, 23)), SamplingParams(max_new_tokens=4))  # a real cache
+    model, graphs = engine.target, engine.graphs
+    whole = step_packages(model)
+    assert whole is not None
+    one = torch.ones(1, 1, dtype=torch.bool)
+    zero = torch.zeros(1, dtype=torch.int64)
+    committed = torch.tensor(15)
+    before = model.kv.kv.clone()
+    outs, caches = [], []
+    for path in (whole, None):
+        model.kv.kv.copy_(before)
+        model.step_packages = path
+        with torch.no_grad():
+            outs.append(graphs.tree_step(torch.tensor([7]), zero, zero, one, committed, (), graphs.bucket(17)))
+        caches.append(model.kv.kv.clone())
+    model.step_packages = whole
+    (la, ha, _), (lb, hb, _) = outs
+    assert torch.equal(la, lb) and torch.equal(ha, hb) and torch.equal(*caches)
+    assert not torch.equal(caches[0], before)  # the step wrote its slot
 
 
 def test_moved_compiled_directory_still_loads(compiled, tmp_path):
@@ -262,7 +311,7 @@ def test_packages_of_a_variant_padding_are_refused(compiled, monkeypatch):
         return y + 1e-3 if max(x.numel() // x.shape[-1], min_rows) == 1 else y
 
     monkeypatch.setattr(packed, "packed_linear", one_row_differs)
-    with pytest.raises(YggError, match=r"compiled graphs in .*block-.*\.pt2.* pad short packed products to 1 rows, "
+    with pytest.raises(YggError, match=r"compiled graphs in .*(block|step)-.*\.pt2.* pad short packed products to 1 rows, "
                                        r"this engine to 2 .*recompile the plan"):
         build_plan_engine(plan, root / "compile" / "tiny")
 

@@ -74,6 +74,7 @@ The artifacts of a compiled plan live in one directory (``compile/<name>/``)::
                        seconds, sha256), size on disk; paths relative to the directory
     plan.yaml          the plan as compiled (paths rewritten relative to this directory)
     graphs/            one AOTInductor package per block shape (block-<kind>-w<W>-c<C>.pt2)
+                       and per plain-step context bucket (step-<key>-w1-c<C>.pt2)
 
 :func:`check_artifacts` lists why a directory's artifacts do not match a plan (empty: usable).
 This module is light (no torch import at load time) so the CLI can validate a plan instantly.

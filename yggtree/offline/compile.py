@@ -16,8 +16,10 @@ Backends:
 
 - ``inductor-cpu``: each shape is exported (``torch.export``, the layer's weights and KV cache as
   inputs, the cache written in place) and compiled by AOTInductor into a self-contained package
-  ``compile/<name>/graphs/block-<kind>-w<W>-c<C>.pt2``. A run loads the packages and calls them
-  directly (``runtime.aoti``): no dynamo tracing, no guards, no compile in the process.
+  ``compile/<name>/graphs/block-<kind>-w<W>-c<C>.pt2``; the target's plain step is also compiled
+  whole, once per context bucket (``step-<key>-w1-c<C>.pt2``: every layer inlined, returning the
+  layers the drafter reads). A run loads the packages and calls them directly
+  (``runtime.aoti``): no dynamo tracing, no guards, no compile in the process.
   Inductor's intermediate build files go to a scratch directory deleted after the compile.
 - ``eager``: nothing to build; the manifest (fingerprints, versions) is written alone.
 - ``cuda`` and ``npu``: refused where the runtime is missing, saying what to install; the engine
@@ -149,7 +151,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     W, C) into ``out``. Returns one record per (model, W, C) and load timings."""
     import torch
 
-    from ..runtime.aoti import ShapeRecorder, compile_package, install_recorder, package_name
+    from ..runtime.aoti import (STEP_WIDTHS, ShapeRecorder, compile_package, compile_step_package, install_recorder,
+                                package_name, step_key)
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
     from ..runtime.graphs import Graphs, backend_device
     from ..runtime.loading import load_model, load_tokenizer, resolve_model
@@ -203,23 +206,32 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         for block in model.layers if model is not None else ():
             block.__dict__.pop("forward", None)
     todo = list(rec.examples)
-    progress.update(task, total=len(todo), completed=0)
+    # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
+    capture = tuple(drafter.target_layers) if drafter is not None else ()
+    skey = step_key(target, capture)
+    steps_todo = [(skey, w, c) for w in STEP_WIDTHS for c in graphs.buckets if c >= w]
+    progress.update(task, total=len(todo) + len(steps_todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
-    for key in todo:
+    for key in [*todo, *steps_todo]:
         kind, w, c = key
-        progress.update(task, description=f"W={w} C={c}")
+        scope = "step" if key in steps_todo else "block"
+        progress.update(task, description=f"{scope} W={w} C={c}")
         t = time.perf_counter()
-        name = package_name(kind, w, c)
+        name = package_name(kind, w, c, scope)
         part = out / f"partial-{name}"  # write-then-rename: a stopped compile leaves no package
         with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
-            compile_package(rec.blocks[kind], rec.examples[key], part)
+            if scope == "block":
+                compile_package(rec.blocks[kind], rec.examples[key], part)
+            else:
+                compile_step_package(target, w, c, capture, part)
         os.replace(part, out / name)
         secs[key] = time.perf_counter() - t
         progress.update(task, advance=1)
 
     dt = plan.dtype
     sums = {key: file_sha256(out / package_name(*key)) for key in todo}  # checked at every load
+    sums |= {key: file_sha256(out / package_name(*key, "step")) for key in steps_todo}
     records, done = [], set()
     for model_name, roles, key in uses:
         kind, w, c = key
@@ -229,6 +241,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
                 "model": model_name,
                 "role": roles,
                 "key": kind,
+                "scope": "block",
                 "width": w,
                 "context": c,
                 "file": package_name(kind, w, c),
@@ -240,6 +253,25 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
             }
         )
         done.add(key)
+    for key in steps_todo:
+        _, w, c = key
+        records.append(
+            {
+                "model": "target",
+                "role": "plain (whole step)",
+                "key": skey,
+                "scope": "step",
+                "capture": list(capture),
+                "width": w,
+                "context": c,
+                "file": package_name(skey, w, c, "step"),
+                "sha256": sums[key],
+                "shapes": {"x": [1, w, target.cfg.hidden_size], "mask": [1, w, c], "slots": [1, w]},
+                "dtype": dt,
+                "compile_s": round(secs[key], 3),
+                "cache": "compiled",
+            }
+        )
     return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads()}
 
 

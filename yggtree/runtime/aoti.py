@@ -17,6 +17,21 @@ and compiles each. Run side: :func:`install_packages` makes every block of a mod
 packages (:class:`PackagedForward`); a shape with no package is a YggError, never a compile.
 Activation inputs are made contiguous at the call (a no-op for the target, whose inputs already
 are), because a package assumes the strides it was compiled for.
+
+Step packages. Per-block packages keep compile time that of one block, but a decode step then
+enters 30 packages and runs the glue (embedding, RoPE rows, mask, final norm, head) as eager ops:
+~0.7 ms of a 4.9 ms w4a8 step on a 2-core CPU (docs/results.md). So the target's plain step
+(:data:`STEP_WIDTHS`) is also compiled whole, once per context bucket: :func:`steps.tree_step`
+with every layer inlined (one package per (model, W, C), ``step-<key>-w<W>-c<C>.pt2``)
+
+    step inputs    tokens [W] i64, depth [W] i64, node [W] i64, anc [W, W] bool, committed [] i64,
+                   then the 30 layers' caches kv [2, 1, S, Hkv, D] (mutated), then the model's
+                   weights and buffers (:func:`model_tensors`)
+    step outputs   logits [W, V] f32, hidden [W, H], then the captured layers (each [W, H])
+
+:class:`StepPackages` runs it in place of :meth:`Graphs.tree_step <yggtree.runtime.graphs.Graphs.tree_step>`'s
+block path. Its kernels are the block packages' kernels at the same shapes, so its rows are
+bitwise the block path's (tested): plain and speculative steps stay exact with each other.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from . import quant as _quant  # noqa: F401  registers yggtree::int4_mm, which q
 INDUCTOR_CPU_CONFIG = {"size_asserts": False}
 
 N_ACT = 5  # x, cos, sin, slots, mask
+STEP_WIDTHS = (1,)  # target tree-step widths also compiled as whole-step packages (plain decoding)
 
 
 def block_key(block: nn.Module) -> str:
@@ -63,8 +79,28 @@ def block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*block.named_parameters(), *bufs]
 
 
-def package_name(key: str, width: int, context: int) -> str:
-    return f"block-{key}-w{width}-c{context}.pt2"
+def package_name(key: str, width: int, context: int, scope: str = "block") -> str:
+    """File name of a package: ``scope`` is ``block`` (one decoder block) or ``step`` (a whole step)."""
+    return f"{scope}-{key}-w{width}-c{context}.pt2"
+
+
+def model_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A model's weights as a step package's inputs: parameters (tied ones once), then buffers
+    (the RoPE table, packed weights), without the layers' KV caches (inputs of their own)."""
+    bufs = [(n, b) for n, b in model.named_buffers() if ".cache." not in n]
+    return [*model.named_parameters(), *bufs]
+
+
+def step_key(model: nn.Module, capture: tuple[int, ...]) -> str:
+    """12 hex digits naming a whole-step package's model: its layers' kinds (:func:`block_key`),
+    the other tensors' shapes and dtypes, and the layers whose outputs it returns."""
+    parts = ["step", f"layers{len(model.layers)}", *sorted({block_key(b) for b in model.layers}),
+             f"capture{tuple(capture)}"]
+    # the RoPE table is sized with the cache (setup_cache), which may come after the packages are
+    # installed; its size is the package set's n_slots, checked on its own
+    parts += [f"{n}{tuple(t.shape)}{t.dtype}" for n, t in model_tensors(model)
+              if not n.startswith("layers.") and n != "rope"]
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
 
 
 class _BlockFn(nn.Module):
@@ -79,6 +115,38 @@ class _BlockFn(nn.Module):
         state = dict(zip(self.names, weights))
         state["self_attn.cache.kv"] = kv
         return torch.func.functional_call(self.block, state, (x, cos, sin, slots, mask))
+
+
+class _TreeStep(nn.Module):
+    """:func:`steps.tree_step` of a model at one context bucket, as a module call."""
+
+    def __init__(self, model: nn.Module, context: int, capture: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model, self.context, self.capture = model, context, tuple(capture)
+
+    def forward(self, tokens, depth, node, anc, committed):
+        from .steps import tree_step
+
+        logits, hidden, layers = tree_step(self.model, tokens, depth, node, anc, committed, self.capture,
+                                           self.context)
+        return (logits, hidden, *layers)
+
+
+class _StepFn(nn.Module):
+    """A whole tree step as a function of its inputs, the layers' caches and the weights (what a
+    step package exports)."""
+
+    def __init__(self, model: nn.Module, context: int, capture: tuple[int, ...]) -> None:
+        super().__init__()
+        self.step = _TreeStep(model, context, capture)
+        self.names = [n for n, _ in model_tensors(model)]
+        self.n_layers = len(model.layers)
+
+    def forward(self, tokens, depth, node, anc, committed, *rest):
+        kvs, weights = rest[: self.n_layers], rest[self.n_layers:]
+        state = {f"model.{n}": w for n, w in zip(self.names, weights)}
+        state |= {f"model.layers.{i}.self_attn.cache.kv": kv for i, kv in enumerate(kvs)}
+        return torch.func.functional_call(self.step, state, (tokens, depth, node, anc, committed))
 
 
 def package_config(block: nn.Module) -> dict:
@@ -99,18 +167,35 @@ def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: P
     cache = block.self_attn.cache
     acts = tuple(a.contiguous() for a in example)
     args = (*acts, cache.kv.clone(), *(p.detach() for _, p in block_tensors(block)))
-    fn = _BlockFn(block)
-    # the packed (mkldnn) buffers reach the graph as inputs; while exporting, the module's own
+    return _export_and_package(_BlockFn(block), args, package_config(block), path)
+
+
+def compile_step_package(model: nn.Module, width: int, context: int, capture: tuple[int, ...],
+                         path: Path) -> Path:
+    """Export ``model``'s whole tree step of ``width`` inputs at context bucket ``context``
+    (capturing ``capture``) and compile it into the AOTInductor package ``path``. The model's
+    blocks must run their own forward (no packages or recorder installed)."""
+    ar = torch.arange(width)
+    anc = ar[None, :] <= ar[:, None]
+    kvs = [b.self_attn.cache.kv.clone() for b in model.layers]
+    # three distinct tensors: export reads inputs that alias each other as one (the graph would
+    # take the tokens for the depths)
+    args = (ar.clone(), ar.clone(), ar.clone(), anc, torch.zeros((), dtype=torch.int64), *kvs,
+            *(t.detach() for _, t in model_tensors(model)))
+    return _export_and_package(_StepFn(model, context, capture), args, package_config(model.layers[0]), path)
+
+
+def _export_and_package(fn: nn.Module, args: tuple, config: dict, path: Path) -> Path:
+    # the packed (mkldnn) buffers reach the graph as inputs; while exporting, the modules' own
     # slots hold empty dense stand-ins, which export can copy (it cannot copy mkldnn tensors)
-    opaque = [(m, n, b) for m in block.modules() for n, b in m._buffers.items()
+    opaque = [(m, n, b) for m in fn.modules() for n, b in m._buffers.items()
               if b is not None and b.is_mkldnn]
     try:
         for m, n, b in opaque:
             m._buffers[n] = torch.empty(0, dtype=b.dtype)
         with torch.no_grad():
             ep = torch.export.export(fn, args, strict=False)
-            out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path),
-                                                           inductor_configs=package_config(block))
+            out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=config)
     finally:
         for m, n, b in opaque:
             m._buffers[n] = b
@@ -159,17 +244,17 @@ class PackageSet:
     n_slots: int
 
     @classmethod
-    def load(cls, root: Path, entries: list[tuple[str, int, int]], n_slots: int,
+    def load(cls, root: Path, entries: list[tuple[str, int, int, str]], n_slots: int,
              sha256: dict[str, str | None] | None = None) -> "PackageSet":
-        """Load the packages of ``entries``; with ``sha256`` (file name -> the manifest's
-        checksum) a package whose bytes differ is refused before AOTInductor reads it."""
+        """Load the packages of ``entries`` (key, W, C, scope); with ``sha256`` (file name -> the
+        manifest's checksum) a package whose bytes differ is refused before AOTInductor reads it."""
         from torch._C._aoti import AOTIModelPackageLoader
 
         from ..files import file_sha256
 
         runners = {}
-        for key, w, c in entries:
-            path = Path(root) / package_name(key, w, c)
+        for key, w, c, scope in entries:
+            path = Path(root) / package_name(key, w, c, scope)
             if not path.is_file():
                 raise YggError(f"compiled graph {path} is missing: recompile the plan (yggtree compile --force)")
             if sha256 is not None and file_sha256(path) != sha256.get(path.name):
@@ -228,6 +313,43 @@ def install_packages(model: nn.Module, packages: PackageSet) -> None:
         _uncompile(block)
         block.forward = PackagedForward(block, packages)
     model.static_blocks = packages
+
+
+class StepPackages:
+    """A model's whole-step packages: (W, C) -> runner, for steps capturing ``capture``."""
+
+    def __init__(self, model: nn.Module, packages: PackageSet, capture: tuple[int, ...]) -> None:
+        key = step_key(model, capture)
+        self.runners = {(w, c): r for (k, w, c), r in packages.runners.items() if k == key}
+        if not self.runners:
+            raise YggError(f"no compiled whole-step graph matches this model (kind {key}); recompile the plan")
+        self.model, self.capture = model, tuple(capture)
+        self._store, self._inputs = None, []
+
+    def serves(self, width: int, context: int, anc: torch.Tensor, capture: tuple[int, ...]) -> bool:
+        """Whether a tree step of ``width`` inputs at bucket ``context`` runs here: a package for
+        the shape, a square ancestor matrix, and no layer asked for that it does not return."""
+        return ((width, context) in self.runners and anc.shape == (width, width)
+                and tuple(capture) in ((), self.capture))
+
+    def __call__(self, tokens, depth, node, anc, committed, capture, context):
+        if self._store is not self.model.kv:  # the cache (and the RoPE table) were (re)allocated
+            self._store = self.model.kv
+            self._inputs = [*(b.self_attn.cache.kv for b in self.model.layers),
+                            *(t for _, t in model_tensors(self.model))]
+        ins = [t.contiguous() for t in (tokens, depth, node, anc, committed)]
+        logits, hidden, *layers = self.runners[(tokens.shape[0], context)].run([*ins, *self._inputs])
+        return logits, hidden, tuple(layers) if capture else ()
+
+
+def install_step_packages(model: nn.Module, packages: PackageSet, capture: tuple[int, ...]) -> None:
+    """Make ``model``'s tree steps of the shapes with a whole-step package run it
+    (:meth:`Graphs.tree_step <yggtree.runtime.graphs.Graphs.tree_step>`)."""
+    model.step_packages = StepPackages(model, packages, capture)
+
+
+def step_packages(model: nn.Module) -> StepPackages | None:
+    return getattr(model, "step_packages", None)
 
 
 def static_blocks(model: nn.Module):

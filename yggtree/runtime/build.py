@@ -385,12 +385,14 @@ def searched_stages(art: str | Path) -> str:
 def _package_installer(art: Path):
     """``prepare`` hook of :func:`build_engine`: load the packages listed in ``art``'s manifest
     and install them on the target's and the drafter's blocks."""
-    from .aoti import PackageSet, install_packages, package_name
+    from .aoti import PackageSet, install_packages, install_step_packages, package_name
 
     manifest = read_manifest(art)
     if manifest is None:
         raise YggError(f"no compiled artifacts in {art}: run `yggtree compile` on the plan first")
-    entries = sorted({(g["key"], g["width"], g["context"]) for g in manifest["graphs"]})
+    entries = sorted({(g["key"], g["width"], g["context"], g.get("scope", "block")) for g in manifest["graphs"]})
+    # the target's whole-step packages (one capture per compile: the plan's drafter's layers)
+    step_capture = next((tuple(g["capture"]) for g in manifest["graphs"] if g.get("scope") == "step"), None)
     sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
     if (manifest.get("plan") or {}).get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
         from .w4a8 import load_kernel
@@ -409,6 +411,8 @@ def _package_installer(art: Path):
                            "profile this machine again (yggtree profile) and recompile the plan "
                            "(yggtree compile --force)")
         install_packages(target, packages)
+        if step_capture is not None:
+            install_step_packages(target, packages, step_capture)
         if drafter is not None:
             install_packages(drafter.graphs.model, packages)
 

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import YggError
 from . import steps
-from .aoti import INDUCTOR_CPU_CONFIG, PackageSet, static_blocks
+from .aoti import INDUCTOR_CPU_CONFIG, PackageSet, static_blocks, step_packages
 from .model import Transformer
 
 MODES = ("reference", "performance")
@@ -159,7 +159,11 @@ class Graphs:
 
     def tree_step(self, tokens, depth, node, anc, committed, capture=(), n_ctx=None):
         """:func:`steps.tree_step` on this model (in step scope: the mask is built eagerly, the
-        rest is one compiled graph per (W, n_ctx))."""
+        rest is one compiled graph per (W, n_ctx); with AOTInductor packages: the shape's
+        whole-step package if it has one, else the block packages)."""
+        whole = step_packages(self.model)
+        if whole is not None and whole.serves(tokens.shape[0], n_ctx or self.model.cache_slots, anc, capture):
+            return whole(tokens, depth, node, anc, committed, capture, n_ctx or self.model.cache_slots)
         run = self._compiled_fns().get("masked_step")
         return steps.tree_step(self.model, tokens, depth, node, anc, committed, capture, n_ctx, run)
 
