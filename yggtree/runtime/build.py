@@ -12,6 +12,8 @@ from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, che
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
 from .graphs import check_backend
+from .hugepages import move_to_huge_pages
+from .kv_cache import KVCache
 from .loading import load_model, load_tokenizer, resolve_model
 from .model import attention_rows, set_invariant_rows
 from .packed import pack_linears
@@ -252,6 +254,9 @@ def build_engine(spec: EngineSpec, prepare=None):
         checked = spec.padding_checked  # the profile's check stands where it covers this engine
         if checked is None or checked[0] != threads or not set(widths) <= set(checked[1]):
             invariant_padding(target, widths, threads)
+    # every weight in one arena of 2 MiB pages (runtime/hugepages.py), before anything keeps
+    # references to them (the packages' input lists)
+    move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache,))
     if prepare is not None:
         # the target's attention formulation first, as Engine sets it: packages are keyed by it
         set_invariant_rows(target, attention_rows(spec.prefill_chunk))

@@ -70,8 +70,12 @@ class KVStore:
 
     @classmethod
     def zeros(cls, n_layers: int, batch: int, heads: int, n_slots: int, head_dim: int, dtype, device) -> "KVStore":
-        kv = torch.zeros(n_layers, 2, batch, n_slots, heads, head_dim, dtype=dtype, device=device)
-        return cls.over(kv)
+        shape = (n_layers, 2, batch, n_slots, heads, head_dim)
+        if torch.device(device).type == "cpu":  # attention streams it: on 2 MiB pages (runtime/hugepages.py)
+            from .hugepages import huge_zeros
+
+            return cls.over(huge_zeros(shape, dtype))
+        return cls.over(torch.zeros(shape, dtype=dtype, device=device))
 
     @classmethod
     def over(cls, kv: torch.Tensor) -> "KVStore":
