@@ -244,16 +244,18 @@ class PackageSet:
     n_slots: int
 
     @classmethod
-    def load(cls, root: Path, entries: list[tuple[str, int, int, str]], n_slots: int,
+    def load(cls, root: Path, entries: list[tuple], n_slots: int,
              sha256: dict[str, str | None] | None = None) -> "PackageSet":
-        """Load the packages of ``entries`` (key, W, C, scope); with ``sha256`` (file name -> the
-        manifest's checksum) a package whose bytes differ is refused before AOTInductor reads it."""
+        """Load the packages of ``entries``, each (key, W, C) for a block package or (key, W, C,
+        scope); with ``sha256`` (file name -> the manifest's checksum) a package whose bytes
+        differ is refused before AOTInductor reads it."""
         from torch._C._aoti import AOTIModelPackageLoader
 
         from ..files import file_sha256
 
         runners = {}
-        for key, w, c, scope in entries:
+        for key, w, c, *scope in entries:
+            scope = scope[0] if scope else "block"
             path = Path(root) / package_name(key, w, c, scope)
             if not path.is_file():
                 raise YggError(f"compiled graph {path} is missing: recompile the plan (yggtree compile --force)")
