@@ -363,19 +363,20 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
     for fmt in formats:
         dtype = format_dtype(fmt.partition("@")[0], args.quant_dtype)
         weights = None if fmt in ("float32", "bfloat16") else fmt
-        pad, min_rows = None, 1
-        if weights is None and args.min_rows == "auto":  # float weights are packed: measure the padding
+        pad, min_rows, kernel = None, 1, "torch"
+        if weights is None and args.min_rows == "auto":  # float weights are packed: measure kernel and padding
             pad = model_padding(src, dtype, None, (1, tree.verify_width) if tree is not None else (1,))
-            min_rows = pad["min_rows"]
-            say(f"ygg/{fmt}: packed products padded to {min_rows} row(s) (median ms by rows: {pad['median_ms']})")
+            min_rows, kernel = pad["min_rows"], pad["kernel"]
+            say(f"ygg/{fmt}: packed products on {kernel}, padded to {min_rows} row(s) (median ms by kernel "
+                f"and rows: {pad['median_ms']})")
         elif weights is None:
             min_rows = int(args.min_rows)
         for kind in ("plain", "spec") if tree is not None else ("plain",):
             s = System(f"ygg/{fmt}/{kind}", kind, fmt, dtype)
-            s.info["min_rows"], s.info["padding"] = min_rows, pad
+            s.info["min_rows"], s.info["kernel"], s.info["padding"] = min_rows, kernel, pad
             spec = EngineSpec(model=args.model, drafter=args.drafter if kind == "spec" else None, dtype=dtype,
                               mode=args.mode, max_context=args.max_context, weights=weights, min_rows=min_rows,
-                              tree=tree if kind == "spec" else TreeParams())
+                              kernel=kernel, tree=tree if kind == "spec" else TreeParams())
 
             def make(s=s, spec=spec):
                 engine, tok = build_engine(spec)
@@ -538,7 +539,7 @@ def table_rows(rows: list[dict], systems: list[System], gbps: float) -> list[dic
              "x_ygg_float32": None, "x_ygg_float32_lo": None, "x_ygg_float32_hi": None,
              "weight_bytes": s.weight_bytes, "limit_tok_s": None, "limit_fraction": None, "aal": None,
              "identical_to_plain": None, "compared": None, "build_s": round(s.build_s, 2),
-             "min_rows": s.info.get("min_rows"),
+             "min_rows": s.info.get("min_rows"), "kernel": s.info.get("kernel"),
              "note": f"refused: {s.refused}" if s.refused else ""}
         if s.refused is None:
             dec_n, dec_s, steps = decode_totals(rows, s.name)

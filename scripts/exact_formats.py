@@ -67,19 +67,20 @@ def run(args) -> int:
         weights = None if fmt in ("float32", "bfloat16") else fmt
         # packed float products (a quantized model's too: what stays float): one padding for
         # both engines, as a plan's profile gives it (the fastest one batch-invariant at 1 and W_v)
-        min_rows = model_padding(resolve_model(args.model), dtype, weights, (1, tree.verify_width))["min_rows"]
+        pad = model_padding(resolve_model(args.model), dtype, weights, (1, tree.verify_width))
+        min_rows, kernel = pad["min_rows"], pad["kernel"]
         out = {}
         for kind in ("plain", "spec"):
             spec = EngineSpec(model=args.model, drafter=args.drafter if kind == "spec" else None, dtype=dtype,
                               mode="performance", max_context=args.max_context, weights=weights,
-                              min_rows=min_rows, threads=args.threads,
+                              min_rows=min_rows, kernel=kernel, threads=args.threads,
                               tree=tree if kind == "spec" else TreeParams())
             engine, _ = build_engine(spec)
             out[kind] = [engine.generate(ids, sp).token_ids for _, ids in prompts]
             del engine
         diffs = {pid: first_difference(p, s) for (pid, _), p, s in zip(prompts, out["plain"], out["spec"])}
         same = sum(d is None for d in diffs.values())
-        record["formats"][fmt] = {"identical": same, "compared": len(prompts), "min_rows": min_rows,
+        record["formats"][fmt] = {"identical": same, "compared": len(prompts), "min_rows": min_rows, "kernel": kernel,
                                   "differ_at": {k: v for k, v in diffs.items() if v is not None}}
         print(f"{fmt}: speculative = plain on {same}/{len(prompts)} prompts"
               + "".join(f"; {k} differs at token {v}" for k, v in diffs.items() if v is not None), flush=True)

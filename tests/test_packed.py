@@ -275,7 +275,7 @@ def test_profile_times_every_padding_of_one_step():
     from yggtree.offline.profile import PADDING_ROWS, time_padding
 
     m = tiny()
-    assert time_padding(m, warmup=0, repeats=1) == {"min_rows": 1, "products": 0, "median_ms": {}}
+    assert time_padding(m, warmup=0, repeats=1) == {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
     pack_linears(m)
     pad = time_padding(m, warmup=1, repeats=3)
     assert pad["min_rows"] in PADDING_ROWS and pad["products"] == len(packed_layers(m))
@@ -301,7 +301,7 @@ def test_profile_never_records_a_non_invariant_padding(monkeypatch):
     def rounds(variants, warmup, repeats):  # the timings, fixed: no padding fastest, then by rows
         for f in variants.values():
             f()
-        return {r: [1.0 + 0.5 * (r > 1) + 0.01 * r] * repeats for r in variants}
+        return {r: [1.0 + 0.5 * (int(r) > 1) + 0.01 * int(r)] * repeats for r in variants}
 
     monkeypatch.setattr(profile, "time_rounds", rounds)
     monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * (r == 1)))

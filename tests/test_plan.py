@@ -395,6 +395,11 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path):
             f"the attention formulation changed: compiled with {said}, an engine of this plan uses row by row "
             f"up to {now['rows_up_to']} rows, logical window {now['logical_window']}"]
     (art / MANIFEST).write_text(json.dumps(m | {"plan": cpu.to_dict(relative_to=art)}))
+    assert m["packed_kernel"] == "torch" and EngineSpec.from_plan(plan).kernel == "torch"
+    prof.write_text(json.dumps({"packed_padding": {"kernel": "tiled", "min_rows": 2, "median_ms": {"tiled": 1.0}}}))
+    assert EngineSpec.from_plan(cpu).kernel == "tiled" and EngineSpec.from_plan(cpu, kernel="torch").kernel == "torch"
+    (r,) = check_artifacts(cpu, art)  # the packages call the other product op
+    assert r == "the product kernel changed: compiled with torch, the plan's profile says tiled"
     padding(4)
     (r,) = check_artifacts(cpu, art)
     assert r == "the padding of short packed products changed: compiled with min_rows 2, the plan's profile says 4"

@@ -203,14 +203,28 @@ def test_cpu_without_vnni_is_refused_in_one_line(monkeypatch):
 def test_a_failing_build_is_refused_in_one_line(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
+    from yggtree.runtime import kernels
+
     def broken(**kw):
-        raise RuntimeError("Error building extension 'yggtree_w4a8'\nw4a8.cpp:1: error: no compiler here\n")
+        raise RuntimeError("Error building extension 'yggtree_kernels'\nw4a8.cpp:1: error: no compiler here\n")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", broken)
-    with pytest.raises(YggError, match=r"^weights w4a8: building its kernel in .* failed \(w4a8.cpp:1: error: "
+    with pytest.raises(YggError, match=r"^building the kernel library in .* failed \(w4a8.cpp:1: error: "
                                        r"no compiler here\); it needs a C\+\+ compiler and ninja$"):
+        kernels.load_library.__wrapped__()
+    monkeypatch.setattr(kernels, "load_library", kernels.load_library.__wrapped__)  # uncached: the format says it
+    with pytest.raises(YggError, match=r"^weights w4a8: building the kernel library in .* failed"):
         w4a8.load_kernel.__wrapped__()
+
+
+def test_a_cpu_without_avx512_cannot_load_the_library(monkeypatch):
+    from yggtree.runtime import kernels
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"fma", "f16c"})
+    assert kernels.library_missing() == ["avx512f", "avx512bw", "avx512vl"]
+    with pytest.raises(YggError, match=r"^this CPU lacks avx512f, avx512bw, avx512vl, which yggtree's CPU kernels need$"):
+        kernels.load_library.__wrapped__()
 
 
 def test_width_not_a_multiple_of_32_is_refused():

@@ -293,6 +293,21 @@ def profile_min_rows(path: str | Path) -> int:
     return v
 
 
+def profile_kernel(path: str | Path) -> str:
+    """The product kernel of packed layers (runtime/packed.py ``KERNELS``) the profile at ``path``
+    measured fastest on its machine: ``packed_padding.kernel``, ``"torch"`` for a profile older
+    than that field. YggError if the file is unreadable or the value unknown."""
+    from .runtime.packed import KERNELS
+
+    d = read_json(path, "profile")
+    pad = d.get(PADDING_KEY) if isinstance(d, dict) else None
+    v = pad.get("kernel", "torch") if isinstance(pad, dict) else "torch"
+    if v not in KERNELS:
+        raise YggError(f"profile {path}: '{PADDING_KEY}.kernel' must be one of {', '.join(KERNELS)}, got {v!r} "
+                       "(measure it again: yggtree profile --force)")
+    return v
+
+
 def profile_invariance(path: str | Path) -> tuple[int, tuple[int, ...]] | None:
     """(threads, widths) at which the profile at ``path`` found its chosen padding batch-invariant
     (``packed_padding.invariant`` at ``packed_padding.widths``, in the profile's thread count), or
@@ -302,7 +317,8 @@ def profile_invariance(path: str | Path) -> tuple[int, tuple[int, ...]] | None:
     if not isinstance(pad, dict) or not isinstance(pad.get("invariant"), dict):
         return None
     threads = (d.get("hardware") or {}).get("threads")
-    if pad["invariant"].get(str(pad.get("min_rows"))) is not True or not isinstance(threads, int):
+    chosen = "tiled" if pad.get("kernel") == "tiled" else str(pad.get("min_rows"))
+    if pad["invariant"].get(chosen) is not True or not isinstance(threads, int):
         return None
     return threads, tuple(int(w) for w in pad.get("widths", ()))
 
@@ -311,6 +327,12 @@ def plan_min_rows(plan: Plan) -> int:
     """How many rows the packed products of ``plan``'s engine run with at least: its profile's
     measured padding (:func:`profile_min_rows`), 1 (no padding) for a plan without a profile."""
     return 1 if plan.profile is None else profile_min_rows(plan.profile)
+
+
+def plan_kernel(plan: Plan) -> str:
+    """The product kernel of ``plan``'s packed layers: its profile's (:func:`profile_kernel`),
+    ``"torch"`` for a plan without a profile."""
+    return "torch" if plan.profile is None else profile_kernel(plan.profile)
 
 
 def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:
@@ -677,7 +699,7 @@ def model_fingerprints(plan: Plan) -> list[dict]:
 # graph is refused loudly at warm-up
 # packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
 # (csrc/w4a8.cpp is not traced: packages call the op, which the process loads)
-GRAPH_SOURCES = ("aoti.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "w4a8.py")
+GRAPH_SOURCES = ("aoti.py", "kernels.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "w4a8.py")
 
 
 def runtime_code_hash() -> str:
@@ -744,6 +766,10 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             if m.get("packed_min_rows") != rows:
                 reasons.append(f"the padding of short packed products changed: compiled with min_rows "
                                f"{m.get('packed_min_rows')}, the plan's profile says {rows}")
+            kernel = plan_kernel(plan)
+            if m.get("packed_kernel", "torch") != kernel:
+                reasons.append(f"the product kernel changed: compiled with {m.get('packed_kernel', 'torch')}, "
+                               f"the plan's profile says {kernel}")
         from .runtime.model import attention_formulation
 
         want = attention_formulation(plan.prefill_chunk)  # the packages hold the formulation

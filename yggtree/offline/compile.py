@@ -60,6 +60,7 @@ from ..plan import (
     graph_hash_of,
     load_plan,
     model_fingerprints,
+    plan_kernel,
     plan_min_rows,
     read_manifest,
     save_plan,
@@ -177,7 +178,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     if spec is None or spec.pack:  # as build_engine does: the packages take the packed weights
         from ..runtime.build import pack_models
 
-        pack_models(target, drafter, min_rows, plan.weights, src, plan.drafter)
+        pack_models(target, drafter, min_rows, plan.weights, src, plan.drafter, plan_kernel(plan))
     # the attention formulation an engine of this plan sets (Engine.__init__): packages hold it
     set_invariant_rows(target, attention_rows(plan.prefill_chunk))
     load_s = time.perf_counter() - t0
@@ -356,6 +357,7 @@ def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records:
         # inductor's CPU kernels are built for the thread count of the compiling process
         "threads": info["threads"],
         "packed_min_rows": min_rows,  # compared with the plan's profile by check_artifacts
+        "packed_kernel": plan_kernel(plan),  # likewise
         # how the packages compute attention (model.attention_formulation), checked by check_artifacts
         "attention": attention_formulation(plan.prefill_chunk),
         "cache_dir": CACHE_SUBDIR if plan.backend != "eager" else None,

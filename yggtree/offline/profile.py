@@ -20,14 +20,15 @@ what else ran while it timed (``load``: cores busy with other processes, cores s
 hypervisor; :class:`yggtree.offline.timing.LoadMeter`) and warns when that inflates its times:
 a profile measured beside other work prices every step too high.
 
-Before the curves, the padding of short packed products (:mod:`yggtree.runtime.packed`): one row
-through every packed product of the target (one plain step's products), unpadded and padded to
-2, 4 and 8 rows, the variants interleaved; each is also checked for batch invariance at the plan's
+Before the curves, the product kernel and the padding of short products
+(:mod:`yggtree.runtime.packed`): one row through every packed float or int8 product of the target
+(one plain step's products) on torch's kernel unpadded and padded to 2, 4 and 8 rows, and on our
+tiled kernel, the variants interleaved; each is also checked for batch invariance at the plan's
 widths on this machine (a one-row product may round otherwise than a row of a wider one:
 :mod:`yggtree.runtime.packed`), and the fastest invariant one by median becomes the profile's
-``packed_padding.min_rows`` (1: no padding), recorded with every median and every invariance, and
-the curves are measured on an engine that pads so, as every engine built from a plan naming the
-profile does.
+``packed_padding`` (``kernel``, and ``min_rows``, 1: no padding), recorded with every median and
+every invariance, and the curves are measured on an engine built so, as every engine built from a
+plan naming the profile is.
 """
 
 from __future__ import annotations
@@ -132,46 +133,65 @@ def summarise(samples: list[float]) -> dict:
 PADDING_ROWS = (1, 2, 4, 8)  # the min_rows compared (1: no padding)
 
 
+def kernel_layers(model) -> list:
+    """The layers of ``model`` whose product kernel the profile chooses, in module order: its
+    packed float layers (runtime/packed.py) and its int8 ones (runtime/quant.py ``Int8Linear``)."""
+    from ..runtime.packed import packed_layers
+    from ..runtime.quant import Int8Linear
+
+    packed = {id(m) for m in packed_layers(model)}
+    return [m for m in model.modules() if id(m) in packed or isinstance(m, Int8Linear)]
+
+
 def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int = 2,
-                 repeats: int = 9, widths: tuple[int, ...] = (1,)) -> dict:
-    """One row through every packed product of ``model`` (:func:`yggtree.runtime.packed.packed_layers`:
-    one plain step's products, in module order), timed for each ``min_rows`` of ``candidates``.
-    Rounds of one call per variant (:func:`yggtree.offline.timing.time_rounds`) so drifting load
-    hits all of them alike; ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for
-    batch invariance at ``widths`` (the row counts the plan's engine runs: 1 and its verify
-    widths; :func:`yggtree.runtime.packed.padding_is_invariant`, at the current thread count).
-    Returns the profile's ``packed_padding``: the fastest invariant ``min_rows`` by median
-    (ties: the fewer rows; if no candidate is invariant, the smallest invariant padding), the
-    medians and the invariance of each candidate. YggError if no padding is invariant."""
+                 repeats: int = 9, widths: tuple[int, ...] = (1,), tiled=None) -> dict:
+    """One row through every packed or int8 product of ``model`` (:func:`kernel_layers`: one plain
+    step's products, in module order), timed for each ``min_rows`` of ``candidates``,
+    and, given ``tiled`` (the same model packed for the ``tiled`` kernel), through its products
+    as the candidate ``"tiled"``. Rounds of one call per variant
+    (:func:`yggtree.offline.timing.time_rounds`) so drifting load hits all of them alike;
+    ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for batch invariance
+    at ``widths`` (the row counts the plan's engine runs: 1 and its verify widths;
+    :func:`yggtree.runtime.packed.padding_is_invariant`, at the current thread count).
+    Returns the profile's ``packed_padding``: the fastest invariant candidate by median (ties:
+    oneDNN, then the fewer rows; if no candidate is invariant, the smallest invariant padding) as
+    ``kernel`` and ``min_rows`` (1 for the tiled kernel), the medians and the invariance of each
+    candidate. YggError if nothing is invariant."""
     import torch
 
-    from ..runtime.packed import invariant_min_rows, packed_layers, packed_linear, padding_is_invariant
+    from ..runtime.packed import invariant_min_rows, padding_is_invariant
 
-    layers = packed_layers(model)
+    layers = kernel_layers(model)
     if not layers:  # nothing packed (another device or dtype): nothing to pad
-        return {"min_rows": 1, "products": 0, "median_ms": {}}
+        return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
     widths = tuple(sorted({1, *widths}))
-    invariant = {r: padding_is_invariant(model, r, widths) for r in candidates}
+    invariant = {str(r): padding_is_invariant(model, r, widths) for r in candidates}
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(0)
-    calls = [(torch.randn(1, m.in_features, generator=g).to(dtype), m.packed, m.out_features, m.bias)
-             for m in layers]
+    xs = [torch.randn(1, m.in_features, generator=g).to(dtype) for m in layers]
+    variants = {str(r): (layers, r) for r in candidates}
+    if tiled is not None:
+        invariant["tiled"] = padding_is_invariant(tiled, 1, widths)
+        variants["tiled"] = (kernel_layers(tiled), 1)
 
-    def step(min_rows: int) -> None:
-        for x, packed, out, bias in calls:
-            packed_linear(x, packed, out, bias, min_rows)
+    def step(key: str) -> None:
+        products, rows = variants[key]
+        for x, m in zip(xs, products):
+            m.product(x, rows)
 
     with torch.no_grad():  # in rounds (timing.time_rounds), as the grid and the stage forms
-        samples = time_rounds({r: (lambda r=r: step(r)) for r in candidates}, warmup, repeats)
-    medians = {r: statistics.median(v) for r, v in samples.items()}
-    ok = [r for r in candidates if invariant[r]]
-    best = min(ok, key=lambda r: (medians[r], r)) if ok else invariant_min_rows(model, widths)
+        samples = time_rounds({k: (lambda k=k: step(k)) for k in variants}, warmup, repeats)
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    ok = [k for k in variants if invariant[k]]
+    order = {k: i for i, k in enumerate(variants)}  # oneDNN's paddings first, fewer rows first
+    best = min(ok, key=lambda k: (medians[k], order[k])) if ok else invariant_min_rows(model, widths)
     if best is None:
         raise YggError(f"packed products are not batch-invariant on this CPU at {torch.get_num_threads()} "
                        f"thread(s) at any padding up to {max(widths)} rows: speculation would not be exact")
-    return {"min_rows": best, "products": len(calls), "warmup": warmup, "repeats": repeats,
-            "median_ms": {str(r): round(medians[r], 4) for r in candidates},
-            "invariant": {str(r): invariant[r] for r in candidates}, "widths": list(widths)}
+    kernel, rows = ("tiled", 1) if best == "tiled" else ("torch", int(best))
+    return {"kernel": kernel, "min_rows": rows, "products": len(layers), "warmup": warmup, "repeats": repeats,
+            "median_ms": {k: round(medians[k], 4) for k in variants},
+            "invariant": invariant, "widths": list(widths)}
 
 
 def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
@@ -183,7 +203,7 @@ def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> di
     from ..runtime.loading import resolve_model
 
     if plan.backend not in ("inductor-cpu", "eager"):
-        return {"min_rows": 1, "products": 0, "median_ms": {}}
+        return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
     torch.set_num_threads(threads)
     return model_padding(resolve_model(plan.target), plan.dtype, plan.weights, (1, *plan.verify_widths),
                          warmup, repeats)
@@ -192,14 +212,21 @@ def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> di
 def model_padding(src, dtype: str, weights: str | None, widths: tuple[int, ...], warmup: int = 2,
                   repeats: int = 9) -> dict:
     """:func:`time_padding` on the model ``src`` (a ModelSource) loaded in ``dtype`` and weight
-    format ``weights`` and packed here, at the current thread count, for an engine running
-    ``widths`` rows (a quantized model packs only what stays float)."""
+    format ``weights`` and packed here for each product kernel this CPU runs, at the current
+    thread count, for an engine running ``widths`` rows (a quantized model packs only what stays
+    float)."""
     from ..runtime.build import pack_models
     from ..runtime.loading import load_model
+    from ..runtime.packed import can_pack
 
     model = load_model(src, dtype)
     pack_models(model, None, weights=weights, src=src)
-    return time_padding(model, warmup=warmup, repeats=repeats, widths=widths)
+    tiled = load_model(src, dtype)
+    if can_pack(tiled, "tiled"):  # the same model on the tiled kernel, timed beside it
+        pack_models(tiled, None, weights=weights, src=src, kernel="tiled")
+    else:
+        tiled = None
+    return time_padding(model, warmup=warmup, repeats=repeats, widths=widths, tiled=tiled)
 
 
 def padding_line(padding: dict) -> str:
@@ -209,8 +236,8 @@ def padding_line(padding: dict) -> str:
     inv = padding.get("invariant", {})  # absent in profiles made before it was checked
     times = ", ".join(f"{r}: {ms:.2f}" + (" not batch-invariant" if inv.get(r) is False else "")
                       for r, ms in padding["median_ms"].items())
-    return (f"{padding['products']} packed products of one row, median ms by rows run ({times}): "
-            f"min_rows {padding['min_rows']}")
+    chosen = "the tiled kernel" if padding.get("kernel") == "tiled" else f"oneDNN, min_rows {padding['min_rows']}"
+    return f"{padding['products']} packed products of one row, median ms by rows run ({times}): {chosen}"
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -382,7 +409,7 @@ def check_profile_plan(plan, device: dict) -> None:
 def _checked_padding(plan, hw: str, threads: int, grid: ProfileGrid, engine, padding: dict | None) -> dict:
     """The padding of short packed products to profile with: the one ``engine`` was built with
     (refused if the engine pads otherwise), else ``padding``, else measured now."""
-    from ..runtime.packed import min_rows_of
+    from ..runtime.packed import kernel_of, min_rows_of
 
     if engine is not None:
         if padding is None:
@@ -390,15 +417,19 @@ def _checked_padding(plan, hw: str, threads: int, grid: ProfileGrid, engine, pad
         if min_rows_of(engine.target) not in (None, padding["min_rows"]):
             raise YggError(f"this engine pads packed products to {min_rows_of(engine.target)} rows, "
                            f"the profile's padding is {padding['min_rows']}: build it with that min_rows")
+        if kernel_of(engine.target) not in (None, padding.get("kernel", "torch")):
+            raise YggError(f"this engine runs packed products on the {kernel_of(engine.target)} kernel, the "
+                           f"profile's is {padding.get('kernel', 'torch')}: build it with that kernel")
     elif padding is None:
         sys.stderr.write(f"profile {hw}: timing padded and unpadded packed products...\n")
         padding = measure_padding(plan, threads, max(1, grid.warmup), max(5, grid.repeats))
     return padding
 
 
-def _ready_engine(plan, engine, mode: str, min_rows: int, n_slots: int, widths: list[int], drafted: set[int],
+def _ready_engine(plan, engine, mode: str, padding: dict, n_slots: int, widths: list[int], drafted: set[int],
                   stage_forms: bool, cache: Path | None):
-    """``(engine, compile_s)``: the given engine, or one built from ``plan`` padding to ``min_rows``
+    """``(engine, compile_s)``: the given engine, or one built from ``plan`` with ``padding``'s
+    product kernel and ``min_rows``
     (its graphs compiled into the inductor cache ``cache``), with every graph the timings call
     warmed up: target widths, drafted widths and, for the stage forms, the ahead call's."""
     import contextlib
@@ -410,7 +441,8 @@ def _ready_engine(plan, engine, mode: str, min_rows: int, n_slots: int, widths: 
         t0 = time.perf_counter()
         built = 0.0
         if engine is None:
-            engine, _ = build_engine(EngineSpec.from_plan(plan, mode, min_rows=min_rows))
+            engine, _ = build_engine(EngineSpec.from_plan(plan, mode, min_rows=padding["min_rows"],
+                                                          kernel=padding.get("kernel", "torch")))
             built = engine.compile_s
         if engine.n_slots != n_slots:
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")
@@ -498,7 +530,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         f"({where})...\n"
     )
     drafted = set(plan.draft_widths) if grid.widths else set(widths)
-    engine, compile_s = _ready_engine(plan, engine, mode, padding["min_rows"], n_slots, widths, drafted,
+    engine, compile_s = _ready_engine(plan, engine, mode, padding, n_slots, widths, drafted,
                                       grid.stage_forms, cache)
     with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen(), LoadMeter() as load:
         rows, stages = _timed_calls(engine, plan, widths, contexts, drafted, grid)
@@ -612,6 +644,7 @@ def profile_summary(profile: dict, dst: Path, png: Path | None, elapsed_s: float
         "points": len(profile["points"]),
         "verify_ms_w1": {str(c): round(cost.t_verify(1, c), 2) for c in contexts},
         "packed_min_rows": profile[PADDING_KEY]["min_rows"],
+        "packed_kernel": profile[PADDING_KEY].get("kernel", "torch"),
         "fit_median_rel_err": errors["overall"]["median_rel"],
         "fit_max_rel_err": errors["overall"]["max_rel"],
         "pruning_share_max": max(v["share"] for v in profile["pruning_share"]),

@@ -59,7 +59,7 @@ def block_key(block: nn.Module) -> str:
     """12 hex digits naming a block's kind: class, heads, weight shapes and dtypes, how its
     attention computes (``invariant_rows``: which widths run row by row, and so whether a call's
     slots carry the row window, :func:`yggtree.runtime.model.row_window`), and the padding of its
-    packed products (``min_rows``); the last two are constants of the compiled graph. A target's
+    packed products (``min_rows``) and their kernel; the last three are constants of the compiled graph. A target's
     blocks and an EAGLE head's block of the same shapes thus get packages of their own. The cache
     size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
     cfg = block.self_attn.cfg
@@ -69,6 +69,8 @@ def block_key(block: nn.Module) -> str:
     min_rows = _packed.min_rows_of(block)
     if min_rows is not None:
         parts.append(f"min_rows{min_rows}")
+    if _packed.kernel_of(block) == "tiled":  # the other product op
+        parts.append("tiled")
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
 
 
@@ -150,13 +152,14 @@ class _StepFn(nn.Module):
 
 
 def package_config(block: nn.Module) -> dict:
-    """Inductor settings of ``block``'s packages: :data:`INDUCTOR_CPU_CONFIG`, and for w4a8
-    weights the kernel's C shim (a direct call; AOTInductor's proxy executor would box every
-    call's arguments, ~10 us a product)."""
-    from .w4a8 import W4A8Linear, aoti_shims
+    """Inductor settings of ``block``'s packages: :data:`INDUCTOR_CPU_CONFIG`, and where it calls
+    our kernel library (w4a8 weights, tiled products) the kernels' C shims (a direct call;
+    AOTInductor's proxy executor would box every call's arguments, ~10 us a product)."""
+    from .kernels import aoti_shims
+    from .w4a8 import W4A8Linear
 
     config = dict(INDUCTOR_CPU_CONFIG)
-    if any(isinstance(m, W4A8Linear) for m in block.modules()):
+    if any(isinstance(m, W4A8Linear) or getattr(m, "kernel", None) == "tiled" for m in block.modules()):
         config["aot_inductor.custom_ops_to_c_shims"] = aoti_shims()
     return config
 

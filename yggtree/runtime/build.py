@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, plan_min_rows, profile_invariance, read_manifest  # noqa: F401  (re-exported)
+from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows, profile_invariance, read_manifest  # noqa: F401  (re-exported)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, weight_format
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
@@ -38,6 +38,8 @@ class EngineSpec:
     pack: bool = True  # oneDNN-packed linear layers where the device supports them
     # packed products of fewer rows run padded to this many (1: none); a plan's profile measures it
     min_rows: int = 1
+    # the packed layers' product kernel (runtime/packed.py KERNELS); a plan's profile measures it
+    kernel: str = "torch"
     # (threads, widths) at which the plan's profile found min_rows batch-invariant (None: unchecked)
     padding_checked: tuple[int, tuple[int, ...]] | None = None
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
@@ -48,13 +50,15 @@ class EngineSpec:
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
-                  stages: str = "auto", threads: int = 0, min_rows: int | None = None) -> "EngineSpec":
+                  stages: str = "auto", threads: int = 0, min_rows: int | None = None,
+                  kernel: str | None = None) -> "EngineSpec":
         """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`).
 
         ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
         caches so that every width of the plan fits, and :func:`warm_plan` then builds the rest.
         ``mode`` defaults to performance, or reference for the eager backend. ``min_rows``
-        defaults to the padding the plan's profile measured (:func:`yggtree.plan.plan_min_rows`)."""
+        defaults to the padding the plan's profile measured (:func:`yggtree.plan.plan_min_rows`),
+        ``kernel`` defaults to the product kernel it measured fastest (:func:`yggtree.plan.plan_kernel`)."""
         check_backend(plan.backend)
         if plan.backend in ("cuda", "npu"):
             raise YggError(
@@ -79,6 +83,7 @@ class EngineSpec:
             stages=plan.stages if stages == "auto" else stages,
             threads=threads,
             min_rows=plan_min_rows(plan) if min_rows is None else min_rows,
+            kernel=plan_kernel(plan) if kernel is None else kernel,
             padding_checked=profile_invariance(plan.profile) if min_rows is None and plan.profile else None,
             weights=plan.weights,
         )
@@ -139,12 +144,14 @@ def drafter_feeds_leaves(plan) -> bool:
     return EagleDrafter.feeds_leaves
 
 
-def quantize_models(target, drafter, weights: str | None, src, drafter_name: str | None = None) -> None:
+def quantize_models(target, drafter, weights: str | None, src, drafter_name: str | None = None,
+                    kernel: str = "torch") -> None:
     """The weight format ``weights`` (runtime/quant.py; None: float, nothing to do) for the
     target (loaded from ``src``) and the drafter's model. Under ``gguf-native`` a drafter gets
     its GGUF's own blocks (``self``: the target's; a standalone GGUF model: its file's); an EAGLE
     head or an HF drafter has none and keeps float weights. Under ``w4a8`` every model's linears
-    become blocks: a GGUF's own where it has them, Q4_1 from float otherwise (an EAGLE head)."""
+    become blocks: a GGUF's own where it has them, Q4_1 from float otherwise (an EAGLE head).
+    ``kernel``: the int8 layers' product kernel (runtime/quant.py ``Int8Linear``)."""
     from .loading import gguf_raw_weights
     from .quant import quantize_linears
 
@@ -153,12 +160,12 @@ def quantize_models(target, drafter, weights: str | None, src, drafter_name: str
         return
     gguf = fmt in ("gguf-native", "w4a8")  # formats that run a GGUF's own blocks
     raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" or (gguf and src.kind == "gguf") else None
-    quantize_linears(target, fmt, group, raw)
+    quantize_linears(target, fmt, group, raw, kernel)
     if drafter is None:
         return
     model = drafter.graphs.model
     if not gguf:
-        quantize_linears(model, fmt, group)
+        quantize_linears(model, fmt, group, kernel=kernel)
         return
     raw_d = None  # the drafter's own GGUF blocks, where it has a GGUF file
     if drafter_name == "self":
@@ -170,15 +177,15 @@ def quantize_models(target, drafter, weights: str | None, src, drafter_name: str
 
 
 def pack_models(target, drafter=None, min_rows: int = 1, weights: str | None = None, src=None,
-                drafter_name: str | None = None) -> None:
-    """The weight format ``weights`` (:func:`quantize_models`), then oneDNN-packed weights
-    (runtime/packed.py) for what stays float, for an engine's target and its drafter's model,
-    before any graph or package is built for them (``build_engine`` and ``yggtree compile``);
-    packed products of fewer than ``min_rows`` rows run padded to that many."""
-    quantize_models(target, drafter, weights, src, drafter_name)
-    pack_linears(target, min_rows=min_rows)
+                drafter_name: str | None = None, kernel: str = "torch") -> None:
+    """The weight format ``weights`` (:func:`quantize_models`), then packed weights for the
+    product kernel ``kernel`` (runtime/packed.py) for what stays float, for an engine's target
+    and its drafter's model, before any graph or package is built for them (``build_engine`` and
+    ``yggtree compile``); packed products of fewer than ``min_rows`` rows run padded to that many."""
+    quantize_models(target, drafter, weights, src, drafter_name, kernel)
+    pack_linears(target, min_rows=min_rows, kernel=kernel)
     if drafter is not None:
-        pack_linears(drafter.graphs.model, min_rows=min_rows)
+        pack_linears(drafter.graphs.model, min_rows=min_rows, kernel=kernel)
 
 
 def torch_threads() -> int:
@@ -238,15 +245,15 @@ def build_engine(spec: EngineSpec, prepare=None):
 
         from .quant import check_kernel
 
-        check_kernel("int8" if fmt == "int8" else "int4", getattr(torch, spec.dtype))
+        check_kernel("int8" if fmt == "int8" else "int4", getattr(torch, spec.dtype), spec.kernel)
     src = resolve_model(spec.model)
     target = load_model(src, spec.dtype)
     tokenizer = load_tokenizer(src)
     drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
     if spec.pack:  # oneDNN-packed block weights on a CPU (see runtime/packed.py)
-        pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter)
+        pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter, spec.kernel)
     else:
-        quantize_models(target, drafter, spec.weights, src, spec.drafter)
+        quantize_models(target, drafter, spec.weights, src, spec.drafter, spec.kernel)
     spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
     widths = (1, *spec.verify_widths, spec.tree.verify_width) if spec_on else (1,)  # verify row counts
     if spec_on:  # packed products padded so that they are batch-invariant (before any graph)
@@ -347,14 +354,15 @@ def fixed_policy(
 
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
-                      stages: str = "auto", threads: int = 0, min_rows: int | None = None,
+                      stages: str = "auto", threads: int = 0, min_rows: int | None = None, kernel: str | None = None,
                       speculate: bool = True):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
     ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
     drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
     Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start).
-    ``min_rows`` overrides the padding of short packed products the plan's profile measured.
+    ``min_rows`` and ``kernel`` override the padding of short packed products and their kernel
+    the plan's profile measured.
     A speculative engine raises a padding that is not batch-invariant on this CPU
     (:func:`invariant_padding`); packages hold the padding they were compiled with, so with
     ``artifacts`` an engine padding otherwise (raised or overridden) is refused in one line
@@ -365,7 +373,7 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     slot count and the packages' padding, so the same packages serve it."""
     if stages == "auto" and plan.stages == "auto" and artifacts is not None:
         stages = searched_stages(artifacts)
-    spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows)
+    spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows, kernel=kernel)
     if not speculate:
         rows = spec.min_rows
         if artifacts is not None and min_rows is None:  # the packages' own padding
@@ -403,11 +411,19 @@ def _package_installer(art: Path):
         from .w4a8 import load_kernel
 
         load_kernel()
+    if manifest.get("packed_kernel") == "tiled":  # ... or yggtree::tiled_mm
+        from .kernels import load_library
+
+        load_library()
     packages = PackageSet.load(cache_dir(art), entries, manifest["n_slots"], sums)
 
     def prepare(target, drafter) -> None:
-        from .packed import min_rows_of
+        from .packed import kernel_of, min_rows_of
 
+        kernel, was_kernel = kernel_of(target), manifest.get("packed_kernel", "torch")
+        if kernel is not None and kernel != was_kernel:
+            raise YggError(f"the compiled graphs in {cache_dir(art)} run packed products on the {was_kernel} kernel, "
+                           f"this engine on {kernel}: recompile the plan (yggtree compile --force)")
         rows, was = min_rows_of(target), manifest.get("packed_min_rows")
         if rows is not None and rows != was:  # the packages hold their padding: never run them padded otherwise
             raise YggError(f"the compiled graphs in {cache_dir(art)} ({package_name(*entries[0])}, ...) pad short "

@@ -24,6 +24,21 @@ packs its layers with its profile's value (:func:`yggtree.plan.plan_min_rows`); 
 The value is each packed layer's attribute, passed to the op as an argument, so compiled graphs
 and AOTInductor packages hold it as a constant (:func:`yggtree.runtime.aoti.block_key` names it).
 
+Two product kernels, chosen per machine by measurement (``yggtree profile`` times both on the
+model's own products and records the faster in the profile's ``packed_padding.kernel``; a plan's
+engine and its compiled packages use it, :func:`yggtree.plan.plan_kernel`):
+
+- ``torch``: torch's own kernel, here oneDNN with the weight reordered once into its blocked
+  layout, run through ``mkldnn._linear_pointwise`` (the op ``yggtree::packed_linear``; for
+  int8 weights, runtime/quant.py, ``aten._weight_int8pack_mm``);
+- ``tiled``: the weight in tiles of 16 output columns, [T, in, 16], run through our kernel
+  ``yggtree::tiled_mm`` (runtime/kernels.py, ``csrc/tiled_mm.cpp``): float32 accumulation in a
+  fixed order per row, so batch-invariant by construction at any padding and thread count (no
+  padding is needed), and a plain contiguous stream a step reads at the memory's speed. It needs
+  an AVX-512 CPU (the kernel library); bfloat16 weights are widened exactly, the activations
+  go in as float32 (exact from bfloat16) and the result is rounded to the run's dtype (int8
+  weights likewise, scaled per output column at the end: runtime/quant.py).
+
 Batch invariance is not a property of the op everywhere, and padding can change bits: oneDNN
 may run a one-row product on another kernel than an M-row one. On the AMD EPYC machine of
 docs/results.md the float32 1536 -> 576 product (the default model's down projection) rounds
@@ -44,8 +59,11 @@ from torch import nn
 
 from .model import FUSED_PROJECTIONS
 
-__all__ = ["packed_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears", "packed_layers",
-           "min_rows_of", "padding_is_invariant", "invariant_min_rows"]
+__all__ = ["KERNELS", "packed_linear", "tiled_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears",
+           "packed_layers", "min_rows_of", "kernel_of", "padding_is_invariant", "invariant_min_rows"]
+
+KERNELS = ("torch", "tiled")  # the product kernels of packed layers (module docstring)
+TILE = 16  # output columns per tile of the tiled layout (csrc/tiled_mm.cpp)
 
 
 def _packed_linear_cpu(
@@ -84,9 +102,37 @@ def _(x, packed, out_features, bias=None, min_rows=1):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked layout of a [out, in] weight (an mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+def tiled_linear(
+    x: torch.Tensor,  # [..., in]
+    tiles: torch.Tensor,  # [T, in, 16]: the weight's output columns in tiles of 16 (_pack), N padded
+    out_features: int,  # out <= 16 T
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed by ``yggtree::tiled_mm`` from ``tiles``: [..., out],
+    in ``x``'s dtype (the kernel takes and returns float32; the bias is added in ``x``'s dtype)."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    y = torch.ops.yggtree.tiled_mm(x2, tiles, x2.new_empty(0))
+    if y.shape[1] != out_features:  # the padded output columns cut
+        y = y[:, :out_features]
+    y = y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
+
+
+def _pack(weight: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The layout ``kernel`` reads a [out, in] weight in: oneDNN's blocked layout (an mkldnn
+    tensor), or tiles of 16 output columns [T, in, 16] (zero columns pad out to 16 T)."""
+    w = weight.detach()
+    if kernel == "torch":
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+    n, k = w.shape
+    w = F.pad(w, (0, 0, 0, -n % TILE))
+    return w.view(-1, TILE, k).permute(0, 2, 1).contiguous()
+
+
+def _check_kernel(kernel: str) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return kernel
 
 
 def _check_min_rows(min_rows: int) -> int:
@@ -98,21 +144,29 @@ def _check_min_rows(min_rows: int) -> int:
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose product runs on a oneDNN-packed copy of its weight."""
 
-    packed: torch.Tensor  # oneDNN blocked layout of ``weight`` (an mkldnn tensor)
+    packed: torch.Tensor  # ``weight`` in the kernel's layout: oneDNN's (an mkldnn tensor) or [T, in, 16] tiles
     min_rows: int = 1  # products of fewer rows run padded to this many (1: no padding)
+    kernel: str = "torch"  # KERNELS
 
     @classmethod
-    def of(cls, lin: nn.Linear, min_rows: int = 1) -> "PackedLinear":
+    def of(cls, lin: nn.Linear, min_rows: int = 1, kernel: str = "torch") -> "PackedLinear":
         with torch.device("meta"):
             out = cls(lin.in_features, lin.out_features, bias=lin.bias is not None)
         out.weight = lin.weight  # shared, not copied
         out.bias = lin.bias
-        out.register_buffer("packed", _pack(lin.weight), persistent=False)
+        out.kernel = _check_kernel(kernel)
+        out.register_buffer("packed", _pack(lin.weight, kernel), persistent=False)
         out.min_rows = _check_min_rows(min_rows)
         return out
 
+    def product(self, x: torch.Tensor, min_rows: int) -> torch.Tensor:
+        """The layer's product padded to ``min_rows`` (the tiled kernel never pads)."""
+        if self.kernel == "tiled":
+            return tiled_linear(x, self.packed, self.out_features, self.bias)
+        return packed_linear(x, self.packed, self.out_features, self.bias, min_rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.out_features, self.bias, self.min_rows)
+        return self.product(x, self.min_rows)
 
 
 class PackedConcat(nn.Module):
@@ -125,18 +179,19 @@ class PackedConcat(nn.Module):
     packing still costs one extra copy of the weights. Short products are padded to
     ``min_rows``, as for :class:`PackedLinear`."""
 
-    packed: torch.Tensor  # oneDNN blocked layout of cat([p.weight for p in parts]) [sum(sizes), in]
+    packed: torch.Tensor  # cat([p.weight for p in parts]) [sum(sizes), in] in the kernel's layout (PackedLinear)
     bias: torch.Tensor | None  # [sum(sizes)], zeros for parts without one; None if none has one
 
-    def __init__(self, parts: list[nn.Linear], min_rows: int = 1) -> None:
+    def __init__(self, parts: list[nn.Linear], min_rows: int = 1, kernel: str = "torch") -> None:
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("PackedConcat parts must share their input width")
         self.min_rows = _check_min_rows(min_rows)
+        self.kernel = _check_kernel(kernel)
         self.in_features = parts[0].in_features
         self.sizes = tuple(p.out_features for p in parts)
         self.out_features = sum(self.sizes)
-        self.register_buffer("packed", _pack(torch.cat([p.weight.detach() for p in parts])), persistent=False)
+        self.register_buffer("packed", _pack(torch.cat([p.weight.detach() for p in parts]), kernel), persistent=False)
         bias = None
         if any(p.bias is not None for p in parts):
             w = parts[0].weight
@@ -144,25 +199,34 @@ class PackedConcat(nn.Module):
                               for p in parts])
         self.register_buffer("bias", bias, persistent=False)
 
+    product = PackedLinear.product
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., sum(sizes)]
-        return packed_linear(x, self.packed, self.out_features, self.bias, self.min_rows)
+        return self.product(x, self.min_rows)
 
 
-def can_pack(model: nn.Module) -> bool:
-    """True when the model's weights live on the CPU in a dtype oneDNN packs (float32, or
-    bfloat16 on a CPU with native bf16 support)."""
+def can_pack(model: nn.Module, kernel: str = "torch") -> bool:
+    """True when the model's weights live on the CPU in a dtype ``kernel`` runs: oneDNN float32,
+    or bfloat16 on a CPU with native bf16 support; the tiled kernel float32 and bfloat16 on a
+    CPU our kernel library runs on (:func:`yggtree.runtime.kernels.library_missing`)."""
     w = next(model.parameters())
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if w.dtype == torch.float32:
-        return True
-    return w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if _check_kernel(kernel) == "tiled":
+        from .kernels import library_missing
+
+        return not library_missing()
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return w.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1) -> int:
+def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel: str = "torch") -> int:
     """Pack the ``nn.Linear`` layers of ``model.layers`` (its decoder blocks) and its
-    ``lm_head`` in place; returns how many linear layers were packed (0 where :func:`can_pack`
-    is False, or when they are packed already: layers packed before keep their ``min_rows``).
+    ``lm_head`` in place for the product kernel ``kernel`` (:data:`KERNELS`); returns how many
+    linear layers were packed (0 where :func:`can_pack` is False, or when they are packed
+    already: layers packed before keep their ``min_rows`` and kernel). The tiled kernel loads
+    the kernel library (built on first use).
     Every packed layer pads products of fewer than ``min_rows`` rows to that many (1: none;
     see the module docstring).
 
@@ -173,8 +237,12 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1) -> int:
     The LM head matters most: it is the largest product (49152 x 576 for the default model), and
     ``F.linear`` pays most there for a few rows."""
     _check_min_rows(min_rows)
-    if not can_pack(model):
+    if not can_pack(model, kernel):
         return 0
+    if kernel == "tiled":
+        from .kernels import load_library
+
+        load_library()
     n, fused_parts = 0, set()
     for block in model.layers:
         for mod_name, attr, names in FUSED_PROJECTIONS:
@@ -182,7 +250,7 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1) -> int:
             if getattr(mod, attr, False) is None and fuse:  # a fusion hook, not yet fused
                 parts = [getattr(mod, k, None) for k in names]
                 if all(type(p) is nn.Linear for p in parts):
-                    setattr(mod, attr, PackedConcat(parts, min_rows))
+                    setattr(mod, attr, PackedConcat(parts, min_rows, kernel))
                     n += len(parts)
             if getattr(mod, attr, None) is not None:
                 fused_parts.update(id(getattr(mod, k)) for k in names)
@@ -190,7 +258,7 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1) -> int:
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and id(child) not in fused_parts and (
                     mod is not model or child_name == "lm_head"):
-                setattr(mod, child_name, PackedLinear.of(child, min_rows))
+                setattr(mod, child_name, PackedLinear.of(child, min_rows, kernel))
                 n += 1
     return n
 
@@ -208,6 +276,15 @@ def min_rows_of(model: nn.Module) -> int | None:
     if len(rows) > 1:
         raise ValueError(f"packed layers with different min_rows {sorted(rows)}")
     return rows.pop() if rows else None
+
+
+def kernel_of(model: nn.Module) -> str | None:
+    """The product kernel of ``model``'s packed layers (None when none is packed); ValueError if
+    they differ (:func:`pack_linears` gives one model one kernel)."""
+    kernels = {m.kernel for m in packed_layers(model)}
+    if len(kernels) > 1:
+        raise ValueError(f"packed layers with different kernels {sorted(kernels)}")
+    return kernels.pop() if kernels else None
 
 
 MAX_SAMPLE_ROWS = 512  # rows a batch-invariance check draws per layer at most (narrow layers)
@@ -230,12 +307,12 @@ def padding_is_invariant(model: nn.Module, min_rows: int, widths: Iterable[int],
     rows = sorted({max(int(m), _check_min_rows(min_rows)) for m in (1, *widths)})
     layers = {}
     for layer in packed_layers(model):
-        layers.setdefault((layer.in_features, layer.out_features, layer.packed.dtype, layer.bias is None), layer)
+        layers.setdefault((layer.in_features, layer.out_features, layer.packed.dtype, layer.bias is None, layer.kernel), layer)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in layers.values():
             def product(x, layer=layer):
-                return packed_linear(x, layer.packed, layer.out_features, layer.bias, min_rows)
+                return layer.product(x, min_rows)
 
             n = max(rows[-1], min(-(-samples // layer.out_features), MAX_SAMPLE_ROWS))
             x = torch.randn(n, layer.in_features, generator=gen).to(layer.packed.dtype)

@@ -168,24 +168,53 @@ def _(x, packed, scale_zeros, group):
 
 
 class Int8Linear(nn.Module):
-    """``F.linear`` with int8 weights and per-output-channel scales (``_weight_int8pack_mm`` on
-    bfloat16 activations, the result in the run's dtype ``dtype``)."""
+    """``F.linear`` with int8 weights and per-output-channel scales, the result in the run's dtype
+    ``dtype``, on one of two kernels (runtime/packed.py ``KERNELS``; the profile measures which is
+    faster on the machine, as for float products):
 
-    qweight: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N] bfloat16 (KERNEL_DTYPE)
+    - ``torch``: ``aten._weight_int8pack_mm`` on bfloat16 activations and bfloat16 scales;
+    - ``tiled``: ``yggtree::tiled_mm`` (runtime/kernels.py) on float32 activations, the weight in
+      tiles of 16 output columns, summed in float32 in a fixed order per row and scaled by the
+      float32 scale at the end (a row's result is independent of the call's other rows).
+
+    The two are different arithmetic, so an engine and its compiled packages use one."""
+
+    qweight: torch.Tensor  # torch: [N, K] int8; tiled: [T, K, 16] int8 (N padded to 16 T)
+    scales: torch.Tensor  # torch: [N] bfloat16 (KERNEL_DTYPE); tiled: [T, 16] float32
     bias: torch.Tensor | None  # [N] in the run's dtype
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch") -> None:
         super().__init__()
         q, s = quantize_int8(w)
-        self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], dtype
+        self.in_features, self.out_features, self.dtype, self.kernel = w.shape[1], w.shape[0], dtype, kernel
+        if kernel == "tiled":
+            from .kernels import load_library
+            from .packed import _pack
+
+            load_library()
+            q, s = _pack(q, "tiled"), _pack(s[:, None], "tiled").reshape(-1, 16)  # padded columns: q 0, scale 0
+        elif kernel != "torch":
+            raise ValueError(f"kernel must be torch or tiled, got {kernel!r}")
+        else:
+            s = s.to(KERNEL_DTYPE)
         self.register_buffer("qweight", q, persistent=False)
-        self.register_buffer("scales", s.to(KERNEL_DTYPE), persistent=False)
+        self.register_buffer("scales", s, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
+    def product(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """The layer's product (``min_rows``: the packed layers' signature; int8 never pads)."""
+        return self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales).to(x.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "tiled":
+            x2 = x2.to(torch.float32).contiguous()
+            y = torch.ops.yggtree.tiled_mm(x2, self.qweight, self.scales)
+            if y.shape[1] != self.out_features:  # the padded output columns cut
+                y = y[:, : self.out_features]
+            y = y.to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -234,21 +263,25 @@ def quant_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear, W4A8Linear))]
 
 
-def _kernel_name(fmt: str) -> str:
+def _kernel_name(fmt: str, kernel: str = "torch") -> str:
+    if fmt == "int8" and kernel == "tiled":
+        return "yggtree::tiled_mm"
     return {"int8": "aten._weight_int8pack_mm on bfloat16 activations", "w4a8": "yggtree::w4a8_mm"}.get(
         fmt, "aten._weight_int4pack_mm_for_cpu on bfloat16 activations")
 
 
-def check_kernel(fmt: str, dtype: torch.dtype) -> None:
-    """YggError in one line unless this torch and CPU run ``fmt``'s kernel (``int8``, ``int4``,
-    ``w4a8``) in a layer of a ``dtype`` run: a 1-row product of a 16 x 32 weight."""
+def check_kernel(fmt: str, dtype: torch.dtype, kernel: str = "torch") -> None:
+    """YggError in one line unless this torch and CPU run ``fmt``'s kernel (``int8`` on
+    ``kernel``, ``int4``, ``w4a8``) in a layer of a ``dtype`` run: a 1-row product of a 16 x 32
+    weight."""
     from .w4a8 import W4A8Linear, q4_1_blocks
 
     w = torch.zeros(16, GGUF_BLOCK)
     try:
         if fmt == "int8":
-            getattr(torch.ops.aten, "_weight_int8pack_mm")  # absent in old torch builds
-            lin = Int8Linear(w, None, dtype)
+            if kernel == "torch":
+                getattr(torch.ops.aten, "_weight_int8pack_mm")  # absent in old torch builds
+            lin = Int8Linear(w, None, dtype, kernel)
         elif fmt == "w4a8":
             lin = W4A8Linear(q4_1_blocks(w), None, dtype)  # builds the kernel (YggError if it cannot)
         else:
@@ -256,7 +289,7 @@ def check_kernel(fmt: str, dtype: torch.dtype) -> None:
             lin = Int4Linear([quantize_int4(w, GGUF_BLOCK)], None, dtype)
         lin(torch.zeros(1, GGUF_BLOCK, dtype=dtype))
     except (AttributeError, RuntimeError, NotImplementedError) as e:
-        raise YggError(f"weights {fmt}: this torch/CPU cannot run {_kernel_name(fmt)} "
+        raise YggError(f"weights {fmt}: this torch/CPU cannot run {_kernel_name(fmt, kernel)} "
                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
@@ -298,14 +331,14 @@ def _replace_linears(model: nn.Module, make) -> int:
 
 
 def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
-                     raw: dict[str, tuple[str, torch.Tensor]] | None = None) -> int:
+                     raw: dict[str, tuple[str, torch.Tensor]] | None = None, kernel: str = "torch") -> int:
     """Replace the ``nn.Linear`` layers of ``model.layers`` and its ``lm_head`` by quantized ones
     in ``fmt`` (``int8``, ``int4`` with ``group``, ``gguf-native`` from ``raw``: state-dict name
     -> (GGML type, bytes), :func:`yggtree.runtime.loading.gguf_raw_weights`; ``w4a8``: the
     blocks of ``raw`` where it has them, Q4_1 otherwise, runtime/w4a8.py); q/k/v and gate/up
     become one layer each. Returns how many linears were replaced. GGUF tensors stored as float
-    stay ``nn.Linear`` under gguf-native. YggError (one line) for what cannot run: see the
-    module docs."""
+    stay ``nn.Linear`` under gguf-native. ``kernel`` is the int8 layers' (:class:`Int8Linear`).
+    YggError (one line) for what cannot run: see the module docs."""
     from .w4a8 import W4A8Linear, cat_blocks, gguf_blocks, q4_1_blocks
 
     if fmt not in ("int8", "int4", "gguf-native", "w4a8"):
@@ -315,7 +348,7 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
     dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else next(model.parameters()).dtype
     if next(model.parameters()).device.type != "cpu":
         raise YggError(f"weights {fmt} run on the CPU only (torch's weight-only kernels)")
-    check_kernel(fmt if fmt in ("int8", "w4a8") else "int4", dtype)
+    check_kernel(fmt if fmt in ("int8", "w4a8") else "int4", dtype, kernel)
 
     def stored(name: str) -> tuple[str, torch.Tensor | None]:  # the GGUF tensor of a linear
         key = name + ".weight"
@@ -353,7 +386,7 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
             return Int4Linear(cat, bias, dtype)
         w = torch.cat([p.weight.detach() for p in lins])
         if fmt == "int8":
-            return Int8Linear(w, bias, dtype)
+            return Int8Linear(w, bias, dtype, kernel)
         if w.shape[1] % group:
             raise YggError(f"weights int4@{group}: the group size does not divide the input width "
                            f"{w.shape[1]} of {name} (choose a group size dividing it)")

@@ -18,23 +18,17 @@ the file's own weights, in any run dtype (the kernel takes and returns float32; 
 casts around it). Each row's result is independent of the other rows of a call and of the
 thread count, by construction: speculation stays exact (``quant.check_batch_invariant`` checks).
 
-The kernel is C++ (``csrc/w4a8.cpp``), built once per machine and torch version by
-``torch.utils.cpp_extension`` into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use and registered
-as the op ``yggtree::w4a8_mm`` (an extern kernel to inductor; AOTInductor packages call its C shim
-directly, :func:`aoti_shims`). The same library holds ``yggtree::rows_attention``
-(``csrc/rows_attention.cpp``), the row-by-row attention float32 models in this format run. It
-needs an x86 CPU with AVX512-VNNI, a C++ compiler and ninja; without them the format is refused
-in one line.
+The kernel is C++ (``csrc/w4a8.cpp``) in our kernel library (runtime/kernels.py: built once per
+machine and torch version, registered as the op ``yggtree::w4a8_mm``, an extern kernel to
+inductor whose C shim AOTInductor packages call directly). Float32 models in this format also
+run the library's row-by-row attention (``yggtree::rows_attention``). It needs an x86 CPU with
+AVX512-VNNI, a C++ compiler and ninja; without them the format is refused in one line.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,27 +36,12 @@ from torch import nn
 
 from ..errors import YggError
 from .gguf_blocks import read_blocks
+from .kernels import TILE, aoti_shims, cpu_flags as _cpu_flags
 
 __all__ = ["Blocks", "load_kernel", "aoti_shims", "runs_attention", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
            "pack_blocks", "W4A8Linear"]
 
 BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
-TILE = 16  # output columns per kernel tile; N is padded to a multiple
-# the kernel library: the products, and the row-by-row attention models in this format run
-# (csrc/rows_attention.cpp, runtime/model.py's Attention.native_rows)
-SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("w4a8.cpp", "rows_attention.cpp"))
-# -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernel (without it the loop runs on
-# one thread); the build links the libgomp torch already loaded (same soname), so torch's thread
-# count governs it
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
-# the ops' C shims as AOTInductor declares them in a package (the csrc files define them)
-SHIMS = {
-    "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d, "
-               "AtenTensorHandle m, AtenTensorHandle* ret0)",
-    "rows_attention": "AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, "
-                      "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
-}
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")  # /proc/cpuinfo names
 
 
@@ -76,65 +55,26 @@ class Blocks:
     bits: int  # 4 or 8
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 @functools.cache
 def load_kernel() -> None:
-    """Build (first use on this machine and torch) and load the kernel library
-    (``yggtree::w4a8_mm``, ``yggtree::rows_attention``); YggError in one line where it cannot run."""
+    """Load the kernel library (runtime/kernels.py: ``yggtree::w4a8_mm``,
+    ``yggtree::rows_attention``); YggError in one line where the format cannot run here."""
     missing = [f for f in NEEDED_FLAGS if f not in _cpu_flags()]
     if missing:
         raise YggError(f"weights w4a8: this CPU lacks {', '.join(missing)} (the kernel's int8 dot "
                        "products need AVX512-VNNI); use int4 or gguf-native")
-    from torch.utils import cpp_extension
+    from .kernels import load_library  # (looked up at the call: tests replace it)
 
-    from ..files import cache_root
-
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
-    build = cache_root() / "kernels" / f"w4a8-{key}-torch{torch.__version__}"
-    build.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name="yggtree_w4a8", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
-        raise YggError(f"weights w4a8: building its kernel in {build} failed ({first}); it needs a "
-                       "C++ compiler and ninja") from None
-    # global symbols: AOTInductor packages compiled with the ops' C shims (aoti_shims) resolve
-    # aoti_torch_cpu_w4a8_mm and aoti_torch_cpu_rows_attention in this library when they are loaded
-    ctypes.CDLL(str(build / "yggtree_w4a8.so"), mode=os.RTLD_GLOBAL)
-    torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
-    torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
-
-
-def aoti_shims() -> dict:
-    """``aot_inductor.custom_ops_to_c_shims`` for packages calling the library's ops: they call
-    the kernels' C shims directly (``csrc/``) rather than through AOTInductor's proxy executor.
-    Loads the library (its ops must exist to be named)."""
-    load_kernel()
-    return {getattr(torch.ops.yggtree, name).default: [decl] for name, decl in SHIMS.items()}
+        load_library()
+    except YggError as e:
+        raise YggError(f"weights w4a8: {e}") from None
 
 
 def runs_attention(head_dim: int) -> bool:
     """Whether ``yggtree::rows_attention`` takes this head dim (csrc/rows_attention.cpp: a
     multiple of 16, at most 256)."""
     return head_dim % 16 == 0 and head_dim <= 256
-
-
-def _w4a8_mm_fake(x, codes, d, m):
-    return x.new_empty((x.shape[0], codes.shape[0] * TILE))
-
-
-def _rows_attention_fake(q, k, v, head, window):
-    return q.new_empty((q.shape[0], q.shape[1], q.shape[2] * q.shape[3]))
 
 
 def _f16_exact(v: torch.Tensor, what: str) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""The tiled product kernel (``yggtree::tiled_mm``, runtime/packed.py's ``tiled``): exactly
+``F.linear`` where float32 sums are exact, close to a float64 product elsewhere, rows bitwise
+independent of the call's other rows and of the thread count, models packed for it, the
+profile's measured choice between it and oneDNN, and exact greedy speculation on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import tiny_model
+from yggtree.errors import YggError
+from yggtree.runtime.kernels import library_missing
+from yggtree.runtime.packed import (
+    KERNELS, PackedConcat, PackedLinear, kernel_of, pack_linears, packed_layers, padding_is_invariant, tiled_linear,
+)
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(bool(library_missing()), reason="the kernel library needs AVX-512"),
+]
+
+
+def tiled(w: torch.Tensor) -> torch.Tensor:
+    from yggtree.runtime.packed import _pack
+
+    return _pack(w, "tiled")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [16, 97, 160])
+def test_integer_products_are_exactly_f_linear(dtype, n):
+    """Small integers: every sum is exact (in bfloat16 too: |y| <= 70 + 4 < 2^8), so any
+    summation order and rounding gives F.linear's bits."""
+    from yggtree.runtime.kernels import load_library
+
+    load_library()
+    g = torch.Generator().manual_seed(n)
+    top = 8 if dtype == torch.float32 else 1
+    w = torch.randint(-top, top + 1, (n, 70), generator=g).to(dtype)
+    x = torch.randint(-top, top + 1, (5, 70), generator=g).to(dtype)
+    bias = torch.randint(-4, 5, (n,), generator=g).to(dtype)
+    t = tiled(w)
+    assert t.shape == (-(-n // 16), 70, 16) and t.dtype == dtype
+    assert torch.equal(tiled_linear(x, t, n, bias), nn.functional.linear(x, w, bias))
+    assert tiled_linear(x[None], t, n).shape == (1, 5, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_products_are_close_to_float64(dtype):
+    torch.manual_seed(0)
+    w, x = torch.randn(200, 576).to(dtype), torch.randn(9, 576).to(dtype)
+    pack_linears  # noqa: B018  (the library loads with the first packing below)
+    lin = nn.Linear(576, 200, bias=False).to(dtype)
+    lin.weight.data.copy_(w)
+    layer = PackedLinear.of(lin, kernel="tiled")
+    want = (x.double() @ w.double().T)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-1)
+    torch.testing.assert_close(layer(x).double(), want, **tol)
+    assert layer(x).dtype == dtype and layer.kernel == "tiled"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_independent_of_the_call_and_the_threads(dtype):
+    """Row i of an M-row product is bitwise the one-row product of row i, for every M up to 40
+    (row groups of 8, 4, 2 and 1), at one and at two threads."""
+    torch.manual_seed(1)
+    lin = nn.Linear(576, 960, bias=True).to(dtype)
+    layer = PackedLinear.of(lin, kernel="tiled")
+    x = torch.randn(40, 576).to(dtype)
+    with torch.no_grad():
+        one = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+        for m in range(1, 41):
+            assert torch.equal(layer(x[:m]), one[:m]), m
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(layer(x), one)
+        finally:
+            torch.set_num_threads(1)
+
+
+def test_kernel_is_checked():
+    with pytest.raises(ValueError, match="kernel must be one of torch, tiled"):
+        PackedLinear.of(nn.Linear(16, 16), kernel="blas")
+    assert KERNELS == ("torch", "tiled")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_packed_for_the_tiled_kernel(dtype):
+    m, ref = tiny_model(dtype=dtype), tiny_model(dtype=dtype)
+    keys = set(m.state_dict())
+    assert kernel_of(m) is None
+    assert pack_linears(m, kernel="tiled") == 7 * len(m.layers) + 1
+    assert kernel_of(m) == "tiled" and all(p.kernel == "tiled" for p in packed_layers(m))
+    assert isinstance(m.layers[0].self_attn.qkv, PackedConcat) and m.lm_head.weight is m.embed_tokens.weight
+    assert set(m.state_dict()) == keys
+    assert padding_is_invariant(m, 1, (1, 3, 12))
+    x = torch.tensor([[3, 5, 7, 11]])
+    m.setup_cache(1, 16)
+    ref.setup_cache(1, 16)
+    pos, mask = torch.arange(4)[None], torch.ones(1, 4, 16, dtype=torch.bool).tril()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(m.logits(m(x, pos, pos, mask).hidden), ref.logits(ref(x, pos, pos, mask).hidden),
+                                   **tol)
+
+
+def test_mixed_kernels_are_refused():
+    m = tiny_model()
+    pack_linears(m, kernel="tiled")
+    m.layers[0].mlp.down_proj.kernel = "torch"
+    with pytest.raises(ValueError, match="different kernels"):
+        kernel_of(m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_engine_speculates_exactly(dtype):
+    """Greedy tree speculation on the tiled kernel gives plain decoding's tokens without any
+    padding (row-invariant by construction), in float32 and bfloat16."""
+    from yggtree.runtime.drafters import LMDrafter
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+
+    target, draft = tiny_model(max_pos=256, dtype=dtype), tiny_model(max_pos=256, seed=1, dtype=dtype)
+    pack_linears(target, kernel="tiled")
+    pack_linears(draft, kernel="tiled")
+    plain = Engine(target, EngineConfig(mode="reference", max_context=60, prefill_chunk=8))
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+    spec = Engine(target, EngineConfig(mode="reference", max_context=60, prefill_chunk=8, tree=tree),
+                  LMDrafter(draft, "reference"))
+    for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert spec.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
+
+
+def test_profile_times_both_kernels_and_records_the_choice():
+    from yggtree.offline.profile import PADDING_ROWS, padding_line, time_padding
+
+    m, t = tiny_model(), tiny_model()
+    pack_linears(m)
+    pack_linears(t, kernel="tiled")
+    pad = time_padding(m, warmup=1, repeats=3, widths=(1, 6), tiled=t)
+    assert list(pad["median_ms"]) == [*map(str, PADDING_ROWS), "tiled"]
+    assert pad["invariant"]["tiled"] is True
+    best = min(pad["median_ms"], key=lambda k: pad["median_ms"][k] if pad["invariant"][k] else float("inf"))
+    assert pad["kernel"] == ("tiled" if best == "tiled" else "torch")
+    assert pad["min_rows"] == (1 if best == "tiled" else int(best))
+    assert ("the tiled kernel" in padding_line(pad)) == (best == "tiled")
+
+
+def test_plan_reads_the_profiles_kernel(tmp_path):
+    from yggtree.plan import profile_invariance, profile_kernel
+
+    p = tmp_path / "p.json"
+    base = {"hardware": {"threads": 2},
+            "packed_padding": {"kernel": "tiled", "min_rows": 1, "widths": [1, 32],
+                               "invariant": {"1": False, "4": True, "tiled": True}}}
+    p.write_text(json.dumps(base))
+    assert profile_kernel(p) == "tiled" and profile_invariance(p) == (2, (1, 32))
+    p.write_text(json.dumps({"packed_padding": {"min_rows": 4}}))  # an older profile: oneDNN
+    assert profile_kernel(p) == "torch"
+    p.write_text(json.dumps({"packed_padding": {"kernel": "blas", "min_rows": 1}}))
+    with pytest.raises(YggError, match=r"^profile .*: 'packed_padding.kernel' must be one of torch, tiled, "
+                                       r"got 'blas' \(measure it again: yggtree profile --force\)$"):
+        profile_kernel(p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layers_on_the_tiled_kernel(dtype):
+    """int8 weights on the tiled kernel: the dequantized weight's product in float32 (exact on
+    small integers), rows independent of the call, the padded head cut; torch's kernel stays
+    available and the two are told apart."""
+    from yggtree.runtime.quant import Int8Linear, quantize_int8
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-127, 128, (97, 64), generator=g).float()
+    w[:, 0] = 127  # every row's scale is 1: q == w
+    x = torch.randint(-3, 4, (6, 64), generator=g).to(dtype)
+    lin = Int8Linear(w, None, dtype, kernel="tiled")
+    assert lin.qweight.shape == (7, 64, 16) and lin.scales.shape == (7, 16) and lin.kernel == "tiled"
+    q, s = quantize_int8(w)
+    assert torch.equal(s, torch.ones(97)) and torch.equal(q.float(), w)
+    want = (x.float() @ w.T).to(dtype)  # |y| <= 3 * 127 * 64: exact in float32
+    assert torch.equal(lin(x), want)
+    one = torch.cat([lin(x[i : i + 1]) for i in range(6)])
+    assert torch.equal(lin(x), one)
+    wf = torch.randn(40, 64, generator=g)
+    a, b = Int8Linear(wf, None, torch.float32, "tiled"), Int8Linear(wf, None, torch.float32, "torch")
+    xf = torch.randn(3, 64, generator=g)
+    ref = xf.double() @ (quantize_int8(wf)[0].double() * quantize_int8(wf)[1].double()[:, None]).T
+    torch.testing.assert_close(a(xf).double(), ref, rtol=1e-5, atol=1e-5)  # float32 activations
+    torch.testing.assert_close(b(xf).double(), ref, rtol=2e-2, atol=5e-2)  # bfloat16 ones
+    with pytest.raises(ValueError, match="kernel must be torch or tiled"):
+        Int8Linear(wf, None, torch.float32, "blas")
+
+
+def test_profile_times_int8_kernels():
+    from yggtree.offline.profile import kernel_layers, time_padding
+    from yggtree.runtime.quant import quantize_linears
+
+    m, t = tiny_model(), tiny_model()
+    quantize_linears(m, "int8")
+    quantize_linears(t, "int8", kernel="tiled")
+    assert len(kernel_layers(m)) == 4 * len(m.layers) + 1
+    pad = time_padding(m, warmup=1, repeats=3, widths=(1, 6), tiled=t)
+    assert pad["products"] == len(kernel_layers(m)) and "tiled" in pad["median_ms"]
+    assert pad["kernel"] in KERNELS

@@ -1,0 +1,116 @@
+"""Our CPU kernel library: the C++ ops in ``runtime/csrc``, built once per machine and torch version.
+
+- ``yggtree::w4a8_mm`` (``csrc/w4a8.cpp``): the ``w4a8`` format's blocks on int8 activations
+  (runtime/w4a8.py; needs AVX512-VNNI, which :func:`yggtree.runtime.w4a8.load_kernel` checks).
+- ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
+  slots (runtime/model.py's ``Attention.native_rows``).
+- ``yggtree::tiled_mm`` (``csrc/tiled_mm.cpp``): float32, bfloat16 or int8 weights in tiles of 16
+  output columns, each row computed on its own (runtime/packed.py's ``tiled`` product kernel).
+
+``torch.utils.cpp_extension`` builds them into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use
+(a directory per source hash, flags and torch version) and registers the ops; AOTInductor
+packages call their C shims directly (:func:`aoti_shims`). An x86 CPU with AVX-512 (F, BW, VL),
+FMA and F16C, a C++ compiler and ninja are needed; without them :func:`load_library` raises
+YggError in one line, and the callers refuse what needs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import YggError
+
+__all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "aoti_shims"]
+
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp"))
+# -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
+# on one thread); the build links the libgomp torch already loaded (same soname), so torch's
+# thread count governs it
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+# what every kernel of the library assumes of the CPU (/proc/cpuinfo names); the w4a8 kernel
+# also needs avx512_vnni (runtime/w4a8.py checks it)
+LIBRARY_FLAGS = ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")
+# the ops' C shims as AOTInductor declares them in a package (the csrc files define them)
+SHIMS = {
+    "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d, "
+               "AtenTensorHandle m, AtenTensorHandle* ret0)",
+    "rows_attention": "AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                      "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
+    "tiled_mm": "AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle scale, "
+                "AtenTensorHandle* ret0)",
+}
+TILE = 16  # output columns per tile of the w4a8 and tiled kernels
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def library_missing() -> list[str]:
+    """The CPU flags the library needs that this CPU lacks (empty: it can run here)."""
+    have = cpu_flags()
+    return [f for f in LIBRARY_FLAGS if f not in have]
+
+
+@functools.cache
+def load_library() -> None:
+    """Build (first use on this machine and torch) and load the kernel library; YggError in one
+    line where it cannot run here."""
+    missing = library_missing()
+    if missing:
+        raise YggError(f"this CPU lacks {', '.join(missing)}, which yggtree's CPU kernels need")
+    from torch.utils import cpp_extension
+
+    from ..files import cache_root
+
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    build = cache_root() / "kernels" / f"yggtree-{key}-torch{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
+        raise YggError(f"building the kernel library in {build} failed ({first}); it needs a C++ compiler "
+                       "and ninja") from None
+    # global symbols: AOTInductor packages compiled with the ops' C shims (aoti_shims) resolve
+    # aoti_torch_cpu_<op> in this library when they are loaded
+    ctypes.CDLL(str(build / "yggtree_kernels.so"), mode=os.RTLD_GLOBAL)
+    torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
+    torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
+    torch.library.register_fake("yggtree::tiled_mm")(_tiled_mm_fake)
+
+
+def aoti_shims() -> dict:
+    """``aot_inductor.custom_ops_to_c_shims`` for packages calling the library's ops: they call
+    the kernels' C shims directly (``csrc/``) rather than through AOTInductor's proxy executor,
+    which boxes every call's arguments (~10 us a call). Loads the library (its ops must exist to
+    be named)."""
+    load_library()
+    return {getattr(torch.ops.yggtree, name).default: [decl] for name, decl in SHIMS.items()}
+
+
+def _w4a8_mm_fake(x, codes, d, m):
+    return x.new_empty((x.shape[0], codes.shape[0] * TILE))
+
+
+def _rows_attention_fake(q, k, v, head, window):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2] * q.shape[3]))
+
+
+def _tiled_mm_fake(x, w, scale):
+    return x.new_empty((x.shape[0], w.shape[0] * TILE))
