@@ -26,7 +26,8 @@ import torch
 
 from ..errors import YggError
 
-__all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "aoti_shims"]
+__all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "aoti_shims", "runs_attention",
+           "use_rows_attention"]
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp"))
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
@@ -102,6 +103,29 @@ def aoti_shims() -> dict:
     be named)."""
     load_library()
     return {getattr(torch.ops.yggtree, name).default: [decl] for name, decl in SHIMS.items()}
+
+
+def runs_attention(head_dim: int) -> bool:
+    """Whether ``yggtree::rows_attention`` takes this head dim (csrc/rows_attention.cpp: a
+    multiple of 16, at most 256)."""
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
+def use_rows_attention(model) -> int:
+    """Have every attention layer of a float32 ``model`` whose head dim the kernel takes compute
+    its row-by-row attention with ``yggtree::rows_attention`` (``Attention.native_rows``: work
+    over the visible slots only, instead of inductor's code over the context bucket); a model
+    whose products run on the library (the w4a8 format, the tiled kernel) runs it too. Loads the
+    library; returns how many layers it set (0 for another dtype)."""
+    from .model import Attention
+
+    if next(model.parameters()).dtype != torch.float32:
+        return 0
+    load_library()
+    layers = [m for m in model.modules() if isinstance(m, Attention) and runs_attention(m.cfg.head_dim)]
+    for m in layers:
+        m.native_rows = True
+    return len(layers)
 
 
 def _w4a8_mm_fake(x, codes, d, m):

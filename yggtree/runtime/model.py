@@ -150,10 +150,10 @@ class Attention(nn.Module):
         # each row's result independent of the call's other rows and of where its ancestors sit);
         # wider calls use the grouped matmuls. Engines set it (set_invariant_rows, attention_rows).
         self.invariant_rows = 1
-        # the row-by-row attention as the compiled kernel yggtree::rows_attention (the w4a8
-        # format's library, runtime/csrc/rows_attention.cpp: work over the visible slots only)
-        # instead of _rows_attention's broadcast products over the context bucket; the w4a8
-        # format sets it on float32 models (runtime/quant.py)
+        # the row-by-row attention as the compiled kernel yggtree::rows_attention (our kernel
+        # library, runtime/csrc/rows_attention.cpp: work over the visible slots only) instead of
+        # _rows_attention's broadcast products over the context bucket; float32 models whose
+        # products run on the library set it (runtime/kernels.py use_rows_attention)
         self.native_rows = False
 
     def forward(

@@ -226,7 +226,8 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel:
     ``lm_head`` in place for the product kernel ``kernel`` (:data:`KERNELS`); returns how many
     linear layers were packed (0 where :func:`can_pack` is False, or when they are packed
     already: layers packed before keep their ``min_rows`` and kernel). The tiled kernel loads
-    the kernel library (built on first use).
+    the kernel library (built on first use) and, in a float32 model, sets its attention layers
+    to the library's row-by-row attention (:func:`yggtree.runtime.kernels.use_rows_attention`).
     Every packed layer pads products of fewer than ``min_rows`` rows to that many (1: none;
     see the module docstring).
 
@@ -239,10 +240,10 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel:
     _check_min_rows(min_rows)
     if not can_pack(model, kernel):
         return 0
-    if kernel == "tiled":
-        from .kernels import load_library
+    if kernel == "tiled":  # our library's products, and its row-by-row attention
+        from .kernels import use_rows_attention
 
-        load_library()
+        use_rows_attention(model)
     n, fused_parts = 0, set()
     for block in model.layers:
         for mod_name, attr, names in FUSED_PROJECTIONS:

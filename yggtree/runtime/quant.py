@@ -393,13 +393,10 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
         return Int4Linear([quantize_int4(w, group)], bias, dtype)
 
     n = _replace_linears(model, make)
-    if fmt == "w4a8" and dtype == torch.float32:  # the library's row-by-row attention too,
-        from .model import Attention  # where its kernel takes the head dim
-        from .w4a8 import runs_attention
+    if fmt == "w4a8" or kernel == "tiled":  # products on our library: its row-by-row attention too
+        from .kernels import use_rows_attention
 
-        for m in model.modules():
-            if isinstance(m, Attention) and runs_attention(m.cfg.head_dim):
-                m.native_rows = True
+        use_rows_attention(model)
     return n
 
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..errors import YggError
 from .gguf_blocks import read_blocks
-from .kernels import TILE, aoti_shims, cpu_flags as _cpu_flags
+from .kernels import TILE, aoti_shims, cpu_flags as _cpu_flags, runs_attention
 
 __all__ = ["Blocks", "load_kernel", "aoti_shims", "runs_attention", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
            "pack_blocks", "W4A8Linear"]
@@ -69,12 +69,6 @@ def load_kernel() -> None:
         load_library()
     except YggError as e:
         raise YggError(f"weights w4a8: {e}") from None
-
-
-def runs_attention(head_dim: int) -> bool:
-    """Whether ``yggtree::rows_attention`` takes this head dim (csrc/rows_attention.cpp: a
-    multiple of 16, at most 256)."""
-    return head_dim % 16 == 0 and head_dim <= 256
 
 
 def _f16_exact(v: torch.Tensor, what: str) -> torch.Tensor:
