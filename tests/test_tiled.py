@@ -212,3 +212,48 @@ def test_profile_times_int8_kernels():
     pad = time_padding(m, warmup=1, repeats=3, widths=(1, 6), tiled=t)
     assert pad["products"] == len(kernel_layers(m)) and "tiled" in pad["median_ms"]
     assert pad["kernel"] in KERNELS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64])
+def test_4bit_layers_on_the_tiled_kernel(dtype, group):
+    """4-bit planes on the tiled kernel: w = s q + m per group, the planes summed; exactly the
+    dequantized weight's product on small integers, rows independent of the call, the padded
+    columns cut; close to float64 on random data in float32."""
+    from yggtree.runtime.quant import Int4Codes, Int4Linear, dequantize, quantize_int4
+
+    g = torch.Generator().manual_seed(group)
+    n, k = 37, 128
+    planes = [Int4Codes(torch.randint(0, 16, (n, k), generator=g).to(torch.uint8),
+                        torch.randint(1, 3, (n, k // group), generator=g).float(),
+                        torch.randint(-2, 3, (n, k // group), generator=g).float()) for _ in range(2)]
+    top = 2 if dtype == torch.float32 else 1
+    x = torch.randint(-top, top + 1, (6, k), generator=g).to(dtype)
+    lin = Int4Linear(planes, None, dtype, kernel="tiled")
+    assert lin.packed.shape == (2, 3, k // 2, 16) and lin.scale_zeros.shape == (2, 2, 3, k // group, 16)
+    want = (x.float() @ dequantize(planes).T)  # integers well inside float32's exact range
+    if dtype == torch.float32:
+        assert torch.equal(lin(x), want)
+    else:
+        torch.testing.assert_close(lin(x), want.to(dtype), rtol=1e-2, atol=0)  # one rounding to bfloat16
+    one = torch.cat([lin(x[i : i + 1]) for i in range(6)])
+    assert torch.equal(lin(x), one)
+    c = quantize_int4(torch.randn(50, k, generator=g), group)
+    xf = torch.randn(4, k, generator=g)
+    ref = xf.double() @ dequantize([c]).double().T
+    torch.testing.assert_close(Int4Linear([c], None, torch.float32, "tiled")(xf).double(), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="kernel must be torch or tiled"):
+        Int4Linear([c], None, torch.float32, "blas")
+
+
+def test_profile_times_4bit_kernels():
+    from yggtree.offline.profile import kernel_layers, time_padding
+    from yggtree.runtime.quant import Int4Linear, quantize_linears
+
+    m, t = tiny_model(), tiny_model()
+    quantize_linears(m, "int4", 32)
+    quantize_linears(t, "int4", 32, kernel="tiled")
+    assert all(isinstance(x, Int4Linear) for x in kernel_layers(m)) and len(kernel_layers(m)) == 4 * len(m.layers) + 1
+    assert {x.kernel for x in kernel_layers(t)} == {"tiled"}
+    pad = time_padding(m, warmup=1, repeats=3, widths=(1, 6), tiled=t)
+    assert pad["products"] == len(kernel_layers(m)) and pad["kernel"] in KERNELS

@@ -213,6 +213,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     steps_todo = [(skey, w, c) for w in STEP_WIDTHS for c in graphs.buckets if c >= w]
     progress.update(task, total=len(todo) + len(steps_todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
+    sums: dict[tuple[str, int, int], str] = {}  # each package's sha256, checked at every load
     for key in [*todo, *steps_todo]:
         kind, w, c = key
         scope = "step" if key in steps_todo else "block"
@@ -228,11 +229,10 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
                 compile_step_package(target, w, c, capture, part)
         os.replace(part, out / name)
         secs[key] = time.perf_counter() - t
+        sums[key] = file_sha256(out / name)
         progress.update(task, advance=1)
 
     dt = plan.dtype
-    sums = {key: file_sha256(out / package_name(*key)) for key in todo}  # checked at every load
-    sums |= {key: file_sha256(out / package_name(*key, "step")) for key in steps_todo}
     records, done = [], set()
     for model_name, roles, key in uses:
         kind, w, c = key

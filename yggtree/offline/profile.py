@@ -135,12 +135,13 @@ PADDING_ROWS = (1, 2, 4, 8)  # the min_rows compared (1: no padding)
 
 def kernel_layers(model) -> list:
     """The layers of ``model`` whose product kernel the profile chooses, in module order: its
-    packed float layers (runtime/packed.py) and its int8 ones (runtime/quant.py ``Int8Linear``)."""
+    packed float layers (runtime/packed.py) and its int8 and 4-bit ones (runtime/quant.py
+    ``Int8Linear``, ``Int4Linear``; int4 and gguf-native)."""
     from ..runtime.packed import packed_layers
-    from ..runtime.quant import Int8Linear
+    from ..runtime.quant import Int4Linear, Int8Linear
 
     packed = {id(m) for m in packed_layers(model)}
-    return [m for m in model.modules() if id(m) in packed or isinstance(m, Int8Linear)]
+    return [m for m in model.modules() if id(m) in packed or isinstance(m, (Int8Linear, Int4Linear))]
 
 
 def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int = 2,

@@ -162,8 +162,9 @@ class Graphs:
         rest is one compiled graph per (W, n_ctx); with AOTInductor packages: the shape's
         whole-step package if it has one, else the block packages)."""
         whole = step_packages(self.model)
-        if whole is not None and whole.serves(tokens.shape[0], n_ctx or self.model.cache_slots, anc, capture):
-            return whole(tokens, depth, node, anc, committed, capture, n_ctx or self.model.cache_slots)
+        slots = n_ctx or self.model.cache_slots
+        if whole is not None and whole.serves(tokens.shape[0], slots, anc, capture):
+            return whole(tokens, depth, node, anc, committed, capture, slots)
         run = self._compiled_fns().get("masked_step")
         return steps.tree_step(self.model, tokens, depth, node, anc, committed, capture, n_ctx, run)
 

@@ -5,7 +5,9 @@
 - ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
   slots (runtime/model.py's ``Attention.native_rows``).
 - ``yggtree::tiled_mm`` (``csrc/tiled_mm.cpp``): float32, bfloat16 or int8 weights in tiles of 16
-  output columns, each row computed on its own (runtime/packed.py's ``tiled`` product kernel).
+  output columns, each row computed on its own (runtime/packed.py's ``tiled`` product kernel);
+  ``yggtree::tiled_q4_mm`` the same for 4-bit group-wise codes (runtime/quant.py's int4 and
+  gguf-native layers on the tiled kernel).
 
 ``torch.utils.cpp_extension`` builds them into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use
 (a directory per source hash, flags and torch version) and registers the ops; AOTInductor
@@ -46,6 +48,8 @@ SHIMS = {
                       "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
     "tiled_mm": "AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle scale, "
                 "AtenTensorHandle* ret0)",
+    "tiled_q4_mm": "AOTITorchError aoti_torch_cpu_tiled_q4_mm(AtenTensorHandle x, AtenTensorHandle codes, "
+                   "AtenTensorHandle s, AtenTensorHandle m, AtenTensorHandle* ret0)",
 }
 TILE = 16  # output columns per tile of the w4a8 and tiled kernels
 
@@ -94,6 +98,7 @@ def load_library() -> None:
     torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
     torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
     torch.library.register_fake("yggtree::tiled_mm")(_tiled_mm_fake)
+    torch.library.register_fake("yggtree::tiled_q4_mm")(_tiled_q4_mm_fake)
 
 
 def aoti_shims() -> dict:
@@ -138,3 +143,7 @@ def _rows_attention_fake(q, k, v, head, window):
 
 def _tiled_mm_fake(x, w, scale):
     return x.new_empty((x.shape[0], w.shape[0] * TILE))
+
+
+def _tiled_q4_mm_fake(x, codes, s, m):
+    return x.new_empty((x.shape[0], codes.shape[0] * TILE))

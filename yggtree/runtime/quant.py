@@ -220,36 +220,74 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """``F.linear`` with 4-bit group-wise weights (``_weight_int4pack_mm_for_cpu`` on bfloat16
-    activations, the result in the run's dtype ``dtype``), one or more planes whose products
-    are summed in the run's dtype (a GGUF Q8_0 weight is two); the output width is padded to a
-    multiple of 16 with zero rows inside the kernel and cut after it."""
+    """``F.linear`` with 4-bit group-wise weights, one or more planes whose products are summed (a
+    GGUF Q8_0 weight is two), the result in the run's dtype ``dtype``, on one of two kernels
+    (runtime/packed.py ``KERNELS``, measured by the profile as for float products):
 
-    packed: torch.Tensor  # [P, Np, K / 2] uint8, the kernel's layout; Np = N rounded up to 16
-    scale_zeros: torch.Tensor  # [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE)
+    - ``torch``: ``_weight_int4pack_mm_for_cpu`` on bfloat16 activations and bfloat16 scales and
+      zeros, each plane's product cast to the run's dtype and summed in it; the output width is
+      padded to a multiple of 16 with zero rows inside the kernel and cut after it;
+    - ``tiled``: ``yggtree::tiled_q4_mm`` (runtime/kernels.py) on float32 activations with the
+      float32 scales, w = s q + m per group (m = zero - 8 s), each row summed in a fixed order,
+      the planes summed in float32 and cast once.
+
+    The two are different arithmetic, so an engine and its compiled packages use one."""
+
+    # torch: [P, Np, K / 2] uint8, the kernel's layout; Np = N rounded up to 16;
+    # tiled: [P, T, K / 2, 16] uint8, two codes a byte (csrc/tiled_mm.cpp), N padded to 16 T
+    packed: torch.Tensor
+    # torch: [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE); tiled: [P, 2, T, K / group, 16] float32 (s, m)
+    scale_zeros: torch.Tensor
     bias: torch.Tensor | None  # [N] in the run's dtype
 
-    def __init__(self, planes: list[Int4Codes], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, planes: list[Int4Codes], bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernel: str = "torch") -> None:
         super().__init__()
         n, k = planes[0].q.shape
         self.in_features, self.out_features, self.group, self.dtype = k, n, planes[0].group, dtype
+        self.kernel = kernel
         pad = -n % N_ALIGN
         packed, sz = [], []
-        for c in planes:
-            q = F.pad(c.q.to(torch.int32), (0, 0, 0, pad), value=8)  # zero rows: (8 - 8) * 1 + 0
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-            s = F.pad(torch.stack([c.scale, c.zero], -1), (0, 0, 0, 0, 0, pad))  # [Np, K/g, 2]
-            sz.append(s.transpose(0, 1).to(KERNEL_DTYPE).contiguous())
+        if kernel == "tiled":
+            from .kernels import load_library
+
+            load_library()
+            for c in planes:
+                q = F.pad(c.q, (0, 0, 0, pad))  # zero columns: q 0, s 0, m 0
+                pairs = q.view(-1, N_ALIGN, k // 2, 2)
+                packed.append((pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous())
+                sm = [F.pad(v, (0, 0, 0, pad)).view(-1, N_ALIGN, k // self.group).permute(0, 2, 1)
+                      for v in (c.scale, c.zero - 8 * c.scale)]
+                sz.append(torch.stack(sm).float().contiguous())
+        elif kernel == "torch":
+            for c in planes:
+                q = F.pad(c.q.to(torch.int32), (0, 0, 0, pad), value=8)  # zero rows: (8 - 8) * 1 + 0
+                packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+                s = F.pad(torch.stack([c.scale, c.zero], -1), (0, 0, 0, 0, 0, pad))  # [Np, K/g, 2]
+                sz.append(s.transpose(0, 1).to(KERNEL_DTYPE).contiguous())
+        else:
+            raise ValueError(f"kernel must be torch or tiled, got {kernel!r}")
         self.register_buffer("packed", torch.stack(packed), persistent=False)
         self.register_buffer("scale_zeros", torch.stack(sz), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
+    def product(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """The layer's product (``min_rows``: the packed layers' signature; 4-bit never pads)."""
+        return self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
         y = None
-        for p in range(self.packed.shape[0]):  # the planes' products, each in x's dtype, summed in it
-            yp = int4_mm(x2, self.packed[p], self.scale_zeros[p], self.group).to(x.dtype)
-            y = yp if y is None else y + yp
+        if self.kernel == "tiled":
+            x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+            for p in range(self.packed.shape[0]):  # the planes' products, summed in float32
+                yp = torch.ops.yggtree.tiled_q4_mm(x2, self.packed[p], self.scale_zeros[p, 0], self.scale_zeros[p, 1])
+                y = yp if y is None else y + yp
+            y = y.to(x.dtype)
+        else:
+            x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+            for p in range(self.packed.shape[0]):  # the planes' products, each in x's dtype, summed in it
+                yp = int4_mm(x2, self.packed[p], self.scale_zeros[p], self.group).to(x.dtype)
+                y = yp if y is None else y + yp
         if y.shape[1] != self.out_features:  # the padded output rows cut
             y = y[:, : self.out_features].contiguous()
         y = y.reshape(*x.shape[:-1], self.out_features)
@@ -264,16 +302,15 @@ def quant_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _kernel_name(fmt: str, kernel: str = "torch") -> str:
-    if fmt == "int8" and kernel == "tiled":
-        return "yggtree::tiled_mm"
+    if fmt in ("int8", "int4") and kernel == "tiled":
+        return "yggtree::tiled_mm" if fmt == "int8" else "yggtree::tiled_q4_mm"
     return {"int8": "aten._weight_int8pack_mm on bfloat16 activations", "w4a8": "yggtree::w4a8_mm"}.get(
         fmt, "aten._weight_int4pack_mm_for_cpu on bfloat16 activations")
 
 
 def check_kernel(fmt: str, dtype: torch.dtype, kernel: str = "torch") -> None:
-    """YggError in one line unless this torch and CPU run ``fmt``'s kernel (``int8`` on
-    ``kernel``, ``int4``, ``w4a8``) in a layer of a ``dtype`` run: a 1-row product of a 16 x 32
-    weight."""
+    """YggError in one line unless this torch and CPU run ``fmt``'s kernel (``int8`` or ``int4``
+    on ``kernel``, ``w4a8``) in a layer of a ``dtype`` run: a 1-row product of a 16 x 32 weight."""
     from .w4a8 import W4A8Linear, q4_1_blocks
 
     w = torch.zeros(16, GGUF_BLOCK)
@@ -285,8 +322,9 @@ def check_kernel(fmt: str, dtype: torch.dtype, kernel: str = "torch") -> None:
         elif fmt == "w4a8":
             lin = W4A8Linear(q4_1_blocks(w), None, dtype)  # builds the kernel (YggError if it cannot)
         else:
-            getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            lin = Int4Linear([quantize_int4(w, GGUF_BLOCK)], None, dtype)
+            if kernel == "torch":
+                getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            lin = Int4Linear([quantize_int4(w, GGUF_BLOCK)], None, dtype, kernel)
         lin(torch.zeros(1, GGUF_BLOCK, dtype=dtype))
     except (AttributeError, RuntimeError, NotImplementedError) as e:
         raise YggError(f"weights {fmt}: this torch/CPU cannot run {_kernel_name(fmt, kernel)} "
@@ -337,7 +375,8 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
     -> (GGML type, bytes), :func:`yggtree.runtime.loading.gguf_raw_weights`; ``w4a8``: the
     blocks of ``raw`` where it has them, Q4_1 otherwise, runtime/w4a8.py); q/k/v and gate/up
     become one layer each. Returns how many linears were replaced. GGUF tensors stored as float
-    stay ``nn.Linear`` under gguf-native. ``kernel`` is the int8 layers' (:class:`Int8Linear`).
+    stay ``nn.Linear`` under gguf-native. ``kernel`` is the int8 and 4-bit layers' product kernel
+    (:class:`Int8Linear`, :class:`Int4Linear`).
     YggError (one line) for what cannot run: see the module docs."""
     from .w4a8 import W4A8Linear, cat_blocks, gguf_blocks, q4_1_blocks
 
@@ -383,14 +422,14 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
                 return None  # float, or a mixed group: each part on its own
             cat = [Int4Codes(*(torch.cat([getattr(p[i], f) for p in planes]) for f in ("q", "scale", "zero")))
                    for i in range(len(planes[0]))]
-            return Int4Linear(cat, bias, dtype)
+            return Int4Linear(cat, bias, dtype, kernel)
         w = torch.cat([p.weight.detach() for p in lins])
         if fmt == "int8":
             return Int8Linear(w, bias, dtype, kernel)
         if w.shape[1] % group:
             raise YggError(f"weights int4@{group}: the group size does not divide the input width "
                            f"{w.shape[1]} of {name} (choose a group size dividing it)")
-        return Int4Linear([quantize_int4(w, group)], bias, dtype)
+        return Int4Linear([quantize_int4(w, group)], bias, dtype, kernel)
 
     n = _replace_linears(model, make)
     if fmt == "w4a8" or kernel == "tiled":  # products on our library: its row-by-row attention too

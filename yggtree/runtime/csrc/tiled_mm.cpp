@@ -11,12 +11,21 @@
 // is per row and per output column in a fixed order, so a row's result does not depend on the
 // call's other rows nor on the thread count (tiles are split across threads whole): speculation
 // verifying W rows computes each row bitwise as a plain step does.
+//
+// yggtree::tiled_q4_mm: 4-bit codes q in 0..15 per group of G input columns with a float32 scale
+// s and offset m per group and output column, w = s q + m. Codes [T, K / 2, 16] uint8: byte
+// (t, j, l) = q[16t+l][2j] | q[16t+l][2j+1] << 4; s and m [T, K / G, 16] float32. Per row r:
+//   xs[g] = sum of x[r, k] over group g (16-lane partial sums, lanes added in a fixed order)
+//   a[g]  = (sum over even k of g of x[r, k] q[k, l]) + (sum over odd k ...), each in k order
+//   y     = sum over g in order of fma(s[g], a[g], .) then fma(m[g], xs[g], .)
+// so the same row independence holds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <vector>
 
 namespace {
 
@@ -105,6 +114,81 @@ at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   return out;
 }
 
+// R rows of one tile of 4-bit codes: all groups; xs [R, B] the rows' group sums (stride B)
+template <int R>
+inline void q4_tile(const uint8_t* codes, const float* s, const float* m, const float* x, const float* xs,
+                    int64_t K, int64_t G, float* out, int64_t ldo) {
+  const int64_t B = K / G;
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < B; ++g) {
+    __m512 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = _mm512_setzero_ps(), odd[r] = _mm512_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+      const uint8_t* c = codes + (k / 2) * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(c) + TILED_PREFETCH, _MM_HINT_T0);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      for (int r = 0; r < R; ++r) {
+        even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w0, even[r]);
+        odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + 1]), w1, odd[r]);
+      }
+    }
+    const __m512 sg = _mm512_loadu_ps(s + g * 16), mg = _mm512_loadu_ps(m + g * 16);
+    for (int r = 0; r < R; ++r) {
+      y[r] = _mm512_fmadd_ps(sg, _mm512_add_ps(even[r], odd[r]), y[r]);
+      y[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xs[r * B + g]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, y[r]);
+}
+
+// x [M, K] float32; codes [T, K / 2, 16] uint8; s, m [T, K / G, 16] float32 -> [M, 16 T] float32
+at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& s, const at::Tensor& m) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_q4_mm: x must be [M, K] float32");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 16 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "tiled_q4_mm: codes must be a contiguous [T, K / 2, 16] uint8");
+  const int64_t T = codes.size(0), K = 2 * codes.size(1);
+  TORCH_CHECK(s.dim() == 3 && s.size(0) == T && s.size(2) == 16 && s.scalar_type() == at::kFloat && s.is_contiguous() &&
+              m.sizes() == s.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
+              "tiled_q4_mm: s and m must be [T, K / G, 16] float32");
+  const int64_t B = s.size(1);
+  TORCH_CHECK(B > 0 && K % B == 0 && (K / B) % 16 == 0, "tiled_q4_mm: the group size must divide K and be a multiple of 16");
+  const int64_t G = K / B;
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.size(1) == K, "tiled_q4_mm: x has ", x.size(1), " columns, the weight ", K);
+  const int64_t M = x.size(0), N = 16 * T;
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  // the rows' group sums, in the calling thread's scratch (the parallel tiles only read them)
+  static thread_local std::vector<float> xs_buf;
+  if (static_cast<int64_t>(xs_buf.size()) < M * B) xs_buf.resize(M * B);
+  float* xs = xs_buf.data();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < B; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + r * K + k));
+      xs[r * B + g] = _mm512_reduce_add_ps(acc);
+    }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* c = cp + t * (K / 2) * 16;
+      const float *st = sp + t * B * 16, *mt = mp + t * B * 16;
+      int64_t r = 0;
+      for (; r + 8 <= M; r += 8) q4_tile<8>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
+      for (; r + 4 <= M; r += 4) q4_tile<4>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
+      for (; r + 2 <= M; r += 2) q4_tile<2>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
+      for (; r < M; ++r) q4_tile<1>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // The op's C shim (see csrc/w4a8.cpp): AOTInductor packages call the kernel here directly
@@ -118,5 +202,21 @@ extern "C" AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensor
   });
 }
 
-TORCH_LIBRARY_FRAGMENT(yggtree, lib) { lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor"); }
-TORCH_LIBRARY_IMPL(yggtree, CPU, lib) { lib.impl("tiled_mm", &tiled_mm); }
+extern "C" AOTITorchError aoti_torch_cpu_tiled_q4_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle s,
+                                                     AtenTensorHandle m, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = tiled_q4_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(codes),
+                                 *tensor_handle_to_tensor_pointer(s), *tensor_handle_to_tensor_pointer(m));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
+  lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  lib.def("tiled_q4_mm(Tensor x, Tensor codes, Tensor s, Tensor m) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
+  lib.impl("tiled_mm", &tiled_mm);
+  lib.impl("tiled_q4_mm", &tiled_q4_mm);
+}
