@@ -257,3 +257,18 @@ def test_profile_times_4bit_kernels():
     assert {x.kernel for x in kernel_layers(t)} == {"tiled"}
     pad = time_padding(m, warmup=1, repeats=3, widths=(1, 6), tiled=t)
     assert pad["products"] == len(kernel_layers(m)) and pad["kernel"] in KERNELS
+
+
+def test_packing_loads_the_library_in_a_fresh_process(tmp_path):
+    """A bfloat16 model packed for the tiled kernel in a process that never loaded the library
+    runs (the attention stays inductor's in bfloat16, the products need the library all the same)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from helpers import tiny_model; from yggtree.runtime.packed import pack_linears;"
+            "m = tiny_model(hidden=64, dtype=torch.bfloat16); pack_linears(m, kernel='tiled');"
+            "print(m.lm_head(torch.ones(1, 64, dtype=torch.bfloat16)).shape)")
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tests, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "torch.Size([1, 97])"

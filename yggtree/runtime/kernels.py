@@ -124,9 +124,9 @@ def use_rows_attention(model) -> int:
     library; returns how many layers it set (0 for another dtype)."""
     from .model import Attention
 
+    load_library()
     if next(model.parameters()).dtype != torch.float32:
         return 0
-    load_library()
     layers = [m for m in model.modules() if isinstance(m, Attention) and runs_attention(m.cfg.head_dim)]
     for m in layers:
         m.native_rows = True
