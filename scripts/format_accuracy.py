@@ -3,9 +3,9 @@
 output, reported rather than hidden.
 
 For every ``--formats`` entry (runtime/quant.py; ``float32`` is the reference) the target is
-loaded in a float32 run with that weight format (its products on bfloat16 activations,
-runtime/quant.py), or for ``bfloat16`` in a bfloat16 run (weights and activations), and measured
-on:
+loaded in a float32 run with that weight format (on torch's kernels its products take bfloat16
+activations; on the tiled kernel, ``--kernel tiled``, float32 ones: runtime/quant.py), or for
+``bfloat16`` in a bfloat16 run (weights and activations), and measured on:
 
 - greedy token agreement: plain greedy decoding (the engine, reference mode) of the first
   ``--prompts`` evaluation prompts (MT-Bench first turns, then HumanEval, chat template applied)
@@ -98,17 +98,22 @@ def run_dtype(fmt: str) -> str:
     return "bfloat16" if fmt == "bfloat16" else "float32"
 
 
-def loader(model_name: str):
+def loader(model_name: str, kernel: str = "torch"):
     """``load(fmt)`` for the real model: a float32 run, ``fmt`` weights (build.quantize_models);
-    ``bfloat16``: the model in bfloat16."""
-    from yggtree.runtime.build import quantize_models
+    ``bfloat16``: the model in bfloat16. ``kernel`` ``torch``: quantized layers on torch's kernels,
+    float ones on ``F.linear``; ``tiled``: every product on the tiled kernel, as an engine whose
+    profile chose it runs them (build.pack_models)."""
+    from yggtree.runtime.build import pack_models, quantize_models
     from yggtree.runtime.loading import load_model, resolve_model
 
     src = resolve_model(model_name)
 
     def load(fmt: str):
         m = load_model(src, run_dtype(fmt))
-        quantize_models(m, None, fmt, src)  # float formats: nothing to do
+        if kernel == "tiled":
+            pack_models(m, None, weights=None if fmt in ("float32", "bfloat16") else fmt, src=src, kernel="tiled")
+        else:
+            quantize_models(m, None, fmt, src)  # float formats: nothing to do
         return m
 
     return load
@@ -122,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--ppl-texts", type=int, default=32)
     ap.add_argument("--ppl-window", type=int, default=256)
+    ap.add_argument("--kernel", default="torch", choices=("torch", "tiled"),
+                    help="the product kernel (runtime/packed.py KERNELS): torch's, or the tiled one for every product")
     ap.add_argument("--out", type=Path)
     return run_reporting("format_accuracy", run, ap.parse_args(argv))
 
@@ -150,14 +157,14 @@ def run(args) -> int:
     eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     torch.manual_seed(0)
     head = {"model": args.model, "prompts": len(prompts), "tokens": args.tokens,
-            "ppl_tokens": sum(len(c) for c in chunks)}
+            "ppl_tokens": sum(len(c) for c in chunks), "kernel": args.kernel}
 
     def done(res: dict) -> None:  # each format's result kept as it comes: a long run loses nothing
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({**head, "formats": res, "partial": True}) + "\n")
 
-    res = measure(loader(args.model), formats, prompts, args.tokens, chunks, eos, done)
+    res = measure(loader(args.model, args.kernel), formats, prompts, args.tokens, chunks, eos, done)
     print(f"{'format':<14} {'match':>7} {'prefix':>8} {'identical':>10} {'ppl':>9}")
     for fmt, r in res.items():
         a = r["agreement"]
