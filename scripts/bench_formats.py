@@ -27,11 +27,12 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   configuration the objective picks for the format on this machine; and ``ygg/FMT/plan:NAME/plain``,
   the same plan's compiled graphs decoding plainly as ``yggtree run --plan PATH --no-speculate``
   runs it (no drafter loaded), checked against the format's plain decoding as well.
-  Float weights run on oneDNN-packed products padded as ``yggtree profile`` chooses for a plan on
-  this machine (``--min-rows auto``: the fastest padding that is batch-invariant at widths 1 and
-  the tree's W_v, measured per format before its engines are built, the same for its plain and
-  speculative engine, as one plan's engine pads its plain and tree steps alike); ``--min-rows N``
-  fixes it.
+  Every format's products run on the kernel and padding ``yggtree profile`` would choose for a
+  plan on this machine (``--min-rows auto``: torch's kernel at the fastest padding that is
+  batch-invariant at widths 1 and the tree's W_v, or the tiled kernel, whichever is faster,
+  measured per format before its engines are built, the same for its plain and speculative
+  engine, as one plan's engine runs its plain and tree steps alike); ``--min-rows N`` fixes
+  torch's kernel padded to N.
 
 Timing: one untimed warm-up generate per system, then ``--repeats`` passes; in each pass every
 system decodes prompt i before any decodes prompt i + 1 (their order rotating per prompt), so a
@@ -364,11 +365,12 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
         dtype = format_dtype(fmt.partition("@")[0], args.quant_dtype)
         weights = None if fmt in ("float32", "bfloat16") else fmt
         pad, min_rows, kernel = None, 1, "torch"
-        if weights is None and args.min_rows == "auto":  # float weights are packed: measure kernel and padding
-            pad = model_padding(src, dtype, None, (1, tree.verify_width) if tree is not None else (1,))
+        if args.min_rows == "auto":  # the product kernel and padding, measured as a profile does
+            pad = model_padding(src, dtype, weights, (1, tree.verify_width) if tree is not None else (1,))
             min_rows, kernel = pad["min_rows"], pad["kernel"]
-            say(f"ygg/{fmt}: packed products on {kernel}, padded to {min_rows} row(s) (median ms by kernel "
-                f"and rows: {pad['median_ms']})")
+            if pad["products"]:
+                say(f"ygg/{fmt}: products on {kernel}, padded to {min_rows} row(s) (median ms by kernel "
+                    f"and rows: {pad['median_ms']})")
         elif weights is None:
             min_rows = int(args.min_rows)
         for kind in ("plain", "spec") if tree is not None else ("plain",):
