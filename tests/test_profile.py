@@ -53,7 +53,11 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
     assert {r["kind"] for r in prof["points"]} == {"verify", "draft", "head"}
     pad = prof["packed_padding"]  # measured first; the curves ran padded so, as plan engines do
     assert pad["min_rows"] in (1, 2, 4, 8) and summary["packed_min_rows"] == pad["min_rows"]
-    assert set(pad["median_ms"]) == {"1", "2", "4", "8"} and pad["products"] > 0
+    from yggtree.runtime.kernels import library_missing  # the tiled kernel is timed where it runs
+
+    tiled = set() if library_missing() else {"tiled"}
+    assert set(pad["median_ms"]) == {"1", "2", "4", "8"} | tiled and pad["products"] > 0
+    assert summary["packed_kernel"] == pad["kernel"] and pad["kernel"] in ("torch", *tiled)
     assert (out / "cpu-test.csv").is_file() and (out / "cpu-test.png").is_file()
     cost = CostModel.from_profile(out / "cpu-test.json", load_plan(plan_path))
     assert cost.t_verify(4, 10) > 0 and cost.plain_ms(10) > 0
@@ -178,8 +182,7 @@ def test_time_rounds_settles_each_timed_call_with_one_of_its_own(monkeypatch):
 
 def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, monkeypatch):
     """`yggtree profile` of a plan with ``weights: int8``, naming the profile it writes, times the
-    quantized engine (its quantized layers pack nothing: no padding to measure) and records the
-    format; the cost
+    quantized engine (its int8 products on each kernel, never padded) and records the format; the cost
     model takes it for that plan only, and a float plan's profile is refused for it."""
     import yggtree.runtime.quant as quant
     from yggtree.cli import main
@@ -187,7 +190,7 @@ def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, mo
     from yggtree.runtime.cost import CostModel
 
     formats, real = [], quant.quantize_linears
-    monkeypatch.setattr(quant, "quantize_linears", lambda m, fmt, *a: formats.append(fmt) or real(m, fmt, *a))
+    monkeypatch.setattr(quant, "quantize_linears", lambda m, fmt, *a, **k: formats.append(fmt) or real(m, fmt, *a, **k))
     out = tmp_path / "profiles"
     # the plan names the profile this command writes (it does not exist yet), as a per-format plan does
     plan_path = tiny_plan_dir(tmp_path, PLAN + f"weights: int8\nprofile: {out / 'cpu-int8.json'}\n")
@@ -196,8 +199,16 @@ def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, mo
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     prof = json.loads((out / "cpu-int8.json").read_text())
     assert prof["plan"]["weights"] == summary["weights"] == "int8"
-    assert formats == ["int8"] * 3  # the padding's model, then the timed engine's target and drafter
-    assert prof["packed_padding"]["products"] == 0 and summary["packed_min_rows"] == 1
+    # the kernel measurement's two models (torch's kernel, the tiled one where it runs), then the
+    # timed engine's target and drafter
+    from yggtree.runtime.kernels import library_missing
+
+    tiled = not library_missing()
+    assert formats == ["int8"] * (4 if tiled else 3)
+    pad = prof["packed_padding"]  # the int8 products timed on each kernel, never padded
+    assert pad["products"] > 0 and summary["packed_min_rows"] == pad["min_rows"] == 1
+    assert set(pad["median_ms"]) == ({"1", "tiled"} if tiled else {"1"})
+    assert summary["packed_kernel"] == pad["kernel"]
     int8 = load_plan(plan_path)  # its profile exists now
     assert CostModel.from_profile(out / "cpu-int8.json", int8).t_verify(4, 10) > 0
     float_plan = replace(int8, weights=None)

@@ -160,11 +160,13 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     candidate. YggError if nothing is invariant."""
     import torch
 
-    from ..runtime.packed import invariant_min_rows, padding_is_invariant
+    from ..runtime.packed import invariant_min_rows, packed_layers, padding_is_invariant
 
     layers = kernel_layers(model)
     if not layers:  # nothing packed (another device or dtype): nothing to pad
         return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
+    if not packed_layers(model):  # quantized layers only: torch's kernels are never padded
+        candidates = (1,)
     widths = tuple(sorted({1, *widths}))
     invariant = {str(r): padding_is_invariant(model, r, widths) for r in candidates}
     dtype = next(model.parameters()).dtype

@@ -142,7 +142,8 @@ def _check_min_rows(min_rows: int) -> int:
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose product runs on a oneDNN-packed copy of its weight."""
+    """An ``nn.Linear`` whose product runs on a packed copy of its weight, in the layout of its
+    kernel (:data:`KERNELS`: oneDNN's, or the tiled kernel's tiles)."""
 
     packed: torch.Tensor  # ``weight`` in the kernel's layout: oneDNN's (an mkldnn tensor) or [T, in, 16] tiles
     min_rows: int = 1  # products of fewer rows run padded to this many (1: no padding)
@@ -170,7 +171,7 @@ class PackedLinear(nn.Linear):
 
 
 class PackedConcat(nn.Module):
-    """Linear layers that read the same input (q/k/v, gate/up) as ONE oneDNN product over their
+    """Linear layers that read the same input (q/k/v, gate/up) as ONE packed product over their
     weights stacked by rows: ``forward(x)`` is ``cat([lin(x) for lin in parts], -1)``.
 
     One product instead of three (or two) saves the per-call cost of the op and of oneDNN (about

@@ -4,9 +4,14 @@
 runtime/w4a8.py; :func:`quantize_linears` applies every format.)
 
 A plan's ``weights`` (``--weights``; :func:`yggtree.shapes.weight_format`) picks the format of the
-decoder-block linears and the LM head of the target and of the drafter's model. Each product runs
-through one of torch's CPU kernels (signatures checked with torch 2.13) *on bfloat16 activations
-with bfloat16 scales, whatever the run's dtype*: a quantized layer casts its input to bfloat16,
+decoder-block linears and the LM head of the target and of the drafter's model. The int8 and
+4-bit layers run on one of two product kernels, the one the plan's profile measured faster on
+the machine (runtime/packed.py ``KERNELS``; ``yggtree profile`` times both on the model's own
+products): our tiled kernel (``yggtree::tiled_mm`` / ``yggtree::tiled_q4_mm``, runtime/kernels.py:
+float32 activations and scales, w = q s per channel for int8 and w = s q + m per group for 4-bit,
+each row summed in a fixed order, the result rounded to the run's dtype once), or torch's, described
+next. On torch's kernel each product runs through one of torch's CPU kernels (signatures checked
+with torch 2.13) *on bfloat16 activations with bfloat16 scales, whatever the run's dtype*: a quantized layer casts its input to bfloat16,
 runs the kernel (which accumulates in float32 and rounds its output to bfloat16) and casts the
 result back to the run's dtype (the bias, if any, is added in the run's dtype). This is the
 format's definition -- the model actually run, to which speculation is exact -- not an
