@@ -84,3 +84,14 @@ def test_matmul_floor_leaves_global_rng_alone():
 def test_matmul_floor_rejects_bad_arguments(weights, kwargs):
     with pytest.raises(YggError):
         matmul_floor_ms(weights, **kwargs)
+
+
+def test_tiled_matmul_floor_times_the_same_weights():
+    from yggtree.runtime.kernels import library_missing
+
+    if library_missing():
+        pytest.skip("yggtree's kernel library does not run on this CPU")
+    ws = [torch.randn(8, 4), torch.ones(8), torch.randn(20, 8)]  # 20 columns: a padded last tile
+    res = matmul_floor_ms(ws, width=2, repeats=3, warmup=1, kernel="tiled")
+    assert set(res) == KEYS and res["kernel"] == "tiled"
+    assert res["n_matmuls"] == 2 and res["weight_bytes"] == (32 + 160) * 4 and res["median_ms"] > 0

@@ -25,9 +25,9 @@ pytestmark = [
 
 
 def tiled(w: torch.Tensor) -> torch.Tensor:
-    from yggtree.runtime.packed import _pack
+    from yggtree.runtime.packed import pack_weight
 
-    return _pack(w, "tiled")
+    return pack_weight(w, "tiled")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,7 +112,7 @@ def test_mixed_kernels_are_refused():
     m = tiny_model()
     pack_linears(m, kernel="tiled")
     m.layers[0].mlp.down_proj.kernel = "torch"
-    with pytest.raises(ValueError, match="different kernels"):
+    with pytest.raises(ValueError, match="different kernel"):
         kernel_of(m)
 
 

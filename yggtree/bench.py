@@ -338,6 +338,7 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     from .runtime.engine import Engine, EngineConfig
     from .runtime.loading import load_model
     from .runtime.build import pack_models
+    from .kernel_choice import measured_choice
     from .runtime.packed import can_pack
 
     status = progress.add_task(f"[{dtype}] loading yggtree weights", total=None)
@@ -353,10 +354,12 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     for system, mode in (("ygg-reference", "reference"), ("ygg-compiled", "performance")):
         progress.update(status, description=f"[{dtype}] building {system} engine")
         m = model.shared_copy()
-        if mode == "performance":
-            pack_models(m)  # as `yggtree run` builds it; a no-op off CPUs
-            if can_pack(m):  # the products the compiled system runs (q/k/v, gate/up fused)
-                floor_weights["packed"] = m.matmul_weights()
+        if mode == "performance":  # as `yggtree run` builds it: the kernel measured on this CPU
+            choice = measured_choice(src, dtype, None, (1,), torch.get_num_threads())
+            pack_models(m, min_rows=choice["min_rows"], kernel=choice["kernel"])  # a no-op off CPUs
+            for kernel in ("packed", "tiled"):  # the products the compiled system runs (q/k/v, gate/up fused)
+                if can_pack(model, "torch" if kernel == "packed" else kernel):
+                    floor_weights[kernel] = m.matmul_weights()
         engine = Engine(
             m,
             EngineConfig(mode=mode, max_context=args.max_context),

@@ -83,7 +83,7 @@ def matmul_weights(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [w for w in weights if w.dim() == 2]
 
 
-KERNELS = ("linear", "packed")
+KERNELS = ("linear", "packed", "tiled")  # F.linear; oneDNN packed; our tiled kernel (runtime/packed.py)
 
 
 def matmul_floor_step(
@@ -125,6 +125,19 @@ def matmul_floor_step(
         def step() -> None:
             for x, p, n in prods:
                 packed_linear(x, p, n)
+    elif kernel == "tiled":
+        from .runtime.kernels import load_library
+        from .runtime.packed import pack_weight, tiled_linear
+
+        if device.type != "cpu" or not all(w.dtype in (torch.float32, torch.bfloat16) for w in mats):
+            raise YggError("the tiled matmul floor needs float32 or bfloat16 weights on a CPU")
+        load_library()  # YggError in one line where this CPU cannot run it
+        prods = [(inputs[(w.shape[1], w.dtype)], pack_weight(w, "tiled"), w.shape[0]) for w in mats]
+
+        @torch.no_grad()
+        def step() -> None:
+            for x, p, n in prods:
+                tiled_linear(x, p, n)
     else:
         plan = [(inputs[(w.shape[1], w.dtype)], w.detach().t()) for w in mats]
 

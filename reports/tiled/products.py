@@ -13,7 +13,7 @@ from yggtree.offline.timing import time_rounds
 from yggtree.runtime.hugepages import huge_empty
 from yggtree.runtime.kernels import load_library
 from yggtree.runtime.loading import load_model, resolve_model
-from yggtree.runtime.packed import _pack, pack_linears, packed_layers, packed_linear
+from yggtree.runtime.packed import pack_weight, pack_linears, packed_layers, packed_linear
 from yggtree.runtime.quant import quantize_int8
 
 torch.set_num_threads(int(os.environ.get("T", "2")))
@@ -29,8 +29,8 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
 def tiles(w: torch.Tensor, kind: str):
     if kind == "int8":
         q, s = quantize_int8(w)
-        return on_huge_pages(_pack(q, "tiled")), _pack(s[:, None], "tiled").reshape(-1, 16)
-    return on_huge_pages(_pack(w.to(getattr(torch, kind)), "tiled")), torch.empty(0)
+        return on_huge_pages(pack_weight(q, "tiled")), pack_weight(s[:, None], "tiled").reshape(-1, 16)
+    return on_huge_pages(pack_weight(w.to(getattr(torch, kind)), "tiled")), torch.empty(0)
 
 
 for dname in sys.argv[1].split(","):

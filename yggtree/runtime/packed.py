@@ -59,7 +59,7 @@ from torch import nn
 
 from .model import FUSED_PROJECTIONS
 
-__all__ = ["KERNELS", "packed_linear", "tiled_linear", "PackedLinear", "PackedConcat", "can_pack", "pack_linears",
+__all__ = ["KERNELS", "packed_linear", "tiled_linear", "pack_weight", "PackedLinear", "PackedConcat", "can_pack", "pack_linears",
            "packed_layers", "min_rows_of", "kernel_of", "padding_is_invariant", "invariant_min_rows"]
 
 KERNELS = ("torch", "tiled")  # the product kernels of packed layers (module docstring)
@@ -118,7 +118,7 @@ def tiled_linear(
     return y if bias is None else y + bias
 
 
-def _pack(weight: torch.Tensor, kernel: str) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, kernel: str) -> torch.Tensor:
     """The layout ``kernel`` reads a [out, in] weight in: oneDNN's blocked layout (an mkldnn
     tensor), or tiles of 16 output columns [T, in, 16] (zero columns pad out to 16 T)."""
     w = weight.detach()
@@ -156,7 +156,7 @@ class PackedLinear(nn.Linear):
         out.weight = lin.weight  # shared, not copied
         out.bias = lin.bias
         out.kernel = _check_kernel(kernel)
-        out.register_buffer("packed", _pack(lin.weight, kernel), persistent=False)
+        out.register_buffer("packed", pack_weight(lin.weight, kernel), persistent=False)
         out.min_rows = _check_min_rows(min_rows)
         return out
 
@@ -192,7 +192,7 @@ class PackedConcat(nn.Module):
         self.in_features = parts[0].in_features
         self.sizes = tuple(p.out_features for p in parts)
         self.out_features = sum(self.sizes)
-        self.register_buffer("packed", _pack(torch.cat([p.weight.detach() for p in parts]), kernel), persistent=False)
+        self.register_buffer("packed", pack_weight(torch.cat([p.weight.detach() for p in parts]), kernel), persistent=False)
         bias = None
         if any(p.bias is not None for p in parts):
             w = parts[0].weight
@@ -271,22 +271,24 @@ def packed_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (PackedLinear, PackedConcat))]
 
 
+def _one_setting(model: nn.Module, name: str):
+    """The value of the setting ``name`` (``min_rows``, ``kernel``) on every packed layer of
+    ``model`` (None when none is packed); ValueError if they differ (:func:`pack_linears` gives
+    one model one value of each)."""
+    values = {getattr(m, name) for m in packed_layers(model)}
+    if len(values) > 1:
+        raise ValueError(f"packed layers with different {name} {sorted(values)}")
+    return values.pop() if values else None
+
+
 def min_rows_of(model: nn.Module) -> int | None:
-    """The ``min_rows`` of ``model``'s packed layers (None when none is packed); ValueError if
-    they differ (:func:`pack_linears` gives one model one value)."""
-    rows = {m.min_rows for m in packed_layers(model)}
-    if len(rows) > 1:
-        raise ValueError(f"packed layers with different min_rows {sorted(rows)}")
-    return rows.pop() if rows else None
+    """The ``min_rows`` of ``model``'s packed layers (:func:`_one_setting`)."""
+    return _one_setting(model, "min_rows")
 
 
 def kernel_of(model: nn.Module) -> str | None:
-    """The product kernel of ``model``'s packed layers (None when none is packed); ValueError if
-    they differ (:func:`pack_linears` gives one model one kernel)."""
-    kernels = {m.kernel for m in packed_layers(model)}
-    if len(kernels) > 1:
-        raise ValueError(f"packed layers with different kernels {sorted(kernels)}")
-    return kernels.pop() if kernels else None
+    """The product kernel of ``model``'s packed layers (:func:`_one_setting`)."""
+    return _one_setting(model, "kernel")
 
 
 MAX_SAMPLE_ROWS = 512  # rows a batch-invariance check draws per layer at most (narrow layers)

@@ -62,7 +62,7 @@ from .gguf_blocks import read_blocks
 from .model import FUSED_PROJECTIONS
 
 __all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "dequantize", "Int8Linear",
-           "Int4Linear", "quant_layers", "quantize_linears", "check_kernel", "check_batch_invariant"]
+           "Int4Linear", "QuantLinear", "quant_layers", "quantize_linears", "check_kernel", "check_batch_invariant"]
 
 GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
 N_ALIGN = 16  # the int4 kernel's output width must be a multiple of this
@@ -172,7 +172,15 @@ def _(x, packed, scale_zeros, group):
     return x.new_empty((x.shape[0], packed.shape[0]))
 
 
-class Int8Linear(nn.Module):
+class QuantLinear(nn.Module):
+    """A quantized linear layer (:class:`Int8Linear`, :class:`Int4Linear`)."""
+
+    def product(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """The layer's product (``min_rows``: the packed layers' signature; quantized products never pad)."""
+        return self(x)
+
+
+class Int8Linear(QuantLinear):
     """``F.linear`` with int8 weights and per-output-channel scales, the result in the run's dtype
     ``dtype``, on one of two kernels (runtime/packed.py ``KERNELS``; the profile measures which is
     faster on the machine, as for float products):
@@ -194,10 +202,10 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features, self.dtype, self.kernel = w.shape[1], w.shape[0], dtype, kernel
         if kernel == "tiled":
             from .kernels import load_library
-            from .packed import _pack
+            from .packed import pack_weight
 
             load_library()
-            q, s = _pack(q, "tiled"), _pack(s[:, None], "tiled").reshape(-1, 16)  # padded columns: q 0, scale 0
+            q, s = pack_weight(q, "tiled"), pack_weight(s[:, None], "tiled").reshape(-1, 16)  # padded columns: q 0, scale 0
         elif kernel != "torch":
             raise ValueError(f"kernel must be torch or tiled, got {kernel!r}")
         else:
@@ -205,10 +213,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("scales", s, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
-
-    def product(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
-        """The layer's product (``min_rows``: the packed layers' signature; int8 never pads)."""
-        return self(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features)
@@ -224,7 +228,7 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantLinear):
     """``F.linear`` with 4-bit group-wise weights, one or more planes whose products are summed (a
     GGUF Q8_0 weight is two), the result in the run's dtype ``dtype``, on one of two kernels
     (runtime/packed.py ``KERNELS``, measured by the profile as for float products):
@@ -275,10 +279,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.stack(packed), persistent=False)
         self.register_buffer("scale_zeros", torch.stack(sz), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
-
-    def product(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
-        """The layer's product (``min_rows``: the packed layers' signature; 4-bit never pads)."""
-        return self(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         y = None

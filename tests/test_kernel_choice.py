@@ -1,0 +1,137 @@
+"""The product kernel of engines built from flags: measured once per machine and key, cached,
+read back; what `yggtree run` and `yggtree bench` build with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from yggtree import kernel_choice
+from yggtree.runtime.build import EngineSpec
+from yggtree.runtime.loading import resolve_model
+from yggtree.shapes import TreeParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from test_compile import save_tiny_checkpoint
+
+    d = tmp_path_factory.mktemp("kernel_choice") / "model"
+    save_tiny_checkpoint(d)
+    return d
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """model_padding replaced by a fake that records its calls and answers ``answer``."""
+    from yggtree.offline import profile
+
+    calls = []
+    answer = {"kernel": "tiled", "min_rows": 1, "products": 3, "median_ms": {"1": 2.0, "tiled": 1.0},
+              "invariant": {"1": True, "tiled": True}, "widths": [1]}
+
+    def fake(src, dtype, weights, widths, warmup=2, repeats=9):
+        calls.append((src.path, dtype, weights, tuple(widths), torch.get_num_threads()))
+        return dict(answer, widths=sorted(set(widths)))
+
+    monkeypatch.setattr(profile, "model_padding", fake)
+    return calls
+
+
+def test_measured_once_then_read_from_the_cache(model_dir, tmp_path, counted):
+    src = resolve_model(str(model_dir))
+    said = []
+    first = kernel_choice.measured_choice(src, "float32", None, (1,), 1, tmp_path, said.append)
+    again = kernel_choice.measured_choice(src, "float32", None, (1,), 1, tmp_path, said.append)
+    assert first == again and first["kernel"] == "tiled"
+    assert len(counted) == 1 and len(said) == 1 and "product kernel measured" in said[0]
+    files = list((tmp_path / "kernels").glob("choice-cpu-t1-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["padding"] == first
+
+
+@pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(weights="int8"), dict(widths=(1, 8)),
+                                    dict(threads=2)])
+def test_every_part_of_the_key_measures_again(model_dir, tmp_path, counted, change):
+    src = resolve_model(str(model_dir))
+    base = dict(dtype="float32", weights=None, widths=(1,), threads=1)
+    kernel_choice.measured_choice(src, **base, root=tmp_path, say=lambda _: None)
+    kernel_choice.measured_choice(src, **(base | change), root=tmp_path, say=lambda _: None)
+    assert len(counted) == 2
+    assert counted[1][4] == (base | change)["threads"]  # measured at the engine's threads
+    assert torch.get_num_threads() == 1  # ... and the process's count restored
+
+
+def test_a_changed_model_file_measures_again(model_dir, tmp_path, counted):
+    import os
+
+    src = resolve_model(str(model_dir))
+    kernel_choice.measured_choice(src, "float32", None, (1,), 1, tmp_path, lambda _: None)
+    st = os.stat(src.path)
+    os.utime(src.path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    kernel_choice.measured_choice(src, "float32", None, (1,), 1, tmp_path, lambda _: None)
+    assert len(counted) == 2
+
+
+def test_an_unreadable_cache_file_is_measured_again_and_replaced(model_dir, tmp_path, counted):
+    src = resolve_model(str(model_dir))
+    kernel_choice.measured_choice(src, "float32", None, (1,), 1, tmp_path, lambda _: None)
+    (path,) = (tmp_path / "kernels").glob("choice-*.json")
+    path.write_text("{not json")
+    got = kernel_choice.measured_choice(src, "float32", None, (1,), 1, tmp_path, lambda _: None)
+    assert len(counted) == 2 and json.loads(path.read_text())["padding"] == got
+
+
+def test_nothing_is_measured_off_cpus(model_dir, tmp_path, counted, monkeypatch):
+    from yggtree.runtime import device
+
+    monkeypatch.setattr(device, "detect_device", lambda: {"kind": "cuda", "name": "some GPU"})
+    got = kernel_choice.measured_choice(resolve_model(str(model_dir)), "float32", None, (1,), 1, tmp_path)
+    assert got["kernel"] == "torch" and got["min_rows"] == 1 and not counted
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_measured_spec_takes_the_engines_widths_and_threads(model_dir, tmp_path, counted):
+    plain = kernel_choice.measured_spec(EngineSpec(model=str(model_dir)), tmp_path, lambda _: None)
+    assert (plain.kernel, plain.min_rows, plain.padding_checked) == ("tiled", 1, (1, (1,)))
+    spec = EngineSpec(model=str(model_dir), drafter="self", tree=TreeParams(2, 2, 8, 2), threads=1)
+    spec = kernel_choice.measured_spec(spec, tmp_path, lambda _: None)
+    assert counted[-1][3] == (1, 8) and spec.padding_checked == (1, (1, 8))
+    unpacked = EngineSpec(model=str(model_dir), pack=False)
+    assert kernel_choice.measured_spec(unpacked, tmp_path) is unpacked and len(counted) == 2
+
+
+def test_the_real_measurement_on_a_tiny_model(model_dir, tmp_path):
+    """No fake: the tiny model's products timed on each kernel this CPU runs, cached."""
+    src = resolve_model(str(model_dir))
+    got = kernel_choice.measured_choice(src, "float32", None, (1, 4), 1, tmp_path, lambda _: None)
+    from yggtree.runtime.packed import KERNELS
+
+    assert got["kernel"] in KERNELS and got["invariant"][got["kernel"] if got["kernel"] == "tiled"
+                                                          else str(got["min_rows"])]
+    assert kernel_choice.measured_choice(src, "float32", None, (1, 4), 1, tmp_path) == got
+
+
+def test_yggtree_run_with_flags_builds_on_the_measured_kernel(model_dir, tmp_path, monkeypatch, capsys):
+    """`yggtree run --no-speculate` (an engine from flags): the kernel measured and cached on the
+    first run, read on the second; the output is plain greedy decoding's either way."""
+    from yggtree.cli import main
+    from yggtree.runtime import build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernels = []
+    real = build.build_engine
+    monkeypatch.setattr(build, "build_engine", lambda spec, *a, **k: kernels.append(spec.kernel) or real(spec, *a, **k))
+    args = ["run", "--model", str(model_dir), "--raw", "--prompt", "t3 t4 t5", "--max-new-tokens", "6",
+            "--no-speculate", "--json", "--max-context", "64", "--prefill-chunk", "4"]
+    outs = []
+    for _ in range(2):
+        assert main(args) == 0
+        cap = capsys.readouterr()
+        outs.append((json.loads(cap.out)["token_ids"], cap.err))
+    assert outs[0][0] == outs[1][0]
+    assert "product kernel measured" in outs[0][1] and "product kernel measured" not in outs[1][1]
+    assert len(set(kernels)) == 1 and len(list((tmp_path / "yggtree" / "kernels").glob("choice-*.json"))) == 1
