@@ -26,7 +26,8 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   objective over its own profile, with its depth predictor if it names one): the speculative
   configuration the objective picks for the format on this machine; and ``ygg/FMT/plan:NAME/plain``,
   the same plan's compiled graphs decoding plainly as ``yggtree run --plan PATH --no-speculate``
-  runs it (no drafter loaded), checked against the format's plain decoding as well.
+  runs it (no drafter loaded), checked against the format's plain decoding as well; a plan
+  without a drafter gives only the latter.
   Every format's products run on the kernel and padding ``yggtree profile`` would choose for a
   plan on this machine (``--min-rows auto``: torch's kernel at the fastest padding that is
   batch-invariant at widths 1 and the tree's W_v, or the tiled kernel, whichever is faster,
@@ -394,7 +395,8 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
         for plan_fmt, plan, info, make_plan in plans:
             if plan_fmt != fmt:
                 continue
-            for suffix, kind, speculate in (("", "spec", True), ("/plain", "plan-plain", False)):
+            kinds = ((("", "spec", True),) if plan.speculative else ()) + (("/plain", "plan-plain", False),)
+            for suffix, kind, speculate in kinds:  # a plan without a drafter: its plain steps only
                 s = System(f"ygg/{fmt}/plan:{plan.name}{suffix}", kind, fmt, plan.dtype)
                 s.info.update(info, **({} if speculate else {"policy": "plain steps (--no-speculate)"}))
 

@@ -14,3 +14,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def onednn_unpadded():
+    """Plans without a profile compile and run on oneDNN's product kernel, unpadded, instead of
+    the kernel this machine measures fastest (yggtree.kernel_choice): for modules whose tests
+    are about that kernel's padding. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("onednn_unpadded")``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YGGTREE_KERNEL", "torch")  # subprocesses too
+        yield

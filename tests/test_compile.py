@@ -25,7 +25,7 @@ from yggtree.plan import CACHE_SUBDIR, MANIFEST, check_artifacts, load_plan
 from yggtree.runtime.model import attention_formulation
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("onednn_unpadded")]  # about oneDNN's padding
 
 PLAN = """\
 name: tiny

@@ -135,3 +135,20 @@ def test_yggtree_run_with_flags_builds_on_the_measured_kernel(model_dir, tmp_pat
     assert outs[0][0] == outs[1][0]
     assert "product kernel measured" in outs[0][1] and "product kernel measured" not in outs[1][1]
     assert len(set(kernels)) == 1 and len(list((tmp_path / "yggtree" / "kernels").glob("choice-*.json"))) == 1
+
+
+@pytest.mark.parametrize("value", ["torch", "tiled"])
+def test_the_environment_forces_a_kernel_without_measuring(model_dir, tmp_path, counted, monkeypatch, value):
+    monkeypatch.setenv("YGGTREE_KERNEL", value)
+    got = kernel_choice.measured_choice(resolve_model(str(model_dir)), "float32", None, (1,), 1, tmp_path)
+    assert (got["kernel"], got["min_rows"]) == (value, 1) and not counted
+    spec = kernel_choice.measured_spec(EngineSpec(model=str(model_dir)), tmp_path)
+    assert spec.kernel == value and spec.padding_checked is None
+
+
+def test_a_bad_forced_kernel_is_refused_in_one_line(model_dir, tmp_path, monkeypatch):
+    from yggtree.errors import YggError
+
+    monkeypatch.setenv("YGGTREE_KERNEL", "blas")
+    with pytest.raises(YggError, match=r"^YGGTREE_KERNEL='blas': must be auto, torch or tiled$"):
+        kernel_choice.measured_choice(resolve_model(str(model_dir)), "float32", None, (1,), 1, tmp_path)

@@ -357,9 +357,10 @@ def test_non_graph_fields_keep_the_artifacts(tmp_path):
     assert check_artifacts(plan, out / "t") == []
 
 
-def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path):
-    """The padding of short packed products comes from the plan's profile (1 without one; a
-    profile older than the measurement: what the runtime padded to then), reaches the engine's
+def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path, monkeypatch):
+    """The padding of short packed products comes from the plan's profile (without one: this
+    machine's measurement, yggtree.kernel_choice; a profile older than the measurement: what the
+    runtime padded to then), reaches the engine's
     spec, is recorded in the manifest, and a profile padding otherwise makes compiled packages
     stale (they hold it); the eager backend compiles nothing and ignores it."""
     from dataclasses import replace
@@ -405,7 +406,16 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path):
     assert r == "the padding of short packed products changed: compiled with min_rows 2, the plan's profile says 4"
     prof.write_text("{}")  # an older profile
     assert profile_min_rows(prof) == LEGACY_MIN_ROWS
-    assert check_artifacts(replace(cpu, profile=None), art)[0].endswith("the plan's profile says 1")
+    import yggtree.kernel_choice as kc
+
+    asked = []  # without a profile: this machine's measurement, at the plan's threads and widths
+    monkeypatch.setattr(kc, "measured_choice", lambda src, dtype, weights, widths, threads: asked.append(
+        (dtype, weights, widths, threads)) or {"kernel": "torch", "min_rows": 3})
+    assert check_artifacts(replace(cpu, profile=None), art) == [
+        "the padding of short packed products changed: compiled with min_rows 2, this machine's measurement says 3"]
+    assert asked[0][:3] == ("float32", None, (1, *cpu.verify_widths))
+    assert plan_min_rows(replace(plan, profile=None)) == 1  # eager: nothing packed, nothing measured
+    assert len(asked) == 2
     padding(0)
     with pytest.raises(YggError, match=r"packed_padding.min_rows' must be an integer >= 1, got 0"):
         plan_min_rows(plan)
@@ -428,6 +438,8 @@ def test_shipped_profiles_load_and_set_their_padding():
         assert profile_min_rows(p) == (measured["min_rows"] if measured else LEGACY_MIN_ROWS), p
     for p in sorted(root.glob("*.yaml")):
         plan = load_plan(p)
+        if plan.profile is None:  # a plain plan: its padding is measured where it is compiled
+            continue
         assert EngineSpec.from_plan(plan).min_rows == profile_min_rows(plan.profile), p
 
 

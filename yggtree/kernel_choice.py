@@ -9,17 +9,25 @@ checked at the engine's verify widths, and caches the answer under the user cach
 (``kernels/choice-*.json``); later engines read it. The key holds everything the answer depends
 on: the device, the thread count, the model file, dtype, weight format, widths, the torch version
 and the kernel library's sources. Nothing is measured off CPUs or for an engine that packs nothing.
+
+``YGGTREE_KERNEL=torch`` (or ``tiled``) in the environment runs that kernel unpadded instead,
+without measuring (a speculative engine still pads oneDNN's products until they are
+batch-invariant); ``auto``, the default, measures.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from .errors import YggError
 from .files import cache_root, write_text_atomic
+
+KERNEL_ENV = "YGGTREE_KERNEL"  # auto | a kernel of runtime/packed.py KERNELS (module docstring)
 
 
 def choice_key(src, dtype: str, weights: str | None, widths: tuple[int, ...], threads: int, device: dict) -> dict:
@@ -53,6 +61,9 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     from .offline.profile import model_padding, padding_line
     from .runtime.device import detect_device
 
+    forced = forced_kernel()
+    if forced is not None:
+        return {"kernel": forced, "min_rows": 1, "products": 0, "median_ms": {}, "forced": KERNEL_ENV}
     device = detect_device()
     if device["kind"] != "cpu":  # accelerators pack nothing
         return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
@@ -76,6 +87,19 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
         (say or (lambda line: sys.stderr.write(f"yggtree: {line}\n")))(
             f"product kernel measured for this CPU at {threads} thread(s): {padding_line(padding)}; cached in {path}")
     return padding
+
+
+def forced_kernel() -> str | None:
+    """The kernel ``YGGTREE_KERNEL`` names, None for ``auto`` or unset; YggError in one line for
+    anything else."""
+    from .runtime.packed import KERNELS
+
+    v = os.environ.get(KERNEL_ENV, "auto").strip() or "auto"
+    if v == "auto":
+        return None
+    if v not in KERNELS:
+        raise YggError(f"{KERNEL_ENV}={v!r}: must be auto, {' or '.join(KERNELS)}")
+    return v
 
 
 def measured_spec(spec, root: Path | None = None, say=None):

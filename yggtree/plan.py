@@ -325,14 +325,32 @@ def profile_invariance(path: str | Path) -> tuple[int, tuple[int, ...]] | None:
 
 def plan_min_rows(plan: Plan) -> int:
     """How many rows the packed products of ``plan``'s engine run with at least: its profile's
-    measured padding (:func:`profile_min_rows`), 1 (no padding) for a plan without a profile."""
-    return 1 if plan.profile is None else profile_min_rows(plan.profile)
+    measured padding (:func:`profile_min_rows`); for a plan without a profile, the padding
+    measured on this machine (:func:`measured_padding`)."""
+    return measured_padding(plan)["min_rows"] if plan.profile is None else profile_min_rows(plan.profile)
 
 
 def plan_kernel(plan: Plan) -> str:
-    """The product kernel of ``plan``'s packed layers: its profile's (:func:`profile_kernel`),
-    ``"torch"`` for a plan without a profile."""
-    return "torch" if plan.profile is None else profile_kernel(plan.profile)
+    """The product kernel of ``plan``'s packed layers: its profile's (:func:`profile_kernel`); for
+    a plan without a profile, the kernel measured on this machine (:func:`measured_padding`)."""
+    return measured_padding(plan)["kernel"] if plan.profile is None else profile_kernel(plan.profile)
+
+
+def measured_padding(plan: Plan) -> dict:
+    """For a plan without a profile: the product kernel and padding its engine runs on this
+    machine, measured once at the plan's threads and widths and cached
+    (:func:`yggtree.kernel_choice.measured_choice`); oneDNN unpadded for a backend that packs
+    nothing (eager: reference mode; accelerators)."""
+    if plan.backend != "inductor-cpu":
+        return {"kernel": "torch", "min_rows": 1}
+    from .kernel_choice import measured_choice
+    from .runtime.build import torch_threads
+    from .runtime.loading import resolve_model
+    from .runtime.schedule import resolve_plan
+
+    threads = resolve_plan(plan.stages, plan.speculative).threads or torch_threads()
+    widths = (1, *plan.verify_widths) if plan.speculative else (1,)
+    return measured_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads)
 
 
 def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:
@@ -758,18 +776,18 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             what = "yggtree runtime code" if k == "yggtree_runtime" else f"{k} version"
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
     if plan.backend != "eager":  # the packages hold the padding of their packed products
+        source = "the plan's profile" if plan.profile is not None else "this machine's measurement"
         try:
-            rows = plan_min_rows(plan)
+            rows, kernel = plan_min_rows(plan), plan_kernel(plan)
         except YggError as e:
             reasons.append(str(e))
         else:
             if m.get("packed_min_rows") != rows:
                 reasons.append(f"the padding of short packed products changed: compiled with min_rows "
-                               f"{m.get('packed_min_rows')}, the plan's profile says {rows}")
-            kernel = plan_kernel(plan)
+                               f"{m.get('packed_min_rows')}, {source} says {rows}")
             if m.get("packed_kernel", "torch") != kernel:
                 reasons.append(f"the product kernel changed: compiled with {m.get('packed_kernel', 'torch')}, "
-                               f"the plan's profile says {kernel}")
+                               f"{source} says {kernel}")
         from .runtime.model import attention_formulation
 
         want = attention_formulation(plan.prefill_chunk)  # the packages hold the formulation
