@@ -152,3 +152,23 @@ def test_a_bad_forced_kernel_is_refused_in_one_line(model_dir, tmp_path, monkeyp
     monkeypatch.setenv("YGGTREE_KERNEL", "blas")
     with pytest.raises(YggError, match=r"^YGGTREE_KERNEL='blas': must be auto, torch or tiled$"):
         kernel_choice.measured_choice(resolve_model(str(model_dir)), "float32", None, (1,), 1, tmp_path)
+
+
+def test_a_measurement_beside_other_work_says_so(model_dir, tmp_path, counted, monkeypatch):
+    from yggtree.offline import timing
+
+    class Busy:
+        result = {"wall_s": 1.0, "other_cores": 1.5, "steal_cores": 0.0}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(timing, "LoadMeter", Busy)
+    said = []
+    kernel_choice.measured_choice(resolve_model(str(model_dir)), "float32", None, (1,), 1, tmp_path, said.append)
+    (path,) = (tmp_path / "kernels").glob("choice-*.json")
+    assert "other processes kept 1.50 cores busy" in said[0] and "delete the file to measure again" in said[0]
+    assert json.loads(path.read_text())["load"]["other_cores"] == 1.5

@@ -9,6 +9,8 @@ checked at the engine's verify widths, and caches the answer under the user cach
 (``kernels/choice-*.json``); later engines read it. The key holds everything the answer depends
 on: the device, the thread count, the model file, dtype, weight format, widths, the torch version
 and the kernel library's sources. Nothing is measured off CPUs or for an engine that packs nothing.
+A measurement taken while other processes kept the cores busy is cached with a warning naming
+the file to delete (its times, and so perhaps its choice, are off).
 
 ``YGGTREE_KERNEL=torch`` (or ``tiled``) in the environment runs that kernel unpadded instead,
 without measuring (a speculative engine still pads oneDNN's products until they are
@@ -59,6 +61,7 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     import torch
 
     from .offline.profile import model_padding, padding_line
+    from .offline.timing import LoadMeter, load_warning
     from .runtime.device import detect_device
 
     forced = forced_kernel()
@@ -78,14 +81,17 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        padding = model_padding(src, dtype, weights, tuple(widths), warmup=1, repeats=5)
+        with LoadMeter() as load:
+            padding = model_padding(src, dtype, weights, tuple(widths), warmup=1, repeats=5)
     finally:
         torch.set_num_threads(before)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"key": key, "padding": padding}, indent=1) + "\n")
+    write_text_atomic(path, json.dumps({"key": key, "padding": padding, "load": load.result}, indent=1) + "\n")
     if padding["products"]:
+        busy = load_warning("the measurement", load.result)
         (say or (lambda line: sys.stderr.write(f"yggtree: {line}\n")))(
-            f"product kernel measured for this CPU at {threads} thread(s): {padding_line(padding)}; cached in {path}")
+            f"product kernel measured for this CPU at {threads} thread(s): {padding_line(padding)}; cached in {path}"
+            + (f" ({busy}: delete the file to measure again)" if busy else ""))
     return padding
 
 
