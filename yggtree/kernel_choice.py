@@ -1,11 +1,13 @@
-"""The product kernel of an engine built from flags, measured once per machine.
+"""The product kernel of an engine built from flags or from a plan without a profile, measured
+once per machine.
 
 A plan's profile records which product kernel (``runtime/packed.py`` ``KERNELS``: oneDNN's or our
 tiled one) and which padding its engine runs (``packed_padding``). An engine built from flags
-(``yggtree run --weights int8``, ``--no-speculate``, ``--drafter ...``, ``yggtree bench``) has no
-profile: the first such engine on a machine times the model's own one-row products on every kernel
-this CPU runs (:func:`yggtree.offline.profile.model_padding`: seconds), with batch invariance
-checked at the engine's verify widths, and caches the answer under the user cache directory
+(``yggtree run --weights int8``, ``--no-speculate``, ``--drafter ...``, ``yggtree bench``) or
+from a plan without a profile (a plain plan: ``yggtree.plan.plan_kernel``) has none: the first
+such engine on a machine times the model's own one-row products on every kernel this CPU runs
+(:func:`yggtree.offline.profile.model_padding`: seconds), with batch invariance checked at the
+engine's verify widths, and caches the answer under the user cache directory
 (``kernels/choice-*.json``); later engines read it. The key holds everything the answer depends
 on: the device, the thread count, the model file, dtype, weight format, widths, the torch version
 and the kernel library's sources. Nothing is measured off CPUs or for an engine that packs nothing.
