@@ -407,3 +407,28 @@ def test_profile_of_the_compiled_packages(compiled, tmp_path, monkeypatch, capsy
     assert cli_main([*args, "--force"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compiled: the artifacts of plan 'tiny'" in err[0] and "yggtree compile" in err[0]
+
+
+def test_bfloat16_speculative_plan_verifies_and_steps_on_the_same_packages(tmp_path):
+    """A speculative bfloat16 plan compiles no whole-step package (its rounding differs from the
+    blocks': plan.whole_step_packages), so plain steps and verify steps run the same block
+    packages, and speculation gives plain decoding's tokens."""
+    from yggtree.plan import artifact_dir
+    from yggtree.runtime.aoti import step_packages
+    from yggtree.runtime.build import build_plan_engine
+    from yggtree.runtime.engine import SamplingParams
+
+    save_tiny_checkpoint(tmp_path / "model")
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(PLAN + "dtype: bfloat16\n")
+    code, stdout = run_main([plan_path, "--out", tmp_path / "compile"])
+    assert code == 0, stdout
+    m = json.loads((tmp_path / "compile" / "tiny" / MANIFEST).read_text())
+    assert m["graphs"] and not [g for g in m["graphs"] if g.get("scope") == "step"]
+    plan = load_plan(tmp_path / "compile" / "tiny" / "plan.yaml")
+    spec, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"))
+    plain, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"), speculate=False)
+    assert step_packages(spec.target) is None and step_packages(plain.target) is None
+    params = SamplingParams(max_new_tokens=8)
+    for prompt in ([5, 9, 17, 3], list(range(20, 31)), [7] * 6):
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids

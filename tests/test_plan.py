@@ -566,3 +566,13 @@ def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(mon
     args = parse(["run", "--prompt", "hi", "--dtype", "bfloat16"])
     _pick_plan(args)
     assert args.plan is None and "yggtree compile" in args.no_default_note and args.dtype == "bfloat16"
+
+
+def test_whole_step_packages_only_where_they_round_as_the_blocks():
+    """Whole-step packages serve plain steps in float32 (bitwise the block packages) and in a
+    plan without a drafter; a speculative bfloat16 plan's plain steps run the block packages its
+    verify steps run (a whole step rounds its bfloat16 intermediates elsewhere)."""
+    from yggtree.plan import whole_step_packages
+
+    assert whole_step_packages("float32", True) and whole_step_packages("float32", False)
+    assert whole_step_packages("bfloat16", False) and not whole_step_packages("bfloat16", True)

@@ -65,6 +65,7 @@ from ..plan import (
     read_manifest,
     save_plan,
     versions,
+    whole_step_packages,
 )
 
 from .plan_search import search_plan
@@ -210,7 +211,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     skey = step_key(target, capture)
-    steps_todo = [(skey, w, c) for w in STEP_WIDTHS for c in graphs.buckets if c >= w]
+    widths = STEP_WIDTHS if whole_step_packages(plan.dtype, plan.speculative) else ()  # exact with the blocks' rounding only so
+    steps_todo = [(skey, w, c) for w in widths for c in graphs.buckets if c >= w]
     progress.update(task, total=len(todo) + len(steps_todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
     sums: dict[tuple[str, int, int], str] = {}  # each package's sha256, checked at every load

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows, profile_invariance, read_manifest  # noqa: F401  (re-exported)
+from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
+                    profile_invariance, read_manifest, whole_step_packages)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, weight_format
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
@@ -406,8 +407,11 @@ def _package_installer(art: Path):
     entries = sorted({(g["key"], g["width"], g["context"], g.get("scope", "block")) for g in manifest["graphs"]})
     # the target's whole-step packages (one capture per compile: the plan's drafter's layers)
     step_capture = next((tuple(g["capture"]) for g in manifest["graphs"] if g.get("scope") == "step"), None)
+    plan = manifest.get("plan") or {}
+    if not whole_step_packages(plan.get("dtype", "float32"), plan.get("drafter") is not None):
+        step_capture = None  # packages compiled before that rule: plain steps run the blocks, as verify steps do
     sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
-    if (manifest.get("plan") or {}).get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
+    if plan.get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
         from .w4a8 import load_kernel
 
         load_kernel()
