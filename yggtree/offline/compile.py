@@ -211,7 +211,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     skey = step_key(target, capture)
-    widths = STEP_WIDTHS if whole_step_packages(plan.dtype, plan.speculative) else ()  # exact with the blocks' rounding only so
+    widths = STEP_WIDTHS if whole_step_packages(plan.speculative) else ()  # not where verify steps run the blocks
     steps_todo = [(skey, w, c) for w in widths for c in graphs.buckets if c >= w]
     progress.update(task, total=len(todo) + len(steps_todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}

@@ -408,7 +408,7 @@ def _package_installer(art: Path):
     # the target's whole-step packages (one capture per compile: the plan's drafter's layers)
     step_capture = next((tuple(g["capture"]) for g in manifest["graphs"] if g.get("scope") == "step"), None)
     plan = manifest.get("plan") or {}
-    if not whole_step_packages(plan.get("dtype", "float32"), plan.get("drafter") is not None):
+    if not whole_step_packages(plan.get("drafter") is not None):
         step_capture = None  # packages compiled before that rule: plain steps run the blocks, as verify steps do
     sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
     if plan.get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
