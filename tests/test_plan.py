@@ -406,11 +406,11 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path, monkeyp
     assert r == "the padding of short packed products changed: compiled with min_rows 2, the plan's profile says 4"
     prof.write_text("{}")  # an older profile
     assert profile_min_rows(prof) == LEGACY_MIN_ROWS
-    import yggtree.kernel_choice as kc
+    import yggtree.runtime.kernel_cache as kc
 
     asked = []  # without a profile: this machine's measurement, at the plan's threads and widths
-    monkeypatch.setattr(kc, "measured_choice", lambda src, dtype, weights, widths, threads: asked.append(
-        (dtype, weights, widths, threads)) or {"kernel": "torch", "min_rows": 3})
+    monkeypatch.setattr(kc, "cached_choice", lambda src, dtype, weights, widths, threads: asked.append(
+        (dtype, weights, widths, threads)) or ({"kernel": "torch", "min_rows": 3}, None, None))
     assert check_artifacts(replace(cpu, profile=None), art) == [
         "the padding of short packed products changed: compiled with min_rows 2, this machine's measurement says 3"]
     assert asked[0][:3] == ("float32", None, (1, *cpu.verify_widths))

@@ -7,51 +7,22 @@ tiled one) and which padding its engine runs (``packed_padding``). An engine bui
 from a plan without a profile (a plain plan: ``yggtree.plan.plan_kernel``) has none: the first
 such engine on a machine times the model's own one-row products on every kernel this CPU runs
 (:func:`yggtree.offline.profile.model_padding`: seconds), with batch invariance checked at the
-engine's verify widths, and caches the answer under the user cache directory
-(``kernels/choice-*.json``); later engines read it. The key holds everything the answer depends
-on: the device, the thread count, the model file, dtype, weight format, widths, the torch version
-and the kernel library's sources. Nothing is measured off CPUs or for an engine that packs nothing.
-A measurement taken while other processes kept the cores busy is cached with a warning naming
-the file to delete (its times, and so perhaps its choice, are off).
-
-``YGGTREE_KERNEL=torch`` (or ``tiled``) in the environment runs that kernel unpadded instead,
-without measuring (a speculative engine still pads oneDNN's products until they are
-batch-invariant); ``auto``, the default, measures.
+engine's verify widths, and caches the answer under the user cache directory; later engines read
+it (``runtime/kernel_cache.py``: the key, the file, ``YGGTREE_KERNEL``). Nothing is measured off
+CPUs or for an engine that packs nothing. A measurement taken while other processes kept the
+cores busy is cached with a warning naming the file to delete (its times, and so perhaps its
+choice, are off).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import YggError
-from .files import cache_root, write_text_atomic
-
-KERNEL_ENV = "YGGTREE_KERNEL"  # auto | a kernel of runtime/packed.py KERNELS (module docstring)
-
-
-def choice_key(src, dtype: str, weights: str | None, widths: tuple[int, ...], threads: int, device: dict) -> dict:
-    """What a measured kernel choice depends on (``src``: a ModelSource)."""
-    import torch
-
-    from .runtime.kernels import SOURCES
-
-    st = Path(src.path).stat()
-    library = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)).hexdigest()[:12]
-    return {"device": device["kind"], "device_name": device["name"], "threads": threads,
-            "model": str(Path(src.path).resolve()), "model_bytes": st.st_size, "model_mtime_ns": st.st_mtime_ns,
-            "dtype": dtype, "weights": weights, "widths": sorted(set(widths)), "torch": torch.__version__,
-            "library": library}
-
-
-def choice_path(key: dict, root: Path | None = None) -> Path:
-    """Where the choice of ``key`` is cached."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return (root or cache_root()) / "kernels" / f"choice-{key['device']}-t{key['threads']}-{digest}.json"
+from .files import write_text_atomic
+from .runtime.kernel_cache import cached_choice, plan_threads_widths
 
 
 def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...], threads: int,
@@ -64,22 +35,10 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
 
     from .offline.profile import model_padding, padding_line
     from .offline.timing import LoadMeter, load_warning
-    from .runtime.device import detect_device
 
-    forced = forced_kernel()
-    if forced is not None:
-        return {"kernel": forced, "min_rows": 1, "products": 0, "median_ms": {}, "forced": KERNEL_ENV}
-    device = detect_device()
-    if device["kind"] != "cpu":  # accelerators pack nothing
-        return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
-    key = choice_key(src, dtype, weights, widths, threads, device)
-    path = choice_path(key, root)
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return cached["padding"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # absent or unreadable: measured again, the file replaced
+    choice, path, key = cached_choice(src, dtype, weights, widths, threads, root)
+    if choice is not None:
+        return choice
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -97,19 +56,6 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     return padding
 
 
-def forced_kernel() -> str | None:
-    """The kernel ``YGGTREE_KERNEL`` names, None for ``auto`` or unset; YggError in one line for
-    anything else."""
-    from .runtime.packed import KERNELS
-
-    v = os.environ.get(KERNEL_ENV, "auto").strip() or "auto"
-    if v == "auto":
-        return None
-    if v not in KERNELS:
-        raise YggError(f"{KERNEL_ENV}={v!r}: must be auto, {' or '.join(KERNELS)}")
-    return v
-
-
 def measured_spec(spec, root: Path | None = None, say=None):
     """``spec`` (an EngineSpec built from flags) with the product kernel and padding measured for
     it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
@@ -125,3 +71,16 @@ def measured_spec(spec, root: Path | None = None, say=None):
     padding = measured_choice(resolve_model(spec.model), spec.dtype, spec.weights, widths, threads, root, say)
     return replace(spec, kernel=padding["kernel"], min_rows=padding["min_rows"],
                    padding_checked=(threads, tuple(padding.get("widths", widths))) if padding["products"] else None)
+
+
+def measure_plan(plan, say=None) -> None:
+    """Measure (or find cached) the product kernel of ``plan``'s engine on this machine when its
+    choice is not the profile's: a plan for the CPU backend without a profile
+    (``yggtree.plan.plan_kernel`` reads it). ``yggtree compile`` and the commands that run a plan
+    call this first."""
+    from .runtime.loading import resolve_model
+
+    if plan.profile is not None or plan.backend != "inductor-cpu":
+        return
+    threads, widths = plan_threads_widths(plan)
+    measured_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads, say=say)

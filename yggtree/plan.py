@@ -350,19 +350,21 @@ def whole_step_packages(speculative: bool) -> bool:
 
 def measured_padding(plan: Plan) -> dict:
     """For a plan without a profile: the product kernel and padding its engine runs on this
-    machine, measured once at the plan's threads and widths and cached
-    (:func:`yggtree.kernel_choice.measured_choice`); oneDNN unpadded for a backend that packs
-    nothing (eager: reference mode; accelerators)."""
+    machine, as measured at the plan's threads and widths and cached (``yggtree compile`` and the
+    commands that run a plan measure it first: ``yggtree.kernel_choice.measure_plan``; read here
+    with ``runtime/kernel_cache.py``); oneDNN unpadded for a backend that packs nothing (eager:
+    reference mode; accelerators). YggError where it was not measured."""
     if plan.backend != "inductor-cpu":
         return {"kernel": "torch", "min_rows": 1}
-    from .kernel_choice import measured_choice
-    from .runtime.build import torch_threads
+    from .runtime.kernel_cache import cached_choice, plan_threads_widths
     from .runtime.loading import resolve_model
-    from .runtime.schedule import resolve_plan
 
-    threads = resolve_plan(plan.stages, plan.speculative).threads or torch_threads()
-    widths = (1, *plan.verify_widths) if plan.speculative else (1,)
-    return measured_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads)
+    threads, widths = plan_threads_widths(plan)
+    choice, _, _ = cached_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads)
+    if choice is None:
+        raise YggError(f"plan {plan.name!r} has no profile and its product kernel was not measured on this "
+                       f"machine at {threads} thread(s): `yggtree compile` measures it")
+    return choice
 
 
 def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:

@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import YggError, module_main
+from ..kernel_choice import measure_plan
 from ..files import file_sha256, manifest_path
 from ..plan import (
     CACHE_SUBDIR,
@@ -399,6 +400,7 @@ def compile_plan(
     check_backend(plan.backend)
     art = artifact_dir(plan, out_root)
     _check_destination(plan, art, force or replace)
+    measure_plan(plan)  # a plan without a profile: its product kernel on this machine (cached)
     current = None if force else _up_to_date(plan, art)
     if current is not None:
         return {**current, "dir": str(art), "wall_s": time.perf_counter() - t_start}
@@ -478,6 +480,8 @@ def ensure_artifacts(plan: Plan, compile_missing: bool, compile_root: str | Path
     if plan.backend == "eager":
         return None  # nothing compiled is used
     art = artifact_dir(plan, compile_root)
+    if (art / MANIFEST).is_file():  # a plan without a profile: its product kernel here (cached)
+        measure_plan(plan)
     reasons = check_artifacts(plan, art)
     if not reasons:
         return art
