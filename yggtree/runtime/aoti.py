@@ -30,8 +30,11 @@ with every layer inlined (one package per (model, W, C), ``step-<key>-w<W>-c<C>.
     step outputs   logits [W, V] f32, hidden [W, H], then the captured layers (each [W, H])
 
 :class:`StepPackages` runs it in place of :meth:`Graphs.tree_step <yggtree.runtime.graphs.Graphs.tree_step>`'s
-block path. Its kernels are the block packages' kernels at the same shapes, so its rows are
-bitwise the block path's (tested): plain and speculative steps stay exact with each other.
+block path. It computes the same step, not bitwise: it fuses the final norm, which the block
+path runs eagerly, so the last bits of the hidden state and logits can differ (on the default
+model, a few steps in twelve). Only a plan without a drafter compiles and runs it
+(``yggtree.plan.whole_step_packages``): a speculative plan's plain steps run the block packages
+its verify steps run, so speculation stays exact against plain decoding.
 """
 
 from __future__ import annotations
