@@ -414,8 +414,9 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path, monkeyp
     assert check_artifacts(replace(cpu, profile=None), art) == [
         "the padding of short packed products changed: compiled with min_rows 2, this machine's measurement says 3"]
     assert asked[0][:3] == ("float32", None, (1, *cpu.verify_widths))
+    n = len(asked)
     assert plan_min_rows(replace(plan, profile=None)) == 1  # eager: nothing packed, nothing measured
-    assert len(asked) == 2
+    assert len(asked) == n
     padding(0)
     with pytest.raises(YggError, match=r"packed_padding.min_rows' must be an integer >= 1, got 0"):
         plan_min_rows(plan)

@@ -350,21 +350,30 @@ def whole_step_packages(speculative: bool) -> bool:
 
 def measured_padding(plan: Plan) -> dict:
     """For a plan without a profile: the product kernel and padding its engine runs on this
-    machine, as measured at the plan's threads and widths and cached (``yggtree compile`` and the
-    commands that run a plan measure it first: ``yggtree.kernel_choice.measure_plan``; read here
-    with ``runtime/kernel_cache.py``); oneDNN unpadded for a backend that packs nothing (eager:
-    reference mode; accelerators). YggError where it was not measured."""
+    machine, as measured at the plan's threads and widths and cached (:func:`cached_padding`);
+    YggError where it was not measured (``yggtree compile`` measures it)."""
+    choice = cached_padding(plan)
+    if choice is None:
+        from .runtime.kernel_cache import plan_threads_widths
+
+        raise YggError(f"plan {plan.name!r} has no profile and its product kernel was not measured on this "
+                       f"machine at {plan_threads_widths(plan)[0]} thread(s): `yggtree compile` measures it")
+    return choice
+
+
+def cached_padding(plan: Plan) -> dict | None:
+    """For a plan without a profile: its product kernel and padding as measured on this machine
+    at the plan's threads and widths and cached (``yggtree.kernel_choice.measure_plan``, which
+    ``yggtree compile`` and the commands running a plan call first; read with
+    ``runtime/kernel_cache.py``), or None where it was not; oneDNN unpadded for a backend that
+    packs nothing (eager: reference mode; accelerators)."""
     if plan.backend != "inductor-cpu":
         return {"kernel": "torch", "min_rows": 1}
     from .runtime.kernel_cache import cached_choice, plan_threads_widths
     from .runtime.loading import resolve_model
 
     threads, widths = plan_threads_widths(plan)
-    choice, _, _ = cached_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads)
-    if choice is None:
-        raise YggError(f"plan {plan.name!r} has no profile and its product kernel was not measured on this "
-                       f"machine at {threads} thread(s): `yggtree compile` measures it")
-    return choice
+    return cached_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads)[0]
 
 
 def _check_in_set(kind: str, w: int, compiled: tuple[int, ...]) -> None:
@@ -791,11 +800,14 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
     if plan.backend != "eager":  # the packages hold the padding of their packed products
         source = "the plan's profile" if plan.profile is not None else "this machine's measurement"
-        try:
-            rows, kernel = plan_min_rows(plan), plan_kernel(plan)
+        try:  # without a profile and without a measurement here: the packages' own choice stands
+            measured = plan.profile is not None or cached_padding(plan) is not None
+            rows, kernel = (plan_min_rows(plan), plan_kernel(plan)) if measured else (None, None)
         except YggError as e:
             reasons.append(str(e))
         else:
+            if not measured:
+                rows, kernel = m.get("packed_min_rows"), m.get("packed_kernel", "torch")
             if m.get("packed_min_rows") != rows:
                 reasons.append(f"the padding of short packed products changed: compiled with min_rows "
                                f"{m.get('packed_min_rows')}, {source} says {rows}")

@@ -231,6 +231,14 @@ def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int 
     return found
 
 
+def check_spec(spec: EngineSpec) -> str:
+    """Refuse, before anything loads, impossible sizes and trees and an unknown weight format or
+    group size; returns the format's name."""
+    check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
+    fmt, _ = weight_format(spec.weights, spec.dtype)
+    return fmt
+
+
 def build_engine(spec: EngineSpec, prepare=None):
     """Load the target, its tokenizer and the drafter; build and warm up the engine.
 
@@ -238,9 +246,7 @@ def build_engine(spec: EngineSpec, prepare=None):
     (``build_plan_engine`` installs the plan's compiled graphs there). A speculative engine's
     packed products are made batch-invariant first (:func:`invariant_padding`), its quantized
     ones checked after."""
-    # impossible sizes and trees are refused before anything loads
-    check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
-    fmt, _ = weight_format(spec.weights, spec.dtype)  # an unknown format or group size, before loading
+    fmt = check_spec(spec)
     if fmt not in ("float32", "bfloat16"):  # ... and a kernel this torch/CPU does not run
         import torch
 
@@ -374,6 +380,11 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     slot count and the packages' padding, so the same packages serve it."""
     if stages == "auto" and plan.stages == "auto" and artifacts is not None:
         stages = searched_stages(artifacts)
+    if artifacts is not None and plan.profile is None and plan.backend == "inductor-cpu":
+        # no profile: the packages hold the kernel and padding measured when they were compiled
+        m = read_manifest(Path(artifacts)) or {}
+        kernel = m.get("packed_kernel", "torch") if kernel is None else kernel
+        min_rows = m.get("packed_min_rows", 1) if min_rows is None else min_rows
     spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows, kernel=kernel)
     if not speculate:
         rows = spec.min_rows
