@@ -97,7 +97,7 @@ def test_nothing_is_measured_off_cpus(model_dir, tmp_path, counted, monkeypatch)
 def test_measured_spec_takes_the_engines_widths_and_threads(model_dir, tmp_path, counted):
     plain = kernel_choice.measured_spec(EngineSpec(model=str(model_dir)), tmp_path, lambda _: None)
     assert (plain.kernel, plain.min_rows, plain.padding_checked) == ("tiled", 1, (1, (1,)))
-    spec = EngineSpec(model=str(model_dir), drafter="self", tree=TreeParams(2, 2, 8, 2), threads=1)
+    spec = EngineSpec(model=str(model_dir), drafter="self", tree=TreeParams(2, 4, 8, 2), threads=1)
     spec = kernel_choice.measured_spec(spec, tmp_path, lambda _: None)
     assert counted[-1][3] == (1, 8) and spec.padding_checked == (1, (1, 8))
     unpacked = EngineSpec(model=str(model_dir), pack=False)
