@@ -357,9 +357,10 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
         if mode == "performance":  # as `yggtree run` builds it: the kernel measured on this CPU
             choice = measured_choice(src, dtype, None, (1,), torch.get_num_threads())
             pack_models(m, min_rows=choice["min_rows"], kernel=choice["kernel"])  # a no-op off CPUs
-            for kernel in ("packed", "tiled"):  # the products the compiled system runs (q/k/v, gate/up fused)
+            fused = m.matmul_weights()  # the products the compiled system runs (q/k/v, gate/up fused)
+            for kernel in ("packed", "tiled"):
                 if can_pack(model, "torch" if kernel == "packed" else kernel):
-                    floor_weights[kernel] = m.matmul_weights()
+                    floor_weights[kernel] = fused
         engine = Engine(
             m,
             EngineConfig(mode=mode, max_context=args.max_context),

@@ -59,16 +59,13 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
 def measured_spec(spec, root: Path | None = None, say=None):
     """``spec`` (an EngineSpec built from flags) with the product kernel and padding measured for
     it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
-    from .runtime.build import check_spec, torch_threads
+    from .runtime.build import check_spec, spec_rows
     from .runtime.loading import resolve_model
-    from .runtime.schedule import resolve_plan
 
     if not spec.pack:
         return spec
     check_spec(spec)  # bad sizes and formats are refused before the model loads to be measured
-    spec_on = spec.drafter is not None or spec.lookup > 0
-    widths = (1, *spec.verify_widths, spec.tree.verify_width) if spec_on else (1,)
-    threads = resolve_plan(spec.stages, spec_on, threads=spec.threads).threads or torch_threads()
+    threads, widths = spec_rows(spec)
     padding = measured_choice(resolve_model(spec.model), spec.dtype, spec.weights, widths, threads, root, say)
     return replace(spec, kernel=padding["kernel"], min_rows=padding["min_rows"],
                    padding_checked=(threads, tuple(padding.get("widths", widths))) if padding["products"] else None)

@@ -324,16 +324,34 @@ def profile_invariance(path: str | Path) -> tuple[int, tuple[int, ...]] | None:
 
 
 def plan_min_rows(plan: Plan) -> int:
-    """How many rows the packed products of ``plan``'s engine run with at least: its profile's
-    measured padding (:func:`profile_min_rows`); for a plan without a profile, the padding
-    measured on this machine (:func:`measured_padding`)."""
-    return measured_padding(plan)["min_rows"] if plan.profile is None else profile_min_rows(plan.profile)
+    """How many rows the packed products of ``plan``'s engine run with at least
+    (:func:`plan_padding`)."""
+    return _measured(plan)["min_rows"]
 
 
 def plan_kernel(plan: Plan) -> str:
-    """The product kernel of ``plan``'s packed layers: its profile's (:func:`profile_kernel`); for
-    a plan without a profile, the kernel measured on this machine (:func:`measured_padding`)."""
-    return measured_padding(plan)["kernel"] if plan.profile is None else profile_kernel(plan.profile)
+    """The product kernel of ``plan``'s packed layers (:func:`plan_padding`)."""
+    return _measured(plan)["kernel"]
+
+
+def plan_padding(plan: Plan) -> dict | None:
+    """``{"kernel", "min_rows"}`` of ``plan``'s packed products: its profile's measurement
+    (:func:`profile_kernel`, :func:`profile_min_rows`); for a plan without a profile, this
+    machine's (:func:`cached_padding`), None where it was not measured."""
+    if plan.profile is None:
+        return cached_padding(plan)
+    return {"kernel": profile_kernel(plan.profile), "min_rows": profile_min_rows(plan.profile)}
+
+
+def _measured(plan: Plan) -> dict:
+    """:func:`plan_padding`, YggError where it was not measured (``yggtree compile`` measures it)."""
+    pad = plan_padding(plan)
+    if pad is None:
+        from .runtime.kernel_cache import plan_threads_widths
+
+        raise YggError(f"plan {plan.name!r} has no profile and its product kernel was not measured on this "
+                       f"machine at {plan_threads_widths(plan)[0]} thread(s): `yggtree compile` measures it")
+    return pad
 
 
 def whole_step_packages(speculative: bool) -> bool:
@@ -346,19 +364,6 @@ def whole_step_packages(speculative: bool) -> bool:
     run them too, and speculation stays token-exact against ``--no-speculate``; a plan without a
     drafter (it never verifies) takes the faster whole steps."""
     return not speculative
-
-
-def measured_padding(plan: Plan) -> dict:
-    """For a plan without a profile: the product kernel and padding its engine runs on this
-    machine, as measured at the plan's threads and widths and cached (:func:`cached_padding`);
-    YggError where it was not measured (``yggtree compile`` measures it)."""
-    choice = cached_padding(plan)
-    if choice is None:
-        from .runtime.kernel_cache import plan_threads_widths
-
-        raise YggError(f"plan {plan.name!r} has no profile and its product kernel was not measured on this "
-                       f"machine at {plan_threads_widths(plan)[0]} thread(s): `yggtree compile` measures it")
-    return choice
 
 
 def cached_padding(plan: Plan) -> dict | None:
@@ -800,14 +805,13 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
     if plan.backend != "eager":  # the packages hold the padding of their packed products
         source = "the plan's profile" if plan.profile is not None else "this machine's measurement"
-        try:  # without a profile and without a measurement here: the packages' own choice stands
-            measured = plan.profile is not None or cached_padding(plan) is not None
-            rows, kernel = (plan_min_rows(plan), plan_kernel(plan)) if measured else (None, None)
+        try:
+            pad = plan_padding(plan)
         except YggError as e:
             reasons.append(str(e))
-        else:
-            if not measured:
-                rows, kernel = m.get("packed_min_rows"), m.get("packed_kernel", "torch")
+        else:  # without a profile and without a measurement here: the packages' own choice stands
+            rows, kernel = ((pad["min_rows"], pad["kernel"]) if pad
+                            else (m.get("packed_min_rows"), m.get("packed_kernel", "torch")))
             if m.get("packed_min_rows") != rows:
                 reasons.append(f"the padding of short packed products changed: compiled with min_rows "
                                f"{m.get('packed_min_rows')}, {source} says {rows}")

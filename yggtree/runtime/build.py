@@ -231,6 +231,14 @@ def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int 
     return found
 
 
+def spec_rows(spec: EngineSpec) -> tuple[int, tuple[int, ...]]:
+    """The thread count an engine of ``spec`` decodes at and the row counts its products run at
+    (1, and with a tree to verify, drafted or looked up, its verify widths)."""
+    spec_on = spec.drafter is not None or spec.lookup > 0
+    threads = resolve_plan(spec.stages, spec_on, threads=spec.threads).threads or torch_threads()
+    return threads, ((1, *spec.verify_widths, spec.tree.verify_width) if spec_on else (1,))
+
+
 def check_spec(spec: EngineSpec) -> str:
     """Refuse, before anything loads, impossible sizes and trees and an unknown weight format or
     group size; returns the format's name."""
@@ -262,9 +270,8 @@ def build_engine(spec: EngineSpec, prepare=None):
     else:
         quantize_models(target, drafter, spec.weights, src, spec.drafter, spec.kernel)
     spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
-    widths = (1, *spec.verify_widths, spec.tree.verify_width) if spec_on else (1,)  # verify row counts
+    threads, widths = spec_rows(spec)
     if spec_on:  # packed products padded so that they are batch-invariant (before any graph)
-        threads = resolve_plan(spec.stages, True, threads=spec.threads).threads or torch_threads()
         checked = spec.padding_checked  # the profile's check stands where it covers this engine
         if checked is None or checked[0] != threads or not set(widths) <= set(checked[1]):
             invariant_padding(target, widths, threads)
