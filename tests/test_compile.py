@@ -107,16 +107,17 @@ def test_compile_builds_every_graph_once(compiled):
     assert m["n_slots"] == n_slots
     assert m["attention"] == attention_formulation(plan.prefill_chunk)  # the engine's formulation
     target = [(r["scope"], r["width"], r["context"], r["cache"]) for r in m["graphs"] if r["model"] == "target"]
-    # each built exactly once; no whole-step package: the plan verifies on its blocks, so its
-    # plain steps run them too (plan.whole_step_packages)
-    assert target == [("block", 1, n_slots, "compiled"), ("block", 2, n_slots, "compiled")]
+    # each built exactly once, and the plain step whole (it computes the blocks' step bitwise in
+    # float32, so plain steps take it while verify steps run the blocks: plan.whole_step_packages)
+    assert target == [("block", 1, n_slots, "compiled"), ("block", 2, n_slots, "compiled"),
+                      ("step", 1, n_slots, "compiled")]
     drafter = {r["width"]: r["cache"] for r in m["graphs"] if r["model"] == "drafter"}
     assert drafter == {1: "shared", 2: "shared"}  # the self-drafter shares the target's graphs
-    assert m["n_graphs"] == last["graphs"] == 2
+    assert m["n_graphs"] == last["graphs"] == 3
     assert all(r["compile_s"] > 0 for r in m["graphs"] if r["cache"] == "compiled")
     files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir())
-    assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 2
-    assert not any(f.startswith("step-") for f in files)
+    assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 3
+    assert sum(f.startswith("step-") for f in files) == 1
     assert not list(art.glob("build-*")) and m["size_bytes"] > 0  # the scratch build dir is gone
     # model files (and the embedded plan's paths) are recorded relative to the artifact directory
     assert m["plan"]["target"] == "../../model"
@@ -226,7 +227,7 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["runs"] == 6 and r["same"] == 3  # performance == reference, greedy
     assert r["plain_ok"] and r["plain_same"] == 3  # the plan's plain engine on the same packages
-    assert r["whole_steps"] == 0  # plain steps ran the block packages the verify steps run
+    assert r["whole_steps"] > 0  # plain steps ran the whole step, verify steps the blocks
     # a step policy drove every (D, W_d, W_v) of the plan, plain steps included, over 3 prompt
     # lengths at temperatures 0 and 0.7 ...
     assert r["used"] == r["choices"] and len(r["choices"]) == 9
@@ -250,11 +251,10 @@ def compiled_plain(tmp_path_factory):
 
 
 def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
-    """A plain plan's whole-step package computes the step its block packages do: the same
-    logits, hidden state and cache writes up to float32 rounding (assert_close's float32
-    tolerances). Not bitwise: the whole step fuses across the blocks and its final norm, where
-    the block path runs the norm eagerly, so they reduce in another order; which is why a
-    speculative plan runs no whole-step package (plan.whole_step_packages)."""
+    """A plain plan's whole-step package computes the step its block packages do, bitwise: the
+    same logits, hidden state and cache writes (it ends before the final norm, which both paths
+    then run eagerly; fused in, the norm would reduce in another order). That is what lets a
+    float32 speculative plan take its plain steps whole (plan.whole_step_packages)."""
     import torch
 
     from yggtree.plan import artifact_dir
@@ -285,7 +285,7 @@ def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
     model.step_packages = whole
     (la, ha, _), (lb, hb, _) = outs
     for a, b in ((la, lb), (ha, hb), caches):
-        torch.testing.assert_close(a, b)
+        assert torch.equal(a, b)
     assert not torch.equal(caches[0], before)  # the step wrote its slot
 
 

@@ -68,7 +68,7 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
 
     from test_compile import run_main, save_tiny_checkpoint
     from yggtree.plan import artifact_dir, load_plan
-    from yggtree.runtime.aoti import PackageSet, static_blocks
+    from yggtree.runtime.aoti import PackageSet, static_blocks, step_packages
     from yggtree.runtime.build import build_plan_engine, fixed_policy
     from yggtree.runtime.policy import FixedPolicy, StepChoice
 
@@ -76,7 +76,7 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
     save_tiny_checkpoint(tmp_path / "model", intermediate=64, **({"heads": 2, "kv_heads": 1} if fmt == "w4a8" else {}))
     (tmp_path / "plan.yaml").write_text(TINY_PLAN.replace("name: tiny\n", f"name: tiny-q\nweights: {fmt}\n"))
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
-    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 2, stdout  # no whole step: it verifies on the blocks
+    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 3, stdout  # two widths and the plain step whole
     plan = load_plan(tmp_path / "compile" / "tiny-q" / "plan.yaml")
     if fmt == "w4a8":  # the packages call the kernel's C shim, not AOTInductor's proxy executor
         import zipfile
@@ -88,6 +88,7 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
             assert "aoti_torch_cpu_rows_attention(" in src, pt2
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
     assert isinstance(static_blocks(engine.target), PackageSet)
+    assert step_packages(engine.target) is not None  # plain steps whole, tree steps on the blocks
     assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])
     assert engine.target.layers[0].self_attn.native_rows == (fmt == "w4a8")
     tree, plain = fixed_policy(engine, plan), FixedPolicy(StepChoice(0, 1), 1)

@@ -354,16 +354,17 @@ def _measured(plan: Plan) -> dict:
     return pad
 
 
-def whole_step_packages(speculative: bool) -> bool:
-    """Whether the plain steps of a plan (with a drafter: ``speculative``) run whole-step
-    packages (runtime/aoti.py, "Step packages") rather than its block packages. A whole step
-    also fuses the final norm into its graph, where the block path runs it eagerly: the two
-    reduce in another order and differ in the last bits (on the default model in float32, 3-5 of
-    12 steps tried, logits up to 1.3e-5 apart; in bfloat16 every step, its intermediates also
-    rounded elsewhere). A speculative plan verifies on its block packages, so its plain steps
-    run them too, and speculation stays token-exact against ``--no-speculate``; a plan without a
-    drafter (it never verifies) takes the faster whole steps."""
-    return not speculative
+def whole_step_packages(speculative: bool, dtype: str) -> bool:
+    """Whether the plain steps of a plan (with a drafter: ``speculative``; activations in
+    ``dtype``) run whole-step packages (runtime/aoti.py, "Step packages") rather than its block
+    packages. A whole step ends before the final norm, which it leaves to the eager code the
+    block path runs, so in float32 it computes the block path's step bitwise and a speculative
+    plan may take its plain steps on it (speculation then stays token-exact against
+    ``--no-speculate``, which takes them there too). In bfloat16 it does not: fused across the
+    blocks, it rounds intermediates to bfloat16 elsewhere than the blocks do (every step of a tiny
+    model differs), so a speculative bfloat16 plan runs its plain steps on the block packages its
+    verify steps run; a plan without a drafter (it never verifies) takes the faster whole steps."""
+    return not speculative or dtype == "float32"
 
 
 def cached_padding(plan: Plan) -> dict | None:
@@ -744,8 +745,9 @@ def model_fingerprints(plan: Plan) -> list[dict]:
 # wrapper); the rest of the runtime only decides which shapes are called, and a shape without a
 # graph is refused loudly at warm-up
 # packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
-# (csrc/w4a8.cpp is not traced: packages call the op, which the process loads)
-GRAPH_SOURCES = ("aoti.py", "kernels.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "w4a8.py")
+# (csrc/w4a8.cpp is not traced: packages call the op, which the process loads); steps.py: the
+# step functions a whole-step package inlines
+GRAPH_SOURCES = ("aoti.py", "kernels.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "steps.py", "w4a8.py")
 
 
 def runtime_code_hash() -> str:

@@ -22,19 +22,23 @@ Step packages. Per-block packages keep compile time that of one block, but a dec
 enters 30 packages and runs the glue (embedding, RoPE rows, mask, final norm, head) as eager ops:
 ~0.7 ms of a 4.9 ms w4a8 step on a 2-core CPU (docs/results.md). So the target's plain step
 (:data:`STEP_WIDTHS`) is also compiled whole, once per context bucket: :func:`steps.tree_step`
-with every layer inlined (one package per (model, W, C), ``step-<key>-w<W>-c<C>.pt2``)
+up to the final norm with every layer inlined (one package per (model, W, C),
+``step-<key>-w<W>-c<C>.pt2``)
 
     step inputs    tokens [W] i64, depth [W] i64, node [W] i64, anc [W, W] bool, committed [] i64,
                    then the 30 layers' caches kv [2, 1, S, Hkv, D] (mutated), then the model's
                    weights and buffers (:func:`model_tensors`)
-    step outputs   logits [W, V] f32, hidden [W, H], then the captured layers (each [W, H])
+    step outputs   x [1, W, H], the last layer's output before the final norm, then the captured
+                   layers (each [W, H])
 
 :class:`StepPackages` runs it in place of :meth:`Graphs.tree_step <yggtree.runtime.graphs.Graphs.tree_step>`'s
-block path. It computes the same step, not bitwise: it fuses the final norm, which the block
-path runs eagerly, so the last bits of the hidden state and logits can differ (on the default
-model, a few steps in twelve). Only a plan without a drafter compiles and runs it
-(``yggtree.plan.whole_step_packages``): a speculative plan's plain steps run the block packages
-its verify steps run, so speculation stays exact against plain decoding.
+block path and then the final norm and the head eagerly (:func:`steps.finish_step`), as the block
+path does. In float32 it so computes the block path's step bitwise (on the default model, every
+step tried), and a speculative plan takes its plain steps on it while verifying on the blocks.
+Fused into the graph, the final norm would reduce in another order than the eager one (the last
+bits of the logits differ on a few steps in twelve). In bfloat16 the blocks fused into one graph
+round their intermediates elsewhere than the block packages do, so a speculative bfloat16 plan
+compiles none (``yggtree.plan.whole_step_packages``).
 """
 
 from __future__ import annotations
@@ -130,11 +134,11 @@ class _TreeStep(nn.Module):
         self.model, self.context, self.capture = model, context, tuple(capture)
 
     def forward(self, tokens, depth, node, anc, committed):
-        from .steps import tree_step
+        from .steps import masked_layers, tree_mask
 
-        logits, hidden, layers = tree_step(self.model, tokens, depth, node, anc, committed, self.capture,
-                                           self.context)
-        return (logits, hidden, *layers)
+        mask = tree_mask(committed, anc, self.context)
+        x, layers = masked_layers(self.model, torch.stack([tokens, depth, node]), mask, committed, self.capture)
+        return (x, *(h[0] for h in layers))
 
 
 class _StepFn(nn.Module):
@@ -345,8 +349,11 @@ class StepPackages:
             self._store = self.model.kv
             self._inputs = [*(b.self_attn.cache.kv for b in self.model.layers),
                             *(t for _, t in model_tensors(self.model))]
+        from .steps import finish_step
+
         ins = [t.contiguous() for t in (tokens, depth, node, anc, committed)]
-        logits, hidden, *layers = self.runners[(tokens.shape[0], context)].run([*ins, *self._inputs])
+        x, *layers = self.runners[(tokens.shape[0], context)].run([*ins, *self._inputs])
+        logits, hidden = finish_step(self.model, x)  # eagerly, as the block path does
         return logits, hidden, tuple(layers) if capture else ()
 
 

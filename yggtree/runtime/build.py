@@ -426,8 +426,8 @@ def _package_installer(art: Path):
     # the target's whole-step packages (one capture per compile: the plan's drafter's layers)
     step_capture = next((tuple(g["capture"]) for g in manifest["graphs"] if g.get("scope") == "step"), None)
     plan = manifest.get("plan") or {}
-    if not whole_step_packages(plan.get("drafter") is not None):
-        step_capture = None  # packages compiled before that rule: plain steps run the blocks, as verify steps do
+    if not whole_step_packages(plan.get("drafter") is not None, plan.get("dtype", "float32")):
+        step_capture = None  # never the case for a plan compiled since that rule
     sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
     if plan.get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
         from .w4a8 import load_kernel

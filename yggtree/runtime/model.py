@@ -409,6 +409,19 @@ class Transformer(nn.Module):
         mask: torch.Tensor,  # [B, W, C] bool, C <= S (context bucket)
         capture: tuple[int, ...] = (),
     ) -> ForwardOut:
+        x, captured = self.decoder(tokens, positions, slots, mask, capture)
+        return ForwardOut(self.norm(x), captured)
+
+    def decoder(
+        self,
+        tokens: torch.Tensor,  # [B, W] int64
+        positions: torch.Tensor,  # [B, W] int64
+        slots: torch.Tensor,  # [B, W] int64
+        mask: torch.Tensor,  # [B, W, C] bool, C <= S (context bucket)
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The forward up to the final norm: the last layer's output [B, W, hidden] and the
+        captured layers' (each [B, W, hidden])."""
         cs = self.rope[positions]  # [B, W, D/2, 2]
         cos, sin = cs[..., 0].unsqueeze(2).contiguous(), cs[..., 1].unsqueeze(2).contiguous()
         x = self.embed_tokens(tokens)
@@ -421,7 +434,7 @@ class Transformer(nn.Module):
             x = _block(block, x, cos, sin, slots, mask)
             if i in capture:
                 captured.append(x)
-        return ForwardOut(self.norm(x), tuple(captured))
+        return x, tuple(captured)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] float32 logits."""

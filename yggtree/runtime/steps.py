@@ -89,11 +89,34 @@ def masked_step(
     ancestor matrix's width N (which grows with every draft depth) stays outside the graph, and
     the stacked ids keep callers' aliasing (plain steps pass one zero as depth and node) out of
     dynamo's guards."""
+    x, layers = masked_layers(model, ids, mask, committed, capture)
+    logits, hidden = finish_step(model, x)
+    return logits, hidden, tuple(h[0] for h in layers)
+
+
+def masked_layers(
+    model: Transformer,
+    ids: torch.Tensor,  # [3, W] int64: tree_step's tokens, depth and node, stacked
+    mask: torch.Tensor,  # [W, C] bool: tree_mask(committed, anc, C)
+    committed: torch.Tensor,  # [] int64
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`masked_step` up to the final norm (what a whole-step package computes,
+    runtime/aoti.py): the last layer's output [1, W, H] and the captured layers (each [1, W, H])."""
     tokens, depth, node = ids
     pos = (committed + depth)[None]
     slots = (committed + node)[None]
-    out = model(tokens[None], pos, slots, mask[None], capture)
-    return model.logits(out.hidden[0]), out.hidden[0], tuple(x[0] for x in out.layers)
+    return model.decoder(tokens[None], pos, slots, mask[None], capture)
+
+
+def finish_step(
+    model: Transformer,
+    x: torch.Tensor,  # [1, W, H] the last layer's output (masked_layers)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of :func:`masked_step`: the final norm and the LM head -> logits [W, V] float32
+    and the final hidden state [W, H]."""
+    hidden = model.norm(x)[0]
+    return model.logits(hidden), hidden
 
 
 def commit(model: Transformer, src: torch.Tensor, dst: torch.Tensor) -> None:
