@@ -522,6 +522,28 @@ def test_find_tuned_plan_picks_a_compiled_plan_for_this_device(tmp_path):
         tmp_path / "f_ready.yaml", tmp_path / "d_uncompiled.yaml")
     assert find_tuned_plan("float32", here, (tmp_path,)) == (tmp_path / "b_other_dtype.yaml", None)
     assert find_tuned_plan("bfloat16", {"kind": "npu", "name": "x"}, (tmp_path,)) == (None, None)
+    # a quantized plan computes another model: never taken for a float run
+    (tmp_path / "g_int8.yaml").write_text(body.format(name="g", prof="here.json", dtype="bfloat16", backend="eager",
+                                                     target="default") + "weights: int8\n")
+    assert find_tuned_plan("bfloat16", here, (tmp_path,), tmp_path / "compile")[0] == tmp_path / "f_ready.yaml"
+
+
+def test_find_tuned_plan_prefers_the_fastest_measured_plain_step(tmp_path):
+    """Of several ready tuned plans, the one whose profile measured the fastest plain step (its
+    width-1 verify point at the shortest context) is taken, whatever the file names' order; a
+    profile without that point comes last."""
+    from yggtree.plan import find_tuned_plan
+    from yggtree.runtime.device import detect_device
+
+    here = detect_device()
+    hw = {"device": here["kind"], "device_name": here["name"]}
+    (tmp_path / "cal.json").write_text("{}")
+    for name, pts in (("a", None), ("b", [(1, 224, 9.0), (1, 480, 1.0), (2, 224, 0.5)]), ("c", [(1, 224, 4.0)])):
+        points = [{"kind": "verify", "width": w, "context": c, "median_ms": ms} for w, c, ms in pts or ()]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"hardware": hw, "points": points}))
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\ntarget: default\ndrafter: default\ndtype: float32\n"
+                                               f"backend: eager\nprofile: {name}.json\ncalibration: cal.json\n")
+    assert find_tuned_plan("float32", here, (tmp_path,)) == (tmp_path / "c.yaml", None)
 
 
 def test_tuned_plans_are_found_in_the_user_data_dir_and_the_checkout(tmp_path, monkeypatch):

@@ -646,36 +646,48 @@ def tuned_plan_dirs() -> tuple[Path, ...]:
 
 def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = None,
                     compile_root: str | Path = "compile") -> tuple[Path | None, Path | None]:
-    """Plans tuned for this device: ``(ready, uncompiled)``, each the first such plan file in
-    ``search`` (default :func:`tuned_plan_dirs`; each directory's files sorted by name) or None.
+    """Plans tuned for this device: ``(ready, uncompiled)``, or None for either.
 
-    A tuned plan is a plan YAML for the embedded pair (target and drafter ``default``) in
-    ``dtype`` naming a profile measured on ``device`` (``{"kind", "name"}`` as from
-    ``yggtree.runtime.device.detect_device``) and a calibration. ``ready``: its compiled
-    artifacts are usable (or it needs none); ``uncompiled``: one that would be, once compiled.
-    Unreadable files are skipped: this only looks for something better than the default plan."""
+    A tuned plan is a plan YAML for the embedded pair (target and drafter ``default``) with float
+    weights in ``dtype`` (no ``weights`` format: a quantized plan computes another model, so it is
+    never taken unasked) naming a profile measured on ``device`` (``{"kind", "name"}`` as from
+    ``yggtree.runtime.device.detect_device``) and a calibration. ``ready``: of the plans whose
+    compiled artifacts are usable (or that need none), the one whose profile measured the fastest
+    plain step (ties and plans without that point: the first by directory, then file name);
+    ``uncompiled``: the first that would be, once compiled. The directories are ``search``
+    (default :func:`tuned_plan_dirs`). Unreadable files are skipped: this only looks for
+    something better than the default plan."""
     from .runtime.device import measured_on
 
-    ready = waiting = None
+    ready, waiting = [], None
     for d in tuned_plan_dirs() if search is None else search:
         for f in sorted(Path(d).glob("*.yaml")) if Path(d).is_dir() else ():
             try:
                 plan = load_plan(f)
-                if (plan.target, plan.drafter, plan.dtype) != ("default", "default", dtype):
+                if (plan.target, plan.drafter, plan.dtype, plan.weights) != ("default", "default", dtype, None):
                     continue
                 if plan.profile is None or plan.calibration is None:
                     continue
-                hw = json.loads(Path(plan.profile).read_text()).get("hardware", {})
+                profile = json.loads(Path(plan.profile).read_text())
+                hw = profile.get("hardware", {})
             except (YggError, OSError, ValueError, AttributeError):
                 continue
             if not isinstance(hw, dict) or not measured_on(hw, device):
                 continue
-            usable = plan.backend == "eager" or not check_artifacts(plan, artifact_dir(plan, compile_root))
-            if usable and ready is None:
-                ready = f
-            elif not usable and waiting is None:
+            if plan.backend == "eager" or not check_artifacts(plan, artifact_dir(plan, compile_root)):
+                ready.append((_plain_step_ms(profile), len(ready), f))
+            elif waiting is None:
                 waiting = f
-    return ready, waiting
+    return (min(ready)[2] if ready else None), waiting
+
+
+def _plain_step_ms(profile: dict) -> float:
+    """A profile's plain step: its width-1 verify point at the shortest context (inf if none)."""
+    points = profile.get("points") if isinstance(profile, dict) else None
+    plain = [(p.get("context", 0), p.get("median_ms")) for p in points or ()
+             if isinstance(p, dict) and p.get("kind") == "verify" and p.get("width") == 1]
+    plain = [(c, ms) for c, ms in plain if isinstance(c, int) and isinstance(ms, (int, float))]
+    return float(min(plain)[1]) if plain else float("inf")
 
 
 # ----------------------------------------------------------------------------- artifacts
