@@ -1,7 +1,8 @@
 """A compiled plan's whole-step package against the same step over its block packages, bitwise,
 on a real cache (a chat prompt and 8 generated tokens), for 12 next tokens spread over the
-vocabulary: ``python reports/step_packages/whole_vs_blocks.py PLAN_YAML`` from the checkout, with
-the plan compiled before 435aad0 (a speculative plan compiles no whole-step package since)."""
+vocabulary: ``python reports/step_packages/whole_vs_blocks.py PLAN_YAML`` from the checkout. Run
+at 3af3c3f on packages whose whole step fused the final norm (results.txt: 3-5 of 12 differ);
+since 7354d19 the whole step ends before the norm, and a float32 speculative plan compiles it too."""
 import sys
 
 import torch
