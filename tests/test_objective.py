@@ -550,7 +550,8 @@ def test_feedback_falls_back_to_plain_and_probes():
 
     cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
     pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
-                          feedback=Feedback(alpha=0.5, accept_alpha=0.5), probe_every=4, probe_max=16)
+                          feedback=Feedback(alpha=0.5, accept_alpha=0.5), probe_every=4, probe_max=16,
+                          probe_share=100.0)  # the probes' cost does not stretch the gaps here (see below)
     offline = policy(cal)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
     choices = []
@@ -579,3 +580,40 @@ def test_feedback_falls_back_to_plain_and_probes():
     pol.choose_verify(tree, c, 100)
     pol.observe(_record(c, 4, 1.0))  # this one wins: probes come every 4 plain steps again
     assert pol._probe_gap == 4
+
+
+def test_probes_cost_at_most_their_share_of_the_plain_steps_before_them():
+    """A probe that costs as much as 8 plain steps (a fast target: the drafter's catch-up and a
+    wide verify against a 5 ms step) comes after 8 / probe_share plain steps, not probe_every:
+    the first one (its cost not yet measured) after probe_every, the next after 64 (losing, the
+    gap doubled to 8, x 8 / (0.25 x 4)), then 128. The measured cost is kept across requests
+    (it is the machine's and the plan's), the gap is not."""
+    from yggtree.runtime.feedback import Feedback
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1.05), (4, 8, 16, 32))
+    pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, feedback=Feedback(),
+                          probe_every=4, probe_max=64, probe_share=0.25)
+    assert pol.plan_choice(100)[1] <= 1.0  # every tree predicted to lose: plain steps and probes
+    tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
+
+    def run(n):  # n steps: the depth of each; probes cost 8 plain steps and accept nothing
+        out = []
+        for _ in range(n):
+            c = pol.choose_draft(torch.zeros(8), 100)
+            out.append(c.draft_depth)
+            plain = pol.feedback.plain_ms(pol.cost.plain_ms(100))
+            if c.draft_depth:
+                pol.choose_verify(tree, c, 100)
+                pol.observe(_record(c, 0, 8 * plain))
+            else:
+                pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
+        return out
+
+    steps = run(200)
+    at = [i for i, d in enumerate(steps) if d]
+    gaps = [b - a - 1 for a, b in zip([-1, *at], at)]
+    assert gaps[:3] == [4, 64, 128]  # after the first probe: 2 x 4 / 4 x (8 / 0.25) = 64, then doubled
+    assert pol._probe_cost == pytest.approx(8.0, rel=0.01)
+    pol.start_request()  # a new request: the gap starts again, the probe's measured cost stays
+    assert pol._probe_after() == 32  # 8 / 0.25 plain steps
+    assert pol.fresh()._probe_cost is None

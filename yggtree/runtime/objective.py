@@ -15,6 +15,7 @@ scikit-learn.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -65,13 +66,18 @@ class ObjectivePolicy(StepPolicy):
     - ``choose_verify``: W_v among the verify widths (and 1) maximising the objective on the
       drafted tree's calibrated path probabilities, the drafting cost being already spent.
     - ``observe``: with ``feedback``, every finished step corrects the offline model (see
-      :class:`Feedback`). After ``probe_every`` plain steps in a row the best tree runs once,
-      so a policy that fell back to plain decoding keeps measuring whether speculation pays
-      again (depth-predictor steps are not probed: the predictor sees every context). A probe
-      that loses (its tokens took longer than plain steps would have, the drafter's catch-up
-      included) doubles the gap before the next one, up to ``probe_max``; a probe that wins,
-      or a tree chosen on its merits, resets it, so on text where speculation never pays the
-      probes cost a few percent (docs/objective.md has the measured figures).
+      :class:`Feedback`). After a run of plain steps the best tree runs once, so a policy
+      that fell back to plain decoding keeps measuring whether speculation pays again
+      (depth-predictor steps are not probed: the predictor sees every context). The run is
+      ``probe_every`` plain steps, or longer where a probe costs more than ``probe_share`` of
+      them: a probe's measured cost in plain steps (the drafter's catch-up included; an average
+      over probes, kept across requests: it is the machine's and the plan's) divided by
+      ``probe_share``. On a fast target a probe costs several plain steps, and 16 of them would
+      put a quarter of the time into probes. A probe that loses (its tokens took longer than
+      plain steps would have, the catch-up included) doubles the run before the next one, up to
+      ``probe_max`` plain steps' worth; a probe that wins, or a tree chosen on its merits, resets
+      it, so on text where speculation never pays the probes cost a few percent
+      (docs/objective.md has the measured figures).
 
     ``log`` collects one :class:`Prediction` per step (plain steps included) for benches.
     """
@@ -87,11 +93,13 @@ class ObjectivePolicy(StepPolicy):
     feedback: Feedback | None = None
     probe_every: int = 16
     probe_max: int = 256
+    probe_share: float = 0.1  # a probe costs at most this share of the plain steps' time before it
     log: list = field(default_factory=list)
     _grid: dict = field(default_factory=dict)  # bucket index -> (choices, D [n], AAL [n], step ms [n], verify ms [n], W_v [n], plain ms, {(D, W_d, W_v): (step ms, verify ms)})
     _plain_run: int = 0  # plain steps in a row
     _probe_gap: int = 0  # plain steps before the next probe (0: probe_every)
     _probing: bool = False  # the step under way is a probe
+    _probe_cost: float | None = None  # a probe's measured cost in plain steps (mean of the last ones)
     _pending: Prediction | None = None  # the prediction of the step under way
     _scale: np.ndarray | None = None  # [d_max] the predictor's AAL factors of the step under way
     _lookup: tuple[float, ...] = ()  # path values of this step's lookup candidates, best first
@@ -206,7 +214,7 @@ class ObjectivePolicy(StepPolicy):
             choice = self.plan_choice(committed)[0]
             if choice.draft_depth > 0:
                 self._probe_gap = self.probe_every  # speculation pays again
-            elif self.feedback is not None and self._plain_run >= (self._probe_gap or self.probe_every):
+            elif self.feedback is not None and self._plain_run >= self._probe_after():
                 choice = self.plan_choice(committed, allow_plain=False)[0]  # probe
                 self._probing = True
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
@@ -228,6 +236,15 @@ class ObjectivePolicy(StepPolicy):
         self._scale = self.predictor.aal_scale(h_root, self.calib, head_logp)
         return self.plan_choice(committed, allow_plain=False, scale=self._scale,
                                 extra_ms=self.predictor.overhead_ms)[0]
+
+    def _probe_after(self) -> int:
+        """Plain steps in a row before the next probe: the current gap (``probe_every``, doubled
+        by every losing probe), scaled up where a probe costs more than ``probe_share`` of
+        ``probe_every`` plain steps (its measured cost, once a probe has run)."""
+        gap = self._probe_gap or self.probe_every
+        if self._probe_cost is None:
+            return gap
+        return max(gap, math.ceil(gap / self.probe_every * self._probe_cost / self.probe_share))
 
     def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
         d, wd = choice.draft_depth, choice.draft_width
@@ -265,6 +282,7 @@ class ObjectivePolicy(StepPolicy):
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _lk_grid={}, _plain_run=0, _probe_gap=0, _probing=False,
+                       _probe_cost=None,
                        _pending=None, _scale=None, _lookup=(), **changes)
 
     def start_request(self) -> None:
@@ -288,7 +306,10 @@ class ObjectivePolicy(StepPolicy):
         # every later probe look worse (a feedback loop that kept a policy on plain steps)
         step_ms = sum(v for k, v in rec.stage_ms.items() if k != "resync")
         if self._probing:  # did the probe beat the plain steps its tokens would have taken?
-            won = (1 + rec.n_accepted) * self.feedback.plain_ms(pred.plain_ms) > step_ms
+            plain_ms = self.feedback.plain_ms(pred.plain_ms)
+            won = (1 + rec.n_accepted) * plain_ms > step_ms
+            cost = sum(rec.stage_ms.values()) / plain_ms  # in plain steps, the catch-up included
+            self._probe_cost = cost if self._probe_cost is None else (self._probe_cost + cost) / 2
             gap = self._probe_gap or self.probe_every
             self._probe_gap = self.probe_every if won else min(2 * gap, self.probe_max)
         if pred.draft_depth == 0 and pred.verify_width == 1:  # the target call and choosing its
