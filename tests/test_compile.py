@@ -107,8 +107,8 @@ def test_compile_builds_every_graph_once(compiled):
     assert m["n_slots"] == n_slots
     assert m["attention"] == attention_formulation(plan.prefill_chunk)  # the engine's formulation
     target = [(r["scope"], r["width"], r["context"], r["cache"]) for r in m["graphs"] if r["model"] == "target"]
-    # each built exactly once, and the plain step whole (it computes the blocks' step bitwise in
-    # float32, so plain steps take it while verify steps run the blocks: plan.whole_step_packages)
+    # each built exactly once, and the plain step whole (it computes the blocks' step bitwise, so
+    # plain steps take it while verify steps run the blocks)
     assert target == [("block", 1, n_slots, "compiled"), ("block", 2, n_slots, "compiled"),
                       ("step", 1, n_slots, "compiled")]
     drafter = {r["width"]: r["cache"] for r in m["graphs"] if r["model"] == "drafter"}
@@ -254,7 +254,7 @@ def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
     """A plain plan's whole-step package computes the step its block packages do, bitwise: the
     same logits, hidden state and cache writes (it ends before the final norm, which both paths
     then run eagerly; fused in, the norm would reduce in another order). That is what lets a
-    float32 speculative plan take its plain steps whole (plan.whole_step_packages)."""
+    speculative plan take its plain steps whole while it verifies on the blocks."""
     import torch
 
     from yggtree.plan import artifact_dir
@@ -427,10 +427,13 @@ def test_profile_of_the_compiled_packages(compiled, tmp_path, monkeypatch, capsy
     assert len(err) == 1 and "--compiled: the artifacts of plan 'tiny'" in err[0] and "yggtree compile" in err[0]
 
 
-def test_bfloat16_speculative_plan_verifies_and_steps_on_the_same_packages(tmp_path):
-    """A speculative bfloat16 plan compiles no whole-step package (its rounding differs from the
-    blocks': plan.whole_step_packages), so plain steps and verify steps run the same block
-    packages, and speculation gives plain decoding's tokens."""
+def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_path):
+    """A speculative bfloat16 plan's whole step computes its block packages' step bitwise (its
+    packages round every fused intermediate to bfloat16 as the unfused ops do:
+    ``aoti.package_config``; without that every step differed), so its plain steps run the
+    whole step while verify steps run the blocks, and speculation gives plain decoding's tokens."""
+    import torch
+
     from yggtree.plan import artifact_dir
     from yggtree.runtime.aoti import step_packages
     from yggtree.runtime.build import build_plan_engine
@@ -442,11 +445,25 @@ def test_bfloat16_speculative_plan_verifies_and_steps_on_the_same_packages(tmp_p
     code, stdout = run_main([plan_path, "--out", tmp_path / "compile"])
     assert code == 0, stdout
     m = json.loads((tmp_path / "compile" / "tiny" / MANIFEST).read_text())
-    assert m["graphs"] and not [g for g in m["graphs"] if g.get("scope") == "step"]
+    assert [g["width"] for g in m["graphs"] if g.get("scope") == "step"] == [1]
     plan = load_plan(tmp_path / "compile" / "tiny" / "plan.yaml")
     spec, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"))
     plain, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"), speculate=False)
-    assert step_packages(spec.target) is None and step_packages(plain.target) is None
+    assert step_packages(spec.target) is not None and step_packages(plain.target) is not None
     params = SamplingParams(max_new_tokens=8)
     for prompt in ([5, 9, 17, 3], list(range(20, 31)), [7] * 6):
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+    # the same step, whole and over the blocks, on the cache of the last request
+    model, graphs = plain.target, plain.graphs
+    whole, before = step_packages(model), model.kv.kv.clone()
+    one, zero = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.int64)
+    for token in range(0, 128, 9):
+        outs = []
+        for path in (whole, None):
+            model.kv.kv.copy_(before)
+            model.step_packages = path
+            with torch.no_grad():
+                outs.append((*graphs.tree_step(torch.tensor([token]), zero, zero, one, torch.tensor(8), (),
+                                               graphs.bucket(9))[:2], model.kv.kv.clone()))
+        model.step_packages = whole
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), token

@@ -589,14 +589,3 @@ def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(mon
     args = parse(["run", "--prompt", "hi", "--dtype", "bfloat16"])
     _pick_plan(args)
     assert args.plan is None and "yggtree compile" in args.no_default_note and args.dtype == "bfloat16"
-
-
-def test_whole_step_packages_where_they_compute_the_blocks_step():
-    """Whole-step packages serve the plain steps of a plan without a drafter, and of a float32
-    speculative plan (the whole step computes its blocks' step bitwise); a speculative bfloat16
-    plan's plain steps run the block packages its verify steps run (fused into one graph, its
-    blocks round elsewhere)."""
-    from yggtree.plan import whole_step_packages
-
-    assert whole_step_packages(False, "float32") and whole_step_packages(False, "bfloat16")
-    assert whole_step_packages(True, "float32") and not whole_step_packages(True, "bfloat16")

@@ -354,19 +354,6 @@ def _measured(plan: Plan) -> dict:
     return pad
 
 
-def whole_step_packages(speculative: bool, dtype: str) -> bool:
-    """Whether the plain steps of a plan (with a drafter: ``speculative``; activations in
-    ``dtype``) run whole-step packages (runtime/aoti.py, "Step packages") rather than its block
-    packages. A whole step ends before the final norm, which it leaves to the eager code the
-    block path runs, so in float32 it computes the block path's step bitwise and a speculative
-    plan may take its plain steps on it (speculation then stays token-exact against
-    ``--no-speculate``, which takes them there too). In bfloat16 it does not: fused across the
-    blocks, it rounds intermediates to bfloat16 elsewhere than the blocks do (every step of a tiny
-    model differs), so a speculative bfloat16 plan runs its plain steps on the block packages its
-    verify steps run; a plan without a drafter (it never verifies) takes the faster whole steps."""
-    return not speculative or dtype == "float32"
-
-
 def cached_padding(plan: Plan) -> dict | None:
     """For a plan without a profile: its product kernel and padding as measured on this machine
     at the plan's threads and widths and cached (``yggtree.kernel_choice.measure_plan``, which

@@ -18,8 +18,8 @@ Backends:
   inputs, the cache written in place) and compiled by AOTInductor into a self-contained package
   ``compile/<name>/graphs/block-<kind>-w<W>-c<C>.pt2``; the target's plain step is also compiled
   whole, once per context bucket (``step-<key>-w1-c<C>.pt2``: every layer inlined, up to the final
-  norm, returning the layers the drafter reads; not for a speculative bfloat16 plan,
-  ``plan.whole_step_packages``). A run loads the packages and calls them directly
+  norm, returning the layers the drafter reads; bitwise the block packages' step, so plain steps
+  run it while verify steps run the blocks). A run loads the packages and calls them directly
   (``runtime.aoti``): no dynamo tracing, no guards, no compile in the process.
   Inductor's intermediate build files go to a scratch directory deleted after the compile.
 - ``eager``: nothing to build; the manifest (fingerprints, versions) is written alone.
@@ -67,7 +67,6 @@ from ..plan import (
     read_manifest,
     save_plan,
     versions,
-    whole_step_packages,
 )
 
 from .plan_search import search_plan
@@ -213,8 +212,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     skey = step_key(target, capture)
-    widths = STEP_WIDTHS if whole_step_packages(plan.speculative, plan.dtype) else ()  # not where they round otherwise
-    steps_todo = [(skey, w, c) for w in widths for c in graphs.buckets if c >= w]
+    steps_todo = [(skey, w, c) for w in STEP_WIDTHS for c in graphs.buckets if c >= w]
     progress.update(task, total=len(todo) + len(steps_todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
     sums: dict[tuple[str, int, int], str] = {}  # each package's sha256, checked at every load

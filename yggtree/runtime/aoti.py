@@ -33,12 +33,12 @@ up to the final norm with every layer inlined (one package per (model, W, C),
 
 :class:`StepPackages` runs it in place of :meth:`Graphs.tree_step <yggtree.runtime.graphs.Graphs.tree_step>`'s
 block path and then the final norm and the head eagerly (:func:`steps.finish_step`), as the block
-path does. In float32 it so computes the block path's step bitwise (on the default model, every
-step tried), and a speculative plan takes its plain steps on it while verifying on the blocks.
-Fused into the graph, the final norm would reduce in another order than the eager one (the last
-bits of the logits differ on a few steps in twelve). In bfloat16 the blocks fused into one graph
-round their intermediates elsewhere than the block packages do, so a speculative bfloat16 plan
-compiles none (``yggtree.plan.whole_step_packages``).
+path does. So it computes the block path's step bitwise (on the default model, every step tried
+in every format), and a speculative plan takes its plain steps on it while verifying on the
+blocks. Fused into the graph, the final norm would reduce in another order than the eager one
+(the last bits of the logits differed on a few steps in twelve); and a bfloat16 model's blocks,
+fused into one graph, would keep intermediates in float32 that the block packages round, were
+its packages not compiled to round them as the unfused ops do (:func:`package_config`).
 """
 
 from __future__ import annotations
@@ -159,13 +159,19 @@ class _StepFn(nn.Module):
 
 
 def package_config(block: nn.Module) -> dict:
-    """Inductor settings of ``block``'s packages: :data:`INDUCTOR_CPU_CONFIG`, and where it calls
-    our kernel library (w4a8 weights, tiled products) the kernels' C shims (a direct call;
-    AOTInductor's proxy executor would box every call's arguments, ~10 us a product)."""
+    """Inductor settings of ``block``'s packages (and of its model's whole steps):
+    :data:`INDUCTOR_CPU_CONFIG`; where it calls our kernel library (w4a8 weights, tiled
+    products) the kernels' C shims (a direct call; AOTInductor's proxy executor would box every
+    call's arguments, ~10 us a product); and in a half-precision model every intermediate of a
+    fused kernel rounded to its dtype as the unfused ops round it (``emulate_precision_casts``),
+    so a whole step, whose kernels fuse across the blocks, computes its block packages' step
+    bitwise (otherwise every bfloat16 step differs in the last bits)."""
     from .kernels import aoti_shims
     from .w4a8 import W4A8Linear
 
     config = dict(INDUCTOR_CPU_CONFIG)
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in block.parameters()):
+        config["emulate_precision_casts"] = True
     if any(isinstance(m, W4A8Linear) or getattr(m, "kernel", None) == "tiled" for m in block.modules()):
         config["aot_inductor.custom_ops_to_c_shims"] = aoti_shims()
     return config

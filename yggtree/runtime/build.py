@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import YggError
 from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
-                    profile_invariance, read_manifest, whole_step_packages)
+                    profile_invariance, read_manifest)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, weight_format
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
@@ -426,8 +426,6 @@ def _package_installer(art: Path):
     # the target's whole-step packages (one capture per compile: the plan's drafter's layers)
     step_capture = next((tuple(g["capture"]) for g in manifest["graphs"] if g.get("scope") == "step"), None)
     plan = manifest.get("plan") or {}
-    if not whole_step_packages(plan.get("drafter") is not None, plan.get("dtype", "float32")):
-        step_capture = None  # never the case for a plan compiled since that rule
     sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
     if plan.get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
         from .w4a8 import load_kernel
