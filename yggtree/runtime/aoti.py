@@ -127,7 +127,8 @@ class _BlockFn(nn.Module):
 
 
 class _TreeStep(nn.Module):
-    """:func:`steps.tree_step` of a model at one context bucket, as a module call."""
+    """:func:`steps.tree_step` of a model at one context bucket up to the final norm
+    (:func:`steps.masked_layers`), as a module call."""
 
     def __init__(self, model: nn.Module, context: int, capture: tuple[int, ...]) -> None:
         super().__init__()
