@@ -20,7 +20,10 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -54,6 +57,96 @@ inline float sum_of(const float* x, int64_t n) {
 
 constexpr int MAX_CHUNKS = 16;  // D <= 256
 
+// Scratch of one thread: the visible slots' scores and their slot numbers (reused across calls)
+struct Scratch {
+  std::vector<float> sc;
+  std::vector<int64_t> slot;
+};
+
+// NG heads of one query row that share a KV head (see the header), with ND = D / 16 known at
+// compile time so the queries and the weighted sums' accumulators stay in registers. Each head's
+// arithmetic is what it would be alone, in the same order (the heads only share the loads of K
+// and V rows and fill each other's latency), so the grouping changes no bit.
+template <int ND, int NG>
+void head_group(const float* qh, int64_t qs, const float* kb, const float* vb, int64_t ks1, int64_t vs1, const bool* hm,
+                int64_t C, const int64_t* win, int64_t T, float scale, float* o, int64_t os, Scratch& buf) {
+  const int64_t cap = C + T;
+  float* sc = buf.sc.data();  // [NG, C + T] scores, then probabilities
+  int64_t* slot = buf.slot.data();
+  __m512 qv[NG][ND];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < ND; ++c) qv[g][c] = _mm512_loadu_ps(qh + g * qs + 16 * c);
+  auto score = [&](int64_t s, int64_t j) {
+    const float* kr = kb + s * ks1;
+    __m512 acc[NG];
+    const __m512 k0 = _mm512_loadu_ps(kr);
+    for (int g = 0; g < NG; ++g) acc[g] = _mm512_mul_ps(qv[g][0], k0);
+    for (int c = 1; c < ND; ++c) {
+      const __m512 kc = _mm512_loadu_ps(kr + 16 * c);
+      for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], kc, acc[g]);
+    }
+    for (int g = 0; g < NG; ++g) sc[g * cap + j] = _mm512_reduce_add_ps(acc[g]) * scale;
+  };
+  int64_t n = 0;
+  for (int64_t s = 0; s < C; ++s)
+    if (hm[s]) slot[n] = s, score(s, n++);
+  const int64_t n1 = n;
+  for (int64_t t = 0; t < T; ++t)
+    if (win[t] >= 0) slot[n] = win[t], score(win[t], n++);
+  if (n == 0) {  // a row that sees nothing (never in a decode step): zeros
+    for (int g = 0; g < NG; ++g)
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + g * os + 16 * c, _mm512_setzero_ps());
+    return;
+  }
+  float total[NG];
+  for (int g = 0; g < NG; ++g) {
+    float* sg = sc + g * cap;
+    __m512 mx = _mm512_set1_ps(sg[0]);  // the maximum (exact in any order)
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
+    if (j < n) mx = _mm512_mask_max_ps(mx, static_cast<__mmask16>((1u << (n - j)) - 1), mx, _mm512_maskz_loadu_ps(
+                                           static_cast<__mmask16>((1u << (n - j)) - 1), sg + j));
+    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(sg + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv)));
+    if (j < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm512_mask_storeu_ps(sg + j, tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + j), mv)));
+    }
+    total[g] = sum_of(sg, n1) + sum_of(sg + n1, n - n1);
+  }
+  __m512 a1[NG][ND], a2[NG][ND];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < ND; ++c) a1[g][c] = _mm512_setzero_ps(), a2[g][c] = _mm512_setzero_ps();
+  auto weigh = [&](__m512 (&a)[NG][ND], int64_t jj) {
+    const float* vr = vb + slot[jj] * vs1;
+    for (int c = 0; c < ND; ++c) {
+      const __m512 vc = _mm512_loadu_ps(vr + 16 * c);
+      for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * cap + jj]), vc, a[g][c]);
+    }
+  };
+  for (int64_t jj = 0; jj < n1; ++jj) weigh(a1, jj);
+  for (int64_t jj = n1; jj < n; ++jj) weigh(a2, jj);
+  for (int g = 0; g < NG; ++g) {
+    const __m512 tv = _mm512_set1_ps(total[g]);
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + g * os + 16 * c, _mm512_div_ps(_mm512_add_ps(a1[g][c], a2[g][c]), tv));
+  }
+}
+
+constexpr int MAX_GROUP = 4;  // heads computed together (a KV head's query heads, up to this many)
+
+using GroupFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, const bool*, int64_t,
+                         const int64_t*, int64_t, float, float*, int64_t, Scratch&);
+
+template <int ND, int... G>
+constexpr std::array<GroupFn, sizeof...(G)> group_fns(std::integer_sequence<int, G...>) {
+  return {&head_group<ND, G + 1>...};
+}
+
+template <int... I>
+constexpr std::array<std::array<GroupFn, MAX_GROUP>, sizeof...(I)> all_fns(std::integer_sequence<int, I...>) {
+  return {group_fns<I + 1>(std::make_integer_sequence<int, MAX_GROUP>{})...};
+}
+
 at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& head_in, const at::Tensor& window_in) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "rows_attention: q must be [B, W, H, D] float32");
@@ -68,7 +161,7 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
   TORCH_CHECK(window_in.scalar_type() == at::kLong && window_in.dim() == 3 && window_in.size(0) == B &&
               window_in.size(1) == W, "rows_attention: window must be [B, W, T] int64");
   const at::Tensor q = q_in.contiguous(), head = head_in.contiguous(), window = window_in.contiguous();
-  const int64_t T = window.size(2), G = H / Hkv, nd = D / 16;
+  const int64_t T = window.size(2), G = H / Hkv;
   auto out = at::empty({B, W, H * D}, q.options());
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const float* qp = q.data_ptr<float>();
@@ -79,58 +172,17 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  static constexpr auto fns = all_fns(std::make_integer_sequence<int, MAX_CHUNKS>{});
+  const auto& by_group = fns[D / 16 - 1];
   at::parallel_for(0, B * W * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(C + T);
-    std::vector<int64_t> slot(C + T);
-    for (int64_t i = i0; i < i1; ++i) {
+    static thread_local Scratch buf;
+    if (static_cast<int64_t>(buf.slot.size()) < C + T) buf.sc.resize(MAX_GROUP * (C + T)), buf.slot.resize(C + T);
+    for (int64_t i = i0; i < i1;) {  // this thread's heads, in runs that share a KV head
       const int64_t b = i / (W * H), r = (i / H) % W, h = i % H, g = h / G;
-      __m512 qv[MAX_CHUNKS];
-      for (int64_t c = 0; c < nd; ++c) qv[c] = _mm512_loadu_ps(qp + ((b * W + r) * H + h) * D + 16 * c);
-      const float* kb = kp + b * ks0 + g * ks2;
-      const float* vb = vp + b * vs0 + g * vs2;
-      auto score = [&](int64_t s) {
-        const float* kr = kb + s * ks1;
-        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-        for (int64_t c = 1; c < nd; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
-        return _mm512_reduce_add_ps(acc) * scale;
-      };
-      int64_t n = 0;
-      const bool* hm = hp + (b * W + r) * C;
-      for (int64_t s = 0; s < C; ++s)
-        if (hm[s]) slot[n] = s, sc[n++] = score(s);
-      const int64_t n1 = n;
-      const int64_t* win = wp + (b * W + r) * T;
-      for (int64_t t = 0; t < T; ++t)
-        if (win[t] >= 0) slot[n] = win[t], sc[n++] = score(win[t]);
-      float* o = op + (b * W + r) * H * D + h * D;
-      if (n == 0) {  // a row that sees nothing (never in a decode step): zeros
-        for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_setzero_ps());
-        continue;
-      }
-      float m = sc[0];
-      for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
-      const __m512 mv = _mm512_set1_ps(m);
-      int64_t j = 0;
-      for (; j + 16 <= n; j += 16) _mm512_storeu_ps(sc.data() + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc.data() + j), mv)));
-      if (j < n) {
-        const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-        _mm512_mask_storeu_ps(sc.data() + j, tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc.data() + j), mv)));
-      }
-      const float total = sum_of(sc.data(), n1) + sum_of(sc.data() + n1, n - n1);
-      __m512 a1[MAX_CHUNKS], a2[MAX_CHUNKS];
-      for (int64_t c = 0; c < nd; ++c) a1[c] = _mm512_setzero_ps(), a2[c] = _mm512_setzero_ps();
-      for (int64_t jj = 0; jj < n1; ++jj) {
-        const __m512 p = _mm512_set1_ps(sc[jj]);
-        const float* vr = vb + slot[jj] * vs1;
-        for (int64_t c = 0; c < nd; ++c) a1[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), a1[c]);
-      }
-      for (int64_t jj = n1; jj < n; ++jj) {
-        const __m512 p = _mm512_set1_ps(sc[jj]);
-        const float* vr = vb + slot[jj] * vs1;
-        for (int64_t c = 0; c < nd; ++c) a2[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), a2[c]);
-      }
-      const __m512 tv = _mm512_set1_ps(total);
-      for (int64_t c = 0; c < nd; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(_mm512_add_ps(a1[c], a2[c]), tv));
+      const int64_t ng = std::min<int64_t>({i1 - i, (g + 1) * G - h, MAX_GROUP});
+      by_group[ng - 1](qp + ((b * W + r) * H + h) * D, D, kp + b * ks0 + g * ks2, vp + b * vs0 + g * vs2, ks1, vs1,
+                       hp + (b * W + r) * C, C, wp + (b * W + r) * T, T, scale, op + (b * W + r) * H * D + h * D, D, buf);
+      i += ng;
     }
   });
   return out;
