@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 
 from yggtree.runtime.accept import (
     Accepted,
+    argmax,
     filter_probs,
     greedy_accept,
     sample_accept,
@@ -354,3 +355,18 @@ def test_the_chi_square_check_catches_a_lossy_scheme() -> None:
     counts = np.random.default_rng(0).multinomial(N_DRAWS, lossy)
     assert chi2_pvalue(counts, p) < 1e-6
     assert chi2_pvalue(np.random.default_rng(0).multinomial(N_DRAWS, p), p) > ALPHA
+
+
+def test_argmax_is_torch_argmax_on_ties_nans_and_every_shape():
+    """accept.argmax (numpy on the CPU) picks what torch.argmax picks: the first maximum, a NaN
+    first, an all -inf row's first entry, over 1-D, 2-D and strided logits of either float."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 300, generator=gen)
+    rows[1, [7, 200]] = 9.0  # a tie: the first
+    rows[2, [3, 250]] = float("nan")  # NaN counts as the maximum, the first one
+    rows[3] = float("-inf")
+    rows[4, :] = 1.0
+    rows[5, ::3] = rows[5].max() + 1
+    for x in (rows, rows[1], rows[:, ::2], rows.t(), rows.double(), rows.half(), rows[:0]):
+        got = argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), x.shape

@@ -295,7 +295,7 @@ def stage_calls(engine, plan):
     import torch
 
     from ..runtime import steps
-    from ..runtime.accept import greedy_accept
+    from ..runtime.accept import argmax, greedy_accept
     from .profile_stages import random_tree
     from ..runtime.egt import egt_expand, egt_feed_inputs, egt_select
     from ..runtime.calibration import Calibration, aal_by_width, path_values
@@ -343,7 +343,7 @@ def stage_calls(engine, plan):
 
     out.append(("policy", None, policy))
     plain_logits = torch.randn(1, vocab)
-    out.append(("plain_accept", None, lambda: int(plain_logits[0].argmax())))
+    out.append(("plain_accept", None, lambda: int(argmax(plain_logits[0]))))
     target, drafter = engine.target, engine.drafter
     h = target.cfg.hidden_size
     feats = tuple(torch.zeros(d + 1, h, dtype=target.embed_tokens.weight.dtype)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
+import numpy as np
 import torch
 
 from yggtree.runtime.tree import Tree
@@ -188,6 +189,16 @@ def walk_lists(tree: Tree, choice: torch.Tensor, max_depth: int) -> Accepted:
                     tokens=torch.tensor(tokens, dtype=i64))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``: [...] int64, the first maximum of every row of logits [..., V] (a
+    NaN counts as the maximum). Float32 or float64 rows on the CPU go through numpy, whose argmax
+    is vectorised: ATen's CPU argmax reduces element by element, about ten times slower over a
+    vocabulary (docs/results.md, issue #20). The same index on every input."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1), dtype=np.int64))
+    return logits.argmax(dim=-1)
+
+
 def greedy_accept(
     tree: Tree, target_logits: torch.Tensor, max_depth: int | None = None
 ) -> Accepted:
@@ -199,7 +210,7 @@ def greedy_accept(
         max_depth: static bound on the tree depth (the output length is max_depth + 1);
             default W - 1, which always suffices.
     """
-    return walk(tree, target_logits.argmax(dim=-1), max_depth)
+    return walk(tree, argmax(target_logits), max_depth)
 
 
 def sample_accept(

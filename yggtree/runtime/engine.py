@@ -33,7 +33,7 @@ from ..shapes import (  # noqa: F401  (re-exported: the engine's public names)
     MAX_TEMPERATURE, MAX_TOP_K, MAX_VERIFY_WIDTH, MIN_TEMPERATURE, Envelope, SamplingParams,
     TreeParams, check_sizes, int_value,
 )
-from .accept import truncate
+from .accept import argmax as greedy, truncate
 from .drafters import Drafter
 from .graphs import Graphs
 from .lookup import LookupCalibration, LookupIndex
@@ -232,7 +232,7 @@ def step_record(st: Step, committed: int, h_root: torch.Tensor, stage_ms: dict, 
         return StepRecord(h_root.float(), committed, choice, 1, 0, stage_ms)
     return StepRecord(
         h_root.float(), committed, choice, st.wv, st.n_acc, stage_ms, st.tree, st.kept,
-        st.kept_valid, st.logits.argmax(dim=-1) if argmax else None,
+        st.kept_valid, greedy(st.logits) if argmax else None,
     )
 
 

@@ -35,7 +35,7 @@ import torch
 from ..errors import YggError
 from ..shapes import SamplingParams
 from . import steps
-from .accept import Accepted, filter_probs, sample_choices, truncate, walk
+from .accept import Accepted, argmax, filter_probs, sample_choices, truncate, walk
 from .drafters import TopK
 from .lookup import LookupIndex, Proposal, propose
 from .merge import SOURCE_DRAFTER, SOURCE_LOOKUP, SOURCE_NAMES, merge_lookup, root_tree
@@ -114,7 +114,7 @@ class Step:
 def choose_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
     """The target's next token from logits [V]: argmax, or one multinomial draw."""
     if params.temperature == 0:
-        return int(logits.argmax())
+        return int(argmax(logits))
     probs = filter_probs(logits, params.temperature, params.top_p)
     return int(torch.multinomial(probs, 1, generator=gen))
 
@@ -233,7 +233,7 @@ def accept(eng, req: Request, st: Step) -> None:
         c["accept_hist"].append(0)
     else:
         if p.temperature == 0:
-            st.bonus = st.logits.argmax(dim=-1)
+            st.bonus = argmax(st.logits)
         else:  # one independent draw per node (accept.sample_accept's choices)
             st.bonus = sample_choices(st.logits, p.temperature, p.top_p, req.gen)
         st.acc = walk(st.vtree, st.bonus, max_depth=st.dw)
