@@ -117,15 +117,15 @@ def runs_attention(head_dim: int) -> bool:
 
 
 def use_rows_attention(model) -> int:
-    """Have every attention layer of a float32 ``model`` whose head dim the kernel takes compute
-    its row-by-row attention with ``yggtree::rows_attention`` (``Attention.native_rows``: work
-    over the visible slots only, instead of inductor's code over the context bucket); a model
-    whose products run on the library (the w4a8 format, the tiled kernel) runs it too. Loads the
-    library; returns how many layers it set (0 for another dtype)."""
+    """Have every attention layer of a float32 or bfloat16 ``model`` whose head dim the kernel
+    takes compute its row-by-row attention with ``yggtree::rows_attention``
+    (``Attention.native_rows``: work over the visible slots only, instead of inductor's code over
+    the context bucket); a model whose products run on the library (the w4a8 format, the tiled
+    kernel) runs it too. Loads the library; returns how many layers it set (0 for another dtype)."""
     from .model import Attention
 
     load_library()
-    if next(model.parameters()).dtype != torch.float32:
+    if next(model.parameters()).dtype not in (torch.float32, torch.bfloat16):
         return 0
     layers = [m for m in model.modules() if isinstance(m, Attention) and runs_attention(m.cfg.head_dim)]
     for m in layers:

@@ -152,8 +152,8 @@ class Attention(nn.Module):
         self.invariant_rows = 1
         # the row-by-row attention as the compiled kernel yggtree::rows_attention (our kernel
         # library, runtime/csrc/rows_attention.cpp: work over the visible slots only) instead of
-        # _rows_attention's broadcast products over the context bucket; float32 models whose
-        # products run on the library set it (runtime/kernels.py use_rows_attention)
+        # _rows_attention's broadcast products over the context bucket; float32 and bfloat16
+        # models whose products run on the library set it (runtime/kernels.py use_rows_attention)
         self.native_rows = False
 
     def forward(

@@ -227,8 +227,8 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel:
     ``lm_head`` in place for the product kernel ``kernel`` (:data:`KERNELS`); returns how many
     linear layers were packed (0 where :func:`can_pack` is False, or when they are packed
     already: layers packed before keep their ``min_rows`` and kernel). The tiled kernel loads
-    the kernel library (built on first use) and, in a float32 model, sets its attention layers
-    to the library's row-by-row attention (:func:`yggtree.runtime.kernels.use_rows_attention`).
+    the kernel library (built on first use) and, in a float32 or bfloat16 model, sets its
+    attention layers to the library's row-by-row attention (:func:`yggtree.runtime.kernels.use_rows_attention`).
     Every packed layer pads products of fewer than ``min_rows`` rows to that many (1: none;
     see the module docstring).
 

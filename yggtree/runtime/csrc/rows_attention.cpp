@@ -13,7 +13,9 @@
 // probabilities' sums), so a row's result depends neither on the call's other rows nor on the
 // bucket C nor on the thread count; a tree node and the plain step at its position see the same
 // part 1 and the same window values, hence the same bits. Work is proportional to the visible
-// slots, not to the context bucket. float32 only; D a multiple of 16, at most 256.
+// slots, not to the context bucket. float32 or bfloat16 (q, K and V read as float32, every sum in
+// float32, the output rounded to bfloat16 at the end: _rows_attention's .float() and .to(dtype));
+// D a multiple of 16, at most 256.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -55,6 +57,22 @@ inline float sum_of(const float* x, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// 16 values of q, K or V as float32, and 16 results stored in the model's dtype: bfloat16 is the
+// high half of a float32; the store rounds to nearest even, as a tensor's .to(torch.bfloat16)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
 constexpr int MAX_CHUNKS = 16;  // D <= 256
 
 // Scratch of one thread: the visible slots' scores and their slot numbers (reused across calls)
@@ -67,22 +85,22 @@ struct Scratch {
 // compile time so the queries and the weighted sums' accumulators stay in registers. Each head's
 // arithmetic is what it would be alone, in the same order (the heads only share the loads of K
 // and V rows and fill each other's latency), so the grouping changes no bit.
-template <int ND, int NG>
-void head_group(const float* qh, int64_t qs, const float* kb, const float* vb, int64_t ks1, int64_t vs1, const bool* hm,
-                int64_t C, const int64_t* win, int64_t T, float scale, float* o, int64_t os, Scratch& buf) {
+template <typename E, int ND, int NG>
+void head_group(const E* qh, int64_t qs, const E* kb, const E* vb, int64_t ks1, int64_t vs1, const bool* hm,
+                int64_t C, const int64_t* win, int64_t T, float scale, E* o, int64_t os, Scratch& buf) {
   const int64_t cap = C + T;
   float* sc = buf.sc.data();  // [NG, C + T] scores, then probabilities
   int64_t* slot = buf.slot.data();
   __m512 qv[NG][ND];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < ND; ++c) qv[g][c] = _mm512_loadu_ps(qh + g * qs + 16 * c);
+    for (int c = 0; c < ND; ++c) qv[g][c] = load16(qh + g * qs + 16 * c);
   auto score = [&](int64_t s, int64_t j) {
-    const float* kr = kb + s * ks1;
+    const E* kr = kb + s * ks1;
     __m512 acc[NG];
-    const __m512 k0 = _mm512_loadu_ps(kr);
+    const __m512 k0 = load16(kr);
     for (int g = 0; g < NG; ++g) acc[g] = _mm512_mul_ps(qv[g][0], k0);
     for (int c = 1; c < ND; ++c) {
-      const __m512 kc = _mm512_loadu_ps(kr + 16 * c);
+      const __m512 kc = load16(kr + 16 * c);
       for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], kc, acc[g]);
     }
     for (int g = 0; g < NG; ++g) sc[g * cap + j] = _mm512_reduce_add_ps(acc[g]) * scale;
@@ -95,7 +113,7 @@ void head_group(const float* qh, int64_t qs, const float* kb, const float* vb, i
     if (win[t] >= 0) slot[n] = win[t], score(win[t], n++);
   if (n == 0) {  // a row that sees nothing (never in a decode step): zeros
     for (int g = 0; g < NG; ++g)
-      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + g * os + 16 * c, _mm512_setzero_ps());
+      for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, _mm512_setzero_ps());
     return;
   }
   float total[NG];
@@ -118,9 +136,9 @@ void head_group(const float* qh, int64_t qs, const float* kb, const float* vb, i
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < ND; ++c) a1[g][c] = _mm512_setzero_ps(), a2[g][c] = _mm512_setzero_ps();
   auto weigh = [&](__m512 (&a)[NG][ND], int64_t jj) {
-    const float* vr = vb + slot[jj] * vs1;
+    const E* vr = vb + slot[jj] * vs1;
     for (int c = 0; c < ND; ++c) {
-      const __m512 vc = _mm512_loadu_ps(vr + 16 * c);
+      const __m512 vc = load16(vr + 16 * c);
       for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * cap + jj]), vc, a[g][c]);
     }
   };
@@ -128,51 +146,41 @@ void head_group(const float* qh, int64_t qs, const float* kb, const float* vb, i
   for (int64_t jj = n1; jj < n; ++jj) weigh(a2, jj);
   for (int g = 0; g < NG; ++g) {
     const __m512 tv = _mm512_set1_ps(total[g]);
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + g * os + 16 * c, _mm512_div_ps(_mm512_add_ps(a1[g][c], a2[g][c]), tv));
+    for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, _mm512_div_ps(_mm512_add_ps(a1[g][c], a2[g][c]), tv));
   }
 }
 
 constexpr int MAX_GROUP = 4;  // heads computed together (a KV head's query heads, up to this many)
 
-using GroupFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, const bool*, int64_t,
-                         const int64_t*, int64_t, float, float*, int64_t, Scratch&);
+template <typename E>
+using GroupFn = void (*)(const E*, int64_t, const E*, const E*, int64_t, int64_t, const bool*, int64_t, const int64_t*,
+                         int64_t, float, E*, int64_t, Scratch&);
 
-template <int ND, int... G>
-constexpr std::array<GroupFn, sizeof...(G)> group_fns(std::integer_sequence<int, G...>) {
-  return {&head_group<ND, G + 1>...};
+template <typename E, int ND, int... G>
+constexpr std::array<GroupFn<E>, sizeof...(G)> group_fns(std::integer_sequence<int, G...>) {
+  return {&head_group<E, ND, G + 1>...};
 }
 
-template <int... I>
-constexpr std::array<std::array<GroupFn, MAX_GROUP>, sizeof...(I)> all_fns(std::integer_sequence<int, I...>) {
-  return {group_fns<I + 1>(std::make_integer_sequence<int, MAX_GROUP>{})...};
+template <typename E, int... I>
+constexpr std::array<std::array<GroupFn<E>, MAX_GROUP>, sizeof...(I)> all_fns(std::integer_sequence<int, I...>) {
+  return {group_fns<E, I + 1>(std::make_integer_sequence<int, MAX_GROUP>{})...};
 }
 
-at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& head_in, const at::Tensor& window_in) {
-  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "rows_attention: q must be [B, W, H, D] float32");
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-              k.stride(3) == 1 && v.stride(3) == 1, "rows_attention: k and v must be [B, C, Hkv, D] float32, D contiguous");
-  const int64_t B = q_in.size(0), W = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
-  const int64_t C = k.size(1), Hkv = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, "rows_attention: q and k/v shapes differ");
-  TORCH_CHECK(D % 16 == 0 && D <= 16 * MAX_CHUNKS, "rows_attention: head dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(head_in.scalar_type() == at::kBool && head_in.dim() == 3 && head_in.size(0) == B && head_in.size(1) == W &&
-              head_in.size(2) == C, "rows_attention: head must be [B, W, C] bool");
-  TORCH_CHECK(window_in.scalar_type() == at::kLong && window_in.dim() == 3 && window_in.size(0) == B &&
-              window_in.size(1) == W, "rows_attention: window must be [B, W, T] int64");
-  const at::Tensor q = q_in.contiguous(), head = head_in.contiguous(), window = window_in.contiguous();
-  const int64_t T = window.size(2), G = H / Hkv;
-  auto out = at::empty({B, W, H * D}, q.options());
+template <typename E>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head, const at::Tensor& window,
+         at::Tensor& out) {
+  const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t C = k.size(1), Hkv = k.size(2), T = window.size(2), G = H / Hkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const E* qp = q.data_ptr<E>();
+  const E* kp = k.data_ptr<E>();
+  const E* vp = v.data_ptr<E>();
   const bool* hp = head.data_ptr<bool>();
   const int64_t* wp = window.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  E* op = out.data_ptr<E>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  static constexpr auto fns = all_fns(std::make_integer_sequence<int, MAX_CHUNKS>{});
+  static constexpr auto fns = all_fns<E>(std::make_integer_sequence<int, MAX_CHUNKS>{});
   const auto& by_group = fns[D / 16 - 1];
   at::parallel_for(0, B * W * H, 1, [&](int64_t i0, int64_t i1) {
     static thread_local Scratch buf;
@@ -185,6 +193,29 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
       i += ng;
     }
   });
+}
+
+at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& head_in, const at::Tensor& window_in) {
+  const auto dt = q_in.scalar_type();
+  TORCH_CHECK(q_in.dim() == 4 && (dt == at::kFloat || dt == at::kBFloat16),
+              "rows_attention: q must be [B, W, H, D] float32 or bfloat16");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == dt && v.scalar_type() == dt &&
+              k.stride(3) == 1 && v.stride(3) == 1, "rows_attention: k and v must be [B, C, Hkv, D] in q's dtype, D contiguous");
+  const int64_t B = q_in.size(0), W = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+  const int64_t C = k.size(1), Hkv = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, "rows_attention: q and k/v shapes differ");
+  TORCH_CHECK(D % 16 == 0 && D <= 16 * MAX_CHUNKS, "rows_attention: head dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(head_in.scalar_type() == at::kBool && head_in.dim() == 3 && head_in.size(0) == B && head_in.size(1) == W &&
+              head_in.size(2) == C, "rows_attention: head must be [B, W, C] bool");
+  TORCH_CHECK(window_in.scalar_type() == at::kLong && window_in.dim() == 3 && window_in.size(0) == B &&
+              window_in.size(1) == W, "rows_attention: window must be [B, W, T] int64");
+  const at::Tensor q = q_in.contiguous(), head = head_in.contiguous(), window = window_in.contiguous();
+  auto out = at::empty({B, W, H * D}, q.options());
+  if (dt == at::kFloat)
+    run<float>(q, k, v, head, window, out);
+  else
+    run<at::BFloat16>(q, k, v, head, window, out);
   return out;
 }
 
