@@ -120,7 +120,7 @@ def test_compiled_rows_are_the_one_row_graph():
 
     for dtype in DTYPES:
         q, k, v, mask = _qkv(dtype, w=5)
-        fn = torch.compile(_rows, **compile_options("inductor-cpu"))
+        fn = torch.compile(_rows, **compile_options("inductor-cpu", half=dtype != torch.float32))
         wide = fn(q, k, v, mask)
         for i in range(5):
             assert torch.equal(wide[:, i:i + 1], fn(q[:, i:i + 1], k, v, mask[:, i:i + 1])), (dtype, i)
@@ -133,7 +133,7 @@ def test_compiled_step_logits_do_not_depend_on_the_width():
 
     model = _packed_tiny(torch.bfloat16, attention_rows(64))
     torch._dynamo.reset()  # masked_step's code object may hold other tests' graphs up to dynamo's recompile limit
-    run = torch.compile(steps.masked_step, **compile_options("inductor-cpu"))
+    run = torch.compile(steps.masked_step, **compile_options("inductor-cpu", half=True))
     assert torch.equal(_root_logits(model, 5, run=run), _root_logits(model, 1, run=run))
 
 
@@ -219,7 +219,8 @@ def test_a_verified_node_is_the_plain_step_of_its_path(dtype):
 
     model = _packed_tiny(dtype, attention_rows(64))
     torch._dynamo.reset()  # as above: a fresh recompile budget for masked_step
-    for run in (None, torch.compile(steps.masked_step, **compile_options("inductor-cpu"))):
+    opts = compile_options("inductor-cpu", half=dtype != torch.float32)  # as Graphs builds it
+    for run in (None, torch.compile(steps.masked_step, **opts)):
         for seed in (0, 1, 2):
             node, plain = _deep_node_logits(model, run, seed=seed)
             assert torch.equal(node, plain), (dtype, run is None, seed)
