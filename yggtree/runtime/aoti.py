@@ -58,6 +58,24 @@ from . import quant as _quant  # noqa: F401  registers yggtree::int4_mm, which q
 # size/stride asserts (Python checks of every input and extern-kernel output; see graphs.compile_options)
 INDUCTOR_CPU_CONFIG = {"size_asserts": False}
 
+
+def half_precision(module: nn.Module) -> bool:
+    """Whether ``module`` holds bfloat16 or float16 parameters (a half-precision model or block)."""
+    return any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
+
+
+def cpu_config(half: bool) -> dict:
+    """Inductor's CPU settings for a model's graphs, packages and dynamo graphs alike:
+    :data:`INDUCTOR_CPU_CONFIG`, and in a ``half``-precision model every intermediate of a fused
+    kernel rounded to its dtype as the unfused ops round it (``emulate_precision_casts``). Without
+    it a graph rounds where its fusion happens to materialise values, so two graphs of one step
+    (a whole step and its blocks, or one step width and another) differ in the last bits and a
+    verified node's logits leave the plain step's at near-ties (docs/results.md, issue #20)."""
+    config = dict(INDUCTOR_CPU_CONFIG)
+    if half:
+        config["emulate_precision_casts"] = True
+    return config
+
 N_ACT = 5  # x, cos, sin, slots, mask
 STEP_WIDTHS = (1,)  # target tree-step widths also compiled as whole-step packages (plain decoding)
 
@@ -161,18 +179,14 @@ class _StepFn(nn.Module):
 
 def package_config(block: nn.Module) -> dict:
     """Inductor settings of ``block``'s packages (and of its model's whole steps):
-    :data:`INDUCTOR_CPU_CONFIG`; where it calls our kernel library (w4a8 weights, tiled
-    products) the kernels' C shims (a direct call; AOTInductor's proxy executor would box every
-    call's arguments, ~10 us a product); and in a half-precision model every intermediate of a
-    fused kernel rounded to its dtype as the unfused ops round it (``emulate_precision_casts``),
-    so a whole step, whose kernels fuse across the blocks, computes its block packages' step
-    bitwise (otherwise every bfloat16 step differs in the last bits)."""
+    :func:`cpu_config` (so a whole step, whose kernels fuse across the blocks, computes its block
+    packages' step bitwise in half precision too); and where it calls our kernel library (w4a8
+    weights, tiled products) the kernels' C shims (a direct call; AOTInductor's proxy executor
+    would box every call's arguments, ~10 us a product)."""
     from .kernels import aoti_shims
     from .w4a8 import W4A8Linear
 
-    config = dict(INDUCTOR_CPU_CONFIG)
-    if any(p.dtype in (torch.bfloat16, torch.float16) for p in block.parameters()):
-        config["emulate_precision_casts"] = True
+    config = cpu_config(half_precision(block))
     if any(isinstance(m, W4A8Linear) or getattr(m, "kernel", None) == "tiled" for m in block.modules()):
         config["aot_inductor.custom_ops_to_c_shims"] = aoti_shims()
     return config

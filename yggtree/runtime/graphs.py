@@ -45,7 +45,7 @@ import torch
 
 from ..errors import YggError
 from . import steps
-from .aoti import INDUCTOR_CPU_CONFIG, PackageSet, static_blocks, step_packages
+from .aoti import PackageSet, cpu_config, half_precision, static_blocks, step_packages
 from .model import Transformer
 
 MODES = ("reference", "performance")
@@ -92,8 +92,7 @@ class Graphs:
             raise YggError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.scope not in SCOPES:
             raise YggError(f"unknown graph scope {self.scope!r} (choose from {', '.join(SCOPES)})")
-        half = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model.parameters())
-        opts = compile_options(self.backend, half) if self.mode == "performance" else None
+        opts = compile_options(self.backend, half_precision(self.model)) if self.mode == "performance" else None
         if opts is not None and static_blocks(self.model) is None:  # "eager" gives None: no graphs
             if self.scope == "block":
                 for block in self.model.layers:
@@ -310,12 +309,10 @@ def compile_options(backend: str, half: bool = False) -> dict | None:
 
     - ``inductor-cpu``: fullgraph, static shapes (the tested path), without inductor's per-call
       size/stride asserts (a Python check on every graph input and every extern-kernel output,
-      a measurable share of a decode step: docs/results.md). For a ``half``-precision model
-      every fused intermediate is rounded to its dtype as the unfused ops round it
-      (``emulate_precision_casts``, as AOTInductor packages do: ``aoti.package_config``):
-      otherwise a step's graph at one width fuses, and so rounds, otherwise than at another,
-      and a verified node's logits leave the plain step's at near-ties (bfloat16 on the real
-      model: speculation = plain on 15 of 20 prompts without it; docs/results.md).
+      a measurable share of a decode step: docs/results.md); for a ``half``-precision model
+      every fused intermediate rounded as the unfused ops round it (``aoti.cpu_config``, as the
+      packages: otherwise the graph at one step width rounds otherwise than at another, and
+      bfloat16 speculation left plain decoding on 5 of 20 prompts).
     - ``cuda``: the same plus ``mode="reduce-overhead"`` (inductor with CUDA graphs).
     - ``npu``: torchair's graph-mode backend (torch_npu + torchair, imported lazily).
 
@@ -331,10 +328,7 @@ def compile_options(backend: str, half: bool = False) -> dict | None:
         import torchair
 
         return dict(static, backend=torchair.get_npu_backend(compiler_config=torchair.CompilerConfig()))
-    options = dict(INDUCTOR_CPU_CONFIG)
-    if half:
-        options["emulate_precision_casts"] = True
-    return dict(static, options=options)
+    return dict(static, options=cpu_config(half))
 
 
 def backend_device(backend: str) -> str:
