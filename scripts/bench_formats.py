@@ -27,7 +27,8 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   configuration the objective picks for the format on this machine; and ``ygg/FMT/plan:NAME/plain``,
   the same plan's compiled graphs decoding plainly as ``yggtree run --plan PATH --no-speculate``
   runs it (no drafter loaded), checked against the format's plain decoding as well; a plan
-  without a drafter gives only the latter.
+  without a drafter gives only the latter. A plan with a 16-bit KV cache (``kv_cache``) computes
+  another model than the format's plain engine: its tokens are not compared.
   Every format's products run on the kernel and padding ``yggtree profile`` would choose for a
   plan on this machine (``--min-rows auto``: torch's kernel at the fastest padding that is
   batch-invariant at widths 1 and the tree's W_v, or the tiled kernel, whichever is faster,
@@ -561,7 +562,10 @@ def table_rows(rows: list[dict], systems: list[System], gbps: float) -> list[dic
                 r["limit_tok_s"] = gbps * 1e9 / s.weight_bytes
                 r["limit_fraction"] = r["decode_tok_s"] / r["limit_tok_s"]
             plain = f"ygg/{s.fmt}/plain"
-            if s.kind in ("spec", "plan-plain") and plain in names:
+            if s.info.get("kv_cache"):  # another model than the format's plain engine (a float32 cache)
+                r["note"] = (f"KV cache in {s.info['kv_cache']}: not compared with {plain} "
+                             "(scripts/exact_formats.py --kv-cache checks speculation over it)")
+            elif s.kind in ("spec", "plan-plain") and plain in names:
                 r["identical_to_plain"] = sum(x[s.name]["tokens"] == x[plain]["tokens"] for x in rows)
                 r["compared"] = len(rows)
             if s.kind == "llama":

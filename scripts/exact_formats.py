@@ -4,7 +4,8 @@ For each ``--formats`` entry: the plain engine and the speculative engine (``--d
 tree ``--spec-tree``), both as ``yggtree run --weights FMT`` builds them (compiled, one plan's
 padding for both: the fastest padding of packed float products that is batch-invariant at
 widths 1 and W_v, measured here as a plan's profile chooses it), greedy on the same prompts (``--prompts N``: N MT-Bench first turns and N
-HumanEval prompts, chat template applied, as scripts/bench_formats.py). Prints per format how many
+HumanEval prompts, chat template applied, as scripts/bench_formats.py), over a float32 KV cache or
+a 16-bit one (``--kv-cache``, float32-activation formats). Prints per format how many
 prompts are identical and the first differing position of the others; one JSON line at the end;
 exit code 1 if any prompt differs. No timing: scripts/bench_formats.py measures speed.
 
@@ -32,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--kv-cache", default=None, choices=("float16", "bfloat16"),
+                   help="the target's KV cache for the float32-activation formats (default: float32)")
     p.add_argument("--out", metavar="FILE", help="also write the JSON record here")
     return p.parse_args(argv)
 
@@ -61,7 +64,7 @@ def run(args) -> int:
     prompts = interleave(load_prompts(args.prompts, args.prompts, tok))
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     record = {"spec_tree": args.spec_tree, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "threads": args.threads, "torch": torch.__version__, "formats": {}}
+              "threads": args.threads, "torch": torch.__version__, "kv_cache": args.kv_cache, "formats": {}}
     for fmt in args.formats.split(","):
         dtype = fmt if fmt in ("float32", "bfloat16") else args.quant_dtype
         weights = None if fmt in ("float32", "bfloat16") else fmt
@@ -73,6 +76,7 @@ def run(args) -> int:
         for kind in ("plain", "spec"):
             spec = EngineSpec(model=args.model, drafter=args.drafter if kind == "spec" else None, dtype=dtype,
                               mode="performance", max_context=args.max_context, weights=weights,
+                              kv_cache=args.kv_cache if dtype == "float32" else None,
                               min_rows=min_rows, kernel=kernel, threads=args.threads,
                               tree=tree if kind == "spec" else TreeParams())
             engine, _ = build_engine(spec)

@@ -5,7 +5,9 @@ output, reported rather than hidden.
 For every ``--formats`` entry (runtime/quant.py; ``float32`` is the reference) the target is
 loaded in a float32 run with that weight format (on torch's kernels its products take bfloat16
 activations; on the tiled kernel, ``--kernel tiled``, float32 ones: runtime/quant.py), or for
-``bfloat16`` in a bfloat16 run (weights and activations), and measured on:
+``bfloat16`` in a bfloat16 run (weights and activations); an entry ``FMT/kv=DTYPE`` runs format
+FMT over a KV cache in DTYPE (a 16-bit cache of a float32 run: yggtree.shapes.kv_cache_dtype).
+Each is measured on:
 
 - greedy token agreement: plain greedy decoding (the engine, reference mode) of the first
   ``--prompts`` evaluation prompts (MT-Bench first turns, then HumanEval, chat template applied)
@@ -95,7 +97,13 @@ def measure(load, formats: list[str], prompts: list[list[int]], tokens: int, chu
 
 def run_dtype(fmt: str) -> str:
     """The dtype a format runs in here: its own for bfloat16, float32 for the others."""
-    return "bfloat16" if fmt == "bfloat16" else "float32"
+    return "bfloat16" if split_entry(fmt)[0] == "bfloat16" else "float32"
+
+
+def split_entry(entry: str) -> tuple[str, str | None]:
+    """``FMT/kv=DTYPE`` -> (FMT, DTYPE); a plain ``FMT`` -> (FMT, None)."""
+    fmt, sep, kv = entry.partition("/kv=")
+    return fmt, (kv if sep else None)
 
 
 def loader(model_name: str, kernel: str = "torch"):
@@ -105,11 +113,15 @@ def loader(model_name: str, kernel: str = "torch"):
     profile chose it runs them (build.pack_models)."""
     from yggtree.runtime.build import pack_models, quantize_models
     from yggtree.runtime.loading import load_model, resolve_model
+    from yggtree.runtime.model import set_kv_dtype
+    from yggtree.shapes import kv_cache_dtype
 
     src = resolve_model(model_name)
 
-    def load(fmt: str):
+    def load(entry: str):
+        fmt, kv = split_entry(entry)
         m = load_model(src, run_dtype(fmt))
+        set_kv_dtype(m, kv_cache_dtype(kv, run_dtype(fmt)))
         if kernel == "tiled":
             pack_models(m, None, weights=None if fmt in ("float32", "bfloat16") else fmt, src=src, kernel="tiled")
         else:
@@ -137,13 +149,14 @@ def run(args) -> int:
     from yggtree.data import calibration_texts, load_prompts
     from yggtree.errors import YggError
     from yggtree.runtime.loading import load_config, load_tokenizer, resolve_model
-    from yggtree.shapes import weight_format
+    from yggtree.shapes import kv_cache_dtype, weight_format
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     src = resolve_model(args.model)
     cfg = load_config(src)
     for f in formats:  # refused before anything loads
-        _, group = weight_format(f, run_dtype(f))
+        kv_cache_dtype(split_entry(f)[1], run_dtype(f))
+        _, group = weight_format(split_entry(f)[0], run_dtype(f))
         widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
         if group is not None and any(w % group for w in widths):
             raise YggError(f"weights {f}: the group size does not divide the model's input widths {widths}")

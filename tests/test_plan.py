@@ -529,6 +529,10 @@ def test_find_tuned_plan_picks_a_compiled_plan_for_this_device(tmp_path):
     (tmp_path / "g_int8.yaml").write_text(body.format(name="g", prof="here.json", dtype="bfloat16", backend="eager",
                                                      target="default") + "weights: int8\n")
     assert find_tuned_plan("bfloat16", here, (tmp_path,), tmp_path / "compile")[0] == tmp_path / "f_ready.yaml"
+    # so does a 16-bit KV cache (first by name, ready: still not taken)
+    (tmp_path / "a0_kv16.yaml").write_text(body.format(name="h", prof="here.json", dtype="float32", backend="eager",
+                                                      target="default") + "kv_cache: float16\n")
+    assert find_tuned_plan("float32", here, (tmp_path,)) == (tmp_path / "b_other_dtype.yaml", None)
 
 
 def test_find_tuned_plan_prefers_the_fastest_measured_plain_step(tmp_path):

@@ -303,7 +303,8 @@ def plan_runner(path: str, compile_missing: bool = False, compile_root: str = "c
                    if policy is not None else fixed_policy(engine, plan))
         return engine, tok, pol
 
-    info = {"plan": plan.name, "stages": stages, "weights": plan.weights, "lookup": plan.lookup,
+    info = {"plan": plan.name, "stages": stages, "weights": plan.weights, "kv_cache": plan.kv_cache,
+            "lookup": plan.lookup,
             "policy": ("objective" + (" + depth predictor" if plan.predictor else "")
                        if policy is not None else "largest tree")}
     return plan, info, make

@@ -36,6 +36,11 @@ weights        str | absent     (dtype)        float32 | bfloat16 | int8 | int4 
                                                and LM heads' format (runtime/quant.py,
                                                runtime/w4a8.py); absent: float
                                                weights in dtype (yggtree.shapes.weight_format)
+kv_cache       str | absent     (dtype)        float16 | bfloat16: the target's KV cache in 16
+                                               bits under float32 activations (half the reads
+                                               of attention at long contexts; changes output
+                                               as a format does: docs/results.md reports it);
+                                               absent: in dtype (yggtree.shapes.kv_cache_dtype)
 backend        str              inductor-cpu   inductor-cpu | eager | cuda | npu
 max_context    int >= 2         1024           prompt + generated tokens (static KV cache)
 prefill_chunk  int >= 1         64             static prefill width C
@@ -97,6 +102,7 @@ from .runtime.schedule import PLANS, split_name
 from .shapes import (
     DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
     DEFAULT_TOP_K, DEFAULT_VERIFY_WIDTH, MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes,
+    kv_cache_dtype,
     weight_format,
 )
 
@@ -140,6 +146,7 @@ class Plan:
     drafter: str | None = None
     dtype: str = "float32"
     weights: str | None = None  # a quantized format (int8, int4@G, gguf-native, w4a8); None: float in dtype
+    kv_cache: str | None = None  # the target's KV cache dtype (float16, bfloat16); None: dtype
     backend: str = "inductor-cpu"
     max_context: int = DEFAULT_MAX_CONTEXT
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -208,7 +215,7 @@ class Plan:
             if f.name == "source":
                 continue
             v = getattr(self, f.name)
-            if (f.name, v) in (("lookup", 0), ("weights", None)):
+            if (f.name, v) in (("lookup", 0), ("weights", None), ("kv_cache", None)):
                 continue  # plans without them keep the identity (hash) they had before they existed
             if isinstance(v, Sampling):
                 v = {g.name: getattr(v, g.name) for g in fields(v)}
@@ -250,8 +257,9 @@ def graph_hash_of(plan_dict: Any) -> str | None:
     if not isinstance(plan_dict, dict) or any(k not in plan_dict for k in GRAPH_FIELDS):
         return None
     d = _located({k: plan_dict[k] for k in GRAPH_FIELDS})
-    if plan_dict.get("weights") is not None:  # float plans keep the hash they had before the field
-        d["weights"] = plan_dict["weights"]
+    for key in ("weights", "kv_cache"):  # plans without them keep the hash they had before the field
+        if plan_dict.get(key) is not None:
+            d[key] = plan_dict[key]
     text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -575,9 +583,13 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan", unwrit
     models = _models(f, base)
     dtype = f.string("dtype", "float32", DTYPES)
     weights = _weights(raw.get("weights"), dtype, models["target"], origin)
+    try:
+        kv_cache = kv_cache_dtype(raw.get("kv_cache"), dtype)
+    except YggError as e:
+        raise YggError(f"{_where('kv_cache', origin)}: {e}") from None
     backend = f.string("backend", "inductor-cpu", BACKENDS)
     shapes = _shapes(f, models["drafter"] is not None)
-    return Plan(**models, dtype=dtype, weights=weights, backend=backend, **shapes,
+    return Plan(**models, dtype=dtype, weights=weights, kv_cache=kv_cache, backend=backend, **shapes,
                 sampling=_sampling(raw, origin, shapes["max_context"]),
                 **{k: f.path(k, base, must_exist=k not in unwritten) for k in PATH_KEYS},
                 stages=_stages(f.string("stages", "sequential"), origin), version=version)
@@ -636,8 +648,8 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = 
     """Plans tuned for this device: ``(ready, uncompiled)``, or None for either.
 
     A tuned plan is a plan YAML for the embedded pair (target and drafter ``default``) with float
-    weights in ``dtype`` (no ``weights`` format: a quantized plan computes another model, so it is
-    never taken unasked) naming a profile measured on ``device`` (``{"kind", "name"}`` as from
+    weights in ``dtype`` and its cache in ``dtype`` (no ``weights`` format, no ``kv_cache``: a
+    quantized plan or a 16-bit cache computes another model, so it is never taken unasked) naming a profile measured on ``device`` (``{"kind", "name"}`` as from
     ``yggtree.runtime.device.detect_device``) and a calibration. ``ready``: of the plans whose
     compiled artifacts are usable (or that need none), the one whose profile measured the fastest
     plain step (ties and plans without that point: the first by directory, then file name);
@@ -651,7 +663,8 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = 
         for f in sorted(Path(d).glob("*.yaml")) if Path(d).is_dir() else ():
             try:
                 plan = load_plan(f)
-                if (plan.target, plan.drafter, plan.dtype, plan.weights) != ("default", "default", dtype, None):
+                if (plan.target, plan.drafter, plan.dtype, plan.weights, plan.kv_cache) != (
+                        "default", "default", dtype, None, None):
                     continue
                 if plan.profile is None or plan.calibration is None:
                     continue

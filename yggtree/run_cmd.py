@@ -19,7 +19,7 @@ from .offline.compile import prepare_run
 from .quickstart import default_quick_start
 from .runtime.device import detect_device
 from .runtime.schedule import resolve_plan
-from .shapes import DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_VERIFY_WIDTH, TreeParams
+from .shapes import DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_VERIFY_WIDTH, KV_CACHE_DTYPES, TreeParams
 from .streaming import TextStream
 
 
@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="float32 | bfloat16 | int8 | int4 | int4@G | gguf-native | w4a8: the format of "
                    "the block linears and LM heads (default: float in --dtype; runtime/quant.py, "
                    "runtime/w4a8.py)")
+    p.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default=None,
+                   help="the target's KV cache dtype: float16 or bfloat16 under float32 activations "
+                   "halves attention's reads at long contexts (an approximation, as a weight format is); "
+                   "default: in --dtype")
     p.add_argument("--mode", choices=["reference", "performance"], default="performance")
     p.add_argument("--max-context", type=_positive_int, default=None,
                    help="default: the default plan's (1024)")
@@ -163,6 +167,8 @@ def run(args) -> int:
         args.drafter, args.drafter_none = None, True
     if args.weights is not None and args.plan:
         raise YggError("--weights and --plan exclude each other (a plan names its format: its 'weights' key)")
+    if args.kv_cache is not None and args.plan:
+        raise YggError("--kv-cache and --plan exclude each other (a plan names its cache: its 'kv_cache' key)")
     policy = None
     if not args.plan:
         _pick_plan(args)
@@ -194,6 +200,7 @@ def _pick_plan(args) -> None:
             setattr(args, flag, value)
     only_defaults = (args.model == "default" and args.drafter is None and not args.no_speculate
                      and args.mode == "performance" and not shaped and args.weights is None
+                     and args.kv_cache is None
                      and not getattr(args, "drafter_none", False))
     if not only_defaults:
         return
@@ -291,6 +298,7 @@ def _flag_engine(args):
         stages="sequential" if args.stages == "auto" else args.stages,
         threads=args.threads,
         weights=args.weights,
+        kv_cache=args.kv_cache,
     )
     if args.mode == "performance":  # the product kernel this CPU runs fastest, measured once
         from .kernel_choice import measured_spec

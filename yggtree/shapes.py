@@ -34,6 +34,7 @@ DEFAULT_PREFILL_CHUNK = 64
 # without ``weights``, a run without --weights) is the default: float weights in the run's dtype.
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native", "w4a8")
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel runs
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # a target's KV cache (kv_cache_dtype)
 DEFAULT_INT4_GROUP = 32  # a GGUF block: the finest group the kernel runs
 
 
@@ -224,3 +225,19 @@ def weight_format(weights: str | None, dtype: str) -> tuple[str, int | None]:
     if name == dtype:
         return dtype, None
     return name, DEFAULT_INT4_GROUP if name == "int4" else None
+
+
+def kv_cache_dtype(kv_cache: str | None, dtype: str) -> str | None:
+    """The canonical KV cache setting (a plan's ``kv_cache``, a ``--kv-cache`` flag) for
+    activations in ``dtype``: None for a cache in ``dtype`` (the default), else a 16-bit float
+    under float32 activations (keys and values rounded once as they are stored; attention reads
+    them as float32). YggError in one line for an unknown name or a cache wider than, or
+    different from, bfloat16 activations."""
+    if kv_cache is None or kv_cache == dtype:
+        return None
+    if kv_cache not in KV_CACHE_DTYPES:
+        raise YggError(f"KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache!r}")
+    if dtype != "float32":
+        raise YggError(f"KV cache {kv_cache} with dtype {dtype}: a {dtype} model keeps its cache in {dtype} "
+                       "(16-bit caches are for float32 activations)")
+    return kv_cache

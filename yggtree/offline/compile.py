@@ -159,13 +159,14 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
     from ..runtime.graphs import Graphs, backend_device
     from ..runtime.loading import load_model, load_tokenizer, resolve_model
-    from ..runtime.model import attention_rows, set_invariant_rows
+    from ..runtime.model import attention_rows, set_invariant_rows, set_kv_dtype
 
     spec = EngineSpec.from_plan(plan) if plan.backend in ("inductor-cpu", "eager") else None
     t0 = time.perf_counter()
     progress.update(task, description="loading target")
     src = resolve_model(plan.target)
     target = load_model(src, plan.dtype).to(backend_device(plan.backend))
+    set_kv_dtype(target, plan.kv_cache)  # the cache is a package input: its dtype is compiled in
     # the tokenizer only serves load_drafter's vocabulary check of a standalone drafter
     tokenizer = load_tokenizer(src) if plan.drafter not in (None, "self") else None
     n_slots = plan_slots(plan)

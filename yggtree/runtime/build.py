@@ -9,14 +9,14 @@ from pathlib import Path
 from ..errors import YggError
 from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
                     profile_invariance, read_manifest)
-from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, weight_format
+from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, kv_cache_dtype, weight_format
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
 from .graphs import check_backend
 from .hugepages import move_to_huge_pages
 from .kv_cache import KVCache
 from .loading import load_model, load_tokenizer, resolve_model
-from .model import attention_rows, set_invariant_rows
+from .model import attention_rows, set_invariant_rows, set_kv_dtype
 from .packed import pack_linears
 from .policy import FixedPolicy
 from .schedule import resolve_plan
@@ -47,6 +47,7 @@ class EngineSpec:
     stages: str = "sequential"  # execution plan (EngineConfig.stages)
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
     weights: str | None = None  # weight format (runtime/quant.py); None: float weights in dtype
+    kv_cache: str | None = None  # the target's KV cache dtype (yggtree.shapes.kv_cache_dtype); None: dtype
     n_slots: int = 0  # KV cache slots (EngineConfig.n_slots; 0: derived)
 
     @classmethod
@@ -87,6 +88,7 @@ class EngineSpec:
             kernel=plan_kernel(plan) if kernel is None else kernel,
             padding_checked=profile_invariance(plan.profile) if min_rows is None and plan.profile else None,
             weights=plan.weights,
+            kv_cache=plan.kv_cache,
         )
 
 
@@ -241,8 +243,9 @@ def spec_rows(spec: EngineSpec) -> tuple[int, tuple[int, ...]]:
 
 def check_spec(spec: EngineSpec) -> str:
     """Refuse, before anything loads, impossible sizes and trees and an unknown weight format or
-    group size; returns the format's name."""
+    group size or KV cache dtype; returns the format's name."""
     check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
+    kv_cache_dtype(spec.kv_cache, spec.dtype)
     fmt, _ = weight_format(spec.weights, spec.dtype)
     return fmt
 
@@ -263,6 +266,7 @@ def build_engine(spec: EngineSpec, prepare=None):
         check_kernel("int8" if fmt == "int8" else "int4", getattr(torch, spec.dtype), spec.kernel)
     src = resolve_model(spec.model)
     target = load_model(src, spec.dtype)
+    set_kv_dtype(target, kv_cache_dtype(spec.kv_cache, spec.dtype))
     tokenizer = load_tokenizer(src)
     drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
     if spec.pack:  # oneDNN-packed block weights on a CPU (see runtime/packed.py)

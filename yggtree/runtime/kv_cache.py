@@ -51,10 +51,11 @@ class KVCache(nn.Module):
         """Store k/v at ``slots``; return the whole cache's keys and values ([B, S, H, D] each).
 
         One ``index_put_`` on the buffer itself (not ``scatter_``, not through a view) so inductor
-        updates the cache in place instead of cloning it and copying it back every call."""
+        updates the cache in place instead of cloning it and copying it back every call. k and v
+        are rounded to the cache's dtype (a 16-bit cache of a float32 model)."""
         bi = torch.arange(k.shape[0], device=slots.device)[None, :, None]  # [1, B, 1]
         kind = torch.arange(2, device=slots.device)[:, None, None]  # [2, 1, 1]
-        self.kv.index_put_((kind, bi, slots[None]), torch.stack([k, v]))
+        self.kv.index_put_((kind, bi, slots[None]), torch.stack([k, v]).to(self.kv.dtype))
         return self.kv[0], self.kv[1]
 
     def reset(self) -> None:

@@ -181,8 +181,9 @@ class Attention(nn.Module):
         assert self.cache is not None, "call Transformer.setup_cache() before forward()"
         k_all, v_all = self.cache.write(slots, k, v)  # [B, S, Hkv, D]
         n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
-        k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1)  # [B, Hkv, D, C], a view
-        v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3)  # [B, Hkv, C, D], a view
+        # [B, Hkv, D, C] and [B, Hkv, C, D]: views (a 16-bit cache under float32 q: float32 copies)
+        k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1).to(q.dtype)
+        v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3).to(q.dtype)
         if window is not None or rows_path(self.invariant_rows, bsz, w):
             if window is None:
                 window, mask = row_window(mask)
@@ -192,7 +193,7 @@ class Attention(nn.Module):
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
         scores = torch.matmul(qg, k_t).float() * (1.0 / math.sqrt(d))
         scores = scores.view(bsz, hkv, g, w, -1).masked_fill(~mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v_all.dtype).view(bsz, hkv, g * w, -1)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(bsz, hkv, g * w, -1)
         out = torch.matmul(probs, v_c)  # [B, Hkv, G*W, D]
         out = out.view(bsz, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(bsz, w, cfg.num_heads * d)
         return self.o_proj(out)
@@ -294,6 +295,15 @@ def attention_formulation(prefill_chunk: int) -> dict:
     return {"rows_up_to": attention_rows(prefill_chunk), "logical_window": LOGICAL_WINDOW}
 
 
+def set_kv_dtype(model: "Transformer", kv_cache: str | None) -> None:
+    """Keep ``model``'s KV cache in ``kv_cache`` (a canonical ``yggtree.shapes.kv_cache_dtype``:
+    None, the weights' dtype; "float16" or "bfloat16" under float32 activations). Set before
+    ``setup_cache``: the cache is allocated in it, keys and values are rounded to it once as they
+    are stored, and attention reads them back as float32 (an approximation of the float32 model
+    that halves attention's reads; plain and speculative steps read the same stored values)."""
+    model.kv_dtype = None if kv_cache is None else getattr(torch, kv_cache)
+
+
 def set_invariant_rows(model: nn.Module, rows: int) -> None:
     """Every attention layer of ``model`` computes calls of at most ``rows`` query rows row by
     row (:func:`_rows_attention`). Set before any graph is built: compiled graphs keep it."""
@@ -372,6 +382,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope", torch.zeros(0, cfg.head_dim // 2, 2), persistent=False)
         self.cache_slots = 0  # S; the rope table [S, D/2, 2] float32 covers positions 0..S-1
+        self.kv_dtype: torch.dtype | None = None  # the KV cache's dtype (set_kv_dtype; None: the weights')
 
     def setup_cache(self, batch_size: int, n_slots: int) -> None:
         """Allocate (or reallocate) the static KV cache: ``n_slots`` slots per layer, every
@@ -379,7 +390,7 @@ class Transformer(nn.Module):
         p = self.embed_tokens.weight
         cfg = self.cfg
         self.set_store(KVStore.zeros(cfg.num_layers, batch_size, cfg.num_kv_heads, n_slots, cfg.head_dim,
-                                     p.dtype, p.device))
+                                     self.kv_dtype or p.dtype, p.device))
         self.rope = rope_table(cfg, n_slots).to(p.device)
         self.cache_slots = n_slots
 

@@ -14,8 +14,9 @@
 // bucket C nor on the thread count; a tree node and the plain step at its position see the same
 // part 1 and the same window values, hence the same bits. Work is proportional to the visible
 // slots, not to the context bucket. float32 or bfloat16 (q, K and V read as float32, every sum in
-// float32, the output rounded to bfloat16 at the end: _rows_attention's .float() and .to(dtype));
-// D a multiple of 16, at most 256.
+// float32, the output rounded to bfloat16 at the end: _rows_attention's .float() and .to(dtype)),
+// or float32 q over a 16-bit cache (float16 or bfloat16 K and V, read as float32, exactly: a float32
+// model's 16-bit KV cache); D a multiple of 16, at most 256.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -63,6 +64,7 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -85,8 +87,8 @@ struct Scratch {
 // compile time so the queries and the weighted sums' accumulators stay in registers. Each head's
 // arithmetic is what it would be alone, in the same order (the heads only share the loads of K
 // and V rows and fill each other's latency), so the grouping changes no bit.
-template <typename E, int ND, int NG>
-void head_group(const E* qh, int64_t qs, const E* kb, const E* vb, int64_t ks1, int64_t vs1, const bool* hm,
+template <typename E, typename K, int ND, int NG>
+void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, int64_t vs1, const bool* hm,
                 int64_t C, const int64_t* win, int64_t T, float scale, E* o, int64_t os, Scratch& buf) {
   const int64_t cap = C + T;
   float* sc = buf.sc.data();  // [NG, C + T] scores, then probabilities
@@ -95,7 +97,7 @@ void head_group(const E* qh, int64_t qs, const E* kb, const E* vb, int64_t ks1, 
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < ND; ++c) qv[g][c] = load16(qh + g * qs + 16 * c);
   auto score = [&](int64_t s, int64_t j) {
-    const E* kr = kb + s * ks1;
+    const K* kr = kb + s * ks1;
     __m512 acc[NG];
     const __m512 k0 = load16(kr);
     for (int g = 0; g < NG; ++g) acc[g] = _mm512_mul_ps(qv[g][0], k0);
@@ -136,7 +138,7 @@ void head_group(const E* qh, int64_t qs, const E* kb, const E* vb, int64_t ks1, 
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < ND; ++c) a1[g][c] = _mm512_setzero_ps(), a2[g][c] = _mm512_setzero_ps();
   auto weigh = [&](__m512 (&a)[NG][ND], int64_t jj) {
-    const E* vr = vb + slot[jj] * vs1;
+    const K* vr = vb + slot[jj] * vs1;
     for (int c = 0; c < ND; ++c) {
       const __m512 vc = load16(vr + 16 * c);
       for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * cap + jj]), vc, a[g][c]);
@@ -152,35 +154,35 @@ void head_group(const E* qh, int64_t qs, const E* kb, const E* vb, int64_t ks1, 
 
 constexpr int MAX_GROUP = 4;  // heads computed together (a KV head's query heads, up to this many)
 
-template <typename E>
-using GroupFn = void (*)(const E*, int64_t, const E*, const E*, int64_t, int64_t, const bool*, int64_t, const int64_t*,
+template <typename E, typename K>
+using GroupFn = void (*)(const E*, int64_t, const K*, const K*, int64_t, int64_t, const bool*, int64_t, const int64_t*,
                          int64_t, float, E*, int64_t, Scratch&);
 
-template <typename E, int ND, int... G>
-constexpr std::array<GroupFn<E>, sizeof...(G)> group_fns(std::integer_sequence<int, G...>) {
-  return {&head_group<E, ND, G + 1>...};
+template <typename E, typename K, int ND, int... G>
+constexpr std::array<GroupFn<E, K>, sizeof...(G)> group_fns(std::integer_sequence<int, G...>) {
+  return {&head_group<E, K, ND, G + 1>...};
 }
 
-template <typename E, int... I>
-constexpr std::array<std::array<GroupFn<E>, MAX_GROUP>, sizeof...(I)> all_fns(std::integer_sequence<int, I...>) {
-  return {group_fns<E, I + 1>(std::make_integer_sequence<int, MAX_GROUP>{})...};
+template <typename E, typename K, int... I>
+constexpr std::array<std::array<GroupFn<E, K>, MAX_GROUP>, sizeof...(I)> all_fns(std::integer_sequence<int, I...>) {
+  return {group_fns<E, K, I + 1>(std::make_integer_sequence<int, MAX_GROUP>{})...};
 }
 
-template <typename E>
+template <typename E, typename K>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head, const at::Tensor& window,
          at::Tensor& out) {
   const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t C = k.size(1), Hkv = k.size(2), T = window.size(2), G = H / Hkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const E* qp = q.data_ptr<E>();
-  const E* kp = k.data_ptr<E>();
-  const E* vp = v.data_ptr<E>();
+  const K* kp = k.data_ptr<K>();
+  const K* vp = v.data_ptr<K>();
   const bool* hp = head.data_ptr<bool>();
   const int64_t* wp = window.data_ptr<int64_t>();
   E* op = out.data_ptr<E>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  static constexpr auto fns = all_fns<E>(std::make_integer_sequence<int, MAX_CHUNKS>{});
+  static constexpr auto fns = all_fns<E, K>(std::make_integer_sequence<int, MAX_CHUNKS>{});
   const auto& by_group = fns[D / 16 - 1];
   at::parallel_for(0, B * W * H, 1, [&](int64_t i0, int64_t i1) {
     static thread_local Scratch buf;
@@ -200,8 +202,10 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
   const auto dt = q_in.scalar_type();
   TORCH_CHECK(q_in.dim() == 4 && (dt == at::kFloat || dt == at::kBFloat16),
               "rows_attention: q must be [B, W, H, D] float32 or bfloat16");
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == dt && v.scalar_type() == dt &&
-              k.stride(3) == 1 && v.stride(3) == 1, "rows_attention: k and v must be [B, C, Hkv, D] in q's dtype, D contiguous");
+  const auto kt = k.scalar_type();
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && v.scalar_type() == kt && k.stride(3) == 1 && v.stride(3) == 1 &&
+              (kt == dt || (dt == at::kFloat && (kt == at::kHalf || kt == at::kBFloat16))),
+              "rows_attention: k and v must be [B, C, Hkv, D], D contiguous, in q's dtype (or 16-bit under float32 q)");
   const int64_t B = q_in.size(0), W = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
   const int64_t C = k.size(1), Hkv = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, "rows_attention: q and k/v shapes differ");
@@ -212,10 +216,14 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at:
               window_in.size(1) == W, "rows_attention: window must be [B, W, T] int64");
   const at::Tensor q = q_in.contiguous(), head = head_in.contiguous(), window = window_in.contiguous();
   auto out = at::empty({B, W, H * D}, q.options());
-  if (dt == at::kFloat)
-    run<float>(q, k, v, head, window, out);
+  if (dt == at::kBFloat16)
+    run<at::BFloat16, at::BFloat16>(q, k, v, head, window, out);
+  else if (kt == at::kHalf)
+    run<float, at::Half>(q, k, v, head, window, out);
+  else if (kt == at::kBFloat16)
+    run<float, at::BFloat16>(q, k, v, head, window, out);
   else
-    run<at::BFloat16>(q, k, v, head, window, out);
+    run<float, float>(q, k, v, head, window, out);
   return out;
 }
 
