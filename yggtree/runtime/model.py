@@ -181,14 +181,14 @@ class Attention(nn.Module):
         assert self.cache is not None, "call Transformer.setup_cache() before forward()"
         k_all, v_all = self.cache.write(slots, k, v)  # [B, S, Hkv, D]
         n_ctx = mask.shape[-1]  # static: attend over the first n_ctx slots only (context bucket)
-        # [B, Hkv, D, C] and [B, Hkv, C, D]: views (a 16-bit cache under float32 q: float32 copies)
-        k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1).to(q.dtype)
-        v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3).to(q.dtype)
         if window is not None or rows_path(self.invariant_rows, bsz, w):
             if window is None:
                 window, mask = row_window(mask)
             rows = torch.ops.yggtree.rows_attention if self.native_rows else _rows_attention
             return self.o_proj(rows(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask, window))
+        # [B, Hkv, D, C] and [B, Hkv, C, D]: views (a 16-bit cache under float32 q: float32 copies)
+        k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1).to(q.dtype)
+        v_c = v_all[:, :n_ctx].permute(0, 2, 1, 3).to(q.dtype)
         # Group the query heads that share a KV head so the cache is never repeated: [B, Hkv, G*W, D].
         qg = q.view(bsz, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, g * w, d)
         scores = torch.matmul(qg, k_t).float() * (1.0 / math.sqrt(d))
