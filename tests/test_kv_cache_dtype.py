@@ -43,9 +43,8 @@ def greedy(eng: Engine) -> list[list[int]]:
 @pytest.mark.parametrize("native", [False, True])
 def test_speculation_over_a_16_bit_cache_is_its_plain_decoding(kv, native):
     """Reference mode, the reference row-by-row attention or the library kernel: the cache is
-    allocated in the 16-bit dtype and holds each key rounded once; a tree-speculating engine emits
-    the plain engine's tokens; the plain tokens differ from the float32 cache's somewhere (the
-    cache is an approximation) or are the same, but the logits are not bitwise the float32 ones."""
+    allocated in the 16-bit dtype and holds each key rounded once (so not the float32 cache's
+    values); a tree-speculating engine emits the plain engine's tokens."""
     if native:
         from yggtree.runtime.kernels import use_rows_attention
 
@@ -77,7 +76,6 @@ def test_speculation_over_a_16_bit_cache_is_its_plain_decoding(kv, native):
 def test_compiled_engine_over_a_16_bit_cache():
     """Performance mode (dynamo graphs: the cache write's rounding and the grouped prefill's
     float32 copy compiled in): the same greedy tokens as reference mode, speculative = plain."""
-    tp = TREE
     ref_target = tiny()
     set_kv_dtype(ref_target, "float16")
     ref = Engine(ref_target, EngineConfig(mode="reference", max_context=80, prefill_chunk=8))
@@ -88,7 +86,7 @@ def test_compiled_engine_over_a_16_bit_cache():
     assert want == greedy(ref)
     target2 = tiny()
     set_kv_dtype(target2, "float16")
-    spec = Engine(target2, EngineConfig(mode="performance", max_context=80, prefill_chunk=8, tree=tp),
+    spec = Engine(target2, EngineConfig(mode="performance", max_context=80, prefill_chunk=8, tree=TREE),
                   LMDrafter(tiny(1), "performance"))
     assert greedy(spec) == want
 

@@ -215,7 +215,7 @@ class Plan:
             if f.name == "source":
                 continue
             v = getattr(self, f.name)
-            if (f.name, v) in (("lookup", 0), ("weights", None), ("kv_cache", None)):
+            if (f.name, v) == ("lookup", 0) or (f.name in OPTIONAL_GRAPH_FIELDS and v is None):
                 continue  # plans without them keep the identity (hash) they had before they existed
             if isinstance(v, Sampling):
                 v = {g.name: getattr(v, g.name) for g in fields(v)}
@@ -246,9 +246,11 @@ class Plan:
         return graph_hash_of(self.to_dict())
 
 
-# the plan fields that decide which graphs exist and what they compute
+# the plan fields that decide which graphs exist and what they compute; the optional ones count
+# only where set (plans without them keep the hash they had before the field existed)
 GRAPH_FIELDS = ("version", "name", "target", "drafter", "dtype", "backend", "max_context",
                 "prefill_chunk", "draft_widths", "d_max", "top_k", "verify_widths")
+OPTIONAL_GRAPH_FIELDS = ("weights", "kv_cache")
 
 
 def graph_hash_of(plan_dict: Any) -> str | None:
@@ -257,7 +259,7 @@ def graph_hash_of(plan_dict: Any) -> str | None:
     if not isinstance(plan_dict, dict) or any(k not in plan_dict for k in GRAPH_FIELDS):
         return None
     d = _located({k: plan_dict[k] for k in GRAPH_FIELDS})
-    for key in ("weights", "kv_cache"):  # plans without them keep the hash they had before the field
+    for key in OPTIONAL_GRAPH_FIELDS:
         if plan_dict.get(key) is not None:
             d[key] = plan_dict[key]
     text = json.dumps(d, sort_keys=True, separators=(",", ":"))
@@ -648,8 +650,9 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = 
     """Plans tuned for this device: ``(ready, uncompiled)``, or None for either.
 
     A tuned plan is a plan YAML for the embedded pair (target and drafter ``default``) with float
-    weights in ``dtype`` and its cache in ``dtype`` (no ``weights`` format, no ``kv_cache``: a
-    quantized plan or a 16-bit cache computes another model, so it is never taken unasked) naming a profile measured on ``device`` (``{"kind", "name"}`` as from
+    weights and its cache in ``dtype`` (no ``weights`` format, no ``kv_cache``: a quantized plan or
+    a 16-bit cache computes another model, so it is never taken unasked) naming a profile
+    measured on ``device`` (``{"kind", "name"}`` as from
     ``yggtree.runtime.device.detect_device``) and a calibration. ``ready``: of the plans whose
     compiled artifacts are usable (or that need none), the one whose profile measured the fastest
     plain step (ties and plans without that point: the first by directory, then file name);
@@ -809,7 +812,7 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             f"the artifacts in {d} have format {m.get('format')}, this yggtree writes {MANIFEST_FORMAT}"
         )
     if graph_hash_of(m.get("plan")) != plan.graph_hash():
-        what = _plan_diff(m.get("plan"), plan.to_dict(relative_to=d), GRAPH_FIELDS)
+        what = _plan_diff(m.get("plan"), plan.to_dict(relative_to=d), GRAPH_FIELDS + OPTIONAL_GRAPH_FIELDS)
         reasons.append(f"the plan changed since it was compiled into {d}" + (f" ({what})" if what else ""))
     now = versions()
     for k, v in now.items():

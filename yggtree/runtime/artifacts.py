@@ -45,7 +45,7 @@ def timing_identity(plan) -> dict:
             out["drafter"].append({k: f[k] for k in ("size", "sha256") if k in f} | {"name": name})
     if plan.drafter == "self":
         out["drafter"] = "self"
-    if getattr(plan, "kv_cache", None) is not None:  # a 16-bit KV cache (absent: in dtype, as before the field)
+    if plan.kv_cache is not None:  # a 16-bit KV cache (absent: in dtype, as before the field)
         out["kv_cache"] = plan.kv_cache
     return out
 
