@@ -107,17 +107,17 @@ def test_compile_builds_every_graph_once(compiled):
     assert m["n_slots"] == n_slots
     assert m["attention"] == attention_formulation(plan.prefill_chunk)  # the engine's formulation
     target = [(r["scope"], r["width"], r["context"], r["cache"]) for r in m["graphs"] if r["model"] == "target"]
-    # each built exactly once, and the plain step whole (it computes the blocks' step bitwise, so
-    # plain steps take it while verify steps run the blocks)
+    # each built exactly once, and every tree step whole too (a whole step computes the blocks'
+    # step bitwise; the self-drafter runs the blocks)
     assert target == [("block", 1, n_slots, "compiled"), ("block", 2, n_slots, "compiled"),
-                      ("step", 1, n_slots, "compiled")]
+                      ("step", 1, n_slots, "compiled"), ("step", 2, n_slots, "compiled")]
     drafter = {r["width"]: r["cache"] for r in m["graphs"] if r["model"] == "drafter"}
     assert drafter == {1: "shared", 2: "shared"}  # the self-drafter shares the target's graphs
-    assert m["n_graphs"] == last["graphs"] == 3
+    assert m["n_graphs"] == last["graphs"] == 4
     assert all(r["compile_s"] > 0 for r in m["graphs"] if r["cache"] == "compiled")
     files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir())
-    assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 3
-    assert sum(f.startswith("step-") for f in files) == 1
+    assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 4
+    assert sum(f.startswith("step-") for f in files) == 2
     assert not list(art.glob("build-*")) and m["size_bytes"] > 0  # the scratch build dir is gone
     # model files (and the embedded plan's paths) are recorded relative to the artifact directory
     assert m["plan"]["target"] == "../../model"
@@ -175,11 +175,11 @@ WARM = textwrap.dedent(
 
     from yggtree.runtime.aoti import StepPackages
 
-    whole_steps, run_step = [0], StepPackages.__call__
+    whole_steps, run_step = set(), StepPackages.__call__
 
-    def counted(self, *args):
-        whole_steps[0] += 1
-        return run_step(self, *args)
+    def counted(self, tokens, *args):
+        whole_steps.add(int(tokens.shape[0]))
+        return run_step(self, tokens, *args)
 
     StepPackages.__call__ = counted
     torch.set_num_threads(1)
@@ -207,7 +207,7 @@ WARM = textwrap.dedent(
         refused = str(e)
     print(json.dumps({
         "runs": runs, "same": same, "refused": refused, "plain_same": plain_same, "plain_ok": plain_ok,
-        "whole_steps": whole_steps[0],
+        "whole_steps": sorted(whole_steps),
         "used": sorted(policy.used), "choices": sorted(policy.choices),
         "frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
         "recompiles": sum(counters["recompiles"].values()), "breaks": sum(counters["graph_break"].values()),
@@ -227,7 +227,7 @@ def test_fresh_process_runs_the_packages_without_dynamo(compiled):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["runs"] == 6 and r["same"] == 3  # performance == reference, greedy
     assert r["plain_ok"] and r["plain_same"] == 3  # the plan's plain engine on the same packages
-    assert r["whole_steps"] > 0  # plain steps ran the whole step, verify steps the blocks
+    assert r["whole_steps"] == [1, 2]  # plain and verify steps ran whole steps
     # a step policy drove every (D, W_d, W_v) of the plan, plain steps included, over 3 prompt
     # lengths at temperatures 0 and 0.7 ...
     assert r["used"] == r["choices"] and len(r["choices"]) == 9
@@ -253,8 +253,8 @@ def compiled_plain(tmp_path_factory):
 def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
     """A plain plan's whole-step package computes the step its block packages do, bitwise: the
     same logits, hidden state and cache writes (it ends before the final norm, which both paths
-    then run eagerly; fused in, the norm would reduce in another order). That is what lets a
-    speculative plan take its plain steps whole while it verifies on the blocks."""
+    then run eagerly; fused in, the norm would reduce in another order). A speculative plan's
+    verify steps are whole too (test_bfloat16_whole_step... checks a two-node step)."""
     import torch
 
     from yggtree.plan import artifact_dir
@@ -428,10 +428,10 @@ def test_profile_of_the_compiled_packages(compiled, tmp_path, monkeypatch, capsy
 
 
 def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_path):
-    """A speculative bfloat16 plan's whole step computes its block packages' step bitwise (its
+    """A speculative bfloat16 plan's whole steps compute its block packages' steps bitwise (its
     packages round every fused intermediate to bfloat16 as the unfused ops do:
-    ``aoti.package_config``; without that every step differed), so its plain steps run the
-    whole step while verify steps run the blocks, and speculation gives plain decoding's tokens."""
+    ``aoti.package_config``; without that every step differed), at one row and at the verify
+    width, and speculation gives plain decoding's tokens."""
     import torch
 
     from yggtree.plan import artifact_dir
@@ -445,7 +445,7 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
     code, stdout = run_main([plan_path, "--out", tmp_path / "compile"])
     assert code == 0, stdout
     m = json.loads((tmp_path / "compile" / "tiny" / MANIFEST).read_text())
-    assert [g["width"] for g in m["graphs"] if g.get("scope") == "step"] == [1]
+    assert [g["width"] for g in m["graphs"] if g.get("scope") == "step"] == [1, 2]
     plan = load_plan(tmp_path / "compile" / "tiny" / "plan.yaml")
     spec, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"))
     plain, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"), speculate=False)
@@ -453,17 +453,20 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
     params = SamplingParams(max_new_tokens=8)
     for prompt in ([5, 9, 17, 3], list(range(20, 31)), [7] * 6):
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
-    # the same step, whole and over the blocks, on the cache of the last request
-    model, graphs = plain.target, plain.graphs
-    whole, before = step_packages(model), model.kv.kv.clone()
-    one, zero = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.int64)
-    for token in range(0, 128, 9):
-        outs = []
-        for path in (whole, None):
-            model.kv.kv.copy_(before)
-            model.step_packages = path
-            with torch.no_grad():
-                outs.append((*graphs.tree_step(torch.tensor([token]), zero, zero, one, torch.tensor(8), (),
-                                               graphs.bucket(9))[:2], model.kv.kv.clone()))
-        model.step_packages = whole
-        assert all(torch.equal(a, b) for a, b in zip(*outs)), token
+    # the same step, whole and over the blocks, on the cache of the last request: a plain step,
+    # and a verify step of two nodes (a root and its child)
+    for engine, w in ((plain, 1), (spec, 2)):
+        model, graphs = engine.target, engine.graphs
+        whole, before = step_packages(model), model.kv.kv.clone()
+        ar = torch.arange(w)
+        anc = ar[None, :] <= ar[:, None]
+        for token in range(0, 128, 9):
+            outs = []
+            for path in (whole, None):
+                model.kv.kv.copy_(before)
+                model.step_packages = path
+                with torch.no_grad():
+                    outs.append((*graphs.tree_step((token + ar) % 128, ar, ar, anc, torch.tensor(8), (),
+                                                   graphs.bucket(8 + w))[:2], model.kv.kv.clone()))
+            model.step_packages = whole
+            assert all(torch.equal(a, b) for a, b in zip(*outs)), (w, token)

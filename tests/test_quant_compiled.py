@@ -76,7 +76,7 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
     save_tiny_checkpoint(tmp_path / "model", intermediate=64, **({"heads": 2, "kv_heads": 1} if fmt == "w4a8" else {}))
     (tmp_path / "plan.yaml").write_text(TINY_PLAN.replace("name: tiny\n", f"name: tiny-q\nweights: {fmt}\n"))
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
-    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 3, stdout  # two widths and the plain step whole
+    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 4, stdout  # two widths, as blocks and whole
     plan = load_plan(tmp_path / "compile" / "tiny-q" / "plan.yaml")
     if fmt == "w4a8":  # the packages call the kernel's C shim, not AOTInductor's proxy executor
         import zipfile
@@ -88,7 +88,7 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
             assert "aoti_torch_cpu_rows_attention(" in src, pt2
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
     assert isinstance(static_blocks(engine.target), PackageSet)
-    assert step_packages(engine.target) is not None  # plain steps whole, tree steps on the blocks
+    assert step_packages(engine.target).runners.keys() == {(1, engine.n_slots), (2, engine.n_slots)}  # steps whole
     assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])
     assert engine.target.layers[0].self_attn.native_rows == (fmt == "w4a8")
     tree, plain = fixed_policy(engine, plan), FixedPolicy(StepChoice(0, 1), 1)

@@ -182,6 +182,12 @@ class Plan:
             ws |= set(self.verify_widths)
         return tuple(sorted(ws))
 
+    @property
+    def step_widths(self) -> tuple[int, ...]:
+        """Tree-step widths of the target compiled whole (runtime/aoti.py, "Step packages"): the
+        plain step (1) and, if speculative, every W_v."""
+        return tuple(sorted({1, *(self.verify_widths if self.speculative else ())}))
+
     def tree_params(
         self,
         draft_width: int | None = None,

@@ -16,10 +16,10 @@ Backends:
 
 - ``inductor-cpu``: each shape is exported (``torch.export``, the layer's weights and KV cache as
   inputs, the cache written in place) and compiled by AOTInductor into a self-contained package
-  ``compile/<name>/graphs/block-<kind>-w<W>-c<C>.pt2``; the target's plain step is also compiled
-  whole, once per context bucket (``step-<key>-w1-c<C>.pt2``: every layer inlined, up to the final
-  norm, returning the layers the drafter reads; bitwise the block packages' step, so plain steps
-  run it while verify steps run the blocks). A run loads the packages and calls them directly
+  ``compile/<name>/graphs/block-<kind>-w<W>-c<C>.pt2``; the target's tree steps (the plain step and
+  every W_v, ``Plan.step_widths``) are also compiled whole, once per context bucket
+  (``step-<key>-w<W>-c<C>.pt2``: every layer inlined, up to the final norm, returning the layers
+  the drafter reads; bitwise the block packages' step, so plain and verify steps run them). A run loads the packages and calls them directly
   (``runtime.aoti``): no dynamo tracing, no guards, no compile in the process.
   Inductor's intermediate build files go to a scratch directory deleted after the compile.
 - ``eager``: nothing to build; the manifest (fingerprints, versions) is written alone.
@@ -154,7 +154,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     W, C) into ``out``. Returns one record per (model, W, C) and load timings."""
     import torch
 
-    from ..runtime.aoti import (STEP_WIDTHS, ShapeRecorder, compile_package, compile_step_package, install_recorder,
+    from ..runtime.aoti import (ShapeRecorder, compile_package, compile_step_package, install_recorder,
                                 package_name, step_key)
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
     from ..runtime.graphs import Graphs, backend_device
@@ -213,7 +213,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     skey = step_key(target, capture)
-    steps_todo = [(skey, w, c) for w in STEP_WIDTHS for c in graphs.buckets if c >= w]
+    steps_todo = [(skey, w, c) for w in plan.step_widths for c in graphs.buckets if c >= w]
     progress.update(task, total=len(todo) + len(steps_todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
     sums: dict[tuple[str, int, int], str] = {}  # each package's sha256, checked at every load
@@ -262,7 +262,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         records.append(
             {
                 "model": "target",
-                "role": "plain (whole step)",
+                "role": "plain (whole step)" if w == 1 else "verify (whole step)",
                 "key": skey,
                 "scope": "step",
                 "capture": list(capture),

@@ -20,8 +20,9 @@ are), because a package assumes the strides it was compiled for.
 
 Step packages. Per-block packages keep compile time that of one block, but a decode step then
 enters 30 packages and runs the glue (embedding, RoPE rows, mask, final norm, head) as eager ops:
-~0.7 ms of a 4.9 ms w4a8 step on a 2-core CPU (docs/results.md). So the target's plain step
-(:data:`STEP_WIDTHS`) is also compiled whole, once per context bucket: :func:`steps.tree_step`
+~0.7 ms of a 4.9 ms w4a8 step on a 2-core CPU, ~1.5 ms of a W_v = 4 verify step in a slow hour
+(docs/results.md). So the target's tree steps (``Plan.step_widths``: the plain step and every
+W_v of a speculative plan) are also compiled whole, once per context bucket: :func:`steps.tree_step`
 up to the final norm with every layer inlined (one package per (model, W, C),
 ``step-<key>-w<W>-c<C>.pt2``)
 
@@ -34,11 +35,13 @@ up to the final norm with every layer inlined (one package per (model, W, C),
 :class:`StepPackages` runs it in place of :meth:`Graphs.tree_step <yggtree.runtime.graphs.Graphs.tree_step>`'s
 block path and then the final norm and the head eagerly (:func:`steps.finish_step`), as the block
 path does. So it computes the block path's step bitwise (on the default model, every step tried
-in every format), and a speculative plan takes its plain steps on it while verifying on the
-blocks. Fused into the graph, the final norm would reduce in another order than the eager one
-(the last bits of the logits differed on a few steps in twelve); and a bfloat16 model's blocks,
-fused into one graph, would keep intermediates in float32 that the block packages round, were
-its packages not compiled to round them as the unfused ops do (:func:`package_config`).
+in every format): a verified node's logits are the plain step's, whichever path each ran. Fused
+into the graph, the final norm would reduce in another order than the eager one (the last bits
+of the logits differed on a few steps in twelve); and a bfloat16 model's blocks, fused into one
+graph, would keep intermediates in float32 that the block packages round, were its packages not
+compiled to round them as the unfused ops do (:func:`package_config`). The block packages of the
+same widths stay: a drafter sharing the target's blocks runs them, and a tree step whose ancestor
+matrix is not square (a drafter step of a self-drafter) cannot run a whole step.
 """
 
 from __future__ import annotations
@@ -77,7 +80,6 @@ def cpu_config(half: bool) -> dict:
     return config
 
 N_ACT = 5  # x, cos, sin, slots, mask
-STEP_WIDTHS = (1,)  # target tree-step widths also compiled as whole-step packages (plain decoding)
 
 
 def block_key(block: nn.Module) -> str:
