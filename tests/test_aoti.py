@@ -11,7 +11,9 @@ import torch
 
 from helpers import tiny_model
 from yggtree.errors import YggError
-from yggtree.runtime.aoti import PackageSet, _BlockFn, block_key, install_packages, static_blocks
+from yggtree.runtime.aoti import (DRAFTER_CALLS, PackageSet, _BlockFn, _DrafterCallFn, block_key,
+                                  compile_drafter_call_package, drafter_call_key, install_drafter_calls,
+                                  install_packages, model_tensors, static_blocks)
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.kv_cache import KVCache
@@ -140,3 +142,85 @@ def test_loading_packages_registers_the_ops_they_call():
             "print(torch.ops.yggtree.int4_mm.default.name(), torch.ops.yggtree.packed_linear.default.name())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["yggtree::int4_mm", "yggtree::packed_linear"]
+
+
+class FakeCallRunner:
+    """Stands in for a drafter-call package: runs the exported function (:class:`_DrafterCallFn`)
+    eagerly on the flat inputs, checking the width and tree size it was 'compiled' for."""
+
+    def __init__(self, net, kind, w, k, nodes) -> None:
+        self.fn, self.kind, self.w, self.nodes, self.calls = _DrafterCallFn(net, kind, k), kind, w, nodes, 0
+
+    def run(self, args):
+        n = DRAFTER_CALLS[self.kind]
+        assert args[n].shape[0] == self.nodes  # node_feat rows
+        if self.kind == "draft":
+            assert args[0].shape[0] == self.w and args[4].shape == (self.w, self.nodes)
+        self.calls += 1
+        return list(self.fn(*args))
+
+
+def eagle_call_engine(k=TREE.top_k, nodes=None):
+    """A performance engine whose EAGLE drafter's head and draft calls run fake call packages
+    (blocks eager), installed as a compiled plan installs them."""
+    target = tiny()
+    drafter = EagleDrafter.random(target, "reference", max_depth=TREE.draft_depth, seed=3)
+    nodes = nodes or 1 + TREE.draft_depth * TREE.draft_width
+    eng = Engine(target, EngineConfig(mode="reference", max_context=MAX_CTX, prefill_chunk=CHUNK, tree=TREE), drafter)
+    runners = {(drafter_call_key(drafter, "head", k, nodes), TREE.draft_depth + 1, N_SLOTS):
+               FakeCallRunner(drafter.net, "head", TREE.draft_depth + 1, k, nodes),
+               (drafter_call_key(drafter, "draft", k, nodes), TREE.draft_width, N_SLOTS):
+               FakeCallRunner(drafter.net, "draft", TREE.draft_width, k, nodes)}
+    install_drafter_calls(drafter, PackageSet(runners, N_SLOTS), k, nodes)
+    return eng, runners
+
+
+def test_drafter_call_packages_replace_the_eager_calls():
+    """The head and draft calls through their (fake) packages: the tokens of the eager drafter,
+    every head and draft call through a package, and none where the packages were made for
+    another top-k (nor a draft call where they take a smaller tree): those calls run eagerly."""
+    ref = make("reference", "eagle")
+    eng, runners = eagle_call_engine()
+    for p in PROMPTS:
+        params = SamplingParams(max_new_tokens=12)
+        out = eng.generate(p, params)
+        assert out.token_ids == ref.generate(p, params).token_ids
+    heads, drafts = (sum(r.calls for r in runners.values() if r.kind == kind) for kind in ("head", "draft"))
+    assert heads > 0 and drafts > 0
+    for other, kinds in ((dict(k=TREE.top_k + 1), ("head", "draft")), (dict(nodes=4), ("draft",))):
+        eng, runners = eagle_call_engine(**other)
+        eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=6))
+        assert sum(r.calls for r in runners.values() if r.kind in kinds) == 0
+
+
+def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
+    """Real AOTInductor packages of the head and a draft call of a tiny EAGLE head: the same top-k
+    tokens as the eager call and log-probabilities within float rounding (the numerics only shape
+    proposals; the target decides every token), and the same feature rows written."""
+    from torch._C._aoti import AOTIModelPackageLoader
+
+    target = tiny()
+    drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=3)
+    drafter.setup(N_SLOTS, [1, 2], CHUNK)
+    k, nodes = 2, 1 + 3 * 2
+    loaders = {kind: AOTIModelPackageLoader(str(compile_drafter_call_package(
+        drafter, kind, w, k, nodes, tmp_path / f"{kind}.pt2")), "model", False, 1, -1)
+        for kind, w in (("head", 4), ("draft", 2))}
+    drafter.prefill(torch.arange(3, 14), (torch.randn(11, target.cfg.hidden_size),))
+    state = [drafter.net.embed_weight, *(b.self_attn.cache.kv for b in drafter.net.layers),
+             *(t for _, t in model_tensors(drafter.net))]
+    L = torch.tensor(11)
+    nf = drafter.node_feat[:nodes]
+    got = loaders["head"].run([torch.tensor(5), L, drafter.pend_tok, drafter.pend_feat, drafter.pend_n, nf, *state])
+    row0 = drafter.node_feat[0].clone()
+    want = drafter.head(torch.tensor(5), L, k)
+    assert torch.equal(got[0], want.token) and torch.allclose(got[1], want.logp, atol=1e-5)
+    assert torch.allclose(row0, drafter.node_feat[0], atol=1e-5)
+    tok, depth, node, parent = torch.tensor([7, 9]), torch.tensor([1, 1]), torch.tensor([1, 2]), torch.tensor([0, 0])
+    anc = torch.zeros(2, nodes, dtype=torch.bool)
+    anc[:, 0], anc[0, 1], anc[1, 2] = True, True, True
+    got = loaders["draft"].run([tok, depth, node, parent, anc, L, nf, *state])
+    rows = drafter.node_feat[1:3].clone()
+    want = drafter.step(tok, depth, node, parent, anc[:, :3], L, k)
+    assert torch.equal(got[0], want.token) and torch.allclose(got[1], want.logp, atol=1e-5)
+    assert torch.allclose(rows, drafter.node_feat[1:3], atol=1e-5)

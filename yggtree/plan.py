@@ -768,7 +768,8 @@ def model_fingerprints(plan: Plan) -> list[dict]:
 # packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
 # (csrc/w4a8.cpp is not traced: packages call the op, which the process loads); steps.py: the
 # step functions a whole-step package inlines
-GRAPH_SOURCES = ("aoti.py", "kernels.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "steps.py", "w4a8.py")
+GRAPH_SOURCES = ("aoti.py", "eagle.py", "kernels.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "steps.py",
+                 "w4a8.py")
 
 
 def runtime_code_hash() -> str:

@@ -154,8 +154,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     W, C) into ``out``. Returns one record per (model, W, C) and load timings."""
     import torch
 
-    from ..runtime.aoti import (ShapeRecorder, compile_package, compile_step_package, install_recorder,
-                                package_name, step_key)
+    from ..runtime.aoti import (ShapeRecorder, compile_drafter_call_package, compile_package, compile_step_package,
+                                drafter_call_key, install_recorder, package_name, step_key)
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
     from ..runtime.graphs import Graphs, backend_device
     from ..runtime.loading import load_model, load_tokenizer, resolve_model
@@ -214,12 +214,18 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     skey = step_key(target, capture)
     steps_todo = [(skey, w, c) for w in plan.step_widths for c in graphs.buckets if c >= w]
-    progress.update(task, total=len(todo) + len(steps_todo), completed=0)
+    # 4. an EAGLE drafter's head and draft calls whole (runtime.aoti, "Drafter-call packages"), for
+    # the plan's top-k and largest tree
+    calls_todo = {}  # (key, W, S) -> kind
+    if hasattr(drafter, "calls"):
+        calls_todo = {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
+                      for kind, ws in (("head", [head]), ("draft", plan.draft_widths)) for w in ws}
+    progress.update(task, total=len(todo) + len(steps_todo) + len(calls_todo), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
     sums: dict[tuple[str, int, int], str] = {}  # each package's sha256, checked at every load
-    for key in [*todo, *steps_todo]:
+    for key in [*todo, *steps_todo, *calls_todo]:
         kind, w, c = key
-        scope = "step" if key in steps_todo else "block"
+        scope = calls_todo.get(key) or ("step" if key in steps_todo else "block")
         progress.update(task, description=f"{scope} W={w} C={c}")
         t = time.perf_counter()
         name = package_name(kind, w, c, scope)
@@ -228,8 +234,10 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
             if scope == "block":
                 compile_package(rec.blocks[kind], rec.examples[key], part)
-            else:
+            elif scope == "step":
                 compile_step_package(target, w, c, capture, part)
+            else:
+                compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, part)
         os.replace(part, out / name)
         secs[key] = time.perf_counter() - t
         sums[key] = file_sha256(out / name)
@@ -276,7 +284,26 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
                 "cache": "compiled",
             }
         )
+    for key, scope in calls_todo.items():
+        _, w, c = key
+        records.append(
+            {
+                "model": "drafter",
+                "role": f"{scope} (whole call)",
+                "key": key[0],
+                "scope": scope,
+                "width": w,
+                "context": c,
+                "file": package_name(key[0], w, c, scope),
+                "sha256": sums[key],
+                "shapes": {"x": [w, drafter.cfg.hidden_size], "mask": [w, c]},
+                "dtype": dt,
+                "compile_s": round(secs[key], 3),
+                "cache": "compiled",
+            }
+        )
     return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads()}
+
 
 
 def _up_to_date(plan: Plan, art: Path) -> dict | None:

@@ -42,6 +42,21 @@ graph, would keep intermediates in float32 that the block packages round, were i
 compiled to round them as the unfused ops do (:func:`package_config`). The block packages of the
 same widths stay: a drafter sharing the target's blocks runs them, and a tree step whose ancestor
 matrix is not square (a drafter step of a self-drafter) cannot run a whole step.
+
+Drafter-call packages. An EAGLE drafter's head and draft calls (:func:`yggtree.runtime.eagle.head_call`,
+:func:`~yggtree.runtime.eagle.step_call`: mask, embedding, fc, its layers, norm, LM head, top-k)
+are compiled whole too, one package per call kind and width at the cache's size
+(``head-<key>-w<D+1>-c<S>.pt2``, ``draft-<key>-w<W_d>-c<S>.pt2``; the top-k is compiled in).
+Eagerly those calls ran ~20 small ops around the block package. Their numerics only shape the
+proposals: the target's verify decides every token, so speculation stays exact whatever they round.
+
+    head inputs    root [] i64, committed [] i64, pend_tok [D+1] i64, pend_feat [D+1, H],
+                   pend_n [] i64, then node_feat [N, H] (row 0 written)
+    draft inputs   tokens, depth, node, parent [W] i64, anc [W, N] bool, committed [] i64,
+                   then node_feat [N, H] (the fed rows written)
+    both, then     the shared embedding [V, H] (when the head shares the target's), the layers'
+                   caches (mutated), the head's weights and buffers (:func:`model_tensors`)
+    outputs        top-k target ids [W, k] i64, their log-probabilities [W, k] f32
 """
 
 from __future__ import annotations
@@ -378,6 +393,133 @@ class StepPackages:
         x, *layers = self.runners[(tokens.shape[0], context)].run([*ins, *self._inputs])
         logits, hidden = finish_step(self.model, x)  # eagerly, as the block path does
         return logits, hidden, tuple(layers) if capture else ()
+
+
+DRAFTER_CALLS = {"head": 5, "draft": 6}  # call kind -> its activation inputs (before node_feat)
+
+
+def drafter_call_key(drafter, kind: str, k: int, nodes: int) -> str:
+    """12 hex digits naming a drafter-call package's model and constants: the call kind, top-k,
+    the tree nodes it takes (``nodes``: the plan's largest tree), D_max, the layers' kinds and the
+    head's other tensors."""
+    net = drafter.net
+    parts = ["drafter-call", kind, f"k{k}", f"nodes{nodes}x{drafter.node_feat.shape[1]}{drafter.node_feat.dtype}",
+             f"depth{drafter.max_depth}", f"layers{len(net.layers)}", *sorted({block_key(b) for b in net.layers})]
+    parts += [f"{n}{tuple(t.shape)}{t.dtype}" for n, t in model_tensors(net)
+              if not n.startswith("layers.") and n != "rope"]
+    if net.cfg.shares_embedding:
+        parts.append(f"embed{tuple(net.embed_weight.shape)}{net.embed_weight.dtype}")
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
+
+
+def _drafter_state(net: nn.Module) -> list[torch.Tensor]:
+    """A drafter-call package's inputs after node_feat: the shared embedding (if any), the
+    layers' caches, the head's weights and buffers."""
+    embed = [net.embed_weight] if net.cfg.shares_embedding else []
+    return [*embed, *(b.self_attn.cache.kv for b in net.layers), *(t for _, t in model_tensors(net))]
+
+
+class _DrafterCall(nn.Module):
+    """One drafter call (``kind``: head or draft) with its top-k, as a module call."""
+
+    def __init__(self, net: nn.Module, kind: str, k: int) -> None:
+        super().__init__()
+        self.net, self.kind, self.k = net, kind, k
+
+    def forward(self, *args):  # activations, node_feat[, embed]
+        from .eagle import head_call, step_call
+
+        n = DRAFTER_CALLS[self.kind]
+        embed = args[n + 1] if len(args) > n + 1 else None
+        fn = head_call if self.kind == "head" else step_call
+        return fn(self.net, *args[:n], args[n], self.k, embed)
+
+
+class _DrafterCallFn(nn.Module):
+    """A drafter call as a function of its activations, node_feat, the shared embedding, the
+    layers' caches and the head's weights (what a drafter-call package exports)."""
+
+    def __init__(self, net: nn.Module, kind: str, k: int) -> None:
+        super().__init__()
+        self.call = _DrafterCall(net, kind, k)
+        self.names = [n for n, _ in model_tensors(net)]
+        self.n_in = DRAFTER_CALLS[kind] + 1 + int(net.cfg.shares_embedding)  # activations, node_feat, embed
+        self.n_layers = len(net.layers)
+
+    def forward(self, *args):
+        acts, rest = args[: self.n_in], args[self.n_in:]
+        kvs, weights = rest[: self.n_layers], rest[self.n_layers:]
+        state = {f"net.{n}": w for n, w in zip(self.names, weights)}
+        state |= {f"net.layers.{i}.self_attn.cache.kv": kv for i, kv in enumerate(kvs)}
+        return torch.func.functional_call(self.call, state, acts)
+
+
+def compile_drafter_call_package(drafter, kind: str, width: int, k: int, nodes: int, path: Path) -> Path:
+    """Export an EAGLE drafter's ``kind`` call (head: its width is D_max + 1; draft: W_d inputs)
+    with top-``k`` over trees of up to ``nodes`` nodes and compile it into the AOTInductor package
+    ``path``. The drafter must be set up and its blocks run their own forward."""
+    net = drafter.net
+    i64 = dict(dtype=torch.int64)
+    if kind == "head":
+        acts = (torch.tensor(1, **i64), torch.tensor(2, **i64), drafter.pend_tok.clone(), drafter.pend_feat.clone(),
+                torch.tensor(0, **i64))
+    else:
+        ar = torch.arange(width)
+        anc = torch.zeros(width, nodes, dtype=torch.bool)
+        anc[:, 0] = True
+        anc[ar, 1 + ar] = True
+        acts = (ar.clone(), torch.ones(width, **i64), 1 + ar, torch.zeros(width, **i64), anc, torch.tensor(2, **i64))
+    embed = [net.embed_weight.detach()] if net.cfg.shares_embedding else []
+    args = (*acts, drafter.node_feat[:nodes].clone(), *embed, *(b.self_attn.cache.kv.clone() for b in net.layers),
+            *(t.detach() for _, t in model_tensors(net)))
+    return _export_and_package(_DrafterCallFn(net, kind, k), args, package_config(net.layers[0]), path)
+
+
+class DrafterCalls:
+    """An EAGLE drafter's call packages for its top-k ``k`` over trees of up to ``nodes`` nodes:
+    (kind, W) -> runner. Which packages serve it is decided at the call, from the drafter's
+    shapes then (its setup sizes node_feat and the cache after the packages are installed)."""
+
+    def __init__(self, drafter, packages: PackageSet, k: int, nodes: int) -> None:
+        self.drafter, self.packages, self.k, self.nodes = drafter, packages, k, nodes
+        self._nodes, self._store, self._inputs, self._runners = None, None, [], {}
+
+    def _refresh(self) -> None:
+        d, net = self.drafter, self.drafter.net
+        if self._store is net.kv and self._nodes is d.node_feat:
+            return
+        self._runners = {}
+        if d.node_feat.shape[0] >= self.nodes:
+            for kind in DRAFTER_CALLS:
+                key = drafter_call_key(d, kind, self.k, self.nodes)
+                self._runners |= {(kind, w): r for (kk, w, c), r in self.packages.runners.items()
+                                  if kk == key and c == net.cache_slots}
+        self._store, self._nodes, self._inputs = net.kv, d.node_feat, _drafter_state(net)
+
+    def runner(self, kind: str, width: int, k: int, tree: int = 1):
+        """A function ``(activations, node_feat) -> (ids, logp)`` running the package of this
+        call (``tree``: the draft call's tree nodes, its ancestor rows' width), or None (no
+        package for it: the caller runs the call eagerly)."""
+        if k != self.k or tree > self.nodes:
+            return None
+        self._refresh()
+        run = self._runners.get((kind, width))
+        if run is None:
+            return None
+        n = self.nodes
+
+        def call(acts, node_feat):
+            if kind == "draft":  # the ancestor rows at the package's tree width
+                acts = (*acts[:4], torch.nn.functional.pad(acts[4], (0, n - acts[4].shape[1])), acts[5])
+            return tuple(run.run([*(t.contiguous() for t in acts), node_feat[:n], *self._inputs]))
+
+        return call
+
+
+def install_drafter_calls(drafter, packages: PackageSet, k: int, nodes: int) -> None:
+    """Make an EAGLE ``drafter``'s head and draft calls run their packages (top-``k``, trees of up
+    to ``nodes`` nodes), where ``packages`` hold one for the call; other calls run eagerly."""
+    drafter.calls = DrafterCalls(drafter, packages, k, nodes)
 
 
 def install_step_packages(model: nn.Module, packages: PackageSet, capture: tuple[int, ...]) -> None:

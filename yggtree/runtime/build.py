@@ -421,7 +421,7 @@ def searched_stages(art: str | Path) -> str:
 def _package_installer(art: Path):
     """``prepare`` hook of :func:`build_engine`: load the packages listed in ``art``'s manifest
     and install them on the target's and the drafter's blocks."""
-    from .aoti import PackageSet, install_packages, install_step_packages, package_name
+    from .aoti import DRAFTER_CALLS, PackageSet, install_drafter_calls, install_packages, install_step_packages, package_name
 
     manifest = read_manifest(art)
     if manifest is None:
@@ -460,5 +460,8 @@ def _package_installer(art: Path):
             install_step_packages(target, packages, step_capture)
         if drafter is not None:
             install_packages(drafter.graphs.model, packages)
+            if any(g.get("scope") in DRAFTER_CALLS for g in manifest["graphs"]):  # an EAGLE head's whole calls
+                d_max, widths = plan["d_max"], plan["draft_widths"]
+                install_drafter_calls(drafter, packages, plan["top_k"], 1 + d_max * max(widths))
 
     return prepare

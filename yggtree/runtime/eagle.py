@@ -34,6 +34,12 @@ every accepted slot is rewritten, and the drafted entries beyond are unreachable
 
 Static shapes: head has width ``D_max + 1``, a step has width ``W_d``, prefill the chunk width
 ``C``; the accepted count is a tensor and only ever used through masks and gathers (no host sync).
+
+Whole calls. A head or draft call is a function of tensors (:func:`head_call`, :func:`step_call`:
+mask, embedding, fc, the layers, norm, LM head, top-k). A compiled plan holds each as one
+AOTInductor package per width (runtime/aoti.py, "Drafter-call packages"), which the drafter runs
+once installed (``calls``); eagerly, the same functions run op by op around the blocks' packages
+(~0.6 ms of a ~1 ms one-row call of the default head on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -294,11 +300,13 @@ class EagleNet(nn.Module):
         positions: torch.Tensor,  # [W] int64 RoPE positions p
         slots: torch.Tensor,  # [W] int64 cache slots to write
         mask: torch.Tensor,  # [W, S] bool
+        embed: torch.Tensor | None = None,  # [V, H] the shared embedding as an input (None: its own)
     ) -> torch.Tensor:
-        """The last layer's output f̂_{p+1} [W, H] (before the final norm)."""
+        """The last layer's output f̂_{p+1} [W, H] (before the final norm). ``embed`` stands in
+        for the shared embedding where it is a graph input (a drafter-call package's)."""
         cs = self.rope[positions[None]]  # [1, W, D/2, 2]
         cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)
-        e = F.embedding(tokens, self.embed_weight)  # [W, H]
+        e = F.embedding(tokens, self.embed_weight if embed is None else embed)  # [W, H]
         x = self.fuse_input(e, feat)[None]  # [1, W, H]
         for block in self.layers:
             x = block(x, cos, sin, slots[None], mask[None])
@@ -311,6 +319,73 @@ class EagleNet(nn.Module):
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything that is stored in model.safetensors (the shared embedding is not)."""
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- one drafter call
+
+
+def topk_of(net: EagleNet, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of logits [W, V_d] as target ids [W, k] int64 and log-probabilities [W, k]."""
+    lp = torch.log_softmax(logits, dim=-1)
+    val, idx = torch.topk(lp, k, dim=-1)
+    return net.draft_vocab[idx], val
+
+
+def head_call(
+    net: EagleNet,
+    root: torch.Tensor,  # [] int64 the root token t_L
+    committed: torch.Tensor,  # [] int64 L
+    pend_tok: torch.Tensor,  # [D+1] int64 the pending tokens t_{L-a+1..L-1} (first a rows)
+    pend_feat: torch.Tensor,  # [D+1, H] the pending true features f_{L-a-1..L-1}
+    pend_n: torch.Tensor,  # [] int64 a, the tokens accepted at the last step
+    node_feat: torch.Tensor,  # [N, H] per-node f̂ (row 0, the root's, is written)
+    k: int,
+    embed: torch.Tensor | None = None,  # [V, H] the shared embedding (None: the net's own)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`EagleDrafter.head` as a function of its tensors (what a head package computes): feed
+    the pending pairs at slots L-a..L in one call of width D+1 (padded rows to the scratch slot,
+    seeing only it), keep the root's f̂ in ``node_feat[0]``; the top-k at the root [1, k]."""
+    s = net.cache_slots
+    i = torch.arange(pend_tok.shape[0], device=pend_tok.device)
+    valid = i <= pend_n
+    tok = torch.where(i < pend_n, pend_tok, root)
+    tok = torch.where(valid, tok, 0)
+    slot = committed - pend_n + i  # [D+1]; row a is the root at slot L
+    slots = torch.where(valid, slot, s - 1)
+    pos = torch.where(valid, slot - 1, 0)
+    cols = torch.arange(s, device=pend_tok.device)
+    mask = torch.where(
+        valid[:, None],
+        (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]),
+        cols[None, :] == s - 1,
+    )
+    out = net(tok, pend_feat, pos, slots, mask, embed)  # [D+1, H]
+    root_h = out.index_select(0, pend_n.reshape(1))  # [1, H] f̂_L
+    node_feat.index_copy_(0, torch.zeros(1, dtype=torch.int64, device=node_feat.device), root_h)
+    return topk_of(net, net.logits(root_h), k)
+
+
+def step_call(
+    net: EagleNet,
+    tokens: torch.Tensor,  # [W] int64
+    depth: torch.Tensor,  # [W] int64 tree depth of each fed node
+    node: torch.Tensor,  # [W] int64 tree node of each (its slot: committed + node)
+    parent: torch.Tensor,  # [W] int64 each one's parent node
+    anc: torch.Tensor,  # [W, N] bool ancestor-or-self rows of the fed nodes
+    committed: torch.Tensor,  # [] int64
+    node_feat: torch.Tensor,  # [N', H] per-node f̂ (N' >= N; the fed nodes' rows are written)
+    k: int,
+    embed: torch.Tensor | None = None,  # [V, H] the shared embedding (None: the net's own)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`EagleDrafter.step` as a function of its tensors (what a draft package computes):
+    node j pairs its token with its parent's f̂; the top-k of every fed node [W, k]."""
+    s = net.cache_slots
+    feat = node_feat.index_select(0, parent)  # [W, H]
+    cols = torch.arange(s, device=anc.device)
+    mask = tree_mask(committed, anc, s) & (cols[None, :] >= 1)
+    out = net(tokens, feat, committed + depth - 1, committed + node, mask, embed)  # [W, H]
+    node_feat.index_copy_(0, node, out)
+    return topk_of(net, net.logits(out), k)
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -340,6 +415,7 @@ class EagleDrafter:
         self._state_dev = net.fc.weight.device
         self.ahead_h: torch.Tensor | None = None  # [W, H] head rows' f̂ of the last ahead call
         self.ahead_f: torch.Tensor | None = None  # [W, H] fused true features at its nodes
+        self.calls = None  # the head and draft calls as packages (aoti.DrafterCalls), once installed
 
     # ---------------------------------------------------------------- construction
 
@@ -469,27 +545,11 @@ class EagleDrafter:
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
         """Feed the pending pairs, the last of which is (root, f_{L-1}) at slot L: [1, k]."""
         self._check_k(k)
-        net, dev = self.net, self._state_dev
-        s = net.cache_slots
-        d1 = self.max_depth + 1
-        a = self.pend_n
-        i = torch.arange(d1, device=dev)
-        valid = i <= a
-        tok = torch.where(i < a, self.pend_tok, root.to(torch.int64))
-        tok = torch.where(valid, tok, 0)
-        slot = committed - a + i  # [D+1]; row a is the root at slot L
-        slots = torch.where(valid, slot, s - 1)
-        pos = torch.where(valid, slot - 1, 0)
-        cols = torch.arange(s, device=dev)
-        mask = torch.where(
-            valid[:, None],
-            (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]),
-            cols[None, :] == s - 1,
-        )
-        out = net(tok, self.pend_feat, pos, slots, mask)  # [D+1, H]
-        root_h = out.index_select(0, a.reshape(1))  # [1, H] f̂_L
-        self.node_feat[0] = root_h[0]
-        return self._topk(net.logits(root_h), k)
+        acts = (root.to(torch.int64), committed, self.pend_tok, self.pend_feat, self.pend_n)
+        run = self.calls.runner("head", self.max_depth + 1, k) if self.calls is not None else None
+        if run is not None:
+            return TopK(*run(acts, self.node_feat))
+        return TopK(*head_call(self.net, *acts, self.node_feat, k))
 
     def step(self, tokens, depth, node, parent, anc, committed, k: int) -> TopK:
         """W tree nodes: node j pairs its token with its parent's predicted feature; [W, k]."""
@@ -499,14 +559,10 @@ class EagleDrafter:
                 f"draft tree of {anc.shape[1]} nodes exceeds the EAGLE drafter's "
                 f"{self.n_tree} (max_depth {self.max_depth}); raise max_depth"
             )
-        net = self.net
-        s = net.cache_slots
-        feat = self.node_feat.index_select(0, parent)  # [W, H]
-        cols = torch.arange(s, device=anc.device)
-        mask = tree_mask(committed, anc, s) & (cols[None, :] >= 1)
-        out = net(tokens, feat, committed + depth - 1, committed + node, mask)  # [W, H]
-        self.node_feat.index_copy_(0, node, out)
-        return self._topk(net.logits(out), k)
+        run = self.calls.runner("draft", tokens.shape[0], k, anc.shape[1]) if self.calls is not None else None
+        if run is not None:
+            return TopK(*run((tokens, depth, node, parent, anc, committed), self.node_feat))
+        return TopK(*step_call(self.net, tokens, depth, node, parent, anc, committed, self.node_feat, k))
 
     def commit(self, src, dst, path_tokens, n_accepted, feats) -> None:
         """Store the accepted tokens and the true features f_L..f_{L+a} for the next head call.
@@ -595,9 +651,7 @@ class EagleDrafter:
             )
 
     def _topk(self, logits: torch.Tensor, k: int) -> TopK:
-        lp = torch.log_softmax(logits, dim=-1)
-        val, idx = torch.topk(lp, k, dim=-1)
-        return TopK(self.net.draft_vocab[idx], val)
+        return TopK(*topk_of(self.net, logits, k))
 
 
 # ----------------------------------------------------------------------------- files

@@ -223,8 +223,9 @@ def can_pack(model: nn.Module, kernel: str = "torch") -> bool:
 
 
 def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel: str = "torch") -> int:
-    """Pack the ``nn.Linear`` layers of ``model.layers`` (its decoder blocks) and its
-    ``lm_head`` in place for the product kernel ``kernel`` (:data:`KERNELS`); returns how many
+    """Pack the ``nn.Linear`` layers of ``model.layers`` (its decoder blocks) and the model's own
+    (``lm_head``; an EAGLE head's ``fc`` and ``reduce`` too) in place for the product kernel
+    ``kernel`` (:data:`KERNELS`); returns how many
     linear layers were packed (0 where :func:`can_pack` is False, or when they are packed
     already: layers packed before keep their ``min_rows`` and kernel). The tiled kernel loads
     the kernel library (built on first use) and, in a float32 or bfloat16 model, sets its
@@ -258,8 +259,7 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel:
                 fused_parts.update(id(getattr(mod, k)) for k in names)
     for mod in [*(m for block in model.layers for m in block.modules()), model]:
         for child_name, child in list(mod.named_children()):
-            if type(child) is nn.Linear and id(child) not in fused_parts and (
-                    mod is not model or child_name == "lm_head"):
+            if type(child) is nn.Linear and id(child) not in fused_parts:
                 setattr(mod, child_name, PackedLinear.of(child, min_rows, kernel))
                 n += 1
     return n
