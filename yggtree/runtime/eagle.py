@@ -264,7 +264,7 @@ class EagleNet(nn.Module):
         return self.embed_tokens.weight
 
     def setup_cache(self, n_slots: int) -> None:
-        p = self.fc.weight
+        p = self.norm.weight  # (a float parameter in every weight format; fc may be quantized)
         lc = self.cfg.layer_config()
         self.kv = KVStore.zeros(len(self.layers), 1, lc.num_kv_heads, n_slots, lc.head_dim, p.dtype, p.device)
         self.kv.attach(self.layers)
@@ -412,7 +412,7 @@ class EagleDrafter:
         self.mode = mode
         self.graphs = Graphs(net, mode, scope="block")  # regional compile of the blocks in performance mode
         self.chunk = 0
-        self._state_dev = net.fc.weight.device
+        self._state_dev = net.norm.weight.device
         self.ahead_h: torch.Tensor | None = None  # [W, H] head rows' f̂ of the last ahead call
         self.ahead_f: torch.Tensor | None = None  # [W, H] fused true features at its nodes
         self.calls = None  # the head and draft calls as packages (aoti.DrafterCalls), once installed
@@ -480,7 +480,7 @@ class EagleDrafter:
             self.graphs.reset()
         self.chunk = prefill_chunk
         dev, h = self._state_dev, self.cfg.hidden_size
-        dtype = net.fc.weight.dtype
+        dtype = net.norm.weight.dtype
         d1 = self.max_depth + 1
         self.n_tree = 1 + self.max_depth * max(max(widths), 1)  # largest tree node count handled
         # pending pairs for the next head call: tokens t_{L+i+1} (i < a), features f_{L+i} (i <= a)

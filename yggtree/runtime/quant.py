@@ -342,8 +342,9 @@ def _cat_bias(lins: list[nn.Linear]) -> torch.Tensor | None:
     return torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features) for p in lins])
 
 
-def _replace_linears(model: nn.Module, make) -> int:
-    """Replace ``model``'s decoder-block linears and ``lm_head`` by ``make(name, names, linears)``
+def _replace_linears(model: nn.Module, make, own: tuple[str, ...] | None = ("lm_head",)) -> int:
+    """Replace ``model``'s decoder-block linears and its own linears named in ``own`` (None: all
+    of them: an EAGLE head's ``fc`` and ``reduce`` too) by ``make(name, names, linears)``
     (the new layer's name, its parts' names and linears): one
     call per fused group (q/k/v, gate/up; the parts are set to None) and one per other linear;
     ``make`` returns the new layer, or None to keep the linears (a fused group is then offered
@@ -365,7 +366,7 @@ def _replace_linears(model: nn.Module, make) -> int:
             n += len(lins)
     for mod in [*(m for block in model.layers for m in block.modules()), model]:
         for child_name, child in list(mod.named_children()):
-            if type(child) is nn.Linear and (mod is not model or child_name == "lm_head"):
+            if type(child) is nn.Linear and (mod is not model or own is None or child_name in own):
                 layer = make(names[id(child)], [names[id(child)]], [child])
                 if layer is not None:
                     setattr(mod, child_name, layer)
@@ -375,8 +376,8 @@ def _replace_linears(model: nn.Module, make) -> int:
 
 def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
                      raw: dict[str, tuple[str, torch.Tensor]] | None = None, kernel: str = "torch") -> int:
-    """Replace the ``nn.Linear`` layers of ``model.layers`` and its ``lm_head`` by quantized ones
-    in ``fmt`` (``int8``, ``int4`` with ``group``, ``gguf-native`` from ``raw``: state-dict name
+    """Replace the ``nn.Linear`` layers of ``model.layers`` and its ``lm_head`` (under w4a8 all its
+    own linears: an EAGLE head's ``fc`` and ``reduce`` too) by quantized ones in ``fmt`` (``int8``, ``int4`` with ``group``, ``gguf-native`` from ``raw``: state-dict name
     -> (GGML type, bytes), :func:`yggtree.runtime.loading.gguf_raw_weights`; ``w4a8``: the
     blocks of ``raw`` where it has them, Q4_1 otherwise, runtime/w4a8.py); q/k/v and gate/up
     become one layer each. Returns how many linears were replaced. GGUF tensors stored as float
@@ -436,7 +437,10 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
                            f"{w.shape[1]} of {name} (choose a group size dividing it)")
         return Int4Linear([quantize_int4(w, group)], bias, dtype, kernel)
 
-    n = _replace_linears(model, make)
+    # w4a8 takes every linear of a model (an EAGLE head's fc and reduce: 6.6 MB of float32 read
+    # every drafted step, cold after each verify, as 1.9 MB of blocks); the others, the blocks'
+    # and the LM head (input widths a group size may not divide stay float there)
+    n = _replace_linears(model, make, None if fmt == "w4a8" else ("lm_head",))
     if fmt == "w4a8" or kernel == "tiled":  # products on our library: its row-by-row attention too
         from .kernels import use_rows_attention
 

@@ -1,8 +1,8 @@
 """The ``w4a8`` weight format: blocks of 32 quantized weights times int8-quantized activations.
 
 llama.cpp's CPU arithmetic for a GGUF's 4-bit model, as a weight format of ours (runtime/quant.py
-holds the others). Every decoder-block linear and LM head, of the target and of the drafter's
-model, becomes blocks of 32 input columns ``w = d * u + m`` (d, m float16 per block and output
+holds the others). Every linear of the target and of the drafter's model (decoder blocks, LM
+head, an EAGLE head's fc and reduce) becomes blocks of 32 input columns ``w = d * u + m`` (d, m float16 per block and output
 column):
 
 - a GGUF tensor stored in Q4_0 / Q4_1 / Q8_0 keeps the file's blocks exactly: Q4_1 ``d q + m``
