@@ -11,6 +11,11 @@ exit code 1 if any prompt differs. No timing: scripts/bench_formats.py measures 
 
     python scripts/exact_formats.py --formats bfloat16,int8,int4,gguf-native --prompts 10 \\
         --max-new-tokens 128 --threads 1
+
+``--plan PATH`` (repeatable) checks compiled plans instead, on the packages ``yggtree run --plan``
+runs: the plan's plain decoding (``--no-speculate``: no drafter) against its speculative decoding
+with every (D, W_d, W_v) of the plan in turn, one per step (:class:`EveryTree`), so every whole
+verify step and drafter-call package of the plan is exercised.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--kv-cache", default=None, choices=("float16", "bfloat16"),
                    help="the target's KV cache for the float32-activation formats (default: float32)")
+    p.add_argument("--plan", action="append", metavar="PATH",
+                   help="check this compiled plan's packages instead of --formats (repeatable)")
     p.add_argument("--out", metavar="FILE", help="also write the JSON record here")
     return p.parse_args(argv)
 
@@ -44,6 +51,57 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class EveryTree:
+    """A step policy taking the plan's trees (D, W_d, W_v) in turn, one per step (made lazily: the
+    policy base class needs torch)."""
+
+    @staticmethod
+    def of(plan):
+        from yggtree.runtime.policy import StepChoice, StepPolicy
+
+        class _EveryTree(StepPolicy):
+            def __init__(self) -> None:
+                self.trees = [(d, wd, wv) for d in range(1, plan.d_max + 1) for wd in plan.draft_widths
+                              for wv in plan.verify_widths if wv <= 1 + d * wd]
+                self.i, self.used = 0, set()
+
+            def choose_draft(self, h_root, committed):
+                d, wd, _ = self.trees[self.i % len(self.trees)]
+                return StepChoice(d, wd)
+
+            def choose_verify(self, tree, choice, committed):
+                wv = self.trees[self.i % len(self.trees)][2]
+                self.used.add(self.trees[self.i % len(self.trees)])
+                self.i += 1
+                return wv
+
+        return _EveryTree()
+
+
+def run_plans(args, prompts, sp) -> dict:
+    """Speculative = plain decoding on each compiled plan's packages (see the module docs)."""
+    from yggtree.bench import plan_runner
+
+    out = {}
+    for path in args.plan:
+        plan, _, make = plan_runner(path)
+        spec_engine, _, _ = make()
+        policy = EveryTree.of(plan)
+        spec = [spec_engine.generate(ids, sp, policy=policy).token_ids for _, ids in prompts]
+        del spec_engine
+        plain_engine, _, _ = make(False)
+        plain = [plain_engine.generate(ids, sp).token_ids for _, ids in prompts]
+        del plain_engine
+        diffs = {pid: first_difference(p, s) for (pid, _), p, s in zip(prompts, plain, spec)}
+        same = sum(d is None for d in diffs.values())
+        out[plan.name] = {"identical": same, "compared": len(prompts), "trees": len(policy.trees),
+                          "trees_used": len(policy.used), "differ_at": {k: v for k, v in diffs.items() if v is not None}}
+        print(f"plan {plan.name}: speculative ({len(policy.used)}/{len(policy.trees)} trees of the plan, in turn) "
+              f"= plain on {same}/{len(prompts)} prompts"
+              + "".join(f"; {k} differs at token {v}" for k, v in diffs.items() if v is not None), flush=True)
+    return out
 
 
 def run(args) -> int:
@@ -65,7 +123,10 @@ def run(args) -> int:
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     record = {"spec_tree": args.spec_tree, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "torch": torch.__version__, "kv_cache": args.kv_cache, "formats": {}}
-    for fmt in args.formats.split(","):
+    if args.plan:
+        record["plans"] = run_plans(args, prompts, sp)
+        del record["spec_tree"], record["kv_cache"], record["formats"]
+    for fmt in args.formats.split(",") if not args.plan else ():
         dtype = fmt if fmt in ("float32", "bfloat16") else args.quant_dtype
         weights = None if fmt in ("float32", "bfloat16") else fmt
         # packed float products (a quantized model's too: what stays float): one padding for
@@ -93,7 +154,8 @@ def run(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(line + "\n")
-    return 0 if all(r["identical"] == r["compared"] for r in record["formats"].values()) else 1
+    checked = record["plans"] if args.plan else record["formats"]
+    return 0 if all(r["identical"] == r["compared"] for r in checked.values()) else 1
 
 
 def main(argv=None) -> int:

@@ -188,3 +188,28 @@ def test_bruteforce_is_itself_sane() -> None:
         for c in itertools.combinations(range(1, 4), r)
     )
     assert prune_bruteforce(parent, value, 3) == want == 3.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 12), st.integers(0, 4), st.integers(0, 2**31 - 1), st.integers(1, 16),
+    st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]) | st.floats(0, 1, width=32), min_size=12, max_size=12),
+    st.booleans(),
+)
+def test_host_prune_equals_the_device_path(n_valid, n_pad, seed, w_v, factors, by_logp) -> None:
+    """prune_lists gives prune_topk's kept nodes, subtree's tree and ancestor_mask's mask,
+    exactly (ties among equal values included: factors 1.0 and 0.0 make many), by the tree's own
+    path log-probabilities as the engine prunes and by other monotone values."""
+    from yggtree.runtime.prune import prune_lists
+
+    tree, _, _, vals = monotone_tree(seed, n_valid, n_pad, factors)
+    value = tree.logp if by_logp else vals
+    max_depth = max(int(tree.depth.max()), 1)
+    kept, ok = prune_topk(tree, value, w_v)
+    sub = subtree(tree, kept, ok)
+    anc = ancestor_mask(sub.parent, sub.depth, sub.valid, max_depth)
+    h_kept, h_ok, h_sub, h_anc = prune_lists(tree, value, w_v, max_depth)
+    assert torch.equal(h_kept, kept) and torch.equal(h_ok, ok) and torch.equal(h_anc, anc)
+    for f in ("token", "parent", "depth", "valid", "logp"):
+        a, b = getattr(h_sub, f), getattr(sub, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f

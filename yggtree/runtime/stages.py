@@ -41,7 +41,7 @@ from .lookup import LookupIndex, Proposal, propose
 from .merge import SOURCE_DRAFTER, SOURCE_LOOKUP, SOURCE_NAMES, merge_lookup, root_tree
 from .overlap import Speculation, draft_tree, fits, guess_path, speculate
 from .policy import StepChoice, StepPolicy
-from .prune import prune_topk, subtree
+from .prune import prune_lists, prune_topk, subtree
 from .tree import Tree, ancestor_mask, check_invariants
 
 
@@ -203,9 +203,12 @@ def prune(eng, req: Request, st: Step) -> None:
     check = eng.cfg.mode == "reference"
     if check:
         check_invariants(st.tree)
-    st.kept, st.kept_valid = prune_topk(st.tree, st.tree.logp, st.wv)
-    st.vtree = subtree(st.tree, st.kept, st.kept_valid)
-    st.anc = ancestor_mask(st.vtree.parent, st.vtree.depth, st.vtree.valid, st.dw)
+    if st.tree.token.device.type == "cpu":  # the same, as lists: fewer microseconds on a CPU
+        st.kept, st.kept_valid, st.vtree, st.anc = prune_lists(st.tree, st.tree.logp, st.wv, st.dw)
+    else:
+        st.kept, st.kept_valid = prune_topk(st.tree, st.tree.logp, st.wv)
+        st.vtree = subtree(st.tree, st.kept, st.kept_valid)
+        st.anc = ancestor_mask(st.vtree.parent, st.vtree.depth, st.vtree.valid, st.dw)
     if check:
         check_invariants(st.vtree)
 
