@@ -335,7 +335,7 @@ def head_call(
     net: EagleNet,
     root: torch.Tensor,  # [] int64 the root token t_L
     committed: torch.Tensor,  # [] int64 L
-    pend_tok: torch.Tensor,  # [D+1] int64 the pending tokens t_{L-a+1..L-1} (first a rows)
+    pend_tok: torch.Tensor,  # [D+1] int64 the pending tokens t_{L-a..L-1} (first a rows)
     pend_feat: torch.Tensor,  # [D+1, H] the pending true features f_{L-a-1..L-1}
     pend_n: torch.Tensor,  # [] int64 a, the tokens accepted at the last step
     node_feat: torch.Tensor,  # [N, H] per-node f̂ (row 0, the root's, is written)
