@@ -149,7 +149,8 @@ class FakeCallRunner:
     eagerly on the flat inputs, checking the width and tree size it was 'compiled' for."""
 
     def __init__(self, net, kind, w, k, nodes) -> None:
-        self.fn, self.kind, self.w, self.nodes, self.calls = _DrafterCallFn(net, kind, k), kind, w, nodes, 0
+        self.fn = _DrafterCallFn(net, EagleDrafter.call_fns[kind], kind, k)
+        self.kind, self.w, self.nodes, self.calls = kind, w, nodes, 0
 
     def run(self, args):
         n = DRAFTER_CALLS[self.kind]

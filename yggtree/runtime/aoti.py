@@ -420,28 +420,26 @@ def _drafter_state(net: nn.Module) -> list[torch.Tensor]:
 
 
 class _DrafterCall(nn.Module):
-    """One drafter call (``kind``: head or draft) with its top-k, as a module call."""
+    """One drafter call (``kind``: head or draft; ``fn``: the drafter's function of it,
+    ``call_fns[kind]``) with its top-k, as a module call."""
 
-    def __init__(self, net: nn.Module, kind: str, k: int) -> None:
+    def __init__(self, net: nn.Module, fn, kind: str, k: int) -> None:
         super().__init__()
-        self.net, self.kind, self.k = net, kind, k
+        self.net, self.fn, self.kind, self.k = net, fn, kind, k
 
     def forward(self, *args):  # activations, node_feat[, embed]
-        from .eagle import head_call, step_call
-
         n = DRAFTER_CALLS[self.kind]
         embed = args[n + 1] if len(args) > n + 1 else None
-        fn = head_call if self.kind == "head" else step_call
-        return fn(self.net, *args[:n], args[n], self.k, embed)
+        return self.fn(self.net, *args[:n], args[n], self.k, embed)
 
 
 class _DrafterCallFn(nn.Module):
     """A drafter call as a function of its activations, node_feat, the shared embedding, the
     layers' caches and the head's weights (what a drafter-call package exports)."""
 
-    def __init__(self, net: nn.Module, kind: str, k: int) -> None:
+    def __init__(self, net: nn.Module, fn, kind: str, k: int) -> None:
         super().__init__()
-        self.call = _DrafterCall(net, kind, k)
+        self.call = _DrafterCall(net, fn, kind, k)
         self.names = [n for n, _ in model_tensors(net)]
         self.n_in = DRAFTER_CALLS[kind] + 1 + int(net.cfg.shares_embedding)  # activations, node_feat, embed
         self.n_layers = len(net.layers)
@@ -472,7 +470,8 @@ def compile_drafter_call_package(drafter, kind: str, width: int, k: int, nodes: 
     embed = [net.embed_weight.detach()] if net.cfg.shares_embedding else []
     args = (*acts, drafter.node_feat[:nodes].clone(), *embed, *(b.self_attn.cache.kv.clone() for b in net.layers),
             *(t.detach() for _, t in model_tensors(net)))
-    return _export_and_package(_DrafterCallFn(net, kind, k), args, package_config(net.layers[0]), path)
+    fn = _DrafterCallFn(net, drafter.call_fns[kind], kind, k)
+    return _export_and_package(fn, args, package_config(net.layers[0]), path)
 
 
 class DrafterCalls:

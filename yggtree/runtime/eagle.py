@@ -399,6 +399,8 @@ class EagleDrafter:
     """
 
     feeds_leaves = False  # commit rewrites accepted slots from the target's true features
+    # each call as a function of tensors, which yggtree compile packages (runtime/aoti.py)
+    call_fns = {"head": head_call, "draft": step_call}
 
     def __init__(self, net: EagleNet, target: Transformer, mode: str, max_depth: int = 8) -> None:
         if max_depth < 1:
