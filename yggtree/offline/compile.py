@@ -292,6 +292,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
                 "role": f"{scope} (whole call)",
                 "key": key[0],
                 "scope": scope,
+                "top_k": plan.top_k,  # the call's constants, which its engine installs it with
+                "nodes": plan.max_tree,
                 "width": w,
                 "context": c,
                 "file": package_name(key[0], w, c, scope),

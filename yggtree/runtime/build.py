@@ -429,6 +429,7 @@ def _package_installer(art: Path):
     entries = sorted({(g["key"], g["width"], g["context"], g.get("scope", "block")) for g in manifest["graphs"]})
     # the target's whole-step packages (one capture per compile: the plan's drafter's layers)
     step_capture = next((tuple(g["capture"]) for g in manifest["graphs"] if g.get("scope") == "step"), None)
+    call = next((g for g in manifest["graphs"] if g.get("scope") in DRAFTER_CALLS), None)  # drafter calls
     plan = manifest.get("plan") or {}
     sums = {g["file"]: g.get("sha256") for g in manifest["graphs"]}
     if plan.get("weights") == "w4a8":  # its packages call yggtree::w4a8_mm
@@ -460,8 +461,7 @@ def _package_installer(art: Path):
             install_step_packages(target, packages, step_capture)
         if drafter is not None:
             install_packages(drafter.graphs.model, packages)
-            if any(g.get("scope") in DRAFTER_CALLS for g in manifest["graphs"]):  # an EAGLE head's whole calls
-                d_max, widths = plan["d_max"], plan["draft_widths"]
-                install_drafter_calls(drafter, packages, plan["top_k"], 1 + d_max * max(widths))
+            if call is not None:  # an EAGLE head's whole calls, with the constants they were compiled for
+                install_drafter_calls(drafter, packages, call["top_k"], call["nodes"])
 
     return prepare
