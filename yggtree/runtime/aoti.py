@@ -19,10 +19,10 @@ Activation inputs are made contiguous at the call (a no-op for the target, whose
 are), because a package assumes the strides it was compiled for.
 
 Step packages. Per-block packages keep compile time that of one block, but a decode step then
-enters 30 packages and runs the glue (embedding, RoPE rows, mask, final norm, head) as eager ops:
-~0.7 ms of a 4.9 ms w4a8 step on a 2-core CPU, ~1.5 ms of a W_v = 4 verify step in a slow hour
-(docs/results.md). So the target's tree steps (``Plan.step_widths``: the plain step and every
-W_v of a speculative plan) are also compiled whole, once per context bucket: :func:`steps.tree_step`
+enters 30 packages and runs the glue (embedding, RoPE rows, mask, final norm, head) as eager ops,
+a measured share of a step (docs/results.md). So the target's tree steps (``Plan.step_widths``:
+the plain step and every W_v of a speculative plan) are also compiled whole, once per context
+bucket: :func:`steps.tree_step`
 up to the final norm with every layer inlined (one package per (model, W, C),
 ``step-<key>-w<W>-c<C>.pt2``)
 

@@ -437,9 +437,9 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
                            f"{w.shape[1]} of {name} (choose a group size dividing it)")
         return Int4Linear([quantize_int4(w, group)], bias, dtype, kernel)
 
-    # w4a8 takes every linear of a model (an EAGLE head's fc and reduce: 6.6 MB of float32 read
-    # every drafted step, cold after each verify, as 1.9 MB of blocks); the others, the blocks'
-    # and the LM head (input widths a group size may not divide stay float there)
+    # w4a8 takes every linear of a model (an EAGLE head's fc and reduce, read every drafted step
+    # and cold after each verify, as a quarter of the bytes); the others, the blocks' and the LM
+    # head (input widths a group size may not divide stay float there)
     n = _replace_linears(model, make, None if fmt == "w4a8" else ("lm_head",))
     if fmt == "w4a8" or kernel == "tiled":  # products on our library: its row-by-row attention too
         from .kernels import use_rows_attention
