@@ -617,3 +617,44 @@ def test_probes_cost_at_most_their_share_of_the_plain_steps_before_them():
     pol.start_request()  # a new request: the gap starts again, the probe's measured cost stays
     assert pol._probe_after() == 32  # 8 / 0.25 plain steps
     assert pol.fresh()._probe_cost is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
+    """``_surely_plain`` (a plain step's choice from the cached best tree rate) makes the same
+    choices as pricing every tree each step, over random steps whose measured times and
+    acceptance move the feedback both ways (machine slower and faster, widths drifting, trees
+    accepting more or less than expected, new requests), across context buckets."""
+    import random
+
+    from yggtree.runtime.feedback import Feedback
+
+    def aal(wd, d, wv):
+        return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.45
+
+    def make():
+        cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
+        return ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
+                               feedback=Feedback(alpha=0.3, accept_alpha=0.3), probe_every=3, probe_max=12)
+
+    fast, full = make(), make()
+    monkeypatch.setattr(full, "_surely_plain", lambda ctx: False, raising=False)
+    rng = random.Random(seed)
+    tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
+    kinds = set()
+    for step in range(400):
+        ctx = rng.choice((60, 100, 300, 700))
+        if rng.random() < 0.02:
+            fast.start_request(), full.start_request()
+        a, b = fast.choose_draft(torch.zeros(8), ctx), full.choose_draft(torch.zeros(8), ctx)
+        assert a == b, step
+        kinds.add(a.draft_depth > 0)
+        slow = rng.choice((0.6, 1.0, 1.7))
+        if a.draft_depth:
+            assert fast.choose_verify(tree, a, ctx) == full.choose_verify(tree, a, ctx)
+            rec = _record(a, rng.randrange(5), slow * rng.uniform(20.0, 60.0), slow * 25.0)
+        else:
+            rec = _record(a, 0, slow * fast.cost.plain_ms(ctx))
+        fast.observe(rec), full.observe(rec)
+    assert kinds == {False, True}  # both kinds of step were chosen
+    assert fast._best_rate  # and plain steps took the shortcut

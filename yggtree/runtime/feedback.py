@@ -60,10 +60,12 @@ class Feedback:
     _width: dict = field(default_factory=dict)  # W -> relative factor of width-W target calls
     _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
     _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
+    state: int = 0  # counts the changes of everything but ``machine`` and the plain width's factor
 
     def start_request(self) -> None:
         """A new request begins: its own acceptance starts at the all-requests estimate."""
         self._request = {}
+        self.state += 1
 
     def width_factor(self, w: int) -> float:
         return self._width.get(int(w), 1.0)
@@ -134,6 +136,7 @@ class Feedback:
             self._width[int(w)] = toward(self.width_factor(w), v_ms / (self.machine * v_pred), self.slow_alpha)
         if plain:
             return
+        self.state += 1
         rest, rest_pred = step_ms - (v_ms or 0.0), pred.step_ms - v_pred
         if rest_pred > 0:
             self.spec_extra = toward(self.spec_extra, rest / (self.machine * rest_pred), self.alpha)

@@ -104,6 +104,7 @@ class ObjectivePolicy(StepPolicy):
     _scale: np.ndarray | None = None  # [d_max] the predictor's AAL factors of the step under way
     _lookup: tuple[float, ...] = ()  # path values of this step's lookup candidates, best first
     _lk_grid: dict = field(default_factory=dict)  # bucket index -> {W_v: (lookup-only step ms, verify ms)}
+    _best_rate: dict = field(default_factory=dict)  # bucket index -> (feedback state, best tree's AAL / step ms)
 
     def _choices(self, ctx: int):
         """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
@@ -134,6 +135,29 @@ class ObjectivePolicy(StepPolicy):
     def _online_step(self, step_ms, verify_ms, wv):
         return self.feedback.step_ms(step_ms, verify_ms, wv) if self.feedback else step_ms
 
+    def _surely_plain(self, ctx: int) -> bool:
+        """True when no tree beats a plain step at ``ctx`` by a margin, known without pricing
+        every tree again. Between drafted steps the feedback moves only its machine factor, which
+        scales plain and tree steps alike, and the plain width's factor; so the best tree's
+        corrected AAL over its corrected step time (the machine factor taken out) is kept per
+        context bucket and feedback state, and a plain step's choice is one multiplication. A
+        policy that fell back to plain steps makes this choice every step, after a verify has
+        pushed its code and arrays out of the caches. Near-ties are left to :meth:`plan_choice`."""
+        key = self.cost.verify.bucket(ctx + max(self.verify_widths))
+        fb = self.feedback
+        state = fb.state if fb else 0
+        hit = self._best_rate.get(key)
+        rows, depth, aal, ms, vms, wvs, plain, _ = self._choices(ctx)
+        if hit is None or hit[0] != state:
+            if not len(rows):
+                return False
+            a = fb.aal(aal, depth) if fb else aal
+            t = self._online_step(ms, vms, wvs) / (fb.machine if fb else 1.0)
+            rate = a / t
+            hit = (state, float(np.max(np.where(np.isnan(rate), -np.inf, rate))))
+            self._best_rate[key] = hit
+        return hit[1] * (fb.width_factor(1) if fb else 1.0) * plain < 1.0 - 1e-6
+
     def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None,
                     scale: np.ndarray | None = None, extra_ms: float = 0.0) -> tuple[StepChoice, float]:
         """The best (D, W_d) before drafting at context ``ctx`` and its expected speed-up
@@ -142,6 +166,8 @@ class ObjectivePolicy(StepPolicy):
         added to plain and tree steps alike; first of equals wins, deeper and wider choices
         after)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
+        if allow and d is None and scale is None and not extra_ms and not self._lookup and self._surely_plain(ctx):
+            return StepChoice(0, self.draft_widths[0]), 1.0
         rows, depth, aal, ms, vms, wvs, plain, _ = self._choices(ctx)
         fb = self.feedback
         if scale is not None:
@@ -281,7 +307,7 @@ class ObjectivePolicy(StepPolicy):
         fb = (Feedback(f.alpha, f.clip, f.accept_alpha, f.slow_alpha, f.prior_tokens,
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
-        return replace(self, log=[], _grid={}, _lk_grid={}, _plain_run=0, _probe_gap=0, _probing=False,
+        return replace(self, log=[], _grid={}, _lk_grid={}, _best_rate={}, _plain_run=0, _probe_gap=0, _probing=False,
                        _probe_cost=None,
                        _pending=None, _scale=None, _lookup=(), **changes)
 
