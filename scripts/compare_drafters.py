@@ -4,14 +4,16 @@ trained on, without running the decoding loop.
     OMP_NUM_THREADS=1 python scripts/compare_drafters.py --drafter default \\
         --drafter /path/to/run_a --drafter /path/to/run_b --first 4000 --prompts 80
 
-The target (float32, as at run time) answers ``--prompts`` calibration chat prompts greedily,
+The target (float32, or ``--weights FORMAT`` as a plan in that format runs it) answers ``--prompts`` calibration chat prompts greedily,
 from corpus chunk ``--first`` on (half of them in the "basic" request style, half "varied"; the
 shipped drafter and ``yggtree distill``'s defaults use chunks below 1000), capturing the features
 of every layer any of the drafters reads. Each drafter's acceptance by depth is then computed as
 ``yggtree distill`` validates: a chain accepts ``>= d`` tokens at a root inside a greedy answer
 when the head's top-1 at draft depths ``0..d-1`` (its own predicted features fed back, exactly
 the runtime's chain: tests/test_distill.py) equals the target's argmax every time. Chain-4 AAL
-is ``1 + sum(P(>= d), d = 1..4)``.
+is ``1 + sum(P(>= d), d = 1..4)``, over every root; "walked" is the tokens per verify step of the
+chain of 4 / the top-4 tree of depth ``--depth`` as the engine walks the answers (a root after
+each verify), what a decoding run measures.
 
 This is for choosing between drafters; the evaluation prompts (MT-Bench, HumanEval) are not used
 here, only by scripts/eval_drafter.py to report the chosen one. Output: a table on stdout and
@@ -76,11 +78,19 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     src = resolve_model(args.model)
     target = load_model(src, "float32")
+    ref = target  # float weights of the target's LM head (a quantized target's dequantized blocks)
+    if args.weights:
+        import copy
+
+        from yggtree.runtime.build import quantize_models
+
+        target = copy.deepcopy(ref)
+        quantize_models(target, None, args.weights, src)
     tok = load_tokenizer(src)
     tc = target.cfg
     heads: dict[str, EagleDrafter] = {}
     for name in args.drafter:
-        d = load_drafter(EngineSpec(model=args.model, drafter=name, mode="reference"), target, tok)
+        d = load_drafter(EngineSpec(model=args.model, drafter=name, mode="reference"), ref, tok)
         if not isinstance(d, EagleDrafter):
             raise YggError(f"--drafter {name}: not an EAGLE head")
         heads[name] = d
@@ -108,21 +118,24 @@ def main(args) -> int:
         view = DD.TeacherData(data.tokens, data.feats[:, cols], data.offsets, data.role)
         net = d.net.float()
         vmap = net.draft_vocab
-        th = DL.TargetHead(norm_weight=target.norm.weight.float(), eps=tc.rms_norm_eps,
-                          w_draft=target.lm_head.weight[vmap].float(), w_full=target.lm_head.weight.float())
+        th = DL.TargetHead(norm_weight=ref.norm.weight.float(), eps=tc.rms_norm_eps,
+                          w_draft=ref.lm_head.weight[vmap].float(), w_full=ref.lm_head.weight.float())
         rope = rope_table(net.cfg.layer_config(), args.max_seq_len + 8)
         scale = DL.feature_dim_std(lay.last_layer(view.feats))
         ev = DE.evaluate(net, th, view, list(range(view.n_seq)), cfg, scale, rope, lay)
         rows.append({"drafter": name, "target_layers": list(lay.inputs),
                      "accept_by_depth": ev["accept_by_depth"], "top8_at_depth": ev["top8_at_depth"],
-                     "chain4_aal": ev["est_chain4_aal"], "tree4_aal": ev["est_tree4_aal"], "roots": ev["chain_roots"],
+                     "chain4_aal": ev["est_chain4_aal"], "tree4_aal": ev["est_tree4_aal"],
+                     "walk_chain4_aal": ev["walk_chain4_aal"], "walk_tree4_aal": ev["walk_tree4_aal"], "roots": ev["chain_roots"],
                      "top1": ev["val_top1_by_step"][0], "kl": ev["val_kl"]})
     print(f"{where}, {int(data.tokens.shape[0])} tokens, features in {gen_s:.0f} s")
-    print(f"{'drafter':<40} {'top1':>6} {'chain-4 AAL':>12} {'tree-4 AAL':>11}  P(accepted >= d), d = 1..{args.depth}")
+    print(f"{'drafter':<40} {'top1':>6} {'chain-4 AAL':>12} {'tree-4 AAL':>11} {'walked':>13}  "
+          f"P(accepted >= d), d = 1..{args.depth}")
     for r in rows:
         acc = " ".join(f"{a:.3f}" for a in r["accept_by_depth"])
-        print(f"{r['drafter'][-40:]:<40} {r['top1']:6.3f} {r['chain4_aal']:12.3f} {r['tree4_aal']:11.3f}  {acc}")
-    print(json.dumps({"transcripts": args.transcripts, "first": args.first, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+        walked = f"{r['walk_chain4_aal']:.3f}/{r['walk_tree4_aal']:.3f}"
+        print(f"{r['drafter'][-40:]:<40} {r['top1']:6.3f} {r['chain4_aal']:12.3f} {r['tree4_aal']:11.3f} {walked:>13}  {acc}")
+    print(json.dumps({"weights": args.weights or "float32", "transcripts": args.transcripts, "first": args.first, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                       "n_tokens": int(data.tokens.shape[0]), "rows": rows}))
     return 0
 
@@ -141,6 +154,9 @@ def parse(argv=None):
     p.add_argument("--gen-batch", type=int, default=16)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--weights", default=None,
+                   help="the target's weight format (a plan's `weights`, e.g. w4a8): its answers and "
+                        "features, as a plan in that format runs; default float32")
     return p.parse_args(argv)
 
 
