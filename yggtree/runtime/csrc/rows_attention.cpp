@@ -87,10 +87,13 @@ struct Scratch {
 // compile time so the queries and the weighted sums' accumulators stay in registers. Each head's
 // arithmetic is what it would be alone, in the same order (the heads only share the loads of K
 // and V rows and fill each other's latency), so the grouping changes no bit.
+constexpr int64_t PF_SLOTS = 8;  // K and V rows fetched this many slots ahead
+
 template <typename E, typename K, int ND, int NG>
 void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, int64_t vs1, const bool* hm,
                 int64_t C, const int64_t* win, int64_t T, float scale, E* o, int64_t os, Scratch& buf) {
   const int64_t cap = C + T;
+  constexpr int64_t D_BYTES = ND * 16 * sizeof(K);
   float* sc = buf.sc.data();  // [NG, C + T] scores, then probabilities
   int64_t* slot = buf.slot.data();
   __m512 qv[NG][ND];
@@ -107,9 +110,16 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     }
     for (int g = 0; g < NG; ++g) sc[g * cap + j] = _mm512_reduce_add_ps(acc[g]) * scale;
   };
+  // K and V rows are read one after another at the cache's slot stride; the next rows are fetched
+  // ahead (PF_SLOTS slots, every line of a row) so that memory latency overlaps the arithmetic
+  auto fetch = [&](const K* row) {
+    for (int64_t c = 0; c < D_BYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
+  };
   int64_t n = 0;
-  for (int64_t s = 0; s < C; ++s)
+  for (int64_t s = 0; s < C; ++s) {
+    if (s + PF_SLOTS < C) fetch(kb + (s + PF_SLOTS) * ks1);
     if (hm[s]) slot[n] = s, score(s, n++);
+  }
   const int64_t n1 = n;
   for (int64_t t = 0; t < T; ++t)
     if (win[t] >= 0) slot[n] = win[t], score(win[t], n++);
@@ -144,7 +154,10 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
       for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * cap + jj]), vc, a[g][c]);
     }
   };
-  for (int64_t jj = 0; jj < n1; ++jj) weigh(a1, jj);
+  for (int64_t jj = 0; jj < n1; ++jj) {
+    if (jj + PF_SLOTS < n1) fetch(vb + slot[jj + PF_SLOTS] * vs1);
+    weigh(a1, jj);
+  }
   for (int64_t jj = n1; jj < n; ++jj) weigh(a2, jj);
   for (int g = 0; g < NG; ++g) {
     const __m512 tv = _mm512_set1_ps(total[g]);
@@ -184,11 +197,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   static constexpr auto fns = all_fns<E, K>(std::make_integer_sequence<int, MAX_CHUNKS>{});
   const auto& by_group = fns[D / 16 - 1];
+  // Work items in (batch, KV head, row, query head of the group) order: a thread's share holds
+  // whole KV heads where it can, so each reads its KV heads' K and V rows once from memory and
+  // then from its cache for the other rows (in (row, head) order a W-row call had every thread
+  // stream every KV head). Which thread computes a (row, head) changes no bit of it.
   at::parallel_for(0, B * W * H, 1, [&](int64_t i0, int64_t i1) {
     static thread_local Scratch buf;
     if (static_cast<int64_t>(buf.slot.size()) < C + T) buf.sc.resize(MAX_GROUP * (C + T)), buf.slot.resize(C + T);
     for (int64_t i = i0; i < i1;) {  // this thread's heads, in runs that share a KV head
-      const int64_t b = i / (W * H), r = (i / H) % W, h = i % H, g = h / G;
+      const int64_t b = i / (W * H), g = (i / (W * G)) % Hkv, r = (i / G) % W, h = g * G + i % G;
       const int64_t ng = std::min<int64_t>({i1 - i, (g + 1) * G - h, MAX_GROUP});
       by_group[ng - 1](qp + ((b * W + r) * H + h) * D, D, kp + b * ks0 + g * ks2, vp + b * vs0 + g * vs2, ks1, vs1,
                        hp + (b * W + r) * C, C, wp + (b * W + r) * T, T, scale, op + (b * W + r) * H * D + h * D, D, buf);
