@@ -126,6 +126,27 @@ def test_aal_by_width_is_one_plus_top_values_by_key(t):
         assert a == pytest.approx(float(val[kept[ok]].sum()), rel=1e-5)
 
 
+@settings(max_examples=80, deadline=None)
+@given(trees, st.integers(1, 9), st.lists(st.booleans(), min_size=9, max_size=9), st.booleans())
+def test_host_aal_by_width_is_the_tensor_one(t, d_max, dead, tie):
+    """``aal_by_width_lists`` (the policy's host path on a CPU) equals ``aal_by_width`` of
+    ``path_values`` up to float32 rounding: any depth bound, invalid leaves (padding slots), and
+    equal log-probabilities (the tie-breaks by depth, then slot)."""
+    from yggtree.runtime.calibration import aal_by_width_lists
+
+    n, qs, parent, tree = drawn_tree(t)
+    leaf = [i > 0 and i not in parent for i in range(n)]
+    valid = torch.tensor([not (leaf[i] and dead[i]) for i in range(n)])
+    logp = torch.where(valid, tree.logp, float("-inf"))
+    if tie:
+        logp = torch.where(valid & (torch.arange(n) > 0), logp.round(decimals=1), logp)
+    tree = Tree(tree.token, tree.parent, tree.depth, valid, logp)
+    widths = [1, 2, 3, 5, 8, 16]
+    want = aal_by_width(path_values(tree, CAL.edge_prob, d_max), tree, widths)
+    got = aal_by_width_lists(tree, CAL, d_max, widths)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
 def test_best_verify_is_the_argmax():
     widths = [1, 4, 8, 16]
     aal = [1.0, 1.8, 2.1, 2.2]

@@ -11,6 +11,8 @@ scikit-learn.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,7 +24,7 @@ from ..errors import YggError
 from .artifacts import CALIBRATION_KIND, first_difference, pair_identity, read_artifact
 from .tree import Tree
 
-__all__ = ["Calibration", "path_values", "aal_by_width"]
+__all__ = ["Calibration", "path_values", "aal_by_width", "aal_by_width_lists"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,17 @@ class Calibration:
             return torch.full_like(qc, self.ys[0])
         x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
         t = torch.where(x1 > x0, (qc - x0) / (x1 - x0).clamp_min(1e-12), torch.zeros_like(qc))
+        return y0 + t * (y1 - y0)
+
+    def edge_prob_at(self, q: float) -> float:
+        """:meth:`edge_prob` of one probability, on the host (float arithmetic)."""
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0]
+        qc = min(max(q, xs[0]), xs[-1])
+        i = min(max(bisect.bisect_left(xs, qc), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        t = (qc - x0) / max(x1 - x0, 1e-12) if x1 > x0 else 0.0
         return y0 + t * (y1 - y0)
 
     def drafter_logq(self, p: float) -> float:
@@ -125,3 +138,31 @@ def aal_by_width(values: torch.Tensor, tree: Tree, widths: list[int]) -> list[fl
     order = order[torch.sort(tree.valid[order].to(torch.uint8), descending=True, stable=True).indices]
     csum = torch.cumsum(torch.where(tree.valid, values, 0.0)[order], 0)  # csum[i]: first i+1 kept
     return [float(csum[min(w, n) - 1]) for w in widths]
+
+
+def aal_by_width_lists(tree: Tree, calib: Calibration, d_max: int, widths: list[int]) -> list[float]:
+    """:func:`aal_by_width` of :func:`path_values` (with ``calib.edge_prob``) on the host: the tree
+    read once into lists, the same edges, ancestors (``d_max`` of them at most), keys and
+    tie-breaks in Python floats (so equal up to float32 rounding). On a CPU a drafted tree's
+    ~40 small tensor ops cost more than these few hundred float operations, most of all after a
+    verify has flushed the caches."""
+    parent, depth, valid = (t.tolist() for t in (tree.parent, tree.depth, tree.valid))
+    lp = tree.logp.tolist()
+    n = len(parent)
+    lp0 = [v if ok else 0.0 for v, ok in zip(lp, valid)]
+    edge = [1.0] + [calib.edge_prob_at(math.exp(min(lp0[i] - lp0[parent[i]], 0.0))) if valid[i] else 0.0
+                    for i in range(1, n)]
+    val = []
+    for i in range(n):
+        v, a = edge[i], parent[i]
+        for _ in range(d_max):  # one more ancestor's edge each pass, up to the root
+            if a == 0:
+                break
+            v, a = v * edge[a], parent[a]
+        val.append(v if valid[i] else 0.0)
+    order = sorted(range(n), key=lambda i: (not valid[i], -math.inf if i == 0 else -lp[i], depth[i]))
+    csum, total = [], 0.0
+    for i in order:
+        total += val[i]
+        csum.append(total)
+    return [csum[min(w, n) - 1] for w in widths]
