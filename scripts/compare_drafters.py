@@ -4,8 +4,8 @@ trained on, without running the decoding loop.
     OMP_NUM_THREADS=1 python scripts/compare_drafters.py --drafter default \\
         --drafter /path/to/run_a --drafter /path/to/run_b --first 4000 --prompts 80
 
-The target (float32, or ``--weights FORMAT`` as a plan in that format runs it) answers ``--prompts`` calibration chat prompts greedily,
-from corpus chunk ``--first`` on (half of them in the "basic" request style, half "varied"; the
+The target (float32, or ``--weights FORMAT`` as a plan in that format runs it) answers
+``--prompts`` calibration chat prompts greedily, from corpus chunk ``--first`` on (half of them in the "basic" request style, half "varied"; the
 shipped drafter and ``yggtree distill``'s defaults use chunks below 1000), capturing the features
 of every layer any of the drafters reads. Each drafter's acceptance by depth is then computed as
 ``yggtree distill`` validates: a chain accepts ``>= d`` tokens at a root inside a greedy answer
