@@ -5,15 +5,15 @@ trained on, without running the decoding loop.
         --drafter /path/to/run_a --drafter /path/to/run_b --first 4000 --prompts 80
 
 The target (float32, or ``--weights FORMAT`` as a plan in that format runs it) answers
-``--prompts`` calibration chat prompts greedily, from corpus chunk ``--first`` on (half of them
-in the "basic" request style, half "varied"; the shipped drafter and ``yggtree distill``'s
-defaults use chunks below 1000), capturing the features of every layer any of the drafters reads. Each drafter's acceptance by depth is then computed as
-``yggtree distill`` validates: a chain accepts ``>= d`` tokens at a root inside a greedy answer
-when the head's top-1 at draft depths ``0..d-1`` (its own predicted features fed back, exactly
-the runtime's chain: tests/test_distill.py) equals the target's argmax every time. Chain-4 AAL
-is ``1 + sum(P(>= d), d = 1..4)``, over every root; "walked" is the tokens per verify step of the
-chain of 4 / the top-4 tree of depth ``--depth`` as the engine walks the answers (a root after
-each verify), what a decoding run measures.
+``--prompts`` calibration chat prompts greedily, from corpus chunk ``--first`` on (half of them in
+the "basic" request style, half "varied"; the shipped drafter and ``yggtree distill``'s defaults
+use chunks below 1000), capturing the features of every layer any of the drafters reads. Each
+drafter's acceptance by depth is then computed as ``yggtree distill`` validates: a chain accepts
+``>= d`` tokens at a root inside a greedy answer when the head's top-1 at draft depths ``0..d-1``
+(its own predicted features fed back, exactly the runtime's chain: tests/test_distill.py) equals
+the target's argmax every time. Chain-4 AAL is ``1 + sum(P(>= d), d = 1..4)``, over every root;
+"walked" is the tokens per verify step of the chain of 4 / the top-4 tree of depth ``--depth`` as
+the engine walks the answers (a root after each verify), what a decoding run measures.
 
 This is for choosing between drafters; the evaluation prompts (MT-Bench, HumanEval) are not used
 here, only by scripts/eval_drafter.py to report the chosen one. Output: a table on stdout and
