@@ -87,7 +87,10 @@ struct Scratch {
 // compile time so the queries and the weighted sums' accumulators stay in registers. Each head's
 // arithmetic is what it would be alone, in the same order (the heads only share the loads of K
 // and V rows and fill each other's latency), so the grouping changes no bit.
-constexpr int64_t PF_SLOTS = 8;  // K and V rows fetched this many slots ahead
+#ifndef PF_SLOTS
+#define PF_SLOTS 8  // K and V rows fetched this many slots ahead: measured on one CPU only (8 against 0
+                    // and 32, docs/results.md); a build may set another (-DPF_SLOTS=N)
+#endif
 
 template <typename E, typename K, int ND, int NG>
 void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, int64_t vs1, const bool* hm,
