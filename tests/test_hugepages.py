@@ -59,7 +59,7 @@ def test_engine_on_moved_weights_decodes_the_same_tokens(mode):
 
 def test_kv_store_on_huge_pages_starts_zero():
     store = KVStore.zeros(3, 1, 2, 50, 8, torch.float32, "cpu")
-    assert store.kv.shape == (3, 2, 1, 50, 2, 8) and not store.kv.any()
+    assert store.kv.shape == (3, 2, 1, 2, 50, 8) and not store.kv.any()
     assert store.kv.data_ptr() % PAGE == 0 and store.caches[2].kv.data_ptr() == store.kv[2].data_ptr()
 
 

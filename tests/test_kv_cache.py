@@ -15,8 +15,8 @@ def per_layer_move(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> to
     for layer in range(kv.shape[0]):
         for j in range(2):
             for b in range(kv.shape[2]):
-                rows = out[layer, j, b, src[b]].clone()
-                out[layer, j, b, dst[b]] = rows
+                rows = out[layer, j, b, :, src[b]].clone()  # [H, K, D]
+                out[layer, j, b, :, dst[b]] = rows
     return out
 
 
@@ -39,7 +39,8 @@ def test_layers_read_and_write_the_store():
     store = KVStore.zeros(3, 1, 2, 8, 4, torch.float32, "cpu")
     k, v = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
     store.caches[1].write(torch.tensor([[5, 2]]), k, v)
-    assert torch.equal(store.kv[1, 0, :, [5, 2]], k) and torch.equal(store.kv[1, 1, :, [5, 2]], v)
+    assert torch.equal(store.kv[1, 0, :, :, [5, 2]], k.transpose(1, 2)) and torch.equal(store.kv[1, 1, :, :, [5, 2]], v.transpose(1, 2))
+    assert torch.equal(store.caches[1].k[:, [5, 2]], k) and torch.equal(store.caches[1].v[:, [5, 2]], v)
     assert store.kv[0].abs().sum() == 0 and store.kv[2].abs().sum() == 0
     store.move(torch.tensor([[5, 2]]), torch.tensor([[0, 1]]))
     assert torch.equal(store.caches[1].k[:, :2], k) and torch.equal(store.caches[1].v[:, :2], v)

@@ -67,9 +67,9 @@ def test_speculation_over_a_16_bit_cache_is_its_plain_decoding(kv, native):
     float_plain.generate(PROMPTS[1], SamplingParams(max_new_tokens=4))
     plain.generate(PROMPTS[1], SamplingParams(max_new_tokens=4))
     n = len(PROMPTS[1])  # the prompt's slots: written by the same prefill on both
-    torch.testing.assert_close(target.kv.kv[:1, :, :, :1], float_target.kv.kv[:1, :, :, :1].to(getattr(torch, kv)),
+    torch.testing.assert_close(target.kv.kv[:1, :, :, :, :1], float_target.kv.kv[:1, :, :, :, :1].to(getattr(torch, kv)),
                                rtol=0, atol=0)
-    assert not torch.equal(target.kv.kv[:, :, :, :n].float(), float_target.kv.kv[:, :, :, :n])
+    assert not torch.equal(target.kv.kv[:, :, :, :, :n].float(), float_target.kv.kv[:, :, :, :, :n])
 
 
 @pytest.mark.slow

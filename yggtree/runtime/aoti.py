@@ -6,7 +6,7 @@ and a self-drafter's copy of it -- shares one package per shape: the package tak
 weights and KV cache as inputs and writes the cache in place (an exported input mutation).
 
     block inputs   x [1, W, H], cos [1, W, 1, D/2] f32, sin [1, W, 1, D/2] f32, slots [1, W] i64,
-                   mask [1, W, C] bool, then the cache kv [2, 1, S, Hkv, D] (mutated), then the
+                   mask [1, W, C] bool, then the cache kv [2, 1, Hkv, S, D] (mutated), then the
                    weights in ``named_parameters`` order, then the buffers (the oneDNN-packed
                    weights of a packed model, see :mod:`yggtree.runtime.packed`)
     block output   [1, W, H]
@@ -27,7 +27,7 @@ up to the final norm with every layer inlined (one package per (model, W, C),
 ``step-<key>-w<W>-c<C>.pt2``)
 
     step inputs    tokens [W] i64, depth [W] i64, node [W] i64, anc [W, W] bool, committed [] i64,
-                   then the 30 layers' caches kv [2, 1, S, Hkv, D] (mutated), then the model's
+                   then the 30 layers' caches kv [2, 1, Hkv, S, D] (mutated), then the model's
                    weights and buffers (:func:`model_tensors`)
     step outputs   x [1, W, H], the last layer's output before the final norm, then the captured
                    layers (each [W, H])

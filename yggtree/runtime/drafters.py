@@ -147,17 +147,17 @@ class Snapshot:
     """Copies of a drafter's state that a speculation may overwrite (:meth:`Drafter.snapshot`)."""
 
     lo: int  # first cache slot copied
-    rows: torch.Tensor  # [L, 2, B, hi - lo, H, D] the slots lo..hi-1 of every layer's keys and values
+    rows: torch.Tensor  # [L, 2, B, H, hi - lo, D] the slots lo..hi-1 of every layer's keys and values
     state: tuple[torch.Tensor, ...]  # copies of the drafter's per-step tensors (their own shapes)
 
 
 def take_snapshot(store, lo: int, hi: int, state: tuple[torch.Tensor, ...]) -> Snapshot:
     """Copies of slots lo..hi-1 of every layer of ``store`` (a KVStore) and of ``state``."""
-    return Snapshot(lo, store.kv[:, :, :, lo:hi].clone(), tuple(x.clone() for x in state))
+    return Snapshot(lo, store.kv[:, :, :, :, lo:hi].clone(), tuple(x.clone() for x in state))
 
 
 def put_back(store, snap: Snapshot, state: tuple[torch.Tensor, ...]) -> None:
-    store.kv[:, :, :, snap.lo : snap.lo + snap.rows.shape[3]].copy_(snap.rows)
+    store.kv[:, :, :, :, snap.lo : snap.lo + snap.rows.shape[4]].copy_(snap.rows)
     for x, y in zip(state, snap.state):
         x.copy_(y)
 

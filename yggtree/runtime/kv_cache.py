@@ -14,33 +14,36 @@ from torch import nn
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values for ``n_slots`` cache slots: one buffer ``kv`` [2, B, S, H, D]
+    """One layer's keys and values for ``n_slots`` cache slots: one buffer ``kv`` [2, B, H, S, D]
     (keys, then values).
 
-    Slot-major layout: a context bucket (the first C slots) is a contiguous prefix, so attention
-    reads it in place with strided matmuls and no copy. Slots are plain storage: which slot holds
+    Head-major layout: each KV head's keys (and values) are one contiguous run of slots, so
+    attention streams a head's context bucket (its first C slots) in one sequential read, in place
+    (``k`` and ``v`` are [B, S, H, D] views of it; the strided matmuls read them without a copy).
+    Slot-major storage (a slot's heads side by side) made the row-by-row kernel read every head
+    in strides: 1.2-1.8x slower one-row attention at 224-900 tokens (docs/results.md). Slots are plain storage: which slot holds
     which position is decided by the caller (the engine keeps the committed sequence in slots
     ``0..L-1`` and puts speculative tokens after it). Keys and values share one buffer so that a
     layer's cache is one graph input, whatever tensor it is a view of (a compiled region refuses
     two inputs that alias each other).
     """
 
-    def __init__(self, kv: torch.Tensor) -> None:  # [2, B, S, H, D], contiguous (a KVStore's view, or its own)
+    def __init__(self, kv: torch.Tensor) -> None:  # [2, B, H, S, D], contiguous (a KVStore's view, or its own)
         super().__init__()
         self.register_buffer("kv", kv, persistent=False)
 
     @classmethod
     def zeros(cls, batch: int, heads: int, n_slots: int, head_dim: int, dtype, device) -> "KVCache":
         """A cache of its own (one layer tested alone); models allocate theirs in a :class:`KVStore`."""
-        return cls(torch.zeros(2, batch, n_slots, heads, head_dim, dtype=dtype, device=device))
+        return cls(torch.zeros(2, batch, heads, n_slots, head_dim, dtype=dtype, device=device))
 
     @property
-    def k(self) -> torch.Tensor:  # [B, S, H, D]
-        return self.kv[0]
+    def k(self) -> torch.Tensor:  # [B, S, H, D] (a view: stride 1 along D, D along S)
+        return self.kv[0].transpose(1, 2)
 
     @property
-    def v(self) -> torch.Tensor:  # [B, S, H, D]
-        return self.kv[1]
+    def v(self) -> torch.Tensor:  # [B, S, H, D] (a view)
+        return self.kv[1].transpose(1, 2)
 
     def write(
         self,
@@ -53,10 +56,13 @@ class KVCache(nn.Module):
         One ``index_put_`` on the buffer itself (not ``scatter_``, not through a view) so inductor
         updates the cache in place instead of cloning it and copying it back every call. k and v
         are rounded to the cache's dtype (a 16-bit cache of a float32 model)."""
-        bi = torch.arange(k.shape[0], device=slots.device)[None, :, None]  # [1, B, 1]
-        kind = torch.arange(2, device=slots.device)[:, None, None]  # [2, 1, 1]
-        self.kv.index_put_((kind, bi, slots[None]), torch.stack([k, v]).to(self.kv.dtype))
-        return self.kv[0], self.kv[1]
+        dev = slots.device
+        kind = torch.arange(2, device=dev)[:, None, None, None]  # [2, 1, 1, 1]
+        bi = torch.arange(k.shape[0], device=dev)[None, :, None, None]  # [1, B, 1, 1]
+        hi = torch.arange(k.shape[2], device=dev)[None, None, :, None]  # [1, 1, H, 1]
+        vals = torch.stack([k, v]).transpose(2, 3)  # [2, B, H, W, D]
+        self.kv.index_put_((kind, bi, hi, slots[None, :, None, :]), vals.to(self.kv.dtype))
+        return self.k, self.v
 
     def reset(self) -> None:
         self.kv.zero_()
@@ -66,12 +72,12 @@ class KVCache(nn.Module):
 class KVStore:
     """Every layer's cache in one tensor; layer i's cache is the view ``kv[i]``."""
 
-    kv: torch.Tensor  # [L, 2, B, S, H, D]: layer, keys/values, batch, slot, kv head, head dim
-    caches: tuple[KVCache, ...]  # L caches; cache i's buffer is the view kv[i] [2, B, S, H, D]
+    kv: torch.Tensor  # [L, 2, B, H, S, D]: layer, keys/values, batch, kv head, slot, head dim
+    caches: tuple[KVCache, ...]  # L caches; cache i's buffer is the view kv[i] [2, B, H, S, D]
 
     @classmethod
     def zeros(cls, n_layers: int, batch: int, heads: int, n_slots: int, head_dim: int, dtype, device) -> "KVStore":
-        shape = (n_layers, 2, batch, n_slots, heads, head_dim)
+        shape = (n_layers, 2, batch, heads, n_slots, head_dim)
         if torch.device(device).type == "cpu":  # attention streams it: on 2 MiB pages (runtime/hugepages.py)
             from .hugepages import huge_zeros
 
@@ -91,7 +97,7 @@ class KVStore:
         """Copy slots ``src`` [B, K] to slots ``dst`` [B, K] in every layer (the gather is taken
         before the write, so overlapping slot sets are safe)."""
         bi = torch.arange(src.shape[0], device=src.device)[:, None]
-        self.kv[:, :, bi, dst] = self.kv[:, :, bi, src]  # [L, 2, B, K, H, D]
+        self.kv[:, :, bi, :, dst] = self.kv[:, :, bi, :, src]  # [B, K, L, 2, H, D]
 
     def keep_rows(self, idx: torch.Tensor) -> "KVStore":
         """A store of the batch rows ``idx`` [B'] only (a batch whose finished rows leave)."""
