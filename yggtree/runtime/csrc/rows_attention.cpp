@@ -87,16 +87,10 @@ struct Scratch {
 // compile time so the queries and the weighted sums' accumulators stay in registers. Each head's
 // arithmetic is what it would be alone, in the same order (the heads only share the loads of K
 // and V rows and fill each other's latency), so the grouping changes no bit.
-#ifndef PF_SLOTS
-#define PF_SLOTS 8  // K and V rows fetched this many slots ahead: measured on one CPU only (8 against 0
-                    // and 32, docs/results.md); a build may set another (-DPF_SLOTS=N)
-#endif
-
 template <typename E, typename K, int ND, int NG>
 void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, int64_t vs1, const bool* hm,
                 int64_t C, const int64_t* win, int64_t T, float scale, E* o, int64_t os, Scratch& buf) {
   const int64_t cap = C + T;
-  constexpr int64_t D_BYTES = ND * 16 * sizeof(K);
   float* sc = buf.sc.data();  // [NG, C + T] scores, then probabilities
   int64_t* slot = buf.slot.data();
   __m512 qv[NG][ND];
@@ -113,16 +107,12 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     }
     for (int g = 0; g < NG; ++g) sc[g * cap + j] = _mm512_reduce_add_ps(acc[g]) * scale;
   };
-  // K and V rows are read one after another at the cache's slot stride; the next rows are fetched
-  // ahead (PF_SLOTS slots, every line of a row) so that memory latency overlaps the arithmetic
-  auto fetch = [&](const K* row) {
-    for (int64_t c = 0; c < D_BYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
-  };
+  // K and V rows are read in slot order, each KV head's slots one contiguous run (the cache is
+  // head-major): the hardware prefetchers stream them (software prefetch 8 slots ahead measured
+  // 1.02-1.13x slower on this layout, docs/results.md)
   int64_t n = 0;
-  for (int64_t s = 0; s < C; ++s) {
-    if (s + PF_SLOTS < C) fetch(kb + (s + PF_SLOTS) * ks1);
+  for (int64_t s = 0; s < C; ++s)
     if (hm[s]) slot[n] = s, score(s, n++);
-  }
   const int64_t n1 = n;
   for (int64_t t = 0; t < T; ++t)
     if (win[t] >= 0) slot[n] = win[t], score(win[t], n++);
@@ -157,10 +147,7 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
       for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * cap + jj]), vc, a[g][c]);
     }
   };
-  for (int64_t jj = 0; jj < n1; ++jj) {
-    if (jj + PF_SLOTS < n1) fetch(vb + slot[jj + PF_SLOTS] * vs1);
-    weigh(a1, jj);
-  }
+  for (int64_t jj = 0; jj < n1; ++jj) weigh(a1, jj);
   for (int64_t jj = n1; jj < n; ++jj) weigh(a2, jj);
   for (int g = 0; g < NG; ++g) {
     const __m512 tv = _mm512_set1_ps(total[g]);
