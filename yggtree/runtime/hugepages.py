@@ -3,9 +3,9 @@
 A decode step streams every weight once. On 4 KiB pages that is a TLB miss every 4 KiB (a
 two-level page walk inside a virtual machine) and the hardware prefetchers stop at every page
 boundary; small products, whose weights span few pages, never reach full speed. In one arena of
-2 MiB pages they stream like one large tensor. Measured on the AMD EPYC 2-core guest: the w4a8
-target's 121 products at one row, called back to back, 4.96 ms on the model's own tensors, 3.44 ms
-in a huge-page arena, 4.57 ms in an arena of ordinary pages (docs/results.md, issue #20).
+2 MiB pages they stream like one large tensor: the w4a8 target's products at one row, called
+back to back, ran 1.4x faster in a huge-page arena than on the model's own tensors and than in an
+arena of ordinary pages (docs/results.md, issue #20).
 
 Where the kernel has no transparent huge pages (or they are set to ``never``), or off Linux, the
 arena is ordinary memory and nothing else changes: values, aliasing and ties are kept either way.

@@ -40,7 +40,7 @@ engine and its compiled packages use it, :func:`yggtree.plan.plan_kernel`):
   weights likewise, scaled per output column at the end: runtime/quant.py).
 
 Batch invariance is not a property of the op everywhere, and padding can change bits: oneDNN
-may run a one-row product on another kernel than an M-row one. On the AMD EPYC machine of
+may run a one-row product on another kernel than an M-row one. On one machine of
 docs/results.md the float32 1536 -> 576 product (the default model's down projection) rounds
 otherwise at one row than inside a product of 2 or more rows (bfloat16 likewise, in about one
 output in 8000), while padded to 2 rows it is invariant, at 1 and 2 threads. :func:`padding_is_invariant` checks a padding on a model's own
@@ -304,7 +304,7 @@ def padding_is_invariant(model: nn.Module, min_rows: int, widths: Iterable[int],
     reach oneDNN are ``R = max(M, min_rows)``; each R is run on consecutive blocks of R random
     rows (every row position, the other rows random rather than zero) and compared row by row
     with the padded one-row products of the same rows. A kernel that rounds otherwise may differ
-    in only a few outputs of a row (bfloat16 outputs at 1536 -> 576 on the EPYC CPU: about 1 in
+    in only a few outputs of a row (bfloat16 outputs at 1536 -> 576 on one CPU: about 1 in
     8000), so each R is checked on at least ``samples`` outputs (rows times the layer's width;
     at most :data:`MAX_SAMPLE_ROWS` rows, or the widest R). A width not in ``widths`` is not
     checked."""

@@ -28,8 +28,8 @@
 namespace {
 
 #ifndef PREFETCH
-#define PREFETCH 1024  // bytes of codes ahead of the block being read (measured: ~10% faster streaming the
-                       // default model's layers than none, 2 threads, AMD EPYC; 4096 and more no better)
+#define PREFETCH 1024  // bytes of codes ahead of the block being read: measured on one CPU only against
+                       // none, 2048 and 4096 (docs/results.md); a build may set another (-DPREFETCH=N)
 #endif
 
 // qa [M, K] int8, da and sa [M, B] float32 (see the header)
@@ -73,18 +73,16 @@ inline void tile(const uint8_t* codes, const at::Half* dw, const at::Half* mw, c
     __m512i isum[R], isum2[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512(), isum2[r] = _mm512_setzero_si512();
     const uint8_t* cb = codes + b * STRIDE;
-    // the weights are one stream (tiles are contiguous): fetch PREFETCH bytes ahead, which runs on
-    // into the next tile (a prefetch past the end is harmless); d and m are streams of their own.
-    // 4-bit codes only: the default model's 8-bit codes (its Q8_0 head, 32 MB) ran 1.16-1.19x
-    // faster without it (the step's 121 products 1.025x; AMD EPYC, 2 threads, docs/results.md)
     if constexpr (BITS == 4) {
+      // the weights are one stream (tiles are contiguous): fetch PREFETCH bytes ahead, which runs
+      // on into the next tile (a prefetch past the end is harmless); d and m are streams of their
+      // own. 4-bit codes only: 8-bit codes streamed faster without it (measured on one CPU only,
+      // docs/results.md)
       for (int i = 0; i < STRIDE; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + PREFETCH + i), _MM_HINT_T0);
       if (b % 2 == 0) {
         _mm_prefetch(reinterpret_cast<const char*>(dw + b * 16 + PREFETCH / 8), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(mw + b * 16 + PREFETCH / 8), _MM_HINT_T0);
       }
-    }
-    if constexpr (BITS == 4) {
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(cb + g * 64);
         const __m512i lo = _mm512_and_si512(v, low);
@@ -132,9 +130,8 @@ void run(const uint8_t* cp, const at::Half* dp, const at::Half* mp, const int8_t
       const uint8_t* c = cp + t * B * STRIDE;
       const at::Half* dw = dp + t * B * 16;
       const at::Half* mw = mp + t * B * 16;
-      // rows in groups of 8, 4, 2, 1: a group shares every code block it unpacks (121 products of
-      // the default model at 2 threads, AMD EPYC: 6-9% faster at 2, 3 and 8 rows than groups of
-      // 4 and 1 only, the same at 1, 4, 16, 32; reports/w4a8_rows/ab.py)
+      // rows in groups of 8, 4, 2, 1: a group shares every code block it unpacks (measured faster
+      // than groups of 4 and 1 only at 2-8 rows, the same elsewhere: reports/w4a8_rows/ab.py)
       int64_t r = 0;
       for (; r + 8 <= M; r += 8)
         tile<8, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
