@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import re
 import statistics
@@ -81,6 +82,7 @@ from pathlib import Path
 
 from yggtree.bench import by_prompt_set, decode_totals, paired_ratio
 from yggtree.errors import YggError, run_reporting
+from yggtree.runtime.allocator import running, without_preload
 
 FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native", "w4a8")
 WARMUP_TOKENS = 16  # new tokens of each system's untimed warm-up generate
@@ -224,7 +226,7 @@ def llama_binary(directory: str) -> Path:
 def llama_output(binary: Path, *flags: str) -> str:
     try:
         out = subprocess.run([str(binary), *flags], capture_output=True, text=True, timeout=60,
-                             stdin=subprocess.DEVNULL)
+                             stdin=subprocess.DEVNULL, env=without_preload(os.environ))
     except (OSError, subprocess.TimeoutExpired) as e:
         raise YggError(f"cannot run {binary}: {e}") from None
     return out.stdout + out.stderr
@@ -312,7 +314,9 @@ def llama_runner(info: dict, gguf: Path, threads: int, ctx: int):
     def run(ids, text, n):
         cmd = llama_command(info, gguf, text, n, threads, ctx)
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+            # llama.cpp as its users run it: not on the allocator yggtree preloaded
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                                 env=without_preload(os.environ))
         except (OSError, subprocess.TimeoutExpired) as e:
             raise YggError(f"llama.cpp failed: {e}") from None
         if out.returncode != 0:
@@ -590,7 +594,7 @@ def report(rows: list[dict], systems: list[System], args, threads: int, bw: dict
     title = (f"{len(rows)} prompts x {args.max_new_tokens} new tokens, greedy, {threads} threads, "
              f"median of {args.repeats} pass(es) per prompt; bandwidth {bw['gbps']:.1f} GB/s "
              f"(copy {bw['copy_gbps']:.1f}, sum {bw['sum_gbps']:.1f}, sum on huge pages {bw['sum_huge_gbps']:.1f}); spec tree {args.spec_tree}, "
-             f"drafter {args.drafter}; "
+             f"drafter {args.drafter}; allocator {running()}; "
              + (f"llama.cpp commit {llama.info['commit']}" if llama else "llama.cpp skipped"))
     t = Table(title=title)
     for c in ("system", "decode tok/s", "x hf-f32 [95% CI]", "x ygg-f32 [95% CI]", "weight MB",
@@ -611,7 +615,7 @@ def report(rows: list[dict], systems: list[System], args, threads: int, bw: dict
         "command": "bench_formats", "model": args.model, "formats": args.formats, "quant_dtype": args.quant_dtype,
         "drafter": args.drafter, "spec_tree": args.spec_tree, "mode": args.mode, "prompts": [r["id"] for r in rows],
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "threads": threads,
-        "bandwidth": bw, "torch": torch_version, "machine": platform.machine(), "wall_s": round(wall_s, 1),
+        "bandwidth": bw, "allocator": running(), "torch": torch_version, "machine": platform.machine(), "wall_s": round(wall_s, 1),
         "llama_cpp": llama.info if llama else None,
         "systems": {s.name: {"kind": s.kind, "format": s.fmt, "dtype": s.dtype, "build_s": round(s.build_s, 2),
                              "warmup_s": round(s.warmup_s, 2), "refused": s.refused,
@@ -622,6 +626,10 @@ def report(rows: list[dict], systems: list[System], args, threads: int, bw: dict
 
 
 def main(argv=None) -> int:
+    from yggtree.runtime.allocator import ensure_script
+
+    if argv is None:  # the command line: time what `yggtree run` runs, on this machine's allocator
+        ensure_script()
     return run_reporting("bench_formats", run, parse_args(argv))
 
 

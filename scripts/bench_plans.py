@@ -335,6 +335,10 @@ def report(rows: list[dict], systems: list[System], args, threads: int, wall_s: 
 
 
 def main(argv=None) -> int:
+    from yggtree.runtime.allocator import ensure_script
+
+    if argv is None:  # the command line: time what `yggtree run` runs, on this machine's allocator
+        ensure_script()
     return run_reporting("bench_plans", run, parse_args(argv))
 
 

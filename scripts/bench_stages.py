@@ -266,6 +266,10 @@ def summarise(rows, names, threads, found, args, wall_s: float, accuracy) -> dic
 
 
 def main(argv=None) -> int:
+    from yggtree.runtime.allocator import ensure_script
+
+    if argv is None:  # the command line: time what `yggtree run` runs, on this machine's allocator
+        ensure_script()
     return run_reporting("bench_stages", run, parse_args(argv))
 
 

@@ -25,3 +25,13 @@ def onednn_unpadded():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("YGGTREE_KERNEL", "torch")  # subprocesses too
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def system_allocator():
+    """Every test process and the commands tests start run on the system allocator: no test
+    compile measures allocators (runtime/allocator.py, seconds per plan), none restarts itself
+    with one preloaded. tests/test_allocator.py sets its own value where it tests that."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YGGTREE_ALLOCATOR", "system")
+        yield

@@ -470,3 +470,26 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
                                                    graphs.bucket(8 + w))[:2], model.kv.kv.clone()))
             model.step_packages = whole
             assert all(torch.equal(a, b) for a, b in zip(*outs)), (w, token)
+
+
+def test_allocator_measured_on_the_compiled_plan(compiled_plain, tmp_path, monkeypatch):
+    """The allocator measurement (yggtree.allocator_choice) runs the compiled plan's decoding in
+    one child per allocator, each on its own preloaded library (libm stands for one here), and
+    caches what it chose with every round's times."""
+    import yggtree.allocator_choice as ac
+    from yggtree.runtime import allocator
+
+    libm = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if "/libm.so" in line), None)
+    if libm is None:
+        pytest.skip("libm is not mapped in this process")
+    monkeypatch.setenv(allocator.ALLOCATOR_ENV, "auto")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(ac, "installed", lambda: {"jemalloc": Path(libm)})
+    monkeypatch.setattr(ac, "ROUNDS", 2)
+    art = compiled_plain / "compile" / "tiny"
+    record = ac.measure_compiled(art / "plan.yaml", compiled_plain / "compile")
+    assert record["choice"] in ("system", "jemalloc") and len(record["rounds"]) == 2
+    assert all(set(r) == {"system", "jemalloc"} and min(r.values()) > 0 for r in record["rounds"])
+    assert record["stats"]["jemalloc"]["won"] in (0.0, 0.5, 1.0)
+    assert ac.measure_compiled(art / "plan.yaml", compiled_plain / "compile") == record  # cached now

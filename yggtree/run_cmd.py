@@ -347,6 +347,9 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
                 from .runtime.prediction import predicted_speedup
 
                 res.stats["predicted_speedup"] = round(predicted_speedup(log), 4)
+        from .runtime.allocator import running
+
+        res.stats["allocator"] = running()  # runtime/allocator.py: the one this process runs on
         text = tok.decode(res.token_ids, skip_special_tokens=True)
         obj = {
             "text": text,

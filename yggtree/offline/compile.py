@@ -443,6 +443,13 @@ def compile_plan(
     manifest = _manifest(plan, art, prints, min_rows, records, info, stale)
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)
     _write_manifest(art, manifest)
+    if plan.backend == "inductor-cpu":  # this machine's allocator, measured once on a compiled plan
+        from ..allocator_choice import measure_compiled
+
+        record = measure_compiled(art / PLAN_COPY, out_root, say=lambda line: sys.stderr.write(f"yggtree: {line}\n"))
+        if record is not None:
+            manifest["allocator"] = {k: record.get(k) for k in ("choice", "library", "stats")}
+            _write_manifest(art, manifest)
     return {**manifest, "status": "compiled", "dir": str(art), "wall_s": time.perf_counter() - t_start}
 
 
