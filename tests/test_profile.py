@@ -50,6 +50,9 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
     assert summary["device"] == detect_device()["name"] and summary["points"] > 0
     prof = json.loads((out / "cpu-test.json").read_text())
     assert prof["hardware"]["device_name"] == detect_device()["name"]
+    from yggtree.runtime.allocator import running
+
+    assert prof["hardware"]["allocator"] == running()  # what the curves were measured on
     assert {r["kind"] for r in prof["points"]} == {"verify", "draft", "head"}
     pad = prof["packed_padding"]  # measured first; the curves ran padded so, as plan engines do
     assert pad["min_rows"] in (1, 2, 4, 8) and summary["packed_min_rows"] == pad["min_rows"]

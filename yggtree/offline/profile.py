@@ -67,6 +67,8 @@ def check_hw_name(name: str) -> None:
 
 
 def hardware_info(threads: int) -> dict:
+    from ..runtime.allocator import running
+
     dev = detect_device()
     return {
         "device": dev["kind"],
@@ -75,6 +77,7 @@ def hardware_info(threads: int) -> dict:
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "platform": platform.platform(),
+        "allocator": running(),  # what the curves were measured on (runtime/allocator.py)
     }
 
 
