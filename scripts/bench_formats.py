@@ -82,7 +82,7 @@ from pathlib import Path
 
 from yggtree.bench import by_prompt_set, decode_totals, paired_ratio
 from yggtree.errors import YggError, run_reporting
-from yggtree.runtime.allocator import running, without_preload
+from yggtree.runtime.allocator import ensure_script, running, without_preload
 
 FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native", "w4a8")
 WARMUP_TOKENS = 16  # new tokens of each system's untimed warm-up generate
@@ -626,8 +626,6 @@ def report(rows: list[dict], systems: list[System], args, threads: int, bw: dict
 
 
 def main(argv=None) -> int:
-    from yggtree.runtime.allocator import ensure_script
-
     if argv is None:  # the command line: time what `yggtree run` runs, on this machine's allocator
         ensure_script()
     return run_reporting("bench_formats", run, parse_args(argv))
