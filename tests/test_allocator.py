@@ -130,6 +130,24 @@ def test_ensure_restarts_once_on_the_chosen_library():
     assert _show({a.ALLOCATOR_ENV: "system"}) == "not restarted"
 
 
+def test_ensure_keeps_an_allocator_the_user_preloaded(monkeypatch):
+    calls = []
+    monkeypatch.setattr(a.os, "execve", lambda *args: calls.append(args))
+    monkeypatch.delenv(a.LOADED_ENV, raising=False)
+    monkeypatch.setattr(a, "chosen", lambda root=None: "/l/libjemalloc.so.2")  # measured here
+    monkeypatch.setenv(a.ALLOCATOR_ENV, "auto")
+    monkeypatch.setattr(a, "running", lambda maps=None: "tcmalloc")  # LD_PRELOAD of the user's own
+    a.ensure(["python"])
+    assert calls == []
+    monkeypatch.setattr(a, "running", lambda maps=None: "jemalloc")  # already on the choice
+    a.ensure(["python"])
+    assert calls == []
+    monkeypatch.setattr(a, "running", lambda maps=None: a.SYSTEM)
+    a.ensure(["python", "-m", "yggtree.launch", "run"])
+    assert [c[:2] for c in calls] == [("python", ["python", "-m", "yggtree.launch", "run"])]
+    assert calls[0][2]["LD_PRELOAD"].split(":")[0] == "/l/libjemalloc.so.2"
+
+
 def test_launcher_bad_value_is_one_line():
     env = {**os.environ, a.ALLOCATOR_ENV: "mimalloc"}
     out = subprocess.run([sys.executable, "-m", "yggtree.launch", "--help"], env=env, capture_output=True,

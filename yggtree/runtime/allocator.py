@@ -61,7 +61,10 @@ def find(name: str, dirs: list[Path] | None = None) -> Path | None:
 
 
 def installed(dirs: list[Path] | None = None) -> dict[str, Path]:
-    """Every allocator of :data:`LIBRARIES` found on this machine -> its library."""
+    """Every allocator of :data:`LIBRARIES` found on this machine -> its library (none off
+    Linux: ``LD_PRELOAD`` is the glibc loader's)."""
+    if dirs is None and not sys.platform.startswith("linux"):
+        return {}
     found = {name: find(name, dirs) for name in LIBRARIES}
     return {name: path for name, path in found.items() if path is not None}
 
@@ -187,15 +190,19 @@ def without_preload(env: dict) -> dict:
 
 def ensure(command: list[str], root: Path | None = None) -> None:
     """Run ``command`` (this process's own command line: ``[sys.executable, ...]``) in place of
-    this process, on the chosen allocator (:func:`chosen`), when this process runs on another;
-    return at once otherwise, and on the restarted process (even if the library did not load
-    there: the loader says why on stderr, and the program runs on). Call it before importing
-    torch. YggError for a ``YGGTREE_ALLOCATOR`` that names nothing."""
-    if os.environ.get(LOADED_ENV) is not None:
+    this process, on the chosen allocator (:func:`chosen`), when this process runs on glibc's (or,
+    with ``YGGTREE_ALLOCATOR`` set, on any other); return at once otherwise, off Linux, and on the
+    restarted process (even if the library did not load there: the loader says why on stderr,
+    and the program runs on). Call it before importing torch. YggError for a
+    ``YGGTREE_ALLOCATOR`` that names nothing."""
+    if os.environ.get(LOADED_ENV) is not None or not sys.platform.startswith("linux"):
         return
     library = chosen(root)
-    if library == SYSTEM or running() == name_of(library):
+    now = running()
+    if library == SYSTEM or now == name_of(library):
         return
+    if now != SYSTEM and forced() is None:
+        return  # the user preloaded another allocator: theirs stays
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], command, preload_env(os.environ, library))
