@@ -8,14 +8,12 @@ allocators taking turns over a few rounds in a rotating order so that a shared h
 speed hits all of them alike. Each child decodes a few chat prompts of the calibration corpus
 (never evaluation prompts) after a warm-up and reports its median ms per token. An allocator is
 chosen over the system's only when its median per-round speed-up is above 1 and it was faster
-in more than half of the rounds; the rounds' times are cached with the choice.
-
-    python -m yggtree.allocator_choice PLAN.yaml [--compile-root DIR]   # one child's measurement
+in more than half of the rounds; the rounds' times are cached with the choice. A child is
+``python -m yggtree.allocator_probe PLAN.yaml --compile-root DIR``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,34 +31,10 @@ NEW_TOKENS = 48
 SNIPPET_CHARS = 400  # short prompts: the step's fixed work, which the allocator changes, dominates
 
 
-def probe(plan_path: str, compile_root: str, prompts: int = PROMPTS, new_tokens: int = NEW_TOKENS) -> float:
-    """Median decode ms per token (prefill excluded) of the compiled plan's plain engine over
-    ``prompts`` calibration chat prompts, after one warm-up prompt (in this process)."""
-    from .bench import plan_runner
-    from .data import calibration_chat_prompts
-    from .runtime.engine import SamplingParams
-    from .runtime.loading import encode_auto
-
-    plan, _, make = plan_runner(plan_path, compile_root=compile_root)
-    engine, tok, _ = make(False)
-    new_tokens = max(2, min(new_tokens, plan.max_context // 4))
-    params = SamplingParams(max_new_tokens=new_tokens)
-    room = plan.max_context - new_tokens  # a small plan's context: the prompts' last tokens
-    texts = [p.text for p in calibration_chat_prompts(prompts + 1, max_snippet_chars=SNIPPET_CHARS)]
-    ms = []
-    for i, text in enumerate(texts):
-        r = engine.generate(encode_auto(tok, text)[-room:], params)
-        if i and len(r.token_ids) > 1:
-            ms.append((r.stats["total_ms"] - r.stats["ttft_ms"]) / (len(r.token_ids) - 1))
-    if not ms:
-        raise YggError("the allocator measurement decoded no tokens")
-    return statistics.median(ms)
-
-
 def _child(plan_path: str, compile_root: str, library: str | None) -> float:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env = preload_env(env, library) if library else env
-    cmd = [sys.executable, "-m", "yggtree.allocator_choice", plan_path, "--compile-root", compile_root]
+    cmd = [sys.executable, "-m", "yggtree.allocator_probe", plan_path, "--compile-root", compile_root]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
@@ -114,23 +88,3 @@ def measure_compiled(plan_path: str | Path, compile_root: str | Path, say=None) 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m yggtree.allocator_choice", description=__doc__.split("\n\n")[0])
-    p.add_argument("plan")
-    p.add_argument("--compile-root", default="compile")
-    args = p.parse_args(argv)
-    try:
-        ms = probe(args.plan, args.compile_root)
-    except YggError as e:
-        sys.stderr.write(f"yggtree: error: {e}\n")
-        return 1
-    from .runtime.allocator import running
-
-    print(json.dumps({"ms_per_token": ms, "allocator": running()}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

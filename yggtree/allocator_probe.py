@@ -1,0 +1,59 @@
+"""One child of the allocator measurement (``yggtree.allocator_choice``): the compiled plan's
+plain decoding on the allocator this process runs on, as one JSON line on stdout.
+
+    python -m yggtree.allocator_probe PLAN.yaml [--compile-root DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from .allocator_choice import NEW_TOKENS, PROMPTS, SNIPPET_CHARS
+from .errors import YggError
+
+
+def probe(plan_path: str, compile_root: str, prompts: int = PROMPTS, new_tokens: int = NEW_TOKENS) -> float:
+    """Median decode ms per token (prefill excluded) of the compiled plan's plain engine over
+    ``prompts`` calibration chat prompts, after one warm-up prompt (in this process)."""
+    from .bench import plan_runner
+    from .data import calibration_chat_prompts
+    from .runtime.engine import SamplingParams
+    from .runtime.loading import encode_auto
+
+    plan, _, make = plan_runner(plan_path, compile_root=compile_root)
+    engine, tok, _ = make(False)
+    new_tokens = max(2, min(new_tokens, plan.max_context // 4))
+    params = SamplingParams(max_new_tokens=new_tokens)
+    room = plan.max_context - new_tokens  # a small plan's context: the prompts' last tokens
+    texts = [p.text for p in calibration_chat_prompts(prompts + 1, max_snippet_chars=SNIPPET_CHARS)]
+    ms = []
+    for i, text in enumerate(texts):
+        r = engine.generate(encode_auto(tok, text)[-room:], params)
+        if i and len(r.token_ids) > 1:
+            ms.append((r.stats["total_ms"] - r.stats["ttft_ms"]) / (len(r.token_ids) - 1))
+    if not ms:
+        raise YggError("the allocator measurement decoded no tokens")
+    return statistics.median(ms)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m yggtree.allocator_probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("plan")
+    p.add_argument("--compile-root", default="compile")
+    args = p.parse_args(argv)
+    try:
+        ms = probe(args.plan, args.compile_root)
+    except YggError as e:
+        sys.stderr.write(f"yggtree: error: {e}\n")
+        return 1
+    from .runtime.allocator import running
+
+    print(json.dumps({"ms_per_token": ms, "allocator": running()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
