@@ -3,7 +3,7 @@ reads the answer: why it matters, the cache, ``YGGTREE_ALLOCATOR``).
 
 ``yggtree compile`` of a CPU plan calls :func:`measure_compiled`: when the machine has another
 allocator than glibc's installed (jemalloc, tcmalloc) and no choice is cached for it, the
-compiled plan's plain decoding runs in one child process per allocator (``LD_PRELOAD``), the
+compiled plan's decoding (as `yggtree run --plan` runs it) runs in one child process per allocator (``LD_PRELOAD``), the
 allocators taking turns over a few rounds in a rotating order so that a shared host's drifting
 speed hits all of them alike. Each child decodes a few chat prompts of the calibration corpus
 (never evaluation prompts) after a warm-up and reports its median ms per token. An allocator is

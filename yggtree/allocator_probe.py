@@ -16,22 +16,23 @@ from .errors import YggError
 
 
 def probe(plan_path: str, compile_root: str, prompts: int = PROMPTS, new_tokens: int = NEW_TOKENS) -> float:
-    """Median decode ms per token (prefill excluded) of the compiled plan's plain engine over
-    ``prompts`` calibration chat prompts, after one warm-up prompt (in this process)."""
+    """Median decode ms per token (prefill excluded) of the compiled plan as ``yggtree run --plan``
+    runs it (a speculative plan with its policy: an allocator may speed a one-row step and not a
+    tree's) over ``prompts`` calibration chat prompts, after one warm-up prompt (in this process)."""
     from .bench import plan_runner
     from .data import calibration_chat_prompts
     from .runtime.engine import SamplingParams
     from .runtime.loading import encode_auto
 
     plan, _, make = plan_runner(plan_path, compile_root=compile_root)
-    engine, tok, _ = make(False)
+    engine, tok, policy = make()
     new_tokens = max(2, min(new_tokens, plan.max_context // 4))
     params = SamplingParams(max_new_tokens=new_tokens)
     room = plan.max_context - new_tokens  # a small plan's context: the prompts' last tokens
     texts = [p.text for p in calibration_chat_prompts(prompts + 1, max_snippet_chars=SNIPPET_CHARS)]
     ms = []
     for i, text in enumerate(texts):
-        r = engine.generate(encode_auto(tok, text)[-room:], params)
+        r = engine.generate(encode_auto(tok, text)[-room:], params, policy=policy)
         if i and len(r.token_ids) > 1:
             ms.append((r.stats["total_ms"] - r.stats["ttft_ms"]) / (len(r.token_ids) - 1))
     if not ms:
