@@ -443,7 +443,9 @@ def compile_plan(
     manifest = _manifest(plan, art, prints, min_rows, records, info, stale)
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)
     _write_manifest(art, manifest)
-    if plan.backend == "inductor-cpu":  # this machine's allocator, measured once on a compiled plan
+    # this machine's allocator, measured once on a compiled plan (its children load the plan through
+    # the manifest just written, which then records the choice)
+    if plan.backend == "inductor-cpu":
         from ..allocator_choice import measure_compiled
 
         say = lambda line: sys.stderr.write(f"yggtree: {line}\n")  # noqa: E731

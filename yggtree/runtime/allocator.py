@@ -70,10 +70,11 @@ def installed(dirs: list[Path] | None = None) -> dict[str, Path]:
 
 
 def name_of(path: str | Path) -> str:
-    """The allocator a library file is (by its name), or the file's name."""
+    """The allocator a library file is (its name up to ``.so``, any version), or the file's name."""
     base = Path(path).name
+    stem = base.split(".so")[0]
     for name, libs in LIBRARIES.items():
-        if any(base.startswith(lib.split(".so")[0] + ".so") for lib in libs):
+        if any(lib.split(".so")[0] == stem for lib in libs):
             return name
     return base
 
@@ -86,11 +87,8 @@ def running(maps: str | None = None) -> str:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return SYSTEM
-    libs = {Path(line.split()[-1]).name for line in maps.splitlines() if "/" in line}
-    for name, files in LIBRARIES.items():
-        if any(f in libs for f in files):
-            return name
-    return SYSTEM
+    mapped = {name_of(line.split()[-1]) for line in maps.splitlines() if "/" in line}
+    return next((name for name in LIBRARIES if name in mapped), SYSTEM)
 
 
 def machine_key(libraries: dict[str, Path]) -> dict:
@@ -165,26 +163,24 @@ def chosen(root: Path | None = None) -> str:
     return path if isinstance(path, str) and Path(path).is_file() else SYSTEM
 
 
+def _preloads(env: dict, drop: str | None) -> list[str]:
+    """``env``'s ``LD_PRELOAD`` entries (separated by colons or spaces), without ``drop``."""
+    return [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p and p != drop]
+
+
 def preload_env(env: dict, library: str) -> dict:
     """``env`` with ``library`` first in ``LD_PRELOAD`` (and the restart marker set)."""
-    out = dict(env)
-    rest = [p for p in out.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p and p != library]
-    out["LD_PRELOAD"] = ":".join([library, *rest])
-    out[LOADED_ENV] = library
-    return out
+    return {**env, "LD_PRELOAD": ":".join([library, *_preloads(env, library)]), LOADED_ENV: library}
 
 
 def without_preload(env: dict) -> dict:
     """``env`` without the allocator a restart preloaded (for a program of another project a
     benchmark runs as a peer, which should run as its users run it)."""
-    out = dict(env)
-    library = out.pop(LOADED_ENV, None)
-    if library and "LD_PRELOAD" in out:
-        rest = [p for p in out["LD_PRELOAD"].split(":") if p and p != library]
-        if rest:
-            out["LD_PRELOAD"] = ":".join(rest)
-        else:
-            del out["LD_PRELOAD"]
+    library = env.get(LOADED_ENV)
+    out = {k: v for k, v in env.items() if k not in (LOADED_ENV, "LD_PRELOAD")}
+    rest = _preloads(env, library)
+    if rest:
+        out["LD_PRELOAD"] = ":".join(rest)
     return out
 
 
