@@ -192,7 +192,7 @@ def test_float_tensors_and_float_models_become_q4_1():
     raw["layers.0.mlp.down_proj.weight"] = ("F32", w)
     assert quantize_linears(m, "w4a8", raw=raw) == 7 * len(m.layers) + 1
     got = m.layers[0].mlp.down_proj
-    assert isinstance(got, W4A8Linear) and torch.equal(got.codes, W4A8Linear(q4_1_blocks(w), None, torch.float32).codes)
+    assert isinstance(got, W4A8Linear) and torch.equal(got.packed, W4A8Linear(q4_1_blocks(w), None, torch.float32).packed)
     f = tiny()
     assert quantize_linears(f, "w4a8") == 7 * len(f.layers) + 1
     assert f.layers[0].self_attn.q_proj is None and f.layers[0].self_attn.qkv.out_features == 64 + 2 * 32

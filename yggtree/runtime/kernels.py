@@ -42,8 +42,7 @@ LDFLAGS = ("-fopenmp",)
 LIBRARY_FLAGS = ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")
 # the ops' C shims as AOTInductor declares them in a package (the csrc files define them)
 SHIMS = {
-    "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d, "
-               "AtenTensorHandle m, AtenTensorHandle* ret0)",
+    "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle blocks, AtenTensorHandle* ret0)",
     "rows_attention": "AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, "
                       "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
     "tiled_mm": "AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle scale, "
@@ -133,8 +132,8 @@ def use_rows_attention(model) -> int:
     return len(layers)
 
 
-def _w4a8_mm_fake(x, codes, d, m):
-    return x.new_empty((x.shape[0], codes.shape[0] * TILE))
+def _w4a8_mm_fake(x, blocks):
+    return x.new_empty((x.shape[0], blocks.shape[0] * TILE))
 
 
 def _rows_attention_fake(q, k, v, head, window):

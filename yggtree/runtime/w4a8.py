@@ -118,9 +118,10 @@ def dequantize_blocks(b: Blocks) -> torch.Tensor:
     return b.d.float().repeat_interleave(BLOCK, 1) * b.u.float() + b.m.float().repeat_interleave(BLOCK, 1)
 
 
-def pack_blocks(b: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout (csrc/w4a8.cpp): codes [T, B, 256 | 512] uint8, d and m [T, B, 16]
-    float16, N padded with zero blocks (output 0) to T * 16 columns."""
+def pack_blocks(b: Blocks) -> torch.Tensor:
+    """The kernel's layout (csrc/w4a8.cpp): [T, B, 320 | 576] uint8, per tile of 16 output
+    columns and block of 32 inputs the codes (256 bytes 4-bit, 512 8-bit), then d and m (16
+    float16 each); N padded with zero blocks (output 0) to T * 16 columns."""
     n, k = b.u.shape
     pad = -n % TILE
     u, d, m = (F.pad(t, (0, 0, 0, pad)) for t in (b.u, b.d, b.m))
@@ -132,17 +133,15 @@ def pack_blocks(b: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         codes = (lo | (hi << 4)).reshape(t_, nb, 256)
     else:
         codes = tiles.reshape(t_, nb, TILE, 8, 4).permute(0, 1, 3, 2, 4).reshape(t_, nb, 512)
-    per_tile = lambda s: s.view(t_, TILE, nb).permute(0, 2, 1).contiguous()  # noqa: E731
-    return codes.contiguous(), per_tile(d), per_tile(m)
+    per_tile = lambda s: s.view(t_, TILE, nb).permute(0, 2, 1).contiguous().view(torch.uint8)  # noqa: E731
+    return torch.cat([codes, per_tile(d), per_tile(m)], dim=2).contiguous()
 
 
 class W4A8Linear(nn.Module):
     """``F.linear`` with block-quantized weights on int8-quantized activations
     (``yggtree::w4a8_mm``, float32 in and out; the result in the run's dtype ``dtype``)."""
 
-    codes: torch.Tensor  # [T, B, 256 | 512] uint8 (pack_blocks); T = N rounded up to 16, / 16
-    d: torch.Tensor  # [T, B, 16] float16
-    m: torch.Tensor  # [T, B, 16] float16
+    packed: torch.Tensor  # [T, B, 320 | 576] uint8 (pack_blocks: codes, d, m); T = N rounded up to 16, / 16
     bias: torch.Tensor | None  # [N] in the run's dtype
 
     def __init__(self, blocks: Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -150,15 +149,12 @@ class W4A8Linear(nn.Module):
         load_kernel()
         self.out_features, self.in_features = blocks.u.shape
         self.bits, self.dtype = blocks.bits, dtype
-        codes, d, m = pack_blocks(blocks)
-        self.register_buffer("codes", codes, persistent=False)
-        self.register_buffer("d", d, persistent=False)
-        self.register_buffer("m", m, persistent=False)
+        self.register_buffer("packed", pack_blocks(blocks), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        y = torch.ops.yggtree.w4a8_mm(x2, self.codes, self.d, self.m)
+        y = torch.ops.yggtree.w4a8_mm(x2, self.packed)
         if y.shape[1] != self.out_features:  # the padded output columns cut
             y = y[:, : self.out_features]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

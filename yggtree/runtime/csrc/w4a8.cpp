@@ -11,10 +11,11 @@
 // and per output column in a fixed order, so a row's result does not depend on the call's
 // other rows nor on the thread count (tiles of 16 columns are split across threads whole).
 //
-// Layout, per tile t of 16 output columns and block b (T = N / 16, B = K / 32):
-//   4-bit codes [T, B, 256] uint8: byte (g, lane, i) = u[16t+lane][32b+4g+i] | u[16t+lane][32b+16+4g+i] << 4
-//   8-bit codes [T, B, 512] uint8: byte (g, lane, i) = u[16t+lane][32b+4g+i]      (g < 8)
-//   d, m        [T, B, 16] float16
+// Layout: one uint8 tensor [T, B, S], per tile t of 16 output columns and block b (T = N / 16,
+// B = K / 32) the block's codes, then its 16 d, then its 16 m (float16), so each thread reads one
+// contiguous stream (three streams -- codes, d, m -- ran 1.08-1.14x slower at 2-4 rows):
+//   4-bit, S = 320: byte (g, lane, i) = u[16t+lane][32b+4g+i] | u[16t+lane][32b+16+4g+i] << 4, then d, m
+//   8-bit, S = 576: byte (g, lane, i) = u[16t+lane][32b+4g+i] (g < 8), then d, m
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -58,13 +59,17 @@ inline __m512i broadcast4(const int8_t* a) {
   return _mm512_set1_epi32(v);
 }
 
+template <int BITS>
+constexpr int CODES = BITS == 4 ? 256 : 512;  // bytes of a block's codes in a tile
+template <int BITS>
+constexpr int STRIDE = CODES<BITS> + 64;  // bytes of a block in a tile: codes, 16 d, 16 m
+
 // R rows of one 16-column tile, all blocks. With one or two rows the 4-bit codes' low and high
 // nibbles feed two integer accumulators (two dependency chains instead of one; the int32 sums
 // are exact, so the result is the same)
 template <int R, int BITS>
-inline void tile(const uint8_t* codes, const at::Half* dw, const at::Half* mw, const int8_t* qa,
-                 const float* da, const float* sa, int64_t K, int64_t B, float* out, int64_t ldo) {
-  constexpr int STRIDE = BITS == 4 ? 256 : 512;
+inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, int64_t K,
+                 int64_t B, float* out, int64_t ldo) {
   constexpr bool SPLIT = R <= 2;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -72,17 +77,12 @@ inline void tile(const uint8_t* codes, const at::Half* dw, const at::Half* mw, c
   for (int64_t b = 0; b < B; ++b) {
     __m512i isum[R], isum2[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512(), isum2[r] = _mm512_setzero_si512();
-    const uint8_t* cb = codes + b * STRIDE;
+    const uint8_t* cb = blocks + b * STRIDE<BITS>;
     if constexpr (BITS == 4) {
       // the weights are one stream (tiles are contiguous): fetch PREFETCH bytes ahead, which runs
-      // on into the next tile (a prefetch past the end is harmless); d and m are streams of their
-      // own. 4-bit codes only: 8-bit codes streamed faster without it (measured on one CPU only,
-      // docs/results.md)
-      for (int i = 0; i < STRIDE; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + PREFETCH + i), _MM_HINT_T0);
-      if (b % 2 == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(dw + b * 16 + PREFETCH / 8), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(mw + b * 16 + PREFETCH / 8), _MM_HINT_T0);
-      }
+      // on into the next tile (a prefetch past the end is harmless). 4-bit codes only: 8-bit codes
+      // streamed faster without it (measured on one CPU only, docs/results.md)
+      for (int i = 0; i < STRIDE<BITS>; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + PREFETCH + i), _MM_HINT_T0);
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(cb + g * 64);
         const __m512i lo = _mm512_and_si512(v, low);
@@ -109,8 +109,8 @@ inline void tile(const uint8_t* codes, const at::Half* dw, const at::Half* mw, c
     }
     if constexpr (SPLIT)
       for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], isum2[r]);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * 16)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mw + b * 16)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + CODES<BITS>)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + CODES<BITS> + 32)));
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(da[r * B + b]));
       acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum[r]), acc[r]);
@@ -121,39 +121,34 @@ inline void tile(const uint8_t* codes, const at::Half* dw, const at::Half* mw, c
 }
 
 template <int BITS>
-void run(const uint8_t* cp, const at::Half* dp, const at::Half* mp, const int8_t* q, const float* dap,
-         const float* sap, int64_t M, int64_t K, int64_t T, int64_t B, float* op) {
-  constexpr int STRIDE = BITS == 4 ? 256 : 512;
+void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap, int64_t M, int64_t K,
+         int64_t T, int64_t B, float* op) {
   const int64_t N = 16 * T;
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* c = cp + t * B * STRIDE;
-      const at::Half* dw = dp + t * B * 16;
-      const at::Half* mw = mp + t * B * 16;
+      const uint8_t* c = bp + t * B * STRIDE<BITS>;
       // rows in groups of 8, 4, 2, 1: a group shares every code block it unpacks (measured faster
       // than groups of 4 and 1 only at 2-8 rows, the same elsewhere: reports/w4a8_rows/ab.py)
       int64_t r = 0;
       for (; r + 8 <= M; r += 8)
-        tile<8, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
       for (; r + 4 <= M; r += 4)
-        tile<4, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
       for (; r + 2 <= M; r += 2)
-        tile<2, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
       for (; r < M; ++r)
-        tile<1, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
     }
   });
 }
 
-// x [M, K] float32; codes [T, B, 256 | 512] uint8; d, m [T, B, 16] float16 -> [M, 16 T] float32
-at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+// x [M, K] float32; blocks [T, B, 320 | 576] uint8 (see the header) -> [M, 16 T] float32
+at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "w4a8_mm: x must be [M, K] float32");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              (codes.size(2) == 256 || codes.size(2) == 512), "w4a8_mm: codes must be [T, B, 256 | 512] uint8");
-  const int64_t T = codes.size(0), B = codes.size(1);
-  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.is_contiguous() &&
-              m.is_contiguous() && d.sizes() == at::IntArrayRef({T, B, 16}) && d.sizes() == m.sizes(),
-              "w4a8_mm: d and m must be [T, B, 16] float16");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              (blocks.size(2) == STRIDE<4> || blocks.size(2) == STRIDE<8>),
+              "w4a8_mm: blocks must be [T, B, 320 | 576] uint8");
+  const int64_t T = blocks.size(0), B = blocks.size(1);
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K == 32 * B, "w4a8_mm: x has ", K, " columns, the weight ", 32 * B);
@@ -167,12 +162,11 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Te
   int8_t* qa = qa_buf.data();
   float *da = da_buf.data(), *sa = sa_buf.data();
   quantize_rows(x.data_ptr<float>(), M, K, qa, da, sa);
-  const auto* cp = codes.data_ptr<uint8_t>();
-  const auto *dp = d.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
-  if (codes.size(2) == 256)
-    run<4>(cp, dp, mp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
+  const auto* bp = blocks.data_ptr<uint8_t>();
+  if (blocks.size(2) == STRIDE<4>)
+    run<4>(bp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
   else
-    run<8>(cp, dp, mp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
+    run<8>(bp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
   return out;
 }
 
@@ -194,18 +188,16 @@ int64_t w4a8_threads(const at::Tensor&) {
 // dispatcher stack (~10 us per call, 120 calls per decode step of the default model). The name
 // is AOTInductor's for the op's schema name (aoti_torch_<device>_<op>); runtime/w4a8.py loads
 // this library with global symbols so a package's reference resolves to it.
-extern "C" AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d,
-                                                 AtenTensorHandle m, AtenTensorHandle* ret0) {
+extern "C" AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle blocks, AtenTensorHandle* ret0) {
   using torch::aot_inductor::tensor_handle_to_tensor_pointer;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor out = w4a8_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(codes),
-                             *tensor_handle_to_tensor_pointer(d), *tensor_handle_to_tensor_pointer(m));
+    at::Tensor out = w4a8_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(blocks));
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }
 
 TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
-  lib.def("w4a8_mm(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
+  lib.def("w4a8_mm(Tensor x, Tensor blocks) -> Tensor");
   lib.def("w4a8_threads(Tensor any) -> int");
 }
 TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
