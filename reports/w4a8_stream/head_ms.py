@@ -1,3 +1,4 @@
+"""The spec plan's drafter head call (one whole-call package) hot and after a 128 MB sum evicts it, medians of 50: PLAN.yaml"""
 import sys, time, statistics, torch
 from yggtree.bench import plan_runner
 from yggtree.runtime.build import fixed_policy

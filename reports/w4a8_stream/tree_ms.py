@@ -1,4 +1,4 @@
-"""median ms of the spec plan's target tree step at widths W (chain trees), context Lc, interleaved rounds in one process."""
+"""Median ms of the spec plan's target tree step at widths W (chain trees) at context Lc, interleaved rounds in one process: PLAN.yaml Lc W..."""
 import sys, time, os, statistics, torch
 from yggtree.bench import plan_runner
 torch.set_num_threads(2)

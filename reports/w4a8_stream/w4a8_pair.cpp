@@ -1,0 +1,227 @@
+// yggtree::w4a8_mm -- block-quantized weights times int8-quantized activations on AVX512-VNNI
+// (runtime/w4a8.py builds this file once per machine and documents the format).
+//
+// Weights: per 32-wide input block b of output column n, w = d * u + m with codes u in 0..15
+// (4-bit: GGUF Q4_0 / Q4_1) or 0..255 (8-bit: GGUF Q8_0, whose int8 q is u - 128), d and m
+// float16. Activations: per row r and block b, a ~= da * qa with da = amax / 127 and
+// qa = round-to-nearest-even(a * (1 / da)) in -127..127 (float32 arithmetic). Then
+//   y[r, n] = sum_b ( (d * da) * isum + m * sa ),  isum = sum_k u * qa (int32, exact),
+//                                                  sa   = da * sum_k qa
+// accumulated in float32 in block order with fused multiply-adds. Every float step is per row
+// and per output column in a fixed order, so a row's result does not depend on the call's
+// other rows nor on the thread count (tiles of 16 columns are split across threads whole).
+//
+// Layout, per tile t of 16 output columns and block b (T = N / 16, B = K / 32):
+//   4-bit codes [T, B, 256] uint8: byte (g, lane, i) = u[16t+lane][32b+4g+i] | u[16t+lane][32b+16+4g+i] << 4
+//   8-bit codes [T, B, 512] uint8: byte (g, lane, i) = u[16t+lane][32b+4g+i]      (g < 8)
+//   d, m        [T, B, 16] float16
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#ifndef PREFETCH
+#define PREFETCH 1024  // bytes of codes ahead of the block being read: measured on one CPU only against
+                       // none, 2048 and 4096 (docs/results.md); a build may set another (-DPREFETCH=N)
+#endif
+
+// qa [M, K] int8, da and sa [M, B] float32 (see the header)
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa) {
+  const int64_t B = K / 32;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + r * K + b * 32;
+      const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const float d = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv));  // nearest even (default MXCSR)
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + r * K + b * 32), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + r * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+      da[r * B + b] = d;
+      sa[r * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+  }
+}
+
+inline __m512i broadcast4(const int8_t* a) {
+  int32_t v;
+  std::memcpy(&v, a, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R rows of one tile, all blocks. 4-bit: a tile is 32 columns whose codes share bytes (the low
+// nibble column c, the high nibble column c + 16, same input k), so one activation broadcast
+// feeds both: dpbusd(v) sums lo + 16 hi, dpbusd(v & 0xF0) sums 16 hi, and the two columns' exact
+// int32 sums are their difference and 16 hi >> 4. 8-bit: a tile is 16 columns. With one row,
+// each sum alternates between two accumulators by group (two dependency chains instead of one;
+// the int32 sums are exact, so the result is the same)
+template <int R, int BITS>
+inline void tile(const uint8_t* codes, const at::Half* dw, const at::Half* mw, const int8_t* qa,
+                 const float* da, const float* sa, int64_t K, int64_t B, float* out, int64_t ldo) {
+  constexpr int C = BITS == 4 ? 32 : 16;  // columns per tile
+  constexpr int V = C / 16;               // float vectors per row
+  constexpr bool SPLIT = R == 1;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i isum[R][V], isum2[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < V; ++j) isum[r][j] = _mm512_setzero_si512(), isum2[r][j] = _mm512_setzero_si512();
+    const uint8_t* cb = codes + b * 512;
+    if constexpr (BITS == 4) {
+      // the weights are one stream (tiles are contiguous): fetch PREFETCH bytes ahead, which runs
+      // on into the next tile (a prefetch past the end is harmless); d and m are streams of their
+      // own. 4-bit codes only: 8-bit codes streamed faster without it (measured on one CPU only,
+      // docs/results.md)
+      for (int i = 0; i < 512; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + PREFETCH + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(dw + b * 32 + PREFETCH / 8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(mw + b * 32 + PREFETCH / 8), _MM_HINT_T0);
+      for (int g = 0; g < 8; ++g) {
+        const __m512i v = _mm512_loadu_si512(cb + g * 64);
+        const __m512i h = _mm512_and_si512(v, high);
+        for (int r = 0; r < R; ++r) {
+          const __m512i a = broadcast4(qa + r * K + b * 32 + 4 * g);
+          if (SPLIT && (g & 1)) {
+            isum2[r][0] = _mm512_dpbusd_epi32(isum2[r][0], v, a);
+            isum2[r][1] = _mm512_dpbusd_epi32(isum2[r][1], h, a);
+          } else {
+            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], v, a);
+            isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], h, a);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        if constexpr (SPLIT)
+          for (int j = 0; j < 2; ++j) isum[r][j] = _mm512_add_epi32(isum[r][j], isum2[r][j]);
+        isum[r][0] = _mm512_sub_epi32(isum[r][0], isum[r][1]);  // lo
+        isum[r][1] = _mm512_srai_epi32(isum[r][1], 4);          // hi
+      }
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        const __m512i v = _mm512_loadu_si512(cb + g * 64);
+        for (int r = 0; r < R; ++r) {
+          if (SPLIT && (g & 1))
+            isum2[r][0] = _mm512_dpbusd_epi32(isum2[r][0], v, broadcast4(qa + r * K + b * 32 + 4 * g));
+          else
+            isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], v, broadcast4(qa + r * K + b * 32 + 4 * g));
+        }
+      }
+      if constexpr (SPLIT)
+        for (int r = 0; r < R; ++r) isum[r][0] = _mm512_add_epi32(isum[r][0], isum2[r][0]);
+    }
+    for (int j = 0; j < V; ++j) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * C + 16 * j)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mw + b * C + 16 * j)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(da[r * B + b]));
+        acc[r][j] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum[r][j]), acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[r * B + b]), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(out + r * ldo + 16 * j, acc[r][j]);
+}
+
+template <int BITS>
+void run(const uint8_t* cp, const at::Half* dp, const at::Half* mp, const int8_t* q, const float* dap,
+         const float* sap, int64_t M, int64_t K, int64_t T, int64_t B, float* op) {
+  constexpr int C = BITS == 4 ? 32 : 16;
+  const int64_t N = C * T;
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* c = cp + t * B * 512;
+      const at::Half* dw = dp + t * B * C;
+      const at::Half* mw = mp + t * B * C;
+      // rows in groups of 4, 2, 1: a group shares every code block it loads
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4)
+        tile<4, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + C * t, N);
+      for (; r + 2 <= M; r += 2)
+        tile<2, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + C * t, N);
+      for (; r < M; ++r)
+        tile<1, BITS>(c, dw, mw, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + C * t, N);
+    }
+  });
+}
+
+// x [M, K] float32; codes [T, B, 256 | 512] uint8; d, m [T, B, 16] float16 -> [M, 16 T] float32
+at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "w4a8_mm: x must be [M, K] float32");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 512,
+              "w4a8_mm: codes must be [T, B, 512] uint8");
+  const int64_t T = codes.size(0), B = codes.size(1);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.is_contiguous() &&
+              m.is_contiguous() && d.dim() == 3 && d.size(0) == T && d.size(1) == B &&
+              (d.size(2) == 32 || d.size(2) == 16) && d.sizes() == m.sizes(),
+              "w4a8_mm: d and m must be [T, B, 32] (4-bit codes) or [T, B, 16] (8-bit) float16");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K == 32 * B, "w4a8_mm: x has ", K, " columns, the weight ", 32 * B);
+  const int64_t C = d.size(2);  // columns per tile: 32 (4-bit codes) or 16 (8-bit)
+  auto out = at::empty({M, C * T}, x.options());
+  // the quantized activations live in the calling thread's scratch (no allocation per product;
+  // the parallel tiles only read them)
+  static thread_local std::vector<int8_t> qa_buf;
+  static thread_local std::vector<float> da_buf, sa_buf;
+  if (static_cast<int64_t>(qa_buf.size()) < M * K) qa_buf.resize(M * K);
+  if (static_cast<int64_t>(da_buf.size()) < M * B) da_buf.resize(M * B), sa_buf.resize(M * B);
+  int8_t* qa = qa_buf.data();
+  float *da = da_buf.data(), *sa = sa_buf.data();
+  quantize_rows(x.data_ptr<float>(), M, K, qa, da, sa);
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto *dp = d.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
+  if (C == 32)
+    run<4>(cp, dp, mp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
+  else
+    run<8>(cp, dp, mp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
+  return out;
+}
+
+// The threads the kernel's parallel loop runs on at the calling thread's intra-op count (1 if the
+// build lacked OpenMP: at::parallel_for then runs serially); the argument only selects the CPU kernel
+int64_t w4a8_threads(const at::Tensor&) {
+  std::atomic<int64_t> most{1};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    int64_t n = at::get_thread_num() + 1, cur = most.load();
+    while (n > cur && !most.compare_exchange_weak(cur, n)) {}
+  });
+  return most.load();
+}
+
+}  // namespace
+
+// The op's C shim: AOTInductor packages compiled with it (runtime/aoti.py) call the kernel here
+// directly instead of through the proxy executor, which boxes every call's arguments into a
+// dispatcher stack (~10 us per call, 120 calls per decode step of the default model). The name
+// is AOTInductor's for the op's schema name (aoti_torch_<device>_<op>); runtime/w4a8.py loads
+// this library with global symbols so a package's reference resolves to it.
+extern "C" AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle d,
+                                                 AtenTensorHandle m, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = w4a8_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(codes),
+                             *tensor_handle_to_tensor_pointer(d), *tensor_handle_to_tensor_pointer(m));
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
+  lib.def("w4a8_mm(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
+  lib.def("w4a8_threads(Tensor any) -> int");
+}
+TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
+  lib.impl("w4a8_mm", &w4a8_mm);
+  lib.impl("w4a8_threads", &w4a8_threads);
+}
