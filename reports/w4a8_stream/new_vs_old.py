@@ -1,5 +1,5 @@
-"""The shipped w4a8 kernel (one interleaved stream per tile: codes, d, m) against the one before it (w4a8_old.cpp: three
-streams), built as ygg_old::w4a8_mm: outputs bitwise equal for 1-17 rows, then the default model's 121 products timed in
+"""The shipped w4a8 kernel (one interleaved stream per tile: codes, d, m) against the one before it (8c0930a: three
+streams; read with git show), built as ygg_old::w4a8_mm: outputs bitwise equal for 1-17 rows, then the default model's 121 products timed in
 interleaved rounds, weights in one huge-page arena in model order (cold: 98 MB > L3). OMP_NUM_THREADS=2 python new_vs_old.py 2 1 2 4 8"""
 import sys, statistics, tempfile, torch
 from pathlib import Path
@@ -13,7 +13,8 @@ T = int(sys.argv[1]); Ms = [int(x) for x in sys.argv[2:]]
 torch.set_num_threads(T); load_kernel()
 build = Path(tempfile.mkdtemp(prefix="ygg_old_"))
 v = build / "v.cpp"
-v.write_text(Path(__file__).with_name("w4a8_old.cpp").read_text().replace("(yggtree, ", "(ygg_old, ").replace("aoti_torch_cpu_w4a8_mm", "aoti_torch_cpu_w4a8_mm_old"))
+import subprocess
+v.write_text(subprocess.run(["git", "show", "8c0930a:yggtree/runtime/csrc/w4a8.cpp"], capture_output=True, text=True, check=True).stdout.replace("(yggtree, ", "(ygg_old, ").replace("aoti_torch_cpu_w4a8_mm", "aoti_torch_cpu_w4a8_mm_old"))
 cpp_extension.load(name="ygg_old", sources=[str(v)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
 NEW, OLD = torch.ops.yggtree.w4a8_mm, torch.ops.ygg_old.w4a8_mm
 def split(p):  # new packed -> old (codes, d, m)

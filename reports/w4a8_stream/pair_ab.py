@@ -1,4 +1,4 @@
-"""A/B (run at 8c0930a, whose op took codes, d, m): the shipped w4a8 kernel against two columns per byte (w4a8_pair.cpp), bitwise, then time."""
+"""A/B (run at 8c0930a, whose op took codes, d, m): the shipped w4a8 kernel against two columns per byte (w4a8_pair.cpp: git show 8c0930a:yggtree/runtime/csrc/w4a8.cpp, then patch with w4a8_pair.patch), bitwise, then time."""
 import sys, statistics, tempfile, torch
 import torch.nn.functional as F
 from pathlib import Path

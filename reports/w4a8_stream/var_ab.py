@@ -1,4 +1,4 @@
-"""A/B (run at 8c0930a, whose op took codes, d, m): the shipped w4a8 kernel against a variant source argv[1] of the same layout built with extra flags argv[2]; layers + head in a huge-page arena."""
+"""A/B (run at 8c0930a, whose op took codes, d, m): the shipped w4a8 kernel against a variant source argv[1] of the same layout built with extra flags argv[2] (w4a8_dyn.cpp: the kernel of 8c0930a patched with w4a8_dyn.patch); layers + head in a huge-page arena."""
 import sys, statistics, tempfile, torch
 from pathlib import Path
 from torch.utils import cpp_extension
