@@ -13,7 +13,7 @@
 //
 // Layout: one uint8 tensor [T, B, S], per tile t of 16 output columns and block b (T = N / 16,
 // B = K / 32) the block's codes, then its 16 d, then its 16 m (float16), so each thread reads one
-// contiguous stream (three streams -- codes, d, m -- ran 1.08-1.14x slower at 2-4 rows):
+// contiguous stream (three tensors -- codes, d, m -- ran 1.04-1.075x slower at 1-8 rows; docs/results.md):
 //   4-bit, S = 320: byte (g, lane, i) = u[16t+lane][32b+4g+i] | u[16t+lane][32b+16+4g+i] << 4, then d, m
 //   8-bit, S = 576: byte (g, lane, i) = u[16t+lane][32b+4g+i] (g < 8), then d, m
 #include <ATen/ATen.h>
@@ -29,8 +29,9 @@
 namespace {
 
 #ifndef PREFETCH
-#define PREFETCH 1024  // bytes of codes ahead of the block being read: measured on one CPU only against
-                       // none, 2048 and 4096 (docs/results.md); a build may set another (-DPREFETCH=N)
+#define PREFETCH 1024  // bytes ahead of the block being read: measured against none, 2048 and 4096 on one
+                       // CPU, and against 512-16384 on another where none differed beyond noise
+                       // (docs/results.md); a build may set another (-DPREFETCH=N)
 #endif
 
 // qa [M, K] int8, da and sa [M, B] float32 (see the header)
