@@ -183,6 +183,27 @@ def test_time_rounds_settles_each_timed_call_with_one_of_its_own(monkeypatch):
     assert times == {"a": pytest.approx([2.0, 2.0]), "b": pytest.approx([2.0, 2.0])}
 
 
+def test_time_rounds_runs_a_keys_before_call_last_before_its_timed_one(monkeypatch):
+    """With ``before``, a key's timed call comes right after its ``before`` call (which follows the
+    settling calls and is not timed: it takes 1 s on a fake clock, the timed call 2 ms); keys
+    without one are timed as before."""
+    from types import SimpleNamespace
+
+    from yggtree.offline import timing
+
+    clock, log = [0.0], []
+
+    def call(name, dt):
+        clock[0] += dt
+        log.append(name)
+
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    fns = {"draft": lambda: call("draft", 0.002), "verify": lambda: call("verify", 0.002)}
+    times = timing.time_rounds(fns, warmup=0, repeats=2, settle=1, before={"draft": lambda: call("target", 1.0)})
+    assert log == ["draft", "target", "draft", "verify", "verify"] * 2
+    assert times == {"draft": pytest.approx([2.0, 2.0]), "verify": pytest.approx([2.0, 2.0])}
+
+
 def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, monkeypatch):
     """`yggtree profile` of a plan with ``weights: int8``, naming the profile it writes, times the
     quantized engine (its int8 products on each kernel, never padded) and records the format; the cost

@@ -18,7 +18,8 @@ def time_ms(fn, warmup: int, repeats: int) -> list[float]:
 
 
 def time_rounds(fns: dict[Hashable, Callable[[], object]], warmup: int, repeats: int,
-                on_round: Callable[[], None] | None = None, settle: int = 0) -> dict[Hashable, list[float]]:
+                on_round: Callable[[], None] | None = None, settle: int = 0,
+                before: dict[Hashable, Callable[[], object]] | None = None) -> dict[Hashable, list[float]]:
     """``warmup`` untimed rounds, then ``repeats`` timed ones, each calling every call of ``fns``
     once, in order (``on_round`` after each round): the milliseconds of each call's ``repeats``
     timed runs, by key.
@@ -29,12 +30,18 @@ def time_rounds(fns: dict[Hashable, Callable[[], object]], warmup: int, repeats:
     evaluating their guards (~0.2 ms each for a decode step whose weights are graph inputs):
     cycling through a profile grid's 42 graphs of one step function put ~10 ms of lookups on every
     timed call, which a decode loop -- a few shapes, or AOTInductor packages with no dynamo at
-    all -- never pays."""
+    all -- never pays.
+
+    ``before``: per key, an untimed call made last before each timed one (after the settling
+    calls), for a call a decode loop makes right after another: a drafter call after the target's
+    step, which has streamed the target's weights through the caches."""
     out: dict[Hashable, list[float]] = {key: [] for key in fns}
     for r in range(warmup + repeats):
         for key, fn in fns.items():
             for _ in range(settle):
                 fn()
+            if before is not None and key in before:
+                before[key]()
             t = time.perf_counter()
             fn()
             if r >= warmup:
