@@ -49,7 +49,7 @@ from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
-from .timing import LoadMeter, load_warning, time_ms, time_rounds
+from .timing import LoadMeter, load_warning, time_rounds
 
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -458,12 +458,15 @@ def _ready_engine(plan, engine, mode: str, padding: dict, n_slots: int, widths: 
     return engine, time.perf_counter() - t0 + built
 
 
+AFTER_TARGET_STEP = ("accept", "plain_accept", "commit", "policy")  # stages a decode runs right after the target's step
+
+
 def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: set[int],
                  grid: ProfileGrid) -> tuple[list[dict], dict]:
     """The timed model calls (one row each: kind, width, context, bucket and the summary of its
     times, all timed in rounds, each timed call right after an untimed one of the same shape, as
     in a decode loop: timing.time_rounds; a drafter call also right after a target step) and the
-    median of each stage call
+    median of each stage call (those of AFTER_TARGET_STEP right after a target step too)
     (``stage_ms``: per key where a stage has several)."""
     rows, stages = [], {}
     calls = model_calls(engine, plan, widths, contexts, drafted)
@@ -479,8 +482,12 @@ def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: 
                             on_round=lambda: progress.advance(task), settle=1, before=before)
         for i, (kind, w, ctx, bucket, _) in enumerate(calls):
             rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | summarise(times[i]))
+        # the work that follows the target's step in a decode (accepting, committing, the policy's
+        # choice) runs on caches the step's weights went through: timed right after one too
+        after_step = {0: plain[min(plain)]} if plain else None
         for name, key, fn in scalls:
-            s = summarise(time_ms(fn, grid.warmup, max(grid.repeats * 3, 10)))
+            before = after_step if name in AFTER_TARGET_STEP else None
+            s = summarise(time_rounds({0: fn}, grid.warmup, max(grid.repeats * 3, 10), before=before)[0])
             if key is None:
                 stages[name] = s["median_ms"]
             else:
