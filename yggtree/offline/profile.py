@@ -458,35 +458,35 @@ def _ready_engine(plan, engine, mode: str, padding: dict, n_slots: int, widths: 
     return engine, time.perf_counter() - t0 + built
 
 
-AFTER_TARGET_STEP = ("accept", "plain_accept", "commit", "policy")  # stages a decode runs right after the target's step
+# what a decode runs right after the target's step, on caches the step's weights have just gone
+# through: the drafter's calls and the accepting, committing and choosing (egt and prune follow the
+# drafter's calls instead); the profile times each right after a target step, not hot after a call
+# of its own
+AFTER_TARGET_STEP = ("head", "draft", "accept", "plain_accept", "commit", "policy")
 
 
 def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: set[int],
                  grid: ProfileGrid) -> tuple[list[dict], dict]:
     """The timed model calls (one row each: kind, width, context, bucket and the summary of its
     times, all timed in rounds, each timed call right after an untimed one of the same shape, as
-    in a decode loop: timing.time_rounds; a drafter call also right after a target step) and the
-    median of each stage call (those of AFTER_TARGET_STEP right after a target step too)
+    in a decode loop: timing.time_rounds; those of AFTER_TARGET_STEP right after a target step
+    too) and the median of each stage call (likewise)
     (``stage_ms``: per key where a stage has several)."""
     rows, stages = [], {}
     calls = model_calls(engine, plan, widths, contexts, drafted)
     scalls = stage_calls(engine, plan)
     with stderr_progress() as progress:
         task = progress.add_task("timing", total=grid.warmup + grid.repeats + len(scalls))
-        # a decode runs the drafter right after the target's step (its weights streamed through the
-        # caches since the drafter's last call): each drafter call is timed after a target step at
-        # its context, not hot after a call of its own (which timed it up to ~2x low)
-        plain = {ctx: fn for kind, w, ctx, _, fn in calls if kind == "verify" and w == 1}
-        before = {i: plain[c[2]] for i, c in enumerate(calls) if c[0] in ("draft", "head") and c[2] in plain}
+        step_at = {ctx: fn for kind, w, ctx, _, fn in calls if kind == "verify" and w == 1}  # by context
+        model_before = {i: step_at[ctx] for i, (kind, _, ctx, _, _) in enumerate(calls)
+                        if kind in AFTER_TARGET_STEP and ctx in step_at}
         times = time_rounds({i: c[-1] for i, c in enumerate(calls)}, grid.warmup, grid.repeats,
-                            on_round=lambda: progress.advance(task), settle=1, before=before)
+                            on_round=lambda: progress.advance(task), settle=1, before=model_before)
         for i, (kind, w, ctx, bucket, _) in enumerate(calls):
             rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | summarise(times[i]))
-        # the work that follows the target's step in a decode (accepting, committing, the policy's
-        # choice) runs on caches the step's weights went through: timed right after one too
-        after_step = {0: plain[min(plain)]} if plain else None
+        stage_before = {0: step_at[min(step_at)]} if step_at else None
         for name, key, fn in scalls:
-            before = after_step if name in AFTER_TARGET_STEP else None
+            before = stage_before if name in AFTER_TARGET_STEP else None
             s = summarise(time_rounds({0: fn}, grid.warmup, max(grid.repeats * 3, 10), before=before)[0])
             if key is None:
                 stages[name] = s["median_ms"]
