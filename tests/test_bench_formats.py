@@ -7,6 +7,7 @@ measurement."""
 from __future__ import annotations
 
 import json
+import statistics
 import stat
 
 import pytest
@@ -45,6 +46,8 @@ def test_every_format_plain_and_speculative_in_one_run(model_dir, tmp_path, caps
              "ygg/int8/plain", "ygg/int8/spec", "ygg/int4@32/plain", "ygg/int4@32/spec", "hf/float32", "hf/bfloat16"]
     assert list(res["systems"]) == names and res["llama_cpp"] is None and res["threads"] == 1
     assert res["bandwidth"]["gbps"] >= max(res["bandwidth"]["copy_gbps"], res["bandwidth"]["sum_gbps"]) > 0
+    probes = res["bandwidth"]["probes_gbps"]  # one before the passes, one after each prompt's systems
+    assert len(probes) == 1 + 2 * 3 and res["bandwidth"]["probe_gbps"] == pytest.approx(statistics.median(probes), rel=1e-3)
     rows = {r["system"]: r for r in res["table"]}
     for name in names:
         r = rows[name]
@@ -52,7 +55,14 @@ def test_every_format_plain_and_speculative_in_one_run(model_dir, tmp_path, caps
             assert name.endswith("/spec") and res["systems"][name]["refused"]
             continue
         assert r["decode_tok_s"] > 0 and r["weight_bytes"] > 0 and r["limit_tok_s"] > 0
-        assert r["limit_fraction"] == pytest.approx(r["decode_tok_s"] / r["limit_tok_s"])
+        assert r["limit_tok_s"] == pytest.approx(res["bandwidth"]["probe_gbps"] * 1e9 / r["weight_bytes"])
+        per_prompt = []  # each pass against the bandwidth probed around it, medians over passes then prompts
+        for p in res["per_prompt"]:
+            q = p[name]
+            assert len(q["gbps_all"]) == 2 and all(g > 0 for g in q["gbps_all"])
+            per_prompt.append(statistics.median((q["new_tokens"] - 1) / d / (g * 1e9 / r["weight_bytes"])
+                                                for d, g in zip(q["decode_s_all"], q["gbps_all"])))
+        assert r["limit_fraction"] == pytest.approx(statistics.median(per_prompt))
         assert r["x_hf_float32_lo"] <= r["x_hf_float32"] <= r["x_hf_float32_hi"]
         assert r["x_ygg_float32_lo"] <= r["x_ygg_float32"] <= r["x_ygg_float32_hi"]
         assert (r["compared"] == 3) == name.endswith("/spec")
