@@ -645,7 +645,8 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
     """``_surely_plain`` (a plain step's choice from the cached best tree rate) makes the same
     choices as pricing every tree each step, over random steps whose measured times and
     acceptance move the feedback both ways (machine slower and faster, widths drifting, trees
-    accepting more or less than expected, new requests), across context buckets."""
+    accepting more or less than expected, new requests), across context buckets, with the
+    drafter's catch-up growing over plain steps, emptied by drafted ones and learnt from them."""
     import random
 
     from yggtree.runtime.feedback import Feedback
@@ -655,10 +656,11 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
 
     def make():
         cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
-        return ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
+        return ObjectivePolicy(catch_up_model(0.3), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
                                feedback=Feedback(alpha=0.3, accept_alpha=0.3), probe_every=3, probe_max=12)
 
     fast, full = make(), make()
+    behind, remaining = 0, 10_000
     monkeypatch.setattr(full, "_surely_plain", lambda ctx: False, raising=False)
     rng = random.Random(seed)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
@@ -667,6 +669,8 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
         ctx = rng.choice((60, 100, 300, 700))
         if rng.random() < 0.02:
             fast.start_request(), full.start_request()
+            behind, remaining = rng.choice((0, 40, 400)), rng.choice((16, 64, 10_000))
+        fast.see_catch_up(behind, remaining), full.see_catch_up(behind, remaining)
         a, b = fast.choose_draft(torch.zeros(8), ctx), full.choose_draft(torch.zeros(8), ctx)
         assert a == b, step
         kinds.add(a.draft_depth > 0)
@@ -674,8 +678,91 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
         if a.draft_depth:
             assert fast.choose_verify(tree, a, ctx) == full.choose_verify(tree, a, ctx)
             rec = _record(a, rng.randrange(5), slow * rng.uniform(20.0, 60.0), slow * 25.0)
+            rec.stage_ms["resync"] = slow * 0.3 * behind
+            behind = 0
         else:
             rec = _record(a, 0, slow * fast.cost.plain_ms(ctx))
+            behind += 1
+        remaining = max(remaining - 1, 1)
         fast.observe(rec), full.observe(rec)
     assert kinds == {False, True}  # both kinds of step were chosen
     assert fast._best_rate  # and plain steps took the shortcut
+
+
+def catch_up_model(per_token: float) -> CostModel:
+    """:func:`cost_model` with a profiled drafter catch-up of ``per_token`` ms a token."""
+    c = cost_model()
+    return replace(c, stage_ms=c.stage_ms | {"resync": {"256": 256 * per_token}})
+
+
+def test_a_tree_starts_only_where_it_repays_the_drafters_catch_up():
+    """The drafter behind by n tokens (plain steps, or a request's deferred prefill): the best
+    tree, predicted s x faster than plain steps of T_plain, is chosen only where its catch-up
+    (n x the profile's ms a token) costs less than the remaining budget's saving,
+    remaining x T_plain x (1 - 1 / s); in step (n = 0), not told, or without a price, as before."""
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + min(d, 3) * 0.3), (4, 8, 16, 32))
+    per = 0.5
+    pol = ObjectivePolicy(catch_up_model(per), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6)
+    best, s = pol.plan_choice(100)
+    assert best.draft_depth > 0 and s > 1
+    assert pol.choose_draft(torch.zeros(8), 100) == best  # not told: the tree
+    plain, seen = pol.cost.plain_ms(100), set()
+    for behind in (0, 10, 100, 1000):
+        for remaining in (1, 4, 16, 64, 512):
+            pol.see_catch_up(behind, remaining)
+            pays = behind * per < remaining * plain * (1 - 1 / s)
+            assert pol.choose_draft(torch.zeros(8), 100) == (best if pays else StepChoice(0, 1)), (behind, remaining)
+            seen.add(pays)
+    assert seen == {True, False}
+    unpriced = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6)  # a profile without it
+    unpriced.see_catch_up(1000, 1)
+    assert unpriced.choose_draft(torch.zeros(8), 100) == best
+
+
+def test_the_catch_up_is_learnt_from_the_drafted_steps_that_paid_it():
+    """A drafted step after a lag reports its resync stage: the feedback's ms a token replaces
+    the profile's at once, then moves by ``alpha`` (clipped), and prices the next catch-up."""
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.policy import StepRecord
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + min(d, 3) * 0.3), (4, 8, 16, 32))
+    pol = ObjectivePolicy(catch_up_model(0.5), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
+                          feedback=Feedback(alpha=0.5))
+    tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
+    pol.see_catch_up(40, 10_000)
+    assert pol.catch_up_ms() == pytest.approx(40 * 0.5)
+    for measured, want in ((1.0, 1.0), (1.2, 1.1)):  # ms a token: set, then halfway (alpha 0.5)
+        pol.see_catch_up(40, 10_000)
+        c = pol.choose_draft(torch.zeros(8), 100)
+        assert c.draft_depth > 0
+        pol.choose_verify(tree, c, 100)
+        pol.observe(StepRecord(torch.zeros(8), 100, c, 8, 1, {"verify": 31.0, "draft": 10.0, "resync": 40 * measured}))
+        assert pol.feedback.catch_up == pytest.approx(want)
+    pol.see_catch_up(10, 10_000)
+    assert pol.catch_up_ms() == pytest.approx(10 * 1.1)
+    pol.see_catch_up(0, 10_000)  # in step: a drafted step without a catch-up teaches nothing
+    c = pol.choose_draft(torch.zeros(8), 100)
+    pol.choose_verify(tree, c, 100)
+    pol.observe(StepRecord(torch.zeros(8), 100, c, 8, 1, {"verify": 31.0, "draft": 10.0, "resync": 0.001}))
+    assert pol.feedback.catch_up == pytest.approx(1.1)
+
+
+def test_a_probe_waits_until_its_catch_up_is_a_small_share_of_the_plain_steps():
+    """Trees predicted to lose: plain steps, and a probe after ``probe_every`` of them only once
+    the drafter's catch-up (growing one token a plain step) costs at most ``probe_share`` of the
+    plain steps run since: here after k plain steps, the first k >= 4 with
+    (100 + k) x 1 ms <= 0.25 x k x T_plain."""
+    from yggtree.runtime.feedback import Feedback
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1.05), (4, 8, 16, 32))
+    pol = ObjectivePolicy(catch_up_model(1.0), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, feedback=Feedback(),
+                          probe_every=4, probe_share=0.25)
+    plain = pol.cost.plain_ms(100)
+    k = next(k for k in range(4, 1000) if (100 + k) * 1.0 <= 0.25 * k * plain)
+    assert k > 4  # the catch-up, not probe_every, sets it
+    for i in range(k + 1):
+        pol.see_catch_up(100 + i, 10_000)
+        c = pol.choose_draft(torch.zeros(8), 100)
+        assert (c.draft_depth > 0) == (i == k), i
+        if not c.draft_depth:
+            pol.observe(_record(c, 0, plain))

@@ -48,6 +48,9 @@ class Cycling(StepPolicy):
         self.asked.append(("draft", committed, tuple(h_root.shape), h_root.dtype))
         return StepChoice(d, wd)
 
+    def see_catch_up(self, behind, remaining):
+        self.asked.append(("catch_up", behind, remaining))
+
     def choose_verify(self, tree, choice, committed):
         wv = self.CHOICES[self.i % len(self.CHOICES)][2]
         self.i += 1
@@ -118,6 +121,16 @@ def test_changing_policy_keeps_greedy_output(target, plain, kind):
             committed += 1 + rec.n_accepted
         assert res.stats["plain_steps"] == sum(r.choice.draft_depth == 0 for r in records)
         assert res.stats["resyncs"] >= 1
+        # before each step the policy hears the drafter's lag (its prefill is deferred to the first
+        # drafted step; a drafted step leaves it in step, a plain one behind) and the tokens left
+        told = [a[1:] for a in pol.asked if a[0] == "catch_up"]
+        lag, synced, sync_from, emitted = [], False, 0, 1
+        for rec in records:  # a resync redoes the drafter from the last drafted step's root
+            lag.append((0 if synced else rec.committed - sync_from, NEW - emitted))
+            synced = rec.choice.draft_depth > 0
+            sync_from = rec.committed if synced else sync_from
+            emitted += 1 + rec.n_accepted
+        assert told == lag
 
 
 class Observing(Cycling):
@@ -158,9 +171,12 @@ def test_policy_hears_each_request_start_before_its_first_choice(target):
     pol = Starting()
     for p in PROMPTS[:2]:
         eng.generate(p, SamplingParams(max_new_tokens=5), policy=pol)
-    starts = [i for i, a in enumerate(pol.asked) if a[0] == "start"]
-    assert len(starts) == 2 and starts[0] == 0 and pol.asked[1][0] == "draft"
-    assert pol.asked[starts[1] - 1][0] != "start" and pol.asked[starts[1] + 1][0] == "draft"
+    asked = [a[0] for a in pol.asked]
+    assert all(asked[i - 1] == "catch_up" for i, a in enumerate(asked) if a == "draft")  # heard first
+    asked = [a for a in asked if a != "catch_up"]
+    starts = [i for i, a in enumerate(asked) if a == "start"]
+    assert len(starts) == 2 and starts[0] == 0 and asked[1] == "draft"
+    assert asked[starts[1] - 1] != "start" and asked[starts[1] + 1] == "draft"
 
 
 def test_h_root_is_the_hidden_state_behind_the_root(target):
@@ -328,7 +344,7 @@ def test_a_choice_after_the_head_keeps_greedy_output(target, plain, kind):
             assert rec.choice == StepChoice(d, wd if d else 1)
             if d:
                 assert rec.tree.num_nodes == 1 + d * wd and rec.verify_width == wv
-        kinds = [a[0] for a in pol.asked]
+        kinds = [a[0] for a in pol.asked if a[0] != "catch_up"]
         assert kinds.count("head") == sum(r.choice.draft_depth > 0 for r in records)
         for a, b in zip(kinds, kinds[1:]):
             assert (a, b) in {("draft", "head"), ("head", "verify"), ("verify", "draft"),

@@ -134,6 +134,7 @@ def summarise(samples: list[float]) -> dict:
 # ----------------------------------------------------------------------------- padding
 
 PADDING_ROWS = (1, 2, 4, 8)  # the min_rows compared (1: no padding)
+RESYNC_CHUNKS = 4  # prefill chunks of the drafter's catch-up the profile times (its ms per token: cost.resync_per_token)
 
 
 def kernel_layers(model) -> list:
@@ -361,6 +362,11 @@ def stage_calls(engine, plan):
         drafter.commit(src, dst, path_tok, torch.tensor(1), feats)
 
     out.append(("commit", None, commit))
+    # the drafter's catch-up after plain steps (the resync stage): absorbing n committed tokens
+    n = min(RESYNC_CHUNKS * plan.prefill_chunk, engine.n_slots // 2)
+    seq = torch.zeros(n, dtype=torch.int64)
+    seq_feats = tuple(torch.zeros(n, h, dtype=target.embed_tokens.weight.dtype) for _ in drafter.target_layers)
+    out.append(("resync", n, lambda: drafter.prefill(seq, seq_feats, 0)))
     return out
 
 
@@ -462,7 +468,7 @@ def _ready_engine(plan, engine, mode: str, padding: dict, n_slots: int, widths: 
 # through: the drafter's calls and the accepting, committing and choosing (egt and prune follow the
 # drafter's calls instead); the profile times each right after a target step, not hot after a call
 # of its own
-AFTER_TARGET_STEP = ("head", "draft", "accept", "plain_accept", "commit", "policy")
+AFTER_TARGET_STEP = ("head", "draft", "accept", "plain_accept", "commit", "policy", "resync")
 
 
 def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: set[int],

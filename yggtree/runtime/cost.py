@@ -119,6 +119,16 @@ class CostModel:
             return self.plain_ms(ctx)
         return self.t_verify(wv, ctx) + self.overhead_ms(0, 1, wv)
 
+    def resync_per_token(self) -> float | None:
+        """ms a drafted step pays per committed token the drafter has to absorb first (its
+        catch-up after plain steps, the ``resync`` stage): the profile times a catch-up of N
+        tokens (``stage_ms["resync"] = {"N": ms}``); None in a profile without it."""
+        v = self.stage_ms.get("resync")
+        if not isinstance(v, dict) or not v:
+            return None
+        n = max(int(k) for k in v)
+        return float(v[str(n)]) / n
+
     def plain_ms(self, ctx: int) -> float:
         """One plain decoding step: the target at width 1 plus choosing the token."""
         return self.t_verify(1, ctx) + self._stage("plain_accept")

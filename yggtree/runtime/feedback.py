@@ -44,6 +44,11 @@ class Feedback:
       on one prompt and 1.25x on the next, and a policy that carried one prompt's bad luck into
       the next stayed on plain steps where the tree paid 1.07x over the set.
 
+    - ``catch_up`` (fast): ms per token of the drafter's catch-up (the ``resync`` stage: a
+      drafted step after plain steps first absorbs the tokens they committed, and after a request
+      whose drafter prefill was deferred, the whole prompt), measured; until a catch-up has run,
+      the profile's figure stands.
+
     Corrected: AAL' = 1 + (AAL - 1) x scale(D); T_plain' = machine x rel(1) x T_plain;
     T_step' = machine x (rel(W_v) x T_v(W_v) + spec_extra x (T_step - T_v(W_v))).
     A ratio enters clipped to within ``clip`` x the current estimate, so one outlier step (a page
@@ -57,6 +62,7 @@ class Feedback:
     request_prior_tokens: float = 3.0
     machine: float = 1.0
     spec_extra: float = 1.0
+    catch_up: float | None = None  # ms per token of the drafter's catch-up (None: none measured yet)
     _width: dict = field(default_factory=dict)  # W -> relative factor of width-W target calls
     _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
     _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
@@ -115,11 +121,23 @@ class Feedback:
                   for d, g in enumerate(self._global_scales(int(depth.max())))]  # every depth at once
         return 1.0 + (aal - 1.0) * np.array(scales)[depth]
 
+    def catch_up_per_token(self, prior: float | None) -> float | None:
+        """ms per token of the drafter's catch-up: the measured estimate, else ``prior`` (the
+        profile's, or None)."""
+        return self.catch_up if self.catch_up is not None else prior
+
+    def update_catch_up(self, ms: float, behind: int) -> None:
+        """Fold in one drafted step's catch-up: ``ms`` to absorb ``behind`` tokens."""
+        if behind <= 0:
+            return
+        r = ms / behind
+        self.catch_up = r if self.catch_up is None else _toward(self.catch_up, r, self.alpha, self.clip)
+
     def update(self, pred: Prediction, n_accepted: int, step_ms: float, verify_ms: float | None = None) -> None:
         """Fold in one step: its prediction, drafted tokens accepted, measured wall time, and
         (drafted steps) the measured time of its verify stage. A plain step is all target call."""
         def toward(est: float, ratio: float, a: float) -> float:
-            return est + a * (min(max(ratio, est / self.clip), est * self.clip) - est)
+            return _toward(est, ratio, a, self.clip)
 
         plain = pred.draft_depth == 0 and pred.verify_width == 1  # (D 0, W_v > 1: lookup-only)
         if plain:
@@ -145,6 +163,11 @@ class Feedback:
         self._by_depth[pred.draft_depth] = ((1 - b) * acc + n_accepted, (1 - b) * exp + pred.aal - 1.0)
         acc, exp = self._request.get(pred.draft_depth, (0.0, 0.0))
         self._request[pred.draft_depth] = (acc + n_accepted, exp + pred.aal - 1.0)
+
+
+def _toward(est: float, ratio: float, a: float, clip: float) -> float:
+    """``est`` moved by ``a`` toward ``ratio`` clipped to within ``clip`` x ``est``."""
+    return est + a * (min(max(ratio, est / clip), est * clip) - est)
 
 
 def _shrunk(sums: tuple[float, float] | None, k: float, prior: float) -> float:

@@ -78,6 +78,14 @@ class ObjectivePolicy(StepPolicy):
       ``probe_max`` plain steps' worth; a probe that wins, or a tree chosen on its merits, resets
       it, so on text where speculation never pays the probes cost a few percent
       (docs/objective.md has the measured figures).
+    - the drafter's catch-up (``see_catch_up``: after plain steps, and at a request's start,
+      whose drafter prefill the engine defers to the first drafted step, the drafter must first
+      absorb the tokens it lacks): a tree is chosen only where its saving over the tokens the
+      request may still emit pays for the catch-up first (``behind`` tokens at the feedback's
+      measured ms per token, else the profile's), and a probe only where its catch-up costs at
+      most ``probe_share`` of the plain steps before it. On a fast target a prompt's catch-up
+      costs many plain steps (the w4a8 plan here: ~60 ms, ten of them), which a short request's
+      marginal trees never earn back.
 
     ``log`` collects one :class:`Prediction` per step (plain steps included) for benches.
     """
@@ -105,6 +113,9 @@ class ObjectivePolicy(StepPolicy):
     _lookup: tuple[float, ...] = ()  # path values of this step's lookup candidates, best first
     _lk_grid: dict = field(default_factory=dict)  # bucket index -> {W_v: (lookup-only step ms, verify ms)}
     _best_rate: dict = field(default_factory=dict)  # bucket index -> (feedback state, best tree's AAL / step ms)
+    _behind: int = 0  # tokens the drafter lacks before the coming step (see_catch_up)
+    _remaining: int | None = None  # tokens the request may still emit (None: not told)
+    _step_behind: int = 0  # the catch-up of the drafted step under way (its tokens)
 
     def _choices(self, ctx: int):
         """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
@@ -136,13 +147,14 @@ class ObjectivePolicy(StepPolicy):
         return self.feedback.step_ms(step_ms, verify_ms, wv) if self.feedback else step_ms
 
     def _surely_plain(self, ctx: int) -> bool:
-        """True when no tree beats a plain step at ``ctx`` by a margin, known without pricing
-        every tree again. Between drafted steps the feedback moves only its machine factor, which
-        scales plain and tree steps alike, and the plain width's factor; so the best tree's
-        corrected AAL over its corrected step time (the machine factor taken out) is kept per
-        context bucket and feedback state, and a plain step's choice is one multiplication. A
-        policy that fell back to plain steps makes this choice every step, after a verify has
-        pushed its code and arrays out of the caches. Near-ties are left to :meth:`plan_choice`."""
+        """True when no tree beats a plain step at ``ctx`` by a margin, or none repays the
+        drafter's catch-up, known without pricing every tree again. Between drafted steps the
+        feedback moves only its machine factor, which scales plain and tree steps alike, and the
+        plain width's factor; so the best tree's corrected AAL over its corrected step time (the
+        machine factor taken out) is kept per context bucket and feedback state, and a plain
+        step's choice is one multiplication. A policy that fell back to plain steps makes this
+        choice every step, after a verify has pushed its code and arrays out of the caches.
+        Near-ties are left to :meth:`plan_choice`."""
         key = self.cost.verify.bucket(ctx + max(self.verify_widths))
         fb = self.feedback
         state = fb.state if fb else 0
@@ -156,7 +168,8 @@ class ObjectivePolicy(StepPolicy):
             rate = a / t
             hit = (state, float(np.max(np.where(np.isnan(rate), -np.inf, rate))))
             self._best_rate[key] = hit
-        return hit[1] * (fb.width_factor(1) if fb else 1.0) * plain < 1.0 - 1e-6
+        best = hit[1] * (fb.width_factor(1) if fb else 1.0) * plain  # the best tree's speed-up
+        return best < 1.0 - 1e-6 or not self._catch_up_pays(best * (1.0 + 1e-6), ctx)
 
     def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None,
                     scale: np.ndarray | None = None, extra_ms: float = 0.0) -> tuple[StepChoice, float]:
@@ -164,7 +177,8 @@ class ObjectivePolicy(StepPolicy):
         (``d``: only that depth; ``scale`` [n <= d_max]: factors on AAL - 1 for D = 1..n, deeper
         trees excluded; ``extra_ms``, paid by every step whatever it does (the depth predictor),
         added to plain and tree steps alike; first of equals wins, deeper and wider choices
-        after)."""
+        after). Where a plain step is allowed, a tree must also repay the drafter's catch-up
+        (:meth:`_catch_up_pays`)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
         if allow and d is None and scale is None and not extra_ms and not self._lookup and self._surely_plain(ctx):
             return StepChoice(0, self.draft_widths[0]), 1.0
@@ -187,7 +201,7 @@ class ObjectivePolicy(StepPolicy):
             best_s = max(best_s, self._lookup_best(ctx, extra_ms)[1])
         if len(rows):
             i = int(np.argmax(s))  # the first maximum, as a sequential scan would keep
-            if s[i] > best_s:
+            if s[i] > best_s and (not allow or self._catch_up_pays(float(s[i]), ctx)):
                 best, best_s = StepChoice(rows[i][0], rows[i][1]), float(s[i])
         return best, best_s
 
@@ -240,9 +254,11 @@ class ObjectivePolicy(StepPolicy):
             choice = self.plan_choice(committed)[0]
             if choice.draft_depth > 0:
                 self._probe_gap = self.probe_every  # speculation pays again
-            elif self.feedback is not None and self._plain_run >= self._probe_after():
+            elif (self.feedback is not None and self._plain_run >= self._probe_after()
+                  and self._probe_affordable(committed)):
                 choice = self.plan_choice(committed, allow_plain=False)[0]  # probe
                 self._probing = True
+        self._step_behind = self._behind if choice.draft_depth > 0 else 0
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
             self._plain_run += 1
             plain = self.cost.plain_ms(committed)
@@ -262,6 +278,32 @@ class ObjectivePolicy(StepPolicy):
         self._scale = self.predictor.aal_scale(h_root, self.calib, head_logp)
         return self.plan_choice(committed, allow_plain=False, scale=self._scale,
                                 extra_ms=self.predictor.overhead_ms)[0]
+
+    def see_catch_up(self, behind: int, remaining: int) -> None:
+        self._behind, self._remaining = int(behind), int(remaining)
+
+    def catch_up_ms(self) -> float:
+        """Predicted time of the drafter's catch-up before a drafted step now (0: in step, or no
+        price known yet)."""
+        if self._behind <= 0:
+            return 0.0
+        prior = self.cost.resync_per_token()
+        per = self.feedback.catch_up_per_token(prior) if self.feedback else prior
+        return self._behind * per if per else 0.0
+
+    def _catch_up_pays(self, speedup: float, ctx: int) -> bool:
+        """Whether a tree at ``speedup`` over plain steps repays the drafter's catch-up within
+        the tokens the request may still emit (each saving ``T_plain x (1 - 1 / speedup)``); true
+        where the engine did not report them or the catch-up has no price."""
+        cost = self.catch_up_ms()
+        if cost <= 0.0 or self._remaining is None:
+            return True
+        return cost < self._remaining * self._online_plain(self.cost.plain_ms(ctx)) * (1.0 - 1.0 / speedup)
+
+    def _probe_affordable(self, ctx: int) -> bool:
+        """Whether a probe's catch-up costs at most ``probe_share`` of the plain steps before it."""
+        cost = self.catch_up_ms()
+        return cost <= self.probe_share * self._plain_run * self._online_plain(self.cost.plain_ms(ctx))
 
     def _probe_after(self) -> int:
         """Plain steps in a row before the next probe: the current gap (``probe_every``, doubled
@@ -311,13 +353,14 @@ class ObjectivePolicy(StepPolicy):
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _lk_grid={}, _best_rate={}, _plain_run=0, _probe_gap=0, _probing=False,
-                       _probe_cost=None,
+                       _probe_cost=None, _behind=0, _remaining=None, _step_behind=0,
                        _pending=None, _scale=None, _lookup=(), **changes)
 
     def start_request(self) -> None:
         """The engine starts a request: its acceptance is learnt afresh (from the all-requests
         estimate) and a policy that fell back to plain steps probes again from the start."""
         self._plain_run, self._probe_gap, self._probing, self._pending = 0, 0, False, None
+        self._behind, self._remaining, self._step_behind = 0, None, 0
         if self.feedback is not None:
             self.feedback.start_request()
 
@@ -328,8 +371,11 @@ class ObjectivePolicy(StepPolicy):
     def observe(self, rec) -> None:
         """The engine's report of the step just run (a StepRecord): fold it into the feedback."""
         pred, self._pending = self._pending, None
+        behind, self._step_behind = self._step_behind, 0
         if self.feedback is None or pred is None:
             return
+        if behind > 0 and "resync" in rec.stage_ms:
+            self.feedback.update_catch_up(rec.stage_ms["resync"], behind)
         # the drafter's catch-up after plain steps ("resync") is left out: it is the price of the
         # plain steps before, grows with their number, and counted against speculation it made
         # every later probe look worse (a feedback loop that kept a policy on plain steps)

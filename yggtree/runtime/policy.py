@@ -3,6 +3,7 @@
 Every policy subclasses :class:`StepPolicy` (one interface; the engine refuses anything else).
 Each speculation step the engine asks it (runtime/stages.py: the choose, refine and size stages)::
 
+    policy.see_catch_up(behind, remaining)                the drafter's lag, the tokens left
     policy.see_lookup(prop, committed)                    this step's lookup candidates
     choice = policy.choose_draft(h_root, committed)       before drafting: D and W_d
     choice = policy.after_head(h_root, head_logp, choice, committed)
@@ -73,6 +74,12 @@ class StepPolicy:
         """(D >= 1, W_d) once the drafter's head ran (head_logp [k]: its top-k log-probs at the
         root); by default the choice stands."""
         return choice
+
+    def see_catch_up(self, behind: int, remaining: int) -> None:
+        """Before ``choose_draft``: the drafter lacks the last ``behind`` committed tokens (plain
+        steps, or a request whose drafter prefill was deferred; 0: it is in step), which the next
+        drafted step first absorbs (the ``resync`` stage), and the request may emit at most
+        ``remaining`` more tokens."""
 
     def see_lookup(self, prop, committed: int) -> None:
         """This step's lookup candidates (a :class:`~yggtree.runtime.lookup.Proposal`), before

@@ -128,6 +128,8 @@ def lookup(eng, req: Request, st: Step) -> None:
 
 
 def choose(eng, req: Request, st: Step) -> None:
+    behind = 0 if req.synced else req.committed - req.sync_from
+    req.policy.see_catch_up(behind, req.params.max_new_tokens - len(req.out))
     req.policy.see_lookup(st.prop, req.committed)
     c = req.policy.choose_draft(req.h_root, req.committed)
     eng.envelope.check_draft(c.draft_depth, c.draft_width)
