@@ -9,7 +9,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "w4a8_stream"))
 from common import arena_model, blocks
 from yggtree.runtime.w4a8 import load_kernel, pack_blocks
 from yggtree.runtime.kernels import CFLAGS, LDFLAGS
-from yggtree.runtime.hugepages import huge_zeros
 srcf, flags, T = sys.argv[1], [f for f in sys.argv[2].split(";") if f], int(sys.argv[3])
 ROUNDS = int(sys.argv[4]) if len(sys.argv) > 4 else 12
 torch.set_num_threads(T); load_kernel()
@@ -30,12 +29,7 @@ print("bitwise equal", flush=True)
 L, nbytes = arena_model(torch.Generator().manual_seed(1), pack=lambda b: (pack_blocks(b),))
 xs = {K: torch.randn(1, K, generator=g) for K in (576, 1536)}
 X, W = [xs[K] for K, _ in L], [p for _, p in L]
-probe = huge_zeros((256 << 20 >> 2,), torch.float32).fill_(1.0)
-def sum_gbps():
-    r = []
-    for _ in range(3):
-        t = time.perf_counter(); probe.sum(); r.append(time.perf_counter() - t)
-    return (256 << 20) / statistics.median(r) / 1e9
+from probe import sum_gbps
 GAP = float(os.environ.get("GAP_US", "0"))
 res = []
 for rnd in range(ROUNDS):

@@ -8,7 +8,6 @@ from torch.utils.cpp_extension import load_inline
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "w4a8_stream"))
 from common import arena_model
 from yggtree.runtime.w4a8 import load_kernel, pack_blocks
-from yggtree.runtime.hugepages import huge_zeros
 T = int(sys.argv[1]); torch.set_num_threads(T); load_kernel()
 src = Path(__file__).with_name("cloop_src.cpp").read_text()
 m = load_inline("cloop", cpp_sources=src, functions=["loop"], extra_cflags=["-O2"], extra_ldflags=["-ldl"])
@@ -17,12 +16,7 @@ g = torch.Generator().manual_seed(0)
 xs = {K: torch.randn(1, K, generator=g) for K in (576, 1536)}
 lay = L[:-1]; head = L[-1:]
 lb = sum(p.numel() for _, p in lay); hb = head[0][1].numel()
-probe = huge_zeros((256 << 20 >> 2,), torch.float32).fill_(1.0)
-def sum_gbps():
-    r = []
-    for _ in range(3):
-        t = time.perf_counter(); probe.sum(); r.append(time.perf_counter() - t)
-    return (256 << 20) / statistics.median(r) / 1e9
+from probe import sum_gbps
 GAP = float(os.environ.get("GAP_US", "0"))
 for rnd in range(int(os.environ.get("ROUNDS", "6"))):
     b0 = sum_gbps()

@@ -5,19 +5,13 @@ from torch.utils.cpp_extension import load_inline
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "w4a8_stream"))
 from common import arena_model, blocks, SHAPES
 from yggtree.runtime.w4a8 import load_kernel, pack_blocks
-from yggtree.runtime.hugepages import huge_zeros
 T = int(sys.argv[1]); torch.set_num_threads(T); load_kernel()
 m = load_inline("cloop", cpp_sources=open(str(__import__("pathlib").Path(__file__).with_name("cloop_src.cpp"))).read(), functions=["loop"], extra_cflags=["-O2"], extra_ldflags=["-ldl"])
 g = torch.Generator().manual_seed(1)
 L, nbytes = arena_model(g, SHAPES[:-1], pack=lambda b: (pack_blocks(b),))
 merged, _ = arena_model(g, [(960 * 30, 576, 4), (576 * 30, 576, 4), (3072 * 30, 576, 4), (576 * 30, 1536, 4)], pack=lambda b: (pack_blocks(b),))
 xs = {K: torch.randn(1, K) for K in (576, 1536)}
-probe = huge_zeros((256 << 20 >> 2,), torch.float32).fill_(1.0)
-def sum_gbps():
-    r = []
-    for _ in range(3):
-        t = time.perf_counter(); probe.sum(); r.append(time.perf_counter() - t)
-    return (256 << 20) / statistics.median(r) / 1e9
+from probe import sum_gbps
 S = "aoti_torch_cpu_w4a8_mm"
 for rnd in range(int(__import__("os").environ.get("ROUNDS", "8"))):
     bw = sum_gbps()

@@ -9,7 +9,6 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "w4a8_s
 from common import arena_model, SHAPES
 from yggtree.runtime.w4a8 import load_kernel, pack_blocks
 from yggtree.runtime.kernels import CFLAGS, LDFLAGS
-from yggtree.runtime.hugepages import huge_zeros
 torch.set_num_threads(2); load_kernel()
 build = Path(tempfile.mkdtemp(prefix="ygg_ts_"))
 v = build / "v.cpp"
@@ -21,12 +20,7 @@ cpp_extension.load(name="ygg_ts", sources=[str(v)], extra_cflags=list(CFLAGS) + 
 lib = ctypes.CDLL(str(build / "ygg_ts.so"), mode=ctypes.RTLD_GLOBAL)
 m = load_inline("cloop", cpp_sources=open(str(__import__("pathlib").Path(__file__).with_name("cloop_src.cpp"))).read(), functions=["loop"], extra_cflags=["-O2"], extra_ldflags=["-ldl"])
 GHZ = 2.596
-probe = huge_zeros((256 << 20 >> 2,), torch.float32).fill_(1.0)
-def sum_gbps():
-    r = []
-    for _ in range(3):
-        t = time.perf_counter(); probe.sum(); r.append(time.perf_counter() - t)
-    return (256 << 20) / statistics.median(r) / 1e9
+from probe import sum_gbps
 L, nbytes = arena_model(torch.Generator().manual_seed(1), SHAPES[:-1], pack=lambda b: (pack_blocks(b),))
 xs = {K: torch.randn(1, K) for K in (576, 1536)}
 buf = (ctypes.c_double * 8)()

@@ -24,13 +24,10 @@ double pingpong(int64_t iters) {
 '''
 m = load_inline("pingpong", cpp_sources=src, functions=["pingpong"], extra_cflags=["-O2"], extra_ldflags=["-lpthread"])
 torch.set_num_threads(2)
-from yggtree.runtime.hugepages import huge_zeros
-x = huge_zeros((256 << 20 >> 2,), torch.float32).fill_(1.0)
+from probe import sum_gbps
 t_end = time.time() + float(sys.argv[1])
 while time.time() < t_end:
-    r = []
-    for _ in range(3):
-        t = time.perf_counter(); x.sum(); r.append(time.perf_counter() - t)
+    bw = sum_gbps()
     pp = m.pingpong(20000)
-    print(f"{time.strftime('%H:%M:%S')} sum {(256 << 20) / statistics.median(r) / 1e9:5.1f} GB/s  ping-pong {pp:6.0f} ns", flush=True)
+    print(f"{time.strftime('%H:%M:%S')} sum {bw:5.1f} GB/s  ping-pong {pp:6.0f} ns", flush=True)
     time.sleep(2)
