@@ -84,8 +84,8 @@ class ObjectivePolicy(StepPolicy):
       request may still emit pays for the catch-up first (``behind`` tokens at the feedback's
       measured ms per token, else the profile's), and a probe only where its catch-up costs at
       most ``probe_share`` of the plain steps before it. On a fast target a prompt's catch-up
-      costs many plain steps (the w4a8 plan here: ~60 ms, ten of them), which a short request's
-      marginal trees never earn back.
+      costs many plain steps, which a short request's marginal trees never earn back
+      (docs/objective.md has the measured figures).
 
     ``log`` collects one :class:`Prediction` per step (plain steps included) for benches.
     """

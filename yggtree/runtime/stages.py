@@ -128,7 +128,7 @@ def lookup(eng, req: Request, st: Step) -> None:
 
 
 def choose(eng, req: Request, st: Step) -> None:
-    behind = 0 if req.synced else req.committed - req.sync_from
+    behind = 0 if req.synced or eng.drafter is None else req.committed - req.sync_from
     req.policy.see_catch_up(behind, req.params.max_new_tokens - len(req.out))
     req.policy.see_lookup(st.prop, req.committed)
     c = req.policy.choose_draft(req.h_root, req.committed)
