@@ -1,0 +1,27 @@
+"""Predicted (online) vs realised AAL and step time of the objective's drafted steps, held-out prompts."""
+import sys, torch, statistics
+from yggtree.bench import plan_runner
+from yggtree.shapes import SamplingParams
+from yggtree.data import calibration_chat_prompts
+from yggtree.runtime.loading import encode_prompt
+torch.set_num_threads(2)
+plan, info, make = plan_runner(sys.argv[1])
+eng, tok, pol = make()
+prompts = [encode_prompt(tok, p.text) for p in calibration_chat_prompts(36, seed=7)[30:]]
+params = SamplingParams(max_new_tokens=64)
+rows = []
+for rep in range(2):
+    for ids in prompts:
+        recs = []; n0 = len(pol.log)
+        eng.generate(ids, params, policy=pol, on_step=recs.append)
+        for p, rec in zip(pol.log[n0:], recs):
+            if p.draft_depth:
+                st = {k: v for k, v in rec.stage_ms.items() if k != "resync"}
+                rows.append((p.aal_online, 1 + rec.n_accepted, p.step_ms_online, sum(st.values()), p.plain_ms_online, p.aal, rec.choice.draft_depth, rec.verify_width))
+print("drafted steps", len(rows))
+if rows:
+    m = lambda i: statistics.mean(r[i] for r in rows)
+    print(f"AAL predicted online {m(0):.3f} (offline {m(5):.3f}) realised {m(1):.3f}; step ms predicted {m(2):.2f} measured {m(3):.2f}; plain predicted {m(4):.2f}")
+    print(f"predicted speed-up (mean of a*plain/t) {statistics.mean(r[0]*r[4]/r[2] for r in rows):.3f}; realised {m(1)*m(4)/m(3):.3f}")
+    fb = pol.feedback
+    print("feedback: accept scale by depth", {d: round(fb.global_scale_at(d), 3) for d in range(1, 5)}, "spec_extra", round(fb.spec_extra, 3), "machine", round(fb.machine, 3), "catch_up", fb.catch_up)
