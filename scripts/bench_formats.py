@@ -50,9 +50,8 @@ the decode time is kept. Definitions::
                     quantized or float products, norms, the LM head), not the embedding (rows are
                     gathered), nor caches; llama.cpp: the GGUF's 2-D tensors the same way
     limit tok/s   streaming bandwidth / weight bytes: plain decoding's bandwidth limit. A shared
-                    host's bandwidth moves in phases (a 256 MiB sum on this project's 2-core EPYC
-                    guest read ~33 GB/s for minutes, then ~60, docs/results.md), so it is probed
-                    through the run: a 256 MiB sum on huge pages (where yggtree keeps weights:
+                    host's bandwidth can move in phases within a run (docs/results.md), so it is
+                    probed through the run: a 256 MiB sum on huge pages (where yggtree keeps weights:
                     runtime/hugepages.py) before every prompt's systems and once after the last;
                     the limit is at the median probe. Once, before the timed passes, a 256 MiB copy
                     (yggtree.floor.copy_bandwidth_gbps, bytes read per second) and sums on ordinary
@@ -93,7 +92,7 @@ from yggtree.runtime.allocator import ensure_script, running, without_preload
 FORMATS = ("float32", "bfloat16", "int8", "int4", "gguf-native", "w4a8")
 WARMUP_TOKENS = 16  # new tokens of each system's untimed warm-up generate
 BANDWIDTH_BYTES = 256 << 20  # well above the last-level cache
-PROBE_SUMS = 3  # timed sums of a bandwidth probe between prompts (~25-50 ms)
+PROBE_SUMS = 3  # timed sums of a bandwidth probe between prompts
 LLAMA_BINARIES = ("llama-completion", "llama-cli")  # newest first: llama-cli became chat-only
 BASE_HF, BASE_YGG = "hf/float32", "ygg/float32/plain"
 

@@ -1,13 +1,9 @@
-"""Predicted (online) vs realised AAL and step time of the objective's drafted steps, held-out prompts."""
+"""Predicted (online) vs realised AAL and step time of the objective's drafted steps, held-out prompts (2 passes x 64).
+usage: LD_PRELOAD=<jemalloc> OMP_NUM_THREADS=2 python reports/catch_up/obj_bias.py profiles/epyc-2core-w4a8.yaml"""
 import sys, torch, statistics
-from yggtree.bench import plan_runner
 from yggtree.shapes import SamplingParams
-from yggtree.data import calibration_chat_prompts
-from yggtree.runtime.loading import encode_prompt
-torch.set_num_threads(2)
-plan, info, make = plan_runner(sys.argv[1])
-eng, tok, pol = make()
-prompts = [encode_prompt(tok, p.text) for p in calibration_chat_prompts(36, seed=7)[30:]]
+from common import objective_setup
+eng, pol, prompts = objective_setup(sys.argv[1])
 params = SamplingParams(max_new_tokens=64)
 rows = []
 for rep in range(2):

@@ -1,14 +1,9 @@
 """The objective's choices over held-out prompts, one pass, a fresh policy: steps, realised and predicted AAL per (D, W_d, W_v).
 usage: LD_PRELOAD=<jemalloc> OMP_NUM_THREADS=2 python reports/catch_up/obj_choices.py profiles/epyc-2core-w4a8.yaml NEW_TOKENS"""
 import sys, torch, collections, statistics
-from yggtree.bench import plan_runner
 from yggtree.shapes import SamplingParams
-from yggtree.data import calibration_chat_prompts
-from yggtree.runtime.loading import encode_prompt
-torch.set_num_threads(2)
-plan, info, make = plan_runner(sys.argv[1])
-eng, tok, pol = make()
-prompts = [encode_prompt(tok, p.text) for p in calibration_chat_prompts(36, seed=7)[30:]]
+from common import objective_setup
+eng, pol, prompts = objective_setup(sys.argv[1])
 params = SamplingParams(max_new_tokens=int(sys.argv[2]))
 cnt = collections.Counter(); acc = collections.defaultdict(list); pred = collections.defaultdict(list)
 for ids in prompts:

@@ -1,14 +1,9 @@
 """The objective on held-out prompts: each step's choice, prediction (online) and measurement.
 usage: LD_PRELOAD=<jemalloc> OMP_NUM_THREADS=2 python reports/catch_up/obj_trace.py profiles/epyc-2core-w4a8.yaml"""
 import sys, torch, statistics
-from yggtree.bench import plan_runner
 from yggtree.shapes import SamplingParams
-from yggtree.data import calibration_chat_prompts
-from yggtree.runtime.loading import encode_prompt
-torch.set_num_threads(2)
-plan, info, make = plan_runner(sys.argv[1])
-eng, tok, pol = make()
-prompts = [encode_prompt(tok, p.text) for p in calibration_chat_prompts(36, seed=7)[30:]]
+from common import objective_setup
+eng, pol, prompts = objective_setup(sys.argv[1])
 params = SamplingParams(max_new_tokens=64)
 recs = []
 def on_step(rec): recs.append(rec)
