@@ -269,6 +269,17 @@ def test_curve_interpolates_knots_and_picks_buckets():
     assert c.predict(64, 2000) == pytest.approx(30 + 12 / 24 * 32)  # extrapolated, last bucket
 
 
+def test_plain_time_is_priced_once_per_context_bucket():
+    """``plain_ms`` (asked every step) is read from a per-bucket table: equal to pricing the
+    width-1 call and the token choice at every context, past the last bucket included."""
+    from dataclasses import replace
+
+    verify = Curve((256, 512, 1074), ((1.0, 8.0),) * 3, ((10.0, 12.0), (11.0, 13.5), (14.0, 17.0)))
+    c = replace(cost_model(), verify=verify)
+    for ctx in range(0, 1300, 7):
+        assert c.plain_ms(ctx) == c.t_verify(1, ctx) + c._stage("plain_accept"), ctx
+
+
 # ----------------------------------------------------------------------------- files
 
 
@@ -522,6 +533,24 @@ def test_feedback_learns_each_request_from_the_all_requests_scale():
     assert fb.accept_scale_at(1) > 0.8 > fb.global_scale_at(1)
 
 
+def test_feedback_without_per_request_acceptance_keeps_the_all_requests_scale():
+    """``request_prior_tokens=None``: a request's own steps move no separate estimate; every
+    request, from its first step, is priced at the all-requests scale (scalar and array paths)."""
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
+
+    fb = Feedback(request_prior_tokens=None, accept_alpha=0.1)
+    one = Prediction(100, 1, 4, aal=1.5, step_ms=35.0, plain_ms=30.0)
+    fb.start_request()
+    for _ in range(30):
+        fb.update(one, n_accepted=0.1, step_ms=35.0)
+    g = [fb.global_scale_at(d) for d in range(4)]
+    assert g[1] < 0.5 and [fb.accept_scale_at(d) for d in range(4)] == g
+    assert list(fb.aal(np.full(4, 2.0), np.arange(4))) == pytest.approx([1 + x for x in g])
+    fb.start_request()
+    assert [fb.accept_scale_at(d) for d in range(4)] == g
+
+
 def test_feedback_machine_factor_follows_the_verify_calls_of_drafted_steps():
     """With no plain step at all, the plain-time estimate still follows the machine: drafted
     steps' verify calls run 1.3x slower than profiled, so plain steps would too; the rest of the
@@ -591,7 +620,9 @@ def test_feedback_falls_back_to_plain_and_probes():
     spec_at = [i for i, d in enumerate(choices) if d and i >= first]
     gaps = [b - a - 1 for a, b in zip([first - 1, *spec_at], spec_at)]  # plain steps before each probe
     assert gaps == [4, 8, 16, 16, 16] and len(choices) - spec_at[-1] - 1 < 16  # every probe lost: back off
-    assert max(map(pol.feedback.accept_scale_at, pol.feedback._by_depth)) < 0.1
+    # every depth tried is priced at under a third of the calibration (discounted sums at alpha
+    # 0.5 hold a few steps' evidence against 2 pseudo-tokens at the shallower depth's scale)
+    assert max(map(pol.feedback.accept_scale_at, pol.feedback._by_depth)) < 0.3
     assert pol.feedback.spec_extra > 4  # rises 1.25x per step
     assert predicted_speedup(pol.log, online=True) < predicted_speedup(pol.log)
     fresh = pol.fresh()
@@ -766,3 +797,81 @@ def test_a_probe_waits_until_its_catch_up_is_a_small_share_of_the_plain_steps():
         assert (c.draft_depth > 0) == (i == k), i
         if not c.draft_depth:
             pol.observe(_record(c, 0, plain))
+
+
+def test_no_probe_pays_a_catch_up_the_rest_of_the_request_cannot_repay():
+    """A probe's catch-up must also be at most ``probe_share`` of the plain steps the request may
+    still take: near a request's end (or in a short one) the policy stays on plain steps however
+    long the run before."""
+    from yggtree.runtime.feedback import Feedback
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1.05), (4, 8, 16, 32))
+    pol = ObjectivePolicy(catch_up_model(1.0), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, feedback=Feedback(),
+                          probe_every=4, probe_share=0.25)
+    plain = pol.cost.plain_ms(100)
+    for i in range(400):
+        remaining = 400 - i
+        pol.see_catch_up(100 + i, remaining)
+        c = pol.choose_draft(torch.zeros(8), 100)
+        if c.draft_depth:
+            break
+        pol.observe(_record(c, 0, plain))
+    assert c.draft_depth > 0 and (100 + i) * 1.0 <= 0.25 * min(i, remaining) * plain  # the probe, when both allow it
+    assert (100 + i - 1) * 1.0 > 0.25 * min(i - 1, remaining + 1) * plain  # and not a step before
+    short = ObjectivePolicy(catch_up_model(1.0), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, feedback=Feedback(),
+                            probe_every=4, probe_share=0.25)
+    for j in range(600):  # however long the run, 3 tokens to come never repay a probe's catch-up
+        short.see_catch_up(100 + j, 3)
+        c = short.choose_draft(torch.zeros(8), 100)
+        assert c.draft_depth == 0, j
+        short.observe(_record(c, 0, plain))
+
+
+def test_feedback_learns_how_far_drafted_steps_fall_short_of_their_price():
+    """``plan_ratio``: discounted sums of realised and planned speed-ups of drafted steps, with
+    ``prior_tokens`` pseudo-steps at 1 (1 before any step)."""
+    from yggtree.runtime.feedback import Feedback
+
+    fb = Feedback(accept_alpha=0.5, prior_tokens=2.0)
+    assert fb.plan_ratio() == 1.0
+    fb.update_planned(1.3, 0.9)
+    assert fb.plan_ratio() == pytest.approx((0.9 + 2) / (1.3 + 2))
+    fb.update_planned(1.2, 1.0)  # the first step now weighs half
+    assert fb.plan_ratio() == pytest.approx((0.45 + 1.0 + 2) / (0.65 + 1.2 + 2))
+    fb.update_planned(0.0, 5.0)  # no planned price: nothing learnt
+    assert fb.plan_ratio() == pytest.approx((0.45 + 1.0 + 2) / (0.65 + 1.2 + 2))
+
+
+def test_the_catch_up_is_weighed_at_the_speed_up_drafted_steps_realised():
+    """A policy whose drafted steps realised less than they were priced at (the best of ~100
+    priced trees errs high) weighs a catch-up against the speed-up they realise: with a lag the
+    priced speed-up would repay but the realised one does not, plain steps; in step, the tree.
+    Each drafted step teaches the ratio through ``observe``: (1 + accepted) x T_plain' over its
+    measured time (the catch-up left out), against the speed-up it was chosen for."""
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.policy import StepRecord
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + min(d, 3) * 0.3), (4, 8, 16, 32))
+    pol = ObjectivePolicy(catch_up_model(0.5), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
+                          feedback=Feedback(accept_alpha=0.0, prior_tokens=1e-9))
+    best, s = pol.plan_choice(100)
+    plain = pol.cost.plain_ms(100)
+    realised = 1 + (s - 1) / 4  # its trees turn out to pay a quarter of their price
+    remaining = 64
+    behind = next(n for n in range(1, 10_000)
+                  if n * 0.5 < remaining * plain * (1 - 1 / s) and not n * 0.5 < remaining * plain * (1 - 1 / realised))
+    pol.see_catch_up(behind, remaining)
+    assert pol.choose_draft(torch.zeros(8), 100) == best  # priced: it repays
+    tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
+    pol.see_catch_up(0, remaining)
+    c = pol.choose_draft(torch.zeros(8), 100)
+    assert c == best and pol._planned == pytest.approx(s)
+    pol.choose_verify(tree, c, 100)
+    ms = 2 * plain / realised  # two tokens (one accepted) in the time that realises it
+    pol.observe(StepRecord(torch.zeros(8), 100, c, 8, 1, {"verify": ms / 2, "draft": ms / 2, "resync": 99.0}))
+    assert pol.feedback.plan_ratio() == pytest.approx(realised / s)
+    pol.see_catch_up(0, remaining)
+    best2, s2 = pol.plan_choice(100)  # in step the price alone decides: a tree
+    assert best2.draft_depth > 0 and behind * 0.5 < remaining * pol._online_plain(plain) * (1 - 1 / s2)
+    pol.see_catch_up(behind, remaining)  # which would repay the catch-up at its price, but not as realised
+    assert pol.choose_draft(torch.zeros(8), 100) == StepChoice(0, 1)

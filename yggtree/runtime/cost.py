@@ -12,6 +12,7 @@ device. Nothing here imports the offline package or scikit-learn.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,10 @@ class CostModel:
         """ms a drafted step pays per committed token the drafter has to absorb first (its
         catch-up after plain steps, the ``resync`` stage): the profile times a catch-up of N
         tokens (``stage_ms["resync"] = {"N": ms}``); None in a profile without it."""
+        return self._resync_per_token
+
+    @cached_property
+    def _resync_per_token(self) -> float | None:
         v = self.stage_ms.get("resync")
         if not isinstance(v, dict) or not v:
             return None
@@ -130,8 +135,14 @@ class CostModel:
         return float(v[str(n)]) / n
 
     def plain_ms(self, ctx: int) -> float:
-        """One plain decoding step: the target at width 1 plus choosing the token."""
-        return self.t_verify(1, ctx) + self._stage("plain_accept")
+        """One plain decoding step: the target at width 1 plus choosing the token (a function
+        of the context bucket alone, so priced once per bucket: the policy asks every step)."""
+        return self._plain_by_bucket[self.verify.bucket(ctx + 1)]
+
+    @cached_property
+    def _plain_by_bucket(self) -> tuple[float, ...]:
+        """:meth:`plain_ms` per verify bucket."""
+        return tuple(self.t_verify(1, b - 1) + self._stage("plain_accept") for b in self.verify.buckets)
 
     @classmethod
     def from_profile(cls, path: str | Path, plan) -> "CostModel":

@@ -82,10 +82,11 @@ class ObjectivePolicy(StepPolicy):
       whose drafter prefill the engine defers to the first drafted step, the drafter must first
       absorb the tokens it lacks): a tree is chosen only where its saving over the tokens the
       request may still emit pays for the catch-up first (``behind`` tokens at the feedback's
-      measured ms per token, else the profile's), and a probe only where its catch-up costs at
-      most ``probe_share`` of the plain steps before it. On a fast target a prompt's catch-up
-      costs many plain steps, which a short request's marginal trees never earn back
-      (docs/objective.md has the measured figures).
+      measured ms per token, else the profile's; the saving at the speed-up the trees chosen so
+      far realised, the feedback's ``plan_ratio`` times the price), and a probe only where its
+      catch-up costs at most ``probe_share`` of the plain steps before it and of the tokens still
+      to come. On a fast target a prompt's catch-up costs many plain steps, which a short
+      request's marginal trees never earn back (docs/objective.md has the measured figures).
 
     ``log`` collects one :class:`Prediction` per step (plain steps included) for benches.
     """
@@ -116,6 +117,7 @@ class ObjectivePolicy(StepPolicy):
     _behind: int = 0  # tokens the drafter lacks before the coming step (see_catch_up)
     _remaining: int | None = None  # tokens the request may still emit (None: not told)
     _step_behind: int = 0  # the catch-up of the drafted step under way (its tokens)
+    _planned: float = 0.0  # the speed-up the drafted step under way was chosen for (0: none)
 
     def _choices(self, ctx: int):
         """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
@@ -245,20 +247,21 @@ class ObjectivePolicy(StepPolicy):
         self._scale, self._probing = None, False
         if self.depth_fn is not None:
             d = int(self.depth_fn(h_root, committed))  # D > 0: drafting was decided, pick W_d
-            choice = (StepChoice(0, self.draft_widths[0]) if d == 0
-                      else self.plan_choice(committed, d, allow_plain=False)[0])
+            choice, s = ((StepChoice(0, self.draft_widths[0]), 1.0) if d == 0
+                         else self.plan_choice(committed, d, allow_plain=False))
         elif self.predictor is not None and not self.predictor.uses_head:  # no probes: the
             self._scale = self.predictor.aal_scale(h_root, self.calib)  # predictor sees every context
-            choice = self.plan_choice(committed, scale=self._scale, extra_ms=self.predictor.overhead_ms)[0]
+            choice, s = self.plan_choice(committed, scale=self._scale, extra_ms=self.predictor.overhead_ms)
         else:
-            choice = self.plan_choice(committed)[0]
+            choice, s = self.plan_choice(committed)
             if choice.draft_depth > 0:
                 self._probe_gap = self.probe_every  # speculation pays again
             elif (self.feedback is not None and self._plain_run >= self._probe_after()
                   and self._probe_affordable(committed)):
-                choice = self.plan_choice(committed, allow_plain=False)[0]  # probe
+                choice, s = self.plan_choice(committed, allow_plain=False)  # probe
                 self._probing = True
         self._step_behind = self._behind if choice.draft_depth > 0 else 0
+        self._planned = s if choice.draft_depth > 0 else 0.0
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
             self._plain_run += 1
             plain = self.cost.plain_ms(committed)
@@ -276,8 +279,9 @@ class ObjectivePolicy(StepPolicy):
         if self.predictor is None or not self.predictor.uses_head or self.depth_fn is not None:
             return choice
         self._scale = self.predictor.aal_scale(h_root, self.calib, head_logp)
-        return self.plan_choice(committed, allow_plain=False, scale=self._scale,
-                                extra_ms=self.predictor.overhead_ms)[0]
+        choice, self._planned = self.plan_choice(committed, allow_plain=False, scale=self._scale,
+                                                 extra_ms=self.predictor.overhead_ms)
+        return choice
 
     def see_catch_up(self, behind: int, remaining: int) -> None:
         self._behind, self._remaining = int(behind), int(remaining)
@@ -293,17 +297,24 @@ class ObjectivePolicy(StepPolicy):
 
     def _catch_up_pays(self, speedup: float, ctx: int) -> bool:
         """Whether a tree at ``speedup`` over plain steps repays the drafter's catch-up within
-        the tokens the request may still emit (each saving ``T_plain x (1 - 1 / speedup)``); true
-        where the engine did not report them or the catch-up has no price."""
+        the tokens the request may still emit (each saving ``T_plain x (1 - 1 / speedup)``, the
+        speed-up scaled by the feedback's realised / planned ratio of drafted steps: the trees
+        that follow are priced as the best of many, and realise less); true where the engine did
+        not report them or the catch-up has no price."""
         cost = self.catch_up_ms()
         if cost <= 0.0 or self._remaining is None:
             return True
-        return cost < self._remaining * self._online_plain(self.cost.plain_ms(ctx)) * (1.0 - 1.0 / speedup)
+        if self.feedback is not None:  # as fast as the trees chosen so far turned out, not as priced
+            speedup *= self.feedback.plan_ratio()
+        return speedup > 1.0 and cost < self._remaining * self._online_plain(self.cost.plain_ms(ctx)) * (1.0 - 1.0 / speedup)
 
     def _probe_affordable(self, ctx: int) -> bool:
-        """Whether a probe's catch-up costs at most ``probe_share`` of the plain steps before it."""
+        """Whether a probe's catch-up costs at most ``probe_share`` of the plain steps before it
+        and of the plain steps the request may still take (a probe near a request's end pays its
+        catch-up for tokens that cannot repay it)."""
         cost = self.catch_up_ms()
-        return cost <= self.probe_share * self._plain_run * self._online_plain(self.cost.plain_ms(ctx))
+        steps = self._plain_run if self._remaining is None else min(self._plain_run, self._remaining)
+        return cost <= self.probe_share * steps * self._online_plain(self.cost.plain_ms(ctx))
 
     def _probe_after(self) -> int:
         """Plain steps in a row before the next probe: the current gap (``probe_every``, doubled
@@ -353,14 +364,14 @@ class ObjectivePolicy(StepPolicy):
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _lk_grid={}, _best_rate={}, _plain_run=0, _probe_gap=0, _probing=False,
-                       _probe_cost=None, _behind=0, _remaining=None, _step_behind=0,
+                       _probe_cost=None, _behind=0, _remaining=None, _step_behind=0, _planned=0.0,
                        _pending=None, _scale=None, _lookup=(), **changes)
 
     def start_request(self) -> None:
         """The engine starts a request: its acceptance is learnt afresh (from the all-requests
         estimate) and a policy that fell back to plain steps probes again from the start."""
         self._plain_run, self._probe_gap, self._probing, self._pending = 0, 0, False, None
-        self._behind, self._remaining, self._step_behind = 0, None, 0
+        self._behind, self._remaining, self._step_behind, self._planned = 0, None, 0, 0.0
         if self.feedback is not None:
             self.feedback.start_request()
 
@@ -372,6 +383,7 @@ class ObjectivePolicy(StepPolicy):
         """The engine's report of the step just run (a StepRecord): fold it into the feedback."""
         pred, self._pending = self._pending, None
         behind, self._step_behind = self._step_behind, 0
+        planned, self._planned = self._planned, 0.0
         if self.feedback is None or pred is None:
             return
         if behind > 0 and "resync" in rec.stage_ms:
@@ -380,6 +392,8 @@ class ObjectivePolicy(StepPolicy):
         # plain steps before, grows with their number, and counted against speculation it made
         # every later probe look worse (a feedback loop that kept a policy on plain steps)
         step_ms = sum(v for k, v in rec.stage_ms.items() if k != "resync")
+        if pred.draft_depth > 0 and planned > 0 and step_ms > 0:
+            self.feedback.update_planned(planned, (1 + rec.n_accepted) * self.feedback.plain_ms(pred.plain_ms) / step_ms)
         if self._probing:  # did the probe beat the plain steps its tokens would have taken?
             plain_ms = self.feedback.plain_ms(pred.plain_ms)
             won = (1 + rec.n_accepted) * plain_ms > step_ms
