@@ -18,6 +18,7 @@ YggError in one line, and the callers refuse what needs it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -69,6 +70,24 @@ def library_missing() -> list[str]:
     return [f for f in LIBRARY_FLAGS if f not in have]
 
 
+@contextlib.contextmanager
+def build_lock(build: Path):
+    """Hold the build directory ``build`` against other processes of ours while its library is
+    built or loaded. torch's own guard is a ``lock`` file that a build killed midway (Ctrl-C, a
+    killed job) leaves behind, and every later run then waits for it forever, silently; this one
+    is an OS lock (``flock``), released when its process ends however it ends, and whoever holds
+    it removes such a leftover file first (no build of ours can be under way)."""
+    import fcntl
+
+    with open(build / "build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load_library() -> None:
     """Build (first use on this machine and torch) and load the kernel library; YggError in one
@@ -84,8 +103,10 @@ def load_library() -> None:
     build = cache_root() / "kernels" / f"yggtree-{key}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
+        with build_lock(build):
+            cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
+                               extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False,
+                               verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)

@@ -1,0 +1,44 @@
+"""The kernel library's build guard: a build killed midway must not hang the next run."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+
+import pytest
+
+from yggtree.runtime.kernels import build_lock
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from yggtree.runtime.kernels import build_lock
+with build_lock(Path(sys.argv[1])):
+    (Path(sys.argv[1]) / "lock").write_text("")  # as torch's guard, mid-build
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_build_killed_midway_does_not_hang_the_next(tmp_path):
+    """torch's guard is a ``lock`` file that a killed build leaves behind (later builds then wait
+    for it forever); ``build_lock`` is an OS lock, exclusive while its holder lives and released
+    when it dies, and its holder removes such a leftover."""
+    (tmp_path / "lock").write_text("")
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with open(tmp_path / "build.lock", "a") as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another build waits while it lives
+    finally:
+        child.kill()
+        child.wait()
+    assert (tmp_path / "lock").exists()  # killed midway: torch's file is left
+    with open(tmp_path / "build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the OS lock is not
+        fcntl.flock(f, fcntl.LOCK_UN)
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
