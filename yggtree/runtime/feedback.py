@@ -43,10 +43,10 @@ class Feedback:
       on (3) until measured to lock requests into plain steps: a request's first trees, at the
       start of an answer, where the drafter does worst (AAL 2.1 over 64-token answers against
       2.6-2.9 over 256 with the w4a8 plan), priced the tree below plain steps, and plain steps
-      teach nothing, so a request stayed on them (1,300-1,600 of its ~2,900 steps) while the
-      tree realised 1.4x; held out, 256-token answers, 1.05-1.21x plain decoding with it, 1.13-1.30x
-      without (docs/results.md). Probes and the discounted all-requests sums still follow a text
-      the drafter does badly on.
+      teach nothing, so requests stayed on them (1,300-1,600 of ~2,100 steps) while the tree
+      realised 1.4x; held out, 256-token answers, 1.05-1.16x plain decoding with it against
+      1.13-1.25x without in the same processes (docs/results.md). Probes and the discounted
+      all-requests sums still follow a text the drafter does badly on.
 
     - ``catch_up`` (fast): ms per token of the drafter's catch-up (the ``resync`` stage: a
       drafted step after plain steps first absorbs the tokens they committed, and after a request
