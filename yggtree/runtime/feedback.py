@@ -153,8 +153,9 @@ class Feedback:
         return _shrunk(self._planned, self.prior_tokens, 1.0)
 
     def update_planned(self, planned: float, realised: float) -> None:
-        """Fold in one drafted step's speed-up over plain steps: ``realised`` against ``planned``."""
-        if planned > 0 and realised >= 0:
+        """Fold in one drafted step's speed-up over plain steps: ``realised`` against ``planned``
+        (0: the step had no price; nothing is learnt)."""
+        if planned > 0:
             b = self.accept_alpha
             self._planned = ((1 - b) * self._planned[0] + realised, (1 - b) * self._planned[1] + planned)
 

@@ -306,7 +306,8 @@ class ObjectivePolicy(StepPolicy):
             return True
         if self.feedback is not None:  # as fast as the trees chosen so far turned out, not as priced
             speedup *= self.feedback.plan_ratio()
-        return speedup > 1.0 and cost < self._remaining * self._online_plain(self.cost.plain_ms(ctx)) * (1.0 - 1.0 / speedup)
+        saving = self._online_plain(self.cost.plain_ms(ctx)) * (1.0 - 1.0 / speedup)  # a token's
+        return speedup > 1.0 and cost < self._remaining * saving
 
     def _probe_affordable(self, ctx: int) -> bool:
         """Whether a probe's catch-up costs at most ``probe_share`` of the plain steps before it
@@ -392,10 +393,10 @@ class ObjectivePolicy(StepPolicy):
         # plain steps before, grows with their number, and counted against speculation it made
         # every later probe look worse (a feedback loop that kept a policy on plain steps)
         step_ms = sum(v for k, v in rec.stage_ms.items() if k != "resync")
-        if pred.draft_depth > 0 and planned > 0 and step_ms > 0:
-            self.feedback.update_planned(planned, (1 + rec.n_accepted) * self.feedback.plain_ms(pred.plain_ms) / step_ms)
+        plain_ms = self.feedback.plain_ms(pred.plain_ms)
+        if pred.draft_depth > 0 and step_ms > 0:  # the speed-up it realised against its price
+            self.feedback.update_planned(planned, (1 + rec.n_accepted) * plain_ms / step_ms)
         if self._probing:  # did the probe beat the plain steps its tokens would have taken?
-            plain_ms = self.feedback.plain_ms(pred.plain_ms)
             won = (1 + rec.n_accepted) * plain_ms > step_ms
             cost = sum(rec.stage_ms.values()) / plain_ms  # in plain steps, the catch-up included
             self._probe_cost = cost if self._probe_cost is None else (self._probe_cost + cost) / 2
