@@ -28,6 +28,15 @@ def onednn_unpadded():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def openmp_loops():
+    """No test compile measures where the kernel loops run (yggtree/loops_choice.py: seconds per
+    w4a8 plan): they record OpenMP unless a test sets ``YGGTREE_LOOPS`` itself."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YGGTREE_LOOPS", "openmp")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def system_allocator():
     """Every test process and the commands tests start run on the system allocator: no test
     compile measures allocators (runtime/allocator.py, seconds per plan), none restarts itself

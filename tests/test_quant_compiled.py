@@ -60,7 +60,7 @@ def test_compiled_quantized_engine_speculates_exactly(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int4@32", W4A8])
-def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
+def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path, monkeypatch):
     """``yggtree compile`` of a plan with ``weights: FMT`` builds AOTInductor packages of the
     quantized blocks (the self-drafter shares them); an engine loaded from them runs no dynamo
     and its greedy tree speculation emits its plain steps' tokens."""
@@ -75,6 +75,8 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
     # int4@32 divides every input width; w4a8: head dim 16, which its attention kernel takes
     save_tiny_checkpoint(tmp_path / "model", intermediate=64, **({"heads": 2, "kv_heads": 1} if fmt == "w4a8" else {}))
     (tmp_path / "plan.yaml").write_text(TINY_PLAN.replace("name: tiny\n", f"name: tiny-q\nweights: {fmt}\n"))
+    monkeypatch.setenv("YGGTREE_LOOPS", "pool")  # w4a8: the kernel loops on the library's pool, as chosen
+    torch.set_num_threads(2)  # the pool is for 2+ threads (compiled and decoded at 2; the fixture restores)
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
     assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 4, stdout  # two widths, as blocks and whole
     plan = load_plan(tmp_path / "compile" / "tiny-q" / "plan.yaml")
@@ -87,6 +89,11 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path):
             assert "aoti_torch_cpu_w4a8_mm(" in src and "proxy_executor_call_function" not in src, pt2
             assert "aoti_torch_cpu_rows_attention(" in src, pt2
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
+    # w4a8: every product on the kernel library, so its packages' own loops are serial and the
+    # recorded choice (forced here) puts the engine's kernel loops on the pool
+    manifest = json.loads((tmp_path / "compile" / "tiny-q" / "manifest.json").read_text())
+    assert manifest.get("loops") == ({"choice": "pool", "forced": "YGGTREE_LOOPS"} if fmt == "w4a8" else None)
+    assert engine.cfg.loop_pool == (fmt == "w4a8")
     assert isinstance(static_blocks(engine.target), PackageSet)
     assert step_packages(engine.target).runners.keys() == {(1, engine.n_slots), (2, engine.n_slots)}  # steps whole
     assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])

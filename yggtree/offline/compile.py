@@ -155,7 +155,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     import torch
 
     from ..runtime.aoti import (ShapeRecorder, compile_drafter_call_package, compile_package, compile_step_package,
-                                drafter_call_key, install_recorder, package_name, step_key)
+                                drafter_call_key, install_recorder, library_loops_only, package_name, step_key)
     from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
     from ..runtime.graphs import Graphs, backend_device
     from ..runtime.loading import load_model, load_tokenizer, resolve_model
@@ -304,7 +304,10 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
                 "cache": "compiled",
             }
         )
-    return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads()}
+    # the packages' own loops all serial, the kernel library's the only parallel ones (aoti.package_config)
+    library_loops = library_loops_only(target) and (drafter is None or library_loops_only(drafter.graphs.model))
+    return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads(),
+                     "library_loops": library_loops}
 
 
 
@@ -456,6 +459,16 @@ def compile_plan(
             record = None
         if record is not None:
             manifest["allocator"] = {k: record.get(k) for k in ("choice", "library", "stats")}
+            _write_manifest(art, manifest)
+        # where the kernel library's loops run (loops_choice.py): only where they are the step's only
+        # parallel regions, at 2+ threads
+        if info.get("library_loops") and (info.get("threads") or 1) > 1:
+            from ..loops_choice import measure_compiled as measure_loops
+
+            try:
+                manifest["loops"] = measure_loops(art / PLAN_COPY, out_root, say=say)
+            except YggError as e:  # the packages are built: a run keeps OpenMP's loops
+                say(f"the kernel loops were not measured: {e}")
             _write_manifest(art, manifest)
     return {**manifest, "status": "compiled", "dir": str(art), "wall_s": time.perf_counter() - t_start}
 

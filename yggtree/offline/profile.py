@@ -557,7 +557,9 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     drafted = set(plan.draft_widths) if grid.widths else set(widths)
     engine, compile_s = _ready_engine(plan, engine, mode, padding, n_slots, widths, drafted,
                                       grid.stage_forms, cache)
-    with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen(), LoadMeter() as load:
+    # the kernels' loops where the engine decodes them (its pool, for compiled packages that chose it)
+    with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen(), engine.loops(threads), \
+            LoadMeter() as load:
         rows, stages = _timed_calls(engine, plan, widths, contexts, drafted, grid)
         forms = _timed_stage_forms(engine, plan, hw, contexts[0], grid) if grid.stage_forms else None
     warning = load_warning(f"profile {hw}", load.result)

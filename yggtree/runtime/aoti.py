@@ -206,7 +206,22 @@ def package_config(block: nn.Module) -> dict:
     config = cpu_config(half_precision(block))
     if any(isinstance(m, W4A8Linear) or getattr(m, "kernel", None) == "tiled" for m in block.modules()):
         config["aot_inductor.custom_ops_to_c_shims"] = aoti_shims()
+    if library_loops_only(block):
+        config["cpp.threads"] = 1
     return config
+
+
+def library_loops_only(block: nn.Module) -> bool:
+    """Whether every product of ``block`` runs on our kernel library (w4a8 weights): its packages
+    are then compiled with inductor's own loops serial (a package's OpenMP regions have their
+    thread count compiled in), so that the library's loops may run on its thread pool
+    (kernels.loop_pool), which must not meet an OpenMP team. What inductor itself computes there
+    is elementwise and small (the SiLU-mul of one row: 1,536 floats); serial, the plain w4a8 step
+    measured 1.015x (docs/results.md)."""
+    from .w4a8 import W4A8Linear
+
+    mods = list(block.modules())
+    return any(isinstance(m, W4A8Linear) for m in mods) and not any(isinstance(m, nn.Linear) for m in mods)
 
 
 def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> Path:

@@ -46,6 +46,7 @@ class EngineSpec:
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
     stages: str = "sequential"  # execution plan (EngineConfig.stages)
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
+    loop_pool: bool = False  # the kernel library's loops on its own pool while decoding (EngineConfig.loop_pool)
     weights: str | None = None  # weight format (runtime/quant.py); None: float weights in dtype
     kv_cache: str | None = None  # the target's KV cache dtype (yggtree.shapes.kv_cache_dtype); None: dtype
     n_slots: int = 0  # KV cache slots (EngineConfig.n_slots; 0: derived)
@@ -300,6 +301,7 @@ def build_engine(spec: EngineSpec, prepare=None):
         lookup=spec.lookup,
         stages=spec.stages,
         threads=spec.threads,
+        loop_pool=spec.loop_pool,
         n_slots=spec.n_slots,
     )
     eos = tuple(target.cfg.eos_token_ids) or (
@@ -397,6 +399,8 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
         kernel = m.get("packed_kernel", "torch") if kernel is None else kernel
         min_rows = m.get("packed_min_rows", 1) if min_rows is None else min_rows
     spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows, kernel=kernel)
+    if artifacts is not None and spec.mode == "performance" and loops_on_pool(read_manifest(Path(artifacts)) or {}):
+        spec = replace(spec, loop_pool=True)
     if not speculate:
         rows = spec.min_rows
         if artifacts is not None and min_rows is None:  # the packages' own padding
@@ -408,6 +412,13 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     engine, tokenizer = build_engine(spec, prepare)
     warm_plan(engine, plan)
     return engine, tokenizer
+
+
+def loops_on_pool(manifest: dict) -> bool:
+    """Whether a plan's packages run the kernel library's loops on its pool: ``yggtree compile``
+    measured it faster on this machine (the manifest's ``loops``), which it measures only where
+    every package's own loops are serial (aoti.library_loops_only)."""
+    return (manifest.get("loops") or {}).get("choice") == "pool"
 
 
 def searched_stages(art: str | Path) -> str:

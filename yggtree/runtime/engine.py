@@ -64,6 +64,10 @@ class EngineConfig:
     lookup_calibration: str | None = None  # lookup calibration JSON (None: the shipped one)
     stages: str = "sequential"  # execution plan (runtime/schedule.py): sequential | ahead | a stage order
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
+    # the kernel library's loops on its own thread pool of ``threads`` while a sequential plan
+    # decodes, the decoding thread at one OpenMP thread (kernels.loop_pool): for compiled packages
+    # whose only parallel loops are the library's (``yggtree compile`` measures and records it)
+    loop_pool: bool = False
     # KV cache slots (0: max_context + the tree's reserve + a scratch slot); a compiled plan's
     # plain engine keeps the slot count its packages were compiled for
     n_slots: int = 0
@@ -275,6 +279,17 @@ class Engine:
         0: the calling thread's count now)."""
         return plan.threads or torch.get_num_threads()
 
+    def loops(self, threads: int):
+        """Where the kernel library's parallel loops run while this engine decodes at ``threads``:
+        its own thread pool (kernels.loop_pool) where ``cfg.loop_pool`` and the plan is sequential
+        (an overlap plan's drafter worker calls kernels beside the decoding thread, on its own
+        OpenMP threads), else OpenMP (a null context)."""
+        if self.cfg.loop_pool and self.worker is None:
+            from .kernels import loop_pool
+
+            return loop_pool(threads)
+        return contextlib.nullcontext()
+
     def _build(self, plan: ExecutionPlan) -> None:
         """Build every graph the decoding thread runs under ``plan`` that is not built yet, at
         the count it runs at (:meth:`plan_threads`): the target's at every verify width and the
@@ -397,7 +412,7 @@ class Engine:
         torch.set_num_threads(threads)
         try:
             threaded = self.worker is not None and self.worker.threaded
-            with torch.no_grad(), self.graphs.frozen(threaded):
+            with torch.no_grad(), self.graphs.frozen(threaded), self.loops(threads):
                 prompt = torch.tensor(prompt_ids, dtype=torch.int64)
                 layers = self.drafter.target_layers if self.drafter is not None else ()
                 logits, h_root, feats = prefill(self.graphs, prompt, self.cfg.prefill_chunk, layers)

@@ -28,10 +28,10 @@ def choice_key(src, dtype: str, weights: str | None, widths: tuple[int, ...], th
     """What a measured kernel choice depends on (``src``: a ModelSource)."""
     import torch
 
-    from .kernels import SOURCES
+    from .kernels import HEADERS, SOURCES
 
     st = Path(src.path).stat()
-    library = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)).hexdigest()[:12]
+    library = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:12]
     return {"device": device["kind"], "device_name": device["name"], "threads": threads,
             "model": str(Path(src.path).resolve()), "model_bytes": st.st_size, "model_mtime_ns": st.st_mtime_ns,
             "dtype": dtype, "weights": weights, "widths": sorted(set(widths)), "torch": torch.__version__,

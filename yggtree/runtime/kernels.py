@@ -4,6 +4,9 @@
   (runtime/w4a8.py; needs AVX512-VNNI, which :func:`yggtree.runtime.w4a8.load_kernel` checks).
 - ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
   slots (runtime/model.py's ``Attention.native_rows``).
+- their parallel loops (``csrc/loops.cpp``): on OpenMP, or on the library's own spinning thread
+  pool inside :func:`loop_pool` (a step whose only parallel regions are the library's: it costs
+  less to start and join a region where the CPUs sit far apart).
 - ``yggtree::tiled_mm`` (``csrc/tiled_mm.cpp``): float32, bfloat16 or int8 weights in tiles of 16
   output columns, each row computed on its own (runtime/packed.py's ``tiled`` product kernel);
   ``yggtree::tiled_q4_mm`` the same for 4-bit group-wise codes (runtime/quant.py's int4 and
@@ -30,9 +33,11 @@ import torch
 from ..errors import YggError
 
 __all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention"]
+           "use_rows_attention", "loop_pool"]
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / n
+                for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "loops.h",)  # included by the sources: part of the build's key
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
 # on one thread); the build links the libgomp torch already loaded (same soname), so torch's
 # thread count governs it
@@ -99,7 +104,8 @@ def load_library() -> None:
 
     from ..files import cache_root
 
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+                         + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / f"yggtree-{key}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
     try:
@@ -119,6 +125,27 @@ def load_library() -> None:
     torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
     torch.library.register_fake("yggtree::tiled_mm")(_tiled_mm_fake)
     torch.library.register_fake("yggtree::tiled_q4_mm")(_tiled_q4_mm_fake)
+
+
+@contextlib.contextmanager
+def loop_pool(threads: int):
+    """The library's parallel loops on its own pool of ``threads`` threads inside the block, the
+    calling thread at one OpenMP thread (restored after). A pool's worker spins between tasks, and
+    a spinning OpenMP worker on the same core would take its time slices: use it only where the
+    kernels' loops are the step's only parallel regions (packages compiled with inductor's loops
+    serial: aoti.cpu_config). ``threads`` <= 1 changes nothing. Loads the library."""
+    if threads <= 1:
+        yield
+        return
+    load_library()
+    before = torch.get_num_threads()
+    was = torch.ops.yggtree.loop_pool(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        torch.ops.yggtree.loop_pool(was)
 
 
 def aoti_shims() -> dict:

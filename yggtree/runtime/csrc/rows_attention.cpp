@@ -19,6 +19,7 @@
 // model's 16-bit KV cache); D a multiple of 16, at most 256.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "loops.h"
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
@@ -191,7 +192,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // whole KV heads where it can, so each reads its KV heads' K and V rows once from memory and
   // then from its cache for the other rows (in (row, head) order a W-row call had every thread
   // stream every KV head). Which thread computes a (row, head) changes no bit of it.
-  at::parallel_for(0, B * W * H, 1, [&](int64_t i0, int64_t i1) {
+  yggtree::parallel_for(0, B * W * H, 1, [&](int64_t i0, int64_t i1) {
     static thread_local Scratch buf;
     if (static_cast<int64_t>(buf.slot.size()) < C + T) buf.sc.resize(MAX_GROUP * (C + T)), buf.slot.resize(C + T);
     for (int64_t i = i0; i < i1;) {  // this thread's heads, in runs that share a KV head

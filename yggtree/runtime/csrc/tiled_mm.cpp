@@ -21,6 +21,7 @@
 // so the same row independence holds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "loops.h"
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
@@ -73,7 +74,7 @@ inline void tile(const W* w, const float* scale, const float* x, int64_t K, int6
 template <typename W>
 void run(const W* wp, const float* sp, const float* x, int64_t M, int64_t K, int64_t T, float* op) {
   const int64_t N = 16 * T;
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+  yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const W* w = wp + t * K * 16;
       const float* s = sp ? sp + t * 16 : nullptr;
@@ -175,7 +176,7 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+  yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = cp + t * (K / 2) * 16;
       const float *st = sp + t * B * 16, *mt = mp + t * B * 16;

@@ -18,11 +18,15 @@
 //   8-bit, S = 576: byte (g, lane, i) = u[16t+lane][32b+4g+i] (g < 8), then d, m
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "loops.h"
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <atomic>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <cstring>
 #include <vector>
 
@@ -125,7 +129,7 @@ template <int BITS>
 void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap, int64_t M, int64_t K,
          int64_t T, int64_t B, float* op) {
   const int64_t N = 16 * T;
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+  yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = bp + t * B * STRIDE<BITS>;
       // rows in groups of 8, 4, 2, 1: a group shares every code block it unpacks (measured faster
@@ -171,15 +175,17 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   return out;
 }
 
-// The threads the kernel's parallel loop runs on at the calling thread's intra-op count (1 if the
-// build lacked OpenMP: at::parallel_for then runs serially); the argument only selects the CPU kernel
+// The threads the kernel's parallel loop runs on: the calling thread's intra-op count on OpenMP (1 if the build
+// lacked OpenMP: at::parallel_for then runs serially), the pool's while it is on (csrc/loops.cpp); the
+// argument only selects the CPU kernel
 int64_t w4a8_threads(const at::Tensor&) {
-  std::atomic<int64_t> most{1};
-  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
-    int64_t n = at::get_thread_num() + 1, cur = most.load();
-    while (n > cur && !most.compare_exchange_weak(cur, n)) {}
+  std::mutex held;
+  std::set<std::thread::id> seen;
+  yggtree::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> lock(held);
+    seen.insert(std::this_thread::get_id());
   });
-  return most.load();
+  return static_cast<int64_t>(seen.size());
 }
 
 }  // namespace

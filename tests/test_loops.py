@@ -1,0 +1,201 @@
+"""The kernel library's parallel loops on its own thread pool (csrc/loops.cpp, kernels.loop_pool):
+every kernel bitwise as on OpenMP, callers at once served, the thread counts restored, a forked
+child safe, packages compiled with serial loops where only the library's run, the compile-time
+choice's rule, and engines decoding on the pool emitting plain decoding's tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from yggtree.errors import YggError
+from yggtree.runtime import kernels
+from yggtree.runtime.kernels import loop_pool
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+try:
+    kernels.load_library()
+    from yggtree.runtime import w4a8
+
+    w4a8.load_kernel()
+except YggError as e:  # pragma: no cover - a CPU without AVX-512 / VNNI, or no compiler
+    pytest.skip(str(e), allow_module_level=True)
+
+from test_w4a8 import random_blocks  # noqa: E402
+from yggtree.runtime.w4a8 import W4A8Linear  # noqa: E402
+
+
+def products(gen):
+    """A w4a8 layer (4-bit and 8-bit codes), a tiled float32 one, and inputs of 1..12 rows."""
+    from yggtree.runtime.packed import PackedLinear
+
+    layers = [W4A8Linear(random_blocks(960, 576, bits, gen), None, torch.float32) for bits in (4, 8)]
+    layers.append(PackedLinear.of(nn.Linear(576, 960), kernel="tiled"))
+    return layers, [torch.randn(m, 576, generator=gen) for m in (1, 2, 3, 5, 8, 12)]
+
+
+def attention_inputs(gen):
+    from yggtree.runtime.model import row_window
+
+    b, w, h, hkv, d, c = 1, 6, 9, 3, 64, 96
+    kv = torch.randn(2, b, c, hkv, d, generator=gen)
+    q = torch.randn(b, w, h, d, generator=gen)
+    mask = torch.zeros(b, w, c, dtype=torch.bool)
+    for r, n in enumerate([1, 7, 33, 40, 90, 96]):
+        mask[0, r, :n] = True
+    window, head = row_window(mask)
+    return q, kv[0], kv[1], head, window
+
+
+def everything(layers, xs, att):
+    with torch.no_grad():
+        return [layer(x) for layer in layers for x in xs] + [torch.ops.yggtree.rows_attention(*att)]
+
+
+def test_every_kernel_on_the_pool_is_bitwise_openmps():
+    """w4a8 (4- and 8-bit), tiled and attention results on a pool of 2 and 3 threads equal those on
+    OpenMP at 2 threads, bit for bit (every kernel's rows and columns are independent of the split)."""
+    gen = torch.Generator().manual_seed(0)
+    layers, xs, att = *products(gen), attention_inputs(gen)
+    torch.set_num_threads(2)
+    want = everything(layers, xs, att)
+    for n in (2, 3):
+        with loop_pool(n):
+            got = everything(layers, xs, att)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+
+
+def test_callers_at_once_are_served_and_equal():
+    """Four threads calling the kernels while the pool is on (one holds the pool, the others run
+    their loops serially) get the results a lone caller gets, and none waits forever."""
+    gen = torch.Generator().manual_seed(1)
+    layers, xs, att = *products(gen), attention_inputs(gen)
+    want = everything(layers, xs, att)
+    outs, errors = {}, []
+
+    def call(i):
+        try:
+            for _ in range(5):
+                outs[i] = everything(layers, xs, att)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    with loop_pool(2):
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+    assert not errors
+    assert all(torch.equal(a, b) for got in outs.values() for a, b in zip(got, want)) and len(outs) == 4
+
+
+def test_loop_pool_sets_and_restores_the_thread_counts():
+    """Inside, the calling thread runs one OpenMP thread and the kernels' loops the pool's count;
+    after, both as before (nested blocks too); a count of 1 changes nothing."""
+    x = torch.zeros(1)
+    torch.set_num_threads(2)
+    assert torch.ops.yggtree.w4a8_threads(x) == 2
+    with loop_pool(3):
+        assert torch.get_num_threads() == 1 and torch.ops.yggtree.w4a8_threads(x) == 3
+        with loop_pool(2):
+            assert torch.ops.yggtree.w4a8_threads(x) == 2
+        assert torch.get_num_threads() == 1 and torch.ops.yggtree.w4a8_threads(x) == 3
+    assert torch.get_num_threads() == 2 and torch.ops.yggtree.w4a8_threads(x) == 2
+    with loop_pool(1):
+        assert torch.get_num_threads() == 2 and torch.ops.yggtree.w4a8_threads(x) == 2
+
+
+def test_a_forked_child_runs_its_loops_on_openmp():
+    """A process forked while the pool is on has none of its workers: its kernels run (on OpenMP)
+    and give the parent's results instead of waiting for workers that do not exist."""
+    gen = torch.Generator().manual_seed(2)
+    layer = W4A8Linear(random_blocks(960, 576, 4, gen), None, torch.float32)
+    x = torch.randn(3, 576, generator=gen)
+    with torch.no_grad():
+        want = layer(x)
+        with loop_pool(2):
+            layer(x)
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                signal.alarm(60)  # a hang ends the child, and the test fails instead of hanging
+                ok = torch.equal(layer(x), want) and torch.ops.yggtree.w4a8_threads(x) == 1
+                os._exit(0 if ok else 1)
+            _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_packages_of_library_only_blocks_compile_serial_loops():
+    """A block whose products all run on the library (w4a8) is packaged with inductor's loops
+    serial (cpp.threads = 1: the pool must not meet an OpenMP team); a block with float products
+    keeps inductor's threads."""
+    from helpers import tiny_model
+    from yggtree.runtime.aoti import library_loops_only, package_config
+    from yggtree.runtime.quant import quantize_linears
+
+    float_model = tiny_model()
+    assert not library_loops_only(float_model.layers[0])
+    assert "cpp.threads" not in package_config(float_model.layers[0])
+    q = tiny_model()
+    quantize_linears(q, "w4a8")
+    assert library_loops_only(q.layers[0]) and package_config(q.layers[0])["cpp.threads"] == 1
+
+
+def test_the_pool_is_chosen_when_it_wins_most_prompts():
+    from yggtree.loops_choice import decide
+    from yggtree.runtime.build import loops_on_pool
+
+    assert decide([(4.0, 3.8), (4.0, 3.9), (4.0, 4.1)])[0] == "pool"
+    assert decide([(4.0, 3.0), (4.0, 4.1), (4.0, 4.2)])[0] == "openmp"  # faster on one prompt of three
+    assert decide([(4.0, 4.0), (4.0, 4.0)])[0] == "openmp"  # no faster
+    choice, stats = decide([(2.0, 1.0), (3.0, 3.0)])
+    assert stats["pairs"] == 2 and stats["won"] == 0.5 and choice == "openmp"
+    assert loops_on_pool({"loops": {"choice": "pool"}}) and not loops_on_pool({"loops": {"choice": "openmp"}})
+    assert not loops_on_pool({})  # a manifest from before the measurement: OpenMP
+
+
+def test_engines_on_the_pool_decode_plain_decodings_tokens():
+    """A w4a8 target (plain and speculating with a w4a8 drafter) decoding with its kernels' loops
+    on the pool at 2 threads emits the tokens plain decoding on OpenMP emits."""
+    from test_quant import gguf_blocks as tiny_gguf_blocks, tiny
+    from yggtree.runtime.drafters import LMDrafter
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+    from yggtree.runtime.quant import quantize_linears
+
+    def gguf_like(seed: int):
+        m = tiny(seed)
+        raw = tiny_gguf_blocks(m)
+        del raw["lm_head.weight"]
+        quantize_linears(m, "w4a8", raw=raw)
+        return m
+
+    target = gguf_like(0)
+    cfg = dict(mode="reference", max_context=80, prefill_chunk=8, threads=2)
+    plain = Engine(target, EngineConfig(**cfg))
+    pooled = Engine(target, EngineConfig(**cfg, loop_pool=True))
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+    spec = Engine(target, EngineConfig(**cfg, tree=tree, loop_pool=True), LMDrafter(gguf_like(1), "reference"))
+    seen = []
+    real = kernels.loop_pool
+
+    def spy(n):
+        seen.append(n)
+        return real(n)
+
+    kernels.loop_pool = spy
+    try:
+        for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
+            want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+            assert pooled.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
+            assert spec.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
+    finally:
+        kernels.loop_pool = real
+    assert seen == [2] * 4  # the pooled engines decoded on the pool, the plain one did not
+    assert torch.ops.yggtree.w4a8_threads(torch.zeros(1)) == torch.get_num_threads()  # the pool off again

@@ -1,0 +1,98 @@
+"""Where the kernel library's parallel loops run in a compiled plan on this machine: OpenMP, or the
+library's own thread pool (``runtime/kernels.py`` ``loop_pool``; ``runtime/csrc/loops.cpp`` says why a
+pool: a two-thread OpenMP region costs microseconds to start where the CPUs sit apart, ~180 regions
+a w4a8 step). Measured once per compile by ``yggtree compile`` and recorded in the manifest
+(``loops``), which ``build_plan_engine`` reads.
+
+Only where every package's own loops are serial, so that the library's are the step's only parallel
+regions (``aoti.library_loops_only``: the w4a8 format), and at 2+ threads. The compiled plan's plain
+decoding (as ``yggtree run --plan P --no-speculate`` runs it) decodes a few calibration chat prompts
+(never evaluation prompts) with the loops on OpenMP and on the pool in turn, the order alternating by
+prompt, over a few rounds; the pool is chosen when its median per-prompt speed-up is above 1 and it
+was faster on more than half of the prompts. ``YGGTREE_LOOPS=openmp`` (or ``pool``) records that
+choice without measuring; ``auto``, the default, measures.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from .errors import YggError
+
+LOOPS_ENV = "YGGTREE_LOOPS"  # auto | openmp | pool (module docstring)
+CHOICES = ("openmp", "pool")
+
+ROUNDS = 3
+PROMPTS = 6  # calibration chat prompts per round (after one warm-up each way)
+NEW_TOKENS = 48
+SNIPPET_CHARS = 400
+
+
+def decide(pairs: list[tuple[float, float]]) -> tuple[str, dict]:
+    """``("pool" | "openmp", stats)`` from ``pairs`` of (ms per token on OpenMP, on the pool) of
+    the same prompts: the pool where its median speed-up is above 1 and it won more than half of
+    the pairs (pure)."""
+    ratios = [a / b for a, b in pairs]
+    stats = {"speedup": statistics.median(ratios), "won": sum(r > 1 for r in ratios) / len(ratios),
+             "pairs": len(ratios)}
+    return ("pool" if stats["speedup"] > 1 and stats["won"] > 0.5 else "openmp"), stats
+
+
+def forced() -> str | None:
+    """The choice ``YGGTREE_LOOPS`` names, None for ``auto`` or unset; YggError in one line for
+    anything else."""
+    v = os.environ.get(LOOPS_ENV, "auto").strip() or "auto"
+    if v == "auto":
+        return None
+    if v not in CHOICES:
+        raise YggError(f"{LOOPS_ENV}={v!r}: must be auto, openmp or pool")
+    return v
+
+
+def measure_compiled(plan_path: str | Path, compile_root: str | Path, say=None) -> dict:
+    """The loops' record of the compiled plan at ``plan_path`` (its manifest's ``loops``),
+    measured now (or forced by ``YGGTREE_LOOPS``). ``say(line)`` hears the result."""
+    choice = forced()
+    if choice is not None:
+        return {"choice": choice, "forced": LOOPS_ENV}
+    from .bench import plan_runner
+    from .data import calibration_chat_prompts
+    from .runtime.engine import SamplingParams
+    from .runtime.loading import encode_auto
+
+    plan, _, make = plan_runner(str(plan_path), compile_root=str(compile_root))
+    engine, tok, _ = make(False)
+    threads = engine.plan_threads(engine.plan)
+    new_tokens = max(2, min(NEW_TOKENS, plan.max_context // 4))
+    room = plan.max_context - new_tokens
+    prompts = [encode_auto(tok, p.text)[-room:]
+               for p in calibration_chat_prompts(PROMPTS + 1, max_snippet_chars=SNIPPET_CHARS)]
+    params = SamplingParams(max_new_tokens=new_tokens)
+    base = engine.cfg
+
+    def run(ids, pool: bool) -> float:
+        engine.cfg = replace(base, loop_pool=pool)
+        r = engine.generate(ids, params)
+        return (r.stats["total_ms"] - r.stats["ttft_ms"]) / max(1, len(r.token_ids) - 1)
+
+    try:
+        run(prompts[0], False), run(prompts[0], True)  # warm-up
+        pairs = []
+        for rnd in range(ROUNDS):
+            for i, ids in enumerate(prompts[1:]):
+                if (i + rnd) % 2:
+                    b = run(ids, True); a = run(ids, False)
+                else:
+                    a = run(ids, False); b = run(ids, True)
+                pairs.append((a, b))
+    finally:
+        engine.cfg = base
+    choice, stats = decide(pairs)
+    if say is not None:
+        say(f"kernel loops measured on this machine at {threads} threads: {choice} (the pool "
+            f"{stats['speedup']:.3f}x OpenMP, faster on {stats['won']:.0%} of {stats['pairs']} prompts)")
+    return {"choice": choice, "threads": threads, "stats": stats,
+            "ms_per_token": [[round(a, 4), round(b, 4)] for a, b in pairs]}
