@@ -164,17 +164,9 @@ def test_the_pool_is_chosen_when_it_wins_most_prompts():
 def test_engines_on_the_pool_decode_plain_decodings_tokens():
     """A w4a8 target (plain and speculating with a w4a8 drafter) decoding with its kernels' loops
     on the pool at 2 threads emits the tokens plain decoding on OpenMP emits."""
-    from test_quant import gguf_blocks as tiny_gguf_blocks, tiny
+    from test_w4a8 import gguf_like
     from yggtree.runtime.drafters import LMDrafter
     from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
-    from yggtree.runtime.quant import quantize_linears
-
-    def gguf_like(seed: int):
-        m = tiny(seed)
-        raw = tiny_gguf_blocks(m)
-        del raw["lm_head.weight"]
-        quantize_linears(m, "w4a8", raw=raw)
-        return m
 
     target = gguf_like(0)
     cfg = dict(mode="reference", max_context=80, prefill_chunk=8, threads=2)

@@ -117,18 +117,21 @@ def test_q4_1_from_float():
     assert torch.equal(dequantize_blocks(b)[3, 32:64], w[3, 32:64])
 
 
+def gguf_like(seed: int):
+    """The tiny model in w4a8 on its GGUF blocks (Q4_0 attention, Q4_1 MLP), the head tied to the
+    Q8_0 embedding as the embedded model's."""
+    m = tiny(seed)
+    raw = tiny_gguf_blocks(m)
+    del raw["lm_head.weight"]
+    quantize_linears(m, "w4a8", raw=raw)
+    return m
+
+
 def test_w4a8_engine_speculates_exactly():
     """Greedy tree speculation on a w4a8 target and drafter (the tiny model's GGUF blocks:
     Q4_0 attention, Q4_1 MLP, the tied Q8_0 head as 8-bit codes) emits plain decoding's tokens."""
     from yggtree.runtime.drafters import LMDrafter
     from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
-
-    def gguf_like(seed: int):  # the head tied to the Q8_0 embedding, as the embedded model's
-        m = tiny(seed)
-        raw = tiny_gguf_blocks(m)
-        del raw["lm_head.weight"]
-        quantize_linears(m, "w4a8", raw=raw)
-        return m
 
     target = gguf_like(0)
     assert len(quant_layers(target)) == 4 * len(target.layers) + 1
