@@ -191,3 +191,17 @@ def test_engines_on_the_pool_decode_plain_decodings_tokens():
         kernels.loop_pool = real
     assert seen == [2] * 4  # the pooled engines decoded on the pool, the plain one did not
     assert torch.ops.yggtree.w4a8_threads(torch.zeros(1)) == torch.get_num_threads()  # the pool off again
+
+
+def test_a_bad_loops_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):
+    """``YGGTREE_LOOPS`` other than auto, openmp or pool: one line naming it, a non-zero exit,
+    before anything is built."""
+    from yggtree.cli import main
+
+    monkeypatch.setenv("YGGTREE_LOOPS", "fast")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("name: p\ntarget: default\nbackend: eager\n")
+    assert main(["compile", str(plan), "--out", str(tmp_path / "c")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "YGGTREE_LOOPS='fast'" in err[0] and "auto, openmp or pool" in err[0]
+    assert not (tmp_path / "c").exists()

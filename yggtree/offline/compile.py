@@ -49,6 +49,7 @@ from pathlib import Path
 
 from ..errors import YggError, module_main
 from ..kernel_choice import measure_plan
+from ..loops_choice import forced as forced_loops
 from ..files import file_sha256, manifest_path
 from ..plan import (
     CACHE_SUBDIR,
@@ -432,6 +433,7 @@ def compile_plan(
     check_backend(plan.backend)
     art = artifact_dir(plan, out_root)
     _check_destination(plan, art, force or replace)
+    forced_loops()  # a bad YGGTREE_LOOPS is refused now, not after the build
     measure_plan(plan)  # a plan without a profile: its product kernel on this machine (cached)
     current = None if force else _up_to_date(plan, art)
     if current is not None:
