@@ -12,6 +12,8 @@
 // Workers spin SPIN_US after their last task, then sleep on a futex until the next. A loop called while the
 // pool is busy (another thread's loop, or a loop inside a task) runs serially on its caller: nothing waits on
 // another caller, and the split never changes a result (every kernel's rows and columns are independent).
+// The pool is the process's: of two threads switching it on at once (kernels.loop_pool), the first to switch it
+// off leaves the other's loops serial: correct, slower.
 #include "loops.h"
 
 #include <ATen/Parallel.h>
