@@ -133,19 +133,20 @@ def test_a_forked_child_runs_its_loops_on_openmp():
 
 
 def test_packages_of_library_only_blocks_compile_serial_loops():
-    """A block whose products all run on the library (w4a8) is packaged with inductor's loops
-    serial (cpp.threads = 1: the pool must not meet an OpenMP team); a block with float products
-    keeps inductor's threads."""
+    """A block whose products all run on the library (w4a8) is one a plain plan packages with
+    inductor's loops serial (cpp.threads = 1: the pool must not meet an OpenMP team); a block with
+    float products is not, and packages keep inductor's threads unless asked."""
     from helpers import tiny_model
     from yggtree.runtime.aoti import library_loops_only, package_config
     from yggtree.runtime.quant import quantize_linears
 
     float_model = tiny_model()
     assert not library_loops_only(float_model.layers[0])
-    assert "cpp.threads" not in package_config(float_model.layers[0])
     q = tiny_model()
     quantize_linears(q, "w4a8")
-    assert library_loops_only(q.layers[0]) and package_config(q.layers[0])["cpp.threads"] == 1
+    assert library_loops_only(q.layers[0])
+    assert "cpp.threads" not in package_config(q.layers[0])
+    assert package_config(q.layers[0], serial_loops=True)["cpp.threads"] == 1
 
 
 def test_the_pool_is_chosen_when_it_wins_most_prompts():

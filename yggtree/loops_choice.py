@@ -52,19 +52,19 @@ def forced() -> str | None:
     return v
 
 
-def measure_compiled(plan_path: str | Path, compile_root: str | Path, say=None) -> dict:
-    """The loops' record of the compiled plan at ``plan_path`` (its manifest's ``loops``),
-    measured now (or forced by ``YGGTREE_LOOPS``). ``say(line)`` hears the result."""
+def measure_compiled(plan, art: str | Path, say=None) -> dict:
+    """The loops' record of ``plan`` (a Plan) compiled in ``art`` (its manifest's ``loops``),
+    measured now on its plain engine (or forced by ``YGGTREE_LOOPS``). ``say(line)`` hears the
+    result."""
     choice = forced()
     if choice is not None:
         return {"choice": choice, "forced": LOOPS_ENV}
-    from .bench import plan_runner
     from .data import calibration_chat_prompts
+    from .runtime.build import build_plan_engine
     from .runtime.engine import SamplingParams
     from .runtime.loading import encode_auto
 
-    plan, _, make = plan_runner(str(plan_path), compile_root=str(compile_root))
-    engine, tok, _ = make(False)
+    engine, tok = build_plan_engine(plan, art, speculate=False)
     threads = engine.plan_threads(engine.plan)
     new_tokens = max(2, min(NEW_TOKENS, plan.max_context // 4))
     room = plan.max_context - new_tokens

@@ -211,6 +211,9 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         for block in model.layers if model is not None else ():
             block.__dict__.pop("forward", None)
     todo = list(rec.examples)
+    # a plain plan whose products all run on the kernel library: its packages' own loops serial, so
+    # that the library's may run on its pool (aoti.library_loops_only; loops_choice.py measures it)
+    serial_loops = drafter is None and library_loops_only(target)
     # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     skey = step_key(target, capture)
@@ -234,9 +237,9 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
             if scope == "block":
-                compile_package(rec.blocks[kind], rec.examples[key], part)
+                compile_package(rec.blocks[kind], rec.examples[key], part, serial_loops)
             elif scope == "step":
-                compile_step_package(target, w, c, capture, part)
+                compile_step_package(target, w, c, capture, part, serial_loops)
             else:
                 compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, part)
         os.replace(part, out / name)
@@ -305,10 +308,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
                 "cache": "compiled",
             }
         )
-    # the packages' own loops all serial, the kernel library's the only parallel ones (aoti.package_config)
-    library_loops = library_loops_only(target) and (drafter is None or library_loops_only(drafter.graphs.model))
     return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads(),
-                     "library_loops": library_loops}
+                     "serial_loops": serial_loops}
 
 
 
@@ -464,11 +465,11 @@ def compile_plan(
             _write_manifest(art, manifest)
         # where the kernel library's loops run (loops_choice.py): only where they are the step's only
         # parallel regions, at 2+ threads
-        if info.get("library_loops") and (info.get("threads") or 1) > 1:
+        if info.get("serial_loops") and (info.get("threads") or 1) > 1:
             from ..loops_choice import measure_compiled as measure_loops
 
             try:
-                manifest["loops"] = measure_loops(art / PLAN_COPY, out_root, say=say)
+                manifest["loops"] = measure_loops(plan, art, say=say)
             except YggError as e:  # the packages are built: a run keeps OpenMP's loops
                 say(f"the kernel loops were not measured: {e}")
             _write_manifest(art, manifest)

@@ -194,47 +194,51 @@ class _StepFn(nn.Module):
         return torch.func.functional_call(self.step, state, (tokens, depth, node, anc, committed))
 
 
-def package_config(block: nn.Module) -> dict:
+def package_config(block: nn.Module, serial_loops: bool = False) -> dict:
     """Inductor settings of ``block``'s packages (and of its model's whole steps):
     :func:`cpu_config` (so a whole step, whose kernels fuse across the blocks, computes its block
     packages' step bitwise in half precision too); and where it calls our kernel library (w4a8
     weights, tiled products) the kernels' C shims (a direct call; AOTInductor's proxy executor
-    would box every call's arguments, ~10 us a product)."""
+    would box every call's arguments, ~10 us a product); ``serial_loops``: inductor's own loops
+    serial (see :func:`library_loops_only`)."""
     from .kernels import aoti_shims
     from .w4a8 import W4A8Linear
 
     config = cpu_config(half_precision(block))
     if any(isinstance(m, W4A8Linear) or getattr(m, "kernel", None) == "tiled" for m in block.modules()):
         config["aot_inductor.custom_ops_to_c_shims"] = aoti_shims()
-    if library_loops_only(block):
+    if serial_loops:
         config["cpp.threads"] = 1
     return config
 
 
 def library_loops_only(block: nn.Module) -> bool:
-    """Whether every product of ``block`` runs on our kernel library (w4a8 weights): its packages
-    are then compiled with inductor's own loops serial (a package's OpenMP regions have their
-    thread count compiled in), so that the library's loops may run on its thread pool
-    (kernels.loop_pool), which must not meet an OpenMP team. What inductor itself computes there
-    is elementwise and small (the SiLU-mul of one row: 1,536 floats); serial, the plain w4a8 step
-    measured 1.015x (docs/results.md)."""
+    """Whether every product of ``block`` runs on our kernel library (w4a8 weights). A plain plan
+    (no drafter) of such a model is compiled with inductor's own loops serial (a package's OpenMP
+    regions have their thread count compiled in), so that the library's loops may run on its
+    thread pool (kernels.loop_pool), which must not meet an OpenMP team: what inductor computes
+    in its steps is elementwise and small (the SiLU-mul of one row: 1,536 floats; serial, the plain
+    w4a8 step measured 1.015x). Not a speculative plan's: its drafter's calls and the verify's
+    vocabulary-wide work ran ~10% slower serial, and trees gained nothing on the pool
+    (docs/results.md)."""
     from .w4a8 import W4A8Linear
 
     mods = list(block.modules())
     return any(isinstance(m, W4A8Linear) for m in mods) and not any(isinstance(m, nn.Linear) for m in mods)
 
 
-def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> Path:
+def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path,
+                    serial_loops: bool = False) -> Path:
     """Export ``block`` at the shapes of ``example`` (its 5 activation inputs) and compile it into
     the AOTInductor package ``path``. The block's own cache is only read for its shape."""
     cache = block.self_attn.cache
     acts = tuple(a.contiguous() for a in example)
     args = (*acts, cache.kv.clone(), *(p.detach() for _, p in block_tensors(block)))
-    return _export_and_package(_BlockFn(block), args, package_config(block), path)
+    return _export_and_package(_BlockFn(block), args, package_config(block, serial_loops), path)
 
 
 def compile_step_package(model: nn.Module, width: int, context: int, capture: tuple[int, ...],
-                         path: Path) -> Path:
+                         path: Path, serial_loops: bool = False) -> Path:
     """Export ``model``'s whole tree step of ``width`` inputs at context bucket ``context``
     (capturing ``capture``) and compile it into the AOTInductor package ``path``. The model's
     blocks must run their own forward (no packages or recorder installed)."""
@@ -245,7 +249,8 @@ def compile_step_package(model: nn.Module, width: int, context: int, capture: tu
     # take the tokens for the depths)
     args = (ar.clone(), ar.clone(), ar.clone(), anc, torch.zeros((), dtype=torch.int64), *kvs,
             *(t.detach() for _, t in model_tensors(model)))
-    return _export_and_package(_StepFn(model, context, capture), args, package_config(model.layers[0]), path)
+    return _export_and_package(_StepFn(model, context, capture), args,
+                               package_config(model.layers[0], serial_loops), path)
 
 
 def _export_and_package(fn: nn.Module, args: tuple, config: dict, path: Path) -> Path:
