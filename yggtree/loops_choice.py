@@ -4,8 +4,9 @@ pool: a two-thread OpenMP region costs microseconds to start where the CPUs sit 
 a w4a8 step). Measured once per compile by ``yggtree compile`` and recorded in the manifest
 (``loops``), which ``build_plan_engine`` reads.
 
-Only where every package's own loops are serial, so that the library's are the step's only parallel
-regions (``aoti.library_loops_only``: the w4a8 format), and at 2+ threads. The compiled plan's plain
+Only for a plain plan (no drafter) whose every product runs on the library (``aoti.library_loops_only``:
+the w4a8 format), whose packages are compiled with inductor's own loops serial so that the library's
+are the step's only parallel regions, and at 2+ threads. The compiled plan's plain
 decoding (as ``yggtree run --plan P --no-speculate`` runs it) decodes a few calibration chat prompts
 (never evaluation prompts) with the loops on OpenMP and on the pool in turn, the order alternating by
 prompt, over a few rounds; the pool is chosen when its median per-prompt speed-up is above 1 and it
