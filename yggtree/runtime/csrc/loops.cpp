@@ -67,8 +67,13 @@ class Pool {
 
   // false: busy (the caller runs the loop itself)
   bool run(int64_t b, int64_t e, int64_t grain, const Body& body) {
-    std::unique_lock<std::mutex> held(busy_, std::try_to_lock);
-    if (!held.owns_lock()) return false;
+    // taken by one loop at a time; any other caller -- another thread, or a loop nested in this one's
+    // chunk on this thread -- is told to run its loop itself
+    if (busy_.exchange(true, std::memory_order_acquire)) return false;
+    struct Release {
+      std::atomic<bool>& flag;
+      ~Release() { flag.store(false, std::memory_order_release); }
+    } release{busy_};
     const int64_t n = e - b, parts = std::min<int64_t>(n_, (n + grain - 1) / grain);
     if (parts <= 1) {
       body(b, e);
@@ -117,7 +122,7 @@ class Pool {
   Task task_;
   std::vector<Done> done_;
   std::vector<std::thread> workers_;
-  std::mutex busy_;
+  std::atomic<bool> busy_{false};
 };
 
 // The pool in use (null: OpenMP). A loop holds its own reference, so switching never pulls a pool from under
