@@ -345,12 +345,12 @@ def test_interrupted_compile_is_refused_then_rebuilt(compiled, monkeypatch):
     art = root / "compile" / "tiny"
     real, calls = aoti.compile_package, []
 
-    def stopped(block, example, path):
+    def stopped(block, example, path, **kw):
         calls.append(path.name)
         if len(calls) == 2:
             path.write_bytes(b"half a package")
             raise KeyboardInterrupt
-        return real(block, example, path)
+        return real(block, example, path, **kw)
 
     monkeypatch.setattr(aoti, "compile_package", stopped)
     with pytest.raises(KeyboardInterrupt):

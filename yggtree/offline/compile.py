@@ -237,9 +237,9 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
             if scope == "block":
-                compile_package(rec.blocks[kind], rec.examples[key], part, serial_loops)
+                compile_package(rec.blocks[kind], rec.examples[key], part, serial_loops=serial_loops)
             elif scope == "step":
-                compile_step_package(target, w, c, capture, part, serial_loops)
+                compile_step_package(target, w, c, capture, part, serial_loops=serial_loops)
             else:
                 compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, part)
         os.replace(part, out / name)
