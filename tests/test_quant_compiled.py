@@ -147,3 +147,13 @@ def test_a_plain_w4a8_plan_decodes_on_the_pool_exactly(tmp_path, monkeypatch):
     pooled = [engine.generate(p, SamplingParams(max_new_tokens=8)).token_ids for p in ([3, 4, 5], list(range(10, 23)))]
     engine.cfg = replace(engine.cfg, loop_pool=False)
     assert [engine.generate(p, SamplingParams(max_new_tokens=8)).token_ids for p in ([3, 4, 5], list(range(10, 23)))] == pooled
+    # measured (as `yggtree compile` does unforced): both loops decode the calibration prompts
+    import yggtree.loops_choice as loops_choice
+
+    monkeypatch.setenv("YGGTREE_LOOPS", "auto")
+    monkeypatch.setattr(loops_choice, "ROUNDS", 1)
+    lines = []
+    record = loops_choice.measure_compiled(plan, art, say=lines.append)
+    assert record["choice"] in ("openmp", "pool") and record["threads"] == 2
+    assert 1 <= len(record["ms_per_token"]) <= 6 and min(min(p) for p in record["ms_per_token"]) > 0
+    assert lines and "kernel loops measured" in lines[0]

@@ -26,9 +26,6 @@ from .files import write_text_atomic
 from .runtime.allocator import SYSTEM, cached, forced, installed, preload_env
 
 ROUNDS = 5  # turns of every allocator (after one untimed child: the model file into the page cache)
-PROMPTS = 6  # calibration chat prompts a child decodes (after one warm-up)
-NEW_TOKENS = 48
-SNIPPET_CHARS = 400  # short prompts: the step's fixed work, which the allocator changes, dominates
 
 
 def _child(plan_path: str, compile_root: str, library: str | None) -> float:

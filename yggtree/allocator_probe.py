@@ -11,8 +11,8 @@ import json
 import statistics
 import sys
 
-from .allocator_choice import NEW_TOKENS, PROMPTS, SNIPPET_CHARS
 from .errors import YggError
+from .probe_prompts import NEW_TOKENS, PROMPTS, decode_ms_per_token, probe_requests
 
 
 def probe(plan_path: str, compile_root: str, prompts: int = PROMPTS, new_tokens: int = NEW_TOKENS) -> float:
@@ -20,21 +20,15 @@ def probe(plan_path: str, compile_root: str, prompts: int = PROMPTS, new_tokens:
     runs it (a speculative plan with its policy: an allocator may speed a one-row step and not a
     tree's) over ``prompts`` calibration chat prompts, after one warm-up prompt (in this process)."""
     from .bench import plan_runner
-    from .data import calibration_chat_prompts
-    from .runtime.engine import SamplingParams
-    from .runtime.loading import encode_auto
 
     plan, _, make = plan_runner(plan_path, compile_root=compile_root)
     engine, tok, policy = make()
-    new_tokens = max(2, min(new_tokens, plan.max_context // 4))
-    params = SamplingParams(max_new_tokens=new_tokens)
-    room = plan.max_context - new_tokens  # a small plan's context: the prompts' last tokens
-    texts = [p.text for p in calibration_chat_prompts(prompts + 1, max_snippet_chars=SNIPPET_CHARS)]
+    ids, params = probe_requests(tok, plan.max_context, prompts, new_tokens)
     ms = []
-    for i, text in enumerate(texts):
-        r = engine.generate(encode_auto(tok, text)[-room:], params, policy=policy)
-        if i and len(r.token_ids) > 1:
-            ms.append((r.stats["total_ms"] - r.stats["ttft_ms"]) / (len(r.token_ids) - 1))
+    for i, prompt in enumerate(ids):
+        t = decode_ms_per_token(engine.generate(prompt, params, policy=policy))
+        if i and t is not None:
+            ms.append(t)
     if not ms:
         raise YggError("the allocator measurement decoded no tokens")
     return statistics.median(ms)

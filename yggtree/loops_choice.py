@@ -26,10 +26,7 @@ from .errors import YggError
 LOOPS_ENV = "YGGTREE_LOOPS"  # auto | openmp | pool (module docstring)
 CHOICES = ("openmp", "pool")
 
-ROUNDS = 3
-PROMPTS = 6  # calibration chat prompts per round (after one warm-up each way)
-NEW_TOKENS = 48
-SNIPPET_CHARS = 400
+ROUNDS = 3  # of the calibration prompts of ``probe_prompts`` (after one warm-up each way)
 
 
 def decide(pairs: list[tuple[float, float]]) -> tuple[str, dict]:
@@ -60,24 +57,17 @@ def measure_compiled(plan, art: str | Path, say=None) -> dict:
     choice = forced()
     if choice is not None:
         return {"choice": choice, "forced": LOOPS_ENV}
-    from .data import calibration_chat_prompts
+    from .probe_prompts import decode_ms_per_token, probe_requests
     from .runtime.build import build_plan_engine
-    from .runtime.engine import SamplingParams
-    from .runtime.loading import encode_auto
 
     engine, tok = build_plan_engine(plan, art, speculate=False)
     threads = engine.plan_threads(engine.plan)
-    new_tokens = max(2, min(NEW_TOKENS, plan.max_context // 4))
-    room = plan.max_context - new_tokens
-    prompts = [encode_auto(tok, p.text)[-room:]
-               for p in calibration_chat_prompts(PROMPTS + 1, max_snippet_chars=SNIPPET_CHARS)]
-    params = SamplingParams(max_new_tokens=new_tokens)
+    prompts, params = probe_requests(tok, plan.max_context)
     base = engine.cfg
 
     def run(ids, pool: bool) -> float:
         engine.cfg = replace(base, loop_pool=pool)
-        r = engine.generate(ids, params)
-        return (r.stats["total_ms"] - r.stats["ttft_ms"]) / max(1, len(r.token_ids) - 1)
+        return decode_ms_per_token(engine.generate(ids, params))
 
     try:
         run(prompts[0], False), run(prompts[0], True)  # warm-up
@@ -88,9 +78,12 @@ def measure_compiled(plan, art: str | Path, say=None) -> dict:
                     b = run(ids, True); a = run(ids, False)
                 else:
                     a = run(ids, False); b = run(ids, True)
-                pairs.append((a, b))
+                if a is not None and b is not None:
+                    pairs.append((a, b))
     finally:
         engine.cfg = base
+    if not pairs:
+        raise YggError("the loops measurement decoded no tokens")
     choice, stats = decide(pairs)
     if say is not None:
         say(f"kernel loops measured on this machine at {threads} threads: {choice} (the pool "
