@@ -78,6 +78,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -278,6 +279,34 @@ def parse_llama_timings(text: str) -> dict:
             "eval_ms": float(e[-1][0]), "eval_runs": int(e[-1][1])}
 
 
+def exit_words(code: int) -> str:
+    """A child's exit status in words: ``exited 1``, or the signal that killed it (a build for
+    another CPU dies of SIGILL)."""
+    if code >= 0:
+        return f"exited {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (an instruction this CPU or its hypervisor does not run: build it for this machine)" if name == "SIGILL" else ""
+    return f"was killed by {name}{hint}"
+
+
+def llama_check(info: dict, gguf: Path, threads: int) -> None:
+    """One token from llama.cpp before anything else is built: a build that cannot run on this
+    machine is refused in one line at the start, not after every other system has loaded."""
+    cmd = llama_command(info, gguf, "Hello", 1, threads, 64)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                             env=without_preload(os.environ))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise YggError(f"--llama-cpp: cannot run {info['binary']}: {e}") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise YggError(f"--llama-cpp: {info['binary']} {exit_words(out.returncode)} on one token "
+                       f"(its last line: {last[:200]})")
+
+
 def llama_command(info: dict, gguf: Path, text: str, n: int, threads: int, ctx: int) -> list[str]:
     """Greedy completion of ``text`` as it is (special tokens parsed, no escapes processed, no chat
     mode: the text already holds the chat template), weights in memory, ``threads`` threads."""
@@ -339,7 +368,7 @@ def llama_runner(info: dict, gguf: Path, threads: int, ctx: int):
         except (OSError, subprocess.TimeoutExpired) as e:
             raise YggError(f"llama.cpp failed: {e}") from None
         if out.returncode != 0:
-            raise YggError(f"llama.cpp exited {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
+            raise YggError(f"llama.cpp {exit_words(out.returncode)}: {out.stderr.strip().splitlines()[-1:]}")
         t = parse_llama_timings(out.stderr + out.stdout)
         return {"decode_s": t["eval_ms"] / 1e3, "prefill_s": t["prompt_ms"] / 1e3,
                 "new_tokens": t["eval_runs"] + 1,  # the first token comes from the prompt's logits
@@ -495,9 +524,10 @@ def run(args) -> int:
                            "--formats so that its output is checked against that format's plain decoding")
         plans.append((plan_fmt, plan, info, make))
     if args.llama_cpp:
-        llama_binary(args.llama_cpp)  # a missing directory or binary, before anything loads
+        binary = llama_binary(args.llama_cpp)  # a missing directory or binary, before anything loads
         if src.kind != "gguf":
             raise YggError(f"llama.cpp runs GGUF files, {src.path} is a {src.kind} directory")
+        llama_check(llama_info(binary), src.path, args.threads or torch.get_num_threads())
     resolve_plan("sequential", False, threads=args.threads)  # above the cores: refused
     if args.threads:
         torch.set_num_threads(args.threads)

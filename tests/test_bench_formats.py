@@ -157,6 +157,14 @@ def test_llama_cpp_command_and_timings_from_a_stand_in_binary(tmp_path):
     argv = (tmp_path / "argv").read_text().split()
     for flag in ("--temp 0", "-n 64", "-t 2", "-tb 2", "-c 512", "-lm none", "-no-cnv", "--no-escape"):
         assert flag in " ".join(argv)
+    mod.llama_check(info, tmp_path / "m.gguf", 2)  # one token answers: the build runs here
+    # a build for another CPU dies of SIGILL on its first product: refused at the start, in words
+    ill = tmp_path / "ill" / "llama-completion"
+    ill.parent.mkdir()
+    ill.write_text('#!/bin/sh\ncase "$1" in --version|--help) exit 0;; esac\necho "threadpool init" >&2\nkill -ILL $$\n')
+    ill.chmod(ill.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(mod.YggError, match="was killed by SIGILL .*build it for this machine.*threadpool init"):
+        mod.llama_check(mod.llama_info(ill), tmp_path / "m.gguf", 2)
 
 
 def test_bad_input_is_one_line(model_dir, tmp_path, capsys):

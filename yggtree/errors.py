@@ -5,6 +5,20 @@ class YggError(Exception):
     """An error the user can fix; the CLI prints its message as one line and exits non-zero."""
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """The choice the environment variable ``name`` forces: one of ``choices``, None for ``auto``
+    or unset; YggError in one line naming the variable for anything else."""
+    import os
+
+    v = os.environ.get(name, "auto").strip() or "auto"
+    if v == "auto":
+        return None
+    if v not in choices:
+        raise YggError(f"{name}={v!r}: must be auto, {', '.join(choices[:-1])} or {choices[-1]}"
+                       if len(choices) > 1 else f"{name}={v!r}: must be auto or {choices[0]}")
+    return v
+
+
 def os_error_line(e: OSError) -> str:
     """An OSError as the words of one error line: what failed and on which path (an output path
     that is an existing file, a directory that cannot be made, a disk that is full...)."""

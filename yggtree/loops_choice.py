@@ -16,12 +16,11 @@ choice without measuring; ``auto``, the default, measures.
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import YggError
+from .errors import YggError, env_choice
 
 LOOPS_ENV = "YGGTREE_LOOPS"  # auto | openmp | pool (module docstring)
 CHOICES = ("openmp", "pool")
@@ -42,12 +41,7 @@ def decide(pairs: list[tuple[float, float]]) -> tuple[str, dict]:
 def forced() -> str | None:
     """The choice ``YGGTREE_LOOPS`` names, None for ``auto`` or unset; YggError in one line for
     anything else."""
-    v = os.environ.get(LOOPS_ENV, "auto").strip() or "auto"
-    if v == "auto":
-        return None
-    if v not in CHOICES:
-        raise YggError(f"{LOOPS_ENV}={v!r}: must be auto, openmp or pool")
-    return v
+    return env_choice(LOOPS_ENV, CHOICES)
 
 
 def measure_compiled(plan, art: str | Path, say=None) -> dict:

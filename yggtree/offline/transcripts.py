@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -437,7 +436,9 @@ def feature_cache_root(given: str | None) -> Path:
     """The local cache of shard features (``--feature-cache``; default ~/.cache/yggtree/features)."""
     if given:
         return Path(given).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree" / "features"
+    from ..files import cache_root
+
+    return cache_root() / "features"
 
 
 def feature_path(cache_root: Path, shard: Shard, layers: tuple[int, ...], teacher_dtype: str) -> Path:

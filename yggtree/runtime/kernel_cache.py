@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from ..errors import YggError
+from ..errors import env_choice
 from ..files import cache_root
 
 KERNEL_ENV = "YGGTREE_KERNEL"  # auto | a kernel of runtime/packed.py KERNELS (module docstring)
@@ -49,12 +48,7 @@ def forced_kernel() -> str | None:
     anything else."""
     from .packed import KERNELS
 
-    v = os.environ.get(KERNEL_ENV, "auto").strip() or "auto"
-    if v == "auto":
-        return None
-    if v not in KERNELS:
-        raise YggError(f"{KERNEL_ENV}={v!r}: must be auto, {' or '.join(KERNELS)}")
-    return v
+    return env_choice(KERNEL_ENV, tuple(KERNELS))
 
 
 def unmeasured_choice(device: dict) -> dict | None:

@@ -332,8 +332,9 @@ def _cache_dir(kind: str, path: Path) -> Path:
     """Per-file cache directory keyed by the file's path, size and mtime (GGUF conversions)."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "yggtree" / kind
-    return root / key
+    from ..files import cache_root
+
+    return cache_root() / kind / key
 
 
 def _gguf_state_cached(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
