@@ -1,7 +1,7 @@
 """The shipped integration: one compiled plan (PLAN, compiled by `yggtree compile` at this commit: packages with serial
 inductor loops, the manifest's `loops` measured), its plain decoding with the kernel loops on OpenMP (A) against the
 library's pool (B) in one process, paired by prompt (reports/ab.py: 8 chat prompts of our own), with the phase probe.
-usage: LD_PRELOAD=<jemalloc> OMP_NUM_THREADS=2 python reports/thread_pool/ab_engine.py PLAN [ROUNDS] [NEW_TOKENS]"""
+usage: LD_PRELOAD=<jemalloc> OMP_NUM_THREADS=2 python reports/thread_pool/ab_engine.py PLAN [ROUNDS] [NEW_TOKENS] [COMPILE_ROOT]"""
 import sys, pathlib, torch
 from dataclasses import replace
 here = pathlib.Path(__file__).resolve().parent
@@ -10,8 +10,9 @@ from torch.utils.cpp_extension import load_inline
 from ab import chat_prompts, decoder, paired
 from yggtree.bench import plan_runner
 plan_path = sys.argv[1]; rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3; n = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+root = sys.argv[4] if len(sys.argv) > 4 else "compile"
 torch.set_num_threads(2)
-eng, tok, _ = plan_runner(plan_path)[2](False)
+eng, tok, _ = plan_runner(plan_path, compile_root=root)[2](False)
 base = eng.cfg
 pp_text = (here.parents[0] / "bw_phases/pingpong.py").read_text()
 pp = load_inline("pingpong", cpp_sources=pp_text.split("r'''")[1].split("'''")[0], functions=["pingpong"], extra_cflags=["-O2"], extra_ldflags=["-lpthread"])
