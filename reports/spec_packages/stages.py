@@ -1,7 +1,8 @@
 """A compiled speculative plan: its objective and fixed trees against its own plain steps (decode time per token;
 and, in brackets, the whole request per token, prefill included: a policy that may decode plainly defers the
 drafter's prompt prefill to its first drafted step, inside the decode time), on
-held-out calibration-corpus prompts (not evaluation prompts), systems interleaved per prompt."""
+held-out calibration-corpus prompts (not evaluation prompts), systems interleaved per prompt.
+usage: python reports/spec_packages/stages.py PLAN N_PROMPTS NEW_TOKENS [D,W_d,W_v ...] [--root=COMPILE_ROOT]"""
 import sys, json, statistics, torch
 from yggtree.bench import plan_runner
 from yggtree.runtime.build import fixed_policy
@@ -10,10 +11,12 @@ from yggtree.shapes import SamplingParams
 from yggtree.data import calibration_chat_prompts
 from yggtree.runtime.loading import encode_prompt
 
-plan_path, n_prompts, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-trees = [tuple(int(x) for x in t.split(",")) for t in sys.argv[4:]]  # d,wd,wv
+root = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--root=")), "compile")  # the compile root
+argv = [a for a in sys.argv if not a.startswith("--root=")]
+plan_path, n_prompts, new = argv[1], int(argv[2]), int(argv[3])
+trees = [tuple(int(x) for x in t.split(",")) for t in argv[4:]]  # d,wd,wv
 torch.set_num_threads(2)
-plan, info, make = plan_runner(plan_path)
+plan, info, make = plan_runner(plan_path, compile_root=root)
 eng, tok, pol = make()
 prompts = [encode_prompt(tok, p.text) for p in calibration_chat_prompts(30 + n_prompts, seed=7)[30:]]
 params = SamplingParams(max_new_tokens=new)
