@@ -472,6 +472,40 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
             assert all(torch.equal(a, b) for a, b in zip(*outs)), (w, token)
 
 
+def test_a_padding_not_invariant_here_is_raised_in_the_packages(tmp_path, monkeypatch):
+    """A speculative plan whose padding (forced, measured, or another machine's profile) is not
+    batch-invariant on this CPU: the compile raises it as the engine will (build.invariant_padding;
+    standing in here for a CPU whose one-row product rounds otherwise), the packages hold the
+    raised padding, the manifest says from what, the artifacts stay current, and the engine runs
+    them (plain decoding's tokens)."""
+    import yggtree.runtime.build as build
+    from yggtree.plan import artifact_dir
+    from yggtree.runtime.build import build_plan_engine
+    from yggtree.runtime.engine import SamplingParams
+    from yggtree.runtime.packed import min_rows_of, packed_layers
+
+    def raised(target, widths, threads=0):  # one row is "not invariant" on this stand-in CPU
+        for layer in packed_layers(target):
+            layer.min_rows = max(layer.min_rows, 2)
+        return min_rows_of(target)
+
+    monkeypatch.setattr(build, "invariant_padding", raised)
+    save_tiny_checkpoint(tmp_path / "model")
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
+    assert code == 0, stdout
+    art = tmp_path / "compile" / "tiny"
+    m = json.loads((art / MANIFEST).read_text())
+    assert (m["packed_min_rows"], m["packed_min_rows_raised_from"]) == (2, 1)
+    plan = load_plan(tmp_path / "plan.yaml")
+    assert check_artifacts(plan, art) == []
+    spec, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"))
+    plain, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"), speculate=False)
+    params = SamplingParams(max_new_tokens=8)
+    for prompt in ([5, 9, 17, 3], list(range(20, 31))):
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+
+
 def test_allocator_measured_on_the_compiled_plan(compiled_plain, tmp_path, monkeypatch):
     """The allocator measurement (yggtree.allocator_choice) runs the compiled plan's decoding in
     one child per allocator, each on its own preloaded library (libm stands for one here), and

@@ -836,7 +836,7 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         else:  # without a profile and without a measurement here: the packages' own choice stands
             rows, kernel = ((pad["min_rows"], pad["kernel"]) if pad
                             else (m.get("packed_min_rows"), m.get("packed_kernel", "torch")))
-            if m.get("packed_min_rows") != rows:
+            if m.get("packed_min_rows") != rows and m.get("packed_min_rows_raised_from") != rows:
                 reasons.append(f"the padding of short packed products changed: compiled with min_rows "
                                f"{m.get('packed_min_rows')}, {source} says {rows}")
             if m.get("packed_kernel", "torch") != kernel:
