@@ -292,15 +292,20 @@ def exit_words(code: int) -> str:
     return f"was killed by {name}{hint}"
 
 
+def run_llama(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """One llama.cpp process, as its users run it: not on the allocator yggtree preloaded, no
+    stdin; YggError in one line where it cannot start or outlives ``timeout`` seconds."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=without_preload(os.environ))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise YggError(f"llama.cpp failed: {e}") from None
+
+
 def llama_check(info: dict, gguf: Path, threads: int) -> None:
     """One token from llama.cpp before anything else is built: a build that cannot run on this
     machine is refused in one line at the start, not after every other system has loaded."""
-    cmd = llama_command(info, gguf, "Hello", 1, threads, 64)
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                             env=without_preload(os.environ))
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise YggError(f"--llama-cpp: cannot run {info['binary']}: {e}") from None
+    out = run_llama(llama_command(info, gguf, "Hello", 1, threads, 64), 120)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
         raise YggError(f"--llama-cpp: {info['binary']} {exit_words(out.returncode)} on one token "
@@ -360,13 +365,7 @@ def hf_runner(hf, eos):
 
 def llama_runner(info: dict, gguf: Path, threads: int, ctx: int):
     def run(ids, text, n):
-        cmd = llama_command(info, gguf, text, n, threads, ctx)
-        try:
-            # llama.cpp as its users run it: not on the allocator yggtree preloaded
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-                                 env=without_preload(os.environ))
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise YggError(f"llama.cpp failed: {e}") from None
+        out = run_llama(llama_command(info, gguf, text, n, threads, ctx), 600)
         if out.returncode != 0:
             raise YggError(f"llama.cpp {exit_words(out.returncode)}: {out.stderr.strip().splitlines()[-1:]}")
         t = parse_llama_timings(out.stderr + out.stdout)
