@@ -14,8 +14,7 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     if v == "auto":
         return None
     if v not in choices:
-        raise YggError(f"{name}={v!r}: must be auto, {', '.join(choices[:-1])} or {choices[-1]}"
-                       if len(choices) > 1 else f"{name}={v!r}: must be auto or {choices[0]}")
+        raise YggError(f"{name}={v!r}: must be {', '.join(('auto', *choices[:-1]))} or {choices[-1]}")
     return v
 
 

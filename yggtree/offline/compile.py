@@ -149,20 +149,6 @@ def _roles_drafter(plan: Plan, w: int, head: int) -> str:
 # ----------------------------------------------------------------------------- the build
 
 
-def _invariant_rows(spec, target, min_rows: int) -> int:
-    """The padding a speculative engine of ``spec`` runs ``target``'s packed products at: raised,
-    as ``build_engine`` raises it (``build.invariant_padding``), where ``min_rows`` (a forced or
-    measured kernel's, or another machine's profile's) is not batch-invariant here at the engine's
-    threads and widths; the layers are padded so, and the packages hold it."""
-    from ..runtime.build import invariant_padding, spec_rows
-
-    threads, widths = spec_rows(spec)
-    checked = spec.padding_checked  # the profile's check stands where it covers this engine
-    if checked is not None and checked[0] == threads and set(widths) <= set(checked[1]):
-        return min_rows
-    return invariant_padding(target, widths, threads) or min_rows
-
-
 def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple[list[dict], dict]:
     """Load the plan's models (packed products padded to ``min_rows``), record every block shape
     the engine's warm-up asks for, and compile one AOTInductor package per distinct (block kind,
@@ -197,8 +183,10 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         from ..runtime.build import pack_models
 
         pack_models(target, drafter, min_rows, plan.weights, src, plan.drafter, plan_kernel(plan))
-        if plan.speculative and spec is not None:  # the padding the engine will check and keep
-            min_rows = _invariant_rows(spec, target, min_rows)
+        if plan.speculative and spec is not None:  # the padding its engine will check and keep
+            from ..runtime.build import engine_padding
+
+            min_rows = engine_padding(spec, target) or min_rows
     # the attention formulation an engine of this plan sets (Engine.__init__): packages hold it
     set_invariant_rows(target, attention_rows(plan.prefill_chunk))
     load_s = time.perf_counter() - t0
@@ -324,8 +312,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
                 "cache": "compiled",
             }
         )
-    return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads(), "min_rows": min_rows,
-                     "serial_loops": serial_loops}
+    return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads(),
+                     "min_rows": min_rows, "serial_loops": serial_loops}
 
 
 
@@ -461,12 +449,11 @@ def compile_plan(
     records, info = [], {"load_s": 0.0, "n_slots": None, "threads": None}
     if plan.backend != "eager":
         records, info = _build_with_progress(plan, art, console, min_rows)
-    raised_from = min_rows if info.get("min_rows", min_rows) != min_rows else None
-    min_rows = info.get("min_rows", min_rows)
+    built_rows = info.get("min_rows", min_rows)  # raised where the plan's is not batch-invariant here
     save_plan(plan, art / PLAN_COPY)
-    manifest = _manifest(plan, art, prints, min_rows, records, info, stale)
-    if raised_from is not None:  # the plan's padding was not batch-invariant here (check_artifacts)
-        manifest["packed_min_rows_raised_from"] = raised_from
+    manifest = _manifest(plan, art, prints, built_rows, records, info, stale)
+    if built_rows != min_rows:  # check_artifacts accepts the plan's padding for the raised one
+        manifest["packed_min_rows_raised_from"] = min_rows
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)
     _write_manifest(art, manifest)
     # this machine's allocator, measured once on a compiled plan (its children load the plan through

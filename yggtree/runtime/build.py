@@ -234,6 +234,20 @@ def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int 
     return found
 
 
+def engine_padding(spec: EngineSpec, target) -> int | None:
+    """The padding a speculating engine of ``spec`` runs ``target``'s packed products at: their
+    own where the profile's invariance check covers the engine's threads and widths, else checked
+    now and raised where not batch-invariant (:func:`invariant_padding`). ``yggtree compile``
+    calls it too, so that a plan's packages hold the padding its engine will keep."""
+    from .packed import min_rows_of
+
+    threads, widths = spec_rows(spec)
+    checked = spec.padding_checked  # the profile's check stands where it covers this engine
+    if checked is not None and checked[0] == threads and set(widths) <= set(checked[1]):
+        return min_rows_of(target)
+    return invariant_padding(target, widths, threads)
+
+
 def spec_rows(spec: EngineSpec) -> tuple[int, tuple[int, ...]]:
     """The thread count an engine of ``spec`` decodes at and the row counts its products run at
     (1, and with a tree to verify, drafted or looked up, its verify widths)."""
@@ -277,9 +291,7 @@ def build_engine(spec: EngineSpec, prepare=None):
     spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
     threads, widths = spec_rows(spec)
     if spec_on:  # packed products padded so that they are batch-invariant (before any graph)
-        checked = spec.padding_checked  # the profile's check stands where it covers this engine
-        if checked is None or checked[0] != threads or not set(widths) <= set(checked[1]):
-            invariant_padding(target, widths, threads)
+        engine_padding(spec, target)
     # every weight in one arena of 2 MiB pages (runtime/hugepages.py), before anything keeps
     # references to them (the packages' input lists)
     move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache,))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import YggError
-from ..files import read_json
+from ..files import cache_root, read_json
 from .model import ModelConfig, RopeScaling, Transformer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -332,8 +332,6 @@ def _cache_dir(kind: str, path: Path) -> Path:
     """Per-file cache directory keyed by the file's path, size and mtime (GGUF conversions)."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    from ..files import cache_root
-
     return cache_root() / kind / key
 
 
