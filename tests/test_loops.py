@@ -194,6 +194,32 @@ def test_engines_on_the_pool_decode_plain_decodings_tokens():
     assert torch.ops.yggtree.w4a8_threads(torch.zeros(1)) == torch.get_num_threads()  # the pool off again
 
 
+def test_an_engine_decodes_at_its_prefetch_distance():
+    """``EngineConfig.prefetch`` is the library's distance while the engine decodes, the distance
+    before restored after; None leaves the library's own; the tokens are the same."""
+    from test_w4a8 import gguf_like
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
+
+    target = gguf_like(0)
+    cfg = dict(mode="reference", max_context=48, prefill_chunk=8, threads=2)
+    before = torch.ops.yggtree.prefetch(-1)
+    seen = []
+    real = kernels.prefetch
+
+    def spy(distance):
+        seen.append(distance)
+        return real(distance)
+
+    kernels.prefetch = spy
+    try:
+        tokens = [Engine(target, EngineConfig(**cfg, prefetch=d)).generate([5, 6, 7], SamplingParams(max_new_tokens=8)).token_ids
+                  for d in (None, 8192, 0)]
+    finally:
+        kernels.prefetch = real
+    assert seen == [None, 8192, 0] and tokens[0] == tokens[1] == tokens[2]
+    assert torch.ops.yggtree.prefetch(-1) == before
+
+
 def test_a_bad_loops_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):
     """``YGGTREE_LOOPS`` other than auto, openmp or pool: one line naming it, a non-zero exit,
     before anything is built."""

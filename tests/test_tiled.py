@@ -153,6 +153,65 @@ def test_profile_times_both_kernels_and_records_the_choice():
     assert pad["kernel"] == ("tiled" if best == "tiled" else "torch")
     assert pad["min_rows"] == (1 if best == "tiled" else int(best))
     assert ("the tiled kernel" in padding_line(pad)) == (best == "tiled")
+    if pad["kernel"] == "tiled":  # its time is its fastest prefetch distance's
+        from yggtree.runtime.kernels import PREFETCH_CHOICES
+
+        assert list(pad["prefetch_ms"]) == [str(d) for d in PREFETCH_CHOICES]
+        assert pad["prefetch_ms"][str(pad["prefetch"])] == pad["median_ms"]["tiled"] == min(pad["prefetch_ms"].values())
+        assert f"prefetched {pad['prefetch']} bytes ahead" in padding_line(pad)
+    else:
+        assert "prefetch" not in pad
+
+
+@pytest.mark.parametrize("distance", [0, 64, 512, 16384, 1 << 20])
+def test_the_prefetch_distance_changes_no_result(distance):
+    """Every tiled product (float32, bfloat16 and int8 tiles, 4-bit tiles) gives the same bits at
+    any prefetch distance, at 1-9 rows; the distance before is restored (w4a8: test_w4a8.py)."""
+    from yggtree.runtime import kernels
+    from yggtree.runtime.quant import Int4Linear, quantize_int4
+
+    kernels.load_library()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 96, generator=g)
+    w = torch.randn(48, 96, generator=g)
+    q4 = Int4Linear([quantize_int4(torch.randn(48, 96, generator=g), 32)], None, torch.float32, "tiled")
+    products = [lambda x, p=tiled(w.to(dt)): torch.ops.yggtree.tiled_mm(x, p, torch.empty(0))
+                for dt in (torch.float32, torch.bfloat16)]
+    products += [lambda x: torch.ops.yggtree.tiled_mm(x, tiled(w).round().clamp(-127, 127).to(torch.int8),
+                                                      torch.rand(3, 16, generator=torch.Generator().manual_seed(0))),
+                 q4]
+    before = torch.ops.yggtree.prefetch(-1)
+    want = [[f(x[:m]) for m in range(1, 10)] for f in products]
+    with kernels.prefetch(distance):
+        assert torch.ops.yggtree.prefetch(-1) == distance
+        got = [[f(x[:m]) for m in range(1, 10)] for f in products]
+    assert torch.ops.yggtree.prefetch(-1) == before
+    for a, b in zip(want, got):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_a_bad_prefetch_distance_is_refused():
+    from yggtree.runtime import kernels
+
+    kernels.load_library()
+    for bad in (100, (1 << 20) + 64):
+        with pytest.raises(RuntimeError, match="prefetch: the distance must be a multiple of 64 bytes"):
+            torch.ops.yggtree.prefetch(bad)
+
+
+def test_plan_reads_the_profiles_prefetch_distance(tmp_path):
+    """A profile's measured distance reaches its plan's engine spec; a profile without one leaves
+    the library's default (None); a bad one is refused in one line."""
+    from yggtree.plan import profile_prefetch
+
+    path = tmp_path / "p.json"
+    for pad, want in (({"kernel": "tiled", "min_rows": 1, "prefetch": 8192}, 8192), ({"kernel": "tiled", "min_rows": 1}, None)):
+        path.write_text(json.dumps({"packed_padding": pad}))
+        assert profile_prefetch(path) == want
+    for bad in (100, -64, "8192", True):
+        path.write_text(json.dumps({"packed_padding": {"kernel": "tiled", "min_rows": 1, "prefetch": bad}}))
+        with pytest.raises(YggError, match=r"^profile .*: 'packed_padding.prefetch' must be a multiple of 64 bytes"):
+            profile_prefetch(path)
 
 
 def test_plan_reads_the_profiles_kernel(tmp_path):

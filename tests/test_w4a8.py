@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from test_quant import gguf_blocks as tiny_gguf_blocks, tiny
 from yggtree.errors import YggError
@@ -72,6 +73,37 @@ def test_kernel_is_its_arithmetic_and_rows_are_independent(bits, dtype):
             assert torch.equal(lin(x), y)
         finally:
             torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_prefetch_distance_changes_no_result(bits):
+    """The w4a8 products give the same bits at every prefetch distance the runtime measures and at
+    none (1-9 rows); the distance before is restored."""
+    from yggtree.runtime.kernels import PREFETCH_CHOICES, prefetch
+
+    gen = torch.Generator().manual_seed(bits)
+    lin = W4A8Linear(random_blocks(96, 576, bits, gen), None, torch.float32)
+    x = torch.randn(9, 576, generator=gen)
+    want = [lin(x[:m]) for m in range(1, 10)]
+    before = torch.ops.yggtree.prefetch(-1)
+    for distance in (0, *PREFETCH_CHOICES):
+        with prefetch(distance):
+            assert all(torch.equal(lin(x[:m]), want[m - 1]) for m in range(1, 10)), distance
+    assert torch.ops.yggtree.prefetch(-1) == before
+
+
+def test_the_w4a8_products_prefetch_distance_is_measured():
+    """A w4a8 model has no packed product to pad; the measurement times its products at every
+    prefetch distance and records the fastest."""
+    from yggtree.offline.profile import padding_line, time_padding
+    from yggtree.runtime.kernels import PREFETCH_CHOICES
+
+    m = nn.Sequential(W4A8Linear(random_blocks(64, 64, 4, torch.Generator().manual_seed(0)), None, torch.float32))
+    pad = time_padding(m, warmup=0, repeats=2)
+    assert (pad["kernel"], pad["min_rows"], pad["products"], pad["median_ms"]) == ("torch", 1, 0, {})
+    assert list(pad["prefetch_ms"]) == [str(d) for d in PREFETCH_CHOICES]
+    assert pad["prefetch_ms"][str(pad["prefetch"])] == min(pad["prefetch_ms"].values())
+    assert padding_line(pad) == f"no packed products: no padding; weights prefetched {pad['prefetch']} bytes ahead"
 
 
 def test_kernel_runs_on_torchs_threads():

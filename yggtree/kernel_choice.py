@@ -48,7 +48,7 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
         torch.set_num_threads(before)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"key": key, "padding": padding, "load": load.result}, indent=1) + "\n")
-    if padding["products"]:
+    if padding["products"] or padding.get("prefetch"):
         busy = load_warning("the measurement", load.result)
         (say or (lambda line: sys.stderr.write(f"yggtree: {line}\n")))(
             f"product kernel measured for this CPU at {threads} thread(s): {padding_line(padding)}; cached in {path}"
@@ -57,8 +57,8 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
 
 
 def measured_spec(spec, root: Path | None = None, say=None):
-    """``spec`` (an EngineSpec built from flags) with the product kernel and padding measured for
-    it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
+    """``spec`` (an EngineSpec built from flags) with the product kernel, padding and prefetch
+    distance measured for it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
     from .runtime.build import check_spec, spec_rows
     from .runtime.loading import resolve_model
 
@@ -67,7 +67,7 @@ def measured_spec(spec, root: Path | None = None, say=None):
     check_spec(spec)  # bad sizes and formats are refused before the model loads to be measured
     threads, widths = spec_rows(spec)
     padding = measured_choice(resolve_model(spec.model), spec.dtype, spec.weights, widths, threads, root, say)
-    return replace(spec, kernel=padding["kernel"], min_rows=padding["min_rows"],
+    return replace(spec, kernel=padding["kernel"], min_rows=padding["min_rows"], prefetch=padding.get("prefetch"),
                    padding_checked=(threads, tuple(padding.get("widths", widths))) if padding["products"] else None)
 
 

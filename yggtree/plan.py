@@ -350,13 +350,35 @@ def plan_kernel(plan: Plan) -> str:
     return _measured(plan)["kernel"]
 
 
+def plan_prefetch(plan: Plan) -> int | None:
+    """How far ahead the kernel library's products of ``plan``'s engine prefetch their weights
+    (:func:`plan_padding`; None: the library's default)."""
+    return _measured(plan).get("prefetch")
+
+
+def profile_prefetch(path: str | Path) -> int | None:
+    """The distance (bytes) the kernel library's products prefetched their weights fastest at on
+    the profile's machine (``packed_padding.prefetch``; runtime/kernels.py ``prefetch``), None
+    where it was not measured (a profile older than that field, or no product of the library).
+    YggError if the value is invalid."""
+    d = read_json(path, "profile")
+    pad = d.get(PADDING_KEY) if isinstance(d, dict) else None
+    v = pad.get("prefetch") if isinstance(pad, dict) else None
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % 64):
+        raise YggError(f"profile {path}: '{PADDING_KEY}.prefetch' must be a multiple of 64 bytes >= 0, got {v!r} "
+                       "(measure it again: yggtree profile --force)")
+    return v
+
+
 def plan_padding(plan: Plan) -> dict | None:
-    """``{"kernel", "min_rows"}`` of ``plan``'s packed products: its profile's measurement
-    (:func:`profile_kernel`, :func:`profile_min_rows`); for a plan without a profile, this
-    machine's (:func:`cached_padding`), None where it was not measured."""
+    """``{"kernel", "min_rows", "prefetch"}`` of ``plan``'s products: its profile's measurement
+    (:func:`profile_kernel`, :func:`profile_min_rows`, :func:`profile_prefetch`); for a plan
+    without a profile, this machine's (:func:`cached_padding`), None where it was not measured.
+    ``prefetch`` may be None or absent: the kernel library's default distance."""
     if plan.profile is None:
         return cached_padding(plan)
-    return {"kernel": profile_kernel(plan.profile), "min_rows": profile_min_rows(plan.profile)}
+    return {"kernel": profile_kernel(plan.profile), "min_rows": profile_min_rows(plan.profile),
+            "prefetch": profile_prefetch(plan.profile)}
 
 
 def _measured(plan: Plan) -> dict:

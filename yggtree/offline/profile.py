@@ -153,7 +153,8 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     """One row through every packed or int8 product of ``model`` (:func:`kernel_layers`: one plain
     step's products, in module order), timed for each ``min_rows`` of ``candidates``,
     and, given ``tiled`` (the same model packed for the ``tiled`` kernel), through its products
-    as the candidate ``"tiled"``. Rounds of one call per variant
+    as the candidate ``"tiled"`` at every prefetch distance of the kernel library
+    (runtime/kernels.py ``PREFETCH_CHOICES``; the fastest is the candidate's time). Rounds of one call per variant
     (:func:`yggtree.offline.timing.time_rounds`) so drifting load hits all of them alike;
     ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for batch invariance
     at ``widths`` (the row counts the plan's engine runs: 1 and its verify widths;
@@ -161,14 +162,16 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     Returns the profile's ``packed_padding``: the fastest invariant candidate by median (ties:
     oneDNN, then the fewer rows; if no candidate is invariant, the smallest invariant padding) as
     ``kernel`` and ``min_rows`` (1 for the tiled kernel), the medians and the invariance of each
-    candidate. YggError if nothing is invariant."""
+    candidate; with the tiled kernel, ``prefetch``: its fastest distance (bytes), and the medians
+    by distance (``prefetch_ms``). YggError if nothing is invariant."""
     import torch
 
+    from ..runtime.kernels import PREFETCH_CHOICES, prefetch
     from ..runtime.packed import invariant_min_rows, packed_layers, padding_is_invariant
 
     layers = kernel_layers(model)
     if not layers:  # nothing packed (another device or dtype): nothing to pad
-        return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
+        return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}} | time_prefetch(model, warmup, repeats)
     if not packed_layers(model):  # quantized layers only: torch's kernels are never padded
         candidates = (1,)
     widths = tuple(sorted({1, *widths}))
@@ -176,19 +179,25 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(1, m.in_features, generator=g).to(dtype) for m in layers]
-    variants = {str(r): (layers, r) for r in candidates}
+    variants = {str(r): (layers, r, None) for r in candidates}
     if tiled is not None:
-        invariant["tiled"] = padding_is_invariant(tiled, 1, widths)
-        variants["tiled"] = (kernel_layers(tiled), 1)
+        invariant["tiled"] = padding_is_invariant(tiled, 1, widths)  # a distance changes no result
+        variants.update({f"tiled@{d}": (kernel_layers(tiled), 1, d) for d in PREFETCH_CHOICES})
 
     def step(key: str) -> None:
-        products, rows = variants[key]
-        for x, m in zip(xs, products):
-            m.product(x, rows)
+        products, rows, distance = variants[key]
+        with prefetch(distance):
+            for x, m in zip(xs, products):
+                m.product(x, rows)
 
     with torch.no_grad():  # in rounds (timing.time_rounds), as the grid and the stage forms
         samples = time_rounds({k: (lambda k=k: step(k)) for k in variants}, warmup, repeats)
     medians = {k: statistics.median(v) for k, v in samples.items()}
+    by_distance = {d: medians.pop(f"tiled@{d}") for d in PREFETCH_CHOICES} if tiled is not None else {}
+    if by_distance:  # the tiled candidate at its fastest distance (ties: the shorter)
+        distance = min(by_distance, key=lambda d: (by_distance[d], d))
+        medians["tiled"] = by_distance[distance]
+        variants = {k: v for k, v in variants.items() if "@" not in k} | {"tiled": variants[f"tiled@{distance}"]}
     ok = [k for k in variants if invariant[k]]
     order = {k: i for i, k in enumerate(variants)}  # oneDNN's paddings first, fewer rows first
     best = min(ok, key=lambda k: (medians[k], order[k])) if ok else invariant_min_rows(model, widths)
@@ -196,9 +205,40 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
         raise YggError(f"packed products are not batch-invariant on this CPU at {torch.get_num_threads()} "
                        f"thread(s) at any padding up to {max(widths)} rows: speculation would not be exact")
     kernel, rows = ("tiled", 1) if best == "tiled" else ("torch", int(best))
-    return {"kernel": kernel, "min_rows": rows, "products": len(layers), "warmup": warmup, "repeats": repeats,
-            "median_ms": {k: round(medians[k], 4) for k in variants},
-            "invariant": invariant, "widths": list(widths)}
+    out = {"kernel": kernel, "min_rows": rows, "products": len(layers), "warmup": warmup, "repeats": repeats,
+           "median_ms": {k: round(medians[k], 4) for k in variants},
+           "invariant": invariant, "widths": list(widths)}
+    if kernel == "tiled":
+        out |= {"prefetch": distance, "prefetch_ms": {str(d): round(ms, 4) for d, ms in by_distance.items()}}
+    return out
+
+
+def time_prefetch(model, warmup: int = 2, repeats: int = 9) -> dict:
+    """One row through every w4a8 product of ``model`` (runtime/w4a8.py: the kernel library's,
+    with nothing to choose or pad) at every prefetch distance of the library (runtime/kernels.py
+    ``PREFETCH_CHOICES``), in rounds: ``{"prefetch": fastest distance, "prefetch_ms": medians}``,
+    or ``{}`` for a model without such products."""
+    import torch
+
+    from ..runtime.kernels import PREFETCH_CHOICES, prefetch
+    from ..runtime.w4a8 import W4A8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
+    if not layers:
+        return {}
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, m.in_features, generator=g) for m in layers]
+
+    def step(distance: int) -> None:
+        with prefetch(distance):
+            for x, m in zip(xs, layers):
+                m(x)
+
+    with torch.no_grad():
+        samples = time_rounds({d: (lambda d=d: step(d)) for d in PREFETCH_CHOICES}, warmup, repeats)
+    medians = {d: statistics.median(v) for d, v in samples.items()}
+    return {"prefetch": min(medians, key=lambda d: (medians[d], d)),
+            "prefetch_ms": {str(d): round(ms, 4) for d, ms in medians.items()}}
 
 
 def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
@@ -238,13 +278,14 @@ def model_padding(src, dtype: str, weights: str | None, widths: tuple[int, ...],
 
 def padding_line(padding: dict) -> str:
     """One line saying what the padding measurement found."""
+    ahead = f"; weights prefetched {padding['prefetch']} bytes ahead" if padding.get("prefetch") else ""
     if not padding["products"]:
-        return "no packed products: no padding"
+        return "no packed products: no padding" + ahead
     inv = padding.get("invariant", {})  # absent in profiles made before it was checked
     times = ", ".join(f"{r}: {ms:.2f}" + (" not batch-invariant" if inv.get(r) is False else "")
                       for r, ms in padding["median_ms"].items())
     chosen = "the tiled kernel" if padding.get("kernel") == "tiled" else f"oneDNN, min_rows {padding['min_rows']}"
-    return f"{padding['products']} packed products of one row, median ms by rows run ({times}): {chosen}"
+    return f"{padding['products']} packed products of one row, median ms by rows run ({times}): {chosen}{ahead}"
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -558,7 +599,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     engine, compile_s = _ready_engine(plan, engine, mode, padding, n_slots, widths, drafted,
                                       grid.stage_forms, cache)
     # the kernels' loops where the engine decodes them (its pool, for compiled packages that chose it)
-    with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen(), engine.loops(threads), \
+    with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen(), engine.library(threads), \
             LoadMeter() as load:
         rows, stages = _timed_calls(engine, plan, widths, contexts, drafted, grid)
         forms = _timed_stage_forms(engine, plan, hw, contexts[0], grid) if grid.stage_forms else None

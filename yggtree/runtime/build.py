@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
+from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows, plan_prefetch,  # noqa: F401  (re-exported)
                     profile_invariance, read_manifest)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, kv_cache_dtype, weight_format
 from .drafters import LMDrafter, check_pair
@@ -41,6 +41,9 @@ class EngineSpec:
     min_rows: int = 1
     # the packed layers' product kernel (runtime/packed.py KERNELS); a plan's profile measures it
     kernel: str = "torch"
+    # bytes the kernel library's products prefetch their weights ahead (runtime/kernels.py
+    # prefetch; None: the library's default); measured with the kernel
+    prefetch: int | None = None
     # (threads, widths) at which the plan's profile found min_rows batch-invariant (None: unchecked)
     padding_checked: tuple[int, tuple[int, ...]] | None = None
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
@@ -54,14 +57,15 @@ class EngineSpec:
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
                   stages: str = "auto", threads: int = 0, min_rows: int | None = None,
-                  kernel: str | None = None) -> "EngineSpec":
+                  kernel: str | None = None, prefetch: int | None = None) -> "EngineSpec":
         """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`).
 
         ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
         caches so that every width of the plan fits, and :func:`warm_plan` then builds the rest.
         ``mode`` defaults to performance, or reference for the eager backend. ``min_rows``
         defaults to the padding the plan's profile measured (:func:`yggtree.plan.plan_min_rows`),
-        ``kernel`` defaults to the product kernel it measured fastest (:func:`yggtree.plan.plan_kernel`)."""
+        ``kernel`` defaults to the product kernel it measured fastest (:func:`yggtree.plan.plan_kernel`),
+        ``prefetch`` to the distance measured with it (:func:`yggtree.plan.plan_prefetch`)."""
         check_backend(plan.backend)
         if plan.backend in ("cuda", "npu"):
             raise YggError(
@@ -87,6 +91,7 @@ class EngineSpec:
             threads=threads,
             min_rows=plan_min_rows(plan) if min_rows is None else min_rows,
             kernel=plan_kernel(plan) if kernel is None else kernel,
+            prefetch=plan_prefetch(plan) if prefetch is None else prefetch,
             padding_checked=profile_invariance(plan.profile) if min_rows is None and plan.profile else None,
             weights=plan.weights,
             kv_cache=plan.kv_cache,
@@ -314,6 +319,7 @@ def build_engine(spec: EngineSpec, prepare=None):
         stages=spec.stages,
         threads=spec.threads,
         loop_pool=spec.loop_pool,
+        prefetch=spec.prefetch,
         n_slots=spec.n_slots,
     )
     eos = tuple(target.cfg.eos_token_ids) or (

@@ -68,6 +68,9 @@ class EngineConfig:
     # decodes, the decoding thread at one OpenMP thread (kernels.loop_pool): for compiled packages
     # whose only parallel loops are the library's (``yggtree compile`` measures and records it)
     loop_pool: bool = False
+    # bytes the kernel library's products prefetch their weights ahead while this engine decodes
+    # (kernels.prefetch; None: the library's default); measured per machine with the product kernel
+    prefetch: int | None = None
     # KV cache slots (0: max_context + the tree's reserve + a scratch slot); a compiled plan's
     # plain engine keeps the slot count its packages were compiled for
     n_slots: int = 0
@@ -279,16 +282,18 @@ class Engine:
         0: the calling thread's count now)."""
         return plan.threads or torch.get_num_threads()
 
-    def loops(self, threads: int):
-        """Where the kernel library's parallel loops run while this engine decodes at ``threads``:
-        its own thread pool (kernels.loop_pool) where ``cfg.loop_pool`` and the plan is sequential
-        (an overlap plan's drafter worker calls kernels beside the decoding thread, on its own
-        OpenMP threads), else OpenMP (a null context)."""
-        if self.cfg.loop_pool and self.worker is None:
-            from .kernels import loop_pool
+    @contextlib.contextmanager
+    def library(self, threads: int):
+        """The kernel library's settings while this engine decodes at ``threads``: its products'
+        prefetch distance (``cfg.prefetch``; kernels.prefetch), and its parallel loops on its own
+        thread pool (kernels.loop_pool) where ``cfg.loop_pool`` and the plan is sequential (an
+        overlap plan's drafter worker calls kernels beside the decoding thread, on its own OpenMP
+        threads), else on OpenMP. Both restored after."""
+        from .kernels import loop_pool, prefetch
 
-            return loop_pool(threads)
-        return contextlib.nullcontext()
+        with prefetch(self.cfg.prefetch), (loop_pool(threads) if self.cfg.loop_pool and self.worker is None
+                                           else contextlib.nullcontext()):
+            yield
 
     def _build(self, plan: ExecutionPlan) -> None:
         """Build every graph the decoding thread runs under ``plan`` that is not built yet, at
@@ -412,7 +417,7 @@ class Engine:
         torch.set_num_threads(threads)
         try:
             threaded = self.worker is not None and self.worker.threaded
-            with torch.no_grad(), self.graphs.frozen(threaded), self.loops(threads):
+            with torch.no_grad(), self.graphs.frozen(threaded), self.library(threads):
                 prompt = torch.tensor(prompt_ids, dtype=torch.int64)
                 layers = self.drafter.target_layers if self.drafter is not None else ()
                 logits, h_root, feats = prefill(self.graphs, prompt, self.cfg.prefill_chunk, layers)

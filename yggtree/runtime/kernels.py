@@ -4,6 +4,9 @@
   (runtime/w4a8.py; needs AVX512-VNNI, which :func:`yggtree.runtime.w4a8.load_kernel` checks).
 - ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
   slots (runtime/model.py's ``Attention.native_rows``).
+- how far ahead their products prefetch their weights (``csrc/prefetch.cpp``): a distance measured
+  per machine with the product kernel (:data:`PREFETCH_CHOICES`), set while an engine decodes
+  (:func:`prefetch`).
 - their parallel loops (``csrc/loops.cpp``): on OpenMP, or on the library's own spinning thread
   pool inside :func:`loop_pool` (a step whose only parallel regions are the library's: it costs
   less to start and join a region where the CPUs sit far apart).
@@ -33,11 +36,11 @@ import torch
 from ..errors import YggError
 
 __all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention", "loop_pool"]
+           "use_rows_attention", "loop_pool", "prefetch", "PREFETCH_CHOICES"]
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
-                for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "loops.h",)  # included by the sources: part of the build's key
+                for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp", "prefetch.cpp"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefetch.h"))  # included by the sources: part of the build's key
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
 # on one thread); the build links the libgomp torch already loaded (same soname), so torch's
 # thread count governs it
@@ -57,6 +60,8 @@ SHIMS = {
                    "AtenTensorHandle s, AtenTensorHandle m, AtenTensorHandle* ret0)",
 }
 TILE = 16  # output columns per tile of the w4a8 and tiled kernels
+# the prefetch distances (bytes) the product kernel's measurement tries (offline/profile.py time_padding)
+PREFETCH_CHOICES = (512, 1024, 2048, 4096, 8192, 16384)
 
 
 def cpu_flags() -> set[str]:
@@ -146,6 +151,22 @@ def loop_pool(threads: int):
     finally:
         torch.set_num_threads(before)
         torch.ops.yggtree.loop_pool(was)
+
+
+@contextlib.contextmanager
+def prefetch(distance: int | None):
+    """The library's products fetch their weights ``distance`` bytes ahead inside the block
+    (csrc/prefetch.h; a multiple of 64, 0: no software prefetch), the distance before restored
+    after; None changes nothing (the library's default, 1024). Loads the library."""
+    if distance is None:
+        yield
+        return
+    load_library()
+    was = torch.ops.yggtree.prefetch(distance)
+    try:
+        yield
+    finally:
+        torch.ops.yggtree.prefetch(was)
 
 
 def aoti_shims() -> dict:

@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "loops.h"
+#include "prefetch.h"
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
@@ -29,10 +30,6 @@
 #include <vector>
 
 namespace {
-
-#ifndef TILED_PREFETCH
-#define TILED_PREFETCH 1024  // bytes of weights fetched ahead of the row being read
-#endif
 
 inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen(const at::BFloat16* p) {  // bfloat16 -> float32: the 16 bits on top, exact
@@ -45,14 +42,16 @@ inline __m512 widen(const int8_t* p) {
 
 // R rows of one tile: x rows at stride ldx, results at stride ldo
 template <int R, typename W>
-inline void tile(const W* w, const float* scale, const float* x, int64_t K, int64_t ldx, float* out, int64_t ldo) {
+inline void tile(const W* w, const float* scale, const float* x, int64_t K, int64_t ldx, float* out, int64_t ldo,
+                 int64_t ahead_bytes) {
   constexpr int BYTES = 32 * sizeof(W);  // weight bytes of one step of two k
   __m512 even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = _mm512_setzero_ps(), odd[r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
-    const char* ahead = reinterpret_cast<const char*>(w + k * 16) + TILED_PREFETCH;
-    for (int b = 0; b < BYTES; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    const char* ahead = reinterpret_cast<const char*>(w + k * 16) + ahead_bytes;
+    if (ahead_bytes)
+      for (int b = 0; b < BYTES; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     const __m512 w0 = widen(w + k * 16), w1 = widen(w + (k + 1) * 16);
     for (int r = 0; r < R; ++r) {
       even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, even[r]);
@@ -73,7 +72,7 @@ inline void tile(const W* w, const float* scale, const float* x, int64_t K, int6
 
 template <typename W>
 void run(const W* wp, const float* sp, const float* x, int64_t M, int64_t K, int64_t T, float* op) {
-  const int64_t N = 16 * T;
+  const int64_t N = 16 * T, pf = yggtree::prefetch_distance();
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const W* w = wp + t * K * 16;
@@ -81,10 +80,10 @@ void run(const W* wp, const float* sp, const float* x, int64_t M, int64_t K, int
       // rows in groups of 8, 4, 2, 1: a group reads each weight once (the tile stays in cache for
       // the next group)
       int64_t r = 0;
-      for (; r + 8 <= M; r += 8) tile<8>(w, s, x + r * K, K, K, op + r * N + 16 * t, N);
-      for (; r + 4 <= M; r += 4) tile<4>(w, s, x + r * K, K, K, op + r * N + 16 * t, N);
-      for (; r + 2 <= M; r += 2) tile<2>(w, s, x + r * K, K, K, op + r * N + 16 * t, N);
-      for (; r < M; ++r) tile<1>(w, s, x + r * K, K, K, op + r * N + 16 * t, N);
+      for (; r + 8 <= M; r += 8) tile<8>(w, s, x + r * K, K, K, op + r * N + 16 * t, N, pf);
+      for (; r + 4 <= M; r += 4) tile<4>(w, s, x + r * K, K, K, op + r * N + 16 * t, N, pf);
+      for (; r + 2 <= M; r += 2) tile<2>(w, s, x + r * K, K, K, op + r * N + 16 * t, N, pf);
+      for (; r < M; ++r) tile<1>(w, s, x + r * K, K, K, op + r * N + 16 * t, N, pf);
     }
   });
 }
@@ -118,17 +117,21 @@ at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
 // R rows of one tile of 4-bit codes: all groups; xs [R, B] the rows' group sums (stride B)
 template <int R>
 inline void q4_tile(const uint8_t* codes, const float* s, const float* m, const float* x, const float* xs,
-                    int64_t K, int64_t G, float* out, int64_t ldo) {
+                    int64_t K, int64_t G, float* out, int64_t ldo, int64_t ahead_bytes) {
   const int64_t B = K / G;
   const __m512i low = _mm512_set1_epi32(0x0F);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < B; ++g) {
+    if (ahead_bytes) {  // the scales and offsets stream at a quarter of the codes' pace (G 32) or less
+      _mm_prefetch(reinterpret_cast<const char*>(s + g * 16) + ahead_bytes / 4, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + g * 16) + ahead_bytes / 4, _MM_HINT_T0);
+    }
     __m512 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = _mm512_setzero_ps(), odd[r] = _mm512_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
       const uint8_t* c = codes + (k / 2) * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(c) + TILED_PREFETCH, _MM_HINT_T0);
+      if (ahead_bytes && (k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(c) + ahead_bytes, _MM_HINT_T0);
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
       const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
@@ -176,15 +179,16 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t pf = yggtree::prefetch_distance();
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = cp + t * (K / 2) * 16;
       const float *st = sp + t * B * 16, *mt = mp + t * B * 16;
       int64_t r = 0;
-      for (; r + 8 <= M; r += 8) q4_tile<8>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
-      for (; r + 4 <= M; r += 4) q4_tile<4>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
-      for (; r + 2 <= M; r += 2) q4_tile<2>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
-      for (; r < M; ++r) q4_tile<1>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N);
+      for (; r + 8 <= M; r += 8) q4_tile<8>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+      for (; r + 4 <= M; r += 4) q4_tile<4>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+      for (; r + 2 <= M; r += 2) q4_tile<2>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+      for (; r < M; ++r) q4_tile<1>(c, st, mt, xp + r * K, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
     }
   });
   return out;

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "loops.h"
+#include "prefetch.h"
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
@@ -32,11 +33,6 @@
 
 namespace {
 
-#ifndef PREFETCH
-#define PREFETCH 1024  // bytes ahead of the block being read: measured against none, 2048 and 4096 on one
-                       // CPU, and against 512-16384 on another where none differed beyond noise
-                       // (docs/results.md); a build may set another (-DPREFETCH=N)
-#endif
 
 // qa [M, K] int8, da and sa [M, B] float32 (see the header)
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa) {
@@ -74,7 +70,7 @@ constexpr int STRIDE = CODES<BITS> + 64;  // bytes of a block in a tile: codes, 
 // are exact, so the result is the same)
 template <int R, int BITS>
 inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, int64_t K,
-                 int64_t B, float* out, int64_t ldo) {
+                 int64_t B, float* out, int64_t ldo, int64_t ahead_bytes) {
   constexpr bool SPLIT = R <= 2;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -84,10 +80,11 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512(), isum2[r] = _mm512_setzero_si512();
     const uint8_t* cb = blocks + b * STRIDE<BITS>;
     if constexpr (BITS == 4) {
-      // the weights are one stream (tiles are contiguous): fetch PREFETCH bytes ahead, which runs
-      // on into the next tile (a prefetch past the end is harmless). 4-bit codes only: 8-bit codes
-      // streamed faster without it (measured on one CPU only, docs/results.md)
-      for (int i = 0; i < STRIDE<BITS>; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + PREFETCH + i), _MM_HINT_T0);
+      // the weights are one stream (tiles are contiguous): fetch the library's distance ahead
+      // (csrc/prefetch.h), which runs on into the next tile (a prefetch past the end is harmless).
+      // 4-bit codes only: 8-bit codes streamed faster without it (measured on one CPU only, docs/results.md)
+      if (ahead_bytes)
+        for (int i = 0; i < STRIDE<BITS>; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead_bytes + i), _MM_HINT_T0);
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(cb + g * 64);
         const __m512i lo = _mm512_and_si512(v, low);
@@ -128,7 +125,7 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
 template <int BITS>
 void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap, int64_t M, int64_t K,
          int64_t T, int64_t B, float* op) {
-  const int64_t N = 16 * T;
+  const int64_t N = 16 * T, pf = yggtree::prefetch_distance();
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = bp + t * B * STRIDE<BITS>;
@@ -136,13 +133,13 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
       // than groups of 4 and 1 only at 2-8 rows, the same elsewhere: reports/w4a8_rows/ab.py)
       int64_t r = 0;
       for (; r + 8 <= M; r += 8)
-        tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 4 <= M; r += 4)
-        tile<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 2 <= M; r += 2)
-        tile<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r < M; ++r)
-        tile<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N);
+        tile<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
     }
   });
 }
