@@ -400,9 +400,14 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path, monkeyp
             f"up to {now['rows_up_to']} rows, logical window {now['logical_window']}"]
     (art / MANIFEST).write_text(json.dumps(m | {"plan": cpu.to_dict(relative_to=art)}))
     assert m["packed_kernel"] == "torch" and EngineSpec.from_plan(plan).kernel == "torch"
-    prof.write_text(json.dumps({"packed_padding": {"kernel": "tiled", "min_rows": 2, "median_ms": {"tiled": 1.0}}}))
+    assert m["packed_prefetch"] is None and EngineSpec.from_plan(plan).prefetch is None  # the library's default
+    prof.write_text(json.dumps({"packed_padding": {"kernel": "tiled", "min_rows": 2, "median_ms": {"tiled": 1.0},
+                                                   "prefetch": 4096}}))
     assert EngineSpec.from_plan(cpu).kernel == "tiled" and EngineSpec.from_plan(cpu, kernel="torch").kernel == "torch"
-    (r,) = check_artifacts(cpu, art)  # the packages call the other product op
+    # the distance goes with the kernel: the profile's with its kernel, the caller's with the caller's
+    assert EngineSpec.from_plan(cpu).prefetch == 4096 and EngineSpec.from_plan(cpu, kernel="torch").prefetch is None
+    assert EngineSpec.from_plan(cpu, kernel="tiled", prefetch=512).prefetch == 512
+    (r,) = check_artifacts(cpu, art)  # the packages call the other product op (a distance is no package's)
     assert r == "the product kernel changed: compiled with torch, the plan's profile says tiled"
     padding(4)
     (r,) = check_artifacts(cpu, art)

@@ -57,7 +57,7 @@ class QuickStart:
         short packed products, which the engine is built with). ``say(line)`` reports what
         happened (default: one line on stderr)."""
         from .offline.profile import ProfileGrid, measure_padding, measure_profile
-        from .plan import profile_kernel, profile_min_rows, validate_plan
+        from .plan import profile_kernel, profile_min_rows, profile_prefetch, validate_plan
         from .runtime.build import build_plan_engine
         from .runtime.graphs import inductor_cache
         from .runtime.objective import plan_policy
@@ -69,9 +69,11 @@ class QuickStart:
         pad_s = time.perf_counter() - t0
         min_rows = padding["min_rows"] if measured else profile_min_rows(self.profile)
         kernel = padding["kernel"] if measured else profile_kernel(self.profile)
+        prefetch = padding.get("prefetch") if measured else profile_prefetch(self.profile)
         t0 = time.perf_counter()
         with inductor_cache(cache_root() / "inductor"):
-            engine, tok = build_plan_engine(self.plan, None, mode, min_rows=min_rows, kernel=kernel)
+            engine, tok = build_plan_engine(self.plan, None, mode, min_rows=min_rows, kernel=kernel,
+                                          prefetch=prefetch)
         built = time.perf_counter() - t0
         if measured:
             import contextlib

@@ -495,7 +495,8 @@ def _ready_engine(plan, engine, mode: str, padding: dict, n_slots: int, widths: 
         built = 0.0
         if engine is None:
             engine, _ = build_engine(EngineSpec.from_plan(plan, mode, min_rows=padding["min_rows"],
-                                                          kernel=padding.get("kernel", "torch")))
+                                                          kernel=padding.get("kernel", "torch"),
+                                                          prefetch=padding.get("prefetch")))
             built = engine.compile_s
         if engine.n_slots != n_slots:
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")

@@ -64,8 +64,9 @@ class EngineSpec:
         caches so that every width of the plan fits, and :func:`warm_plan` then builds the rest.
         ``mode`` defaults to performance, or reference for the eager backend. ``min_rows``
         defaults to the padding the plan's profile measured (:func:`yggtree.plan.plan_min_rows`),
-        ``kernel`` defaults to the product kernel it measured fastest (:func:`yggtree.plan.plan_kernel`),
-        ``prefetch`` to the distance measured with it (:func:`yggtree.plan.plan_prefetch`)."""
+        ``kernel`` defaults to the product kernel it measured fastest (:func:`yggtree.plan.plan_kernel`)
+        and ``prefetch`` then to the distance measured with it (:func:`yggtree.plan.plan_prefetch`);
+        a caller naming the kernel names its distance (None: the kernel library's default)."""
         check_backend(plan.backend)
         if plan.backend in ("cuda", "npu"):
             raise YggError(
@@ -91,7 +92,7 @@ class EngineSpec:
             threads=threads,
             min_rows=plan_min_rows(plan) if min_rows is None else min_rows,
             kernel=plan_kernel(plan) if kernel is None else kernel,
-            prefetch=plan_prefetch(plan) if prefetch is None else prefetch,
+            prefetch=plan_prefetch(plan) if kernel is None else prefetch,
             padding_checked=profile_invariance(plan.profile) if min_rows is None and plan.profile else None,
             weights=plan.weights,
             kv_cache=plan.kv_cache,
@@ -393,14 +394,15 @@ def fixed_policy(
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
                       stages: str = "auto", threads: int = 0, min_rows: int | None = None, kernel: str | None = None,
-                      speculate: bool = True):
+                      speculate: bool = True, prefetch: int | None = None):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
     ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
     drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
     Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start).
     ``min_rows`` and ``kernel`` override the padding of short packed products and their kernel
-    the plan's profile measured.
+    the plan's profile measured; ``prefetch`` goes with ``kernel`` (EngineSpec.from_plan); a plan
+    without a profile takes all three from its packages' manifest.
     A speculative engine raises a padding that is not batch-invariant on this CPU
     (:func:`invariant_padding`); packages hold the padding they were compiled with, so with
     ``artifacts`` an engine padding otherwise (raised or overridden) is refused in one line
@@ -414,9 +416,11 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     if artifacts is not None and plan.profile is None and plan.backend == "inductor-cpu":
         # no profile: the packages hold the kernel and padding measured when they were compiled
         m = read_manifest(Path(artifacts)) or {}
-        kernel = m.get("packed_kernel", "torch") if kernel is None else kernel
+        if kernel is None:
+            kernel, prefetch = m.get("packed_kernel", "torch"), m.get("packed_prefetch")
         min_rows = m.get("packed_min_rows", 1) if min_rows is None else min_rows
-    spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows, kernel=kernel)
+    spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows, kernel=kernel,
+                                prefetch=prefetch)
     if artifacts is not None and spec.mode == "performance" and loops_on_pool(read_manifest(Path(artifacts)) or {}):
         spec = replace(spec, loop_pool=True)
     if not speculate:
