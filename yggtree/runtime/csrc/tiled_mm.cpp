@@ -119,7 +119,9 @@ template <int R>
 inline void q4_tile(const uint8_t* codes, const float* s, const float* m, const float* x, const float* xs,
                     int64_t K, int64_t G, float* out, int64_t ldo, int64_t ahead_bytes) {
   const int64_t B = K / G;
-  const __m512i low = _mm512_set1_epi32(0x0F);
+  // a code's float32 value by a permute over the 16 values (it reads an index's low 4 bits only):
+  // the conversion's exact result in one instruction instead of two (1.145x on one CPU, docs/results.md)
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < B; ++g) {
@@ -133,8 +135,7 @@ inline void q4_tile(const uint8_t* codes, const float* s, const float* m, const 
       const uint8_t* c = codes + (k / 2) * 16;
       if (ahead_bytes && (k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(c) + ahead_bytes, _MM_HINT_T0);
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      const __m512 w0 = _mm512_permutexvar_ps(v, values), w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
       for (int r = 0; r < R; ++r) {
         even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w0, even[r]);
         odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + 1]), w1, odd[r]);
