@@ -212,8 +212,8 @@ def test_an_engine_decodes_at_its_prefetch_distance():
 
     kernels.prefetch = spy
     try:
-        tokens = [Engine(target, EngineConfig(**cfg, prefetch=d)).generate([5, 6, 7], SamplingParams(max_new_tokens=8)).token_ids
-                  for d in (None, 8192, 0)]
+        engines = [Engine(target, EngineConfig(**cfg, prefetch=d)) for d in (None, 8192, 0)]
+        tokens = [e.generate([5, 6, 7], SamplingParams(max_new_tokens=8)).token_ids for e in engines]
     finally:
         kernels.prefetch = real
     assert seen == [None, 8192, 0] and tokens[0] == tokens[1] == tokens[2]

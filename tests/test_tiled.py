@@ -205,7 +205,8 @@ def test_plan_reads_the_profiles_prefetch_distance(tmp_path):
     from yggtree.plan import profile_prefetch
 
     path = tmp_path / "p.json"
-    for pad, want in (({"kernel": "tiled", "min_rows": 1, "prefetch": 8192}, 8192), ({"kernel": "tiled", "min_rows": 1}, None)):
+    measured, older = {"kernel": "tiled", "min_rows": 1, "prefetch": 8192}, {"kernel": "tiled", "min_rows": 1}
+    for pad, want in ((measured, 8192), (older, None)):
         path.write_text(json.dumps({"packed_padding": pad}))
         assert profile_prefetch(path) == want
     for bad in (100, -64, "8192", True):

@@ -171,7 +171,8 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
 
     layers = kernel_layers(model)
     if not layers:  # nothing packed (another device or dtype): nothing to pad
-        return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}} | time_prefetch(model, warmup, repeats)
+        none = {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
+        return none | time_prefetch(model, warmup, repeats)  # a w4a8 model: its products' distance
     if not packed_layers(model):  # quantized layers only: torch's kernels are never padded
         candidates = (1,)
     widths = tuple(sorted({1, *widths}))

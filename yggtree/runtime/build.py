@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows, plan_prefetch,  # noqa: F401  (re-exported)
-                    profile_invariance, read_manifest)
+from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
+                    plan_prefetch, profile_invariance, read_manifest)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, kv_cache_dtype, weight_format
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig

@@ -40,7 +40,8 @@ __all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
                 for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp", "prefetch.cpp"))
-HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefetch.h"))  # included by the sources: part of the build's key
+# included by the sources: part of the build's key
+HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefetch.h"))
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
 # on one thread); the build links the libgomp torch already loaded (same soname), so torch's
 # thread count governs it

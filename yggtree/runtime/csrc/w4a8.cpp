@@ -84,7 +84,8 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
       // (csrc/prefetch.h), which runs on into the next tile (a prefetch past the end is harmless).
       // 4-bit codes only: 8-bit codes streamed faster without it (measured on one CPU only, docs/results.md)
       if (ahead_bytes)
-        for (int i = 0; i < STRIDE<BITS>; i += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead_bytes + i), _MM_HINT_T0);
+        for (int i = 0; i < STRIDE<BITS>; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(cb + ahead_bytes + i), _MM_HINT_T0);
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(cb + g * 64);
         const __m512i lo = _mm512_and_si512(v, low);
