@@ -355,7 +355,8 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     for system, mode in (("ygg-reference", "reference"), ("ygg-compiled", "performance")):
         progress.update(status, description=f"[{dtype}] building {system} engine")
         m = model.shared_copy()
-        if mode == "performance":  # as `yggtree run` builds it: the kernel measured on this CPU
+        choice = {}
+        if mode == "performance":  # as `yggtree run` builds it: the kernel (and distance) measured on this CPU
             choice = measured_choice(src, dtype, None, (1,), torch.get_num_threads())
             pack_models(m, min_rows=choice["min_rows"], kernel=choice["kernel"])  # a no-op off CPUs
             fused = m.matmul_weights()  # the products the compiled system runs (q/k/v, gate/up fused)
@@ -364,7 +365,7 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
                     floor_weights[kernel] = fused
         engine = Engine(
             m,
-            EngineConfig(mode=mode, max_context=args.max_context),
+            EngineConfig(mode=mode, max_context=args.max_context, prefetch=choice.get("prefetch")),
             eos_ids=eos,
         )
         compile_s[system] = engine.compile_s
