@@ -162,7 +162,14 @@ def test_the_pool_is_chosen_when_it_wins_most_prompts():
     assert not loops_on_pool({})  # a manifest from before the measurement: OpenMP
 
 
-def test_engines_on_the_pool_decode_plain_decodings_tokens():
+def spy_on(monkeypatch, name: str) -> list:
+    """The arguments ``kernels.<name>`` is called with during the test (it still runs)."""
+    seen, real = [], getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda arg: seen.append(arg) or real(arg))
+    return seen
+
+
+def test_engines_on_the_pool_decode_plain_decodings_tokens(monkeypatch):
     """A w4a8 target (plain and speculating with a w4a8 drafter) decoding with its kernels' loops
     on the pool at 2 threads emits the tokens plain decoding on OpenMP emits."""
     from test_w4a8 import gguf_like
@@ -175,26 +182,16 @@ def test_engines_on_the_pool_decode_plain_decodings_tokens():
     pooled = Engine(target, EngineConfig(**cfg, loop_pool=True))
     tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
     spec = Engine(target, EngineConfig(**cfg, tree=tree, loop_pool=True), LMDrafter(gguf_like(1), "reference"))
-    seen = []
-    real = kernels.loop_pool
-
-    def spy(n):
-        seen.append(n)
-        return real(n)
-
-    kernels.loop_pool = spy
-    try:
-        for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
-            want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
-            assert pooled.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
-            assert spec.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
-    finally:
-        kernels.loop_pool = real
+    seen = spy_on(monkeypatch, "loop_pool")
+    for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert pooled.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
+        assert spec.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
     assert seen == [2] * 4  # the pooled engines decoded on the pool, the plain one did not
     assert torch.ops.yggtree.w4a8_threads(torch.zeros(1)) == torch.get_num_threads()  # the pool off again
 
 
-def test_an_engine_decodes_at_its_prefetch_distance():
+def test_an_engine_decodes_at_its_prefetch_distance(monkeypatch):
     """``EngineConfig.prefetch`` is the library's distance while the engine decodes, the distance
     before restored after; None leaves the library's own; the tokens are the same."""
     from test_w4a8 import gguf_like
@@ -203,19 +200,9 @@ def test_an_engine_decodes_at_its_prefetch_distance():
     target = gguf_like(0)
     cfg = dict(mode="reference", max_context=48, prefill_chunk=8, threads=2)
     before = torch.ops.yggtree.prefetch(-1)
-    seen = []
-    real = kernels.prefetch
-
-    def spy(distance):
-        seen.append(distance)
-        return real(distance)
-
-    kernels.prefetch = spy
-    try:
-        engines = [Engine(target, EngineConfig(**cfg, prefetch=d)) for d in (None, 8192, 0)]
-        tokens = [e.generate([5, 6, 7], SamplingParams(max_new_tokens=8)).token_ids for e in engines]
-    finally:
-        kernels.prefetch = real
+    seen = spy_on(monkeypatch, "prefetch")
+    engines = [Engine(target, EngineConfig(**cfg, prefetch=d)) for d in (None, 8192, 0)]
+    tokens = [e.generate([5, 6, 7], SamplingParams(max_new_tokens=8)).token_ids for e in engines]
     assert seen == [None, 8192, 0] and tokens[0] == tokens[1] == tokens[2]
     assert torch.ops.yggtree.prefetch(-1) == before
 

@@ -195,8 +195,9 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
         samples = time_rounds({k: (lambda k=k: step(k)) for k in variants}, warmup, repeats)
     medians = {k: statistics.median(v) for k, v in samples.items()}
     by_distance = {d: medians.pop(f"tiled@{d}") for d in PREFETCH_CHOICES} if tiled is not None else {}
-    if by_distance:  # the tiled candidate at its fastest distance (ties: the shorter)
-        distance = min(by_distance, key=lambda d: (by_distance[d], d))
+    if by_distance:  # the tiled candidate at its fastest distance
+        fastest = fastest_distance(by_distance)
+        distance = fastest["prefetch"]
         medians["tiled"] = by_distance[distance]
         variants = {k: v for k, v in variants.items() if "@" not in k} | {"tiled": variants[f"tiled@{distance}"]}
     ok = [k for k in variants if invariant[k]]
@@ -209,9 +210,14 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     out = {"kernel": kernel, "min_rows": rows, "products": len(layers), "warmup": warmup, "repeats": repeats,
            "median_ms": {k: round(medians[k], 4) for k in variants},
            "invariant": invariant, "widths": list(widths)}
-    if kernel == "tiled":
-        out |= {"prefetch": distance, "prefetch_ms": {str(d): round(ms, 4) for d, ms in by_distance.items()}}
-    return out
+    return out | fastest if kernel == "tiled" else out
+
+
+def fastest_distance(medians: dict[int, float]) -> dict:
+    """``{"prefetch": the distance of the least median (ties: the shorter), "prefetch_ms": the
+    medians by distance}`` from medians (ms) by prefetch distance."""
+    return {"prefetch": min(medians, key=lambda d: (medians[d], d)),
+            "prefetch_ms": {str(d): round(ms, 4) for d, ms in medians.items()}}
 
 
 def time_prefetch(model, warmup: int = 2, repeats: int = 9) -> dict:
@@ -237,9 +243,7 @@ def time_prefetch(model, warmup: int = 2, repeats: int = 9) -> dict:
 
     with torch.no_grad():
         samples = time_rounds({d: (lambda d=d: step(d)) for d in PREFETCH_CHOICES}, warmup, repeats)
-    medians = {d: statistics.median(v) for d, v in samples.items()}
-    return {"prefetch": min(medians, key=lambda d: (medians[d], d)),
-            "prefetch_ms": {str(d): round(ms, 4) for d, ms in medians.items()}}
+    return fastest_distance({d: statistics.median(v) for d, v in samples.items()})
 
 
 def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
