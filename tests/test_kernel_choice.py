@@ -32,7 +32,7 @@ def counted(monkeypatch):
 
     calls = []
     answer = {"kernel": "tiled", "min_rows": 1, "products": 3, "median_ms": {"1": 2.0, "tiled": 1.0},
-              "invariant": {"1": True, "tiled": True}, "widths": [1], "prefetch": 4096}
+              "invariant": {"1": True, "tiled": True}, "widths": [1], "prefetch": [1024, 4096]}
 
     def fake(src, dtype, weights, widths, warmup=2, repeats=9):
         calls.append((src.path, dtype, weights, tuple(widths), torch.get_num_threads()))
@@ -96,7 +96,7 @@ def test_nothing_is_measured_off_cpus(model_dir, tmp_path, counted, monkeypatch)
 
 def test_measured_spec_takes_the_engines_widths_and_threads(model_dir, tmp_path, counted):
     plain = kernel_choice.measured_spec(EngineSpec(model=str(model_dir)), tmp_path, lambda _: None)
-    assert (plain.kernel, plain.min_rows, plain.padding_checked, plain.prefetch) == ("tiled", 1, (1, (1,)), 4096)
+    assert (plain.kernel, plain.min_rows, plain.padding_checked, plain.prefetch) == ("tiled", 1, (1, (1,)), (1024, 4096))
     spec = EngineSpec(model=str(model_dir), drafter="self", tree=TreeParams(2, 4, 8, 2), threads=1)
     spec = kernel_choice.measured_spec(spec, tmp_path, lambda _: None)
     assert counted[-1][3] == (1, 8) and spec.padding_checked == (1, (1, 8))

@@ -191,20 +191,21 @@ def test_engines_on_the_pool_decode_plain_decodings_tokens(monkeypatch):
     assert torch.ops.yggtree.w4a8_threads(torch.zeros(1)) == torch.get_num_threads()  # the pool off again
 
 
-def test_an_engine_decodes_at_its_prefetch_distance(monkeypatch):
-    """``EngineConfig.prefetch`` is the library's distance while the engine decodes, the distance
+def test_an_engine_decodes_at_its_prefetch_setting(monkeypatch):
+    """``EngineConfig.prefetch`` is the library's setting while the engine decodes, the setting
     before restored after; None leaves the library's own; the tokens are the same."""
     from test_w4a8 import gguf_like
     from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
 
     target = gguf_like(0)
     cfg = dict(mode="reference", max_context=48, prefill_chunk=8, threads=2)
-    before = torch.ops.yggtree.prefetch(-1)
+    before = torch.ops.yggtree.prefetch(-1, 0)
     seen = spy_on(monkeypatch, "prefetch")
-    engines = [Engine(target, EngineConfig(**cfg, prefetch=d)) for d in (None, 8192, 0)]
+    settings = (None, (8192, 0), (0, 0), (1024, 16384))
+    engines = [Engine(target, EngineConfig(**cfg, prefetch=d)) for d in settings]
     tokens = [e.generate([5, 6, 7], SamplingParams(max_new_tokens=8)).token_ids for e in engines]
-    assert seen == [None, 8192, 0] and tokens[0] == tokens[1] == tokens[2]
-    assert torch.ops.yggtree.prefetch(-1) == before
+    assert seen == list(settings) and all(t == tokens[0] for t in tokens)
+    assert torch.ops.yggtree.prefetch(-1, 0) == before
 
 
 def test_a_bad_loops_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):

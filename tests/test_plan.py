@@ -402,12 +402,13 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path, monkeyp
     assert m["packed_kernel"] == "torch" and EngineSpec.from_plan(plan).kernel == "torch"
     assert m["packed_prefetch"] is None and EngineSpec.from_plan(plan).prefetch is None  # the library's default
     prof.write_text(json.dumps({"packed_padding": {"kernel": "tiled", "min_rows": 2, "median_ms": {"tiled": 1.0},
-                                                   "prefetch": 4096}}))
+                                                   "prefetch": [1024, 4096]}}))
     assert EngineSpec.from_plan(cpu).kernel == "tiled" and EngineSpec.from_plan(cpu, kernel="torch").kernel == "torch"
-    # the distance goes with the kernel: the profile's with its kernel, the caller's with the caller's
-    assert EngineSpec.from_plan(cpu).prefetch == 4096 and EngineSpec.from_plan(cpu, kernel="torch").prefetch is None
-    assert EngineSpec.from_plan(cpu, kernel="tiled", prefetch=512).prefetch == 512
-    (r,) = check_artifacts(cpu, art)  # the packages call the other product op (a distance is no package's)
+    # the setting goes with the kernel: the profile's with its kernel, the caller's with the caller's
+    assert EngineSpec.from_plan(cpu).prefetch == (1024, 4096)
+    assert EngineSpec.from_plan(cpu, kernel="torch").prefetch is None
+    assert EngineSpec.from_plan(cpu, kernel="tiled", prefetch=(512, 0)).prefetch == (512, 0)
+    (r,) = check_artifacts(cpu, art)  # the packages call the other product op (a prefetch setting is no package's)
     assert r == "the product kernel changed: compiled with torch, the plan's profile says tiled"
     padding(4)
     (r,) = check_artifacts(cpu, art)

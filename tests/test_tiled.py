@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -153,20 +154,24 @@ def test_profile_times_both_kernels_and_records_the_choice():
     assert pad["kernel"] == ("tiled" if best == "tiled" else "torch")
     assert pad["min_rows"] == (1 if best == "tiled" else int(best))
     assert ("the tiled kernel" in padding_line(pad)) == (best == "tiled")
-    if pad["kernel"] == "tiled":  # its time is its fastest prefetch distance's
-        from yggtree.runtime.kernels import PREFETCH_CHOICES
+    if pad["kernel"] == "tiled":  # its time is its fastest prefetch setting's
+        from yggtree.runtime.kernels import PREFETCH_CHOICES, prefetch_name
 
-        assert list(pad["prefetch_ms"]) == [str(d) for d in PREFETCH_CHOICES]
-        assert pad["prefetch_ms"][str(pad["prefetch"])] == pad["median_ms"]["tiled"] == min(pad["prefetch_ms"].values())
-        assert f"prefetched {pad['prefetch']} bytes ahead" in padding_line(pad)
+        assert list(pad["prefetch_ms"]) == [prefetch_name(d) for d in PREFETCH_CHOICES]
+        near, far = pad["prefetch"]
+        assert pad["prefetch_ms"][f"{near}/{far}"] == pad["median_ms"]["tiled"] == min(pad["prefetch_ms"].values())
+        assert f"prefetched {near} bytes ahead" in padding_line(pad)
+        assert (f"(and {far} into the second-level cache)" in padding_line(pad)) == (far > 0)
     else:
         assert "prefetch" not in pad
 
 
-@pytest.mark.parametrize("distance", [0, 64, 512, 16384, 1 << 20])
-def test_the_prefetch_distance_changes_no_result(distance):
+@pytest.mark.parametrize("setting", [(0, 0), (64, 0), (512, 0), (16384, 0), (1 << 20, 0), (0, 8192), (1024, 64),
+                                     (1024, 16384), (2048, 1 << 20)])
+def test_the_prefetch_setting_changes_no_result(setting):
     """Every tiled product (float32, bfloat16 and int8 tiles, 4-bit tiles) gives the same bits at
-    any prefetch distance, at 1-9 rows; the distance before is restored (w4a8: test_w4a8.py)."""
+    any prefetch setting (near and far distances), at 1-9 rows; the setting before is restored
+    (w4a8: test_w4a8.py)."""
     from yggtree.runtime import kernels
     from yggtree.runtime.quant import Int4Linear, quantize_int4
 
@@ -180,38 +185,44 @@ def test_the_prefetch_distance_changes_no_result(distance):
     products += [lambda x: torch.ops.yggtree.tiled_mm(x, tiled(w).round().clamp(-127, 127).to(torch.int8),
                                                       torch.rand(3, 16, generator=torch.Generator().manual_seed(0))),
                  q4]
-    before = torch.ops.yggtree.prefetch(-1)
+    before = torch.ops.yggtree.prefetch(-1, 0)
     want = [[f(x[:m]) for m in range(1, 10)] for f in products]
-    with kernels.prefetch(distance):
-        assert torch.ops.yggtree.prefetch(-1) == distance
+    with kernels.prefetch(setting):
+        assert torch.ops.yggtree.prefetch(-1, 0) == list(setting)
         got = [[f(x[:m]) for m in range(1, 10)] for f in products]
-    assert torch.ops.yggtree.prefetch(-1) == before
+    assert torch.ops.yggtree.prefetch(-1, 0) == before
     for a, b in zip(want, got):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
-def test_a_bad_prefetch_distance_is_refused():
+def test_a_bad_prefetch_setting_is_refused():
     from yggtree.runtime import kernels
 
     kernels.load_library()
-    for bad in (100, (1 << 20) + 64):
-        with pytest.raises(RuntimeError, match="prefetch: the distance must be a multiple of 64 bytes"):
-            torch.ops.yggtree.prefetch(bad)
+    before = torch.ops.yggtree.prefetch(-1, 0)
+    for near, far, which in ((100, 0, "near"), ((1 << 20) + 64, 0, "near"), (1024, 96, "far"), (1024, -64, "far")):
+        with pytest.raises(RuntimeError, match=f"prefetch: the {which} distance must be a multiple of 64 bytes"):
+            torch.ops.yggtree.prefetch(near, far)
+        assert torch.ops.yggtree.prefetch(-1, 0) == before  # nothing half set
+    for bad in (100, [1024], [1024, 100], "1024/0", True, [True, 0]):
+        with pytest.raises(ValueError, match="a prefetch setting is .near, far. bytes"):
+            kernels.prefetch_setting(bad)
 
 
-def test_plan_reads_the_profiles_prefetch_distance(tmp_path):
-    """A profile's measured distance reaches its plan's engine spec; a profile without one leaves
-    the library's default (None); a bad one is refused in one line."""
+def test_plan_reads_the_profiles_prefetch_setting(tmp_path):
+    """A profile's measured setting reaches its plan's engine spec (one distance, as profiles
+    recorded before the second level: near only); a profile without one leaves the library's
+    default (None); a bad one is refused in one line."""
     from yggtree.plan import profile_prefetch
 
     path = tmp_path / "p.json"
-    measured, older = {"kernel": "tiled", "min_rows": 1, "prefetch": 8192}, {"kernel": "tiled", "min_rows": 1}
-    for pad, want in ((measured, 8192), (older, None)):
+    measured, one = {"kernel": "tiled", "min_rows": 1, "prefetch": [1024, 8192]}, {"kernel": "tiled", "prefetch": 4096}
+    for pad, want in ((measured, (1024, 8192)), (one, (4096, 0)), ({"kernel": "tiled", "min_rows": 1}, None)):
         path.write_text(json.dumps({"packed_padding": pad}))
         assert profile_prefetch(path) == want
-    for bad in (100, -64, "8192", True):
+    for bad in (100, -64, "8192", True, [1024, 100], [1024, 0, 0]):
         path.write_text(json.dumps({"packed_padding": {"kernel": "tiled", "min_rows": 1, "prefetch": bad}}))
-        with pytest.raises(YggError, match=r"^profile .*: 'packed_padding.prefetch' must be a multiple of 64 bytes"):
+        with pytest.raises(YggError, match=r"^profile .*: 'packed_padding.prefetch': a prefetch setting is"):
             profile_prefetch(path)
 
 
@@ -259,6 +270,66 @@ def test_int8_layers_on_the_tiled_kernel(dtype):
     torch.testing.assert_close(b(xf).double(), ref, rtol=2e-2, atol=5e-2)  # bfloat16 ones
     with pytest.raises(ValueError, match="kernel must be torch or tiled"):
         Int8Linear(wf, None, torch.float32, "blas")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int8_codes_with_a_scale_per_group(rows):
+    """int8 codes with a float32 scale per group of input columns (a GGUF Q8_0 weight's blocks):
+    each group's sum scaled and accumulated in order, close to float64; rows independent of the
+    call; one group is the per-column scale bitwise; a scale that does not divide K is refused."""
+    from yggtree.runtime.quant import Int8Linear
+
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (37, 96), generator=g, dtype=torch.int8)
+    d = torch.rand(37, 3, generator=g) / 64
+    lin = Int8Linear(None, None, torch.float32, "tiled", codes=(q, d))
+    assert lin.qweight.shape == (3, 96, 16) and lin.scales.shape == (3, 3, 16) and lin.out_features == 37
+    x = torch.randn(rows, 96, generator=g)
+    ref = x.double() @ (q.double() * d.double().repeat_interleave(32, 1)).T
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin(x), torch.cat([lin(x[i : i + 1]) for i in range(rows)]))
+    per_column = Int8Linear(None, None, torch.float32, "tiled", codes=(q, d[:, 0]))
+    one_group = torch.ops.yggtree.tiled_mm(x, per_column.qweight, per_column.scales[:, None].contiguous())
+    assert torch.equal(one_group[:, :37], per_column(x))
+    with pytest.raises(RuntimeError, match=r"tiled_mm: scale must be \[T, 16\] or \[T, B, 16\]"):
+        torch.ops.yggtree.tiled_mm(x, lin.qweight, torch.zeros(3, 5, 16))
+    with pytest.raises(ValueError, match="a scale per group of inputs run on the tiled kernel only"):
+        Int8Linear(None, None, torch.float32, "torch", codes=(q, d))
+
+
+def test_gguf_q8_0_runs_as_one_int8_stream_on_the_tiled_kernel():
+    """gguf-native on the tiled kernel: a Q8_0 weight (the tied head) is one Int8Linear holding
+    the blocks exactly (an identity input reads llama.cpp's float32 weights back bit for bit),
+    the Q4 blocks stay 4-bit planes; on torch's kernel Q8_0 stays two planes."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize as gguf_dequantize, quantize
+
+    from test_quant import gguf_blocks
+    from yggtree.runtime.drafters import LMDrafter
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+    from yggtree.runtime.quant import Int4Linear, Int8Linear, gguf_int8, quantize_linears
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    raw = quantize(w, T.Q8_0)
+    want = torch.from_numpy(gguf_dequantize(raw, T.Q8_0).reshape(48, 96).copy())
+    lin = Int8Linear(None, None, torch.float32, "tiled", codes=gguf_int8("Q8_0", torch.from_numpy(raw)))
+    assert torch.equal(lin(torch.eye(96)).T, want)
+    assert gguf_int8("Q4_1", torch.from_numpy(raw)) is None
+    m, t = tiny_model(hidden=64), tiny_model(hidden=64)
+    for model, kernel in ((m, "tiled"), (t, "torch")):  # the head tied to the Q8_0 embedding, as in the file
+        raw = {k: v for k, v in gguf_blocks(model).items() if k != "lm_head.weight"}
+        quantize_linears(model, "gguf-native", raw=raw, kernel=kernel)
+    assert isinstance(m.lm_head, Int8Linear) and m.lm_head.scales.dim() == 3
+    assert isinstance(t.lm_head, Int4Linear) and t.lm_head.packed.shape[0] == 2
+    assert all(isinstance(b.mlp.down_proj, Int4Linear) and b.mlp.down_proj.kernel == "tiled" for b in m.layers)
+    plain = Engine(m, EngineConfig(mode="reference", max_context=80, prefill_chunk=8))  # speculation stays exact
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+    spec = Engine(m, EngineConfig(mode="reference", max_context=80, prefill_chunk=8, tree=tree),
+                  LMDrafter(tiny_model(hidden=64, seed=1), "reference"))
+    for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
+        want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+        assert spec.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want, prompt
 
 
 def test_profile_times_int8_kernels():
@@ -332,3 +403,14 @@ def test_packing_loads_the_library_in_a_fresh_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tests, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "torch.Size([1, 97])"
+
+
+def test_a_manifests_prefetch_setting_is_read_or_refused(tmp_path):
+    """A compiled plan without a profile takes its prefetch setting from its manifest: a pair, one
+    distance (manifests before the second level: near only) or none; a bad one in one line."""
+    from yggtree.runtime.build import manifest_prefetch
+
+    for v, want in (([2048, 16384], (2048, 16384)), (8192, (8192, 0)), (None, None)):
+        assert manifest_prefetch({"packed_prefetch": v}, tmp_path) == want
+    with pytest.raises(YggError, match=r"packed_prefetch: a prefetch setting is .* \(compile the plan again\)$"):
+        manifest_prefetch({"packed_prefetch": [1024, 7]}, tmp_path)

@@ -76,34 +76,36 @@ def test_kernel_is_its_arithmetic_and_rows_are_independent(bits, dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_prefetch_distance_changes_no_result(bits):
-    """The w4a8 products give the same bits at every prefetch distance the runtime measures and at
-    none (1-9 rows); the distance before is restored."""
+def test_the_prefetch_setting_changes_no_result(bits):
+    """The w4a8 products give the same bits at every prefetch setting the runtime measures and at
+    none (1-9 rows); the setting before is restored."""
     from yggtree.runtime.kernels import PREFETCH_CHOICES, prefetch
 
     gen = torch.Generator().manual_seed(bits)
     lin = W4A8Linear(random_blocks(96, 576, bits, gen), None, torch.float32)
     x = torch.randn(9, 576, generator=gen)
     want = [lin(x[:m]) for m in range(1, 10)]
-    before = torch.ops.yggtree.prefetch(-1)
-    for distance in (0, *PREFETCH_CHOICES):
-        with prefetch(distance):
-            assert all(torch.equal(lin(x[:m]), want[m - 1]) for m in range(1, 10)), distance
-    assert torch.ops.yggtree.prefetch(-1) == before
+    before = torch.ops.yggtree.prefetch(-1, 0)
+    for setting in ((0, 0), (0, 8192), *PREFETCH_CHOICES):
+        with prefetch(setting):
+            assert all(torch.equal(lin(x[:m]), want[m - 1]) for m in range(1, 10)), setting
+    assert torch.ops.yggtree.prefetch(-1, 0) == before
 
 
 def test_the_w4a8_products_prefetch_distance_is_measured():
     """A w4a8 model has no packed product to pad; the measurement times its products at every
-    prefetch distance and records the fastest."""
-    from yggtree.offline.profile import padding_line, time_padding
-    from yggtree.runtime.kernels import PREFETCH_CHOICES
+    prefetch setting and records the fastest."""
+    from yggtree.offline.profile import padding_line, prefetch_words, time_padding
+    from yggtree.runtime.kernels import PREFETCH_CHOICES, prefetch_name
 
     m = nn.Sequential(W4A8Linear(random_blocks(64, 64, 4, torch.Generator().manual_seed(0)), None, torch.float32))
     pad = time_padding(m, warmup=0, repeats=2)
     assert (pad["kernel"], pad["min_rows"], pad["products"], pad["median_ms"]) == ("torch", 1, 0, {})
-    assert list(pad["prefetch_ms"]) == [str(d) for d in PREFETCH_CHOICES]
-    assert pad["prefetch_ms"][str(pad["prefetch"])] == min(pad["prefetch_ms"].values())
-    assert padding_line(pad) == f"no packed products: no padding; weights prefetched {pad['prefetch']} bytes ahead"
+    assert list(pad["prefetch_ms"]) == [prefetch_name(d) for d in PREFETCH_CHOICES]
+    assert pad["prefetch_ms"][prefetch_name(pad["prefetch"])] == min(pad["prefetch_ms"].values())
+    assert padding_line(pad) == f"no packed products: no padding; weights prefetched {prefetch_words(pad['prefetch'])}"
+    assert prefetch_words([1024, 0]) == "1024 bytes ahead"
+    assert prefetch_words([1024, 8192]) == "1024 bytes ahead (and 8192 into the second-level cache)"
 
 
 def test_kernel_runs_on_torchs_threads():

@@ -59,6 +59,7 @@ import torch
 from .data import interleave, load_prompts
 from .errors import YggError, module_main
 from .progress import stderr_progress
+from .shapes import measured_prefetch
 
 SYSTEMS = ("hf", "ygg-reference", "ygg-compiled")
 BENCH_DTYPES = ("float32", "bfloat16")
@@ -356,7 +357,7 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
         progress.update(status, description=f"[{dtype}] building {system} engine")
         m = model.shared_copy()
         choice = {}
-        if mode == "performance":  # as `yggtree run` builds it: the kernel (and distance) measured on this CPU
+        if mode == "performance":  # as `yggtree run` builds it: the kernel (and prefetch) measured on this CPU
             choice = measured_choice(src, dtype, None, (1,), torch.get_num_threads())
             pack_models(m, min_rows=choice["min_rows"], kernel=choice["kernel"])  # a no-op off CPUs
             fused = m.matmul_weights()  # the products the compiled system runs (q/k/v, gate/up fused)
@@ -365,7 +366,7 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
                     floor_weights[kernel] = fused
         engine = Engine(
             m,
-            EngineConfig(mode=mode, max_context=args.max_context, prefetch=choice.get("prefetch")),
+            EngineConfig(mode=mode, max_context=args.max_context, prefetch=measured_prefetch(choice.get("prefetch"))),
             eos_ids=eos,
         )
         compile_s[system] = engine.compile_s

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .files import write_text_atomic
 from .runtime.kernel_cache import cached_choice, plan_threads_widths
+from .shapes import measured_prefetch
 
 
 def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...], threads: int,
@@ -58,7 +59,7 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
 
 def measured_spec(spec, root: Path | None = None, say=None):
     """``spec`` (an EngineSpec built from flags) with the product kernel, padding and prefetch
-    distance measured for it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
+    setting measured for it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
     from .runtime.build import check_spec, spec_rows
     from .runtime.loading import resolve_model
 
@@ -67,7 +68,8 @@ def measured_spec(spec, root: Path | None = None, say=None):
     check_spec(spec)  # bad sizes and formats are refused before the model loads to be measured
     threads, widths = spec_rows(spec)
     padding = measured_choice(resolve_model(spec.model), spec.dtype, spec.weights, widths, threads, root, say)
-    return replace(spec, kernel=padding["kernel"], min_rows=padding["min_rows"], prefetch=padding.get("prefetch"),
+    return replace(spec, kernel=padding["kernel"], min_rows=padding["min_rows"],
+                   prefetch=measured_prefetch(padding.get("prefetch")),
                    padding_checked=(threads, tuple(padding.get("widths", widths))) if padding["products"] else None)
 
 

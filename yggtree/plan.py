@@ -103,6 +103,7 @@ from .shapes import (
     DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
     DEFAULT_TOP_K, DEFAULT_VERIFY_WIDTH, MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes,
     kv_cache_dtype,
+    prefetch_setting,
     weight_format,
 )
 
@@ -350,31 +351,35 @@ def plan_kernel(plan: Plan) -> str:
     return _measured(plan)["kernel"]
 
 
-def plan_prefetch(plan: Plan) -> int | None:
-    """How far ahead the kernel library's products of ``plan``'s engine prefetch their weights
-    (:func:`plan_padding`; None: the library's default)."""
-    return _measured(plan).get("prefetch")
+def plan_prefetch(plan: Plan) -> tuple[int, int] | None:
+    """How far ahead the kernel library's products of ``plan``'s engine prefetch their weights,
+    ``(near, far)`` bytes (:func:`plan_padding`; None: the library's default)."""
+    v = _measured(plan).get("prefetch")
+    return None if v is None else prefetch_setting(v)
 
 
-def profile_prefetch(path: str | Path) -> int | None:
-    """The distance (bytes) the kernel library's products prefetched their weights fastest at on
-    the profile's machine (``packed_padding.prefetch``; runtime/kernels.py ``prefetch``), None
+def profile_prefetch(path: str | Path) -> tuple[int, int] | None:
+    """The prefetch setting, ``(near, far)`` bytes, the kernel library's products streamed their
+    weights fastest at on the profile's machine (``packed_padding.prefetch``; runtime/kernels.py
+    ``prefetch``; one distance in profiles before the second level: ``(distance, 0)``), None
     where it was not measured (a profile older than that field, or no product of the library).
     YggError if the value is invalid."""
     d = read_json(path, "profile")
     pad = d.get(PADDING_KEY) if isinstance(d, dict) else None
     v = pad.get("prefetch") if isinstance(pad, dict) else None
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % 64):
-        raise YggError(f"profile {path}: '{PADDING_KEY}.prefetch' must be a multiple of 64 bytes >= 0, got {v!r} "
-                       "(measure it again: yggtree profile --force)")
-    return v
+    if v is None:
+        return None
+    try:
+        return prefetch_setting(v)
+    except ValueError as e:
+        raise YggError(f"profile {path}: '{PADDING_KEY}.prefetch': {e} (measure it again: yggtree profile --force)") from None
 
 
 def plan_padding(plan: Plan) -> dict | None:
     """``{"kernel", "min_rows", "prefetch"}`` of ``plan``'s products: its profile's measurement
     (:func:`profile_kernel`, :func:`profile_min_rows`, :func:`profile_prefetch`); for a plan
     without a profile, this machine's (:func:`cached_padding`), None where it was not measured.
-    ``prefetch`` may be None or absent: the kernel library's default distance."""
+    ``prefetch`` may be None or absent: the kernel library's default setting."""
     if plan.profile is None:
         return cached_padding(plan)
     return {"kernel": profile_kernel(plan.profile), "min_rows": profile_min_rows(plan.profile),

@@ -60,6 +60,7 @@ class QuickStart:
         from .plan import profile_kernel, profile_min_rows, profile_prefetch, validate_plan
         from .runtime.build import build_plan_engine
         from .runtime.graphs import inductor_cache
+        from .shapes import measured_prefetch
         from .runtime.objective import plan_policy
 
         say = say or (lambda line: sys.stderr.write(f"yggtree: {line}\n"))
@@ -69,7 +70,7 @@ class QuickStart:
         pad_s = time.perf_counter() - t0
         min_rows = padding["min_rows"] if measured else profile_min_rows(self.profile)
         kernel = padding["kernel"] if measured else profile_kernel(self.profile)
-        prefetch = padding.get("prefetch") if measured else profile_prefetch(self.profile)
+        prefetch = measured_prefetch(padding.get("prefetch")) if measured else profile_prefetch(self.profile)
         t0 = time.perf_counter()
         with inductor_cache(cache_root() / "inductor"):
             engine, tok = build_plan_engine(self.plan, None, mode, min_rows=min_rows, kernel=kernel,

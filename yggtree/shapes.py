@@ -37,6 +37,36 @@ INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel runs
 KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # a target's KV cache (kv_cache_dtype)
 DEFAULT_INT4_GROUP = 32  # a GGUF block: the finest group the kernel runs
 
+# the prefetch settings the product kernel's measurement tries (offline/profile.py time_padding;
+# runtime/kernels.py prefetch): (near, far) bytes ahead into the first- and the second-level cache
+# (csrc/prefetch.h), far 0 for none
+PREFETCH_CHOICES = (tuple((near, 0) for near in (512, 1024, 2048, 4096, 8192, 16384))
+                    + tuple((near, far) for far in (4096, 8192, 16384, 32768) for near in (512, 1024, 2048)))
+MAX_PREFETCH = 1 << 20  # bytes (csrc/prefetch.cpp)
+
+
+def prefetch_setting(value) -> tuple[int, int]:
+    """A recorded prefetch setting as ``(near, far)``: a pair ``[near, far]``, or one distance
+    (records before the second level: ``(distance, 0)``); ValueError naming what is wrong."""
+    pair = (value, 0) if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_PREFETCH and v % 64 == 0
+                       for v in pair)):
+        raise ValueError(f"a prefetch setting is [near, far] bytes, multiples of 64 up to {MAX_PREFETCH} "
+                         f"(or one such distance), got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def measured_prefetch(value) -> tuple[int, int] | None:
+    """:func:`prefetch_setting` of a measurement's ``prefetch`` entry, None where there is none."""
+    return None if value is None else prefetch_setting(value)
+
+
+def prefetch_name(setting) -> str:
+    """``near/far``, how records key a setting's measurement."""
+    near, far = prefetch_setting(setting)
+    return f"{near}/{far}"
+
 
 def int_value(name: str, v) -> int:
     """``v`` as an int (bools and floats refused: a float token id is a bug, not a token)."""

@@ -400,7 +400,7 @@ def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records:
         "threads": info["threads"],
         "packed_min_rows": min_rows,  # compared with the plan's profile by check_artifacts
         "packed_kernel": plan_kernel(plan),  # likewise
-        # the library's prefetch distance measured with the kernel (a record: no package holds it;
+        # the library's prefetch setting measured with the kernel (a record: no package holds it;
         # the engine sets it while decoding, from the profile or this machine's measurement)
         "packed_prefetch": plan_prefetch(plan),
         # how the packages compute attention (model.attention_formulation), checked by check_artifacts

@@ -153,7 +153,7 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     """One row through every packed or int8 product of ``model`` (:func:`kernel_layers`: one plain
     step's products, in module order), timed for each ``min_rows`` of ``candidates``,
     and, given ``tiled`` (the same model packed for the ``tiled`` kernel), through its products
-    as the candidate ``"tiled"`` at every prefetch distance of the kernel library
+    as the candidate ``"tiled"`` at every prefetch setting of the kernel library
     (runtime/kernels.py ``PREFETCH_CHOICES``; the fastest is the candidate's time). Rounds of one call per variant
     (:func:`yggtree.offline.timing.time_rounds`) so drifting load hits all of them alike;
     ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for batch invariance
@@ -162,17 +162,17 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     Returns the profile's ``packed_padding``: the fastest invariant candidate by median (ties:
     oneDNN, then the fewer rows; if no candidate is invariant, the smallest invariant padding) as
     ``kernel`` and ``min_rows`` (1 for the tiled kernel), the medians and the invariance of each
-    candidate; with the tiled kernel, ``prefetch``: its fastest distance (bytes), and the medians
-    by distance (``prefetch_ms``). YggError if nothing is invariant."""
+    candidate; with the tiled kernel, ``prefetch``: its fastest setting (``[near, far]`` bytes),
+    and the medians by setting (``prefetch_ms``). YggError if nothing is invariant."""
     import torch
 
-    from ..runtime.kernels import PREFETCH_CHOICES, prefetch
+    from ..runtime.kernels import PREFETCH_CHOICES, prefetch, prefetch_name
     from ..runtime.packed import invariant_min_rows, packed_layers, padding_is_invariant
 
     layers = kernel_layers(model)
     if not layers:  # nothing packed (another device or dtype): nothing to pad
         none = {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
-        return none | time_prefetch(model, warmup, repeats)  # a w4a8 model: its products' distance
+        return none | time_prefetch(model, warmup, repeats)  # a w4a8 model: its products' prefetch
     if not packed_layers(model):  # quantized layers only: torch's kernels are never padded
         candidates = (1,)
     widths = tuple(sorted({1, *widths}))
@@ -182,24 +182,25 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     xs = [torch.randn(1, m.in_features, generator=g).to(dtype) for m in layers]
     variants = {str(r): (layers, r, None) for r in candidates}
     if tiled is not None:
-        invariant["tiled"] = padding_is_invariant(tiled, 1, widths)  # a distance changes no result
-        variants.update({f"tiled@{d}": (kernel_layers(tiled), 1, d) for d in PREFETCH_CHOICES})
+        invariant["tiled"] = padding_is_invariant(tiled, 1, widths)  # a prefetch changes no result
+        variants.update({f"tiled@{prefetch_name(d)}": (kernel_layers(tiled), 1, d) for d in PREFETCH_CHOICES})
 
     def step(key: str) -> None:
-        products, rows, distance = variants[key]
-        with prefetch(distance):
+        products, rows, setting = variants[key]
+        with prefetch(setting):
             for x, m in zip(xs, products):
                 m.product(x, rows)
 
     with torch.no_grad():  # in rounds (timing.time_rounds), as the grid and the stage forms
         samples = time_rounds({k: (lambda k=k: step(k)) for k in variants}, warmup, repeats)
     medians = {k: statistics.median(v) for k, v in samples.items()}
-    by_distance = {d: medians.pop(f"tiled@{d}") for d in PREFETCH_CHOICES} if tiled is not None else {}
-    if by_distance:  # the tiled candidate at its fastest distance
-        fastest = fastest_distance(by_distance)
-        distance = fastest["prefetch"]
-        medians["tiled"] = by_distance[distance]
-        variants = {k: v for k, v in variants.items() if "@" not in k} | {"tiled": variants[f"tiled@{distance}"]}
+    by_setting = {d: medians.pop(f"tiled@{prefetch_name(d)}") for d in PREFETCH_CHOICES} if tiled is not None else {}
+    if by_setting:  # the tiled candidate at its fastest setting
+        fastest = fastest_prefetch(by_setting)
+        setting = tuple(fastest["prefetch"])
+        medians["tiled"] = by_setting[setting]
+        variants = ({k: v for k, v in variants.items() if "@" not in k}
+                    | {"tiled": variants[f"tiled@{prefetch_name(setting)}"]})
     ok = [k for k in variants if invariant[k]]
     order = {k: i for i, k in enumerate(variants)}  # oneDNN's paddings first, fewer rows first
     best = min(ok, key=lambda k: (medians[k], order[k])) if ok else invariant_min_rows(model, widths)
@@ -213,17 +214,19 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     return out | fastest if kernel == "tiled" else out
 
 
-def fastest_distance(medians: dict[int, float]) -> dict:
-    """``{"prefetch": the distance of the least median (ties: the shorter), "prefetch_ms": the
-    medians by distance}`` from medians (ms) by prefetch distance."""
-    return {"prefetch": min(medians, key=lambda d: (medians[d], d)),
-            "prefetch_ms": {str(d): round(ms, 4) for d, ms in medians.items()}}
+def fastest_prefetch(medians: dict[tuple[int, int], float]) -> dict:
+    """``{"prefetch": [near, far] of the least median (ties: the nearer far, then near),
+    "prefetch_ms": the medians by setting ("near/far")}`` from medians (ms) by prefetch setting."""
+    from ..runtime.kernels import prefetch_name
+
+    near, far = min(medians, key=lambda d: (medians[d], d[1], d[0]))
+    return {"prefetch": [near, far], "prefetch_ms": {prefetch_name(d): round(ms, 4) for d, ms in medians.items()}}
 
 
 def time_prefetch(model, warmup: int = 2, repeats: int = 9) -> dict:
     """One row through every w4a8 product of ``model`` (runtime/w4a8.py: the kernel library's,
-    with nothing to choose or pad) at every prefetch distance of the library (runtime/kernels.py
-    ``PREFETCH_CHOICES``), in rounds: ``{"prefetch": fastest distance, "prefetch_ms": medians}``,
+    with nothing to choose or pad) at every prefetch setting of the library (runtime/kernels.py
+    ``PREFETCH_CHOICES``), in rounds: ``{"prefetch": fastest [near, far], "prefetch_ms": medians}``,
     or ``{}`` for a model without such products."""
     import torch
 
@@ -236,14 +239,14 @@ def time_prefetch(model, warmup: int = 2, repeats: int = 9) -> dict:
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(1, m.in_features, generator=g) for m in layers]
 
-    def step(distance: int) -> None:
-        with prefetch(distance):
+    def step(setting: tuple[int, int]) -> None:
+        with prefetch(setting):
             for x, m in zip(xs, layers):
                 m(x)
 
     with torch.no_grad():
         samples = time_rounds({d: (lambda d=d: step(d)) for d in PREFETCH_CHOICES}, warmup, repeats)
-    return fastest_distance({d: statistics.median(v) for d, v in samples.items()})
+    return fastest_prefetch({d: statistics.median(v) for d, v in samples.items()})
 
 
 def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
@@ -281,9 +284,17 @@ def model_padding(src, dtype: str, weights: str | None, widths: tuple[int, ...],
     return time_padding(model, warmup=warmup, repeats=repeats, widths=widths, tiled=tiled)
 
 
+def prefetch_words(setting) -> str:
+    """A prefetch setting in words: "1024 bytes ahead (and 16384 into the second-level cache)"."""
+    from ..runtime.kernels import prefetch_setting
+
+    near, far = prefetch_setting(setting)
+    return f"{near} bytes ahead" + (f" (and {far} into the second-level cache)" if far else "")
+
+
 def padding_line(padding: dict) -> str:
     """One line saying what the padding measurement found."""
-    ahead = f"; weights prefetched {padding['prefetch']} bytes ahead" if padding.get("prefetch") else ""
+    ahead = f"; weights prefetched {prefetch_words(padding['prefetch'])}" if padding.get("prefetch") else ""
     if not padding["products"]:
         return "no packed products: no padding" + ahead
     inv = padding.get("invariant", {})  # absent in profiles made before it was checked

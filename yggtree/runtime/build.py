@@ -9,7 +9,8 @@ from pathlib import Path
 from ..errors import YggError
 from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
                     plan_prefetch, profile_invariance, read_manifest)
-from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, kv_cache_dtype, weight_format
+from ..shapes import (DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, kv_cache_dtype,
+                      prefetch_setting, weight_format)
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
 from .graphs import check_backend
@@ -41,9 +42,10 @@ class EngineSpec:
     min_rows: int = 1
     # the packed layers' product kernel (runtime/packed.py KERNELS); a plan's profile measures it
     kernel: str = "torch"
-    # bytes the kernel library's products prefetch their weights ahead (runtime/kernels.py
-    # prefetch; None: the library's default); measured with the kernel
-    prefetch: int | None = None
+    # (near, far) bytes the kernel library's products prefetch their weights ahead into the first-
+    # and second-level cache (runtime/kernels.py prefetch; None: the library's default); measured
+    # with the kernel
+    prefetch: tuple[int, int] | None = None
     # (threads, widths) at which the plan's profile found min_rows batch-invariant (None: unchecked)
     padding_checked: tuple[int, tuple[int, ...]] | None = None
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
@@ -57,7 +59,7 @@ class EngineSpec:
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
                   stages: str = "auto", threads: int = 0, min_rows: int | None = None,
-                  kernel: str | None = None, prefetch: int | None = None) -> "EngineSpec":
+                  kernel: str | None = None, prefetch: tuple[int, int] | None = None) -> "EngineSpec":
         """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`).
 
         ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
@@ -65,8 +67,8 @@ class EngineSpec:
         ``mode`` defaults to performance, or reference for the eager backend. ``min_rows``
         defaults to the padding the plan's profile measured (:func:`yggtree.plan.plan_min_rows`),
         ``kernel`` defaults to the product kernel it measured fastest (:func:`yggtree.plan.plan_kernel`)
-        and ``prefetch`` then to the distance measured with it (:func:`yggtree.plan.plan_prefetch`);
-        a caller naming the kernel names its distance (None: the kernel library's default)."""
+        and ``prefetch`` then to the setting measured with it (:func:`yggtree.plan.plan_prefetch`);
+        a caller naming the kernel names its setting (None: the kernel library's default)."""
         check_backend(plan.backend)
         if plan.backend in ("cuda", "npu"):
             raise YggError(
@@ -392,9 +394,22 @@ def fixed_policy(
     return FixedPolicy.of(tp)
 
 
+def manifest_prefetch(manifest: dict, artifacts) -> tuple[int, int] | None:
+    """The prefetch setting a plan's packages were compiled with (``packed_prefetch``: ``[near,
+    far]``, or one distance in manifests before the second level), None if absent; YggError naming
+    the directory if it is not one."""
+    v = manifest.get("packed_prefetch")
+    if v is None:
+        return None
+    try:
+        return prefetch_setting(v)
+    except ValueError as e:
+        raise YggError(f"{artifacts}: the manifest's packed_prefetch: {e} (compile the plan again)") from None
+
+
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
                       stages: str = "auto", threads: int = 0, min_rows: int | None = None, kernel: str | None = None,
-                      speculate: bool = True, prefetch: int | None = None):
+                      speculate: bool = True, prefetch: tuple[int, int] | None = None):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
     ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
@@ -417,7 +432,7 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
         # no profile: the packages hold the kernel and padding measured when they were compiled
         m = read_manifest(Path(artifacts)) or {}
         if kernel is None:
-            kernel, prefetch = m.get("packed_kernel", "torch"), m.get("packed_prefetch")
+            kernel, prefetch = m.get("packed_kernel", "torch"), manifest_prefetch(m, artifacts)
         min_rows = m.get("packed_min_rows", 1) if min_rows is None else min_rows
     spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows, kernel=kernel,
                                 prefetch=prefetch)

@@ -68,9 +68,10 @@ class EngineConfig:
     # decodes, the decoding thread at one OpenMP thread (kernels.loop_pool): for compiled packages
     # whose only parallel loops are the library's (``yggtree compile`` measures and records it)
     loop_pool: bool = False
-    # bytes the kernel library's products prefetch their weights ahead while this engine decodes
-    # (kernels.prefetch; None: the library's default); measured per machine with the product kernel
-    prefetch: int | None = None
+    # (near, far) bytes the kernel library's products prefetch their weights ahead into the first-
+    # and second-level cache while this engine decodes (kernels.prefetch; None: the library's
+    # default); measured per machine with the product kernel
+    prefetch: tuple[int, int] | None = None
     # KV cache slots (0: max_context + the tree's reserve + a scratch slot); a compiled plan's
     # plain engine keeps the slot count its packages were compiled for
     n_slots: int = 0
@@ -285,7 +286,7 @@ class Engine:
     @contextlib.contextmanager
     def library(self, threads: int):
         """The kernel library's settings while this engine decodes at ``threads``: its products'
-        prefetch distance (``cfg.prefetch``; kernels.prefetch), and its parallel loops on its own
+        prefetch setting (``cfg.prefetch``; kernels.prefetch), and its parallel loops on its own
         thread pool (kernels.loop_pool) where ``cfg.loop_pool`` and the plan is sequential (an
         overlap plan's drafter worker calls kernels beside the decoding thread, on its own OpenMP
         threads), else on OpenMP. Both restored after."""

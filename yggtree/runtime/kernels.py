@@ -4,9 +4,9 @@
   (runtime/w4a8.py; needs AVX512-VNNI, which :func:`yggtree.runtime.w4a8.load_kernel` checks).
 - ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
   slots (runtime/model.py's ``Attention.native_rows``).
-- how far ahead their products prefetch their weights (``csrc/prefetch.cpp``): a distance measured
-  per machine with the product kernel (:data:`PREFETCH_CHOICES`), set while an engine decodes
-  (:func:`prefetch`).
+- how far ahead their products prefetch their weights (``csrc/prefetch.cpp``): two distances, into
+  the first- and the second-level cache, measured per machine with the product kernel
+  (:data:`PREFETCH_CHOICES`), set while an engine decodes (:func:`prefetch`).
 - their parallel loops (``csrc/loops.cpp``): on OpenMP, or on the library's own spinning thread
   pool inside :func:`loop_pool` (a step whose only parallel regions are the library's: it costs
   less to start and join a region where the CPUs sit far apart).
@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 from ..errors import YggError
+from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
 __all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention", "loop_pool", "prefetch", "PREFETCH_CHOICES"]
+           "use_rows_attention", "loop_pool", "prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
                 for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp", "prefetch.cpp"))
@@ -61,10 +62,6 @@ SHIMS = {
                    "AtenTensorHandle s, AtenTensorHandle m, AtenTensorHandle* ret0)",
 }
 TILE = 16  # output columns per tile of the w4a8 and tiled kernels
-# the prefetch distances (bytes) the product kernel's measurement tries (offline/profile.py time_padding)
-PREFETCH_CHOICES = (512, 1024, 2048, 4096, 8192, 16384)
-
-
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
@@ -155,19 +152,21 @@ def loop_pool(threads: int):
 
 
 @contextlib.contextmanager
-def prefetch(distance: int | None):
-    """The library's products fetch their weights ``distance`` bytes ahead inside the block
-    (csrc/prefetch.h; a multiple of 64, 0: no software prefetch), the distance before restored
-    after; None changes nothing (the library's default, 1024). Loads the library."""
-    if distance is None:
+def prefetch(setting):
+    """The library's products fetch their weights ahead by ``setting`` inside the block: ``(near,
+    far)`` bytes into the first- and the second-level cache (csrc/prefetch.h; multiples of 64, 0:
+    none), or one distance into the first (:func:`prefetch_setting`); the setting before restored
+    after. None changes nothing (the library's default, 1024 near, no far). Loads the library."""
+    if setting is None:
         yield
         return
+    near, far = prefetch_setting(setting)
     load_library()
-    was = torch.ops.yggtree.prefetch(distance)
+    was = torch.ops.yggtree.prefetch(near, far)
     try:
         yield
     finally:
-        torch.ops.yggtree.prefetch(was)
+        torch.ops.yggtree.prefetch(*was)
 
 
 def aoti_shims() -> dict:

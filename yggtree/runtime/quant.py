@@ -38,8 +38,11 @@ only exact where it was too slow to use).
   refuses one that is not -- so :func:`dequantize` gives llama.cpp's float32 weights bit for
   bit); the kernel then takes the scales and zeros rounded to bfloat16 (8 significant bits), so
   the weights it multiplies are llama.cpp's to within that rounding, and its products round in
-  its own order (llama.cpp also quantizes the activations to 8 bits). Tensors stored as float
-  stay float (packed by runtime/packed.py), any other GGML type (K-quants) is refused.
+  its own order (llama.cpp also quantizes the activations to 8 bits). On the tiled kernel a
+  Q8_0 weight is one int8 stream with its blocks' float32 scales instead (:func:`gguf_int8`,
+  an :class:`Int8Linear` with a scale per block: w = d q exactly, one product where two planes
+  read half again as many bytes and ran twice the arithmetic). Tensors stored as float stay
+  float (packed by runtime/packed.py), any other GGML type (K-quants) is refused.
 
 Speculation is exact only if a row of a W-row product is bitwise its one-row product (the
 kernels' rows are computed independently on the CPUs measured; :func:`check_batch_invariant`
@@ -61,7 +64,7 @@ from ..errors import YggError
 from .gguf_blocks import read_blocks
 from .model import FUSED_PROJECTIONS
 
-__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "dequantize", "Int8Linear",
+__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "Int8Linear",
            "Int4Linear", "QuantLinear", "quant_layers", "quantize_linears", "check_kernel", "check_batch_invariant"]
 
 GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
@@ -126,6 +129,15 @@ def gguf_codes(kind: str, raw: torch.Tensor, name: str = "weight") -> list[Int4C
     return [Int4Codes(q, d, zero)]
 
 
+def gguf_int8(kind: str, raw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GGUF Q8_0 tensor's own blocks as int8 codes and their scales, ``(q [N, K] int8, d [N, K /
+    32] float32)`` with w = d q exactly (float16 d, exact in float32); None for another type."""
+    if kind != "Q8_0" or raw is None:
+        return None
+    d, _, q = read_blocks(kind, raw)
+    return q.to(torch.int8), d
+
+
 def dequantize(planes: list[Int4Codes]) -> torch.Tensor:
     """The float32 weight [N, K] the planes stand for: sum of (q - 8) * scale + zero."""
     w = 0
@@ -188,24 +200,35 @@ class Int8Linear(QuantLinear):
     - ``torch``: ``aten._weight_int8pack_mm`` on bfloat16 activations and bfloat16 scales;
     - ``tiled``: ``yggtree::tiled_mm`` (runtime/kernels.py) on float32 activations, the weight in
       tiles of 16 output columns, summed in float32 in a fixed order per row and scaled by the
-      float32 scale at the end (a row's result is independent of the call's other rows).
+      float32 scale at the end (a row's result is independent of the call's other rows); or, for
+      codes given with a scale per group of input columns (a GGUF Q8_0 weight's blocks:
+      :func:`gguf_int8`), each group's sum scaled and accumulated in order.
 
     The two are different arithmetic, so an engine and its compiled packages use one."""
 
     qweight: torch.Tensor  # torch: [N, K] int8; tiled: [T, K, 16] int8 (N padded to 16 T)
-    scales: torch.Tensor  # torch: [N] bfloat16 (KERNEL_DTYPE); tiled: [T, 16] float32
+    # torch: [N] bfloat16 (KERNEL_DTYPE); tiled: [T, 16] float32, or [T, K / G, 16] per group of G inputs
+    scales: torch.Tensor
     bias: torch.Tensor | None  # [N] in the run's dtype
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch") -> None:
+    def __init__(self, w: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = "torch",
+                 codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``w`` [N, K] quantized per output channel (:func:`quantize_int8`), or ``codes``
+        ``(q [N, K] int8, scale [N] or [N, K / G] float32)`` held as they are (w None): a scale
+        per group of G input columns runs on the tiled kernel only."""
         super().__init__()
-        q, s = quantize_int8(w)
-        self.in_features, self.out_features, self.dtype, self.kernel = w.shape[1], w.shape[0], dtype, kernel
+        q, s = quantize_int8(w) if codes is None else codes
+        if s.dim() == 2 and kernel != "tiled":
+            raise ValueError("int8 codes with a scale per group of inputs run on the tiled kernel only")
+        self.in_features, self.out_features, self.dtype, self.kernel = q.shape[1], q.shape[0], dtype, kernel
         if kernel == "tiled":
             from .kernels import load_library
             from .packed import pack_weight
 
             load_library()
-            q, s = pack_weight(q, "tiled"), pack_weight(s[:, None], "tiled").reshape(-1, 16)  # padded columns: q 0, scale 0
+            # padded columns: q 0, scale 0; a scale per column is one group: [T, 1, 16] -> [T, 16]
+            tiles = pack_weight(s.float() if s.dim() == 2 else s.float()[:, None], "tiled")
+            q, s = pack_weight(q, "tiled"), tiles if s.dim() == 2 else tiles.reshape(-1, 16)
         elif kernel != "torch":
             raise ValueError(f"kernel must be torch or tiled, got {kernel!r}")
         else:
@@ -423,6 +446,9 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
                                f"multiple of {GGUF_BLOCK}")
             return W4A8Linear(cat_blocks([blocks_of(n, p) for n, p in zip(names, lins)]), bias, dtype)
         if raw is not None:
+            eights = [gguf_int8(*stored(n)) for n in names] if kernel == "tiled" else [None]
+            if None not in eights:  # Q8_0 on the tiled kernel: one int8 stream, a scale per block
+                return Int8Linear(None, bias, dtype, kernel, codes=tuple(torch.cat(t) for t in zip(*eights)))
             planes = [planes_of(n) for n in names]
             if None in planes or len({len(p) for p in planes}) != 1:
                 return None  # float, or a mixed group: each part on its own

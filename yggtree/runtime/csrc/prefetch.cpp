@@ -1,27 +1,39 @@
-// yggtree::prefetch_distance (csrc/prefetch.h) and the op that sets it.
+// yggtree::prefetch_distances (csrc/prefetch.h) and the op that sets them.
 #include "prefetch.h"
 
 #include <torch/library.h>
 
 #include <atomic>
+#include <vector>
 
 namespace yggtree {
 namespace {
-constexpr int64_t DEFAULT_DISTANCE = 1024;  // before any is set (measured on the first CPU, docs/results.md)
+constexpr int64_t DEFAULT_NEAR = 1024, DEFAULT_FAR = 0;  // before any is set (the first CPU's, docs/results.md)
 constexpr int64_t MAX_DISTANCE = 1 << 20;
-std::atomic<int64_t> distance{DEFAULT_DISTANCE};
+std::atomic<int64_t> near_bytes{DEFAULT_NEAR}, far_bytes{DEFAULT_FAR};
 
-// prefetch(bytes): the kernels fetch `bytes` ahead from now on (0: no software prefetch); bytes < 0 changes
-// nothing. Returns the distance before the call. A setting of the process, as torch's thread count is
-int64_t prefetch(int64_t bytes) {
-  if (bytes < 0) return distance.load(std::memory_order_relaxed);
-  TORCH_CHECK(bytes <= MAX_DISTANCE && bytes % 64 == 0, "prefetch: the distance must be a multiple of 64 bytes up to ",
-              MAX_DISTANCE, ", got ", bytes);
-  return distance.exchange(bytes, std::memory_order_relaxed);
+void check(int64_t bytes, const char* which) {
+  TORCH_CHECK(bytes >= 0 && bytes <= MAX_DISTANCE && bytes % 64 == 0, "prefetch: the ", which,
+              " distance must be a multiple of 64 bytes up to ", MAX_DISTANCE, ", got ", bytes);
+}
+
+// prefetch(near, far): the kernels fetch `near` bytes ahead into the first-level cache (0: not at all) and
+// `far` bytes ahead into the second (0: not at all) from now on; near < 0 changes nothing (a query). Returns
+// the distances before the call. A setting of the process, as torch's thread count is
+std::vector<int64_t> prefetch(int64_t near, int64_t far) {
+  const std::vector<int64_t> was{near_bytes.load(std::memory_order_relaxed), far_bytes.load(std::memory_order_relaxed)};
+  if (near < 0) return was;
+  check(near, "near");
+  check(far, "far");
+  near_bytes.store(near, std::memory_order_relaxed);
+  far_bytes.store(far, std::memory_order_relaxed);
+  return was;
 }
 }  // namespace
 
-int64_t prefetch_distance() { return distance.load(std::memory_order_relaxed); }
+Prefetch prefetch_distances() {
+  return {near_bytes.load(std::memory_order_relaxed), far_bytes.load(std::memory_order_relaxed)};
+}
 }  // namespace yggtree
 
-TORCH_LIBRARY_FRAGMENT(yggtree, lib) { lib.def("prefetch(int bytes) -> int", &yggtree::prefetch); }
+TORCH_LIBRARY_FRAGMENT(yggtree, lib) { lib.def("prefetch(int near, int far) -> int[]", &yggtree::prefetch); }

@@ -1,11 +1,17 @@
-// The kernel library's software prefetch distance (csrc/prefetch.cpp): how many bytes of a product's weight
-// stream its kernels fetch ahead of the bytes they read. Which distance streams fastest depends on the machine
-// (none of 512-16384 beat another on one AMD EPYC; 16384 ran the int8 model's products 1.22x as fast as 1024
-// on an Intel Xeon: docs/results.md), so the runtime measures it per machine
-// (yggtree.offline.profile.time_padding) and sets it while an engine decodes (runtime/kernels.py prefetch).
+// The kernel library's software prefetch distances (csrc/prefetch.cpp): how many bytes of a product's weight
+// stream its kernels fetch ahead of the bytes they read, into the first-level cache (near) and into the second
+// (far; 0: none). One core keeps only so many first-level misses in flight, so fetching only into the first
+// level caps its stream (~12 GB/s a core on an Intel Xeon whatever the kernel's arithmetic); fetching far ahead
+// into the second level as well let the int8 model's products stream 1.2x as fast there (docs/results.md).
+// Which distances stream fastest depends on the machine (none of 512-16384 beat another on one AMD EPYC), so
+// the runtime measures them per machine (yggtree.offline.profile.time_padding) and sets them while an engine
+// decodes (runtime/kernels.py prefetch).
 #pragma once
 #include <cstdint>
 
 namespace yggtree {
-int64_t prefetch_distance();  // bytes; read once per product
+struct Prefetch {
+  int64_t near, far;  // bytes ahead; far 0: no second-level prefetch
+};
+Prefetch prefetch_distances();  // read once per product
 }  // namespace yggtree

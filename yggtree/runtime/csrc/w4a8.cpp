@@ -70,7 +70,7 @@ constexpr int STRIDE = CODES<BITS> + 64;  // bytes of a block in a tile: codes, 
 // are exact, so the result is the same)
 template <int R, int BITS>
 inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, int64_t K,
-                 int64_t B, float* out, int64_t ldo, int64_t ahead_bytes) {
+                 int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   constexpr bool SPLIT = R <= 2;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -80,12 +80,12 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512(), isum2[r] = _mm512_setzero_si512();
     const uint8_t* cb = blocks + b * STRIDE<BITS>;
     if constexpr (BITS == 4) {
-      // the weights are one stream (tiles are contiguous): fetch the library's distance ahead
-      // (csrc/prefetch.h), which runs on into the next tile (a prefetch past the end is harmless).
-      // 4-bit codes only: 8-bit codes streamed faster without it (measured on one CPU only, docs/results.md)
-      if (ahead_bytes)
-        for (int i = 0; i < STRIDE<BITS>; i += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(cb + ahead_bytes + i), _MM_HINT_T0);
+      // the weights are one stream (tiles are contiguous): fetch the library's distances ahead
+      // (csrc/prefetch.h), which run on into the next tile (a prefetch past the end is harmless)
+      for (int i = 0; i < STRIDE<BITS>; i += 64) {
+        if (ahead.near) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.near + i), _MM_HINT_T0);
+        if (ahead.far) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
+      }
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(cb + g * 64);
         const __m512i lo = _mm512_and_si512(v, low);
@@ -100,6 +100,11 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
         }
       }
     } else {
+      // 8-bit codes: into the second level only (a first-level prefetch ran them slower on an AMD EPYC; the
+      // second-level one 1.12x as fast on an Intel Xeon: docs/results.md)
+      if (ahead.far)
+        for (int i = 0; i < STRIDE<BITS>; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
       for (int g = 0; g < 8; ++g) {
         const __m512i v = _mm512_loadu_si512(cb + g * 64);
         for (int r = 0; r < R; ++r) {
@@ -126,7 +131,8 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
 template <int BITS>
 void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap, int64_t M, int64_t K,
          int64_t T, int64_t B, float* op) {
-  const int64_t N = 16 * T, pf = yggtree::prefetch_distance();
+  const int64_t N = 16 * T;
+  const yggtree::Prefetch pf = yggtree::prefetch_distances();
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = bp + t * B * STRIDE<BITS>;
