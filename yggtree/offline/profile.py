@@ -49,6 +49,7 @@ from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
+from ..shapes import measured_prefetch
 from .timing import LoadMeter, load_warning, time_rounds
 
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -512,7 +513,7 @@ def _ready_engine(plan, engine, mode: str, padding: dict, n_slots: int, widths: 
         if engine is None:
             engine, _ = build_engine(EngineSpec.from_plan(plan, mode, min_rows=padding["min_rows"],
                                                           kernel=padding.get("kernel", "torch"),
-                                                          prefetch=padding.get("prefetch")))
+                                                          prefetch=measured_prefetch(padding.get("prefetch"))))
             built = engine.compile_s
         if engine.n_slots != n_slots:
             raise YggError(f"engine has {engine.n_slots} slots, the plan's runtime {n_slots}")

@@ -44,7 +44,7 @@ for name, make, call in (
     models = [make() for _ in range(copies)]
     systems[name] = ([m for m, _ in models], models[0][1], call)
 sums = [huge_empty(systems["int8"][1] // 4 * 4).view(torch.float32).fill_(1) for _ in range(copies)]
-DIST = ((1024, 0), (16384, 0), (1024, 8192), (1024, 16384), (2048, 16384))
+DIST = ((16384, 0), (2048, 8192))
 res = {}
 for rnd in range(rounds):
     for name, (models, nb, call) in systems.items():
