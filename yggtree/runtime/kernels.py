@@ -62,6 +62,8 @@ SHIMS = {
                    "AtenTensorHandle s, AtenTensorHandle m, AtenTensorHandle* ret0)",
 }
 TILE = 16  # output columns per tile of the w4a8 and tiled kernels
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
