@@ -103,7 +103,7 @@ from .shapes import (
     DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK,
     DEFAULT_TOP_K, DEFAULT_VERIFY_WIDTH, MAX_TEMPERATURE, MIN_TEMPERATURE, TreeParams, check_sizes,
     kv_cache_dtype,
-    prefetch_setting,
+    measured_prefetch,
     weight_format,
 )
 
@@ -354,8 +354,7 @@ def plan_kernel(plan: Plan) -> str:
 def plan_prefetch(plan: Plan) -> tuple[int, int] | None:
     """How far ahead the kernel library's products of ``plan``'s engine prefetch their weights,
     ``(near, far)`` bytes (:func:`plan_padding`; None: the library's default)."""
-    v = _measured(plan).get("prefetch")
-    return None if v is None else prefetch_setting(v)
+    return measured_prefetch(_measured(plan).get("prefetch"))
 
 
 def profile_prefetch(path: str | Path) -> tuple[int, int] | None:
@@ -366,13 +365,8 @@ def profile_prefetch(path: str | Path) -> tuple[int, int] | None:
     YggError if the value is invalid."""
     d = read_json(path, "profile")
     pad = d.get(PADDING_KEY) if isinstance(d, dict) else None
-    v = pad.get("prefetch") if isinstance(pad, dict) else None
-    if v is None:
-        return None
-    try:
-        return prefetch_setting(v)
-    except ValueError as e:
-        raise YggError(f"profile {path}: '{PADDING_KEY}.prefetch': {e} (measure it again: yggtree profile --force)") from None
+    return measured_prefetch(pad.get("prefetch") if isinstance(pad, dict) else None,
+                             f"profile {path}: '{PADDING_KEY}.prefetch'", "measure it again: yggtree profile --force")
 
 
 def plan_padding(plan: Plan) -> dict | None:

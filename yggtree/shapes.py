@@ -57,9 +57,16 @@ def prefetch_setting(value) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def measured_prefetch(value) -> tuple[int, int] | None:
-    """:func:`prefetch_setting` of a measurement's ``prefetch`` entry, None where there is none."""
-    return None if value is None else prefetch_setting(value)
+def measured_prefetch(value, where: str = "a measurement's prefetch", fix: str = "measure it again") \
+        -> tuple[int, int] | None:
+    """:func:`prefetch_setting` of a record's prefetch entry (a profile's, a manifest's, a cached
+    choice's), None where there is none; YggError "``where``: what is wrong (``fix``)" if invalid."""
+    if value is None:
+        return None
+    try:
+        return prefetch_setting(value)
+    except ValueError as e:
+        raise YggError(f"{where}: {e} ({fix})") from None
 
 
 def prefetch_name(setting) -> str:

@@ -10,7 +10,7 @@ from ..errors import YggError
 from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
                     plan_prefetch, profile_invariance, read_manifest)
 from ..shapes import (DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, kv_cache_dtype,
-                      prefetch_setting, weight_format)
+                      measured_prefetch, weight_format)
 from .drafters import LMDrafter, check_pair
 from .engine import Engine, EngineConfig
 from .graphs import check_backend
@@ -398,13 +398,8 @@ def manifest_prefetch(manifest: dict, artifacts) -> tuple[int, int] | None:
     """The prefetch setting a plan's packages were compiled with (``packed_prefetch``: ``[near,
     far]``, or one distance in manifests before the second level), None if absent; YggError naming
     the directory if it is not one."""
-    v = manifest.get("packed_prefetch")
-    if v is None:
-        return None
-    try:
-        return prefetch_setting(v)
-    except ValueError as e:
-        raise YggError(f"{artifacts}: the manifest's packed_prefetch: {e} (compile the plan again)") from None
+    return measured_prefetch(manifest.get("packed_prefetch"), f"{artifacts}: the manifest's packed_prefetch",
+                             "compile the plan again")
 
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
