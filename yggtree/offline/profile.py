@@ -49,7 +49,7 @@ from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
 from ..runtime.device import cpu_model, detect_device
-from ..shapes import measured_prefetch
+from ..shapes import measured_prefetch, prefetch_name, prefetch_setting
 from .timing import LoadMeter, load_warning, time_rounds
 
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -167,7 +167,7 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
     and the medians by setting (``prefetch_ms``). YggError if nothing is invariant."""
     import torch
 
-    from ..runtime.kernels import PREFETCH_CHOICES, prefetch, prefetch_name
+    from ..runtime.kernels import PREFETCH_CHOICES, prefetch
     from ..runtime.packed import invariant_min_rows, packed_layers, padding_is_invariant
 
     layers = kernel_layers(model)
@@ -218,8 +218,6 @@ def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int 
 def fastest_prefetch(medians: dict[tuple[int, int], float]) -> dict:
     """``{"prefetch": [near, far] of the least median (ties: the nearer far, then near),
     "prefetch_ms": the medians by setting ("near/far")}`` from medians (ms) by prefetch setting."""
-    from ..runtime.kernels import prefetch_name
-
     near, far = min(medians, key=lambda d: (medians[d], d[1], d[0]))
     return {"prefetch": [near, far], "prefetch_ms": {prefetch_name(d): round(ms, 4) for d, ms in medians.items()}}
 
@@ -287,8 +285,6 @@ def model_padding(src, dtype: str, weights: str | None, widths: tuple[int, ...],
 
 def prefetch_words(setting) -> str:
     """A prefetch setting in words: "1024 bytes ahead (and 16384 into the second-level cache)"."""
-    from ..runtime.kernels import prefetch_setting
-
     near, far = prefetch_setting(setting)
     return f"{near} bytes ahead" + (f" (and {far} into the second-level cache)" if far else "")
 
