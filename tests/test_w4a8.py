@@ -265,9 +265,13 @@ def test_a_cpu_without_avx512_cannot_load_the_library(monkeypatch):
     from yggtree.runtime import kernels
 
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"fma", "f16c"})
-    assert kernels.library_missing() == ["avx512f", "avx512bw", "avx512vl"]
-    with pytest.raises(YggError, match=r"^this CPU lacks avx512f, avx512bw, avx512vl, which yggtree's CPU kernels need$"):
+    assert kernels.library_missing() == ["avx512f", "avx512bw", "avx512vl", "avx512_vnni"]
+    with pytest.raises(YggError, match=r"^this CPU lacks avx512f, avx512bw, avx512vl, avx512_vnni, which yggtree's CPU "
+                                       r"kernels need$"):
         kernels.load_library.__wrapped__()
+    # AVX-512 without VNNI (an Intel Skylake): the library's quantized products sum integers with it
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
+    assert kernels.library_missing() == ["avx512_vnni"]
 
 
 def test_width_not_a_multiple_of_32_is_refused():

@@ -17,8 +17,8 @@
 
 ``torch.utils.cpp_extension`` builds them into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use
 (a directory per source hash, flags and torch version) and registers the ops; AOTInductor
-packages call their C shims directly (:func:`aoti_shims`). An x86 CPU with AVX-512 (F, BW, VL),
-FMA and F16C, a C++ compiler and ninja are needed; without them :func:`load_library` raises
+packages call their C shims directly (:func:`aoti_shims`). An x86 CPU with AVX-512 (F, BW, VL,
+VNNI), FMA and F16C, a C++ compiler and ninja are needed; without them :func:`load_library` raises
 YggError in one line, and the callers refuse what needs it.
 """
 
@@ -48,9 +48,9 @@ HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefe
 # thread count governs it
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-# what every kernel of the library assumes of the CPU (/proc/cpuinfo names); the w4a8 kernel
-# also needs avx512_vnni (runtime/w4a8.py checks it)
-LIBRARY_FLAGS = ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")
+# what every kernel of the library assumes of the CPU (/proc/cpuinfo names): the quantized products
+# (w4a8, the tiled kernel's int8 and 4-bit ones) sum integers with AVX512-VNNI
+LIBRARY_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 # the ops' C shims as AOTInductor declares them in a package (the csrc files define them)
 SHIMS = {
     "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle blocks, AtenTensorHandle* ret0)",

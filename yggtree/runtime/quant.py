@@ -8,9 +8,11 @@ decoder-block linears and the LM head of the target and of the drafter's model. 
 4-bit layers run on one of two product kernels, the one the plan's profile measured faster on
 the machine (runtime/packed.py ``KERNELS``; ``yggtree profile`` times both on the model's own
 products): our tiled kernel (``yggtree::tiled_mm`` / ``yggtree::tiled_q4_mm``, runtime/kernels.py:
-float32 activations and scales, w = q s per channel for int8 and w = s q + m per group for 4-bit,
-each row summed in a fixed order, the result rounded to the run's dtype once), or torch's, described
-next. On torch's kernel each product runs through one of torch's CPU kernels (signatures checked
+float32 scales, w = q s per channel for int8 and w = s q + m per group for 4-bit, on the
+activations rounded per row to 16-bit integers -- an error of at most 1 / 65534 of the row's
+largest activation, against bfloat16's 1 / 512 of each -- summed exactly in int32 with AVX512-VNNI,
+then scaled in float32 in a fixed order, the result rounded to the run's dtype once:
+csrc/tiled_mm.cpp states it), or torch's, described next. On torch's kernel each product runs through one of torch's CPU kernels (signatures checked
 with torch 2.13) *on bfloat16 activations with bfloat16 scales, whatever the run's dtype*: a quantized layer casts its input to bfloat16,
 runs the kernel (which accumulates in float32 and rounds its output to bfloat16) and casts the
 result back to the run's dtype (the bias, if any, is added in the run's dtype). This is the
@@ -64,11 +66,13 @@ from ..errors import YggError
 from .gguf_blocks import read_blocks
 from .model import FUSED_PROJECTIONS
 
-__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "Int8Linear",
+__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "int8_pairs", "q4_tiles",
+           "Int8Linear",
            "Int4Linear", "QuantLinear", "quant_layers", "quantize_linears", "check_kernel", "check_batch_invariant"]
 
 GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
 N_ALIGN = 16  # the int4 kernel's output width must be a multiple of this
+INT8_K_ALIGN = 16  # torch's int8 kernel's input width must be a multiple of this (Int8Linear)
 KERNEL_DTYPE = torch.bfloat16  # the kernels' activations, scales and outputs (module docstring)
 
 
@@ -150,6 +154,30 @@ def dequantize(planes: list[Int4Codes]) -> torch.Tensor:
 # ----------------------------------------------------------------------------- layers
 
 
+def int8_pairs(q: torch.Tensor) -> torch.Tensor:
+    """The tiled kernel's int8 layout (csrc/tiled_mm.cpp) of codes ``q`` [N, K]: [T, K2 / 2, 32]
+    int8, pair j of tile t holding q[16t + l][2j], q[16t + l][2j + 1] at bytes 2l, 2l + 1 (N padded
+    with zero columns to 16 T, K with a zero input to K2, even)."""
+    n, k = q.shape
+    q = F.pad(q, (0, k % 2, 0, -n % N_ALIGN))
+    return q.view(-1, N_ALIGN, q.shape[1] // 2, 2).permute(0, 2, 1, 3).reshape(q.shape[0] // N_ALIGN, -1, 32).contiguous()
+
+
+def q4_tiles(q: torch.Tensor) -> torch.Tensor:
+    """The tiled kernel's 4-bit layout (csrc/tiled_mm.cpp) of codes ``q`` [N, K] in 0..15 (N a
+    multiple of 16, K of 8): [T, K / 8, 64] uint8. For each 8 inputs c the vectors Z_j (j = 0..3,
+    32 words: word 2l + e the code of column 16t + l, input 8c + 2j + e) are stored so the kernel's
+    unpacking gives them back: byte 16L + i (L, i < 16) holds in its low nibble word 8L + i % 8 of
+    Z_(i >= 8), in its high nibble the same word of Z_(2 + (i >= 8))."""
+    n, k = q.shape
+    t, c = n // N_ALIGN, k // 8
+    z = q.view(t, N_ALIGN, c, 4, 2).permute(0, 2, 3, 1, 4).reshape(t, c, 4, 32)
+    i = torch.arange(64)
+    j, word = (i % 16 >= 8).long(), 8 * (i // 16) + i % 8
+    return (z[:, :, j, word] | (z[:, :, j + 2, word] << 4)).contiguous()
+
+
+
 def _int4_mm_cpu(
     x: torch.Tensor,  # [M, K] bfloat16 (KERNEL_DTYPE), contiguous
     packed: torch.Tensor,  # [Np, K / 2] uint8, the int4 kernel's layout (Np: N rounded up to 16)
@@ -198,15 +226,15 @@ class Int8Linear(QuantLinear):
     faster on the machine, as for float products):
 
     - ``torch``: ``aten._weight_int8pack_mm`` on bfloat16 activations and bfloat16 scales;
-    - ``tiled``: ``yggtree::tiled_mm`` (runtime/kernels.py) on float32 activations, the weight in
-      tiles of 16 output columns, summed in float32 in a fixed order per row and scaled by the
-      float32 scale at the end (a row's result is independent of the call's other rows); or, for
-      codes given with a scale per group of input columns (a GGUF Q8_0 weight's blocks:
+    - ``tiled``: ``yggtree::tiled_mm`` (runtime/kernels.py) on the row's 16-bit activations, the
+      weight in tiles of 16 output columns (:func:`int8_pairs`), summed exactly in int32 and scaled
+      by the float32 scale at the end (a row's result is independent of the call's other rows);
+      or, for codes given with a scale per group of input columns (a GGUF Q8_0 weight's blocks:
       :func:`gguf_int8`), each group's sum scaled and accumulated in order.
 
     The two are different arithmetic, so an engine and its compiled packages use one."""
 
-    qweight: torch.Tensor  # torch: [N, K] int8; tiled: [T, K, 16] int8 (N padded to 16 T)
+    qweight: torch.Tensor  # torch: [N, K] int8; tiled: [T, K2 / 2, 32] int8 (int8_pairs: N padded to 16 T, K to even K2)
     # torch: [N] bfloat16 (KERNEL_DTYPE); tiled: [T, 16] float32, or [T, K / G, 16] per group of G inputs
     scales: torch.Tensor
     bias: torch.Tensor | None  # [N] in the run's dtype
@@ -228,9 +256,13 @@ class Int8Linear(QuantLinear):
             load_library()
             # padded columns: q 0, scale 0; a scale per column is one group: [T, 1, 16] -> [T, 16]
             tiles = pack_weight(s.float() if s.dim() == 2 else s.float()[:, None], "tiled")
-            q, s = pack_weight(q, "tiled"), tiles if s.dim() == 2 else tiles.reshape(-1, 16)
+            q, s = int8_pairs(q), tiles if s.dim() == 2 else tiles.reshape(-1, 16)
         elif kernel != "torch":
             raise ValueError(f"kernel must be torch or tiled, got {kernel!r}")
+        elif q.shape[1] % INT8_K_ALIGN:
+            # (torch 2.13's kernel reads past the row otherwise: wrong sums, or a crash)
+            raise YggError(f"weights int8: an input width of {q.shape[1]} is not a multiple of {INT8_K_ALIGN}, which "
+                           "torch's int8 kernel needs; the tiled kernel takes it (YGGTREE_KERNEL=tiled)")
         else:
             s = s.to(KERNEL_DTYPE)
         self.register_buffer("qweight", q, persistent=False)
@@ -259,14 +291,15 @@ class Int4Linear(QuantLinear):
     - ``torch``: ``_weight_int4pack_mm_for_cpu`` on bfloat16 activations and bfloat16 scales and
       zeros, each plane's product cast to the run's dtype and summed in it; the output width is
       padded to a multiple of 16 with zero rows inside the kernel and cut after it;
-    - ``tiled``: ``yggtree::tiled_q4_mm`` (runtime/kernels.py) on float32 activations with the
-      float32 scales, w = s q + m per group (m = zero - 8 s), each row summed in a fixed order,
-      the planes summed in float32 and cast once.
+    - ``tiled``: ``yggtree::tiled_q4_mm`` (runtime/kernels.py) on the row's 16-bit activations
+      with the float32 scales, w = s q + m per group (m = zero - 8 s; :func:`q4_tiles`), each
+      row's integer sums exact and its float steps in a fixed order, the planes summed in float32
+      and cast once.
 
     The two are different arithmetic, so an engine and its compiled packages use one."""
 
     # torch: [P, Np, K / 2] uint8, the kernel's layout; Np = N rounded up to 16;
-    # tiled: [P, T, K / 2, 16] uint8, two codes a byte (csrc/tiled_mm.cpp), N padded to 16 T
+    # tiled: [P, T, K / 8, 64] uint8, two codes a byte (q4_tiles), N padded to 16 T
     packed: torch.Tensor
     # torch: [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE); tiled: [P, 2, T, K / group, 16] float32 (s, m)
     scale_zeros: torch.Tensor
@@ -285,9 +318,7 @@ class Int4Linear(QuantLinear):
 
             load_library()
             for c in planes:
-                q = F.pad(c.q, (0, 0, 0, pad))  # zero columns: q 0, s 0, m 0
-                pairs = q.view(-1, N_ALIGN, k // 2, 2)
-                packed.append((pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous())
+                packed.append(q4_tiles(F.pad(c.q, (0, 0, 0, pad))))  # zero columns: q 0, s 0, m 0
                 sm = [F.pad(v, (0, 0, 0, pad)).view(-1, N_ALIGN, k // self.group).permute(0, 2, 1)
                       for v in (c.scale, c.zero - 8 * c.scale)]
                 sz.append(torch.stack(sm).float().contiguous())
