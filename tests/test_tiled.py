@@ -420,6 +420,31 @@ def test_4bit_layers_on_the_tiled_kernel(dtype, group):
         Int4Linear([c], None, torch.float32, "blas")
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_a_ggufs_4bit_blocks_keep_their_float16_scales_on_the_tiled_kernel(kind):
+    """A GGUF's Q4_0 / Q4_1 blocks on the tiled kernel hold their scales and offsets in float16, the
+    file's own (exact: the same bits as float32 ones widened, a sixth less to stream); 4-bit codes
+    whose scales float16 cannot hold (int4's, float32) stay float32; mixed dtypes are refused."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize as gguf_dequantize, quantize
+
+    from yggtree.runtime.quant import Int4Linear, dequantize, gguf_codes, quantize_int4
+
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((40, 96)) * rng.uniform(0.01, 3, (40, 1))).astype(np.float32)
+    raw = quantize(w, getattr(T, kind))
+    planes = gguf_codes(kind, torch.from_numpy(raw))
+    assert torch.equal(dequantize(planes), torch.from_numpy(gguf_dequantize(raw, getattr(T, kind)).reshape(40, 96)))
+    lin = Int4Linear(planes, None, torch.float32, "tiled")
+    assert lin.scale_zeros.dtype == torch.float16 and lin.scale_zeros.shape == (1, 2, 3, 3, 16)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    wide = torch.ops.yggtree.tiled_q4_mm(x, lin.packed[0], *lin.scale_zeros[0].float())
+    assert torch.equal(lin(x), wide[:, :40])
+    assert Int4Linear([quantize_int4(torch.from_numpy(w), 32)], None, torch.float32, "tiled").scale_zeros.dtype == torch.float32
+    with pytest.raises(RuntimeError, match=r"tiled_q4_mm: s and m must be \[T, K / G, 16\] float32 or float16, both alike"):
+        torch.ops.yggtree.tiled_q4_mm(x, lin.packed[0], lin.scale_zeros[0, 0], lin.scale_zeros[0, 1].float())
+
+
 def test_profile_times_4bit_kernels():
     from yggtree.offline.profile import kernel_layers, time_padding
     from yggtree.runtime.quant import Int4Linear, quantize_linears

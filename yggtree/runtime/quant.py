@@ -8,11 +8,12 @@ decoder-block linears and the LM head of the target and of the drafter's model. 
 4-bit layers run on one of two product kernels, the one the plan's profile measured faster on
 the machine (runtime/packed.py ``KERNELS``; ``yggtree profile`` times both on the model's own
 products): our tiled kernel (``yggtree::tiled_mm`` / ``yggtree::tiled_q4_mm``, runtime/kernels.py:
-float32 scales, w = q s per channel for int8 and w = s q + m per group for 4-bit, on the
-activations rounded per row to 16-bit integers -- an error of at most 1 / 65534 of the row's
-largest activation, against bfloat16's 1 / 512 of each -- summed exactly in int32 with AVX512-VNNI,
-then scaled in float32 in a fixed order, the result rounded to the run's dtype once:
-csrc/tiled_mm.cpp states it), or torch's, described next. On torch's kernel each product runs through one of torch's CPU kernels (signatures checked
+w = q s per channel for int8 and w = s q + m per group for 4-bit, float32 scales (4-bit ones
+float16 where every one is exact in it, as a GGUF's are), on the activations rounded per row to
+16-bit integers -- an error of at most 1 / 65534 of the row's largest activation, against
+bfloat16's 1 / 512 of each -- summed exactly in int32 with AVX512-VNNI, then scaled in float32 in
+a fixed order, the result rounded to the run's dtype once: csrc/tiled_mm.cpp states it), or
+torch's, described next. On torch's kernel each product runs through one of torch's CPU kernels (signatures checked
 with torch 2.13) *on bfloat16 activations with bfloat16 scales, whatever the run's dtype*: a quantized layer casts its input to bfloat16,
 runs the kernel (which accumulates in float32 and rounds its output to bfloat16) and casts the
 result back to the run's dtype (the bias, if any, is added in the run's dtype). This is the
@@ -292,7 +293,8 @@ class Int4Linear(QuantLinear):
       zeros, each plane's product cast to the run's dtype and summed in it; the output width is
       padded to a multiple of 16 with zero rows inside the kernel and cut after it;
     - ``tiled``: ``yggtree::tiled_q4_mm`` (runtime/kernels.py) on the row's 16-bit activations
-      with the float32 scales, w = s q + m per group (m = zero - 8 s; :func:`q4_tiles`), each
+      with the scales, w = s q + m per group (m = zero - 8 s; :func:`q4_tiles`; s and m held in
+      float16 where every one is exact in it, as a GGUF's Q4_0 / Q4_1 blocks', else float32), each
       row's integer sums exact and its float steps in a fixed order, the planes summed in float32
       and cast once.
 
@@ -301,7 +303,8 @@ class Int4Linear(QuantLinear):
     # torch: [P, Np, K / 2] uint8, the kernel's layout; Np = N rounded up to 16;
     # tiled: [P, T, K / 8, 64] uint8, two codes a byte (q4_tiles), N padded to 16 T
     packed: torch.Tensor
-    # torch: [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE); tiled: [P, 2, T, K / group, 16] float32 (s, m)
+    # torch: [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE); tiled: [P, 2, T, K / group, 16] float32 (s, m),
+    # float16 where every value is exact in it
     scale_zeros: torch.Tensor
     bias: torch.Tensor | None  # [N] in the run's dtype
 
@@ -319,9 +322,12 @@ class Int4Linear(QuantLinear):
             load_library()
             for c in planes:
                 packed.append(q4_tiles(F.pad(c.q, (0, 0, 0, pad))))  # zero columns: q 0, s 0, m 0
-                sm = [F.pad(v, (0, 0, 0, pad)).view(-1, N_ALIGN, k // self.group).permute(0, 2, 1)
-                      for v in (c.scale, c.zero - 8 * c.scale)]
-                sz.append(torch.stack(sm).float().contiguous())
+                sm = torch.stack([F.pad(v, (0, 0, 0, pad)).view(-1, N_ALIGN, k // self.group).permute(0, 2, 1)
+                                  for v in (c.scale, c.zero - 8 * c.scale)]).float()
+                sz.append(sm)
+            # float16 where every scale and offset is exact in it (a GGUF's own blocks): a sixth less to stream
+            half = all(torch.equal(v.half().float(), v) for v in sz)
+            sz = [(v.half() if half else v).contiguous() for v in sz]
         elif kernel == "torch":
             for c in planes:
                 q = F.pad(c.q.to(torch.int32), (0, 0, 0, pad), value=8)  # zero rows: (8 - 8) * 1 + 0

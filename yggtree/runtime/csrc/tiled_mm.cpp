@@ -22,7 +22,8 @@
 //   y[r, n] = da[r] * (a[0] * s[0]) for one group, else da[r] * (sum over g in order of fma(s[g], a[g], .))
 //
 // yggtree::tiled_q4_mm: 4-bit codes q in 0..15 per group of G input columns (G a multiple of 16) with a
-// float32 scale s and offset m per group and output column, w = s q + m. Codes [T, K / 8, 64] uint8: for
+// scale s and offset m per group and output column, w = s q + m, float32 or float16 (a GGUF's Q4_0 / Q4_1
+// blocks hold theirs in float16: two bytes each instead of four, a sixth of the stream), widened exactly. Codes [T, K / 8, 64] uint8: for
 // each 8 inputs 64 bytes whose nibbles unpack (low nibbles, then high; each to 16-bit words, bytes 0-7
 // then 8-15 of every 16) into four vectors Z_j, j = 0..3, word 2l + e of Z_j the code of column 16t+l,
 // input 8c + 2j + e (runtime/quant.py packs it). Per row r:
@@ -242,19 +243,28 @@ at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-// R rows of one tile of 4-bit codes, all groups, J independent integer sums a row (J divides 4)
-template <int R, int J>
-inline void q4_tile(const uint8_t* codes, const float* s, const float* m, const int16_t* qa, const float* da,
+inline __m512 scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 scales(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// R rows of one tile of 4-bit codes, all groups, J independent integer sums a row (J divides 4); scales and
+// offsets S (float32 or float16)
+template <int R, int J, typename S>
+inline void q4_tile(const uint8_t* codes, const S* s, const S* m, const int16_t* qa, const float* da,
                     const float* xs, int64_t K, int64_t G, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   const int64_t B = K / G;
   const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  // the scales and offsets stream at a quarter of the codes' pace (G 32) or less
-  const yggtree::Prefetch quarter{ahead.near / 4 / 64 * 64, ahead.far / 4 / 64 * 64};
+  // the scales and offsets stream at a quarter (float32) or an eighth (float16) of the codes' pace (G 32) or less
+  constexpr int64_t PACE = 16 / sizeof(S);
+  const yggtree::Prefetch paced{ahead.near / PACE / 64 * 64, ahead.far / PACE / 64 * 64};
   __m512 ys[R], ym[R];
   for (int r = 0; r < R; ++r) ys[r] = _mm512_setzero_ps(), ym[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < B; ++g) {
-    fetch_ahead<64>(reinterpret_cast<const char*>(s + g * 16), quarter);
-    fetch_ahead<64>(reinterpret_cast<const char*>(m + g * 16), quarter);
+    if (sizeof(S) == 4 || g % 2 == 0) {  // a 64-byte line holds one group's 16 float32 values, two groups' float16
+      fetch_ahead<64>(reinterpret_cast<const char*>(s + g * 16), paced);
+      fetch_ahead<64>(reinterpret_cast<const char*>(m + g * 16), paced);
+    }
     __m512i is[R][J];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < J; ++j) is[r][j] = _mm512_setzero_si512();
@@ -268,7 +278,7 @@ inline void q4_tile(const uint8_t* codes, const float* s, const float* m, const 
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) is[r][j % J] = _mm512_dpwssd_epi32(is[r][j % J], z[j], pair(qa + r * K + k + 2 * j));
     }
-    const __m512 sg = _mm512_loadu_ps(s + g * 16), mg = _mm512_loadu_ps(m + g * 16);
+    const __m512 sg = scales(s + g * 16), mg = scales(m + g * 16);
     for (int r = 0; r < R; ++r) {
       __m512i t = is[r][0];
       for (int j = 1; j < J; ++j) t = _mm512_add_epi32(t, is[r][j]);
@@ -279,39 +289,15 @@ inline void q4_tile(const uint8_t* codes, const float* s, const float* m, const 
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_fmadd_ps(ys[r], _mm512_set1_ps(da[r]), ym[r]));
 }
 
-// x [M, K] float32; codes [T, K / 8, 64] uint8; s, m [T, K / G, 16] float32 -> [M, 16 T] float32
-at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& s, const at::Tensor& m) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_q4_mm: x must be [M, K] float32");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "tiled_q4_mm: codes must be a contiguous [T, K / 8, 64] uint8");
-  const int64_t T = codes.size(0), K = 8 * codes.size(1);
-  TORCH_CHECK(s.dim() == 3 && s.size(0) == T && s.size(2) == 16 && s.scalar_type() == at::kFloat && s.is_contiguous() &&
-              m.sizes() == s.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
-              "tiled_q4_mm: s and m must be [T, K / G, 16] float32");
-  const int64_t B = s.size(1);
-  TORCH_CHECK(B > 0 && K % B == 0 && (K / B) % 16 == 0, "tiled_q4_mm: the group size must divide K and be a multiple of 16");
-  const int64_t G = K / B;
-  const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.size(1) == K, "tiled_q4_mm: x has ", x.size(1), " columns, the weight ", K);
-  const int64_t M = x.size(0), N = 16 * T;
-  auto out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const Rows16 rows = scratch(M, K, B);
-  quantize16(xp, M, K, K, rows.qa, rows.da);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < B; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + r * K + k));
-      rows.xs[r * B + g] = _mm512_reduce_add_ps(acc);
-    }
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <typename S>
+void run_q4(const uint8_t* cp, const S* sp, const S* mp, const Rows16& rows, int64_t M, int64_t K, int64_t G,
+            int64_t T, float* op) {
+  const int64_t B = K / G, N = 16 * T;
   const yggtree::Prefetch pf = yggtree::prefetch_distances();
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = cp + t * (K / 2) * 16;
-      const float *st = sp + t * B * 16, *mt = mp + t * B * 16;
+      const S *st = sp + t * B * 16, *mt = mp + t * B * 16;
       const int16_t* qa = rows.qa;
       const float *da = rows.da, *xs = rows.xs;
       int64_t r = 0;  // rows in groups of 4, 2, 1
@@ -322,6 +308,40 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at
       for (; r < M; ++r) q4_tile<1, 4>(c, st, mt, qa + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
     }
   });
+}
+
+// x [M, K] float32; codes [T, K / 8, 64] uint8; s, m [T, K / G, 16] float32 or float16 (both alike) -> [M, 16 T]
+// float32
+at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& s, const at::Tensor& m) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_q4_mm: x must be [M, K] float32");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "tiled_q4_mm: codes must be a contiguous [T, K / 8, 64] uint8");
+  const int64_t T = codes.size(0), K = 8 * codes.size(1);
+  TORCH_CHECK(s.dim() == 3 && s.size(0) == T && s.size(2) == 16 && s.is_contiguous() && m.is_contiguous() &&
+              (s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) && m.sizes() == s.sizes() &&
+              m.scalar_type() == s.scalar_type(),
+              "tiled_q4_mm: s and m must be [T, K / G, 16] float32 or float16, both alike");
+  const int64_t B = s.size(1);
+  TORCH_CHECK(B > 0 && K % B == 0 && (K / B) % 16 == 0, "tiled_q4_mm: the group size must divide K and be a multiple of 16");
+  const int64_t G = K / B;
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.size(1) == K, "tiled_q4_mm: x has ", x.size(1), " columns, the weight ", K);
+  const int64_t M = x.size(0);
+  auto out = at::empty({M, 16 * T}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const Rows16 rows = scratch(M, K, B);
+  quantize16(xp, M, K, K, rows.qa, rows.da);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < B; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + r * K + k));
+      rows.xs[r * B + g] = _mm512_reduce_add_ps(acc);
+    }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  if (s.scalar_type() == at::kHalf)
+    run_q4(cp, s.data_ptr<at::Half>(), m.data_ptr<at::Half>(), rows, M, K, G, T, out.data_ptr<float>());
+  else
+    run_q4(cp, s.data_ptr<float>(), m.data_ptr<float>(), rows, M, K, G, T, out.data_ptr<float>());
   return out;
 }
 
