@@ -1,0 +1,384 @@
+// A variant of the library's csrc/tiled_mm.cpp at 885289d whose 4-bit products split each 16-bit activation into
+// its high and low bytes and sum byte products with vpdpbusd (bitwise the same results: checked on 7 shapes x 2
+// scale dtypes x 3 input scales); ops renamed ygg2::, C shims dropped (bytes_q4.py times it against the library's).
+// yggtree::tiled_mm -- float32, bfloat16 or int8 weights in tiles of 16 output columns on AVX-512
+// (runtime/kernels.py builds this file with the kernel library; runtime/packed.py and runtime/quant.py
+// document the formats).
+//
+// Float weights w [T, K, 16] times float32 activations: tile t holds output columns 16t..16t+15, one
+// 16-wide row per input column k, so a tile is one contiguous stream; float32 or bfloat16 (widened
+// exactly to float32), times an optional scale per column [T, 16] applied once at the end. For row r
+// and column n = 16t + l:
+//   y[r, n] = (sum over even k of x[r, k] w[t, k, l]) + (sum over odd k ...)
+// each partial sum accumulated in k order with fused multiply-adds in float32.
+//
+// Quantized weights (int8 here, 4-bit codes in yggtree::tiled_q4_mm) take their activations as 16-bit
+// integers, summed exactly in int32 with AVX512-VNNI (vpdpwssd, two products a lane): per row r,
+//   da[r] = amax_k |x[r, k]| / 32767,  qa[r, k] = nearest-even(x[r, k] * (1 / da[r]))  (float32 steps)
+// an error of at most da / 2 (1 / 65534 of the row's largest activation) where bfloat16 activations
+// (torch's quantized kernels) err by up to 1 / 512 of each. Int8 codes q [T, K2 / 2, 32] (K2 = K rounded
+// up to even, the odd column's weights 0): pair j of tile t holds bytes 2l, 2l + 1 = q[16t+l][2j],
+// q[16t+l][2j+1]. A scale per column, [T, 16], or per group of G = K2 / B input columns and column,
+// [T, B, 16] (a GGUF Q8_0 weight: w = d q per block of 32). For row r, column n, group g:
+//   i[g, c] = sum over chunk c of group g (256 inputs, or the group if smaller) of qa q   (int32, exact)
+//   a[g]    = sum over c in order of float(i[g, c])
+//   y[r, n] = da[r] * (a[0] * s[0]) for one group, else da[r] * (sum over g in order of fma(s[g], a[g], .))
+//
+// yggtree::tiled_q4_mm: 4-bit codes q in 0..15 per group of G input columns (G a multiple of 32) with a
+// scale s and offset m per group and output column, w = s q + m, float32 or float16 (a GGUF's Q4_0 / Q4_1
+// blocks hold theirs in float16: two bytes each instead of four, a sixth of the stream), widened exactly.
+// Codes [T, K / 8, 64] uint8, per 32 inputs b of tile t 256 bytes: byte (h, l, i) (h < 4, lane l < 16, i < 4)
+// = q[16t+l][32b+4h+i] | q[16t+l][32b+16+4h+i] << 4 (runtime/quant.py q4_tiles). The integer sum of a
+// code and a 16-bit activation splits the activation exactly, qa = 256 hi + lo (hi = qa >> 8 in -128..127,
+// lo = qa & 255), into two byte products AVX512-VNNI sums four at a time (vpdpbusd: the codes as unsigned
+// bytes times hi, lo times the codes as signed bytes). Per row r:
+//   xs[g] = sum of x[r, k] over group g (16-lane partial sums, lanes added in a fixed order)
+//   i[g]  = 256 (sum over group g of q hi) + (sum of lo q) = sum over group g of qa q   (int32, exact)
+//   y     = fma(sum over g in order of fma(s[g], float(i[g]), .), da[r], sum over g in order of fma(m[g], xs[g], .))
+//
+// Every step is per row and per output column in a fixed order, so a row's result does not depend on the
+// call's other rows nor on the thread count (tiles are split across threads whole): speculation verifying
+// W rows computes each row bitwise as a plain step does.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include "../../../yggtree/runtime/csrc/loops.h"
+#include "../../../yggtree/runtime/csrc/prefetch.h"
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen(const at::BFloat16* p) {  // bfloat16 -> float32: the 16 bits on top, exact
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+// One prefetch per 64-byte line of the weight stream at `at`: into the first-level cache `ahead.near` bytes
+// ahead, into the second `ahead.far` bytes ahead (0: none; csrc/prefetch.h)
+template <int BYTES>
+inline void fetch_ahead(const char* at, yggtree::Prefetch ahead) {
+  for (int b = 0; b < BYTES; b += 64) {
+    if (ahead.near) _mm_prefetch(at + ahead.near + b, _MM_HINT_T0);
+    if (ahead.far) _mm_prefetch(at + ahead.far + b, _MM_HINT_T1);
+  }
+}
+
+// R rows of one float tile: x rows at stride K, results at stride ldo; scale [16] per column, or null
+template <int R, typename W>
+inline void tile(const W* w, const float* scale, const float* x, int64_t K, float* out, int64_t ldo,
+                 yggtree::Prefetch ahead) {
+  constexpr int BYTES = 32 * sizeof(W);  // weight bytes of one step of two k
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = _mm512_setzero_ps(), odd[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    fetch_ahead<BYTES>(reinterpret_cast<const char*>(w + k * 16), ahead);
+    const __m512 w0 = widen(w + k * 16), w1 = widen(w + (k + 1) * 16);
+    for (int r = 0; r < R; ++r) {
+      even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w0, even[r]);
+      odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + 1]), w1, odd[r]);
+    }
+  }
+  if (k < K) {
+    const __m512 w0 = widen(w + k * 16);
+    for (int r = 0; r < R; ++r) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w0, even[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 y = _mm512_add_ps(even[r], odd[r]);
+    _mm512_storeu_ps(out + r * ldo, scale ? _mm512_mul_ps(y, _mm512_loadu_ps(scale)) : y);
+  }
+}
+
+template <typename W>
+void run(const W* wp, const float* sp, const float* x, int64_t M, int64_t K, int64_t T, float* op) {
+  const int64_t N = 16 * T;
+  const yggtree::Prefetch pf = yggtree::prefetch_distances();
+  yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const W* w = wp + t * K * 16;
+      const float* s = sp ? sp + t * 16 : nullptr;
+      // rows in groups of 8, 4, 2, 1: a group reads each weight once (the tile stays in cache for
+      // the next group)
+      int64_t r = 0;
+      for (; r + 8 <= M; r += 8) tile<8>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
+      for (; r + 4 <= M; r += 4) tile<4>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
+      for (; r + 2 <= M; r += 2) tile<2>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
+      for (; r < M; ++r) tile<1>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
+    }
+  });
+}
+
+// The rows' 16-bit activations (see the header): qa [M, K2] (K2 >= K; columns K.. are 0), da [M]
+void quantize16(const float* x, int64_t M, int64_t K, int64_t K2, int16_t* qa, float* da) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 in = k + 16 <= K ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(in, xr + k)));
+    }
+    const float d = _mm512_reduce_max_ps(mx) / 32767.f;
+    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    for (int64_t k = 0; k < K2; k += 16) {
+      const __mmask16 in = k + 16 <= K ? __mmask16(0xFFFF) : k < K ? __mmask16((1u << (K - k)) - 1) : __mmask16(0);
+      const __mmask16 out = k + 16 <= K2 ? __mmask16(0xFFFF) : __mmask16((1u << (K2 - k)) - 1);
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + k), inv));  // nearest even
+      _mm256_mask_storeu_epi16(qa + r * K2 + k, out, _mm512_cvtsepi32_epi16(q));
+    }
+    da[r] = d;
+  }
+}
+
+inline __m512i pair(const int16_t* a) {  // qa[k], qa[k + 1] in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, a, 4);
+  return _mm512_set1_epi32(v);
+}
+
+constexpr int64_t CHUNK = 256;  // inputs summed in int32 at most: 128 pairs of |qa q| <= 32767 * 128: < 2^31
+
+// R rows of one int8 tile (pairs layout, K2 inputs, groups of G), C independent integer sums a row (the
+// products' latency hidden at one and two rows; their sum is exact whatever C)
+template <int R, int C>
+inline void i8_tile(const int8_t* w, const float* scale, int64_t G, const int16_t* qa, const float* da, int64_t K2,
+                    float* out, int64_t ldo, yggtree::Prefetch ahead) {
+  __m512 y[R];
+  for (int64_t k0 = 0; k0 < K2; k0 += G) {
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t c0 = k0; c0 < k0 + G; c0 += CHUNK) {
+      const int64_t c1 = std::min(k0 + G, c0 + CHUNK);
+      __m512i is[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) is[r][c] = _mm512_setzero_si512();
+      int64_t k = c0;
+      for (; k + 2 * C <= c1; k += 2 * C) {
+        const int8_t* at = w + k * 16;  // (k / 2) pairs of 32 bytes
+        for (int c = 0; c < C; ++c) {
+          if ((k + 2 * c) % 4 == 0) fetch_ahead<64>(reinterpret_cast<const char*>(at + c * 32), ahead);
+          const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 32)));
+          for (int r = 0; r < R; ++r) is[r][c] = _mm512_dpwssd_epi32(is[r][c], v, pair(qa + r * K2 + k + 2 * c));
+        }
+      }
+      for (; k < c1; k += 2) {
+        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16)));
+        for (int r = 0; r < R; ++r) is[r][0] = _mm512_dpwssd_epi32(is[r][0], v, pair(qa + r * K2 + k));
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512i t = is[r][0];
+        for (int c = 1; c < C; ++c) t = _mm512_add_epi32(t, is[r][c]);
+        a[r] = _mm512_add_ps(a[r], _mm512_cvtepi32_ps(t));
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(scale + (k0 / G) * 16);
+    for (int r = 0; r < R; ++r) y[r] = k0 == 0 ? _mm512_mul_ps(a[r], s) : _mm512_fmadd_ps(s, a[r], y[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(y[r], _mm512_set1_ps(da[r])));
+}
+
+// The calling thread's scratch for the rows' activations (no allocation per product; the parallel tiles
+// only read them)
+struct Rows16 {
+  int16_t* qa;  // [M, K2]
+  float* da;    // [M]
+  float* xs;    // [M, B] group sums (tiled_q4_mm)
+  int8_t* hi;   // [M, K2] qa >> 8 (tiled_q4_mm)
+  uint8_t* lo;  // [M, K2] qa & 255 (tiled_q4_mm)
+};
+Rows16 scratch(int64_t M, int64_t K2, int64_t B) {
+  static thread_local std::vector<int16_t> qa;
+  static thread_local std::vector<float> da, xs;
+  static thread_local std::vector<int8_t> hi;
+  static thread_local std::vector<uint8_t> lo;
+  if (static_cast<int64_t>(qa.size()) < M * K2) qa.resize(M * K2);
+  if (static_cast<int64_t>(da.size()) < M) da.resize(M);
+  if (static_cast<int64_t>(xs.size()) < M * B) xs.resize(M * B);
+  if (B && static_cast<int64_t>(hi.size()) < M * K2) hi.resize(M * K2), lo.resize(M * K2);
+  return {qa.data(), da.data(), xs.data(), hi.data(), lo.data()};
+}
+
+void run_i8(const int8_t* wp, const float* sp, int64_t B, const float* x, int64_t M, int64_t K, int64_t K2,
+            int64_t T, float* op) {
+  const int64_t N = 16 * T, G = K2 / B;
+  const Rows16 rows = scratch(M, K2, 0);
+  quantize16(x, M, K, K2, rows.qa, rows.da);
+  const yggtree::Prefetch pf = yggtree::prefetch_distances();
+  yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int8_t* w = wp + t * K2 * 16;
+      const float* s = sp + t * B * 16;
+      const int16_t* qa = rows.qa;
+      int64_t r = 0;  // rows in groups of 8, 4, 2, 1 (as the float tiles)
+      for (; r + 8 <= M; r += 8) i8_tile<8, 1>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+      for (; r + 4 <= M; r += 4) i8_tile<4, 1>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+      for (; r + 2 <= M; r += 2) i8_tile<2, 2>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+      for (; r < M; ++r) i8_tile<1, 2>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+    }
+  });
+}
+
+// x [M, K] float32; w: float32 | bfloat16 [T, K, 16] with scale [T, 16] or empty, or int8 [T, K2 / 2, 32]
+// with scale [T, 16] or [T, B, 16] float32 (B dividing K2 into even groups) -> [M, 16 T] float32
+at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_mm: x must be [M, K] float32");
+  const bool int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == (int8 ? 32 : 16) && w.is_contiguous(),
+              "tiled_mm: w must be a contiguous [T, K, 16] (float32, bfloat16) or [T, K / 2, 32] (int8)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = w.size(0), M = x.size(0), K = x.size(1), K2 = int8 ? 2 * w.size(1) : w.size(1);
+  TORCH_CHECK(int8 ? (K2 == K || K2 == K + 1) : K2 == K, "tiled_mm: x has ", K, " columns, the weight ", K2);
+  const bool scaled = scale.numel() > 0;
+  const int64_t B = scaled && scale.dim() == 3 ? scale.size(1) : 1;
+  TORCH_CHECK(!scaled || (scale.scalar_type() == at::kFloat && scale.is_contiguous() && B > 0 && K2 % B == 0 &&
+                          (K2 / B) % 2 == 0 && (scale.sizes() == at::IntArrayRef({T, 16}) ||
+                                                (int8 && scale.sizes() == at::IntArrayRef({T, B, 16})))),
+              "tiled_mm: scale must be [T, 16], or [T, B, 16] float32 with B dividing int8 weights' inputs into "
+              "even groups, or empty");
+  TORCH_CHECK(scaled || !int8, "tiled_mm: int8 weights need a scale");
+  auto out = at::empty({M, 16 * T}, x.options());
+  const float* sp = scaled ? scale.data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (w.scalar_type()) {
+    case at::kFloat: run(w.data_ptr<float>(), sp, xp, M, K, T, op); break;
+    case at::kBFloat16: run(w.data_ptr<at::BFloat16>(), sp, xp, M, K, T, op); break;
+    case at::kChar: run_i8(w.data_ptr<int8_t>(), sp, B, xp, M, K, K2, T, op); break;
+    default: TORCH_CHECK(false, "tiled_mm: w must be float32, bfloat16 or int8, got ", w.scalar_type());
+  }
+  return out;
+}
+
+inline __m512 scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 scales(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i bytes4(const void* a) {  // 4 bytes in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, a, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R rows of one tile of 4-bit codes, all groups; J = 2: the low and the high nibbles' sums apart (four
+// independent integer sums a row: the products' latency hidden at one and two rows), J = 1: together.
+// Scales and offsets S (float32 or float16)
+template <int R, int J, typename S>
+inline void q4_tile(const uint8_t* codes, const S* s, const S* m, const int8_t* hi, const uint8_t* lo, const float* da,
+                    const float* xs, int64_t K, int64_t G, float* out, int64_t ldo, yggtree::Prefetch ahead) {
+  const int64_t B = K / G;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // the scales and offsets stream at a quarter (float32) or an eighth (float16) of the codes' pace (G 32) or less
+  constexpr int64_t PACE = 16 / sizeof(S);
+  const yggtree::Prefetch paced{ahead.near / PACE / 64 * 64, ahead.far / PACE / 64 * 64};
+  __m512 ys[R], ym[R];
+  for (int r = 0; r < R; ++r) ys[r] = _mm512_setzero_ps(), ym[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < B; ++g) {
+    if (sizeof(S) == 4 || g % 2 == 0) {  // a 64-byte line holds one group's 16 float32 values, two groups' float16
+      fetch_ahead<64>(reinterpret_cast<const char*>(s + g * 16), paced);
+      fetch_ahead<64>(reinterpret_cast<const char*>(m + g * 16), paced);
+    }
+    __m512i sh[R][J], sl[R][J];  // sums of q hi, of lo q
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < J; ++j) sh[r][j] = _mm512_setzero_si512(), sl[r][j] = _mm512_setzero_si512();
+    for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
+      const uint8_t* c = codes + (k0 / 32) * 256;
+      for (int h = 0; h < 4; ++h) {
+        fetch_ahead<64>(reinterpret_cast<const char*>(c + h * 64), ahead);
+        const __m512i v = _mm512_loadu_si512(c + h * 64);
+        const __m512i a = _mm512_and_si512(v, low), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const int64_t ka = k0 + 4 * h, kb = ka + 16;  // the inputs of a's and b's 4 bytes a lane
+        for (int r = 0; r < R; ++r) {
+          sh[r][0] = _mm512_dpbusd_epi32(sh[r][0], a, bytes4(hi + r * K + ka));
+          sl[r][0] = _mm512_dpbusd_epi32(sl[r][0], bytes4(lo + r * K + ka), a);
+          sh[r][J - 1] = _mm512_dpbusd_epi32(sh[r][J - 1], b, bytes4(hi + r * K + kb));
+          sl[r][J - 1] = _mm512_dpbusd_epi32(sl[r][J - 1], bytes4(lo + r * K + kb), b);
+        }
+      }
+    }
+    const __m512 sg = scales(s + g * 16), mg = scales(m + g * 16);
+    for (int r = 0; r < R; ++r) {
+      __m512i th = sh[r][0], tl = sl[r][0];
+      if constexpr (J == 2) th = _mm512_add_epi32(th, sh[r][1]), tl = _mm512_add_epi32(tl, sl[r][1]);
+      const __m512i t = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
+      ys[r] = _mm512_fmadd_ps(sg, _mm512_cvtepi32_ps(t), ys[r]);
+      ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xs[r * B + g]), ym[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_fmadd_ps(ys[r], _mm512_set1_ps(da[r]), ym[r]));
+}
+
+template <typename S>
+void run_q4(const uint8_t* cp, const S* sp, const S* mp, const Rows16& rows, int64_t M, int64_t K, int64_t G,
+            int64_t T, float* op) {
+  const int64_t B = K / G, N = 16 * T;
+  const yggtree::Prefetch pf = yggtree::prefetch_distances();
+  yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* c = cp + t * (K / 2) * 16;
+      const S *st = sp + t * B * 16, *mt = mp + t * B * 16;
+      const int8_t* hi = rows.hi;
+      const uint8_t* lo = rows.lo;
+      const float *da = rows.da, *xs = rows.xs;
+      int64_t r = 0;  // rows in groups of 4, 2, 1
+      for (; r + 4 <= M; r += 4)
+        q4_tile<4, 1>(c, st, mt, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+      for (; r + 2 <= M; r += 2)
+        q4_tile<2, 2>(c, st, mt, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+      for (; r < M; ++r)
+        q4_tile<1, 2>(c, st, mt, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+    }
+  });
+}
+
+// x [M, K] float32; codes [T, K / 8, 64] uint8; s, m [T, K / G, 16] float32 or float16 (both alike) -> [M, 16 T]
+// float32
+at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& s, const at::Tensor& m) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_q4_mm: x must be [M, K] float32");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "tiled_q4_mm: codes must be a contiguous [T, K / 8, 64] uint8");
+  const int64_t T = codes.size(0), K = 8 * codes.size(1);
+  TORCH_CHECK(s.dim() == 3 && s.size(0) == T && s.size(2) == 16 && s.is_contiguous() && m.is_contiguous() &&
+              (s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) && m.sizes() == s.sizes() &&
+              m.scalar_type() == s.scalar_type(),
+              "tiled_q4_mm: s and m must be [T, K / G, 16] float32 or float16, both alike");
+  const int64_t B = s.size(1);
+  TORCH_CHECK(B > 0 && K % B == 0 && (K / B) % 32 == 0, "tiled_q4_mm: the group size must divide K and be a multiple of 32");
+  const int64_t G = K / B;
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.size(1) == K, "tiled_q4_mm: x has ", x.size(1), " columns, the weight ", K);
+  const int64_t M = x.size(0);
+  auto out = at::empty({M, 16 * T}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const Rows16 rows = scratch(M, K, B);
+  quantize16(xp, M, K, K, rows.qa, rows.da);
+  for (int64_t i = 0; i < M * K; ++i)
+    rows.hi[i] = static_cast<int8_t>(rows.qa[i] >> 8), rows.lo[i] = static_cast<uint8_t>(rows.qa[i] & 255);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < B; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + r * K + k));
+      rows.xs[r * B + g] = _mm512_reduce_add_ps(acc);
+    }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  if (s.scalar_type() == at::kHalf)
+    run_q4(cp, s.data_ptr<at::Half>(), m.data_ptr<at::Half>(), rows, M, K, G, T, out.data_ptr<float>());
+  else
+    run_q4(cp, s.data_ptr<float>(), m.data_ptr<float>(), rows, M, K, G, T, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ygg2, lib) {
+  lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  lib.def("tiled_q4_mm(Tensor x, Tensor codes, Tensor s, Tensor m) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(ygg2, CPU, lib) {
+  lib.impl("tiled_mm", &tiled_mm);
+  lib.impl("tiled_q4_mm", &tiled_q4_mm);
+}
