@@ -21,7 +21,7 @@ from yggtree.runtime.packed import (
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(bool(library_missing()), reason="the kernel library needs AVX-512"),
+    pytest.mark.skipif(bool(library_missing()), reason="the kernel library needs AVX-512 with VNNI"),
 ]
 
 
