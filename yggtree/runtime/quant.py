@@ -68,8 +68,8 @@ from .gguf_blocks import read_blocks
 from .model import FUSED_PROJECTIONS
 
 __all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "int8_pairs", "q4_tiles",
-           "Int8Linear",
-           "Int4Linear", "QuantLinear", "quant_layers", "quantize_linears", "check_kernel", "check_batch_invariant"]
+           "Int8Linear", "Int4Linear", "QuantLinear", "quant_layers", "quantize_linears", "check_kernel",
+           "check_batch_invariant"]
 
 GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
 N_ALIGN = 16  # the int4 kernel's output width must be a multiple of this
@@ -176,7 +176,6 @@ def q4_tiles(q: torch.Tensor) -> torch.Tensor:
     i = torch.arange(64)
     j, word = (i % 16 >= 8).long(), 8 * (i // 16) + i % 8
     return (z[:, :, j, word] | (z[:, :, j + 2, word] << 4)).contiguous()
-
 
 
 def _int4_mm_cpu(
@@ -322,9 +321,8 @@ class Int4Linear(QuantLinear):
             load_library()
             for c in planes:
                 packed.append(q4_tiles(F.pad(c.q, (0, 0, 0, pad))))  # zero columns: q 0, s 0, m 0
-                sm = torch.stack([F.pad(v, (0, 0, 0, pad)).view(-1, N_ALIGN, k // self.group).permute(0, 2, 1)
-                                  for v in (c.scale, c.zero - 8 * c.scale)]).float()
-                sz.append(sm)
+                sz.append(torch.stack([F.pad(v, (0, 0, 0, pad)).view(-1, N_ALIGN, k // self.group).permute(0, 2, 1)
+                                       for v in (c.scale, c.zero - 8 * c.scale)]).float())
             # float16 where every scale and offset is exact in it (a GGUF's own blocks): a sixth less to stream
             half = all(torch.equal(v.half().float(), v) for v in sz)
             sz = [(v.half() if half else v).contiguous() for v in sz]
