@@ -133,15 +133,31 @@ def test_a_forked_child_runs_its_loops_on_openmp():
 
 
 def test_packages_of_library_only_blocks_compile_serial_loops():
-    """A block whose products all run on the library (w4a8) is one a plain plan packages with
-    inductor's loops serial (cpp.threads = 1: the pool must not meet an OpenMP team); a block with
-    float products is not, and packages keep inductor's threads unless asked."""
+    """A block whose products all run on the library (w4a8, the tiled kernel's layers) is one a
+    plain plan packages with inductor's loops serial (cpp.threads = 1: the pool must not meet an
+    OpenMP team); a block with products on torch's kernels is not, and packages keep inductor's
+    threads unless asked."""
     from helpers import tiny_model
     from yggtree.runtime.aoti import library_loops_only, package_config
+    from yggtree.runtime.packed import pack_linears
     from yggtree.runtime.quant import quantize_linears
 
     float_model = tiny_model()
+    assert not library_loops_only(float_model.layers[0]) and not library_loops_only(float_model)
+    pack_linears(float_model, kernel="torch")
     assert not library_loops_only(float_model.layers[0])
+    tiled = tiny_model()
+    pack_linears(tiled, kernel="tiled")
+    assert library_loops_only(tiled.layers[0])
+    for fmt, group in (("int8", None), ("int4", 32)):
+        for kernel in ("torch", "tiled"):
+            m = tiny_model()
+            quantize_linears(m, fmt, group, kernel=kernel)
+            assert library_loops_only(m) == (kernel == "tiled"), (fmt, kernel)
+    mixed = tiny_model()
+    quantize_linears(mixed, "int8", kernel="tiled")
+    mixed.layers[0].mlp.down_proj = nn.Linear(64, 32, bias=False)  # one product left on torch's kernels
+    assert not library_loops_only(mixed) and library_loops_only(mixed.layers[1])
     q = tiny_model()
     quantize_linears(q, "w4a8")
     assert library_loops_only(q.layers[0])

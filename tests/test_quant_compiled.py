@@ -118,10 +118,12 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(_w4a8_problem() is not None, reason=str(_w4a8_problem()))
-def test_a_plain_w4a8_plan_decodes_on_the_pool_exactly(tmp_path, monkeypatch):
-    """A plain w4a8 plan (no drafter) is compiled with inductor's loops serial and records where
-    its kernel loops run (forced to the pool here; ``yggtree compile`` measures it otherwise); its
-    engine decodes on the pool at 2 threads, the tokens those of the same packages on OpenMP."""
+@pytest.mark.parametrize("fmt", ["w4a8", "int4@32"])
+def test_a_plain_library_plan_decodes_on_the_pool_exactly(fmt, tmp_path, monkeypatch):
+    """A plain plan (no drafter) whose products all run on the kernel library (w4a8; int4 on the
+    tiled kernel) is compiled with inductor's loops serial and records where its kernel loops run
+    (forced to the pool here; ``yggtree compile`` measures it otherwise); its engine decodes on the
+    pool at 2 threads, the tokens those of the same packages on OpenMP."""
     import zipfile
     from dataclasses import replace
 
@@ -130,9 +132,10 @@ def test_a_plain_w4a8_plan_decodes_on_the_pool_exactly(tmp_path, monkeypatch):
     from yggtree.runtime.build import build_plan_engine
 
     save_tiny_checkpoint(tmp_path / "model", intermediate=64, heads=2, kv_heads=1)
-    text = TINY_PLAN.replace("name: tiny\n", "name: tiny-p\nweights: w4a8\n").replace("drafter: self\n", "")
+    text = TINY_PLAN.replace("name: tiny\n", f"name: tiny-p\nweights: {fmt}\n").replace("drafter: self\n", "")
     (tmp_path / "plan.yaml").write_text(text)
     monkeypatch.setenv("YGGTREE_LOOPS", "pool")
+    monkeypatch.setenv("YGGTREE_KERNEL", "tiled")  # int4's products on the library (w4a8's always are)
     torch.set_num_threads(2)  # the fixture restores the count
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
     assert code == 0, stdout
@@ -143,7 +146,8 @@ def test_a_plain_w4a8_plan_decodes_on_the_pool_exactly(tmp_path, monkeypatch):
             assert not any("omp parallel" in z.read(n).decode() for n in z.namelist() if n.endswith(".cpp")), pt2
     plan = load_plan(art / "plan.yaml")
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
-    assert engine.cfg.loop_pool
+    assert engine.cfg.loop_pool and isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])
+    assert getattr(engine.target.layers[0].mlp.down_proj, "kernel", "tiled") == "tiled"
     pooled = [engine.generate(p, SamplingParams(max_new_tokens=8)).token_ids for p in ([3, 4, 5], list(range(10, 23)))]
     engine.cfg = replace(engine.cfg, loop_pool=False)
     assert [engine.generate(p, SamplingParams(max_new_tokens=8)).token_ids for p in ([3, 4, 5], list(range(10, 23)))] == pooled

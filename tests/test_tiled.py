@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from helpers import tiny_model
@@ -404,7 +405,7 @@ def test_4bit_layers_on_the_tiled_kernel(dtype, group):
               for _ in range(2)]
     x = torch.randn(6, k, generator=g).to(dtype)
     lin = Int4Linear(planes, None, dtype, kernel="tiled")
-    assert lin.packed.shape == (2, 3, k // 8, 64) and lin.scale_zeros.shape == (2, 2, 3, k // group, 16)
+    assert lin.packed.shape == (2, 3, k // group, 8 * group + 128) and lin.scale_zeros is None  # float32 s, m
     want = sum(quantized_product(x, c.q, c.scale, c.zero - 8 * c.scale) for c in planes)
     if dtype == torch.float32:  # float32's rounding of the terms (their magnitude: |x| @ |w|)
         big = x.abs().double() @ sum(dequantize([c]).abs() for c in planes).double().T
@@ -436,13 +437,32 @@ def test_a_ggufs_4bit_blocks_keep_their_float16_scales_on_the_tiled_kernel(kind)
     planes = gguf_codes(kind, torch.from_numpy(raw))
     assert torch.equal(dequantize(planes), torch.from_numpy(gguf_dequantize(raw, getattr(T, kind)).reshape(40, 96)))
     lin = Int4Linear(planes, None, torch.float32, "tiled")
-    assert lin.scale_zeros.dtype == torch.float16 and lin.scale_zeros.shape == (1, 2, 3, 3, 16)
+    assert lin.packed.shape == (1, 3, 3, 256 + 64)  # float16 s and m: 32 bytes each a group
+    from yggtree.runtime.quant import q4_blocks
+
+    c = planes[0]
+    s, m = (F.pad(v, (0, 0, 0, 8)) for v in (c.scale, c.zero - 8 * c.scale))
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
-    wide = torch.ops.yggtree.tiled_q4_mm(x, lin.packed[0], *lin.scale_zeros[0].float())
+    wide = torch.ops.yggtree.tiled_q4_mm(x, q4_blocks(F.pad(c.q, (0, 0, 0, 8)), s, m))  # float32 s and m
     assert torch.equal(lin(x), wide[:, :40])
-    assert Int4Linear([quantize_int4(torch.from_numpy(w), 32)], None, torch.float32, "tiled").scale_zeros.dtype == torch.float32
-    with pytest.raises(RuntimeError, match=r"tiled_q4_mm: s and m must be \[T, K / G, 16\] float32 or float16, both alike"):
-        torch.ops.yggtree.tiled_q4_mm(x, lin.packed[0], lin.scale_zeros[0, 0], lin.scale_zeros[0, 1].float())
+    assert Int4Linear([quantize_int4(torch.from_numpy(w), 32)], None, torch.float32, "tiled").packed.shape[-1] == 256 + 128
+    for bad in (lin.packed[0][..., :-32], lin.packed[0][..., :200], lin.packed[0].view(torch.int8)):
+        with pytest.raises(RuntimeError, match=r"tiled_q4_mm: blocks must be a contiguous \[T, K / G, 8 G \+ 32 e\] uint8"):
+            torch.ops.yggtree.tiled_q4_mm(x, bad.contiguous())
+    with pytest.raises(RuntimeError, match="tiled_q4_mm: x has 64 columns, the weight 96"):
+        torch.ops.yggtree.tiled_q4_mm(x[:, :64], lin.packed[0])
+
+
+def test_the_4bit_kernels_share_their_code_blocks():
+    """The tiled kernel's 4-bit stream is w4a8's for a GGUF's blocks (codes, then float16 s and m per
+    block of 32), and both kernels read the same nibbles (quant.nibble_blocks)."""
+    from yggtree.runtime.quant import q4_blocks
+    from yggtree.runtime.w4a8 import Blocks, pack_blocks
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (48, 96), generator=g).to(torch.uint8)
+    d, m = torch.rand(48, 3, generator=g).half(), torch.randn(48, 3, generator=g).half()
+    assert torch.equal(q4_blocks(q, d, m), pack_blocks(Blocks(q, d, m, 4)))
 
 
 def test_profile_times_4bit_kernels():

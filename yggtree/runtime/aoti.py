@@ -213,18 +213,27 @@ def package_config(block: nn.Module, serial_loops: bool = False) -> dict:
 
 
 def library_loops_only(block: nn.Module) -> bool:
-    """Whether every product of ``block`` runs on our kernel library (w4a8 weights). A plain plan
-    (no drafter) of such a model is compiled with inductor's own loops serial (a package's OpenMP
-    regions have their thread count compiled in), so that the library's loops may run on its
-    thread pool (kernels.loop_pool), which must not meet an OpenMP team: what inductor computes
-    in its steps is elementwise and small (the SiLU-mul of one row: 1,536 floats; serial, the plain
-    w4a8 step measured 1.015x). Not a speculative plan's: its drafter's calls and the verify's
-    vocabulary-wide work ran ~10% slower serial, and trees gained nothing on the pool
-    (docs/results.md)."""
+    """Whether every product of ``block`` runs on our kernel library: the w4a8 format, or the
+    tiled kernel's float, int8 and 4-bit layers. A plain plan (no drafter) of such a model is
+    compiled with inductor's own loops serial (a package's OpenMP regions have their thread count
+    compiled in), so that the library's loops may run on its thread pool (kernels.loop_pool), which
+    must not meet an OpenMP team: what inductor computes in its steps is elementwise and small
+    (the SiLU-mul of one row: 1,536 floats; serial, the plain w4a8 step measured 1.015x), the
+    attention the library's too (kernels.use_rows_attention). Not a speculative plan's: its
+    drafter's calls and the verify's vocabulary-wide work ran ~10% slower serial, and trees gained
+    nothing on the pool (docs/results.md)."""
+    from .model import FUSED_PROJECTIONS
+    from .packed import PackedConcat
+    from .quant import Int4Linear, Int8Linear
     from .w4a8 import W4A8Linear
 
     mods = list(block.modules())
-    return any(isinstance(m, W4A8Linear) for m in mods) and not any(isinstance(m, nn.Linear) for m in mods)
+    # the parts of a fused q/k/v or gate/up product stay as modules but are not run
+    fused = {id(getattr(m, k, None)) for m in mods for _, attr, names in FUSED_PROJECTIONS
+             if isinstance(getattr(m, attr, None), nn.Module) for k in names}
+    products = [m for m in mods if id(m) not in fused
+                and isinstance(m, (nn.Linear, PackedConcat, Int8Linear, Int4Linear, W4A8Linear))]
+    return bool(products) and all(isinstance(m, W4A8Linear) or getattr(m, "kernel", None) == "tiled" for m in products)
 
 
 def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path,

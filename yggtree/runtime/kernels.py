@@ -58,8 +58,8 @@ SHIMS = {
                       "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
     "tiled_mm": "AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle scale, "
                 "AtenTensorHandle* ret0)",
-    "tiled_q4_mm": "AOTITorchError aoti_torch_cpu_tiled_q4_mm(AtenTensorHandle x, AtenTensorHandle codes, "
-                   "AtenTensorHandle s, AtenTensorHandle m, AtenTensorHandle* ret0)",
+    "tiled_q4_mm": "AOTITorchError aoti_torch_cpu_tiled_q4_mm(AtenTensorHandle x, AtenTensorHandle blocks, "
+                   "AtenTensorHandle* ret0)",
 }
 TILE = 16  # output columns per tile of the w4a8 and tiled kernels
 
@@ -215,5 +215,5 @@ def _tiled_mm_fake(x, w, scale):
     return x.new_empty((x.shape[0], w.shape[0] * TILE))
 
 
-def _tiled_q4_mm_fake(x, codes, s, m):
-    return x.new_empty((x.shape[0], codes.shape[0] * TILE))
+def _tiled_q4_mm_fake(x, blocks):
+    return x.new_empty((x.shape[0], blocks.shape[0] * TILE))

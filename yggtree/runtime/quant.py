@@ -67,7 +67,7 @@ from ..errors import YggError
 from .gguf_blocks import read_blocks
 from .model import FUSED_PROJECTIONS
 
-__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "int8_pairs", "q4_tiles",
+__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "int8_pairs", "nibble_blocks", "q4_blocks",
            "Int8Linear", "Int4Linear", "QuantLinear", "quant_layers", "quantize_linears", "check_kernel",
            "check_batch_invariant"]
 
@@ -164,18 +164,30 @@ def int8_pairs(q: torch.Tensor) -> torch.Tensor:
     return q.view(-1, N_ALIGN, q.shape[1] // 2, 2).permute(0, 2, 1, 3).reshape(q.shape[0] // N_ALIGN, -1, 32).contiguous()
 
 
-def q4_tiles(q: torch.Tensor) -> torch.Tensor:
-    """The tiled kernel's 4-bit layout (csrc/tiled_mm.cpp) of codes ``q`` [N, K] in 0..15 (N a
-    multiple of 16, K of 8): [T, K / 8, 64] uint8. For each 8 inputs c the vectors Z_j (j = 0..3,
-    32 words: word 2l + e the code of column 16t + l, input 8c + 2j + e) are stored so the kernel's
-    unpacking gives them back: byte 16L + i (L, i < 16) holds in its low nibble word 8L + i % 8 of
-    Z_(i >= 8), in its high nibble the same word of Z_(2 + (i >= 8))."""
+def nibble_blocks(q: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes ``q`` [N, K] in 0..15 (N a multiple of 16, K of 32) as our kernels read them
+    (csrc/w4a8.cpp, csrc/tiled_mm.cpp): [T, K / 32, 256] uint8, per tile t of 16 output columns and
+    block b of 32 inputs byte (h, l, i) (h < 4, lane l < 16, i < 4) = q[16t+l][32b+4h+i] |
+    q[16t+l][32b+16+4h+i] << 4."""
     n, k = q.shape
-    t, c = n // N_ALIGN, k // 8
-    z = q.view(t, N_ALIGN, c, 4, 2).permute(0, 2, 3, 1, 4).reshape(t, c, 4, 32)
-    i = torch.arange(64)
-    j, word = (i % 16 >= 8).long(), 8 * (i // 16) + i % 8
-    return (z[:, :, j, word] | (z[:, :, j + 2, word] << 4)).contiguous()
+    t, nb = n // N_ALIGN, k // 32
+    tiles = q.view(t, N_ALIGN, nb, 32).permute(0, 2, 1, 3)  # [T, B, lane, 32]
+    lo = tiles[..., :16].reshape(t, nb, N_ALIGN, 4, 4).permute(0, 1, 3, 2, 4)  # [T, B, h, lane, i]
+    hi = tiles[..., 16:].reshape(t, nb, N_ALIGN, 4, 4).permute(0, 1, 3, 2, 4)
+    return (lo | (hi << 4)).reshape(t, nb, 256)
+
+
+def q4_blocks(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The tiled kernel's 4-bit layout (csrc/tiled_mm.cpp) of codes ``q`` [N, K] in 0..15 with
+    scales ``s`` and offsets ``m`` [N, K / G] (w = s q + m per group of G inputs, G a multiple of
+    32; float32 or float16, both alike; N a multiple of 16): one stream per tile, [T, K / G, 8 G
+    + 32 e] uint8 (e the bytes of a scale), per group the codes (:func:`nibble_blocks`), then
+    the 16 columns' s, then their m."""
+    n, k = q.shape
+    t, b = n // N_ALIGN, s.shape[1]
+    codes = nibble_blocks(q).reshape(t, b, (k // b) * 8)
+    per_tile = lambda v: v.view(t, N_ALIGN, b).permute(0, 2, 1).contiguous().view(torch.uint8)  # noqa: E731
+    return torch.cat([codes, per_tile(s), per_tile(m)], dim=2).contiguous()
 
 
 def _int4_mm_cpu(
@@ -292,19 +304,18 @@ class Int4Linear(QuantLinear):
       zeros, each plane's product cast to the run's dtype and summed in it; the output width is
       padded to a multiple of 16 with zero rows inside the kernel and cut after it;
     - ``tiled``: ``yggtree::tiled_q4_mm`` (runtime/kernels.py) on the row's 16-bit activations
-      with the scales, w = s q + m per group (m = zero - 8 s; :func:`q4_tiles`; s and m held in
-      float16 where every one is exact in it, as a GGUF's Q4_0 / Q4_1 blocks', else float32), each
-      row's integer sums exact and its float steps in a fixed order, the planes summed in float32
-      and cast once.
+      with the scales, w = s q + m per group (m = zero - 8 s; codes, s and m in one stream per tile:
+      :func:`q4_blocks`; s and m held in float16 where every one is exact in it, as a GGUF's Q4_0 /
+      Q4_1 blocks', else float32), each row's integer sums exact and its float steps in a fixed
+      order, the planes summed in float32 and cast once.
 
     The two are different arithmetic, so an engine and its compiled packages use one."""
 
     # torch: [P, Np, K / 2] uint8, the kernel's layout; Np = N rounded up to 16;
-    # tiled: [P, T, K / 8, 64] uint8, two codes a byte (q4_tiles), N padded to 16 T
+    # tiled: [P, T, K / group, 8 group + 32 e] uint8, codes, s and m per group (q4_blocks), N padded to 16 T
     packed: torch.Tensor
-    # torch: [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE); tiled: [P, 2, T, K / group, 16] float32 (s, m),
-    # float16 where every value is exact in it
-    scale_zeros: torch.Tensor
+    # torch: [P, K / group, Np, 2] bfloat16 (KERNEL_DTYPE); tiled: None (in ``packed``)
+    scale_zeros: torch.Tensor | None
     bias: torch.Tensor | None  # [N] in the run's dtype
 
     def __init__(self, planes: list[Int4Codes], bias: torch.Tensor | None, dtype: torch.dtype,
@@ -319,13 +330,11 @@ class Int4Linear(QuantLinear):
             from .kernels import load_library
 
             load_library()
-            for c in planes:
-                packed.append(q4_tiles(F.pad(c.q, (0, 0, 0, pad))))  # zero columns: q 0, s 0, m 0
-                sz.append(torch.stack([F.pad(v, (0, 0, 0, pad)).view(-1, N_ALIGN, k // self.group).permute(0, 2, 1)
-                                       for v in (c.scale, c.zero - 8 * c.scale)]).float())
+            sm = [[F.pad(v, (0, 0, 0, pad)).float() for v in (c.scale, c.zero - 8 * c.scale)] for c in planes]
             # float16 where every scale and offset is exact in it (a GGUF's own blocks): a sixth less to stream
-            half = all(torch.equal(v.half().float(), v) for v in sz)
-            sz = [(v.half() if half else v).contiguous() for v in sz]
+            half = all(torch.equal(v.half().float(), v) for pair in sm for v in pair)
+            for c, (s, m) in zip(planes, sm):  # zero columns: q 0, s 0, m 0
+                packed.append(q4_blocks(F.pad(c.q, (0, 0, 0, pad)), *((s.half(), m.half()) if half else (s, m))))
         elif kernel == "torch":
             for c in planes:
                 q = F.pad(c.q.to(torch.int32), (0, 0, 0, pad), value=8)  # zero rows: (8 - 8) * 1 + 0
@@ -335,7 +344,7 @@ class Int4Linear(QuantLinear):
         else:
             raise ValueError(f"kernel must be torch or tiled, got {kernel!r}")
         self.register_buffer("packed", torch.stack(packed), persistent=False)
-        self.register_buffer("scale_zeros", torch.stack(sz), persistent=False)
+        self.register_buffer("scale_zeros", torch.stack(sz) if sz else None, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
@@ -343,7 +352,7 @@ class Int4Linear(QuantLinear):
         if self.kernel == "tiled":
             x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
             for p in range(self.packed.shape[0]):  # the planes' products, summed in float32
-                yp = torch.ops.yggtree.tiled_q4_mm(x2, self.packed[p], self.scale_zeros[p, 0], self.scale_zeros[p, 1])
+                yp = torch.ops.yggtree.tiled_q4_mm(x2, self.packed[p])
                 y = yp if y is None else y + yp
             y = y.to(x.dtype)
         else:

@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import YggError
 from .gguf_blocks import read_blocks
 from .kernels import TILE, aoti_shims, cpu_flags as _cpu_flags, runs_attention
+from .quant import nibble_blocks
 
 __all__ = ["Blocks", "load_kernel", "aoti_shims", "runs_attention", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
            "pack_blocks", "W4A8Linear"]
@@ -128,9 +129,7 @@ def pack_blocks(b: Blocks) -> torch.Tensor:
     t_, nb = (n + pad) // TILE, k // BLOCK
     tiles = u.view(t_, TILE, nb, BLOCK).permute(0, 2, 1, 3)  # [T, B, lane, 32]
     if b.bits == 4:
-        lo = tiles[..., :16].reshape(t_, nb, TILE, 4, 4).permute(0, 1, 3, 2, 4)  # [T, B, g, lane, i]
-        hi = tiles[..., 16:].reshape(t_, nb, TILE, 4, 4).permute(0, 1, 3, 2, 4)
-        codes = (lo | (hi << 4)).reshape(t_, nb, 256)
+        codes = nibble_blocks(u)
     else:
         codes = tiles.reshape(t_, nb, TILE, 8, 4).permute(0, 1, 3, 2, 4).reshape(t_, nb, 512)
     per_tile = lambda s: s.view(t_, TILE, nb).permute(0, 2, 1).contiguous().view(torch.uint8)  # noqa: E731

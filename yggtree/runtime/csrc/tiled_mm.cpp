@@ -21,14 +21,18 @@
 //   a[g]    = sum over c in order of float(i[g, c])
 //   y[r, n] = da[r] * (a[0] * s[0]) for one group, else da[r] * (sum over g in order of fma(s[g], a[g], .))
 //
-// yggtree::tiled_q4_mm: 4-bit codes q in 0..15 per group of G input columns (G a multiple of 16) with a
-// scale s and offset m per group and output column, w = s q + m, float32 or float16 (a GGUF's Q4_0 / Q4_1
-// blocks hold theirs in float16: two bytes each instead of four, a sixth of the stream), widened exactly. Codes [T, K / 8, 64] uint8: for
-// each 8 inputs 64 bytes whose nibbles unpack (low nibbles, then high; each to 16-bit words, bytes 0-7
-// then 8-15 of every 16) into four vectors Z_j, j = 0..3, word 2l + e of Z_j the code of column 16t+l,
-// input 8c + 2j + e (runtime/quant.py packs it). Per row r:
+// yggtree::tiled_q4_mm: 4-bit codes q in 0..15 per group of G input columns (G a multiple of 32, at most
+// 4096) with a scale s and offset m per group and output column, w = s q + m, float32 or float16 (a GGUF's
+// Q4_0 / Q4_1 blocks hold theirs in float16: two bytes each instead of four), widened exactly. One stream per
+// tile (runtime/quant.py q4_blocks packs it): blocks [T, B, S] uint8, per tile t and group g the group's codes
+// in G / 32 blocks of 256 bytes, byte (h, l, i) (h < 4, lane l < 16, i < 4) of block b =
+// q[16t+l][32b+4h+i] | q[16t+l][32b+16+4h+i] << 4 (the w4a8 kernel's codes), then the group's 16 s, then its
+// 16 m: S = 8 G + 32 e, e the bytes of a scale (2: float16, 4: float32; S mod 256 is 64 or 128). The integer
+// sums split each 16-bit activation exactly, qa = 256 hi + lo (hi = qa >> 8 in -128..127, lo = qa & 255),
+// into byte products that AVX512-VNNI sums four at a time (vpdpbusd: the codes as unsigned bytes times hi, lo
+// times the codes as signed bytes). Per row r:
 //   xs[g] = sum of x[r, k] over group g (16-lane partial sums, lanes added in a fixed order)
-//   i[g]  = sum over group g of qa q (int32, exact)
+//   i[g]  = 256 (sum over group g of q hi) + (sum of lo q) = sum over group g of qa q   (int32, exact)
 //   y     = fma(sum over g in order of fma(s[g], float(i[g]), .), da[r], sum over g in order of fma(m[g], xs[g], .))
 //
 // Every step is per row and per output column in a fixed order, so a row's result does not depend on the
@@ -129,7 +133,7 @@ void quantize16(const float* x, int64_t M, int64_t K, int64_t K2, int16_t* qa, f
   }
 }
 
-inline __m512i pair(const int16_t* a) {  // qa[k], qa[k + 1] in every 32-bit lane
+inline __m512i bytes4(const void* a) {  // 4 bytes in every 32-bit lane (two 16-bit activations, four 8-bit ones)
   int32_t v;
   std::memcpy(&v, a, 4);
   return _mm512_set1_epi32(v);
@@ -157,12 +161,12 @@ inline void i8_tile(const int8_t* w, const float* scale, int64_t G, const int16_
         for (int c = 0; c < C; ++c) {
           if ((k + 2 * c) % 4 == 0) fetch_ahead<64>(reinterpret_cast<const char*>(at + c * 32), ahead);
           const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 32)));
-          for (int r = 0; r < R; ++r) is[r][c] = _mm512_dpwssd_epi32(is[r][c], v, pair(qa + r * K2 + k + 2 * c));
+          for (int r = 0; r < R; ++r) is[r][c] = _mm512_dpwssd_epi32(is[r][c], v, bytes4(qa + r * K2 + k + 2 * c));
         }
       }
       for (; k < c1; k += 2) {
         const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16)));
-        for (int r = 0; r < R; ++r) is[r][0] = _mm512_dpwssd_epi32(is[r][0], v, pair(qa + r * K2 + k));
+        for (int r = 0; r < R; ++r) is[r][0] = _mm512_dpwssd_epi32(is[r][0], v, bytes4(qa + r * K2 + k));
       }
       for (int r = 0; r < R; ++r) {
         __m512i t = is[r][0];
@@ -182,14 +186,19 @@ struct Rows16 {
   int16_t* qa;  // [M, K2]
   float* da;    // [M]
   float* xs;    // [M, B] group sums (tiled_q4_mm)
+  int8_t* hi;   // [M, K2] qa >> 8 (tiled_q4_mm)
+  uint8_t* lo;  // [M, K2] qa & 255 (tiled_q4_mm)
 };
 Rows16 scratch(int64_t M, int64_t K2, int64_t B) {
   static thread_local std::vector<int16_t> qa;
   static thread_local std::vector<float> da, xs;
+  static thread_local std::vector<int8_t> hi;
+  static thread_local std::vector<uint8_t> lo;
   if (static_cast<int64_t>(qa.size()) < M * K2) qa.resize(M * K2);
   if (static_cast<int64_t>(da.size()) < M) da.resize(M);
   if (static_cast<int64_t>(xs.size()) < M * B) xs.resize(M * B);
-  return {qa.data(), da.data(), xs.data()};
+  if (B && static_cast<int64_t>(hi.size()) < M * K2) hi.resize(M * K2), lo.resize(M * K2);
+  return {qa.data(), da.data(), xs.data(), hi.data(), lo.data()};
 }
 
 void run_i8(const int8_t* wp, const float* sp, int64_t B, const float* x, int64_t M, int64_t K, int64_t K2,
@@ -248,40 +257,53 @@ inline __m512 scales(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// R rows of one tile of 4-bit codes, all groups, J independent integer sums a row (J divides 4); scales and
-// offsets S (float32 or float16)
-template <int R, int J, typename S>
-inline void q4_tile(const uint8_t* codes, const S* s, const S* m, const int16_t* qa, const float* da,
+// hi, lo of n 16-bit activations (see the header)
+void split_bytes(const int16_t* qa, int64_t n, int8_t* hi, uint8_t* lo) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i v = _mm512_loadu_si512(qa + i);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi16_epi8(v));  // the low bytes
+  }
+  for (; i < n; ++i) hi[i] = static_cast<int8_t>(qa[i] >> 8), lo[i] = static_cast<uint8_t>(qa[i] & 255);
+}
+
+// R rows of one tile of 4-bit blocks (S bytes a group), all groups; J = 2: the low and the high nibbles'
+// sums apart (four independent integer sums a row: the products' latency hidden at one and two rows),
+// J = 1: together. Scales and offsets SC (float32 or float16)
+template <int R, int J, typename SC>
+inline void q4_tile(const uint8_t* blocks, int64_t S, const int8_t* hi, const uint8_t* lo, const float* da,
                     const float* xs, int64_t K, int64_t G, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   const int64_t B = K / G;
-  const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  // the scales and offsets stream at a quarter (float32) or an eighth (float16) of the codes' pace (G 32) or less
-  constexpr int64_t PACE = 16 / sizeof(S);
-  const yggtree::Prefetch paced{ahead.near / PACE / 64 * 64, ahead.far / PACE / 64 * 64};
+  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 ys[R], ym[R];
   for (int r = 0; r < R; ++r) ys[r] = _mm512_setzero_ps(), ym[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < B; ++g) {
-    if (sizeof(S) == 4 || g % 2 == 0) {  // a 64-byte line holds one group's 16 float32 values, two groups' float16
-      fetch_ahead<64>(reinterpret_cast<const char*>(s + g * 16), paced);
-      fetch_ahead<64>(reinterpret_cast<const char*>(m + g * 16), paced);
-    }
-    __m512i is[R][J];
+    const uint8_t* group = blocks + g * S;
+    for (int64_t b = 0; b < S; b += 64) fetch_ahead<64>(reinterpret_cast<const char*>(group + b), ahead);
+    __m512i sh[R][J], sl[R][J];  // sums of q hi, of lo q
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < J; ++j) is[r][j] = _mm512_setzero_si512();
-    for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
-      const uint8_t* c = codes + (k / 8) * 64;
-      fetch_ahead<64>(reinterpret_cast<const char*>(c), ahead);
-      const __m512i v = _mm512_loadu_si512(c);
-      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const __m512i z[4] = {_mm512_unpacklo_epi8(lo, zero), _mm512_unpackhi_epi8(lo, zero),
-                            _mm512_unpacklo_epi8(hi, zero), _mm512_unpackhi_epi8(hi, zero)};
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) is[r][j % J] = _mm512_dpwssd_epi32(is[r][j % J], z[j], pair(qa + r * K + k + 2 * j));
+      for (int j = 0; j < J; ++j) sh[r][j] = _mm512_setzero_si512(), sl[r][j] = _mm512_setzero_si512();
+    for (int64_t k0 = 0; k0 < G; k0 += 32) {
+      const uint8_t* c = group + k0 * 8;
+      for (int h = 0; h < 4; ++h) {
+        const __m512i v = _mm512_loadu_si512(c + h * 64);
+        const __m512i a = _mm512_and_si512(v, low), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const int64_t ka = g * G + k0 + 4 * h, kb = ka + 16;  // the inputs of a's and b's 4 bytes a lane
+        for (int r = 0; r < R; ++r) {
+          sh[r][0] = _mm512_dpbusd_epi32(sh[r][0], a, bytes4(hi + r * K + ka));
+          sl[r][0] = _mm512_dpbusd_epi32(sl[r][0], bytes4(lo + r * K + ka), a);
+          sh[r][J - 1] = _mm512_dpbusd_epi32(sh[r][J - 1], b, bytes4(hi + r * K + kb));
+          sl[r][J - 1] = _mm512_dpbusd_epi32(sl[r][J - 1], bytes4(lo + r * K + kb), b);
+        }
+      }
     }
-    const __m512 sg = scales(s + g * 16), mg = scales(m + g * 16);
+    const SC* sm = reinterpret_cast<const SC*>(group + G * 8);
+    const __m512 sg = scales(sm), mg = scales(sm + 16);
     for (int r = 0; r < R; ++r) {
-      __m512i t = is[r][0];
-      for (int j = 1; j < J; ++j) t = _mm512_add_epi32(t, is[r][j]);
+      __m512i th = sh[r][0], tl = sl[r][0];
+      if constexpr (J == 2) th = _mm512_add_epi32(th, sh[r][1]), tl = _mm512_add_epi32(tl, sl[r][1]);
+      const __m512i t = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
       ys[r] = _mm512_fmadd_ps(sg, _mm512_cvtepi32_ps(t), ys[r]);
       ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xs[r * B + g]), ym[r]);
     }
@@ -289,41 +311,36 @@ inline void q4_tile(const uint8_t* codes, const S* s, const S* m, const int16_t*
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_fmadd_ps(ys[r], _mm512_set1_ps(da[r]), ym[r]));
 }
 
-template <typename S>
-void run_q4(const uint8_t* cp, const S* sp, const S* mp, const Rows16& rows, int64_t M, int64_t K, int64_t G,
-            int64_t T, float* op) {
+template <typename SC>
+void run_q4(const uint8_t* bp, int64_t S, const Rows16& rows, int64_t M, int64_t K, int64_t G, int64_t T, float* op) {
   const int64_t B = K / G, N = 16 * T;
   const yggtree::Prefetch pf = yggtree::prefetch_distances();
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* c = cp + t * (K / 2) * 16;
-      const S *st = sp + t * B * 16, *mt = mp + t * B * 16;
-      const int16_t* qa = rows.qa;
+      const uint8_t* c = bp + t * B * S;
+      const int8_t* hi = rows.hi;
+      const uint8_t* lo = rows.lo;
       const float *da = rows.da, *xs = rows.xs;
       int64_t r = 0;  // rows in groups of 4, 2, 1
       for (; r + 4 <= M; r += 4)
-        q4_tile<4, 1>(c, st, mt, qa + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+        q4_tile<4, 1, SC>(c, S, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
       for (; r + 2 <= M; r += 2)
-        q4_tile<2, 2>(c, st, mt, qa + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
-      for (; r < M; ++r) q4_tile<1, 4>(c, st, mt, qa + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+        q4_tile<2, 2, SC>(c, S, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+      for (; r < M; ++r)
+        q4_tile<1, 2, SC>(c, S, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
     }
   });
 }
 
-// x [M, K] float32; codes [T, K / 8, 64] uint8; s, m [T, K / G, 16] float32 or float16 (both alike) -> [M, 16 T]
-// float32
-at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& s, const at::Tensor& m) {
+// x [M, K] float32; blocks [T, K / G, 8 G + 32 e] uint8 (see the header) -> [M, 16 T] float32
+at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_q4_mm: x must be [M, K] float32");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "tiled_q4_mm: codes must be a contiguous [T, K / 8, 64] uint8");
-  const int64_t T = codes.size(0), K = 8 * codes.size(1);
-  TORCH_CHECK(s.dim() == 3 && s.size(0) == T && s.size(2) == 16 && s.is_contiguous() && m.is_contiguous() &&
-              (s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) && m.sizes() == s.sizes() &&
-              m.scalar_type() == s.scalar_type(),
-              "tiled_q4_mm: s and m must be [T, K / G, 16] float32 or float16, both alike");
-  const int64_t B = s.size(1);
-  TORCH_CHECK(B > 0 && K % B == 0 && (K / B) % 16 == 0, "tiled_q4_mm: the group size must divide K and be a multiple of 16");
-  const int64_t G = K / B;
+  const int64_t S = blocks.dim() == 3 ? blocks.size(2) : 0, e = S % 256 / 32;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(1) > 0 &&
+              (e == 2 || e == 4) && S > 32 * e && S - 32 * e <= 8 * 4096,
+              "tiled_q4_mm: blocks must be a contiguous [T, K / G, 8 G + 32 e] uint8 (G a multiple of 32 up to 4096, "
+              "e 2 or 4: float16 or float32 scales)");
+  const int64_t T = blocks.size(0), B = blocks.size(1), G = (S - 32 * e) / 8, K = B * G;
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.size(1) == K, "tiled_q4_mm: x has ", x.size(1), " columns, the weight ", K);
   const int64_t M = x.size(0);
@@ -331,17 +348,18 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at
   const float* xp = x.data_ptr<float>();
   const Rows16 rows = scratch(M, K, B);
   quantize16(xp, M, K, K, rows.qa, rows.da);
+  split_bytes(rows.qa, M * K, rows.hi, rows.lo);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < B; ++g) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + r * K + k));
       rows.xs[r * B + g] = _mm512_reduce_add_ps(acc);
     }
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  if (s.scalar_type() == at::kHalf)
-    run_q4(cp, s.data_ptr<at::Half>(), m.data_ptr<at::Half>(), rows, M, K, G, T, out.data_ptr<float>());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  if (e == 2)
+    run_q4<at::Half>(bp, S, rows, M, K, G, T, out.data_ptr<float>());
   else
-    run_q4(cp, s.data_ptr<float>(), m.data_ptr<float>(), rows, M, K, G, T, out.data_ptr<float>());
+    run_q4<float>(bp, S, rows, M, K, G, T, out.data_ptr<float>());
   return out;
 }
 
@@ -358,19 +376,18 @@ extern "C" AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensor
   });
 }
 
-extern "C" AOTITorchError aoti_torch_cpu_tiled_q4_mm(AtenTensorHandle x, AtenTensorHandle codes, AtenTensorHandle s,
-                                                     AtenTensorHandle m, AtenTensorHandle* ret0) {
+extern "C" AOTITorchError aoti_torch_cpu_tiled_q4_mm(AtenTensorHandle x, AtenTensorHandle blocks,
+                                                     AtenTensorHandle* ret0) {
   using torch::aot_inductor::tensor_handle_to_tensor_pointer;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor out = tiled_q4_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(codes),
-                                 *tensor_handle_to_tensor_pointer(s), *tensor_handle_to_tensor_pointer(m));
+    at::Tensor out = tiled_q4_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(blocks));
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }
 
 TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
   lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  lib.def("tiled_q4_mm(Tensor x, Tensor codes, Tensor s, Tensor m) -> Tensor");
+  lib.def("tiled_q4_mm(Tensor x, Tensor blocks) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
   lib.impl("tiled_mm", &tiled_mm);
