@@ -5,7 +5,7 @@ a w4a8 step). Measured once per compile by ``yggtree compile`` and recorded in t
 (``loops``), which ``build_plan_engine`` reads.
 
 Only for a plain plan (no drafter) whose every product runs on the library (``aoti.library_loops_only``:
-the w4a8 format), whose packages are compiled with inductor's own loops serial so that the library's
+the w4a8 format, any format on the tiled kernel), whose packages are compiled with inductor's own loops serial so that the library's
 are the step's only parallel regions, and at 2+ threads. The compiled plan's plain
 decoding (as ``yggtree run --plan P --no-speculate`` runs it) decodes a few calibration chat prompts
 (never evaluation prompts) with the loops on OpenMP and on the pool in turn, the order alternating by
