@@ -67,7 +67,7 @@ from ..errors import YggError
 from .gguf_blocks import read_blocks
 from .model import FUSED_PROJECTIONS
 
-__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "int8_pairs", "nibble_blocks", "q4_blocks",
+__all__ = ["Int4Codes", "quantize_int8", "quantize_int4", "gguf_codes", "gguf_int8", "dequantize", "int8_pairs", "q4_blocks",
            "Int8Linear", "Int4Linear", "QuantLinear", "quant_layers", "quantize_linears", "check_kernel",
            "check_batch_invariant"]
 
@@ -164,25 +164,14 @@ def int8_pairs(q: torch.Tensor) -> torch.Tensor:
     return q.view(-1, N_ALIGN, q.shape[1] // 2, 2).permute(0, 2, 1, 3).reshape(q.shape[0] // N_ALIGN, -1, 32).contiguous()
 
 
-def nibble_blocks(q: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes ``q`` [N, K] in 0..15 (N a multiple of 16, K of 32) as our kernels read them
-    (csrc/w4a8.cpp, csrc/tiled_mm.cpp): [T, K / 32, 256] uint8, per tile t of 16 output columns and
-    block b of 32 inputs byte (h, l, i) (h < 4, lane l < 16, i < 4) = q[16t+l][32b+4h+i] |
-    q[16t+l][32b+16+4h+i] << 4."""
-    n, k = q.shape
-    t, nb = n // N_ALIGN, k // 32
-    tiles = q.view(t, N_ALIGN, nb, 32).permute(0, 2, 1, 3)  # [T, B, lane, 32]
-    lo = tiles[..., :16].reshape(t, nb, N_ALIGN, 4, 4).permute(0, 1, 3, 2, 4)  # [T, B, h, lane, i]
-    hi = tiles[..., 16:].reshape(t, nb, N_ALIGN, 4, 4).permute(0, 1, 3, 2, 4)
-    return (lo | (hi << 4)).reshape(t, nb, 256)
-
-
 def q4_blocks(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """The tiled kernel's 4-bit layout (csrc/tiled_mm.cpp) of codes ``q`` [N, K] in 0..15 with
     scales ``s`` and offsets ``m`` [N, K / G] (w = s q + m per group of G inputs, G a multiple of
     32; float32 or float16, both alike; N a multiple of 16): one stream per tile, [T, K / G, 8 G
-    + 32 e] uint8 (e the bytes of a scale), per group the codes (:func:`nibble_blocks`), then
+    + 32 e] uint8 (e the bytes of a scale), per group the codes (``w4a8.nibble_blocks``), then
     the 16 columns' s, then their m."""
+    from .w4a8 import nibble_blocks
+
     n, k = q.shape
     t, b = n // N_ALIGN, s.shape[1]
     codes = nibble_blocks(q).reshape(t, b, (k // b) * 8)

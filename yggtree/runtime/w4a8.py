@@ -37,10 +37,9 @@ from torch import nn
 from ..errors import YggError
 from .gguf_blocks import read_blocks
 from .kernels import TILE, aoti_shims, cpu_flags as _cpu_flags, runs_attention
-from .quant import nibble_blocks
 
 __all__ = ["Blocks", "load_kernel", "aoti_shims", "runs_attention", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
-           "pack_blocks", "W4A8Linear"]
+           "nibble_blocks", "pack_blocks", "W4A8Linear"]
 
 BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")  # /proc/cpuinfo names
@@ -117,6 +116,19 @@ def cat_blocks(parts: list[Blocks]) -> Blocks:
 def dequantize_blocks(b: Blocks) -> torch.Tensor:
     """The float32 weight [N, K] the blocks stand for."""
     return b.d.float().repeat_interleave(BLOCK, 1) * b.u.float() + b.m.float().repeat_interleave(BLOCK, 1)
+
+
+def nibble_blocks(q: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes ``q`` [N, K] in 0..15 (N a multiple of 16, K of 32) as our kernels read them
+    (csrc/w4a8.cpp, csrc/tiled_mm.cpp): [T, K / 32, 256] uint8, per tile t of 16 output columns and
+    block b of 32 inputs byte (h, l, i) (h < 4, lane l < 16, i < 4) = q[16t+l][32b+4h+i] |
+    q[16t+l][32b+16+4h+i] << 4."""
+    n, k = q.shape
+    t, nb = n // TILE, k // BLOCK
+    tiles = q.view(t, TILE, nb, BLOCK).permute(0, 2, 1, 3)  # [T, B, lane, BLOCK]
+    lo = tiles[..., :16].reshape(t, nb, TILE, 4, 4).permute(0, 1, 3, 2, 4)  # [T, B, h, lane, i]
+    hi = tiles[..., 16:].reshape(t, nb, TILE, 4, 4).permute(0, 1, 3, 2, 4)
+    return (lo | (hi << 4)).reshape(t, nb, 256)
 
 
 def pack_blocks(b: Blocks) -> torch.Tensor:
