@@ -31,7 +31,7 @@ def need_library() -> None:
 
     try:
         load_library()
-    except YggError as e:  # pragma: no cover - a CPU without AVX-512, or no compiler
+    except YggError as e:  # pragma: no cover - a CPU without AVX2, or no compiler
         pytest.skip(str(e))
 
 

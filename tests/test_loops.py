@@ -24,7 +24,7 @@ try:
     from yggtree.runtime import w4a8
 
     w4a8.load_kernel()
-except YggError as e:  # pragma: no cover - a CPU without AVX-512 / VNNI, or no compiler
+except YggError as e:  # pragma: no cover - a CPU without AVX2, or no compiler
     pytest.skip(str(e), allow_module_level=True)
 
 from test_w4a8 import random_blocks  # noqa: E402

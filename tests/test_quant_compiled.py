@@ -30,7 +30,7 @@ KINDS = {"int8": Int8Linear, "gguf-native": Int4Linear, "int4@32": Int4Linear, "
 def _w4a8_problem() -> str | None:
     try:
         load_kernel()
-    except YggError as e:  # pragma: no cover - a CPU without AVX512-VNNI, or no compiler
+    except YggError as e:  # pragma: no cover - a CPU without AVX2, or no compiler
         return str(e)
     return None
 

@@ -22,7 +22,7 @@ from yggtree.runtime.packed import (
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(bool(library_missing()), reason="the kernel library needs AVX-512 with VNNI"),
+    pytest.mark.skipif(bool(library_missing()), reason="the kernel library needs AVX2 with FMA and F16C (or AVX-512)"),
 ]
 
 

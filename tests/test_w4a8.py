@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 try:
     w4a8.load_kernel()
-except YggError as e:  # pragma: no cover - a CPU without AVX512-VNNI, or no compiler
+except YggError as e:  # pragma: no cover - a CPU without AVX2 (or AVX-512), or no compiler
     pytest.skip(str(e), allow_module_level=True)
 
 
@@ -235,11 +235,13 @@ def test_float_tensors_and_float_models_become_q4_1():
     assert f.layers[0].self_attn.q_proj is None and f.layers[0].self_attn.qkv.out_features == 64 + 2 * 32
 
 
-def test_cpu_without_vnni_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setattr(w4a8, "_cpu_flags", lambda: {"avx512f", "fma"})
-    with pytest.raises(YggError, match=r"^weights w4a8: this CPU lacks avx512bw, avx512vl, avx512_vnni, "
-                                       r"f16c \(the kernel's int8 dot products need AVX512-VNNI\); use int4 "
-                                       r"or gguf-native$"):
+def test_cpu_without_avx2_is_refused_in_one_line(monkeypatch):
+    from yggtree.runtime import kernels
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(kernels, "load_library", kernels.load_library.__wrapped__)  # uncached: the format says it
+    with pytest.raises(YggError, match=r"^weights w4a8: this CPU lacks avx2, fma, f16c, which yggtree's CPU kernels "
+                                       r"need \(AVX2 with FMA and F16C, or AVX-512\)$"):
         w4a8.load_kernel.__wrapped__()
 
 
@@ -261,17 +263,35 @@ def test_a_failing_build_is_refused_in_one_line(monkeypatch, tmp_path):
         w4a8.load_kernel.__wrapped__()
 
 
-def test_a_cpu_without_avx512_cannot_load_the_library(monkeypatch):
+@pytest.mark.parametrize("flags, best", [
+    ({"avx2", "fma", "f16c"}, "avx2"),  # an AMD Zen 3, most laptops
+    ({"avx2", "fma", "f16c", "avx_vnni"}, "avx2-vnni"),  # an Intel Alder Lake
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}, "avx512"),  # an Intel Skylake-SP
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx512-vnni"),
+])
+def test_the_library_builds_for_the_best_instruction_set_the_cpu_runs(monkeypatch, flags, best):
     from yggtree.runtime import kernels
 
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"fma", "f16c"})
-    assert kernels.library_missing() == ["avx512f", "avx512bw", "avx512vl", "avx512_vnni"]
-    with pytest.raises(YggError, match=r"^this CPU lacks avx512f, avx512bw, avx512vl, avx512_vnni, which yggtree's CPU "
-                                       r"kernels need$"):
-        kernels.load_library.__wrapped__()
-    # AVX-512 without VNNI (an Intel Skylake): the library's quantized products sum integers with it
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
-    assert kernels.library_missing() == ["avx512_vnni"]
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    assert kernels.isa() == best and kernels.runnable_isas()[0] == best and kernels.library_missing() == []
+    assert "avx2" in kernels.runnable_isas()
+
+
+def test_a_named_instruction_set_must_exist_and_run_here(monkeypatch):
+    from yggtree.runtime import kernels
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv(kernels.ISA_ENV, "avx512-vnni")
+    with pytest.raises(YggError, match=r"^YGGTREE_KERNEL_ISA=avx512-vnni: this CPU lacks avx512f, avx512bw, "
+                                       r"avx512vl, avx512_vnni$"):
+        kernels.isa()
+    monkeypatch.setenv(kernels.ISA_ENV, "neon")
+    with pytest.raises(YggError, match=r"^YGGTREE_KERNEL_ISA=neon is not one of avx512-vnni, avx512, avx2-vnni, "
+                                       r"avx2$"):
+        kernels.isa()
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.isa() == "avx2"
 
 
 def test_width_not_a_multiple_of_32_is_refused():

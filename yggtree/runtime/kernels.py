@@ -1,7 +1,7 @@
 """Our CPU kernel library: the C++ ops in ``runtime/csrc``, built once per machine and torch version.
 
 - ``yggtree::w4a8_mm`` (``csrc/w4a8.cpp``): the ``w4a8`` format's blocks on int8 activations
-  (runtime/w4a8.py; needs AVX512-VNNI, which :func:`yggtree.runtime.w4a8.load_kernel` checks).
+  (runtime/w4a8.py).
 - ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
   slots (runtime/model.py's ``Attention.native_rows``).
 - how far ahead their products prefetch their weights (``csrc/prefetch.cpp``): two distances, into
@@ -16,10 +16,14 @@
   gguf-native layers on the tiled kernel).
 
 ``torch.utils.cpp_extension`` builds them into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use
-(a directory per source hash, flags and torch version) and registers the ops; AOTInductor
-packages call their C shims directly (:func:`aoti_shims`). An x86 CPU with AVX-512 (F, BW, VL,
-VNNI), FMA and F16C, a C++ compiler and ninja are needed; without them :func:`load_library` raises
-YggError in one line, and the callers refuse what needs it.
+(a directory per source hash, instruction set, flags and torch version) and registers the ops;
+AOTInductor packages call their C shims directly (:func:`aoti_shims`). Every source is written on
+``csrc/simd.h``'s 16-lane vectors and compiled for one instruction set, the best this CPU runs
+(:data:`ISAS`, in order: AVX-512 with VNNI, AVX-512, AVX2 with AVX-VNNI, AVX2; each with FMA and
+F16C); ``YGGTREE_KERNEL_ISA`` names another the CPU runs (tests run every variant the CPU can).
+Packed weights are the same on every set. A CPU without AVX2, FMA and F16C, or a machine without a
+C++ compiler and ninja: :func:`load_library` raises YggError in one line, and the callers refuse or
+fall back.
 """
 
 from __future__ import annotations
@@ -36,21 +40,31 @@ import torch
 from ..errors import YggError
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
-__all__ = ["SOURCES", "SHIMS", "cpu_flags", "library_missing", "load_library", "aoti_shims", "runs_attention",
+__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "load_library", "aoti_shims", "runs_attention",
            "use_rows_attention", "loop_pool", "prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
                 for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp", "prefetch.cpp"))
 # included by the sources: part of the build's key
-HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefetch.h"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefetch.h", "simd.h"))
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
 # on one thread); the build links the libgomp torch already loaded (same soname), so torch's
 # thread count governs it
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-# what every kernel of the library assumes of the CPU (/proc/cpuinfo names): the quantized products
-# (w4a8, the tiled kernel's int8 and 4-bit ones) sum integers with AVX512-VNNI
-LIBRARY_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+# the instruction sets the library is built for, best first: name -> (/proc/cpuinfo flags it needs,
+# the compiler's flags for them); csrc/simd.h implements each
+ISAS = {
+    "avx512-vnni": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")),
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "fma", "f16c"),
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c")),
+    "avx2-vnni": (("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+}
+# what the least of them needs (/proc/cpuinfo names)
+LIBRARY_FLAGS = ISAS["avx2"][0]
+ISA_ENV = "YGGTREE_KERNEL_ISA"  # names the instruction set to build for instead of the best this CPU runs
 # the ops' C shims as AOTInductor declares them in a package (the csrc files define them)
 SHIMS = {
     "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle blocks, AtenTensorHandle* ret0)",
@@ -80,6 +94,30 @@ def library_missing() -> list[str]:
     return [f for f in LIBRARY_FLAGS if f not in have]
 
 
+def runnable_isas() -> list[str]:
+    """The instruction sets of :data:`ISAS` this CPU runs, best first."""
+    have = cpu_flags()
+    return [name for name, (flags, _) in ISAS.items() if all(f in have for f in flags)]
+
+
+def isa() -> str:
+    """The instruction set the library is built for here: ``$YGGTREE_KERNEL_ISA`` where set, else
+    the best this CPU runs; YggError in one line where there is none (or the named one cannot run)."""
+    runs = runnable_isas()
+    named = os.environ.get(ISA_ENV, "")
+    if named:
+        if named not in ISAS:
+            raise YggError(f"{ISA_ENV}={named} is not one of {', '.join(ISAS)}")
+        if named not in runs:
+            lacks = [f for f in ISAS[named][0] if f not in cpu_flags()]
+            raise YggError(f"{ISA_ENV}={named}: this CPU lacks {', '.join(lacks)}")
+        return named
+    if not runs:
+        raise YggError(f"this CPU lacks {', '.join(library_missing())}, which yggtree's CPU kernels need "
+                       "(AVX2 with FMA and F16C, or AVX-512)")
+    return runs[0]
+
+
 @contextlib.contextmanager
 def build_lock(build: Path):
     """Hold the build directory ``build`` against other processes of ours while its library is
@@ -102,20 +140,19 @@ def build_lock(build: Path):
 def load_library() -> None:
     """Build (first use on this machine and torch) and load the kernel library; YggError in one
     line where it cannot run here."""
-    missing = library_missing()
-    if missing:
-        raise YggError(f"this CPU lacks {', '.join(missing)}, which yggtree's CPU kernels need")
+    chosen = isa()
     from torch.utils import cpp_extension
 
     from ..files import cache_root
 
+    cflags = CFLAGS + ISAS[chosen][1]
     key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)
-                         + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
-    build = cache_root() / "kernels" / f"yggtree-{key}-torch{torch.__version__}"
+                         + " ".join(cflags + LDFLAGS).encode()).hexdigest()[:12]
+    build = cache_root() / "kernels" / f"yggtree-{chosen}-{key}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         with build_lock(build):
-            cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
+            cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(cflags),
                                extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False,
                                verbose=False)
     except (RuntimeError, OSError, ImportError) as e:

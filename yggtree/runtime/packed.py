@@ -35,7 +35,7 @@ engine and its compiled packages use it, :func:`yggtree.plan.plan_kernel`):
   ``yggtree::tiled_mm`` (runtime/kernels.py, ``csrc/tiled_mm.cpp``): float32 accumulation in a
   fixed order per row, so batch-invariant by construction at any padding and thread count (no
   padding is needed), and a plain contiguous stream a step reads at the memory's speed. It needs
-  an AVX-512 CPU with VNNI (the kernel library); bfloat16 weights are widened exactly, the
+  a CPU our kernel library runs on (AVX2 or AVX-512); bfloat16 weights are widened exactly, the
   activations go in as float32 (exact from bfloat16) and the result is rounded to the run's
   dtype (int8 weights run on 16-bit integer activations instead, scaled per output column at
   the end: runtime/quant.py).

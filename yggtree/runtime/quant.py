@@ -11,7 +11,7 @@ products): our tiled kernel (``yggtree::tiled_mm`` / ``yggtree::tiled_q4_mm``, r
 w = q s per channel for int8 and w = s q + m per group for 4-bit, float32 scales (4-bit ones
 float16 where every one is exact in it, as a GGUF's are), on the activations rounded per row to
 16-bit integers -- an error of at most 1 / 65534 of the row's largest activation, against
-bfloat16's 1 / 512 of each -- summed exactly in int32 with AVX512-VNNI, then scaled in float32 in
+bfloat16's 1 / 512 of each -- summed exactly in int32 (VNNI dot products where the CPU has them), then scaled in float32 in
 a fixed order, the result rounded to the run's dtype once: csrc/tiled_mm.cpp states it), or
 torch's, described next. On torch's kernel each product runs through one of torch's CPU kernels (signatures checked
 with torch 2.13) *on bfloat16 activations with bfloat16 scales, whatever the run's dtype*: a quantized layer casts its input to bfloat16,

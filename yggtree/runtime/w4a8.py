@@ -12,7 +12,7 @@ column):
   per block d = (max - min) / 15 and m = min, rounded to float16, u = round((w - m) / d).
 
 A product quantizes its input per row and block of 32 to int8 (a ~= da * qa, da = amax / 127),
-sums u * qa in int32 with AVX512-VNNI and scales each block's sum in float32 (``csrc/w4a8.cpp``
+sums u * qa in int32 (VNNI's dot products where the CPU has them) and scales each block's sum in float32 (``csrc/w4a8.cpp``
 states the exact arithmetic). So the format runs llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 scheme on
 the file's own weights, in any run dtype (the kernel takes and returns float32; a bfloat16 run
 casts around it). Each row's result is independent of the other rows of a call and of the
@@ -21,8 +21,9 @@ thread count, by construction: speculation stays exact (``quant.check_batch_inva
 The kernel is C++ (``csrc/w4a8.cpp``) in our kernel library (runtime/kernels.py: built once per
 machine and torch version, registered as the op ``yggtree::w4a8_mm``, an extern kernel to
 inductor whose C shim AOTInductor packages call directly). Float32 models in this format also
-run the library's row-by-row attention (``yggtree::rows_attention``). It needs an x86 CPU with
-AVX512-VNNI, a C++ compiler and ninja; without them the format is refused in one line.
+run the library's row-by-row attention (``yggtree::rows_attention``). It needs what the library
+needs (an x86 CPU with AVX2, FMA and F16C, or AVX-512; a C++ compiler and ninja); without them the
+format is refused in one line.
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ from torch import nn
 
 from ..errors import YggError
 from .gguf_blocks import read_blocks
-from .kernels import TILE, aoti_shims, cpu_flags as _cpu_flags, runs_attention
+from .kernels import TILE, aoti_shims, runs_attention
 
 __all__ = ["Blocks", "load_kernel", "aoti_shims", "runs_attention", "q4_1_blocks", "gguf_blocks", "cat_blocks", "dequantize_blocks",
            "nibble_blocks", "pack_blocks", "W4A8Linear"]
 
 BLOCK = 32  # input columns per block (GGUF's Q4_0 / Q4_1 / Q8_0)
-NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")  # /proc/cpuinfo names
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,6 @@ class Blocks:
 def load_kernel() -> None:
     """Load the kernel library (runtime/kernels.py: ``yggtree::w4a8_mm``,
     ``yggtree::rows_attention``); YggError in one line where the format cannot run here."""
-    missing = [f for f in NEEDED_FLAGS if f not in _cpu_flags()]
-    if missing:
-        raise YggError(f"weights w4a8: this CPU lacks {', '.join(missing)} (the kernel's int8 dot "
-                       "products need AVX512-VNNI); use int4 or gguf-native")
     from .kernels import load_library  # (looked up at the call: tests replace it)
 
     try:

@@ -23,7 +23,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
-#include <immintrin.h>
+#include "simd.h"
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -32,49 +32,41 @@
 
 namespace {
 
+using namespace yggtree::simd;
+
 // e^x for 16 floats <= 0 (the scores minus their maximum): 2^n e^r with n = round(x log2 e) and
 // r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf polynomial; below -104 the result is 0.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+inline F exp16(F x) {
+  x = max(x, set1(-104.f));
+  const F n = round_even(mul(x, set1(1.44269504088896341f)));
+  F r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  F p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = fmadd(p, mul(r, r), add(r, set1(1.f)));
+  return scalef(p, n);
 }
 
-// sum of n floats: 16 lanes slot by slot (a masked tail adds zeros), then the lanes in a fixed order
+// sum of n floats: 16 lanes slot by slot (a tail adds zeros), then the lanes in a fixed order
 inline float sum_of(const float* x, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  F acc = zero();
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
-  if (j < n) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - j)) - 1), x + j));
-  return _mm512_reduce_add_ps(acc);
+  for (; j + 16 <= n; j += 16) acc = add(acc, load(x + j));
+  if (j < n) acc = add(acc, load_n(x + j, int(n - j)));
+  return reduce_add(acc);
 }
 
 // 16 values of q, K or V as float32, and 16 results stored in the model's dtype: bfloat16 is the
 // high half of a float32; the store rounds to nearest even, as a tensor's .to(torch.bfloat16)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
+inline F load16(const float* p) { return load(p); }
+inline F load16(const at::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
+inline F load16(const at::Half* p) { return load_half(p); }
+inline void store16(float* p, F v) { store(p, v); }
+inline void store16(at::BFloat16* p, F v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
 
 constexpr int MAX_CHUNKS = 16;  // D <= 256
 
@@ -94,19 +86,19 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
   const int64_t cap = C + T;
   float* sc = buf.sc.data();  // [NG, C + T] scores, then probabilities
   int64_t* slot = buf.slot.data();
-  __m512 qv[NG][ND];
+  F qv[NG][ND];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < ND; ++c) qv[g][c] = load16(qh + g * qs + 16 * c);
   auto score = [&](int64_t s, int64_t j) {
     const K* kr = kb + s * ks1;
-    __m512 acc[NG];
-    const __m512 k0 = load16(kr);
-    for (int g = 0; g < NG; ++g) acc[g] = _mm512_mul_ps(qv[g][0], k0);
+    F acc[NG];
+    const F k0 = load16(kr);
+    for (int g = 0; g < NG; ++g) acc[g] = mul(qv[g][0], k0);
     for (int c = 1; c < ND; ++c) {
-      const __m512 kc = load16(kr + 16 * c);
-      for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], kc, acc[g]);
+      const F kc = load16(kr + 16 * c);
+      for (int g = 0; g < NG; ++g) acc[g] = fmadd(qv[g][c], kc, acc[g]);
     }
-    for (int g = 0; g < NG; ++g) sc[g * cap + j] = _mm512_reduce_add_ps(acc[g]) * scale;
+    for (int g = 0; g < NG; ++g) sc[g * cap + j] = reduce_add(acc[g]) * scale;
   };
   // K and V rows are read in slot order, each KV head's slots one contiguous run (the cache is
   // head-major): the hardware prefetchers stream them (a software prefetch measured slower on
@@ -119,40 +111,36 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     if (win[t] >= 0) slot[n] = win[t], score(win[t], n++);
   if (n == 0) {  // a row that sees nothing (never in a decode step): zeros
     for (int g = 0; g < NG; ++g)
-      for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, _mm512_setzero_ps());
+      for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, zero());
     return;
   }
   float total[NG];
   for (int g = 0; g < NG; ++g) {
     float* sg = sc + g * cap;
-    __m512 mx = _mm512_set1_ps(sg[0]);  // the maximum (exact in any order)
+    F mx = set1(sg[0]);  // the maximum (exact in any order)
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
-    if (j < n) mx = _mm512_mask_max_ps(mx, static_cast<__mmask16>((1u << (n - j)) - 1), mx, _mm512_maskz_loadu_ps(
-                                           static_cast<__mmask16>((1u << (n - j)) - 1), sg + j));
-    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(sg + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mv)));
-    if (j < n) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-      _mm512_mask_storeu_ps(sg + j, tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + j), mv)));
-    }
+    for (; j + 16 <= n; j += 16) mx = max(mx, load(sg + j));
+    if (j < n) mx = max(mx, load_n(sg + j, int(n - j), sg[0]));
+    const F mv = set1(reduce_max(mx));
+    for (j = 0; j + 16 <= n; j += 16) store(sg + j, exp16(sub(load(sg + j), mv)));
+    if (j < n) store_n(sg + j, exp16(sub(load_n(sg + j, int(n - j)), mv)), int(n - j));
     total[g] = sum_of(sg, n1) + sum_of(sg + n1, n - n1);
   }
-  __m512 a1[NG][ND], a2[NG][ND];
+  F a1[NG][ND], a2[NG][ND];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < ND; ++c) a1[g][c] = _mm512_setzero_ps(), a2[g][c] = _mm512_setzero_ps();
-  auto weigh = [&](__m512 (&a)[NG][ND], int64_t jj) {
+    for (int c = 0; c < ND; ++c) a1[g][c] = zero(), a2[g][c] = zero();
+  auto weigh = [&](F (&a)[NG][ND], int64_t jj) {
     const K* vr = vb + slot[jj] * vs1;
     for (int c = 0; c < ND; ++c) {
-      const __m512 vc = load16(vr + 16 * c);
-      for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * cap + jj]), vc, a[g][c]);
+      const F vc = load16(vr + 16 * c);
+      for (int g = 0; g < NG; ++g) a[g][c] = fmadd(set1(sc[g * cap + jj]), vc, a[g][c]);
     }
   };
   for (int64_t jj = 0; jj < n1; ++jj) weigh(a1, jj);
   for (int64_t jj = n1; jj < n; ++jj) weigh(a2, jj);
   for (int g = 0; g < NG; ++g) {
-    const __m512 tv = _mm512_set1_ps(total[g]);
-    for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, _mm512_div_ps(_mm512_add_ps(a1[g][c], a2[g][c]), tv));
+    const F tv = set1(total[g]);
+    for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, div(add(a1[g][c], a2[g][c]), tv));
   }
 }
 

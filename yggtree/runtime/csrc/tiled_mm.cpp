@@ -1,4 +1,5 @@
-// yggtree::tiled_mm -- float32, bfloat16 or int8 weights in tiles of 16 output columns on AVX-512
+// yggtree::tiled_mm -- float32, bfloat16 or int8 weights in tiles of 16 output columns (csrc/simd.h: AVX-512
+// or AVX2)
 // (runtime/kernels.py builds this file with the kernel library; runtime/packed.py and runtime/quant.py
 // document the formats).
 //
@@ -10,7 +11,7 @@
 // each partial sum accumulated in k order with fused multiply-adds in float32.
 //
 // Quantized weights (int8 here, 4-bit codes in yggtree::tiled_q4_mm) take their activations as 16-bit
-// integers, summed exactly in int32 with AVX512-VNNI (vpdpwssd, two products a lane): per row r,
+// integers, summed exactly in int32 (vpdpwssd, or vpmaddwd where there is no VNNI: two products a lane): per row r,
 //   da[r] = amax_k |x[r, k]| / 32767,  qa[r, k] = nearest-even(x[r, k] * (1 / da[r]))  (float32 steps)
 // an error of at most da / 2 (1 / 65534 of the row's largest activation) where bfloat16 activations
 // (torch's quantized kernels) err by up to 1 / 512 of each. Int8 codes q [T, K2 / 2, 32] (K2 = K rounded
@@ -29,7 +30,7 @@
 // q[16t+l][32b+4h+i] | q[16t+l][32b+16+4h+i] << 4 (the w4a8 kernel's codes), then the group's 16 s, then its
 // 16 m: S = 8 G + 32 e, e the bytes of a scale (2: float16, 4: float32; S mod 256 is 64 or 128). The integer
 // sums split each 16-bit activation exactly, qa = 256 hi + lo (hi = qa >> 8 in -128..127, lo = qa & 255),
-// into byte products that AVX512-VNNI sums four at a time (vpdpbusd: the codes as unsigned bytes times hi, lo
+// into byte products summed four at a time (vpdpbusd, or vpmaddubsw + vpmaddwd: the codes as unsigned bytes times hi, lo
 // times the codes as signed bytes). Per row r:
 //   xs[g] = sum of x[r, k] over group g (16-lane partial sums, lanes added in a fixed order)
 //   i[g]  = 256 (sum over group g of q hi) + (sum of lo q) = sum over group g of qa q   (int32, exact)
@@ -42,20 +43,24 @@
 #include <ATen/Parallel.h>
 #include "loops.h"
 #include "prefetch.h"
+#include "simd.h"
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
-#include <immintrin.h>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen(const at::BFloat16* p) {  // bfloat16 -> float32: the 16 bits on top, exact
-  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
+using namespace yggtree::simd;
+
+// rows a tile computes together (each keeps its own accumulators in registers)
+constexpr int WIDE = REGISTERS / 4;  // float and int8 tiles
+constexpr int WIDE_Q4 = REGISTERS / 8;  // 4-bit tiles (two sums a row)
+
+inline F widen(const float* p) { return load(p); }
+inline F widen(const at::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
 
 // One prefetch per 64-byte line of the weight stream at `at`: into the first-level cache `ahead.near` bytes
 // ahead, into the second `ahead.far` bytes ahead (0: none; csrc/prefetch.h)
@@ -72,25 +77,38 @@ template <int R, typename W>
 inline void tile(const W* w, const float* scale, const float* x, int64_t K, float* out, int64_t ldo,
                  yggtree::Prefetch ahead) {
   constexpr int BYTES = 32 * sizeof(W);  // weight bytes of one step of two k
-  __m512 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = _mm512_setzero_ps(), odd[r] = _mm512_setzero_ps();
+  F even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = zero(), odd[r] = zero();
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
     fetch_ahead<BYTES>(reinterpret_cast<const char*>(w + k * 16), ahead);
-    const __m512 w0 = widen(w + k * 16), w1 = widen(w + (k + 1) * 16);
+    const F w0 = widen(w + k * 16), w1 = widen(w + (k + 1) * 16);
     for (int r = 0; r < R; ++r) {
-      even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w0, even[r]);
-      odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + 1]), w1, odd[r]);
+      even[r] = fmadd(set1(x[r * K + k]), w0, even[r]);
+      odd[r] = fmadd(set1(x[r * K + k + 1]), w1, odd[r]);
     }
   }
   if (k < K) {
-    const __m512 w0 = widen(w + k * 16);
-    for (int r = 0; r < R; ++r) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w0, even[r]);
+    const F w0 = widen(w + k * 16);
+    for (int r = 0; r < R; ++r) even[r] = fmadd(set1(x[r * K + k]), w0, even[r]);
   }
   for (int r = 0; r < R; ++r) {
-    const __m512 y = _mm512_add_ps(even[r], odd[r]);
-    _mm512_storeu_ps(out + r * ldo, scale ? _mm512_mul_ps(y, _mm512_loadu_ps(scale)) : y);
+    const F y = add(even[r], odd[r]);
+    store(out + r * ldo, scale ? mul(y, load(scale)) : y);
   }
+}
+
+// Rows in groups of 8 (where the registers hold them), 4, 2, 1: a group reads each weight of the tile once
+// (the tile stays in cache for the next group). `rows(r, n)` computes rows r..r+n-1 with a tile of n rows.
+template <int MAX, typename Rows>
+inline void in_groups(int64_t M, Rows&& rows) {
+  int64_t r = 0;
+  if constexpr (MAX >= 8)
+    for (; r + 8 <= M; r += 8) rows(r, std::integral_constant<int, 8>{});
+  if constexpr (MAX >= 4)
+    for (; r + 4 <= M; r += 4) rows(r, std::integral_constant<int, 4>{});
+  for (; r + 2 <= M; r += 2) rows(r, std::integral_constant<int, 2>{});
+  for (; r < M; ++r) rows(r, std::integral_constant<int, 1>{});
 }
 
 template <typename W>
@@ -101,13 +119,9 @@ void run(const W* wp, const float* sp, const float* x, int64_t M, int64_t K, int
     for (int64_t t = t0; t < t1; ++t) {
       const W* w = wp + t * K * 16;
       const float* s = sp ? sp + t * 16 : nullptr;
-      // rows in groups of 8, 4, 2, 1: a group reads each weight once (the tile stays in cache for
-      // the next group)
-      int64_t r = 0;
-      for (; r + 8 <= M; r += 8) tile<8>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
-      for (; r + 4 <= M; r += 4) tile<4>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
-      for (; r + 2 <= M; r += 2) tile<2>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
-      for (; r < M; ++r) tile<1>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
+      in_groups<WIDE>(M, [&](int64_t r, auto n) {
+        tile<decltype(n)::value>(w, s, x + r * K, K, op + r * N + 16 * t, N, pf);
+      });
     }
   });
 }
@@ -116,27 +130,23 @@ void run(const W* wp, const float* sp, const float* x, int64_t M, int64_t K, int
 void quantize16(const float* x, int64_t M, int64_t K, int64_t K2, int16_t* qa, float* da) {
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = x + r * K;
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 in = k + 16 <= K ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(in, xr + k)));
-    }
-    const float d = _mm512_reduce_max_ps(mx) / 32767.f;
-    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    F mx = zero();
+    for (int64_t k = 0; k < K; k += 16) mx = max(mx, abs(k + 16 <= K ? load(xr + k) : load_n(xr + k, int(K - k))));
+    const float d = reduce_max(mx) / 32767.f;
+    const F inv = set1(d > 0.f ? 1.f / d : 0.f);
     for (int64_t k = 0; k < K2; k += 16) {
-      const __mmask16 in = k + 16 <= K ? __mmask16(0xFFFF) : k < K ? __mmask16((1u << (K - k)) - 1) : __mmask16(0);
-      const __mmask16 out = k + 16 <= K2 ? __mmask16(0xFFFF) : __mmask16((1u << (K2 - k)) - 1);
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + k), inv));  // nearest even
-      _mm256_mask_storeu_epi16(qa + r * K2 + k, out, _mm512_cvtsepi32_epi16(q));
+      const F a = k + 16 <= K ? load(xr + k) : load_n(xr + k, int(std::clamp<int64_t>(K - k, 0, 16)));
+      const I q = to_int(mul(a, inv));  // nearest even
+      if (k + 16 <= K2) {
+        store_i16(qa + r * K2 + k, q);
+      } else {
+        int16_t tail[16];
+        store_i16(tail, q);
+        std::memcpy(qa + r * K2 + k, tail, sizeof(int16_t) * (K2 - k));
+      }
     }
     da[r] = d;
   }
-}
-
-inline __m512i bytes4(const void* a) {  // 4 bytes in every 32-bit lane (two 16-bit activations, four 8-bit ones)
-  int32_t v;
-  std::memcpy(&v, a, 4);
-  return _mm512_set1_epi32(v);
 }
 
 constexpr int64_t CHUNK = 256;  // inputs summed in int32 at most: 128 pairs of |qa q| <= 32767 * 128: < 2^31
@@ -146,38 +156,38 @@ constexpr int64_t CHUNK = 256;  // inputs summed in int32 at most: 128 pairs of 
 template <int R, int C>
 inline void i8_tile(const int8_t* w, const float* scale, int64_t G, const int16_t* qa, const float* da, int64_t K2,
                     float* out, int64_t ldo, yggtree::Prefetch ahead) {
-  __m512 y[R];
+  F y[R];
   for (int64_t k0 = 0; k0 < K2; k0 += G) {
-    __m512 a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    F a[R];
+    for (int r = 0; r < R; ++r) a[r] = zero();
     for (int64_t c0 = k0; c0 < k0 + G; c0 += CHUNK) {
       const int64_t c1 = std::min(k0 + G, c0 + CHUNK);
-      __m512i is[R][C];
+      I is[R][C];
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) is[r][c] = _mm512_setzero_si512();
+        for (int c = 0; c < C; ++c) is[r][c] = zero_i();
       int64_t k = c0;
       for (; k + 2 * C <= c1; k += 2 * C) {
         const int8_t* at = w + k * 16;  // (k / 2) pairs of 32 bytes
         for (int c = 0; c < C; ++c) {
           if ((k + 2 * c) % 4 == 0) fetch_ahead<64>(reinterpret_cast<const char*>(at + c * 32), ahead);
-          const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 32)));
-          for (int r = 0; r < R; ++r) is[r][c] = _mm512_dpwssd_epi32(is[r][c], v, bytes4(qa + r * K2 + k + 2 * c));
+          const I v = widen_i8(at + c * 32);
+          for (int r = 0; r < R; ++r) is[r][c] = dpwssd(is[r][c], v, bytes4(qa + r * K2 + k + 2 * c));
         }
       }
       for (; k < c1; k += 2) {
-        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16)));
-        for (int r = 0; r < R; ++r) is[r][0] = _mm512_dpwssd_epi32(is[r][0], v, bytes4(qa + r * K2 + k));
+        const I v = widen_i8(w + k * 16);
+        for (int r = 0; r < R; ++r) is[r][0] = dpwssd(is[r][0], v, bytes4(qa + r * K2 + k));
       }
       for (int r = 0; r < R; ++r) {
-        __m512i t = is[r][0];
-        for (int c = 1; c < C; ++c) t = _mm512_add_epi32(t, is[r][c]);
-        a[r] = _mm512_add_ps(a[r], _mm512_cvtepi32_ps(t));
+        I t = is[r][0];
+        for (int c = 1; c < C; ++c) t = add(t, is[r][c]);
+        a[r] = add(a[r], to_float(t));
       }
     }
-    const __m512 s = _mm512_loadu_ps(scale + (k0 / G) * 16);
-    for (int r = 0; r < R; ++r) y[r] = k0 == 0 ? _mm512_mul_ps(a[r], s) : _mm512_fmadd_ps(s, a[r], y[r]);
+    const F s = load(scale + (k0 / G) * 16);
+    for (int r = 0; r < R; ++r) y[r] = k0 == 0 ? mul(a[r], s) : fmadd(s, a[r], y[r]);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(y[r], _mm512_set1_ps(da[r])));
+  for (int r = 0; r < R; ++r) store(out + r * ldo, mul(y[r], set1(da[r])));
 }
 
 // The calling thread's scratch for the rows' activations (no allocation per product; the parallel tiles
@@ -211,12 +221,10 @@ void run_i8(const int8_t* wp, const float* sp, int64_t B, const float* x, int64_
     for (int64_t t = t0; t < t1; ++t) {
       const int8_t* w = wp + t * K2 * 16;
       const float* s = sp + t * B * 16;
-      const int16_t* qa = rows.qa;
-      int64_t r = 0;  // rows in groups of 8, 4, 2, 1 (as the float tiles)
-      for (; r + 8 <= M; r += 8) i8_tile<8, 1>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
-      for (; r + 4 <= M; r += 4) i8_tile<4, 1>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
-      for (; r + 2 <= M; r += 2) i8_tile<2, 2>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
-      for (; r < M; ++r) i8_tile<1, 2>(w, s, G, qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+      in_groups<WIDE>(M, [&](int64_t r, auto n) {
+        constexpr int R = decltype(n)::value;
+        i8_tile<R, R <= 2 ? 2 : 1>(w, s, G, rows.qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+      });
     }
   });
 }
@@ -252,63 +260,55 @@ at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-inline __m512 scales(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 scales(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline F scales(const float* p) { return load(p); }
+inline F scales(const at::Half* p) { return load_half(p); }
 
 // hi, lo of n 16-bit activations (see the header)
 void split_bytes(const int16_t* qa, int64_t n, int8_t* hi, uint8_t* lo) {
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512i v = _mm512_loadu_si512(qa + i);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi16_epi8(v));  // the low bytes
-  }
-  for (; i < n; ++i) hi[i] = static_cast<int8_t>(qa[i] >> 8), lo[i] = static_cast<uint8_t>(qa[i] & 255);
+  for (int64_t i = 0; i < n; ++i) hi[i] = static_cast<int8_t>(qa[i] >> 8), lo[i] = static_cast<uint8_t>(qa[i] & 255);
 }
 
 // R rows of one tile of 4-bit blocks (S bytes a group), all groups; J = 2: the low and the high nibbles'
 // sums apart (four independent integer sums a row: the products' latency hidden at one and two rows),
-// J = 1: together. Scales and offsets SC (float32 or float16)
+// J = 1: together. Scales and offsets SC (float32 or float16). The codes (0..15) times hi, and lo times
+// the codes, fit vpmaddubsw's 16-bit pairs (simd.h dpbusd)
 template <int R, int J, typename SC>
 inline void q4_tile(const uint8_t* blocks, int64_t S, const int8_t* hi, const uint8_t* lo, const float* da,
                     const float* xs, int64_t K, int64_t G, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   const int64_t B = K / G;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 ys[R], ym[R];
-  for (int r = 0; r < R; ++r) ys[r] = _mm512_setzero_ps(), ym[r] = _mm512_setzero_ps();
+  F ys[R], ym[R];
+  for (int r = 0; r < R; ++r) ys[r] = zero(), ym[r] = zero();
   for (int64_t g = 0; g < B; ++g) {
     const uint8_t* group = blocks + g * S;
     for (int64_t b = 0; b < S; b += 64) fetch_ahead<64>(reinterpret_cast<const char*>(group + b), ahead);
-    __m512i sh[R][J], sl[R][J];  // sums of q hi, of lo q
+    I sh[R][J], sl[R][J];  // sums of q hi, of lo q
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < J; ++j) sh[r][j] = _mm512_setzero_si512(), sl[r][j] = _mm512_setzero_si512();
+      for (int j = 0; j < J; ++j) sh[r][j] = zero_i(), sl[r][j] = zero_i();
     for (int64_t k0 = 0; k0 < G; k0 += 32) {
       const uint8_t* c = group + k0 * 8;
       for (int h = 0; h < 4; ++h) {
-        const __m512i v = _mm512_loadu_si512(c + h * 64);
-        const __m512i a = _mm512_and_si512(v, low), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const I v = load_i(c + h * 64);
+        const I a = low_nibbles(v), b = high_nibbles(v);
         const int64_t ka = g * G + k0 + 4 * h, kb = ka + 16;  // the inputs of a's and b's 4 bytes a lane
         for (int r = 0; r < R; ++r) {
-          sh[r][0] = _mm512_dpbusd_epi32(sh[r][0], a, bytes4(hi + r * K + ka));
-          sl[r][0] = _mm512_dpbusd_epi32(sl[r][0], bytes4(lo + r * K + ka), a);
-          sh[r][J - 1] = _mm512_dpbusd_epi32(sh[r][J - 1], b, bytes4(hi + r * K + kb));
-          sl[r][J - 1] = _mm512_dpbusd_epi32(sl[r][J - 1], bytes4(lo + r * K + kb), b);
+          sh[r][0] = dpbusd(sh[r][0], a, bytes4(hi + r * K + ka));
+          sl[r][0] = dpbusd(sl[r][0], bytes4(lo + r * K + ka), a);
+          sh[r][J - 1] = dpbusd(sh[r][J - 1], b, bytes4(hi + r * K + kb));
+          sl[r][J - 1] = dpbusd(sl[r][J - 1], bytes4(lo + r * K + kb), b);
         }
       }
     }
     const SC* sm = reinterpret_cast<const SC*>(group + G * 8);
-    const __m512 sg = scales(sm), mg = scales(sm + 16);
+    const F sg = scales(sm), mg = scales(sm + 16);
     for (int r = 0; r < R; ++r) {
-      __m512i th = sh[r][0], tl = sl[r][0];
-      if constexpr (J == 2) th = _mm512_add_epi32(th, sh[r][1]), tl = _mm512_add_epi32(tl, sl[r][1]);
-      const __m512i t = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);
-      ys[r] = _mm512_fmadd_ps(sg, _mm512_cvtepi32_ps(t), ys[r]);
-      ym[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xs[r * B + g]), ym[r]);
+      I th = sh[r][0], tl = sl[r][0];
+      if constexpr (J == 2) th = add(th, sh[r][1]), tl = add(tl, sl[r][1]);
+      const I t = add(shl32<8>(th), tl);
+      ys[r] = fmadd(sg, to_float(t), ys[r]);
+      ym[r] = fmadd(mg, set1(xs[r * B + g]), ym[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_fmadd_ps(ys[r], _mm512_set1_ps(da[r]), ym[r]));
+  for (int r = 0; r < R; ++r) store(out + r * ldo, fmadd(ys[r], set1(da[r]), ym[r]));
 }
 
 template <typename SC>
@@ -318,16 +318,12 @@ void run_q4(const uint8_t* bp, int64_t S, const Rows16& rows, int64_t M, int64_t
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = bp + t * B * S;
-      const int8_t* hi = rows.hi;
-      const uint8_t* lo = rows.lo;
-      const float *da = rows.da, *xs = rows.xs;
-      int64_t r = 0;  // rows in groups of 4, 2, 1
-      for (; r + 4 <= M; r += 4)
-        q4_tile<4, 1, SC>(c, S, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
-      for (; r + 2 <= M; r += 2)
-        q4_tile<2, 2, SC>(c, S, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
-      for (; r < M; ++r)
-        q4_tile<1, 2, SC>(c, S, hi + r * K, lo + r * K, da + r, xs + r * B, K, G, op + r * N + 16 * t, N, pf);
+      in_groups<WIDE_Q4>(M, [&](int64_t r, auto n) {
+        constexpr int R = decltype(n)::value;
+        constexpr int J = R <= REGISTERS / 16 ? 2 : 1;  // two sums a row where the registers hold them
+        q4_tile<R, J, SC>(c, S, rows.hi + r * K, rows.lo + r * K, rows.da + r, rows.xs + r * B, K, G,
+                            op + r * N + 16 * t, N, pf);
+      });
     }
   });
 }
@@ -351,9 +347,9 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   split_bytes(rows.qa, M * K, rows.hi, rows.lo);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < B; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xp + r * K + k));
-      rows.xs[r * B + g] = _mm512_reduce_add_ps(acc);
+      F acc = zero();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = add(acc, load(xp + r * K + k));
+      rows.xs[r * B + g] = reduce_add(acc);
     }
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   if (e == 2)

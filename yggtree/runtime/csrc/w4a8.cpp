@@ -1,4 +1,5 @@
-// yggtree::w4a8_mm -- block-quantized weights times int8-quantized activations on AVX512-VNNI
+// yggtree::w4a8_mm -- block-quantized weights times int8-quantized activations (csrc/simd.h: AVX-512
+// or AVX2, with or without VNNI)
 // (runtime/w4a8.py builds this file once per machine and documents the format).
 //
 // Weights: per 32-wide input block b of output column n, w = d * u + m with codes u in 0..15
@@ -13,7 +14,7 @@
 //
 // Layout: one uint8 tensor [T, B, S], per tile t of 16 output columns and block b (T = N / 16,
 // B = K / 32) the block's codes, then its 16 d, then its 16 m (float16), so each thread reads one
-// contiguous stream (three tensors -- codes, d, m -- ran 1.04-1.075x slower at 1-8 rows; docs/results.md):
+// contiguous stream (three tensors -- codes, d, m -- are three streams a thread, slower):
 //   4-bit, S = 320: byte (g, lane, i) = u[16t+lane][32b+4g+i] | u[16t+lane][32b+16+4g+i] << 4, then d, m
 //   8-bit, S = 576: byte (g, lane, i) = u[16t+lane][32b+4g+i] (g < 8), then d, m
 #include <ATen/ATen.h>
@@ -23,7 +24,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
-#include <immintrin.h>
+#include "simd.h"
 #include <atomic>
 #include <mutex>
 #include <set>
@@ -34,36 +35,32 @@
 namespace {
 
 
+using namespace yggtree::simd;
+
 // qa [M, K] int8, da and sa [M, B] float32 (see the header)
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa) {
   const int64_t B = K / 32;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + r * K + b * 32;
-      const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const F a0 = load(xb), a1 = load(xb + 16);
+      const float amax = reduce_max(max(abs(a0), abs(a1)));
       const float d = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv));  // nearest even (default MXCSR)
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + r * K + b * 32), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + r * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+      const F inv = set1(d > 0.f ? 1.f / d : 0.f);
+      const I q0 = to_int(mul(a0, inv)), q1 = to_int(mul(a1, inv));  // nearest even (default rounding mode)
+      store_i8(qa + r * K + b * 32, q0);
+      store_i8(qa + r * K + b * 32 + 16, q1);
       da[r * B + b] = d;
-      sa[r * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      sa[r * B + b] = d * static_cast<float>(reduce_add(add(q0, q1)));
     }
   }
-}
-
-inline __m512i broadcast4(const int8_t* a) {
-  int32_t v;
-  std::memcpy(&v, a, 4);
-  return _mm512_set1_epi32(v);
 }
 
 template <int BITS>
 constexpr int CODES = BITS == 4 ? 256 : 512;  // bytes of a block's codes in a tile
 template <int BITS>
 constexpr int STRIDE = CODES<BITS> + 64;  // bytes of a block in a tile: codes, 16 d, 16 m
+constexpr int WIDE = REGISTERS / 4;  // rows a tile computes together (each keeps its own accumulators in registers)
 
 // R rows of one 16-column tile, all blocks. With one or two rows the 4-bit codes' low and high
 // nibbles feed two integer accumulators (two dependency chains instead of one; the int32 sums
@@ -72,12 +69,11 @@ template <int R, int BITS>
 inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, int64_t K,
                  int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   constexpr bool SPLIT = R <= 2;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero();
   for (int64_t b = 0; b < B; ++b) {
-    __m512i isum[R], isum2[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512(), isum2[r] = _mm512_setzero_si512();
+    I isum[R], isum2[R];
+    for (int r = 0; r < R; ++r) isum[r] = zero_i(), isum2[r] = zero_i();
     const uint8_t* cb = blocks + b * STRIDE<BITS>;
     if constexpr (BITS == 4) {
       // the weights are one stream (tiles are contiguous): fetch the library's distances ahead
@@ -87,45 +83,42 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
         if (ahead.far) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
       }
       for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512(cb + g * 64);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const I v = load_i(cb + g * 64);
+        const I lo = low_nibbles(v), hi = high_nibbles(v);
         for (int r = 0; r < R; ++r) {
           const int8_t* a = qa + r * K + b * 32 + 4 * g;
-          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, broadcast4(a));
+          isum[r] = dpbusd(isum[r], lo, bytes4(a));
           if constexpr (SPLIT)
-            isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, broadcast4(a + 16));
+            isum2[r] = dpbusd(isum2[r], hi, bytes4(a + 16));
           else
-            isum[r] = _mm512_dpbusd_epi32(isum[r], hi, broadcast4(a + 16));
+            isum[r] = dpbusd(isum[r], hi, bytes4(a + 16));
         }
       }
     } else {
-      // 8-bit codes: into the second level only (a first-level prefetch ran them slower on an AMD EPYC; the
-      // second-level one 1.12x as fast on an Intel Xeon: docs/results.md)
+      // 8-bit codes: into the second level only (a first-level prefetch slowed them on one CPU)
       if (ahead.far)
         for (int i = 0; i < STRIDE<BITS>; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
       for (int g = 0; g < 8; ++g) {
-        const __m512i v = _mm512_loadu_si512(cb + g * 64);
+        const I v = load_i(cb + g * 64);
         for (int r = 0; r < R; ++r) {
           if (SPLIT && (g & 1))
-            isum2[r] = _mm512_dpbusd_epi32(isum2[r], v, broadcast4(qa + r * K + b * 32 + 4 * g));
+            isum2[r] = dpbusd_wide(isum2[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
           else
-            isum[r] = _mm512_dpbusd_epi32(isum[r], v, broadcast4(qa + r * K + b * 32 + 4 * g));
+            isum[r] = dpbusd_wide(isum[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
         }
       }
     }
     if constexpr (SPLIT)
-      for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], isum2[r]);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + CODES<BITS>)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + CODES<BITS> + 32)));
+      for (int r = 0; r < R; ++r) isum[r] = add(isum[r], isum2[r]);
+    const F d = load_half(cb + CODES<BITS>), m = load_half(cb + CODES<BITS> + 32);
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(da[r * B + b]));
-      acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum[r]), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[r * B + b]), acc[r]);
+      const F s = mul(d, set1(da[r * B + b]));
+      acc[r] = fmadd(s, to_float(isum[r]), acc[r]);
+      acc[r] = fmadd(m, set1(sa[r * B + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+  for (int r = 0; r < R; ++r) store(out + r * ldo, acc[r]);
 }
 
 template <int BITS>
@@ -136,11 +129,11 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = bp + t * B * STRIDE<BITS>;
-      // rows in groups of 8, 4, 2, 1: a group shares every code block it unpacks (measured faster
-      // than groups of 4 and 1 only at 2-8 rows, the same elsewhere: reports/w4a8_rows/ab.py)
+      // rows in groups of 8 (where the registers hold them), 4, 2, 1: a group shares every code block it unpacks
       int64_t r = 0;
-      for (; r + 8 <= M; r += 8)
-        tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
+      if constexpr (WIDE >= 8)
+        for (; r + 8 <= M; r += 8)
+          tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 4 <= M; r += 4)
         tile<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 2 <= M; r += 2)
