@@ -9,7 +9,7 @@
 // visible slots only (part 1, then part 2), m = max_j s_j, p_j = exp(s_j - m),
 // out = (sum_part1 p_j v_j + sum_part2 p_j v_j) / (sum_part1 p_j + sum_part2 p_j).
 // Every sum runs in a fixed order over the row's own visible slots (the dot product over D in
-// 16-wide chunks then a fixed lane reduction; the others slot by slot, 16 lanes at a time for the
+// LANES-wide chunks then a fixed lane reduction; the others slot by slot, LANES at a time for the
 // probabilities' sums), so a row's result depends neither on the call's other rows nor on the
 // bucket C nor on the thread count; a tree node and the plain step at its position see the same
 // part 1 and the same window values, hence the same bits. Work is proportional to the visible
@@ -34,9 +34,9 @@ namespace {
 
 using namespace yggtree::simd;
 
-// e^x for 16 floats <= 0 (the scores minus their maximum): 2^n e^r with n = round(x log2 e) and
+// e^x for LANES floats <= 0 (the scores minus their maximum): 2^n e^r with n = round(x log2 e) and
 // r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf polynomial; below -104 the result is 0.
-inline F exp16(F x) {
+inline F exp_neg(F x) {
   x = max(x, set1(-104.f));
   const F n = round_even(mul(x, set1(1.44269504088896341f)));
   F r = fnmadd(n, set1(0.693359375f), x);
@@ -51,16 +51,16 @@ inline F exp16(F x) {
   return scalef(p, n);
 }
 
-// sum of n floats: 16 lanes slot by slot (a tail adds zeros), then the lanes in a fixed order
+// sum of n floats: LANES lanes slot by slot (a tail adds zeros), then the lanes in a fixed order
 inline float sum_of(const float* x, int64_t n) {
   F acc = zero();
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) acc = add(acc, load(x + j));
+  for (; j + LANES <= n; j += LANES) acc = add(acc, load(x + j));
   if (j < n) acc = add(acc, load_n(x + j, int(n - j)));
   return reduce_add(acc);
 }
 
-// 16 values of q, K or V as float32, and 16 results stored in the model's dtype: bfloat16 is the
+// LANES values of q, K or V as float32, and LANES results stored in the model's dtype: bfloat16 is the
 // high half of a float32; the store rounds to nearest even, as a tensor's .to(torch.bfloat16)
 inline F load16(const float* p) { return load(p); }
 inline F load16(const at::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
@@ -83,19 +83,20 @@ struct Scratch {
 template <typename E, typename K, int ND, int NG>
 void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, int64_t vs1, const bool* hm,
                 int64_t C, const int64_t* win, int64_t T, float scale, E* o, int64_t os, Scratch& buf) {
+  constexpr int NC = ND * 16 / LANES;  // vectors a head's D = 16 ND values
   const int64_t cap = C + T;
   float* sc = buf.sc.data();  // [NG, C + T] scores, then probabilities
   int64_t* slot = buf.slot.data();
-  F qv[NG][ND];
+  F qv[NG][NC];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < ND; ++c) qv[g][c] = load16(qh + g * qs + 16 * c);
+    for (int c = 0; c < NC; ++c) qv[g][c] = load16(qh + g * qs + LANES * c);
   auto score = [&](int64_t s, int64_t j) {
     const K* kr = kb + s * ks1;
     F acc[NG];
     const F k0 = load16(kr);
     for (int g = 0; g < NG; ++g) acc[g] = mul(qv[g][0], k0);
-    for (int c = 1; c < ND; ++c) {
-      const F kc = load16(kr + 16 * c);
+    for (int c = 1; c < NC; ++c) {
+      const F kc = load16(kr + LANES * c);
       for (int g = 0; g < NG; ++g) acc[g] = fmadd(qv[g][c], kc, acc[g]);
     }
     for (int g = 0; g < NG; ++g) sc[g * cap + j] = reduce_add(acc[g]) * scale;
@@ -111,7 +112,7 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     if (win[t] >= 0) slot[n] = win[t], score(win[t], n++);
   if (n == 0) {  // a row that sees nothing (never in a decode step): zeros
     for (int g = 0; g < NG; ++g)
-      for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, zero());
+      for (int c = 0; c < NC; ++c) store16(o + g * os + LANES * c, zero());
     return;
   }
   float total[NG];
@@ -119,20 +120,20 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     float* sg = sc + g * cap;
     F mx = set1(sg[0]);  // the maximum (exact in any order)
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) mx = max(mx, load(sg + j));
+    for (; j + LANES <= n; j += LANES) mx = max(mx, load(sg + j));
     if (j < n) mx = max(mx, load_n(sg + j, int(n - j), sg[0]));
     const F mv = set1(reduce_max(mx));
-    for (j = 0; j + 16 <= n; j += 16) store(sg + j, exp16(sub(load(sg + j), mv)));
-    if (j < n) store_n(sg + j, exp16(sub(load_n(sg + j, int(n - j)), mv)), int(n - j));
+    for (j = 0; j + LANES <= n; j += LANES) store(sg + j, exp_neg(sub(load(sg + j), mv)));
+    if (j < n) store_n(sg + j, exp_neg(sub(load_n(sg + j, int(n - j)), mv)), int(n - j));
     total[g] = sum_of(sg, n1) + sum_of(sg + n1, n - n1);
   }
-  F a1[NG][ND], a2[NG][ND];
+  F a1[NG][NC], a2[NG][NC];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < ND; ++c) a1[g][c] = zero(), a2[g][c] = zero();
-  auto weigh = [&](F (&a)[NG][ND], int64_t jj) {
+    for (int c = 0; c < NC; ++c) a1[g][c] = zero(), a2[g][c] = zero();
+  auto weigh = [&](F (&a)[NG][NC], int64_t jj) {
     const K* vr = vb + slot[jj] * vs1;
-    for (int c = 0; c < ND; ++c) {
-      const F vc = load16(vr + 16 * c);
+    for (int c = 0; c < NC; ++c) {
+      const F vc = load16(vr + LANES * c);
       for (int g = 0; g < NG; ++g) a[g][c] = fmadd(set1(sc[g * cap + jj]), vc, a[g][c]);
     }
   };
@@ -140,7 +141,7 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
   for (int64_t jj = n1; jj < n; ++jj) weigh(a2, jj);
   for (int g = 0; g < NG; ++g) {
     const F tv = set1(total[g]);
-    for (int c = 0; c < ND; ++c) store16(o + g * os + 16 * c, div(add(a1[g][c], a2[g][c]), tv));
+    for (int c = 0; c < NC; ++c) store16(o + g * os + LANES * c, div(add(a1[g][c], a2[g][c]), tv));
   }
 }
 

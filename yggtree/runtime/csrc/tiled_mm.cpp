@@ -32,7 +32,7 @@
 // sums split each 16-bit activation exactly, qa = 256 hi + lo (hi = qa >> 8 in -128..127, lo = qa & 255),
 // into byte products summed four at a time (vpdpbusd, or vpmaddubsw + vpmaddwd: the codes as unsigned bytes times hi, lo
 // times the codes as signed bytes). Per row r:
-//   xs[g] = sum of x[r, k] over group g (16-lane partial sums, lanes added in a fixed order)
+//   xs[g] = sum of x[r, k] over group g (LANES-wide partial sums, lanes added in a fixed order: csrc/simd.h)
 //   i[g]  = 256 (sum over group g of q hi) + (sum of lo q) = sum over group g of qa q   (int32, exact)
 //   y     = fma(sum over g in order of fma(s[g], float(i[g]), .), da[r], sum over g in order of fma(m[g], xs[g], .))
 //
@@ -56,8 +56,8 @@ namespace {
 using namespace yggtree::simd;
 
 // rows a tile computes together (each keeps its own accumulators in registers)
-constexpr int WIDE = REGISTERS / 4;  // float and int8 tiles
-constexpr int WIDE_Q4 = REGISTERS / 8;  // 4-bit tiles (two sums a row)
+constexpr int WIDE = 8 * REGISTERS / 32;  // float and int8 tiles
+constexpr int WIDE_Q4 = 4 * REGISTERS / 32;  // 4-bit tiles (two sums a row)
 
 inline F widen(const float* p) { return load(p); }
 inline F widen(const at::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
@@ -77,24 +77,26 @@ template <int R, typename W>
 inline void tile(const W* w, const float* scale, const float* x, int64_t K, float* out, int64_t ldo,
                  yggtree::Prefetch ahead) {
   constexpr int BYTES = 32 * sizeof(W);  // weight bytes of one step of two k
-  F even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = zero(), odd[r] = zero();
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
-    fetch_ahead<BYTES>(reinterpret_cast<const char*>(w + k * 16), ahead);
-    const F w0 = widen(w + k * 16), w1 = widen(w + (k + 1) * 16);
-    for (int r = 0; r < R; ++r) {
-      even[r] = fmadd(set1(x[r * K + k]), w0, even[r]);
-      odd[r] = fmadd(set1(x[r * K + k + 1]), w1, odd[r]);
+  for (int h = 0; h < 16; h += LANES) {  // the tile's columns, LANES at a time
+    F even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = zero(), odd[r] = zero();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      if (h == 0) fetch_ahead<BYTES>(reinterpret_cast<const char*>(w + k * 16), ahead);
+      const F w0 = widen(w + k * 16 + h), w1 = widen(w + (k + 1) * 16 + h);
+      for (int r = 0; r < R; ++r) {
+        even[r] = fmadd(set1(x[r * K + k]), w0, even[r]);
+        odd[r] = fmadd(set1(x[r * K + k + 1]), w1, odd[r]);
+      }
     }
-  }
-  if (k < K) {
-    const F w0 = widen(w + k * 16);
-    for (int r = 0; r < R; ++r) even[r] = fmadd(set1(x[r * K + k]), w0, even[r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    const F y = add(even[r], odd[r]);
-    store(out + r * ldo, scale ? mul(y, load(scale)) : y);
+    if (k < K) {
+      const F w0 = widen(w + k * 16 + h);
+      for (int r = 0; r < R; ++r) even[r] = fmadd(set1(x[r * K + k]), w0, even[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const F y = add(even[r], odd[r]);
+      store(out + r * ldo + h, scale ? mul(y, load(scale + h)) : y);
+    }
   }
 }
 
@@ -131,16 +133,17 @@ void quantize16(const float* x, int64_t M, int64_t K, int64_t K2, int16_t* qa, f
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = x + r * K;
     F mx = zero();
-    for (int64_t k = 0; k < K; k += 16) mx = max(mx, abs(k + 16 <= K ? load(xr + k) : load_n(xr + k, int(K - k))));
+    for (int64_t k = 0; k < K; k += LANES)
+      mx = max(mx, abs(k + LANES <= K ? load(xr + k) : load_n(xr + k, int(K - k))));
     const float d = reduce_max(mx) / 32767.f;
     const F inv = set1(d > 0.f ? 1.f / d : 0.f);
-    for (int64_t k = 0; k < K2; k += 16) {
-      const F a = k + 16 <= K ? load(xr + k) : load_n(xr + k, int(std::clamp<int64_t>(K - k, 0, 16)));
+    for (int64_t k = 0; k < K2; k += LANES) {
+      const F a = k + LANES <= K ? load(xr + k) : load_n(xr + k, int(std::clamp<int64_t>(K - k, 0, LANES)));
       const I q = to_int(mul(a, inv));  // nearest even
-      if (k + 16 <= K2) {
+      if (k + LANES <= K2) {
         store_i16(qa + r * K2 + k, q);
       } else {
-        int16_t tail[16];
+        int16_t tail[LANES];
         store_i16(tail, q);
         std::memcpy(qa + r * K2 + k, tail, sizeof(int16_t) * (K2 - k));
       }
@@ -156,6 +159,7 @@ constexpr int64_t CHUNK = 256;  // inputs summed in int32 at most: 128 pairs of 
 template <int R, int C>
 inline void i8_tile(const int8_t* w, const float* scale, int64_t G, const int16_t* qa, const float* da, int64_t K2,
                     float* out, int64_t ldo, yggtree::Prefetch ahead) {
+  for (int h = 0; h < 16; h += LANES) {  // the tile's columns, LANES at a time (2 h bytes into each pair line)
   F y[R];
   for (int64_t k0 = 0; k0 < K2; k0 += G) {
     F a[R];
@@ -169,13 +173,13 @@ inline void i8_tile(const int8_t* w, const float* scale, int64_t G, const int16_
       for (; k + 2 * C <= c1; k += 2 * C) {
         const int8_t* at = w + k * 16;  // (k / 2) pairs of 32 bytes
         for (int c = 0; c < C; ++c) {
-          if ((k + 2 * c) % 4 == 0) fetch_ahead<64>(reinterpret_cast<const char*>(at + c * 32), ahead);
-          const I v = widen_i8(at + c * 32);
+          if (h == 0 && (k + 2 * c) % 4 == 0) fetch_ahead<64>(reinterpret_cast<const char*>(at + c * 32), ahead);
+          const I v = widen_i8(at + c * 32 + 2 * h);
           for (int r = 0; r < R; ++r) is[r][c] = dpwssd(is[r][c], v, bytes4(qa + r * K2 + k + 2 * c));
         }
       }
       for (; k < c1; k += 2) {
-        const I v = widen_i8(w + k * 16);
+        const I v = widen_i8(w + k * 16 + 2 * h);
         for (int r = 0; r < R; ++r) is[r][0] = dpwssd(is[r][0], v, bytes4(qa + r * K2 + k));
       }
       for (int r = 0; r < R; ++r) {
@@ -184,10 +188,11 @@ inline void i8_tile(const int8_t* w, const float* scale, int64_t G, const int16_
         a[r] = add(a[r], to_float(t));
       }
     }
-    const F s = load(scale + (k0 / G) * 16);
+    const F s = load(scale + (k0 / G) * 16 + h);
     for (int r = 0; r < R; ++r) y[r] = k0 == 0 ? mul(a[r], s) : fmadd(s, a[r], y[r]);
   }
-  for (int r = 0; r < R; ++r) store(out + r * ldo, mul(y[r], set1(da[r])));
+  for (int r = 0; r < R; ++r) store(out + r * ldo + h, mul(y[r], set1(da[r])));
+  }
 }
 
 // The calling thread's scratch for the rows' activations (no allocation per product; the parallel tiles
@@ -276,30 +281,51 @@ template <int R, int J, typename SC>
 inline void q4_tile(const uint8_t* blocks, int64_t S, const int8_t* hi, const uint8_t* lo, const float* da,
                     const float* xs, int64_t K, int64_t G, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   const int64_t B = K / G;
+  for (int h = 0; h < 16; h += LANES) {  // the tile's columns, LANES at a time (4 h bytes into each code line)
   F ys[R], ym[R];
   for (int r = 0; r < R; ++r) ys[r] = zero(), ym[r] = zero();
   for (int64_t g = 0; g < B; ++g) {
     const uint8_t* group = blocks + g * S;
-    for (int64_t b = 0; b < S; b += 64) fetch_ahead<64>(reinterpret_cast<const char*>(group + b), ahead);
+    if (h == 0)
+      for (int64_t b = 0; b < S; b += 64) fetch_ahead<64>(reinterpret_cast<const char*>(group + b), ahead);
     I sh[R][J], sl[R][J];  // sums of q hi, of lo q
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < J; ++j) sh[r][j] = zero_i(), sl[r][j] = zero_i();
     for (int64_t k0 = 0; k0 < G; k0 += 32) {
       const uint8_t* c = group + k0 * 8;
-      for (int h = 0; h < 4; ++h) {
-        const I v = load_i(c + h * 64);
-        const I a = low_nibbles(v), b = high_nibbles(v);
-        const int64_t ka = g * G + k0 + 4 * h, kb = ka + 16;  // the inputs of a's and b's 4 bytes a lane
-        for (int r = 0; r < R; ++r) {
-          sh[r][0] = dpbusd(sh[r][0], a, bytes4(hi + r * K + ka));
-          sl[r][0] = dpbusd(sl[r][0], bytes4(lo + r * K + ka), a);
-          sh[r][J - 1] = dpbusd(sh[r][J - 1], b, bytes4(hi + r * K + kb));
-          sl[r][J - 1] = dpbusd(sl[r][J - 1], bytes4(lo + r * K + kb), b);
+      if constexpr (NATIVE_DOT) {
+        for (int q = 0; q < 4; ++q) {
+          const I v = load_i(c + q * 64 + 4 * h);
+          const I a = low_nibbles(v), b = high_nibbles(v);
+          const int64_t ka = g * G + k0 + 4 * q, kb = ka + 16;  // the inputs of a's and b's 4 bytes a lane
+          for (int r = 0; r < R; ++r) {
+            sh[r][0] = dpbusd(sh[r][0], a, bytes4(hi + r * K + ka));
+            sl[r][0] = dpbusd(sl[r][0], bytes4(lo + r * K + ka), a);
+            sh[r][J - 1] = dpbusd(sh[r][J - 1], b, bytes4(hi + r * K + kb));
+            sl[r][J - 1] = dpbusd(sl[r][J - 1], bytes4(lo + r * K + kb), b);
+          }
         }
+      } else {
+        // 16-bit sums of 32 inputs: 8 pairs of codes (<= 15) times hi (|hi| <= 128), <= 8 * 3840; lo (<= 255)
+        // times the codes in two halves of 4 pairs, <= 4 * 7650
+        I ph[R], pl[R];
+        for (int q = 0; q < 4; ++q) {
+          const I v = load_i(c + q * 64 + 4 * h);
+          const I a = low_nibbles(v), b = high_nibbles(v);
+          const int64_t ka = g * G + k0 + 4 * q, kb = ka + 16;
+          for (int r = 0; r < R; ++r) {
+            const I th = add16(pairs16(a, bytes4(hi + r * K + ka)), pairs16(b, bytes4(hi + r * K + kb)));
+            const I tl = add16(pairs16(bytes4(lo + r * K + ka), a), pairs16(bytes4(lo + r * K + kb), b));
+            ph[r] = q == 0 ? th : add16(ph[r], th);
+            pl[r] = q % 2 == 0 ? tl : add16(pl[r], tl);
+            if (q % 2 == 1) sl[r][0] = widen16(sl[r][0], pl[r]);
+          }
+        }
+        for (int r = 0; r < R; ++r) sh[r][0] = widen16(sh[r][0], ph[r]);
       }
     }
     const SC* sm = reinterpret_cast<const SC*>(group + G * 8);
-    const F sg = scales(sm), mg = scales(sm + 16);
+    const F sg = scales(sm + h), mg = scales(sm + 16 + h);
     for (int r = 0; r < R; ++r) {
       I th = sh[r][0], tl = sl[r][0];
       if constexpr (J == 2) th = add(th, sh[r][1]), tl = add(tl, sl[r][1]);
@@ -308,7 +334,8 @@ inline void q4_tile(const uint8_t* blocks, int64_t S, const int8_t* hi, const ui
       ym[r] = fmadd(mg, set1(xs[r * B + g]), ym[r]);
     }
   }
-  for (int r = 0; r < R; ++r) store(out + r * ldo, fmadd(ys[r], set1(da[r]), ym[r]));
+  for (int r = 0; r < R; ++r) store(out + r * ldo + h, fmadd(ys[r], set1(da[r]), ym[r]));
+  }
 }
 
 template <typename SC>
@@ -320,7 +347,7 @@ void run_q4(const uint8_t* bp, int64_t S, const Rows16& rows, int64_t M, int64_t
       const uint8_t* c = bp + t * B * S;
       in_groups<WIDE_Q4>(M, [&](int64_t r, auto n) {
         constexpr int R = decltype(n)::value;
-        constexpr int J = R <= REGISTERS / 16 ? 2 : 1;  // two sums a row where the registers hold them
+        constexpr int J = R <= 2 * REGISTERS / 32 ? 2 : 1;  // two sums a row where the registers hold them
         q4_tile<R, J, SC>(c, S, rows.hi + r * K, rows.lo + r * K, rows.da + r, rows.xs + r * B, K, G,
                             op + r * N + 16 * t, N, pf);
       });
@@ -348,7 +375,7 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < B; ++g) {
       F acc = zero();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 16) acc = add(acc, load(xp + r * K + k));
+      for (int64_t k = g * G; k < (g + 1) * G; k += LANES) acc = add(acc, load(xp + r * K + k));
       rows.xs[r * B + g] = reduce_add(acc);
     }
   const uint8_t* bp = blocks.data_ptr<uint8_t>();

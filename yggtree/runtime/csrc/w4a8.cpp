@@ -43,15 +43,20 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, 
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + r * K + b * 32;
-      const F a0 = load(xb), a1 = load(xb + 16);
-      const float amax = reduce_max(max(abs(a0), abs(a1)));
-      const float d = amax / 127.f;
+      constexpr int V = 32 / LANES;  // vectors a block
+      F a[V];
+      F mx = zero();
+      for (int i = 0; i < V; ++i) a[i] = load(xb + i * LANES), mx = max(mx, abs(a[i]));
+      const float d = reduce_max(mx) / 127.f;
       const F inv = set1(d > 0.f ? 1.f / d : 0.f);
-      const I q0 = to_int(mul(a0, inv)), q1 = to_int(mul(a1, inv));  // nearest even (default rounding mode)
-      store_i8(qa + r * K + b * 32, q0);
-      store_i8(qa + r * K + b * 32 + 16, q1);
+      I qs = zero_i();
+      for (int i = 0; i < V; ++i) {
+        const I q = to_int(mul(a[i], inv));  // nearest even (default rounding mode)
+        store_i8(qa + r * K + b * 32 + i * LANES, q);
+        qs = add(qs, q);
+      }
       da[r * B + b] = d;
-      sa[r * B + b] = d * static_cast<float>(reduce_add(add(q0, q1)));
+      sa[r * B + b] = d * static_cast<float>(reduce_add(qs));
     }
   }
 }
@@ -60,7 +65,7 @@ template <int BITS>
 constexpr int CODES = BITS == 4 ? 256 : 512;  // bytes of a block's codes in a tile
 template <int BITS>
 constexpr int STRIDE = CODES<BITS> + 64;  // bytes of a block in a tile: codes, 16 d, 16 m
-constexpr int WIDE = REGISTERS / 4;  // rows a tile computes together (each keeps its own accumulators in registers)
+constexpr int WIDE = 8 * REGISTERS / 32;  // rows a tile computes together (each keeps its own accumulators in registers)
 
 // R rows of one 16-column tile, all blocks. With one or two rows the 4-bit codes' low and high
 // nibbles feed two integer accumulators (two dependency chains instead of one; the int32 sums
@@ -69,38 +74,55 @@ template <int R, int BITS>
 inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, int64_t K,
                  int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   constexpr bool SPLIT = R <= 2;
+  for (int h = 0; h < 16; h += LANES) {  // the tile's columns, LANES at a time (4 h bytes into each code line)
   F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero();
   for (int64_t b = 0; b < B; ++b) {
     I isum[R], isum2[R];
     for (int r = 0; r < R; ++r) isum[r] = zero_i(), isum2[r] = zero_i();
     const uint8_t* cb = blocks + b * STRIDE<BITS>;
-    if constexpr (BITS == 4) {
+    if (BITS == 4 && h == 0) {
       // the weights are one stream (tiles are contiguous): fetch the library's distances ahead
       // (csrc/prefetch.h), which run on into the next tile (a prefetch past the end is harmless)
       for (int i = 0; i < STRIDE<BITS>; i += 64) {
         if (ahead.near) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.near + i), _MM_HINT_T0);
         if (ahead.far) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
       }
-      for (int g = 0; g < 4; ++g) {
-        const I v = load_i(cb + g * 64);
-        const I lo = low_nibbles(v), hi = high_nibbles(v);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* a = qa + r * K + b * 32 + 4 * g;
-          isum[r] = dpbusd(isum[r], lo, bytes4(a));
-          if constexpr (SPLIT)
-            isum2[r] = dpbusd(isum2[r], hi, bytes4(a + 16));
-          else
-            isum[r] = dpbusd(isum[r], hi, bytes4(a + 16));
+    }
+    if constexpr (BITS == 4) {
+      if constexpr (NATIVE_DOT) {
+        for (int g = 0; g < 4; ++g) {
+          const I v = load_i(cb + g * 64 + 4 * h);
+          const I lo = low_nibbles(v), hi = high_nibbles(v);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = qa + r * K + b * 32 + 4 * g;
+            isum[r] = dpbusd(isum[r], lo, bytes4(a));
+            if constexpr (SPLIT)
+              isum2[r] = dpbusd(isum2[r], hi, bytes4(a + 16));
+            else
+              isum[r] = dpbusd(isum[r], hi, bytes4(a + 16));
+          }
         }
+      } else {  // a block's 8 pair sums of codes (<= 15) times qa (|qa| <= 127) in 16 bits: <= 8 * 3810
+        I p[R];
+        for (int g = 0; g < 4; ++g) {
+          const I v = load_i(cb + g * 64 + 4 * h);
+          const I lo = low_nibbles(v), hi = high_nibbles(v);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = qa + r * K + b * 32 + 4 * g;
+            const I both = add16(pairs16(lo, bytes4(a)), pairs16(hi, bytes4(a + 16)));
+            p[r] = g == 0 ? both : add16(p[r], both);
+          }
+        }
+        for (int r = 0; r < R; ++r) isum[r] = widen16(isum[r], p[r]);
       }
     } else {
       // 8-bit codes: into the second level only (a first-level prefetch slowed them on one CPU)
-      if (ahead.far)
+      if (ahead.far && h == 0)
         for (int i = 0; i < STRIDE<BITS>; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
       for (int g = 0; g < 8; ++g) {
-        const I v = load_i(cb + g * 64);
+        const I v = load_i(cb + g * 64 + 4 * h);
         for (int r = 0; r < R; ++r) {
           if (SPLIT && (g & 1))
             isum2[r] = dpbusd_wide(isum2[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
@@ -111,14 +133,15 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
     }
     if constexpr (SPLIT)
       for (int r = 0; r < R; ++r) isum[r] = add(isum[r], isum2[r]);
-    const F d = load_half(cb + CODES<BITS>), m = load_half(cb + CODES<BITS> + 32);
+    const F d = load_half(cb + CODES<BITS> + 2 * h), m = load_half(cb + CODES<BITS> + 32 + 2 * h);
     for (int r = 0; r < R; ++r) {
       const F s = mul(d, set1(da[r * B + b]));
       acc[r] = fmadd(s, to_float(isum[r]), acc[r]);
       acc[r] = fmadd(m, set1(sa[r * B + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) store(out + r * ldo, acc[r]);
+  for (int r = 0; r < R; ++r) store(out + r * ldo + h, acc[r]);
+  }
 }
 
 template <int BITS>
