@@ -67,7 +67,7 @@ machine cannot run, a missing llama.cpp directory) is one line and exit status 1
 anything loads.
 
     OMP_NUM_THREADS=2 python scripts/bench_formats.py --llama-cpp /path/to/llama.cpp/build/bin \\
-        --prompts 4 --max-new-tokens 64 --threads 2 --repeats 2 --out reports/formats
+        --prompts 4 --max-new-tokens 64 --threads 2 --repeats 2 --out runs/formats
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ set and for all: decode tok/s, speed over plain with a 95% bootstrap interval ov
 
     OMP_NUM_THREADS=1 python scripts/bench_plans.py --plan profiles/NAME.yaml \\
         --prompts-mtbench 40 --prompts-humaneval 40 --max-new-tokens 128 --threads 1 \\
-        --out reports/plans/plans.json
+        --out runs/plans/plans.json
 
 ``--synthetic N`` decodes N prompts of token ids instead (a smoke test on a tiny model; not a
 measurement). Bad input (a missing plan, a profile of another device, threads above the cores, a

@@ -18,7 +18,7 @@ token sequence differs or any logits comparison fails, 2 on a usage error, 0 oth
 slice so a long job can be split into parts and resumed.
 
     python scripts/check_equivalence.py --prompts-mtbench 10 --prompts-humaneval 10 \\
-        --spec 4,4,16,4 --out reports/equivalence.json
+        --spec 4,4,16,4 --out runs/equivalence.json
 """
 
 from __future__ import annotations

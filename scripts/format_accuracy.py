@@ -20,7 +20,7 @@ Each is measured on:
 Output: a table, then one JSON line (also written to ``--out``). One model is in memory at a time.
 
     python scripts/format_accuracy.py --formats float32,bfloat16,int8,int4,int4@64,gguf-native \\
-        --prompts 20 --tokens 128 --ppl-texts 32 --out reports/format_accuracy.json
+        --prompts 20 --tokens 128 --ppl-texts 32 --out runs/format_accuracy.json
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ under an hour on a 2-core CPU:
   est. chain-4 AAL).
 
 **Across machines.** A work directory does not outlive its machine, so ``--carry P`` (a directory
-in the repository, ``reports/drafter_rerun``) keeps what a chunk leaves that the next one needs,
-small enough to commit: the chunk log, the tensor hash of every regenerated shard
+that travels between machines, e.g. on a branch of its own) keeps what a chunk leaves that the next
+one needs, small enough to copy: the chunk log, the tensor hash of every regenerated shard
 (``shards.json``), and each finished stage's head (config, weights, manifest, report; no optimizer
 checkpoint). On a new machine the same call seeds ``DIR`` from ``P``: the log, the committed
 shards in place of the regenerated ones whose hashes ``P`` holds (identical tensors, so the
@@ -35,7 +35,7 @@ line to ``DIR/rerun.jsonl`` (chunk, start, wall seconds, exit status): the total
 rerun is their sum. An interrupted chunk leaves nothing half-written (shards and checkpoints are
 written atomically), so running the script again continues it.
 
-    python scripts/rerun_drafter.py /work/rerun --minutes 170 --carry reports/drafter_rerun
+    python scripts/rerun_drafter.py /work/rerun --minutes 170 --carry /path/to/carry
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ until the time is up. Reports the requests run or the first error.
 
 ``--stance engine`` runs the engine as shipped (full guard evaluation while the worker runs,
 Graphs.frozen); ``--stance unsafe`` forces dynamo's skip_guard_eval_unsafe stance on both threads,
-which misses graphs it has (torch 2.13: docs/results.md, "Install, first run and test suite").
+which misses graphs it has (torch 2.13: docs/results-archive.md, "Install, first run and test suite").
 
     python scripts/stress_overlap.py --stance unsafe --seconds 150
     python scripts/stress_overlap.py --stance engine --seconds 150

@@ -175,8 +175,8 @@ def matmul_floor_ms(
     ``kernel`` is the product timed: ``linear`` is ``x @ w.T`` (what eager code such as
     transformers runs), ``packed`` the oneDNN product on weights reordered once into oneDNN's
     blocked layout (what yggtree's packed layers run, :mod:`yggtree.runtime.packed`; CPU only).
-    On the CPUs measured so far the packed kernel streams weights faster at every width
-    (docs/results.md), so it is the stricter floor.
+    On the CPUs measured so far the packed kernel streams weights faster at every width, so it
+    is the stricter floor.
 
     For each 2-D weight ``w`` of shape [out, in] (other tensors are ignored), compute ``x @ w.T`` with
     ``x`` of shape [width, in] in ``w``'s dtype and device (output allocated, as in a model's forward); all

@@ -39,7 +39,7 @@ weights        str | absent     (dtype)        float32 | bfloat16 | int8 | int4 
 kv_cache       str | absent     (dtype)        float16 | bfloat16: the target's KV cache in 16
                                                bits under float32 activations (half the reads
                                                of attention at long contexts; changes output
-                                               as a format does: docs/results.md reports it);
+                                               as a format does);
                                                absent: in dtype (yggtree.shapes.kv_cache_dtype)
 backend        str              inductor-cpu   inductor-cpu | eager | cuda | npu
 max_context    int >= 2         1024           prompt + generated tokens (static KV cache)

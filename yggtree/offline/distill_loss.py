@@ -142,7 +142,7 @@ class TargetHead:
 
 
 def train_autocast(cfg: DistillConfig):
-    """bfloat16 matmuls in the head's forward (about 2x faster on AVX-512 BF16); losses, the
+    """bfloat16 matmuls in the head's forward (faster on CPUs with AVX-512 BF16); losses, the
     target's distribution and the optimizer stay float32."""
     if cfg.train_autocast == "bfloat16":
         return torch.autocast("cpu", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The plan search (issue #21 item 5): each execution plan's step latency per tree shape, predicted
+"""The plan search: each execution plan's step latency per tree shape, predicted
 from a profile's stage forms (:mod:`yggtree.offline.profile_stages`), and the best plan.
 
 Candidates: ``sequential@T`` and ``ahead@T`` for every T the profile measured, ``overlap@T+D`` for

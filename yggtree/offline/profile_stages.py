@@ -1,4 +1,4 @@
-"""Stage times in the forms the execution plans run them (issue #21 item 4), for ``yggtree profile``.
+"""Stage times in the forms the execution plans run them, for ``yggtree profile``.
 
 Per thread split of this machine's usable cores (``T``: the decoding thread alone with T intra-op
 threads; ``T+D``: the target's thread with T and the drafter's worker with D, run together):

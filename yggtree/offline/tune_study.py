@@ -246,7 +246,7 @@ def should_stop(value: float, completed_at_step: list[float], min_completed: int
     """A measured candidate stops when it is below the median of the completed trials at the
     same step, once at least ``min_completed`` of them reached it (fewer: it goes on). A median of
     one or two few-prompt measurements is no yardstick: a real tune whose base plan completed first
-    at 50.1 tok/s pruned every later trial against that one number at its first prompt."""
+    pruned every later trial against that one number at its first prompt."""
     if len(completed_at_step) < max(min_completed, 1):
         return False
     xs = sorted(completed_at_step)

@@ -192,8 +192,8 @@ def walk_lists(tree: Tree, choice: torch.Tensor, max_depth: int) -> Accepted:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)``: [...] int64, the first maximum of every row of logits [..., V] (a
     NaN counts as the maximum). Float32 or float64 rows on the CPU go through numpy, whose argmax
-    is vectorised: ATen's CPU argmax reduces element by element, about ten times slower over a
-    vocabulary (docs/results.md, issue #20). The same index on every input."""
+    is vectorised: ATen's CPU argmax reduces element by element, much slower over a
+    vocabulary. The same index on every input."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1), dtype=np.int64))
     return logits.argmax(dim=-1)

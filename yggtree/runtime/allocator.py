@@ -1,8 +1,8 @@
 """The memory allocator a ``yggtree`` process runs on: glibc's, or jemalloc or tcmalloc preloaded.
 
 A CPU decode step makes thousands of small allocations (AOTInductor's tensor handles and views,
-every product's output), and glibc's malloc spends a measurable share of a short step on them
-(docs/results.md, issue #20). Which allocator decodes fastest is a property of the machine (its
+every product's output), and glibc's malloc spends a measurable share of a short step on them.
+Which allocator decodes fastest is a property of the machine (its
 CPU, its C library, the allocators installed), so it is measured there, never assumed:
 ``yggtree compile`` times the compiled plan's decoding (as ``yggtree run --plan`` runs it) under
 every allocator installed (``yggtree.allocator_choice``) and caches the choice under the user cache directory, keyed by

@@ -20,7 +20,7 @@ are), because a package assumes the strides it was compiled for.
 
 Step packages. Per-block packages keep compile time that of one block, but a decode step then
 enters 30 packages and runs the glue (embedding, RoPE rows, mask, final norm, head) as eager ops,
-a measured share of a step (docs/results.md). So the target's tree steps (``Plan.step_widths``:
+a measured share of a step. So the target's tree steps (``Plan.step_widths``:
 the plain step and every W_v of a speculative plan) are also compiled whole, once per context
 bucket: :func:`steps.tree_step`
 up to the final norm with every layer inlined (one package per (model, W, C),
@@ -88,7 +88,7 @@ def cpu_config(half: bool) -> dict:
     kernel rounded to its dtype as the unfused ops round it (``emulate_precision_casts``). Without
     it a graph rounds where its fusion happens to materialise values, so two graphs of one step
     (a whole step and its blocks, or one step width and another) differ in the last bits and a
-    verified node's logits leave the plain step's at near-ties (docs/results.md, issue #20)."""
+    verified node's logits leave the plain step's at near-ties."""
     config = dict(INDUCTOR_CPU_CONFIG)
     if half:
         config["emulate_precision_casts"] = True
@@ -218,10 +218,10 @@ def library_loops_only(block: nn.Module) -> bool:
     compiled with inductor's own loops serial (a package's OpenMP regions have their thread count
     compiled in), so that the library's loops may run on its thread pool (kernels.loop_pool), which
     must not meet an OpenMP team: what inductor computes in its steps is elementwise and small
-    (the SiLU-mul of one row: 1,536 floats; serial, the plain w4a8 step measured 1.015x), the
+    (the SiLU-mul of one row: 1,536 floats; serial, the plain w4a8 step measured no slower), the
     attention the library's too (kernels.use_rows_attention). Not a speculative plan's: its
-    drafter's calls and the verify's vocabulary-wide work ran ~10% slower serial, and trees gained
-    nothing on the pool (docs/results.md)."""
+    drafter's calls and the verify's vocabulary-wide work ran slower serial, and trees gained
+    nothing on the pool."""
     from .model import FUSED_PROJECTIONS
     from .packed import PackedConcat
     from .quant import Int4Linear, Int8Linear

@@ -39,7 +39,7 @@ Whole calls. A head or draft call is a function of tensors (:func:`head_call`, :
 mask, embedding, fc, the layers, norm, LM head, top-k). A compiled plan holds each as one
 AOTInductor package per width (runtime/aoti.py, "Drafter-call packages"), which the drafter runs
 once installed (``calls``); eagerly, the same functions run op by op around the blocks' packages
-(most of a one-row call's time, docs/results.md).
+(most of a one-row call's time).
 """
 
 from __future__ import annotations

@@ -41,12 +41,10 @@ class Feedback:
     - optionally per request (``request_prior_tokens``, default None: off): the same sums over
       this request's steps alone, with that many pseudo-tokens at the all-requests scale. It was
       on (3) until measured to lock requests into plain steps: a request's first trees, at the
-      start of an answer, where the drafter does worst (AAL 2.1 over 64-token answers against
-      2.6-2.9 over 256 with the w4a8 plan), priced the tree below plain steps, and plain steps
-      teach nothing, so requests stayed on them (1,300-1,600 of ~2,100 steps) while the tree
-      realised 1.4x; held out, 256-token answers, 1.05-1.16x plain decoding with it against
-      1.13-1.25x without in the same processes (docs/results.md). Probes and the discounted
-      all-requests sums still follow a text the drafter does badly on.
+      start of an answer, where the drafter does worst, priced the tree below plain steps, and
+      plain steps teach nothing, so requests stayed on them (most of their steps) while the tree
+      paid; held out, decoding was slower with it than without in the same processes. Probes and
+      the discounted all-requests sums still follow a text the drafter does badly on.
 
     - ``catch_up`` (fast): ms per token of the drafter's catch-up (the ``resync`` stage: a
       drafted step after plain steps first absorbs the tokens they committed, and after a request
@@ -56,8 +54,8 @@ class Feedback:
       (weight ``1 - accept_alpha`` per drafted step, ``prior_tokens`` pseudo-steps at 1): the
       speed-up a step realised ((1 + accepted) x T_plain' over its measured time, the catch-up
       left out) against the one its tree was chosen for before drafting. That choice is the
-      best of ~100 priced trees, so its price errs high (on 64-token answers of the w4a8 plan a
-      request's first tree was priced 1.15-1.37x and its trees realised 1.06x): the catch-up is
+      best of ~100 priced trees, so its price errs high (on short answers a request's first tree
+      was priced well above what its trees realised): the catch-up is
       weighed against the speed-up such choices realise (see ``ObjectivePolicy``).
 
     Corrected: AAL' = 1 + (AAL - 1) x scale(D); T_plain' = machine x rel(1) x T_plain;

@@ -7,8 +7,7 @@ Two scopes of compilation (both fullgraph, static shapes):
   graph per (input width, context bucket). The decoder layers are a ``nested_compile_region``
   (see ``model._block``), so dynamo traces and inductor compiles one layer per graph and the
   graph calls it once per layer: compile time stays that of one block while a decode step enters
-  Python once instead of once per layer (measured faster per step than ``block`` scope:
-  docs/results.md).
+  Python once instead of once per layer (measured faster per step than ``block`` scope).
 - ``block`` (regional): each decoder block is compiled once and the one graph per input width is
   shared by all layers (dynamo lifts parameters and buffers to graph inputs); the glue runs as
   eager ops. Used for modules that are not Transformers (the EAGLE head).
@@ -255,7 +254,7 @@ class Graphs:
         triggered with skip_guard_eval_unsafe stance") once a garbage collection lands inside a
         lookup -- measured: with ``gc.set_threshold(1)`` the EAGLE worker failed after 6-20
         requests under the unsafe stance and ran 168 without a miss under full guards
-        (``tests/test_overlap.py``, docs/results.md). The stance is process-wide, so both
+        (``tests/test_overlap.py``). The stance is process-wide, so both
         threads pay for full guards while it is held.
 
         Graphs of one shape built at several thread counts are safe under this stance (checked
@@ -309,7 +308,7 @@ def compile_options(backend: str, half: bool = False) -> dict | None:
 
     - ``inductor-cpu``: fullgraph, static shapes (the tested path), without inductor's per-call
       size/stride asserts (a Python check on every graph input and every extern-kernel output,
-      a measurable share of a decode step: docs/results.md); for a ``half``-precision model
+      a measurable share of a decode step); for a ``half``-precision model
       every fused intermediate rounded as the unfused ops round it (``aoti.cpu_config``, as the
       packages: otherwise the graph at one step width rounds otherwise than at another, and
       bfloat16 speculation left plain decoding on 5 of 20 prompts).

@@ -4,8 +4,8 @@ A decode step streams every weight once. On 4 KiB pages that is a TLB miss every
 two-level page walk inside a virtual machine) and the hardware prefetchers stop at every page
 boundary; small products, whose weights span few pages, never reach full speed. In one arena of
 2 MiB pages they stream like one large tensor: the w4a8 target's products at one row, called
-back to back, ran 1.3-1.4x faster in a huge-page arena than on the model's own tensors or in an
-arena of ordinary pages (docs/results.md, issue #20).
+back to back, ran faster in a huge-page arena than on the model's own tensors or in an arena of
+ordinary pages.
 
 Where the kernel has no transparent huge pages (or they are set to ``never``), or off Linux, the
 arena is ordinary memory and nothing else changes: values, aliasing and ties are kept either way.

@@ -21,7 +21,7 @@ class KVCache(nn.Module):
     attention streams a head's context bucket (its first C slots) in one sequential read, in place
     (``k`` and ``v`` are [B, S, H, D] views of it; the strided matmuls read them without a copy).
     Slot-major storage (a slot's heads side by side) made the row-by-row kernel read every head
-    in strides (measured slower: docs/results.md).
+    in strides (measured slower).
 
     Slots are plain storage: which slot holds which position is decided by the caller (the engine
     keeps the committed sequence in slots ``0..L-1`` and puts speculative tokens after it). Keys

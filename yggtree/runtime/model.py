@@ -253,8 +253,8 @@ def _rows_attention(
     order); plain decoding holds the same tokens contiguous after the prefix. The first part is
     the same prefix slots for both, and the window holds the same values at the same places, so
     every vectorised sum groups the same values alike and a verified node's logits are bitwise
-    those of the plain step at its position (reports/invariance_bisect: without the window
-    bfloat16 speculation left plain output). Only the T-slot window is gathered."""
+    those of the plain step at its position (without the window, bfloat16 speculation left
+    plain output). Only the T-slot window is gathered."""
     bsz, w, h, d = q.shape
     hkv = k.shape[2]
     seen = window >= 0
@@ -284,7 +284,7 @@ def attention_rows(prefill_chunk: int) -> int:
 
     With :func:`_rows_attention`'s logical window, a verified node's logits are bitwise those of
     the plain step at its position: tests/test_attention_invariance.py, and the real model in
-    every weight format (docs/results.md, issue #20). Rows cost more than the grouped matmuls at
+    every weight format (``scripts/check_equivalence.py``). Rows cost more than the grouped matmuls at
     wide verify steps (the per-format profile prices it)."""
     return max(1, prefill_chunk - 1)
 

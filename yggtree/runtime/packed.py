@@ -4,7 +4,7 @@ A speculative step verifies W tokens with the same weight matrices a plain step 
 token by, so on a memory-bound device it should cost about the same. With ``F.linear`` it did
 not on the CPUs measured so far: for a few to 16 rows the BLAS picks kernels that are far from
 memory-bound, while oneDNN with its weights reordered once into its blocked layout streams them
-at every M (``scripts/bench_packed.py`` measures both; docs/results.md has the numbers). Where the
+at every M (``scripts/bench_packed.py`` measures both). Where the
 packed kernel is *batch-invariant* (row i of an M-row product bitwise the one-row product of row
 i), verifying a tree computes every node exactly as a plain step would compute it; that depends
 on the shape, the padding and the CPU (below, and tests/test_packed.py).
@@ -41,8 +41,8 @@ engine and its compiled packages use it, :func:`yggtree.plan.plan_kernel`):
   the end: runtime/quant.py).
 
 Batch invariance is not a property of the op everywhere, and padding can change bits: oneDNN
-may run a one-row product on another kernel than an M-row one. On one machine of
-docs/results.md the float32 1536 -> 576 product (the default model's down projection) rounds
+may run a one-row product on another kernel than an M-row one. On one machine measured
+the float32 1536 -> 576 product (the default model's down projection) rounds
 otherwise at one row than inside a product of 2 or more rows (bfloat16 likewise, in about one
 output in 8000), while padded to 2 rows it is invariant, at 1 and 2 threads. :func:`padding_is_invariant` checks a padding on a model's own
 layer shapes at the thread count it is called at, and :func:`invariant_min_rows` finds the

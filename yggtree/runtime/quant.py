@@ -19,8 +19,8 @@ runs the kernel (which accumulates in float32 and rounds its output to bfloat16)
 result back to the run's dtype (the bias, if any, is added in the run's dtype). This is the
 format's definition -- the model actually run, to which speculation is exact -- not an
 approximation of a float32 product. The reason is speed: torch's vectorized (AVX2/AVX-512) paths
-of both kernels take bfloat16 only; their float32 paths are scalar loops, 15-30x slower at the
-default model's shapes (docs/results.md, "Weight formats"). One rule for every format and dtype,
+of both kernels take bfloat16 only; their float32 paths are scalar loops, far slower at the
+default model's shapes. One rule for every format and dtype,
 gguf-native included (a bit-exact float32-activation variant of gguf-native was dropped: it was
 only exact where it was too slow to use).
 
@@ -198,8 +198,7 @@ def _int4_mm_cpu(
 # in torch 2.13 ("group size must be a scalar"); called through this op the graphs run the same
 # aten kernel eager code does. The op holds the kernel call alone: every Python-level tensor
 # operation inside it would run once per layer and step outside the compiled kernels (a wrapper
-# that also cast, summed and cut did: docs/results.md, "Weight formats after the one-call int4
-# op"). The int8
+# that also cast, summed and cut did). The int8
 # kernel needs no such op (inductor calls it as it is). The handle must outlive the module's
 # import (dropping it unregisters the op).
 _LIB = torch.library.Library("yggtree", "FRAGMENT")
