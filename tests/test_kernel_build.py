@@ -42,3 +42,28 @@ def test_a_build_killed_midway_does_not_hang_the_next(tmp_path):
         fcntl.flock(f, fcntl.LOCK_UN)
     with build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
+
+
+def test_a_failing_build_falls_back_to_torchs_kernels_in_one_line(monkeypatch, tmp_path, capsys):
+    """Where the library cannot be built, the tiled kernel is not offered (its formats run on
+    torch's kernels) and one stderr line names the compiler's first error."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from yggtree.runtime import kernels
+    from yggtree.runtime.packed import can_pack
+
+    def broken(**kw):
+        raise RuntimeError("Error building extension 'yggtree_kernels'\ntiled_mm.cpp:9: error: no compiler here\n")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(kernels, "load_library", kernels.load_library.__wrapped__)  # uncached
+    monkeypatch.setattr(kernels, "library_usable", kernels.library_usable.__wrapped__)
+    monkeypatch.setattr(kernels, "library_missing", lambda: [])  # a CPU the library would run on
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    assert not can_pack(model, "tiled")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "(tiled_mm.cpp:9: error: no compiler here)" in err[0]
+    assert err[0].startswith("yggtree: building the kernel library in ") and err[0].endswith(
+        "; products run on torch's kernels instead")

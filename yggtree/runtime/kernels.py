@@ -33,6 +33,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ import torch
 from ..errors import YggError
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
-__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "load_library", "aoti_shims", "runs_attention",
+__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "load_library", "aoti_shims", "runs_attention",
            "use_rows_attention", "loop_pool", "prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
@@ -167,6 +168,20 @@ def load_library() -> None:
     torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
     torch.library.register_fake("yggtree::tiled_mm")(_tiled_mm_fake)
     torch.library.register_fake("yggtree::tiled_q4_mm")(_tiled_q4_mm_fake)
+
+
+@functools.cache
+def library_usable() -> bool:
+    """Whether the kernel library loads here (built now where it was not yet). Where it cannot
+    (a CPU without AVX2, no compiler, a failing build) one stderr line says why and that products
+    run on torch's kernels instead: what can fall back does (the tiled kernel's formats); what
+    needs the library (w4a8) is refused by :func:`load_library`'s own line."""
+    try:
+        load_library()
+    except YggError as e:
+        sys.stderr.write(f"yggtree: {e}; products run on torch's kernels instead\n")
+        return False
+    return True
 
 
 @contextlib.contextmanager

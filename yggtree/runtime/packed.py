@@ -210,14 +210,15 @@ class PackedConcat(nn.Module):
 def can_pack(model: nn.Module, kernel: str = "torch") -> bool:
     """True when the model's weights live on the CPU in a dtype ``kernel`` runs: oneDNN float32,
     or bfloat16 on a CPU with native bf16 support; the tiled kernel float32 and bfloat16 on a
-    CPU our kernel library runs on (:func:`yggtree.runtime.kernels.library_missing`)."""
+    CPU where our kernel library loads (:func:`yggtree.runtime.kernels.library_usable`: built on
+    first use; one stderr line where it cannot be)."""
     w = next(model.parameters())
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         return False
     if _check_kernel(kernel) == "tiled":
-        from .kernels import library_missing
+        from .kernels import library_missing, library_usable
 
-        return not library_missing()
+        return not library_missing() and library_usable()
     if not torch.backends.mkldnn.is_available():
         return False
     return w.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -1,0 +1,116 @@
+"""Every product and the row attention of the kernel library, on the instruction set it was built
+for here: each row of a W-row call (W = 1..16) is bitwise the same row computed alone, over random
+shapes (hypothesis); and every other instruction set this CPU runs is built and checked the same way
+in a process of its own (slow)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from yggtree.runtime import kernels
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(bool(kernels.library_missing()),
+                       reason=f"the kernel library needs {', '.join(kernels.library_missing())} (AVX2, FMA, F16C)"),
+]
+W = 16
+
+
+def rows_alone(product, x: torch.Tensor) -> None:
+    """``product`` of every prefix x[:w] (w = 1..len(x)) is bitwise the rows computed one at a time."""
+    with torch.no_grad():
+        one = torch.cat([product(x[i : i + 1]) for i in range(len(x))])
+        for w in range(1, len(x) + 1):
+            assert torch.equal(product(x[:w]), one[:w]), w
+
+
+def layer(kind: str, n: int, k: int, group: int, seed: int):
+    from yggtree.runtime.packed import PackedLinear
+    from yggtree.runtime.quant import Int4Linear, Int8Linear, quantize_int4
+    from yggtree.runtime.w4a8 import W4A8Linear, q4_1_blocks
+
+    kernels.load_library()
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if kind in ("float32", "bfloat16"):
+        dtype = getattr(torch, kind)
+        return PackedLinear.of(_linear(w.to(dtype)), kernel="tiled"), dtype
+    if kind == "int8":
+        return Int8Linear(w, None, torch.float32, kernel="tiled"), torch.float32
+    if kind == "int4":
+        return Int4Linear([quantize_int4(w, group)], None, torch.float32, kernel="tiled"), torch.float32
+    return W4A8Linear(q4_1_blocks(w), None, torch.float32), torch.float32
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return lin
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["float32", "bfloat16", "int8", "int4", "w4a8"]), tiles=st.integers(1, 6),
+       blocks=st.integers(1, 6), group=st.sampled_from([32, 64]), seed=st.integers(0, 2**16))
+def test_every_product_row_is_its_row_alone(kind, tiles, blocks, group, seed):
+    k = blocks * group
+    lin, dtype = layer(kind, 16 * tiles, k, group, seed)
+    x = torch.randn(W, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    rows_alone(lin, x)
+
+
+def test_the_q8_0_lm_head_rows_are_their_rows_alone():
+    """8-bit codes (a GGUF's Q8_0 embedding as the w4a8 LM head) at W = 1..16."""
+    from yggtree.runtime.w4a8 import Blocks, W4A8Linear
+
+    g = torch.Generator().manual_seed(5)
+    u = torch.randint(0, 256, (64, 96), generator=g, dtype=torch.uint8)
+    d = (torch.rand(64, 3, generator=g) / 50).half()
+    blocks = Blocks(u, d, (-128 * d.float()).half(), 8)
+    rows_alone(W4A8Linear(blocks, None, torch.float32), torch.randn(W, 96, generator=g))
+
+
+@settings(max_examples=15, deadline=None)
+@given(context=st.integers(1, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]), d=st.sampled_from([16, 64]),
+       seed=st.integers(0, 2**16))
+def test_every_attention_row_is_its_row_alone(context, heads, d, seed):
+    """W tree rows (a chain) over ``context`` committed slots: each row's attention is its call alone."""
+    kernels.load_library()
+    h, hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, W, h, d, generator=g)
+    k = torch.randn(1, hkv, context + W, d, generator=g).transpose(1, 2)
+    v = torch.randn(1, hkv, context + W, d, generator=g).transpose(1, 2)
+    head = torch.zeros(1, W, context + W, dtype=torch.bool)
+    head[:, :, :context] = True
+    ar = torch.arange(W)
+    window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]
+    op = torch.ops.yggtree.rows_attention
+    one = torch.cat([op(q[:, i : i + 1], k, v, head[:, i : i + 1], window[:, i : i + 1]) for i in range(W)], 1)
+    for w in range(1, W + 1):
+        assert torch.equal(op(q[:, :w], k, v, head[:, :w], window[:, :w]), one[:, :w]), w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(kernels.ISAS))
+def test_every_instruction_set_this_cpu_runs_is_checked(isa):
+    """The library built for ``isa`` (YGGTREE_KERNEL_ISA) in a fresh process passes this file's
+    row tests and the kernels' reference tests: no variant the CPU can run goes untested."""
+    if isa not in kernels.runnable_isas():
+        pytest.skip(f"this CPU lacks {', '.join(f for f in kernels.ISAS[isa][0] if f not in kernels.cpu_flags())}")
+    if isa == kernels.isa():
+        pytest.skip(f"{isa} is the variant this run already tests")
+    here = Path(__file__).parent
+    env = dict(os.environ, **{kernels.ISA_ENV: isa})
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
+                          str(here / "test_kernel_rows.py"), str(here / "test_tiled.py"), str(here / "test_w4a8.py")],
+                         env=env, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:]
