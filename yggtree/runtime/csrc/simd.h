@@ -82,16 +82,10 @@ inline void store_i8(int8_t* p, I a) { _mm_storeu_si128(reinterpret_cast<__m128i
 #if defined(__AVX512VNNI__)
 inline I dpwssd(I acc, I a, I b) { return {_mm512_dpwssd_epi32(acc.v, a.v, b.v)}; }
 inline I dpbusd(I acc, I u, I s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
-inline I dpbusd_wide(I acc, I u, I s) { return dpbusd(acc, u, s); }
 #else
 inline I dpwssd(I acc, I a, I b) { return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(a.v, b.v))}; }
 inline I dpbusd(I acc, I u, I s) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(u.v, s.v), _mm512_set1_epi16(1)))};
-}
-inline I dpbusd_wide(I acc, I u, I s) {
-  const __m512i lo = _mm512_maddubs_epi16(low_nibbles(u).v, s.v), hi = _mm512_maddubs_epi16(high_nibbles(u).v, s.v);
-  acc.v = _mm512_add_epi32(acc.v, _mm512_madd_epi16(lo, _mm512_set1_epi16(1)));
-  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(hi, _mm512_set1_epi16(16)))};
 }
 #endif
 
@@ -183,16 +177,10 @@ inline void store_i8(int8_t* p, I a) { _mm_storel_epi64(reinterpret_cast<__m128i
 #if defined(__AVXVNNI__)
 inline I dpwssd(I acc, I a, I b) { return {_mm256_dpwssd_avx_epi32(acc.v, a.v, b.v)}; }
 inline I dpbusd(I acc, I u, I s) { return {_mm256_dpbusd_avx_epi32(acc.v, u.v, s.v)}; }
-inline I dpbusd_wide(I acc, I u, I s) { return dpbusd(acc, u, s); }
 #else
 inline I dpwssd(I acc, I a, I b) { return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(a.v, b.v))}; }
 inline I dpbusd(I acc, I u, I s) {
   return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)))};
-}
-inline I dpbusd_wide(I acc, I u, I s) {
-  const __m256i lo = _mm256_maddubs_epi16(low_nibbles(u).v, s.v), hi = _mm256_maddubs_epi16(high_nibbles(u).v, s.v);
-  acc.v = _mm256_add_epi32(acc.v, _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
-  return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(hi, _mm256_set1_epi16(16)))};
 }
 #endif
 
@@ -208,21 +196,33 @@ constexpr bool NATIVE_DOT = true;
 #else
 constexpr bool NATIVE_DOT = false;
 #endif
+// 8-bit codes u (0..255) times signed bytes s (|s| <= 127) without VNNI: c = u - 128 (as a signed byte) times s,
+// |c| times s with c's sign (never overflowing: |c| <= 128, a pair <= 32512 fits vpmaddubsw); the caller adds
+// 128 sum(s). centered(u) = c, magnitude(c) = |c| (unsigned), dot_centered(acc, |c|, c, s) = acc + sum c s.
 #if defined(__AVX512F__)
 inline I pairs16(I u, I s) { return {_mm512_maddubs_epi16(u.v, s.v)}; }  // u0 s0 + u1 s1 per 16-bit lane
 inline I add16(I a, I b) { return {_mm512_add_epi16(a.v, b.v)}; }
 inline I widen16(I acc, I p) { return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p.v, _mm512_set1_epi16(1)))}; }
+inline I centered(I u) { return {_mm512_xor_si512(u.v, _mm512_set1_epi8(char(0x80)))}; }
+inline I magnitude(I c) { return {_mm512_abs_epi8(c.v)}; }
+inline I dot_centered(I acc, I mag, I c, I s) {
+  const __m512i z = _mm512_setzero_si512();  // s negated where c < 0, 0 where c == 0
+  const __m512i t = _mm512_mask_sub_epi8(s.v, _mm512_movepi8_mask(c.v), z, s.v);
+  return widen16(acc, pairs16(mag, I{_mm512_maskz_mov_epi8(_mm512_test_epi8_mask(c.v, c.v), t)}));
+}
 #else
 inline I pairs16(I u, I s) { return {_mm256_maddubs_epi16(u.v, s.v)}; }
 inline I add16(I a, I b) { return {_mm256_add_epi16(a.v, b.v)}; }
 inline I widen16(I acc, I p) { return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p.v, _mm256_set1_epi16(1)))}; }
+inline I centered(I u) { return {_mm256_xor_si256(u.v, _mm256_set1_epi8(char(0x80)))}; }
+inline I magnitude(I c) { return {_mm256_abs_epi8(c.v)}; }
+inline I dot_centered(I acc, I mag, I c, I s) { return widen16(acc, pairs16(mag, I{_mm256_sign_epi8(s.v, c.v)})); }
 #endif
 
 // Integer dot products, per 32-bit lane, exact in int32:
 //   dpwssd(acc, a, b):      acc + a0 b0 + a1 b1                 (16-bit a, b; never both -32768)
-//   dpbusd(acc, u, s):      acc + u0 s0 + u1 s1 + u2 s2 + u3 s3 (unsigned bytes u, signed bytes s) where every
-//                           pair u0 s0 + u1 s1 fits in int16 (vpmaddubsw saturates there): 4-bit codes, or bytes
-//                           times 4-bit codes
-//   dpbusd_wide(acc, u, s): the same for any bytes (the codes split into nibbles where there is no VNNI)
+//   dpbusd(acc, u, s):      acc + u0 s0 + u1 s1 + u2 s2 + u3 s3 (unsigned bytes u, signed bytes s); without VNNI
+//                           only where every pair u0 s0 + u1 s1 fits in int16 (vpmaddubsw saturates there):
+//                           4-bit codes, or bytes times 4-bit codes (8-bit codes: dot_centered)
 
 }  // namespace yggtree::simd

@@ -37,8 +37,8 @@ namespace {
 
 using namespace yggtree::simd;
 
-// qa [M, K] int8, da and sa [M, B] float32 (see the header)
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa) {
+// qa [M, K] int8, da and sa [M, B] float32 (see the header), qsum [M, B] int32: each block's sum of qa
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa, int32_t* qsum) {
   const int64_t B = K / 32;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < B; ++b) {
@@ -55,8 +55,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, 
         store_i8(qa + r * K + b * 32 + i * LANES, q);
         qs = add(qs, q);
       }
+      qsum[r * B + b] = reduce_add(qs);
       da[r * B + b] = d;
-      sa[r * B + b] = d * static_cast<float>(reduce_add(qs));
+      sa[r * B + b] = d * static_cast<float>(qsum[r * B + b]);
     }
   }
 }
@@ -71,8 +72,8 @@ constexpr int WIDE = 8 * REGISTERS / 32;  // rows a tile computes together (each
 // nibbles feed two integer accumulators (two dependency chains instead of one; the int32 sums
 // are exact, so the result is the same)
 template <int R, int BITS>
-inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, int64_t K,
-                 int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
+inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum,
+                 int64_t K, int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   constexpr bool SPLIT = R <= 2;
   for (int h = 0; h < 16; h += LANES) {  // the tile's columns, LANES at a time (4 h bytes into each code line)
   F acc[R];
@@ -121,13 +122,30 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
       if (ahead.far && h == 0)
         for (int i = 0; i < STRIDE<BITS>; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
-      for (int g = 0; g < 8; ++g) {
-        const I v = load_i(cb + g * 64 + 4 * h);
+      if constexpr (NATIVE_DOT) {
+        for (int g = 0; g < 8; ++g) {
+          const I v = load_i(cb + g * 64 + 4 * h);
+          for (int r = 0; r < R; ++r) {
+            if (SPLIT && (g & 1))
+              isum2[r] = dpbusd(isum2[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
+            else
+              isum[r] = dpbusd(isum[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
+          }
+        }
+      } else {  // sum (u - 128) qa by the sign trick (simd.h), then + 128 sum qa: the same int32
+        for (int g = 0; g < 8; ++g) {
+          const I c = centered(load_i(cb + g * 64 + 4 * h)), mag = magnitude(c);
+          for (int r = 0; r < R; ++r) {
+            const I a = bytes4(qa + r * K + b * 32 + 4 * g);
+            if (SPLIT && (g & 1))
+              isum2[r] = dot_centered(isum2[r], mag, c, a);
+            else
+              isum[r] = dot_centered(isum[r], mag, c, a);
+          }
+        }
         for (int r = 0; r < R; ++r) {
-          if (SPLIT && (g & 1))
-            isum2[r] = dpbusd_wide(isum2[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
-          else
-            isum[r] = dpbusd_wide(isum[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
+          const int32_t offset = 128 * qsum[r * B + b];
+          isum[r] = add(isum[r], bytes4(&offset));
         }
       }
     }
@@ -145,8 +163,8 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
 }
 
 template <int BITS>
-void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap, int64_t M, int64_t K,
-         int64_t T, int64_t B, float* op) {
+void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap, const int32_t* qsp, int64_t M,
+         int64_t K, int64_t T, int64_t B, float* op) {
   const int64_t N = 16 * T;
   const yggtree::Prefetch pf = yggtree::prefetch_distances();
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
@@ -156,13 +174,13 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
       int64_t r = 0;
       if constexpr (WIDE >= 8)
         for (; r + 8 <= M; r += 8)
-          tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
+          tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 4 <= M; r += 4)
-        tile<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
+        tile<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 2 <= M; r += 2)
-        tile<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
+        tile<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r < M; ++r)
-        tile<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, K, B, op + r * N + 16 * t, N, pf);
+        tile<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
     }
   });
 }
@@ -182,16 +200,18 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   // the parallel tiles only read them)
   static thread_local std::vector<int8_t> qa_buf;
   static thread_local std::vector<float> da_buf, sa_buf;
+  static thread_local std::vector<int32_t> qsum_buf;
   if (static_cast<int64_t>(qa_buf.size()) < M * K) qa_buf.resize(M * K);
-  if (static_cast<int64_t>(da_buf.size()) < M * B) da_buf.resize(M * B), sa_buf.resize(M * B);
+  if (static_cast<int64_t>(da_buf.size()) < M * B) da_buf.resize(M * B), sa_buf.resize(M * B), qsum_buf.resize(M * B);
   int8_t* qa = qa_buf.data();
   float *da = da_buf.data(), *sa = sa_buf.data();
-  quantize_rows(x.data_ptr<float>(), M, K, qa, da, sa);
+  int32_t* qsum = qsum_buf.data();
+  quantize_rows(x.data_ptr<float>(), M, K, qa, da, sa, qsum);
   const auto* bp = blocks.data_ptr<uint8_t>();
   if (blocks.size(2) == STRIDE<4>)
-    run<4>(bp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
+    run<4>(bp, qa, da, sa, qsum, M, K, T, B, out.data_ptr<float>());
   else
-    run<8>(bp, qa, da, sa, M, K, T, B, out.data_ptr<float>());
+    run<8>(bp, qa, da, sa, qsum, M, K, T, B, out.data_ptr<float>());
   return out;
 }
 
