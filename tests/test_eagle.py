@@ -348,6 +348,7 @@ def test_refuses_draft_depth_beyond_max_depth(target):
         eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=NEW))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_compiled_matches_plain(plain, num_layers):
     """One small compiled run: every drafter shape is warmed up at setup (the loop runs under

@@ -75,6 +75,7 @@ def test_lookup_off_reports_no_sources(plain_outputs):
     assert "accepted_by_source" not in res.stats and "lookup_steps" not in res.stats
 
 
+@pytest.mark.slow
 def test_compiled_lookup_matches_reference(plain_outputs):
     target = tiny()
     ref = engine(target, TREES["egt"], make_drafter("other-lm", target), lookup=3)

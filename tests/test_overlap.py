@@ -167,6 +167,7 @@ def test_overlap_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kin
         assert res.stats["resyncs"] > 0 and res.stats["speculation"]["steps"] > 0
 
 
+@pytest.mark.slow
 @needs_two
 @pytest.mark.parametrize("kind", ["self", "eagle"])
 def test_overlap_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
@@ -190,6 +191,7 @@ def test_overlap_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
     assert sum(counters["recompiles"].values()) == recompiles
 
 
+@pytest.mark.slow
 def test_overlap_runs_compiled_graphs_under_full_guard_evaluation():
     """Two threads calling compiled graphs at once miss graphs they have under dynamo's
     skip_guard_eval_unsafe stance (torch 2.13; a garbage collection inside a lookup, reproduced

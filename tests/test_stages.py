@@ -199,6 +199,7 @@ def test_sequential_and_ahead_agree_in_sampling_with_one_seed():
     assert outs["sequential"] == outs["ahead"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
 def test_ahead_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
     """Performance mode: the ahead call's 2 W_v graphs are built at warm-up; decoding then never
