@@ -15,7 +15,7 @@ from yggtree.runtime.overlap import guess_path
 from yggtree.runtime.schedule import PLANS, resolve_plan, usable_cores
 from yggtree.runtime.tree import Tree
 
-from helpers import assert_cache_equals_causal, perturbed
+from helpers import assert_cache_equals_causal, perturbed, sweep
 from test_engine import PROMPTS, TREES, tiny
 from test_lossless_steps import (PROMPT, TREES as SMALL_TREES, chi_square_p, exact_sequences,
                                  sample_counts, target_and_drafter)
@@ -99,9 +99,9 @@ def test_guess_follows_the_drafters_likeliest_verified_path():
 
 
 @needs_two
-@pytest.mark.parametrize("tree", ["chain", "egt", "wide-prune"])
-@pytest.mark.parametrize("kind", ["self", "near", "other-lm", "eagle"])
-@pytest.mark.parametrize("lookup", [0, 2])
+@pytest.mark.parametrize("tree,kind,lookup", sweep(
+    ["chain", "egt", "wide-prune"], ["self", "near", "other-lm", "eagle"], [0, 2],
+    unit=[("chain", "self", 0), ("egt", "near", 2), ("wide-prune", "other-lm", 0), ("egt", "eagle", 2)]))
 def test_overlap_greedy_equals_plain(plain_outputs, tree, kind, lookup):
     target = tiny()
     eng = engine(target, TREES[tree], drafter_of(kind, target), lookup=lookup)
