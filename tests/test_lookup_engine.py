@@ -146,6 +146,7 @@ def repeating_prompt(target) -> list[int]:
     return seq + seq[:3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 @pytest.mark.parametrize("drafter", ["lm", "none"])
 def test_sampling_with_lookup_nodes_is_lossless(temperature, top_p, drafter):

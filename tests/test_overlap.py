@@ -134,6 +134,7 @@ def test_near_drafter_hits_and_misses_and_both_caches_equal_a_causal_recompute()
         assert_cache_equals_causal(model, ref, committed)
 
 
+@pytest.mark.slow
 @needs_two
 @pytest.mark.parametrize("tree", ["chain", "tree"])
 def test_overlap_sampling_is_lossless(tree):

@@ -158,6 +158,7 @@ def test_picked_up_head_equals_a_head_call(kind):
         torch.testing.assert_close(pending.logp, fresh.logp, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", ["chain", "tree"])
 def test_ahead_sampling_is_lossless(tree):
     target, drafter = target_and_drafter()
