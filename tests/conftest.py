@@ -44,3 +44,41 @@ def system_allocator():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("YGGTREE_ALLOCATOR", "system")
         yield
+
+
+_AOTI_PACKAGES = [0]
+
+
+def pytest_configure(config):
+    """Count AOTInductor packages built in this process (for ``unit_tests_compile_nothing``)."""
+    import torch._inductor
+
+    real = torch._inductor.aoti_compile_and_package
+    if getattr(real, "counted", False):
+        return
+
+    def counted(*args, **kwargs):
+        _AOTI_PACKAGES[0] += 1
+        return real(*args, **kwargs)
+
+    counted.counted = True
+    torch._inductor.aoti_compile_and_package = counted
+
+
+def _inductor_builds() -> int:
+    from torch._dynamo.utils import counters
+
+    return _AOTI_PACKAGES[0] + sum(v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache_"))
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_compile_nothing(request):
+    """The unit run (``-m "not slow"``) builds no graph with inductor (torch.compile's default
+    backend, AOTInductor packages): a test that does is marked slow. (Dynamo with the eager
+    backend or a test's own backend is allowed: it traces, it does not compile.)"""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = _inductor_builds()
+    yield
+    assert _inductor_builds() == before, "this test compiles graphs with inductor: mark it slow"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from yggtree.runtime.model import ModelConfig, Transformer
@@ -96,3 +98,13 @@ def perturbed(model: Transformer, noise: float = 0.03, seed: int = 1) -> Transfo
         for w in model.parameters():
             w.add_(noise * torch.randn_like(w))
     return model
+
+
+def sweep(*axes, unit) -> list:
+    """Every combination of ``axes`` as ``pytest.param``s for ``parametrize``, all but the cases in
+    ``unit`` marked slow: the whole grid runs in the full suite, its representative cases in the
+    unit run (``-m "not slow"``)."""
+    unit = {tuple(u) for u in unit}
+    cases = list(itertools.product(*axes))
+    assert unit <= set(cases), unit - set(cases)
+    return [pytest.param(*c, marks=() if c in unit else pytest.mark.slow) for c in cases]

@@ -194,6 +194,7 @@ def test_drafter_call_packages_replace_the_eager_calls():
         assert sum(r.calls for r in runners.values() if r.kind in kinds) == 0
 
 
+@pytest.mark.slow
 def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
     """Real AOTInductor packages of the head and a draft call of a tiny EAGLE head: the same top-k
     tokens as the eager call and log-probabilities within float rounding (the numerics only shape

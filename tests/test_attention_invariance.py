@@ -113,6 +113,7 @@ def test_model_logits_of_a_row_do_not_depend_on_the_width(dtype):
                 assert torch.equal(_root_logits(model, w, seed=seed), plain) is want, (rows, w, seed)
 
 
+@pytest.mark.slow
 def test_compiled_rows_are_the_one_row_graph():
     """Under torch.compile (inductor, static shapes, as performance mode builds them): the
     W = 5 graph's root row is bitwise the W = 1 graph's, float32 and bfloat16 attention."""
@@ -126,6 +127,7 @@ def test_compiled_rows_are_the_one_row_graph():
             assert torch.equal(wide[:, i:i + 1], fn(q[:, i:i + 1], k, v, mask[:, i:i + 1])), (dtype, i)
 
 
+@pytest.mark.slow
 def test_compiled_step_logits_do_not_depend_on_the_width():
     """The compiled masked_step (one graph per width, the performance path) of a bfloat16 tiny
     target: the root's logits at W = 5 bitwise the W = 1 graph's."""
@@ -210,8 +212,9 @@ def _deep_node_logits(model, run=None, n_ctx=64, prefix=20, seed=0):
     return node, plain
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_verified_node_is_the_plain_step_of_its_path(dtype):
+def test_a_verified_node_is_the_plain_step_of_its_path(dtype, compiled):
     """A verified node's logits are bitwise those plain decoding computes for the same token at
     the same position, although its ancestors sit at tree slots with other nodes' between them
     (row-by-row attention over the compacted context, eager and compiled)."""
@@ -220,7 +223,7 @@ def test_a_verified_node_is_the_plain_step_of_its_path(dtype):
     model = _packed_tiny(dtype, attention_rows(64))
     torch._dynamo.reset()  # as above: a fresh recompile budget for masked_step
     opts = compile_options("inductor-cpu", half=dtype != torch.float32)  # as Graphs builds it
-    for run in (None, torch.compile(steps.masked_step, **opts)):
-        for seed in (0, 1, 2):
-            node, plain = _deep_node_logits(model, run, seed=seed)
-            assert torch.equal(node, plain), (dtype, run is None, seed)
+    run = torch.compile(steps.masked_step, **opts) if compiled else None
+    for seed in (0, 1, 2):
+        node, plain = _deep_node_logits(model, run, seed=seed)
+        assert torch.equal(node, plain), (dtype, compiled, seed)

@@ -33,6 +33,7 @@ def model_dir(tmp_path_factory):
     return root / "model"
 
 
+@pytest.mark.slow
 def test_every_format_plain_and_speculative_in_one_run(model_dir, tmp_path, capsys):
     mod = load_script("bench_formats")
     out = tmp_path / "out"
@@ -85,6 +86,7 @@ def test_every_format_plain_and_speculative_in_one_run(model_dir, tmp_path, caps
     assert csv_lines[0].startswith("system,format,dtype") and len(csv_lines) == 1 + len(names)
 
 
+@pytest.mark.slow
 def test_a_plan_is_its_formats_speculative_system(model_dir, tmp_path, capsys):
     """--plan: a plan's engine and policy (here its largest tree: the plan names no profile) as
     ``ygg/FMT/plan:NAME``, and its plain engine (no drafter) as ``ygg/FMT/plan:NAME/plain``, both

@@ -66,6 +66,7 @@ def test_paired_ratio_interval_and_share():
     assert same["ratio"] == 1.0 and same["ci95"] == [1.0, 1.0] and same["a_faster_share"] == 0.0
 
 
+@pytest.mark.slow
 def test_repeated_flags_extend(tmp_path):
     """--compare (like --summarise, --depths, --systems) given twice keeps both, not the last."""
     path = tmp_path / "r.rows.jsonl"

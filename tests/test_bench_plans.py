@@ -13,7 +13,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # calibrates and benchmarks a plan
 
 from helpers import load_script  # noqa: E402
 from test_compile import save_tiny_checkpoint, tiny_plan  # noqa: E402

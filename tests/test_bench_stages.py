@@ -31,6 +31,7 @@ def test_system_labels_and_best_per_split():
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the thread splits need 2 usable cores")
+@pytest.mark.slow
 def test_o4_run_on_a_tiny_plan(tmp_path, monkeypatch, capsys):
     from yggtree.cli import main
 

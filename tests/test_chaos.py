@@ -71,6 +71,7 @@ def leftovers(d: Path) -> list[str]:
 POINTS = ["before-write", "mid-write", "before-rename"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", POINTS)
 def test_interrupted_profile_leaves_nothing_half_written(plan_path, tmp_path, monkeypatch, capsys, point):
     from yggtree.plan import load_plan
@@ -93,6 +94,7 @@ def test_interrupted_profile_leaves_nothing_half_written(plan_path, tmp_path, mo
     assert absolute_paths(out / "cpu-test.json") == []  # (the command was given absolute ones)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["before-write", "mid-write", "after-write"])
 def test_interrupted_calibration_leaves_nothing_half_written(plan_path, tmp_path, monkeypatch, capsys, point):
     from yggtree.plan import load_plan
@@ -133,6 +135,7 @@ KILL_BEFORE_RENAME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkilled_calibration_is_repaired_by_the_next_run(plan_path, tmp_path):
     """A real SIGKILL between writing calibration.json's temporary file and its rename: the
     temporary stays behind (nothing can clean up after SIGKILL), calibration.json does not exist,

@@ -334,14 +334,15 @@ def test_packages_of_a_variant_padding_are_refused(compiled, monkeypatch):
         build_plan_engine(plan, root / "compile" / "tiny")
 
 
-def test_interrupted_compile_is_refused_then_rebuilt(compiled, monkeypatch):
+def test_interrupted_compile_is_refused_then_rebuilt(compiled_plain, monkeypatch):
     """Chaos: a forced recompile stopped (Ctrl-C) while writing its second package leaves no
     manifest and a half-written package under a temporary name: a run refuses the directory in
-    one line, and --compile-missing rebuilds it whole."""
+    one line, and --compile-missing rebuilds it whole. (The plain plan: two packages to rebuild.)"""
     import yggtree.runtime.aoti as aoti
     from yggtree.offline.compile import compile_plan
 
-    root, plan_path, _ = compiled
+    root = compiled_plain
+    plan_path = root / "plan.yaml"
     art = root / "compile" / "tiny"
     real, calls = aoti.compile_package, []
 
@@ -365,8 +366,10 @@ def test_interrupted_compile_is_refused_then_rebuilt(compiled, monkeypatch):
     assert not list((art / CACHE_SUBDIR).glob("partial-*"))
 
 
-def test_prepare_run_refuses_or_compiles_stale_artifacts(compiled):
-    root, plan_path, _ = compiled
+def test_prepare_run_refuses_or_compiles_stale_artifacts(compiled_plain):
+    """(The plain plan: a rebuild compiles two packages.)"""
+    root = compiled_plain
+    plan_path = root / "plan.yaml"
     art = root / "compile" / "tiny"
     copy = art / "plan.yaml"
     assert prepare_run(copy, compile_missing=False) == load_plan(copy)

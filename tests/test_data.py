@@ -170,6 +170,7 @@ def test_calibration_never_contains_evaluation_text():
     assert any(not c.is_code for c in corpus.chunks) and any(c.is_code for c in corpus.chunks)
 
 
+@pytest.mark.slow
 def test_calibration_is_deterministic_and_seeded():
     a = calibration_texts(200_000, seed=1)
     assert a == calibration_texts(200_000, seed=1)

@@ -248,6 +248,7 @@ def test_fused_layers_pipeline(target, tmp_path):
     assert not torch.equal(d.net.reduce.weight[:, :32], torch.zeros(32, 32))  # the first layer is used
 
 
+@pytest.mark.slow
 def test_deterministic_given_the_seed(run_a, target, tmp_path):
     tmp_a, manifest_a = run_a
     # same seed, same teacher cache (reused), separate output

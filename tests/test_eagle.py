@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from helpers import tiny_model
+from helpers import sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime import steps
 from yggtree.runtime.eagle import EagleDrafter, is_eagle_dir, load_eagle, save_eagle
@@ -97,8 +97,9 @@ def plain(target) -> dict[int, list[int]]:
 # ---------------------------------------------------------------- exactness under the engine loop
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("kind", ["random", "bigram", "bigram-2-layers", "bigram-2-blocks"])
+@pytest.mark.parametrize("tree,kind", sweep(
+    list(TREES), ["random", "bigram", "bigram-2-layers", "bigram-2-blocks"],
+    unit=[("chain", "random"), ("egt", "bigram"), ("full-binary", "bigram-2-layers"), ("deep-chain", "bigram-2-blocks")]))
 def test_greedy_speculation_equals_plain(target, plain, tree, kind):
     if kind == "random":
         drafter = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH)
@@ -348,6 +349,7 @@ def test_refuses_draft_depth_beyond_max_depth(target):
         eng.generate(PROMPTS[1], SamplingParams(max_new_tokens=NEW))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_compiled_matches_plain(plain, num_layers):
     """One small compiled run: every drafter shape is warmed up at setup (the loop runs under

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from helpers import chi_square_p, tiny_model
+from helpers import chi_square_p, sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime import steps
 from yggtree.runtime.accept import filter_probs
@@ -42,8 +42,9 @@ def plain_outputs():
     return {i: eng.generate(p, SamplingParams(max_new_tokens=40)).token_ids for i, p in enumerate(PROMPTS)}
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("drafter", ["self", "other-lm"])
+@pytest.mark.parametrize("tree,drafter", sweep(
+    list(TREES), ["self", "other-lm"],
+    unit=[("chain", "self"), ("egt", "other-lm"), ("full-binary", "self"), ("wide-prune", "other-lm")]))
 def test_greedy_speculation_equals_plain(plain_outputs, tree, drafter):
     target = tiny()
     draft_model = target.shared_copy() if drafter == "self" else tiny(seed=1, std=0.25)
@@ -134,9 +135,9 @@ def exact_pair_distribution(model, prompt, temperature, top_p):
         return torch.stack([p1[a] * probs(prompt + [a]) for a in range(v)])
 
 
-@pytest.mark.parametrize(
-    "tree,temperature,top_p",
-    [("chain", 1.0, 1.0), ("tree", 1.0, 1.0), ("chain", 0.7, 0.9), ("tree", 0.7, 0.9)],
+@pytest.mark.slow
+@pytest.mark.parametrize(  # (chain, 1.0, 1.0) and (tree, 0.7, 0.9): test_lossless_steps, over more steps
+    "tree,temperature,top_p", [("tree", 1.0, 1.0), ("chain", 0.7, 0.9)],
 )
 def test_speculative_sampling_is_lossless(one_thread, tree, temperature, top_p):
     """Chi-square: the first two emitted tokens of speculative sampling (the second one always

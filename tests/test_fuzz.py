@@ -25,7 +25,7 @@ from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, Result, SamplingParams, TreeParams
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # hundreds of examples
 
 CLI_EXAMPLES = 300
 API_EXAMPLES = 400

@@ -63,6 +63,20 @@ def test_kv_store_on_huge_pages_starts_zero():
     assert store.kv.data_ptr() % PAGE == 0 and store.caches[2].kv.data_ptr() == store.kv[2].data_ptr()
 
 
-def test_huge_page_bytes_is_a_count_or_unknown():
-    n = huge_page_bytes()
-    assert n is None or n >= 0
+def test_huge_page_bytes_reads_anon_huge_pages_or_says_unknown(monkeypatch, tmp_path):
+    """``AnonHugePages`` of smaps_rollup in bytes; None without the line or the file."""
+    import io
+
+    import yggtree.runtime.hugepages as hp
+
+    rollup = "Rss:   51200 kB\nAnonHugePages:    4096 kB\nShmemPmdMapped:  0 kB\n"
+    monkeypatch.setattr(hp, "open", lambda *a, **k: io.StringIO(rollup), raising=False)
+    assert huge_page_bytes() == 4096 * 1024
+    monkeypatch.setattr(hp, "open", lambda *a, **k: io.StringIO("Rss: 51200 kB\n"), raising=False)
+    assert huge_page_bytes() is None
+
+    def missing(*a, **k):
+        raise FileNotFoundError(a[0])
+
+    monkeypatch.setattr(hp, "open", missing, raising=False)
+    assert huge_page_bytes() is None

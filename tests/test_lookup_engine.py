@@ -13,7 +13,7 @@ from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.lookup import LookupCalibration
 from yggtree.runtime.prune import subtree
-from helpers import chi_square_p
+from helpers import chi_square_p, sweep
 from test_engine import PROMPTS, TREES, exact_pair_distribution, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,9 +44,9 @@ def make_drafter(kind, target):
     return None
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("drafter", ["self", "other-lm", "eagle", "none"])
-@pytest.mark.parametrize("lookup", [1, 3])
+@pytest.mark.parametrize("tree,drafter,lookup", sweep(
+    list(TREES), ["self", "other-lm", "eagle", "none"], [1, 3],
+    unit=[("chain", "self", 1), ("egt", "other-lm", 3), ("full-binary", "eagle", 1), ("wide-prune", "none", 3)]))
 def test_greedy_with_lookup_equals_plain(plain_outputs, tree, drafter, lookup):
     target = tiny()
     tp = TREES[tree]
@@ -75,6 +75,7 @@ def test_lookup_off_reports_no_sources(plain_outputs):
     assert "accepted_by_source" not in res.stats and "lookup_steps" not in res.stats
 
 
+@pytest.mark.slow
 def test_compiled_lookup_matches_reference(plain_outputs):
     target = tiny()
     ref = engine(target, TREES["egt"], make_drafter("other-lm", target), lookup=3)
@@ -145,6 +146,7 @@ def repeating_prompt(target) -> list[int]:
     return seq + seq[:3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 @pytest.mark.parametrize("drafter", ["lm", "none"])
 def test_sampling_with_lookup_nodes_is_lossless(temperature, top_p, drafter):

@@ -80,7 +80,7 @@ def sample_counts(eng, temperature, top_p) -> tuple[torch.Tensor, dict]:
     "tree,temperature,top_p,mode",
     [
         ("chain", 1.0, 1.0, "reference"),
-        ("tree", 0.7, 0.9, "reference"),
+        pytest.param("tree", 0.7, 0.9, "reference", marks=pytest.mark.slow),
         pytest.param("tree", 1.0, 1.0, "performance", marks=pytest.mark.slow),
     ],
 )
@@ -97,6 +97,7 @@ def test_multi_step_speculative_sampling_is_lossless(tree, temperature, top_p, m
     assert p > 1e-3, f"p = {p:.2e}"
 
 
+@pytest.mark.slow
 def test_the_multi_step_check_rejects_a_lossy_verify_step(monkeypatch):
     """Power check: verify steps that sample at temperature 0.8 while the first token (prefill)
     and the exact distribution use 1.0 differ from the target only after the first token; the

@@ -148,6 +148,7 @@ def test_step_edges_and_measured_aal_on_a_hand_made_tree():
     assert measured_aal(tree, e["path_ok"], wd=2, d_max=2, widths=[2, 5]) == [[2.0, 2.0], [2.0, 3.0]]
 
 
+@pytest.mark.slow
 def test_calibration_is_refused_once_the_drafter_weights_change(tmp_path, capsys):
     """The calibration identity includes the drafter's weights (sha256), not only their shapes:
     retrained weights of the same size keep the profile (timing identity) but refuse the

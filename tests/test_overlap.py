@@ -15,7 +15,7 @@ from yggtree.runtime.overlap import guess_path
 from yggtree.runtime.schedule import PLANS, resolve_plan, usable_cores
 from yggtree.runtime.tree import Tree
 
-from helpers import assert_cache_equals_causal, perturbed
+from helpers import assert_cache_equals_causal, perturbed, sweep
 from test_engine import PROMPTS, TREES, tiny
 from test_lossless_steps import (PROMPT, TREES as SMALL_TREES, chi_square_p, exact_sequences,
                                  sample_counts, target_and_drafter)
@@ -99,9 +99,9 @@ def test_guess_follows_the_drafters_likeliest_verified_path():
 
 
 @needs_two
-@pytest.mark.parametrize("tree", ["chain", "egt", "wide-prune"])
-@pytest.mark.parametrize("kind", ["self", "near", "other-lm", "eagle"])
-@pytest.mark.parametrize("lookup", [0, 2])
+@pytest.mark.parametrize("tree,kind,lookup", sweep(
+    ["chain", "egt", "wide-prune"], ["self", "near", "other-lm", "eagle"], [0, 2],
+    unit=[("chain", "self", 0), ("egt", "near", 2), ("wide-prune", "other-lm", 0), ("egt", "eagle", 2)]))
 def test_overlap_greedy_equals_plain(plain_outputs, tree, kind, lookup):
     target = tiny()
     eng = engine(target, TREES[tree], drafter_of(kind, target), lookup=lookup)
@@ -134,6 +134,7 @@ def test_near_drafter_hits_and_misses_and_both_caches_equal_a_causal_recompute()
         assert_cache_equals_causal(model, ref, committed)
 
 
+@pytest.mark.slow
 @needs_two
 @pytest.mark.parametrize("tree", ["chain", "tree"])
 def test_overlap_sampling_is_lossless(tree):
@@ -167,6 +168,7 @@ def test_overlap_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kin
         assert res.stats["resyncs"] > 0 and res.stats["speculation"]["steps"] > 0
 
 
+@pytest.mark.slow
 @needs_two
 @pytest.mark.parametrize("kind", ["self", "eagle"])
 def test_overlap_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
@@ -190,6 +192,7 @@ def test_overlap_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
     assert sum(counters["recompiles"].values()) == recompiles
 
 
+@pytest.mark.slow
 def test_overlap_runs_compiled_graphs_under_full_guard_evaluation():
     """Two threads calling compiled graphs at once miss graphs they have under dynamo's
     skip_guard_eval_unsafe stance (torch 2.13; a garbage collection inside a lookup, reproduced

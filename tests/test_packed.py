@@ -173,6 +173,7 @@ def test_pack_linears_swaps_block_linears_and_the_head(fuse):
     torch.testing.assert_close(m.logits(m(x, pos, pos, mask).hidden), ref.logits(ref(x, pos, pos, mask).hidden))
 
 
+@pytest.mark.slow
 def test_packed_block_compiles_and_packages(tmp_path):
     """A packed block whose 3-row products run padded to 4 rows through torch.compile (fullgraph)
     and an AOTInductor package: the padding is a constant of the graph, so the block's kind

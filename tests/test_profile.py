@@ -37,6 +37,7 @@ def test_hw_names_are_file_names():
             check_hw_name(name)
 
 
+@pytest.mark.slow
 def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_path, capsys):
     from yggtree.cli import main
     from yggtree.plan import load_plan
@@ -108,6 +109,7 @@ def check_stage_forms(forms, plan, tmp):
     assert summary["stage_plan"] is None and searched_stages(summary["dir"]) == "sequential"
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_loadable_calibration(plan_path, tmp_path, capsys):
     from yggtree.cli import main
     from yggtree.plan import load_plan
@@ -206,6 +208,7 @@ def test_time_rounds_runs_a_keys_before_call_last_before_its_timed_one(monkeypat
     assert times == {"draft": pytest.approx([2.0, 2.0]), "verify": pytest.approx([2.0, 2.0])}
 
 
+@pytest.mark.slow
 def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, monkeypatch):
     """`yggtree profile` of a plan with ``weights: int8``, naming the profile it writes, times the
     quantized engine (its int8 products on each kernel, never padded) and records the format; the cost
@@ -249,6 +252,7 @@ def test_profile_of_a_weight_format_prices_that_format_only(tmp_path, capsys, mo
         CostModel.from_profile(out / "float.json", int8)
 
 
+@pytest.mark.slow
 def test_load_meter_sees_other_work_and_the_warning_names_it():
     """A busy loop in another process shows as ~1 core of other work (this process idles);
     the warning names the measurement and the cores; a quiet result gives no warning."""

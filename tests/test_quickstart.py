@@ -13,7 +13,7 @@ from yggtree.runtime.device import detect_device
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # calibrates, measures a profile
 
 from helpers import tiny_plan_dir  # noqa: E402
 from test_compile import tiny_plan  # noqa: E402

@@ -206,6 +206,7 @@ def test_cli_broken_pipe_ends_quietly(tiny_checkpoint):
         assert (code, err) == (0, "")
 
 
+@pytest.mark.slow
 def test_cli_broken_pipe_in_a_real_pipeline(tiny_checkpoint):
     import subprocess
     import sys
@@ -282,6 +283,7 @@ def test_an_output_path_that_is_a_file_is_one_line(tmp_path, capsys):
     assert afile.read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_script_output_into_a_closed_pipe_ends_quietly(tmp_path):
     """Scripts report through errors.run_reporting: ``| head`` stops them quietly too (it printed
     a BrokenPipeError traceback: ab_versions' table piped into ``head -5``)."""

@@ -16,7 +16,7 @@ from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.schedule import PLANS, check_order, resolve_plan
 
-from helpers import assert_cache_equals_causal, perturbed
+from helpers import assert_cache_equals_causal, perturbed, sweep
 from test_engine import PROMPTS, TREES, tiny
 from test_lossless_steps import (PROMPT, TREES as SMALL_TREES, chi_square_p, exact_sequences,
                                  sample_counts, target_and_drafter)
@@ -104,9 +104,9 @@ def plain_outputs():
     return [eng.generate(p, SamplingParams(max_new_tokens=40)).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("tree", ["chain", "egt", "wide-prune"])
-@pytest.mark.parametrize("kind", ["self", "other-lm", "eagle"])
-@pytest.mark.parametrize("lookup", [0, 2])
+@pytest.mark.parametrize("tree,kind,lookup", sweep(
+    ["chain", "egt", "wide-prune"], ["self", "other-lm", "eagle"], [0, 2],
+    unit=[("chain", "self", 0), ("egt", "other-lm", 2), ("wide-prune", "eagle", 2)]))
 def test_ahead_greedy_equals_plain_and_picks_up_every_head(plain_outputs, tree, kind, lookup):
     target = tiny()
     if kind == "eagle":
@@ -158,6 +158,7 @@ def test_picked_up_head_equals_a_head_call(kind):
         torch.testing.assert_close(pending.logp, fresh.logp, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", ["chain", "tree"])
 def test_ahead_sampling_is_lossless(tree):
     target, drafter = target_and_drafter()
@@ -199,6 +200,7 @@ def test_sequential_and_ahead_agree_in_sampling_with_one_seed():
     assert outs["sequential"] == outs["ahead"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lm", "eagle"])
 def test_ahead_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
     """Performance mode: the ahead call's 2 W_v graphs are built at warm-up; decoding then never

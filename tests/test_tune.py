@@ -25,7 +25,7 @@ from yggtree.offline.tune_study import should_measure, should_stop
 
 transformers = pytest.importorskip("transformers")
 optuna = pytest.importorskip("optuna")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # runs yggtree tune end to end
 
 REPO = Path(__file__).resolve().parents[1]
 from test_compile import tiny_plan  # noqa: E402

@@ -368,6 +368,7 @@ def q(tiny):
     return tune(tiny, "q", ["stages=sequential@1,ahead@1", "weights=int8"], trials=5)
 
 
+@pytest.mark.slow
 def test_tune_searches_stages_and_weights_into_a_plan_that_loads(tiny, q):
     from yggtree.offline.tune_artifacts import envelope_plan, profile_covers
     from yggtree.plan import load_plan
@@ -398,6 +399,7 @@ def test_tune_searches_stages_and_weights_into_a_plan_that_loads(tiny, q):
                         "has its own curves; run `yggtree profile --plan ...` for this plan"), why
 
 
+@pytest.mark.slow
 def test_a_format_the_profile_did_not_measure_is_measured_not_predicted(tiny):
     from optuna.trial import TrialState
 
@@ -428,6 +430,7 @@ def test_a_format_the_profile_did_not_measure_is_measured_not_predicted(tiny):
     assert (plan.profile is None and plan.calibration is None) == (best["weights"] == "int8")
 
 
+@pytest.mark.slow
 def test_without_stage_forms_only_sequential_at_the_threads_is_sampled(tiny, q, capsys):
     """A profile made before stage forms (the key dropped from q's): it prices sequential@1 only,
     so ahead@1 is not sampled (said once, with the reason) and no trial is spent on it."""
@@ -464,6 +467,7 @@ def test_impossible_stage_and_weight_overrides_are_one_line(tiny, capsys):
     assert not (tiny / "profiles" / "refused.study.db").exists()  # refused before anything ran
 
 
+@pytest.mark.slow
 def test_a_stage_scale_scales_the_predicted_time(tiny, q):
     """Every step (tree or plain) twice as long: exactly half the predicted tokens/s; the
     stage-forms scale of sequential@1 is the curves' own (None)."""
