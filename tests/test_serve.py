@@ -622,8 +622,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# a self-drafting tree on eager graphs (no compile in the test): the engine flags of both commands
 SERVE_FLAGS = ["--drafter", "self", "--draft-width", "2", "--draft-depth", "2", "--verify-width", "4",
-               "--max-context", "512"]
+               "--max-context", "512", "--mode", "reference"]
 
 
 @pytest.mark.slow

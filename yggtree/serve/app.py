@@ -125,18 +125,20 @@ class Api:
             conv.append({"role": m["role"], "content": _content(m, i)})
         if not getattr(self.tok, "chat_template", None):
             raise ServeError(400, "this model has no chat template: use /v1/completions")
-        try:  # exactly as yggtree run applies it (runtime/loading.encode_prompt)
-            text = self.tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - the template rejects the conversation (jinja's raise_exception)
-            raise ServeError(400, f"the chat template rejects these messages: {e}", param="messages") from None
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        with self.backend.tokenizer_lock:
+            try:  # exactly as yggtree run applies it (runtime/loading.encode_prompt)
+                text = self.tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - the template rejects the conversation (jinja's raise_exception)
+                raise ServeError(400, f"the chat template rejects these messages: {e}", param="messages") from None
+            return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def completion_ids(self, body: dict) -> list[int]:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one prompt
         if isinstance(p, str):
-            return self.tok(p)["input_ids"]  # as yggtree run --raw
+            with self.backend.tokenizer_lock:
+                return self.tok(p)["input_ids"]  # as yggtree run --raw
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             bad = [t for t in p if not 0 <= t < self.backend.vocab_size]
             if bad:
@@ -217,6 +219,8 @@ class Api:
             msg = await request.receive()
             if msg["type"] == "http.disconnect":
                 self.scheduler.discard(job, "disconnect")
+                # wake the handler now (a job that left the queue gets no event from the worker)
+                job.events.put_nowait(("error", ServeError(499, "the client disconnected", "cancelled")))
                 return
 
     async def complete(self, request: Request, chat: bool):

@@ -105,6 +105,9 @@ class Backend:
         self.max_context = engine.cfg.max_context
         self.vocab_size = engine.target.cfg.vocab_size
         self.speculative = engine.cfg.tree is not None
+        # the HTTP side encodes prompts while the worker decodes text: one tokenizer call at a time
+        # (a fast tokenizer's Rust object refuses a call while another one borrows it mutably)
+        self.tokenizer_lock = threading.Lock()
 
     def plain_policy(self):
         """Plain steps on a speculative engine (``"speculative": false``): draft depth 0, the root
@@ -127,7 +130,7 @@ class Session:
 
     def __init__(self, job: Job, backend: Backend, metrics) -> None:
         self.job, self.metrics = job, metrics
-        self.decoder = IncrementalDecoder(backend.tokenizer)
+        self.decoder = IncrementalDecoder(backend.tokenizer, getattr(backend, "tokenizer_lock", None))
         self.matcher = StopMatcher(job.stops)
         self.tokens = 0  # completion tokens (up to the one that completed a stop string)
         self.first: float | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class IncrementalDecoder:
     """Decodes a growing list of token ids into text deltas whose concatenation is the text of the
@@ -9,14 +11,16 @@ class IncrementalDecoder:
     delta, with a few before it for context), not the whole list; a multi-byte character split
     across tokens is held back until it is complete (or until :meth:`flush`)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, lock=None) -> None:
         self.tokenizer = tokenizer
+        self.lock = lock or contextlib.nullcontext()  # held around each tokenizer call
         self.ids: list[int] = []
         self.prefix = 0  # window start: ids[prefix:read] decode to text already returned
         self.read = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         """The text ``token_id`` completes ("" while a character is incomplete)."""
