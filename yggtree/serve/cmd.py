@@ -70,7 +70,10 @@ def run(args) -> int:
     check_serve_extra()
     if args.request_timeout <= 0:
         raise YggError(f"--request-timeout must be > 0, got {args.request_timeout:g}")
+    import prometheus_client
     import uvicorn
+
+    prometheus_client.disable_created_metrics()  # no *_created series, as vLLM (this process only)
 
     from ..run_cmd import build_from_args
     from .app import create_app
