@@ -10,6 +10,7 @@ from . import bench, run_cmd
 from .errors import YggError, os_error_line, silence_stdout
 from .offline import compile as compile_cmd
 from .offline import distill, fit, profile, train_predictor, transcripts_cmd, tune
+from .serve import cmd as serve_cmd
 
 
 # the offline extra (pyproject.toml), by import name: what the measuring and training commands need
@@ -41,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 # every subcommand's module, in the order of ``yggtree --help``. Each has ``add_arguments(parser)`` (its
 # flags), ``run(args) -> int`` and ``add_parser(subparsers)``, which registers the command (name, help
 # line, flags) with ``run`` as its handler (``args.func``)
-COMMANDS = (run_cmd, bench, compile_cmd, distill, transcripts_cmd, profile, fit, train_predictor, tune)
+COMMANDS = (run_cmd, serve_cmd, bench, compile_cmd, distill, transcripts_cmd, profile, fit, train_predictor, tune)
 
 
 def build_parser() -> argparse.ArgumentParser:

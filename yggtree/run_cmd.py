@@ -51,11 +51,21 @@ def _float(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
     p.add_argument("--raw", action="store_true", help="send the prompt untouched (no chat template)")
-    p.add_argument("--model", default="default", help="default | HF directory | .gguf file")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument(
+        "--trace", metavar="FILE", help="write a JSONL record per decode step (reference mode only)"
+    )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and build the engine (model, plan, format, drafter, tree), shared by
+    ``yggtree run`` and ``yggtree serve``; :func:`build_from_args` builds from them."""
+    p.add_argument("--model", default="default", help="default | HF directory | .gguf file")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: the default plan's (float32)")
     p.add_argument("--weights", default=None,
@@ -126,10 +136,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --plan: compile missing or stale artifacts instead of refusing",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.add_argument(
-        "--trace", metavar="FILE", help="write a JSONL record per decode step (reference mode only)"
-    )
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -153,9 +159,20 @@ def run(args) -> int:
         raise YggError("the prompt is empty")
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     params.validate()
-    resolve_plan(args.stages, True, threads=args.threads)  # a bad plan is refused before loading
     if args.trace and args.mode != "reference":
         raise YggError("--trace needs --mode reference")
+    engine, tok, policy = build_from_args(args)
+    ids = encode_prompt(tok, args.prompt, raw=args.raw)
+    with open_trace(args.trace) as trace:
+        return _generate(args, engine, tok, ids, params, trace, policy)
+
+
+def build_from_args(args):
+    """(engine, tokenizer, policy or None) from the engine flags (:func:`add_engine_arguments`),
+    every flag checked before the model loads: a compiled plan (``--plan``), else the default
+    plan's settings with a tuned plan or the quick start when nothing else is asked, else one
+    fixed tree from the flags."""
+    resolve_plan(args.stages, True, threads=args.threads)  # a bad plan is refused before loading
     if args.depth != "auto" and not args.plan:
         raise YggError("--depth needs --plan (without a plan, --draft-depth sets a fixed tree)")
     if args.depth != "auto" and args.draft_depth is not None:
@@ -178,9 +195,7 @@ def run(args) -> int:
         engine, tok, policy = _plan_engine(args)
     else:
         engine, tok = _flag_engine(args)
-    ids = encode_prompt(tok, args.prompt, raw=args.raw)
-    with open_trace(args.trace) as trace:
-        return _generate(args, engine, tok, ids, params, trace, policy)
+    return engine, tok, policy
 
 
 def _pick_plan(args) -> None:
