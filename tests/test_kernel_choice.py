@@ -115,6 +115,7 @@ def test_the_real_measurement_on_a_tiny_model(model_dir, tmp_path):
     assert kernel_choice.measured_choice(src, "float32", None, (1, 4), 1, tmp_path) == got
 
 
+@pytest.mark.slow
 def test_yggtree_run_with_flags_builds_on_the_measured_kernel(model_dir, tmp_path, monkeypatch, capsys):
     """`yggtree run --no-speculate` (an engine from flags): the kernel measured and cached on the
     first run, read on the second; the output is plain greedy decoding's either way."""
