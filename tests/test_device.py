@@ -185,3 +185,16 @@ def test_the_quick_profile_of_each_cpu_has_its_own_file(tmp_path):
     a = quick_profile_path(as_device(ZEN3), 2, "float32", tmp_path)
     b = quick_profile_path(as_device(ZEN4), 2, "float32", tmp_path)
     assert a != b and a.parent == b.parent and a.name.startswith("cpu-amd-epyc-")
+
+
+def test_a_tune_study_of_the_other_epyc_is_refused(tmp_path):
+    pytest.importorskip("optuna")
+    from yggtree.offline.tune_study import open_study
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    ident = {"format": 2, "device": "cpu AMD EPYC", "device_identity": ZEN4.to_dict(), "threads": 2}
+    open_study(url, "s", ident)
+    open_study(url, "s", ident)  # its own device: reopened
+    with pytest.raises(YggError) as e:
+        open_study(url, "s", ident | {"device_identity": ZEN3.to_dict()})
+    assert "timed its trials on another device" in str(e.value) and "it had avx512f" in str(e.value)

@@ -707,7 +707,8 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = 
                 continue
             differs = device_difference(hw, device)
             if differs is not None:
-                if isinstance(hw, dict) and (hw.get("device"), hw.get("device_name")) == (device["kind"], device["name"]):
+                named = isinstance(hw, dict) and (hw.get("device"), hw.get("device_name"))
+                if named == (device["kind"], device["name"]):
                     namesakes.append((f, differs))
                 continue
             if plan.backend == "eager" or not check_artifacts(plan, artifact_dir(plan, compile_root)):

@@ -115,11 +115,9 @@ def _open_study(storage, name: str, identity: dict, sampler, pruner, create: boo
     if have.get("device_identity") != identity.get("device_identity"):  # runtime/device.py names the difference
         from ..runtime.device import device_difference
 
-        kind = str(identity.get("device", "")).split(" ", 1)[0]
-        was = {"device": str(have.get("device", "")).split(" ", 1)[0], "device_name": str(have.get("device", "")).partition(" ")[2],
-               "device_identity": have.get("device_identity")}
-        now = {"kind": kind, "name": str(identity.get("device", "")).partition(" ")[2],
-               "identity": identity.get("device_identity")}
+        (kind, _, name), (was_kind, _, was_name) = (str(d.get("device", "")).partition(" ") for d in (identity, have))
+        was = {"device": was_kind, "device_name": was_name, "device_identity": have.get("device_identity")}
+        now = {"kind": kind, "name": name, "identity": identity.get("device_identity")}
         raise YggError(f"study {name!r} timed its trials on another device ({device_difference(was, now)}); use "
                        "another --study")
     if have != identity:
