@@ -114,7 +114,7 @@ def test_bad_input_is_one_line(pair, tmp_path, capsys):
     cases = [
         (["--plan", str(tmp_path / "split.yaml")], "threads 999 exceeds this machine's"),
         (["--plan", str(tmp_path / "missing.yaml")], "plan file not found"),
-        (["--plan", str(tmp_path / "other.yaml")], "measured on cpu 'some other cpu'"),
+        (["--plan", str(tmp_path / "other.yaml")], "made on cpu 'some other cpu'"),
         (["--threads", "999"], "exceeds this machine's"),
     ]
     for more, said in cases:

@@ -261,7 +261,7 @@ def test_no_shipped_manifest_holds_an_absolute_path():
     import yaml
 
     files = shipped_manifests()
-    assert "predictors/default__default__float32/depth_manifest.json" in files
+    assert "yggtree/assets/predictors/default__default__float32/depth_manifest.json" in files
     bad = []
     for f in files:
         text = (ROOT / f).read_text()

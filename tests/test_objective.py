@@ -305,10 +305,10 @@ def write(tmp_path, d, name="p.json"):
 
 
 def test_profile_loads_for_its_plan(tmp_path, plan):
-    from yggtree.runtime.device import detect_device
+    from yggtree.runtime.device import detect_device, device_record
 
     here = detect_device()
-    d = profile_dict(plan) | {"hardware": {"device": here["kind"], "device_name": here["name"]}}
+    d = profile_dict(plan) | {"hardware": device_record(here)}
     cm = CostModel.from_profile(write(tmp_path, d), plan)
     assert cm.t_verify(4, 10) == 11.0 and cm.plain_ms(10) == 10.0
 
@@ -328,7 +328,7 @@ def test_profile_loads_for_its_plan(tmp_path, plan):
          "malformed latency curve"),
         (lambda d: d | {"fit": d["fit"] | {"draft": {"buckets": [256]}}}, "malformed latency curve"),
         (lambda d: d | {"hardware": {"device": "cuda", "device_name": "NVIDIA A100-SXM4-80GB"}},
-         "measured on cuda 'NVIDIA A100-SXM4-80GB', this process runs on cpu .*yggtree profile"),
+         "made on cuda 'NVIDIA A100-SXM4-80GB', this process runs on cpu .*yggtree profile"),
     ],
 )
 def test_bad_profiles_are_refused(tmp_path, plan, mutate, match):
@@ -388,7 +388,7 @@ def tiny_objective_plan(d: Path, name: str) -> Path:
     from helpers import tiny_plan_dir
 
     from yggtree.plan import load_plan
-    from yggtree.runtime.device import detect_device
+    from yggtree.runtime.device import detect_device, device_record
 
     tiny_plan_dir(d, f"name: {name}\ntarget: model\ndrafter: self\nbackend: eager\nmax_context: 64\n"
                      "prefill_chunk: 4\ndraft_widths: [1, 2]\nd_max: 2\ntop_k: 2\nverify_widths: [2, 4]\n"
@@ -400,7 +400,7 @@ def tiny_objective_plan(d: Path, name: str) -> Path:
     cheap = {"buckets": [128], "xs": [[1, 8]], "ys": [[10.0, 10.5]]}  # wide steps cost ~ one token
     write(d, {"kind": PROFILE_KIND, "version": FORMAT_VERSION, "name": "t", "identity": timing_identity(bare),
               "fit": {"verify": cheap, "draft": cheap | {"ys": [[0.5, 0.6]]}, "head": cheap | {"ys": [[0.5, 0.6]]}},
-              "hardware": {"device": here["kind"], "device_name": here["name"]}}, "prof.json")
+              "hardware": device_record(here)}, "prof.json")
     write(d, {"kind": CALIBRATION_KIND, "version": FORMAT_VERSION, "identity": pair_identity(bare),
               "map": {"x": [0.0, 1.0], "y": [0.2, 0.9]}, "verify_widths": [2, 4],
               "aal": {"1": [[1.5, 1.5], [1.6, 2.2]], "2": [[1.7, 1.7], [1.9, 2.6]]}}, "cal.json")

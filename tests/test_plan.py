@@ -508,10 +508,10 @@ def test_find_tuned_plan_picks_a_compiled_plan_for_this_device(tmp_path):
     artifacts make it ``ready``, missing ones ``uncompiled``; other devices, dtypes, targets or
     plans without a profile and calibration never match."""
     from yggtree.plan import find_tuned_plan
-    from yggtree.runtime.device import detect_device
+    from yggtree.runtime.device import detect_device, device_record
 
     here = detect_device()
-    (tmp_path / "here.json").write_text(json.dumps({"hardware": {"device": here["kind"], "device_name": here["name"]}}))
+    (tmp_path / "here.json").write_text(json.dumps({"hardware": device_record(here)}))
     (tmp_path / "there.json").write_text(json.dumps({"hardware": {"device": "cuda", "device_name": "A100"}}))
     (tmp_path / "cal.json").write_text("{}")
     body = ("name: {name}\ntarget: {target}\ndrafter: default\ndtype: {dtype}\nbackend: {backend}\n"
@@ -546,10 +546,10 @@ def test_find_tuned_plan_prefers_the_fastest_measured_plain_step(tmp_path):
     width-1 verify point at the shortest context) is taken, whatever the file names' order; a
     profile without that point comes last."""
     from yggtree.plan import find_tuned_plan
-    from yggtree.runtime.device import detect_device
+    from yggtree.runtime.device import detect_device, device_record
 
     here = detect_device()
-    hw = {"device": here["kind"], "device_name": here["name"]}
+    hw = device_record(here)
     (tmp_path / "cal.json").write_text("{}")
     for name, pts in (("a", None), ("b", [(1, 224, 9.0), (1, 480, 1.0), (2, 224, 0.5)]), ("c", [(1, 224, 4.0)])):
         points = [{"kind": "verify", "width": w, "context": c, "median_ms": ms} for w, c, ms in pts or ()]
@@ -563,14 +563,14 @@ def test_tuned_plans_are_found_in_the_user_data_dir_and_the_checkout(tmp_path, m
     """An installed yggtree finds tuned plans in the user's data directory; run from a checkout
     (as this test is), in the checkout's profiles/ after it."""
     from yggtree.plan import find_tuned_plan, tuned_plan_dirs
-    from yggtree.runtime.device import detect_device
+    from yggtree.runtime.device import detect_device, device_record
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     user = tmp_path / "data" / "yggtree" / "profiles"
     assert tuned_plan_dirs() == (user, Path(__file__).resolve().parent.parent / "profiles")
     user.mkdir(parents=True)
     here = detect_device()
-    (user / "here.json").write_text(json.dumps({"hardware": {"device": here["kind"], "device_name": here["name"]}}))
+    (user / "here.json").write_text(json.dumps({"hardware": device_record(here)}))
     (user / "cal.json").write_text("{}")
     (user / "mine.yaml").write_text("name: mine\ntarget: default\ndrafter: default\ndtype: bfloat16\n"
                                     "backend: eager\nprofile: here.json\ncalibration: cal.json\n")

@@ -673,22 +673,25 @@ def tuned_plan_dirs() -> tuple[Path, ...]:
 
 
 def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = None,
-                    compile_root: str | Path = "compile") -> tuple[Path | None, Path | None]:
+                    compile_root: str | Path = "compile", say=None) -> tuple[Path | None, Path | None]:
     """Plans tuned for this device: ``(ready, uncompiled)``, or None for either.
 
     A tuned plan is a plan YAML for the embedded pair (target and drafter ``default``) with float
     weights and its cache in ``dtype`` (no ``weights`` format, no ``kv_cache``: a quantized plan or
     a 16-bit cache computes another model, so it is never taken unasked) naming a profile
-    measured on ``device`` (``{"kind", "name"}`` as from
+    measured on ``device`` (``{"kind", "name", "identity"}`` as from
     ``yggtree.runtime.device.detect_device``) and a calibration. ``ready``: of the plans whose
     compiled artifacts are usable (or that need none), the one whose profile measured the fastest
     plain step (ties and plans without that point: the first by directory, then file name);
     ``uncompiled``: the first that would be, once compiled. The directories are ``search``
     (default :func:`tuned_plan_dirs`). Unreadable files are skipped: this only looks for
-    something better than the default plan."""
-    from .runtime.device import measured_on
+    something better than the default plan. A plan whose profile was measured on a device of the
+    same name but another identity (``runtime/device.py``: another CPU model or stepping, other
+    features or cores, or no identity recorded) is not taken either: when nothing is found,
+    ``say(line)`` is told so once, naming what differs."""
+    from .runtime.device import device_difference
 
-    ready, waiting = [], None
+    ready, waiting, namesakes = [], None, []
     for d in tuned_plan_dirs() if search is None else search:
         for f in sorted(Path(d).glob("*.yaml")) if Path(d).is_dir() else ():
             try:
@@ -702,12 +705,19 @@ def find_tuned_plan(dtype: str, device: dict, search: tuple[Path, ...] | None = 
                 hw = profile.get("hardware", {})
             except (YggError, OSError, ValueError, AttributeError):
                 continue
-            if not isinstance(hw, dict) or not measured_on(hw, device):
+            differs = device_difference(hw, device)
+            if differs is not None:
+                named = isinstance(hw, dict) and (hw.get("device"), hw.get("device_name"))
+                if named == (device["kind"], device["name"]):
+                    namesakes.append((f, differs))
                 continue
             if plan.backend == "eager" or not check_artifacts(plan, artifact_dir(plan, compile_root)):
                 ready.append((_plain_step_ms(profile), len(ready), f))
             elif waiting is None:
                 waiting = f
+    if namesakes and not ready and waiting is None and say is not None:
+        more = f" (and {len(namesakes) - 1} more plan(s) like it)" if len(namesakes) > 1 else ""
+        say(f"not using tuned plan {namesakes[0][0]}{more}: {namesakes[0][1]}")
     return (min(ready)[2] if ready else None), waiting
 
 
@@ -848,6 +858,12 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         if was != v:
             what = "yggtree runtime code" if k == "yggtree_runtime" else f"{k} version"
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
+    if plan.backend != "eager":  # the packages' code is built for one device (runtime/device.py)
+        from .runtime.device import detect_device, device_difference
+
+        differs = device_difference(m.get("device"), detect_device())
+        if differs is not None:
+            reasons.append(f"the packages in {d} were not built on this machine: {differs}")
     if plan.backend != "eager":  # the packages hold the padding of their packed products
         source = "the plan's profile" if plan.profile is not None else "this machine's measurement"
         try:

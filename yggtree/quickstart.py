@@ -26,9 +26,12 @@ TUNE_HINT = "`yggtree tune --hw NAME` tunes a plan for this machine"
 
 
 def quick_profile_path(device: dict, threads: int, dtype: str, root: Path | None = None) -> Path:
-    """The cached quick profile of ``device`` at ``threads`` threads in ``dtype``."""
+    """The cached quick profile of ``device`` at ``threads`` threads in ``dtype`` (named by the
+    device's name and a digest of its identity: runtime/device.py)."""
+    from .runtime.device import device_key
+
     slug = re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")[:48] or "device"
-    return (root or cache_root()) / "profiles" / f"{device['kind']}-{slug}-t{threads}-{dtype}.json"
+    return (root or cache_root()) / "profiles" / f"{device['kind']}-{slug}-{device_key(device)}-t{threads}-{dtype}.json"
 
 
 @dataclass(frozen=True)
@@ -129,20 +132,30 @@ def quick_start(base, calibration: Path | None, device: dict, threads: int, root
     return QuickStart(plan, path, threads, hint or TUNE_HINT), None
 
 
-def shipped_calibration(plan) -> Path | None:
-    """The acceptance calibration of ``plan``'s pair a source checkout ships
-    (``predictors/<target>__<drafter>__<dtype>/calibration.json``), None if there is none."""
-    from .offline.fit import pair_dir
+SHIPPED_PAIRS = Path(__file__).resolve().parent / "assets" / "predictors"  # in the package: a wheel holds them
 
-    checkout = Path(__file__).resolve().parent.parent
-    cal = pair_dir(plan, checkout / "predictors") / "calibration.json"
-    return cal if (checkout / "pyproject.toml").is_file() and cal.is_file() else None
+
+def shipped_pair_dir(plan) -> Path:
+    """Where the package ships the artifacts of ``plan``'s pair (acceptance calibration, depth
+    predictor): ``yggtree/assets/predictors/<target>__<drafter>__<dtype>/``, as
+    ``yggtree.offline.fit.pair_dir`` names them."""
+    def slug(name):
+        return str(name) if name in (None, "default", "self") else (Path(name).name.removesuffix(".gguf") or "model")
+
+    return SHIPPED_PAIRS / f"{slug(plan.target)}__{slug(plan.drafter)}__{plan.dtype}"
+
+
+def shipped_calibration(plan) -> Path | None:
+    """The acceptance calibration of ``plan``'s pair the package ships
+    (``yggtree/assets/predictors/<pair>/calibration.json``), None if there is none."""
+    cal = shipped_pair_dir(plan) / "calibration.json"
+    return cal if cal.is_file() else None
 
 
 def default_quick_start(dtype: str, device: dict, threads: int, hint: str | None = None
                         ) -> tuple[QuickStart | None, str | None]:
-    """:func:`quick_start` of the default plan in ``dtype`` with the checkout's calibration of
-    the embedded pair (``predictors/<pair>/calibration.json``)."""
+    """:func:`quick_start` of the default plan in ``dtype`` with the shipped calibration of the
+    embedded pair (:func:`shipped_calibration`)."""
     from .plan import default_plan
 
     base = replace(default_plan(), dtype=dtype)

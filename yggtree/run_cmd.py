@@ -220,7 +220,7 @@ def _pick_plan(args) -> None:
     if not only_defaults:
         return
     device = detect_device()
-    ready, waiting = find_tuned_plan(args.dtype, device)
+    ready, waiting = find_tuned_plan(args.dtype, device, say=lambda line: sys.stderr.write(f"yggtree: {line}\n"))
     if ready is not None:
         sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
         args.plan = str(ready)

@@ -384,6 +384,7 @@ def _build_with_progress(plan: Plan, art: Path, console, min_rows: int) -> tuple
 def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records: list[dict], info: dict,
               stale: list[str]) -> dict:
     """The manifest of a build of ``plan`` in ``art`` (no absolute paths)."""
+    from ..runtime.device import detect_device, device_record
     from ..runtime.model import attention_formulation
 
     return {
@@ -394,6 +395,8 @@ def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records:
         "backend": plan.backend,
         "dtype": plan.dtype,
         "versions": versions(),
+        # the device the packages were built for and on (runtime/device.py), checked by check_artifacts
+        "device": device_record(detect_device()),
         "models": prints,
         "n_slots": info["n_slots"],
         # inductor's CPU kernels are built for the thread count of the compiling process

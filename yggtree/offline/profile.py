@@ -48,7 +48,7 @@ from ..errors import YggError, module_main
 from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import PADDING_KEY, default_plan, load_plan, versions
 from ..progress import stderr_progress
-from ..runtime.device import cpu_model, detect_device
+from ..runtime.device import cpu_model, detect_device, device_record
 from ..shapes import measured_prefetch, prefetch_name, prefetch_setting
 from .timing import LoadMeter, load_warning, time_rounds
 
@@ -72,8 +72,7 @@ def hardware_info(threads: int) -> dict:
 
     dev = detect_device()
     return {
-        "device": dev["kind"],
-        "device_name": dev["name"],
+        **device_record(dev),  # device, device_name, device_identity: what a profile is matched on
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads": threads,

@@ -88,6 +88,7 @@ def study_identity(base, device: dict, threads: int, space) -> dict:
         "backend": base.backend,
         "max_context": base.max_context,
         "device": f"{device['kind']} {device['name']}",
+        "device_identity": device.get("identity"),  # a study's trials timed another CPU of this name
         "threads": threads,
         "space": space.to_dict(),
     }

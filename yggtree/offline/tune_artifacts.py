@@ -82,7 +82,28 @@ def find_profile(env, hw: str, out_dir: Path, threads: int) -> tuple[Path | None
     own = out_dir / f"{hw}.json"
     others = sorted(p for p in out_dir.glob("*.json") if p != own) if out_dir.is_dir() else []
     candidates = [p for p in [own, *others] if not p.name.endswith(".tuning.json")]
-    return first_valid(candidates, own, lambda p: profile_covers(p, env, threads))
+    found, why_own = first_valid(candidates, own, lambda p: profile_covers(p, env, threads))
+    if found is None:
+        namesake(candidates)
+    return found, why_own
+
+
+def namesake(profiles: list[Path]) -> None:
+    """Say (once) that a profile measured on a device of this device's name but another identity
+    (runtime/device.py) is not reused."""
+    from ..runtime.device import detect_device, device_difference
+
+    here = detect_device()
+    for p in profiles:
+        try:
+            hw = json.loads(p.read_text()).get("hardware")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(hw, dict) and (hw.get("device"), hw.get("device_name")) == (here["kind"], here["name"]):
+            differs = device_difference(hw, here)
+            if differs is not None:
+                say(f"not reusing profile {p}: {differs}")
+                return
 
 
 def first_valid(paths: list[Path], own: Path, why_not) -> tuple[Path | None, str | None]:

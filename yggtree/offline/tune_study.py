@@ -112,6 +112,14 @@ def _open_study(storage, name: str, identity: dict, sampler, pruner, create: boo
         raise YggError(f"study {name!r} was made by another version of yggtree tune (study format "
                        f"{have.get('format')}, this tune writes {identity.get('format')}: its parameters are "
                        "encoded otherwise); use another --study")
+    if have.get("device_identity") != identity.get("device_identity"):  # runtime/device.py names the difference
+        from ..runtime.device import device_difference
+
+        (kind, _, name), (was_kind, _, was_name) = (str(d.get("device", "")).partition(" ") for d in (identity, have))
+        was = {"device": was_kind, "device_name": was_name, "device_identity": have.get("device_identity")}
+        now = {"kind": kind, "name": name, "identity": identity.get("device_identity")}
+        raise YggError(f"study {name!r} timed its trials on another device ({device_difference(was, now)}); use "
+                       "another --study")
     if have != identity:
         key = next((k for k in sorted(set(have) | set(identity)) if have.get(k) != identity.get(k)), "?")
         raise YggError(f"study {name!r} tunes another setup (differs in {key}: study "

@@ -92,21 +92,16 @@ def running(maps: str | None = None) -> str:
 
 
 def machine_key(libraries: dict[str, Path]) -> dict:
-    """What a measured choice depends on: the CPU, its cores, the C library, the allocators'
-    libraries (path, size and time of each)."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """What a measured choice depends on: the CPU (its identity, usable cores included:
+    runtime/cpuinfo.py), the C library, the allocators' libraries (path, size and time of each)."""
+    from .cpuinfo import cpu_identity
+
+    cpu = cpu_identity().to_dict()
     libs = {}
     for name, path in sorted(libraries.items()):
         st = Path(path).stat()
         libs[name] = [str(path), st.st_size, st.st_mtime_ns]
-    return {"cpu": cpu, "cores": os.cpu_count(), "libc": os.confstr("CS_GNU_LIBC_VERSION") or "",
+    return {"cpu": cpu, "cores": cpu["cores"], "libc": os.confstr("CS_GNU_LIBC_VERSION") or "",
             "libraries": libs}
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import YggError
 from .artifacts import PROFILE_KIND, first_difference, read_artifact, timing_identity
-from .device import detect_device, measured_on
+from .device import detect_device, device_difference
 
 __all__ = ["Curve", "CostModel", "profile_weights"]
 
@@ -168,12 +168,11 @@ class CostModel:
             )
         hw = d.get("hardware")
         if isinstance(hw, dict) and hw.get("device_name") is not None:
-            here = detect_device()
-            if not measured_on(hw, here):
+            differs = device_difference(hw, detect_device())
+            if differs is not None:
                 raise YggError(
-                    f"{where} was measured on {hw.get('device')} {hw.get('device_name')!r}, this process "
-                    f"runs on {here['kind']} {here['name']!r}; profile this machine with `yggtree profile "
-                    "--hw NAME --plan ...` (latency curves do not transfer between devices)"
+                    f"{where} is not of this machine: {differs}; profile this machine with `yggtree "
+                    "profile --hw NAME --plan ...` (latency curves do not transfer between devices)"
                 )
         from .build import drafter_feeds_leaves  # here: build imports the engine, loading, torch
 

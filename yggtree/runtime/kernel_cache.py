@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 from ..errors import env_choice
@@ -31,15 +32,21 @@ def choice_key(src, dtype: str, weights: str | None, widths: tuple[int, ...], th
 
     st = Path(src.path).stat()
     library = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:12]
-    return {"device": device["kind"], "device_name": device["name"], "threads": threads,
+    from .device import device_record
+
+    return {**device_record(device), "threads": threads,
             "model": str(Path(src.path).resolve()), "model_bytes": st.st_size, "model_mtime_ns": st.st_mtime_ns,
             "dtype": dtype, "weights": weights, "widths": sorted(set(widths)), "torch": torch.__version__,
             "library": library}
 
 
 def choice_path(key: dict, root: Path | None = None) -> Path:
-    """Where the choice of ``key`` is cached."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    """Where the choice of ``key`` is cached: one file per setup whatever the device's identity
+    (a choice recorded on another CPU of the same name is found there, and refused by name)."""
+    from .device import IDENTITY_KEY
+
+    digest = hashlib.sha256(json.dumps({k: v for k, v in key.items() if k != IDENTITY_KEY},
+                                       sort_keys=True).encode()).hexdigest()[:16]
     return (root or cache_root()) / "kernels" / f"choice-{key['device']}-t{key['threads']}-{digest}.json"
 
 
@@ -75,12 +82,18 @@ def cached_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...],
     fixed = unmeasured_choice(device)
     if fixed is not None:
         return fixed, None, None
+    from .device import device_difference
+
     key = choice_key(src, dtype, weights, widths, threads, device)
     path = choice_path(key, root)
     try:
         cached = json.loads(path.read_text())
         if cached.get("key") == key:
             return cached["padding"], path, key
+        differs = device_difference(cached.get("key"), device)
+        if differs is not None:  # the same setup on another CPU of this name: measured again
+            sys.stderr.write(f"yggtree: not using the product-kernel choice {path}: {differs}; measuring it "
+                             "again\n")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return None, path, key

@@ -81,12 +81,9 @@ TILE = 16  # output columns per tile of the w4a8 and tiled kernels
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    from .cpuinfo import cpu_flags as flags
+
+    return set(flags())
 
 
 def library_missing() -> list[str]:
