@@ -3,11 +3,10 @@
 // Why a pool of our own: a two-thread OpenMP region costs ~3-5 us to start and join where the two CPUs sit far
 // apart (libgomp's team start touches several cache lines the other CPU wrote last), ~180 regions a w4a8 decode
 // step. Here a task is posted on one cache line (generation, body, range) and each worker reports on a line of
-// its own, so a region costs about one line transfer each way; the caller runs the first chunk at once. Measured
-// 1.03-1.06x on the plain w4a8 step, 1.08-1.13x on the products alone (docs/results.md; reports/thread_pool/).
+// its own, so a region costs about one line transfer each way; the caller runs the first chunk at once. Whether
+// it pays is measured per machine and plan (`yggtree compile`'s loops choice).
 //
-// A spinning worker must never share a core with a spinning OpenMP worker (both lose their time slices: the
-// products then ran at 0.65-0.8x), so the runtime switches the pool on only where the step has no OpenMP region
+// A spinning worker must never share a core with a spinning OpenMP worker (both lose their time slices), so the runtime switches the pool on only where the step has no OpenMP region
 // (packages compiled with inductor's loops serial, the decoding thread at one OpenMP thread): runtime/kernels.py.
 // Workers spin SPIN_US after their last task, then sleep on a futex until the next. A loop called while the
 // pool is busy (another thread's loop, or a loop inside a task) runs serially on its caller: nothing waits on

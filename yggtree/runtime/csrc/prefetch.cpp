@@ -8,7 +8,7 @@
 
 namespace yggtree {
 namespace {
-constexpr int64_t DEFAULT_NEAR = 1024, DEFAULT_FAR = 0;  // before any is set (the first CPU's, docs/results.md)
+constexpr int64_t DEFAULT_NEAR = 1024, DEFAULT_FAR = 0;  // before any is set (the profile measures them per machine)
 constexpr int64_t MAX_DISTANCE = 1 << 20;
 std::atomic<int64_t> near_bytes{DEFAULT_NEAR}, far_bytes{DEFAULT_FAR};
 

@@ -1,10 +1,8 @@
 // The kernel library's software prefetch distances (csrc/prefetch.cpp): how many bytes of a product's weight
 // stream its kernels fetch ahead of the bytes they read, into the first-level cache (near) and into the second
 // (far; 0: none). One core keeps only so many first-level misses in flight, so fetching only into the first
-// level caps its stream (~12 GB/s a core on an Intel Xeon whatever the kernel's arithmetic); fetching far ahead
-// into the second level as well let the int8 model's products stream 1.2x as fast there (docs/results.md).
-// Which distances stream fastest depends on the machine (none of 512-16384 beat another on one AMD EPYC), so
-// the runtime measures them per machine (yggtree.offline.profile.time_padding) and sets them while an engine
+// level caps a core's stream whatever the kernel's arithmetic; fetching far ahead into the second level as well
+// can lift it. Which distances stream fastest depends on the machine, so the runtime measures them per machine (yggtree.offline.profile.time_padding) and sets them while an engine
 // decodes (runtime/kernels.py prefetch).
 #pragma once
 #include <cstdint>

@@ -102,8 +102,8 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     for (int g = 0; g < NG; ++g) sc[g * cap + j] = reduce_add(acc[g]) * scale;
   };
   // K and V rows are read in slot order, each KV head's slots one contiguous run (the cache is
-  // head-major): the hardware prefetchers stream them (a software prefetch measured slower on
-  // this layout, docs/results.md)
+  // head-major): the hardware prefetchers stream them (a software prefetch was slower on this
+  // layout)
   int64_t n = 0;
   for (int64_t s = 0; s < C; ++s)
     if (hm[s]) slot[n] = s, score(s, n++);
