@@ -516,6 +516,7 @@ def test_a_disconnect_frees_the_slot_at_the_next_step(tok):
 # ----------------------------------------------------------------------------- load and faults
 
 
+@pytest.mark.slow
 def test_bounded_load_with_disconnects_and_malformed_bodies(server, tok, reference):
     """200 requests, 16 at a time: random lengths, streaming or not, random disconnects and
     malformed bodies mixed in. Every valid request that was not abandoned gets exactly one

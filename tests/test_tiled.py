@@ -478,6 +478,7 @@ def test_profile_times_4bit_kernels():
     assert pad["products"] == len(kernel_layers(m)) and pad["kernel"] in KERNELS
 
 
+@pytest.mark.slow
 def test_packing_loads_the_library_in_a_fresh_process(tmp_path):
     """A bfloat16 model packed for the tiled kernel in a process that never loaded the library
     runs (the attention stays inductor's in bfloat16, the products need the library all the same)."""

@@ -193,6 +193,7 @@ def patched_loading(monkeypatch, target, tokenizer):
     target.double()
 
 
+@pytest.mark.slow
 def test_generation_resumes_after_an_interruption(tmp_path, patched_loading, monkeypatch):
     _run_transcripts(tmp_path / "a", tmp_path / "fa", "0:3")
     real = tr.generate_all
@@ -245,6 +246,7 @@ def _weights(out: Path) -> dict:
     return load_file(str(out / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_training_resumes_to_the_same_weights(shard_dir, target, tokenizer, tmp_path, monkeypatch):
     t32 = target.float()
     try:
@@ -489,6 +491,7 @@ def _distill_rank(rank: int, world: int, port: int, data: str, out: str, cache: 
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_distill_runs_data_parallel_on_two_processes(shard_dir, tmp_path):
     import socket
 
