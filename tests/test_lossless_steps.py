@@ -79,7 +79,7 @@ def sample_counts(eng, temperature, top_p) -> tuple[torch.Tensor, dict]:
 @pytest.mark.parametrize(
     "tree,temperature,top_p,mode",
     [
-        ("chain", 1.0, 1.0, "reference"),
+        pytest.param("chain", 1.0, 1.0, "reference", marks=pytest.mark.slow),  # the unit run: test_accept
         pytest.param("tree", 0.7, 0.9, "reference", marks=pytest.mark.slow),
         pytest.param("tree", 1.0, 1.0, "performance", marks=pytest.mark.slow),
     ],

@@ -319,6 +319,7 @@ def _mapped_from(path: Path, t: torch.Tensor) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+@pytest.mark.slow
 def test_memory_mapped_features_train_exactly_the_in_memory_weights(shard_dir, target, tokenizer, tmp_path, monkeypatch):
     """The features stay in their cache files (memory-mapped, not copied), and the trained
     checkpoint equals, tensor for tensor, the one trained from the features copied into one
