@@ -38,7 +38,8 @@ from yggtree.runtime.loading import encode_prompt, load_tokenizer, resolve_model
 from yggtree.serve.app import create_app  # noqa: E402
 from yggtree.serve.metrics import Metrics  # noqa: E402
 from yggtree.serve.scheduler import Backend, Scheduler  # noqa: E402
-from yggtree.serve.text import IncrementalDecoder, StopMatcher  # noqa: E402
+from yggtree.serve.text import StopMatcher  # noqa: E402
+from yggtree.streaming import IncrementalDecoder  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from ..errors import YggError
 from ..runtime.engine import SamplingParams
-from .text import IncrementalDecoder, StopMatcher
+from ..streaming import IncrementalDecoder
+from .text import StopMatcher
 
 
 class ServeError(Exception):
