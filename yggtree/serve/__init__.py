@@ -1,4 +1,4 @@
-"""``yggtree serve``: an OpenAI-compatible HTTP server over one engine (issue #61).
+"""``yggtree serve``: an OpenAI-compatible HTTP server over one engine.
 
 ``cmd`` is the subcommand (flags, start-up), ``app`` the FastAPI application (endpoints, request
 validation, server-sent events), ``scheduler`` the worker thread that owns the engine and serves

@@ -14,7 +14,7 @@ stop strings, hands the text over, and then decides whether the request goes on;
 at that step (the engine resets its per-request state when the next request starts: its caches
 are rewritten from slot 0 by prefill, the drafter worker is drained in ``decode``'s ``finally``).
 
-Continuous batching (issue #61, items 2-3) slots in here: the loop in :meth:`Scheduler._serve_loop`
+Continuous batching (several requests a step, batch-aware trees) slots in here: the loop in :meth:`Scheduler._serve_loop`
 admits jobs into ``running`` at step boundaries up to :attr:`Scheduler.capacity` (1 today, because
 the engine holds one request's KV cache). A batched engine would expose ``step(sessions)``
 advancing every running request by one verify step and return each one's tokens, which go to the
