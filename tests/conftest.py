@@ -46,6 +46,15 @@ def system_allocator():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_machine_build():
+    """No test run starts this machine's plan build in the background (yggtree/machine_plan.py:
+    minutes of compilation in a detached process); tests/test_machine_plan.py sets it itself."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YGGTREE_MACHINE_BUILD", "0")
+        yield
+
+
 _AOTI_PACKAGES = [0]
 
 

@@ -191,10 +191,12 @@ def build_from_args(args):
         _pick_plan(args)
     if getattr(args, "quick", None) is not None:  # speculation by default
         engine, tok, policy = args.quick.engine()
+        args.ran_weights = args.quick.plan.weights or args.quick.plan.dtype
     elif args.plan:
         engine, tok, policy = _plan_engine(args)
     else:
         engine, tok = _flag_engine(args)
+        args.ran_weights = args.weights or args.dtype
     return engine, tok, policy
 
 
@@ -225,6 +227,8 @@ def _pick_plan(args) -> None:
         sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
         args.plan = str(ready)
         args.no_default_note = None
+    elif _machine_plan(args, device, waiting):
+        return
     else:  # no compiled tuned plan: the default plan with a quick profile (yggtree.quickstart)
         import torch
 
@@ -235,11 +239,40 @@ def _pick_plan(args) -> None:
                                 why and f"no tuned plan for this {device['kind']} in {args.dtype}: {why}")
 
 
+def _machine_plan(args, device: dict, waiting) -> bool:
+    """Without a tuned plan: this machine's own compiled plan (yggtree.machine_plan) when it is
+    built; else plain decoding that compiles nothing now, its build started in the background.
+    False where the background build is turned off (the quick start then runs)."""
+    import torch
+
+    from . import machine_plan
+
+    if waiting is not None or not machine_plan.enabled():
+        return False
+    mp = machine_plan.machine_plan(device, torch.get_num_threads())
+    path, _ = mp.ready_plan()
+    args.no_default_note = None
+    if path is not None:
+        sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled "
+                         "here, latency objective on its own profile)\n")
+        args.plan, args.machine_build = str(path), "done"
+        return True
+    try:
+        line = mp.start()
+    except OSError as e:
+        line = f"this machine's plan cannot be built in {mp.root} ({e.strerror or e})"
+    sys.stderr.write(f"yggtree: {line}; meanwhile plain decoding, uncompiled\n")
+    args.mode = "reference"  # eager: nothing to compile before the first token
+    args.machine_build = "pending"
+    return True
+
+
 def _plan_engine(args):
     from .plan import artifact_dir
     from .runtime.build import build_plan_engine, fixed_policy
 
     plan = prepare_run(args.plan, args.compile_missing)
+    args.ran_weights = plan.weights or plan.dtype
     art = artifact_dir(plan) if plan.backend != "eager" else None
     mode = "reference" if args.mode == "reference" else None
     from .runtime.objective import plan_policy
@@ -353,8 +386,12 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
         steps[key] = steps.get(key, 0) + 1
 
     kw = {"policy": policy, "on_step": on_step} if policy is not None else {}
+    ran = {"weights": getattr(args, "ran_weights", None), "speculative": engine.drafter is not None}
+    if getattr(args, "machine_build", None):
+        ran["machine_build"] = args.machine_build  # this machine's plan: pending (building) | done
     if args.json:
         res = engine.generate(ids, params, trace=trace, **kw)
+        res.stats.update(ran)
         if policy is not None:
             res.stats["steps_by_choice"] = dict(sorted(steps.items()))
             log = getattr(policy, "log", None)  # the objective's prediction of every step
@@ -379,13 +416,15 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     res = engine.generate(ids, params, on_tokens=stream.push, trace=trace, **kw)
     stream.close()
     s = res.stats
-    extra = f", aal {s['aal']:.2f}" if "aal" in s else ""
+    what = f"{ran['weights']}, " if ran["weights"] else ""
+    what += f"speculative, aal {s['aal']:.2f}" if "aal" in s else "plain"
     note = getattr(args, "no_default_note", None)
     if note and "aal" not in s:
-        extra += f", plain decoding ({note})"
+        what += f" ({note})"
+    build = {"pending": ", this machine's plan: building in the background",
+             "done": ", this machine's plan"}.get(ran.get("machine_build"), "")
     sys.stderr.write(
-        f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
-        f"tpot {s['tpot_ms']:.1f} ms{extra}, compile {s['compile_s']:.1f} s, "
-        f"finish: {res.finish_reason}]\n"
+        f"[{s['new_tokens']} tokens, decode {s['decode_tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
+        f"{what}, compile {s['compile_s']:.1f} s{build}, finish: {res.finish_reason}]\n"
     )
     return 0

@@ -1,0 +1,119 @@
+"""This machine's plan (yggtree/machine_plan.py): where it lives, when it counts as built, the
+build's lock, and what a default run does before and after it is built."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from yggtree import machine_plan, run_cmd
+from yggtree.machine_plan import LOCK, READY, MachinePlan
+
+DEVICE = {"kind": "cpu", "name": "Some CPU", "identity": {"vendor": "X", "family": 1, "model": 2}}
+
+
+def test_the_format_is_the_ggufs_own_where_the_kernel_library_runs():
+    assert machine_plan.machine_weights({"avx2", "fma", "f16c", "sse2"}) == "w4a8"
+    assert machine_plan.machine_weights({"sse2", "avx"}) is None  # float32
+
+
+def test_one_directory_per_device_identity_threads_and_format(tmp_path):
+    a = machine_plan.machine_plan(DEVICE, 2, "w4a8", root=tmp_path)
+    other = dict(DEVICE, identity=dict(DEVICE["identity"], model=3))  # same name, another CPU
+    assert a.root.parent == tmp_path / "machine" and a.root.name.startswith("cpu-some-cpu-")
+    assert len({a.root, machine_plan.machine_plan(other, 2, "w4a8", root=tmp_path).root,
+                machine_plan.machine_plan(DEVICE, 1, "w4a8", root=tmp_path).root,
+                machine_plan.machine_plan(DEVICE, 2, None, root=tmp_path).root}) == 4
+
+
+def test_only_a_completed_build_is_ready(tmp_path):
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    assert mp.ready_plan() == (None, "not built yet")
+    (tmp_path / READY).write_text("{not json")
+    path, why = mp.ready_plan()
+    assert path is None and why.startswith("its record is unreadable")
+    (tmp_path / READY).write_text(json.dumps({"plan": "compile/machine-w4a8/plan.yaml"}))
+    path, why = mp.ready_plan()  # the marker points at a plan that is not there
+    assert path is None and "unreadable" in why
+
+
+def _hold_lock(root: Path) -> subprocess.Popen:
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(root / LOCK)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_running_build_is_not_started_twice_and_a_killed_one_frees_its_lock(tmp_path):
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    builder = _hold_lock(tmp_path)
+    try:
+        assert mp.building()
+        line = mp.start()  # another run while it builds: nothing is started
+        assert line.startswith("this machine's plan is being built in the background")
+        with pytest.raises(Exception, match="another process is building"):
+            machine_plan.build(mp)
+    finally:
+        builder.send_signal(signal.SIGKILL)
+        builder.wait()
+    assert not mp.building()  # the kernel released the dead builder's lock
+    assert not (tmp_path / READY).exists()
+
+
+def _args(**kw):
+    base = dict(model="default", drafter=None, no_speculate=False, mode="performance", max_context=None,
+                prefill_chunk=None, top_k=None, draft_width=None, draft_depth=None, verify_width=None,
+                weights=None, kv_cache=None, dtype=None, plan=None, threads=0)
+    return argparse.Namespace(**(base | kw))
+
+
+def test_a_default_run_decodes_uncompiled_while_the_build_starts(monkeypatch, tmp_path):
+    started = []
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building")
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert len(started) == 1 and started[0].root.is_relative_to(tmp_path / "yggtree" / "machine")
+    assert (args.mode, args.machine_build, args.plan) == ("reference", "pending", None)
+    assert getattr(args, "quick", None) is None
+
+
+def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (tmp_path / "plan.yaml", None))
+    monkeypatch.setattr(MachinePlan, "start", lambda self: pytest.fail("a built plan is not built again"))
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert (args.plan, args.machine_build, args.mode) == (str(tmp_path / "plan.yaml"), "done", "performance")
+
+
+def test_turned_off_the_quick_start_runs(monkeypatch):
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "0")
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(MachinePlan, "start", lambda self: pytest.fail("turned off"))
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert getattr(args, "machine_build", None) is None and args.mode == "performance"
+
+
+def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch, tmp_path, capsys):
+    blocked = tmp_path / "a-file"  # no directory can be made under it, whoever runs the test
+    blocked.write_text("")
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setenv("XDG_DATA_HOME", str(blocked))
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    args = _args()
+    run_cmd._pick_plan(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be built" in err[0] and args.mode == "reference"

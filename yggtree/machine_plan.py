@@ -1,0 +1,221 @@
+"""This machine's own compiled plan: built once, in the background, then loaded in a second.
+
+A plain ``yggtree run`` (nothing asked but the embedded default) on a machine with no tuned plan
+answers at once with plain decoding that needs no compilation, and starts, in a detached process
+of low priority, the build of the machine plan:
+
+1. the default plan in the fastest lossless format the CPU runs (``machine_weights``: the GGUF's
+   own 4-bit weights as w4a8 where the kernel library runs, else float32), with the shipped
+   acceptance calibration of the embedded pair;
+2. its AOTInductor packages (:func:`yggtree.offline.compile.compile_plan`, which builds the
+   kernel library and measures the product kernel first);
+3. a quick latency profile timed on those packages (the padding they were compiled with);
+4. the plan naming that profile, refreshed in its compiled copy, and last, written in one rename,
+   ``ready.json`` pointing at it.
+
+Every later run loads the compiled copy (no tracing) and decodes with the latency objective on
+the machine's own curves (plain steps wherever no tree pays). A build that is interrupted or
+killed leaves no ``ready.json``: the next run starts it again (the compile pipeline writes its
+manifest last and checks it, so nothing half-written is loaded). The build holds an exclusive
+lock on ``build.lock`` while it runs (released by the kernel when the process dies), so two runs
+never build at once. Its output goes to ``build.log`` in the machine plan's directory.
+
+``YGGTREE_MACHINE_BUILD=0`` turns the background build off (the run then takes the quick start
+of ``yggtree.quickstart``, which compiles in the foreground); the test suite sets it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import YggError
+from .files import write_text_atomic
+
+BUILD_ENV = "YGGTREE_MACHINE_BUILD"  # "0": no background build
+READY = "ready.json"
+LOCK = "build.lock"
+LOG = "build.log"
+
+
+def data_root() -> Path:
+    """``$XDG_DATA_HOME/yggtree`` (default ``~/.local/share/yggtree``)."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "yggtree"
+
+
+def enabled() -> bool:
+    return os.environ.get(BUILD_ENV, "1") != "0"
+
+
+def machine_weights(flags: set[str] | None = None) -> str | None:
+    """The fastest lossless weight format for the embedded GGUF on this CPU: ``w4a8`` (its own
+    4-bit blocks, on the kernel library) where the library runs, else None (float32)."""
+    from .runtime import kernels
+
+    have = kernels.cpu_flags() if flags is None else flags
+    return "w4a8" if not [f for f in kernels.LIBRARY_FLAGS if f not in have] else None
+
+
+@dataclass(frozen=True)
+class MachinePlan:
+    """Where this machine's plan for ``threads`` threads and ``weights`` lives, and its state."""
+
+    root: Path  # data_root()/machine/<device>-t<threads>-<weights>
+    weights: str | None
+    threads: int
+
+    @property
+    def name(self) -> str:
+        return f"machine-{self.weights or 'float32'}"
+
+    @property
+    def compile_root(self) -> Path:
+        return self.root / "compile"
+
+    def ready_plan(self) -> tuple[Path | None, str | None]:
+        """(the compiled plan copy to run, None) once the build completed and its artifacts still
+        serve this machine and code; else (None, why not)."""
+        from .plan import artifact_dir, check_artifacts, load_plan
+
+        marker = self.root / READY
+        if not marker.is_file():
+            return None, "not built yet"
+        try:
+            path = self.root / json.loads(marker.read_text())["plan"]
+            plan = load_plan(path)
+            reasons = check_artifacts(plan, artifact_dir(plan))
+        except (YggError, OSError, ValueError, KeyError, TypeError) as e:
+            return None, f"its record is unreadable ({e})"
+        if reasons:
+            return None, "; ".join(reasons)
+        return path, None
+
+    def building(self) -> bool:
+        """Whether a build holds the lock now."""
+        try:
+            with open(self.root / LOCK, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> str:
+        """Start the build in a detached process (unless one runs); returns a line saying so.
+        OSError where the directory cannot be written."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.building():
+            return f"this machine's plan is being built in the background (log: {self.root / LOG})"
+        (self.root / READY).unlink(missing_ok=True)
+        log = open(self.root / LOG, "w")
+        cmd = [sys.executable, "-m", "yggtree.machine_plan", str(self.root), "--threads", str(self.threads),
+               "--weights", self.weights or "float32"]
+        with log:
+            subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, close_fds=True)
+        return (f"building this machine's plan ({self.weights or 'float32'} weights, compiled, with a latency "
+                f"profile) in the background, once (log: {self.root / LOG}); later runs load it")
+
+
+def machine_plan(device: dict, threads: int, weights: str | None = "auto", root: Path | None = None
+                 ) -> MachinePlan:
+    """The machine plan of ``device`` at ``threads`` threads in ``weights`` (None: float32; "auto":
+    :func:`machine_weights`)."""
+    from .runtime.device import device_key
+
+    weights = machine_weights() if weights == "auto" else weights
+    slug = re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")[:40] or "device"
+    fmt = weights or "float32"
+    return MachinePlan((root or data_root()) / "machine" / f"{device['kind']}-{slug}-{device_key(device)}-t{threads}-{fmt}",
+                       weights, threads)
+
+
+# ----------------------------------------------------------------------------- the build
+
+
+def build(mp: MachinePlan, say=None) -> Path:
+    """Build ``mp`` (see the module docstring) under its lock; returns the compiled plan copy.
+    YggError where a step fails (the directory then holds no ready.json)."""
+    say = say or (lambda line: print(f"yggtree machine plan: {line}", flush=True))
+    mp.root.mkdir(parents=True, exist_ok=True)
+    with open(mp.root / LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise YggError(f"another process is building {mp.root}") from None
+        return _build_locked(mp, say)
+
+
+def _build_locked(mp: MachinePlan, say) -> Path:
+    import torch
+
+    from .offline.compile import compile_plan
+    from .offline.profile import ProfileGrid, measure_profile, write_profile
+    from .plan import PADDING_KEY, artifact_dir, cached_padding, default_plan, save_plan, validate_plan
+    from .quickstart import shipped_calibration
+    from .runtime.build import build_plan_engine
+
+    t0 = time.perf_counter()
+    torch.set_num_threads(mp.threads)
+    (mp.root / READY).unlink(missing_ok=True)
+    base = default_plan()
+    calibration = shipped_calibration(base)
+    if calibration is None:
+        raise YggError("the package ships no acceptance calibration for the default pair")
+    plan = replace(base, name=mp.name, weights=mp.weights, calibration=str(calibration), profile=None,
+                   predictor=None)
+    plan = validate_plan(plan.to_dict())
+    say(f"compiling {plan.name} ({mp.weights or 'float32'} weights) into {mp.compile_root}")
+    compile_plan(plan, mp.compile_root, replace=True)
+    art = artifact_dir(plan, mp.compile_root)
+    say(f"compiled in {time.perf_counter() - t0:.0f} s; timing its packages for the latency profile")
+    padding = cached_padding(plan)
+    engine, _ = build_plan_engine(plan, art, threads=mp.threads)
+    widths = tuple(sorted({1, *plan.verify_widths}))
+    grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths, stage_forms=False)
+    profile = measure_profile(plan, "profile", mp.threads, grid, "yggtree run (this machine's plan)",
+                              engine=engine, padding=padding)
+    profile[PADDING_KEY] = profile.get(PADDING_KEY) or padding
+    del engine
+    write_profile(profile, mp.root, plot=False)
+    final = validate_plan(plan.to_dict() | {"profile": str(mp.root / "profile.json")})
+    save_plan(final, mp.root / "plan.yaml")
+    compile_plan(final, mp.compile_root, replace=True)  # the graphs are the same: the copy is refreshed
+    copy = artifact_dir(final, mp.compile_root) / "plan.yaml"
+    write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)),
+                                                   "build_s": round(time.perf_counter() - t0, 1)}) + "\n")
+    say(f"ready in {time.perf_counter() - t0:.0f} s: {copy}")
+    return copy
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m yggtree.machine_plan DIR --threads T --weights W``: the background build."""
+    import argparse
+
+    from .errors import run_reporting
+
+    p = argparse.ArgumentParser(prog="python -m yggtree.machine_plan")
+    p.add_argument("root")
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--weights", required=True)
+    args = p.parse_args(argv)
+    try:
+        os.nice(10)  # the run that started it decodes meanwhile
+    except OSError:
+        pass
+    weights = None if args.weights == "float32" else args.weights
+    mp = MachinePlan(Path(args.root), weights, args.threads)
+    return run_reporting("yggtree machine plan", lambda _: build(mp) and 0, None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
