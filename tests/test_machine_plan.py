@@ -117,3 +117,17 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
     run_cmd._pick_plan(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be built" in err[0] and args.mode == "reference"
+
+
+def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
+    """``--no-speculate`` alone decodes plainly on the machine plan's graphs (like for like)."""
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (tmp_path / "plan.yaml", None))
+    args = _args(no_speculate=True)
+    run_cmd._pick_plan(args)
+    assert args.plan == str(tmp_path / "plan.yaml") and args.no_speculate
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "0")  # turned off: plain decoding from the flags, as before
+    args = _args(no_speculate=True)
+    run_cmd._pick_plan(args)
+    assert args.plan is None and getattr(args, "quick", None) is None

@@ -215,7 +215,8 @@ def _pick_plan(args) -> None:
                         ("prefill_chunk", base.prefill_chunk), ("top_k", base.top_k)):
         if getattr(args, flag) is None:
             setattr(args, flag, value)
-    only_defaults = (args.model == "default" and args.drafter is None and not args.no_speculate
+    # --no-speculate keeps what the default would run (its plan's graphs, plainly): compared like for like
+    only_defaults = (args.model == "default" and args.drafter is None
                      and args.mode == "performance" and not shaped and args.weights is None
                      and args.kv_cache is None
                      and not getattr(args, "drafter_none", False))
@@ -227,7 +228,7 @@ def _pick_plan(args) -> None:
         sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
         args.plan = str(ready)
         args.no_default_note = None
-    elif _machine_plan(args, device, waiting):
+    elif _machine_plan(args, device, waiting) or args.no_speculate:
         return
     else:  # no compiled tuned plan: the default plan with a quick profile (yggtree.quickstart)
         import torch
