@@ -4,7 +4,7 @@ A plain ``yggtree run`` (nothing asked but the embedded default) on a machine wi
 answers at once with plain decoding that needs no compilation, and starts, in a detached process
 of low priority, the build of the machine plan:
 
-1. the default plan in the fastest lossless format the CPU runs (``machine_weights``: the GGUF's
+1. the default plan (at the verify and draft widths a CPU's objective takes) in the fastest lossless format the CPU runs (``machine_weights``: the GGUF's
    own 4-bit weights as w4a8 where the kernel library runs, else float32), with the shipped
    acceptance calibration of the embedded pair;
 2. its AOTInductor packages (:func:`yggtree.offline.compile.compile_plan`, which builds the
@@ -43,6 +43,8 @@ BUILD_ENV = "YGGTREE_MACHINE_BUILD"  # "0": no background build
 READY = "ready.json"
 LOCK = "build.lock"
 LOG = "build.log"
+MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
+MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
 
 
 def data_root() -> Path:
@@ -171,8 +173,10 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     calibration = shipped_calibration(base)
     if calibration is None:
         raise YggError("the package ships no acceptance calibration for the default pair")
+    # the widths a CPU's objective takes (wider trees cost more rows than they return there): half
+    # the default plan's packages, so the build ends in minutes
     plan = replace(base, name=mp.name, weights=mp.weights, calibration=str(calibration), profile=None,
-                   predictor=None)
+                   predictor=None, verify_widths=MACHINE_VERIFY_WIDTHS, draft_widths=MACHINE_DRAFT_WIDTHS)
     plan = validate_plan(plan.to_dict())
     say(f"compiling {plan.name} ({mp.weights or 'float32'} weights) into {mp.compile_root}")
     compile_plan(plan, mp.compile_root, replace=True)
