@@ -16,6 +16,20 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Every unit test, with the fixtures it sets up, runs on one intra-op thread (the count
+    before is restored after it), as the modules using ``one_thread`` already did: tiny models
+    gain nothing from a second thread, and on a shared 2-core machine two OpenMP threads per op
+    made the unit run several times slower. A test about threads sets its own count; slow tests
+    keep the process's."""
+    n = torch.get_num_threads()
+    if not item.get_closest_marker("slow"):
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def onednn_unpadded():
     """Plans without a profile compile and run on oneDNN's product kernel, unpadded, instead of

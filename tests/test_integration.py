@@ -14,7 +14,7 @@ from yggtree.runtime.build import EngineSpec, build_engine
 from yggtree.runtime.engine import SamplingParams, TreeParams
 from yggtree.runtime.loading import encode_prompt, load_tokenizer, resolve_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # those also marked integration run in the default run (README)
 NEW = 32
 
 
@@ -49,6 +49,7 @@ def hf_outputs(prompts):
     return outs
 
 
+@pytest.mark.integration
 def test_chat_template_matches_transformers(prompts):
     src = resolve_model("default")
     tok = load_tokenizer(src)
@@ -58,11 +59,13 @@ def test_chat_template_matches_transformers(prompts):
     assert prompts[0] == list(want)
 
 
+@pytest.mark.integration
 def test_greedy_equals_transformers_generate(reference, prompts, hf_outputs):
     for ids, want in zip(prompts, hf_outputs):
         assert reference.generate(ids, SamplingParams(max_new_tokens=NEW)).token_ids == want
 
 
+@pytest.mark.integration
 def test_self_drafted_tree_equals_plain(prompts, hf_outputs):
     spec = EngineSpec(
         mode="reference",
@@ -94,6 +97,7 @@ def run_cli(*args):
     )
 
 
+@pytest.mark.integration
 def test_cli_json_output():
     r = run_cli("run", "--prompt", "Say hi.", "--max-new-tokens", "8", "--mode", "reference", "--json")
     assert r.returncode == 0, r.stderr

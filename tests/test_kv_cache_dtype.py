@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
@@ -39,8 +39,8 @@ def greedy(eng: Engine) -> list[list[int]]:
     return [eng.generate(p, SamplingParams(max_new_tokens=32)).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("native,kv", sweep([False, True], ["float16", "bfloat16"],
+                                             unit=[(False, "float16"), (True, "bfloat16")]))
 def test_speculation_over_a_16_bit_cache_is_its_plain_decoding(kv, native):
     """Reference mode, the reference row-by-row attention or the library kernel: the cache is
     allocated in the 16-bit dtype and holds each key rounded once (so not the float32 cache's

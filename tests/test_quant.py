@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime.model import Transformer
 from yggtree.runtime.quant import (
@@ -60,8 +60,8 @@ def quantized(fmt: str, seed: int = 0, model: Transformer | None = None) -> Tran
     return m
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind,dtype", sweep(["int8", "int4"], [torch.float32, torch.bfloat16],
+                                              unit=[("int8", torch.float32), ("int4", torch.bfloat16)]))
 def test_kernel_rows_are_batch_invariant_at_the_model_shapes(kind, dtype):
     """Row i of an M-row product is bitwise the 1-row product of row i, M = 1..40: what makes a
     verified tree node's logits the ones a plain step computes."""

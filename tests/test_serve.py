@@ -630,6 +630,7 @@ SERVE_FLAGS = ["--drafter", "self", "--draft-width", "2", "--draft-depth", "2", 
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_real_server_with_the_openai_client_and_curl(tmp_path):
     """``yggtree serve`` with the embedded model (a self-drafting tree) against the ``openai``
     package and ``curl -N``: greedy chat and completion responses equal ``yggtree run --json``

@@ -50,6 +50,13 @@ def make(target, tokenizer, index: int = 0, split: str = "train"):
     return tr.build_shard(target, tokenizer, spec, DD.target_fingerprint(target), (0, 2))
 
 
+@pytest.fixture(scope="module")
+def built(target, tokenizer):
+    """``make(target, tokenizer)`` once for the module (deterministic; no test changes it):
+    the shard and its features."""
+    return make(target, tokenizer)
+
+
 # ---------------------------------------------------------------- generation
 
 
@@ -78,8 +85,8 @@ def test_rows_leave_the_batch_when_they_stop(target):
         assert o.feats.shape[0] == 6 + len(o.answer)
 
 
-def test_captured_features_equal_a_prefill(target, tokenizer):
-    shard, feats = make(target, tokenizer)
+def test_captured_features_equal_a_prefill(target, built):
+    shard, feats = built
     again = tr.prefill_features(target, shard, (0, 2), batch=3)
     torch.testing.assert_close(feats, again)
 
@@ -134,8 +141,8 @@ def test_follow_up_turn_continues_the_template(tokenizer):
 # ---------------------------------------------------------------- shards
 
 
-def test_shard_roundtrip_and_refusals(target, tokenizer, tmp_path):
-    shard, _ = make(target, tokenizer)
+def test_shard_roundtrip_and_refusals(target, tokenizer, built, tmp_path):
+    shard, _ = built
     path = tmp_path / "train-00000.safetensors"
     tr.save_shard(shard, path)
     fp, tfp = DD.target_fingerprint(target), tr.tokenizer_fingerprint(tokenizer)
@@ -384,8 +391,8 @@ def test_feature_blocks_read_as_one_tensor():
     assert torch.equal(mixed.materialize(), torch.cat(blocks[:2]).float())
 
 
-def test_feature_cache_is_mapped_checked_and_recomputed_when_damaged(target, tokenizer, tmp_path):
-    shard, feats = make(target, tokenizer)
+def test_feature_cache_is_mapped_checked_and_recomputed_when_damaged(target, built, tmp_path):
+    shard, feats = built
     fp = DD.target_fingerprint(target)
     ident = tr.feature_identity(shard, fp, (0, 2), "float32")
     path = tr.feature_path(tmp_path, shard, (0, 2), "float32")
@@ -406,64 +413,60 @@ def test_feature_cache_is_mapped_checked_and_recomputed_when_damaged(target, tok
     assert tr.map_features(tmp_path / "absent.safetensors", shard.n_tokens, 32, ident) is None
 
 
-def test_transcript_training_refuses_foreign_or_missing_shards(shard_dir, tokenizer, tmp_path):
+def test_transcript_training_refuses_foreign_or_missing_shards(built, tokenizer, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train-00000", "heldout-00000"):  # the refusal comes before a shard's split matters
+        tr.save_shard(built[0], data / f"{name}.safetensors")
     other = tiny(len(tokenizer), seed=5, dtype=torch.float32)
     with pytest.raises(YggError, match="another target"):
-        D.distill(_distill_cfg(shard_dir, tmp_path / "o", tmp_path / "c"), target=other, tokenizer=tokenizer)
+        D.distill(_distill_cfg(data, tmp_path / "o", tmp_path / "c"), target=other, tokenizer=tokenizer)
     with pytest.raises(YggError, match="does not exist"):
         D.distill(_distill_cfg(tmp_path / "nope", tmp_path / "o", tmp_path / "c"), target=other, tokenizer=tokenizer)
 
 
-def _ddp_worker(rank: int, world: int, port: int, path: str) -> None:
+def _ranks_worker(rank: int, world: int, port: int, path: str) -> None:
+    """One gloo group for both rank tests below: one pair of forked processes (starting fresh
+    interpreters was nearly all of these tests' time)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    # rank 0 alone has used up its time budget: both must stop at this step
+    budget = [DT.any_rank(rank == 0, world), DT.any_rank(False, world)]
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 1)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
     lin(x).pow(2).mean().backward()
     DT._all_reduce_grads(list(lin.parameters()), world)
-    torch.save({"rank": rank, "grad": lin.weight.grad.clone()}, f"{path}.{rank}")
+    torch.save({"rank": rank, "budget": budget, "grad": lin.weight.grad.clone()}, f"{path}.{rank}")
     dist.destroy_process_group()
 
 
-def _budget_worker(rank: int, world: int, port: int, path: str) -> None:
-    import torch.distributed as dist
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """What each of two gloo ranks (``_ranks_worker``) saved."""
+    import socket
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    # rank 0 alone has used up its time budget: both must stop at this step
-    torch.save([DT.any_rank(rank == 0, world), DT.any_rank(False, world)], f"{path}.{rank}")
-    dist.destroy_process_group()
+    import torch.multiprocessing as mp
+
+    path = tmp_path_factory.mktemp("ranks") / "r"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ranks_worker, args=(2, port, str(path)), nprocs=2, join=True, start_method="fork")
+    return [torch.load(f"{path}.{r}") for r in range(2)]
 
 
-def test_a_budget_stop_on_one_rank_stops_every_rank(tmp_path):
+def test_a_budget_stop_on_one_rank_stops_every_rank(ranks):
     """The ranks' clocks differ: the budget stop is agreed, so no rank waits for another's
     gradients after it stopped (a run once ended with 'Connection closed by peer')."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_budget_worker, args=(2, port, str(tmp_path / "b")), nprocs=2, join=True)
-    assert [torch.load(f"{tmp_path / 'b'}.{r}") for r in range(2)] == [[True, False], [True, False]]
+    assert [r["budget"] for r in ranks] == [[True, False], [True, False]]
 
 
-def test_data_parallel_gradients_are_averaged_over_processes(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "g")), nprocs=2, join=True)
-    g0 = torch.load(f"{tmp_path / 'g'}.0")["grad"]
-    g1 = torch.load(f"{tmp_path / 'g'}.1")["grad"]
+def test_data_parallel_gradients_are_averaged_over_processes(ranks):
+    g0, g1 = ranks[0]["grad"], ranks[1]["grad"]
     assert torch.equal(g0, g1)
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 1)
