@@ -144,8 +144,10 @@ def load_library() -> None:
     from ..files import cache_root
 
     cflags = CFLAGS + ISAS[chosen][1]
+    # keyed by where the sources are too: ninja records their paths, so two checkouts sharing one
+    # build directory would rebuild it over each other at every load
     key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)
-                         + " ".join(cflags + LDFLAGS).encode()).hexdigest()[:12]
+                         + " ".join(cflags + LDFLAGS).encode() + str(SOURCES[0].parent).encode()).hexdigest()[:12]
     build = cache_root() / "kernels" / f"yggtree-{chosen}-{key}-torch{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
     try:
