@@ -7,13 +7,16 @@ then, at each width W of ``--widths``:
 
 - ``products``: every weight product of one decoder step (each block's fused q/k/v, o, gate/up, down
   and the LM head), called in order on W rows;
-- ``attention @C``: the library's row attention (``yggtree::rows_attention``) of every layer, W tree
-  rows over C committed tokens plus the W-token tree suffix (a chain), for each ``--contexts`` C.
+- ``attention @C``: the library's row attention (``yggtree::rows_attention``: each row on its own) of
+  every layer, W tree rows over C committed tokens plus the W-token tree suffix (a chain), for each
+  ``--contexts`` C; ``tree attention @C`` the same rows by ``yggtree::tree_attention`` (the same bits
+  from one pass over each layer's cache for all the rows).
 
 Timing: one warm-up round, then ``--repeats`` rounds; in each round every (format, kernel, W) is timed
 once, in rotating order, so a slow stretch of a shared host hits all of them. Medians are printed with
-the ratio to W = 1 of the same format and kernel; ``step @C`` is products + attention @C, and
-``attn share`` the attention's part of it. The last line is JSON with every median.
+the ratio to W = 1 of the same format and kernel; ``attn@C`` and ``tree@C`` are the two attentions,
+``step @C`` is products + the attention the model runs (runtime/model.py: the row attention), and
+``attn share`` that attention's part of it. The last line is JSON with every median.
 
     python scripts/bench_verify.py --formats float32,int8,gguf-native,w4a8 --kernels tiled,torch \\
         --widths 1,2,4,8,16 --contexts 256,1024 --threads 2 --repeats 15
@@ -30,6 +33,11 @@ import time
 import torch
 
 from yggtree.errors import YggError, run_reporting
+
+
+# the library's two attentions, timed alike; RUNS is the one runtime/model.py calls (Attention.native_rows)
+ATTENTIONS = ("rows_attention", "tree_attention")
+RUNS = "rows_attention"
 
 
 def product_layers(model) -> list:
@@ -50,8 +58,8 @@ def prepare(fmt: str, kernel: str):
     return model
 
 
-def attention_call(cfg, width: int, context: int):
-    """The library's row attention of one layer: ``width`` chained tree rows over ``context`` slots."""
+def attention_call(op, cfg, width: int, context: int):
+    """The library's attention ``op`` of one layer: ``width`` chained tree rows over ``context`` slots."""
     d, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, width, h, d, generator=gen)
@@ -62,7 +70,7 @@ def attention_call(cfg, width: int, context: int):
     head[:, :, :context] = True
     ar = torch.arange(width)
     window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]  # [1, W, W] a chain
-    return lambda: torch.ops.yggtree.rows_attention(q, k, v, head, window)
+    return lambda: op(q, k, v, head, window)
 
 
 def run(args) -> int:
@@ -95,8 +103,9 @@ def run(args) -> int:
             calls[("products", fmt, kernel, w)] = products
     for c in args.contexts:
         for w in args.widths:
-            one = attention_call(cfg, w, c)
-            calls[("attention", c, w)] = lambda one=one, n=cfg.num_layers: [one() for _ in range(n)]
+            for kind in ATTENTIONS:
+                one = attention_call(getattr(torch.ops.yggtree, kind), cfg, w, c)
+                calls[(kind, c, w)] = lambda one=one, n=cfg.num_layers: [one() for _ in range(n)]
     keys = list(calls)
     times = {k: [] for k in keys}
     with torch.no_grad():
@@ -112,7 +121,7 @@ def run(args) -> int:
           f"{cfg.num_layers} layers, torch {torch.__version__}")
     head = f"{'format':<12} {'kernel':<6} {'W':>3} {'products':>9} {'x W=1':>6}"
     for c in args.contexts:
-        head += f" {'step@' + str(c):>10} {'x W=1':>6} {'attn share':>10}"
+        head += f" {'attn@' + str(c):>9} {'tree@' + str(c):>9} {'step@' + str(c):>10} {'x W=1':>6} {'attn share':>10}"
     print(head)
     rows = []
     for fmt, kernel in systems:
@@ -122,9 +131,12 @@ def run(args) -> int:
             line = f"{fmt:<12} {kernel:<6} {w:>3} {p:>9.2f} {p / p1:>6.2f}"
             row = {"format": fmt, "kernel": kernel, "width": w, "products_ms": round(p, 3)}
             for c in args.contexts:
-                a, a1 = med[("attention", c, w)], med[("attention", c, args.widths[0])]
-                line += f" {p + a:>10.2f} {(p + a) / (p1 + a1):>6.2f} {a / (p + a):>10.2f}"
-                row[f"attention_ms@{c}"] = round(a, 3)
+                rows_ms, tree_ms = med[("rows_attention", c, w)], med[("tree_attention", c, w)]
+                a, a1 = med[(RUNS, c, w)], med[(RUNS, c, args.widths[0])]
+                line += (f" {rows_ms:>9.2f} {tree_ms:>9.2f} {p + a:>10.2f} {(p + a) / (p1 + a1):>6.2f}"
+                         f" {a / (p + a):>10.2f}")
+                row[f"attention_ms@{c}"] = round(rows_ms, 3)
+                row[f"tree_attention_ms@{c}"] = round(tree_ms, 3)
             print(line)
             rows.append(row)
     print(json.dumps({"command": "bench_verify", "isa": isa(), "threads": args.threads, "repeats": args.repeats,

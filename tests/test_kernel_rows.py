@@ -1,7 +1,7 @@
-"""Every product and the row attention of the kernel library, on the instruction set it was built
-for here: each row of a W-row call (W = 1..16) is bitwise the same row computed alone, over random
-shapes (hypothesis); and every other instruction set this CPU runs is built and checked the same way
-in a process of its own (slow)."""
+"""Every product and the two row attentions of the kernel library, on the instruction set it was
+built for here: each row of a W-row call (W = 1..16) is bitwise the same row computed alone, over
+random shapes (hypothesis), and the tree attention is bitwise the row attention; every other
+instruction set this CPU runs is built and checked the same way in a process of its own (slow)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,79 @@ def test_every_attention_row_is_its_row_alone(context, heads, d, seed):
     one = torch.cat([op(q[:, i : i + 1], k, v, head[:, i : i + 1], window[:, i : i + 1]) for i in range(W)], 1)
     for w in range(1, W + 1):
         assert torch.equal(op(q[:, :w], k, v, head[:, :w], window[:, :w]), one[:, :w]), w
+
+
+def tree_inputs(seed: int, width: int, context: int, heads: tuple, d: int, dtypes: tuple, masks: str, head_major: bool):
+    """A verify step's attention inputs: ``width`` rows of a random tree (parents first) over ``context``
+    committed slots, each row seeing the prefix and its ancestors, split into part 1 and window as the
+    model splits them (row_window). ``masks``: "nested" (so), "identical" (every row's part 1 is row 0's),
+    "differing" (every row also misses random prefix slots: part 1s that are not nested)."""
+    from yggtree.runtime.model import row_window
+
+    h, hkv = heads
+    q_dtype, kv_dtype = dtypes
+    g = torch.Generator().manual_seed(seed)
+    parent = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(width)]
+    c = context + width
+    seen = torch.zeros(1, width, c, dtype=torch.bool)
+    seen[:, :, :context] = True
+    for i in range(width):
+        j = i
+        while j >= 0:
+            seen[0, i, context + j] = True
+            j = parent[j]
+    if masks == "differing":
+        seen[0, :, :context] &= torch.rand(width, context, generator=g) < 0.8
+    window, head = row_window(seen)
+    if masks == "identical":
+        head = head[:, :1].expand_as(head)
+    q = torch.randn(1, width, h, d, generator=g).to(q_dtype)
+    shape = (1, hkv, c, d) if head_major else (1, c, hkv, d)
+    k, v = (torch.randn(*shape, generator=g).to(kv_dtype) for _ in range(2))
+    if head_major:  # the KV cache's layout (runtime/kv_cache.py): each KV head's slots one run
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return q, k, v, head, window
+
+
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.float32, torch.bfloat16)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(width=st.integers(1, W), context=st.integers(0, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]),
+       d=st.sampled_from([16, 64]), dtypes=st.sampled_from(DTYPES),
+       masks=st.sampled_from(["nested", "identical", "differing"]), head_major=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_tree_attention_is_rows_attention_bit_for_bit(width, context, heads, d, dtypes, masks, head_major, seed):
+    """yggtree::tree_attention (one pass over the cache for all the rows) returns rows_attention's bits,
+    and each of its rows is that row's one-row call."""
+    kernels.load_library()
+    q, k, v, head, window = tree_inputs(seed, width, context, heads, d, dtypes, masks, head_major)
+    got = torch.ops.yggtree.tree_attention(q, k, v, head, window)
+    assert torch.equal(got, torch.ops.yggtree.rows_attention(q, k, v, head, window))
+    for r in range(width):
+        one = torch.ops.yggtree.tree_attention(q[:, r : r + 1], k, v, head[:, r : r + 1], window[:, r : r + 1])
+        assert torch.equal(got[:, r : r + 1], one), r
+
+
+def test_tree_attention_of_rows_that_see_nothing_or_only_a_window():
+    """Edge rows: nothing visible (zeros, as rows_attention), only a window, only part 1; and a fake
+    (meta) call gives the output's shape without running the kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kernels.load_library()
+    q, k, v, head, window = tree_inputs(3, 6, 40, (9, 3), 64, DTYPES[0], "nested", True)
+    head, window = head.clone(), window.clone()
+    head[0, 0] = False
+    window[0, 0] = -1  # row 0 sees nothing
+    head[0, 1] = False  # row 1 only its window
+    window[0, 2] = -1  # row 2 only its part 1
+    got = torch.ops.yggtree.tree_attention(q, k, v, head, window)
+    assert torch.equal(got, torch.ops.yggtree.rows_attention(q, k, v, head, window))
+    assert not got[0, 0].any()
+    with FakeTensorMode() as mode:
+        fake = torch.ops.yggtree.tree_attention(*(mode.from_tensor(t) for t in (q, k, v, head, window)))
+    assert fake.shape == got.shape and fake.dtype == got.dtype
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 - ``yggtree::w4a8_mm`` (``csrc/w4a8.cpp``): the ``w4a8`` format's blocks on int8 activations
   (runtime/w4a8.py).
 - ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
-  slots (runtime/model.py's ``Attention.native_rows``).
+  slots; ``yggtree::tree_attention`` the same rows, bit for bit, from one pass over each KV head's
+  cache for all of them (runtime/model.py's ``Attention.native_rows``).
 - how far ahead their products prefetch their weights (``csrc/prefetch.cpp``): two distances, into
   the first- and the second-level cache, measured per machine with the product kernel
   (:data:`PREFETCH_CHOICES`), set while an engine decodes (:func:`prefetch`).
@@ -70,6 +71,8 @@ ISA_ENV = "YGGTREE_KERNEL_ISA"  # names the instruction set to build for instead
 SHIMS = {
     "w4a8_mm": "AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle blocks, AtenTensorHandle* ret0)",
     "rows_attention": "AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, "
+                      "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
+    "tree_attention": "AOTITorchError aoti_torch_cpu_tree_attention(AtenTensorHandle q, AtenTensorHandle k, "
                       "AtenTensorHandle v, AtenTensorHandle head, AtenTensorHandle window, AtenTensorHandle* ret0)",
     "tiled_mm": "AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle scale, "
                 "AtenTensorHandle* ret0)",
@@ -165,6 +168,7 @@ def load_library() -> None:
     ctypes.CDLL(str(build / "yggtree_kernels.so"), mode=os.RTLD_GLOBAL)
     torch.library.register_fake("yggtree::w4a8_mm")(_w4a8_mm_fake)
     torch.library.register_fake("yggtree::rows_attention")(_rows_attention_fake)
+    torch.library.register_fake("yggtree::tree_attention")(_rows_attention_fake)
     torch.library.register_fake("yggtree::tiled_mm")(_tiled_mm_fake)
     torch.library.register_fake("yggtree::tiled_q4_mm")(_tiled_q4_mm_fake)
 

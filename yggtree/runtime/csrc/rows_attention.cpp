@@ -17,6 +17,9 @@
 // float32, the output rounded to bfloat16 at the end: _rows_attention's .float() and .to(dtype)),
 // or float32 q over a 16-bit cache (float16 or bfloat16 K and V, read as float32, exactly: a float32
 // model's 16-bit KV cache); D a multiple of 16, at most 256.
+//
+// yggtree::tree_attention (below): the same op, the same bits, with the rows of a call sharing one pass
+// over each KV head's cache instead of one pass each.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "loops.h"
@@ -27,6 +30,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -69,6 +73,18 @@ inline void store16(float* p, F v) { store(p, v); }
 inline void store16(at::BFloat16* p, F v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
 
 constexpr int MAX_CHUNKS = 16;  // D <= 256
+
+// One head's n > 0 scores (n1 of part 1, then part 2) to their exp(s_j - m) in place; returns their sum
+inline float softmax(float* sg, int64_t n, int64_t n1) {
+  F mx = set1(sg[0]);  // the maximum (exact in any order)
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) mx = max(mx, load(sg + j));
+  if (j < n) mx = max(mx, load_n(sg + j, int(n - j), sg[0]));
+  const F mv = set1(reduce_max(mx));
+  for (j = 0; j + LANES <= n; j += LANES) store(sg + j, exp_neg(sub(load(sg + j), mv)));
+  if (j < n) store_n(sg + j, exp_neg(sub(load_n(sg + j, int(n - j)), mv)), int(n - j));
+  return sum_of(sg, n1) + sum_of(sg + n1, n - n1);
+}
 
 // Scratch of one thread: the visible slots' scores and their slot numbers (reused across calls)
 struct Scratch {
@@ -116,17 +132,7 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     return;
   }
   float total[NG];
-  for (int g = 0; g < NG; ++g) {
-    float* sg = sc + g * cap;
-    F mx = set1(sg[0]);  // the maximum (exact in any order)
-    int64_t j = 0;
-    for (; j + LANES <= n; j += LANES) mx = max(mx, load(sg + j));
-    if (j < n) mx = max(mx, load_n(sg + j, int(n - j), sg[0]));
-    const F mv = set1(reduce_max(mx));
-    for (j = 0; j + LANES <= n; j += LANES) store(sg + j, exp_neg(sub(load(sg + j), mv)));
-    if (j < n) store_n(sg + j, exp_neg(sub(load_n(sg + j, int(n - j)), mv)), int(n - j));
-    total[g] = sum_of(sg, n1) + sum_of(sg + n1, n - n1);
-  }
+  for (int g = 0; g < NG; ++g) total[g] = softmax(sc + g * cap, n, n1);
   F a1[NG][NC], a2[NG][NC];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < NC; ++c) a1[g][c] = zero(), a2[g][c] = zero();
@@ -194,54 +200,357 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
-at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& head_in, const at::Tensor& window_in) {
+// ---- yggtree::tree_attention: rows_attention's rows, bit for bit, from one pass over the cache ----
+//
+// A verify step's rows read nested part 1s: every tree row sees the committed prefix, and its part 1 is
+// that prefix's first visible slots (the rest is in its window), so each row's part-1 slots are the first
+// n1 of U, the slots some row of the batch entry reads in part 1. Per (batch entry, KV head) the kernel
+// walks U once for all the rows and query heads it computes there, LANES slots at a time: a tile of K rows
+// is fetched once (16-bit rows converted once) and scored against every query, each V row is loaded once
+// per block of queries, while each (row, head) does the arithmetic head_group does for it, in the same
+// order -- its scores (the LANES-wide partial sums over D reduced by reduce_add_each, bitwise reduce_add),
+// its softmax (the same function), its weighted sums slot by slot. Its window stays its own. A row whose
+// part 1 is not a prefix of U (masks that are not nested) is computed by head_group, so any mask gives
+// rows_attention's bits; only the sharing is lost. A one-row call runs rows_attention's loop.
+
+// The part 1 a batch entry's rows share, and their windows
+struct Shared {
+  std::vector<int64_t> slots;  // U: the slots some row reads in part 1, in slot order
+  std::vector<int64_t> n1;     // per row: its part 1 is U's first n1 slots (-1: it is not a prefix of U)
+  std::vector<int64_t> win;    // per row: its window's slots, T each (the first n2 of them set)
+  std::vector<int64_t> n2;
+};
+
+// hm [W, C] and wp [W, T]: one batch entry's masks and windows, 64 slots of every row at a time
+Shared share(const bool* hm, const int64_t* wp, int64_t W, int64_t C, int64_t T) {
+  Shared sh;
+  sh.n1.assign(W, 0), sh.n2.assign(W, 0), sh.win.assign(W * T, 0);
+  std::vector<uint64_t> bits(W);
+  std::vector<char> gap(W, 0);  // the row skipped a slot of U: any later slot it reads ends its prefix
+  for (int64_t s0 = 0; s0 < C; s0 += 64) {
+    const int64_t m = std::min<int64_t>(64, C - s0);
+    uint64_t any = 0;
+    for (int64_t r = 0; r < W; ++r) {
+      const bool* row = hm + r * C + s0;
+      uint64_t x = 0;
+      if (m == 64)
+        x = nonzero_bytes(row);
+      else
+        for (int64_t t = 0; t < m; ++t) x |= uint64_t(row[t]) << t;
+      bits[r] = x, any |= x;
+    }
+    for (int64_t r = 0; r < W; ++r) {
+      const uint64_t seen = bits[r], missed = any & ~seen;
+      if (sh.n1[r] >= 0 && seen) {
+        if (gap[r] || (missed && 63 - __builtin_clzll(seen) > __builtin_ctzll(missed)))
+          sh.n1[r] = -1;
+        else
+          sh.n1[r] += __builtin_popcountll(seen);
+      }
+      gap[r] |= missed != 0;
+    }
+    for (uint64_t x = any; x; x &= x - 1) sh.slots.push_back(s0 + __builtin_ctzll(x));
+  }
+  for (int64_t r = 0; r < W; ++r)
+    for (int64_t t = 0; t < T; ++t)
+      if (wp[r * T + t] >= 0) sh.win[r * T + sh.n2[r]++] = wp[r * T + t];
+  return sh;
+}
+
+// LANES K rows, slots[0, n) (the rest repeat the first), as float32 into kt [LANES, D]
+template <typename K>
+void load_tile(const K* kb, int64_t ks1, const int64_t* slots, int64_t n, int64_t D, float* kt) {
+  for (int s = 0; s < LANES; ++s) {
+    const K* kr = kb + slots[s < n ? s : 0] * ks1;
+    for (int64_t c = 0; c < D; c += LANES) store(kt + s * D + c, load16(kr + c));
+  }
+}
+
+// One query's scores against LANES K rows (D = 16 ND floats each, `stride` apart), each summed as head_group's
+// score sums it: out[0, LANES)
+template <int ND>
+void tile_scores(const float* q, const float* k, int64_t stride, float scale, float* out) {
+  constexpr int NC = ND * 16 / LANES;
+  F qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = load(q + LANES * c);
+  F acc[LANES];
+  for (int s = 0; s < LANES; ++s, k += stride) {
+    acc[s] = mul(qv[0], load(k));
+    for (int c = 1; c < NC; ++c) acc[s] = fmadd(qv[c], load(k + LANES * c), acc[s]);
+  }
+  store(out, mul(reduce_add_each(acc), set1(scale)));
+}
+
+// The same for a few rows (slots[0, n)), one at a time: where most of a tile would be padding
+template <typename K>
+void few_scores(const float* q, const K* kb, int64_t ks1, const int64_t* slots, int64_t n, int64_t D, float scale,
+                float* out) {
+  for (int64_t s = 0; s < n; ++s) {
+    const K* kr = kb + slots[s] * ks1;
+    F acc = mul(load(q), load16(kr));
+    for (int64_t c = LANES; c < D; c += LANES) acc = fmadd(load(q + c), load16(kr + c), acc);
+    out[s] = reduce_add(acc) * scale;
+  }
+}
+
+using ScoreFn = void (*)(const float*, const float*, int64_t, float, float*);
+template <int... I>
+constexpr std::array<ScoreFn, sizeof...(I)> score_fns(std::integer_sequence<int, I...>) {
+  return {&tile_scores<I + 1>...};
+}
+
+// NB queries' weighted sums over V's chunks [c0, c0 + CB) (LANES floats each), for every c0 < nc: query i adds
+// p[i][u] v(slots[u]) for u < n[i], slot by slot as head_group's weigh does, and stores the sums at out[i].
+// Each V chunk is loaded once for all NB queries up to the shortest n[i]; NB x CB sums stay in registers.
+template <typename K, int NB, int CB>
+void weigh(const K* vb, int64_t vs1, const int64_t* slots, const float* const* p, const int64_t* n, float* const* out,
+           int nc) {
+  int64_t common = n[0];
+  for (int i = 1; i < NB; ++i) common = std::min(common, n[i]);
+  for (int c0 = 0; c0 < nc; c0 += CB) {
+    F a[NB][CB];
+    for (int i = 0; i < NB; ++i)
+      for (int c = 0; c < CB; ++c) a[i][c] = zero();
+    for (int64_t u = 0; u < common; ++u) {
+      const K* vr = vb + slots[u] * vs1 + LANES * c0;
+      F vc[CB];
+      for (int c = 0; c < CB; ++c) vc[c] = load16(vr + LANES * c);
+      for (int i = 0; i < NB; ++i) {
+        const F pu = set1(p[i][u]);
+        for (int c = 0; c < CB; ++c) a[i][c] = fmadd(pu, vc[c], a[i][c]);
+      }
+    }
+    for (int i = 0; i < NB; ++i)
+      for (int64_t u = common; u < n[i]; ++u) {
+        const K* vr = vb + slots[u] * vs1 + LANES * c0;
+        const F pu = set1(p[i][u]);
+        for (int c = 0; c < CB; ++c) a[i][c] = fmadd(pu, load16(vr + LANES * c), a[i][c]);
+      }
+    for (int i = 0; i < NB; ++i)
+      for (int c = 0; c < CB; ++c) store(out[i] + LANES * (c0 + c), a[i][c]);
+  }
+}
+
+constexpr int MAX_BLOCK = 6;  // queries a weigh call serves: NB x CB <= 24 sums (12 on 16 registers)
+constexpr int MAX_CB = REGISTERS >= 32 ? 4 : 2;
+
+template <typename K>
+using WeighFn = void (*)(const K*, int64_t, const int64_t*, const float* const*, const int64_t*, float* const*, int);
+
+template <typename K, int CB, int... NB>
+constexpr std::array<WeighFn<K>, sizeof...(NB)> weigh_fns(std::integer_sequence<int, NB...>) {
+  return {&weigh<K, NB + 1, CB>...};
+}
+
+// A thread's scratch (reused across calls): scores then probabilities [queries, stride]; queries as float32
+// and their two parts' weighted sums [queries, D]; a K tile [LANES, D]; each query's row, head and sum
+struct TreeScratch {
+  std::vector<float> sc, qf, a1, a2, kt, total;
+  std::vector<int64_t> row, head;
+};
+
+template <typename E, typename K>
+void run_tree(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head,
+              const at::Tensor& window, at::Tensor& out) {
+  const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t C = k.size(1), Hkv = k.size(2), T = window.size(2), G = H / Hkv;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const E* qp = q.data_ptr<E>();
+  const K* kp = k.data_ptr<K>();
+  const K* vp = v.data_ptr<K>();
+  const bool* hp = head.data_ptr<bool>();
+  const int64_t* wp = window.data_ptr<int64_t>();
+  E* op = out.data_ptr<E>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  static constexpr auto groups = all_fns<E, K>(std::make_integer_sequence<int, MAX_CHUNKS>{});
+  static constexpr auto scores = score_fns(std::make_integer_sequence<int, MAX_CHUNKS>{});
+  static constexpr std::array<std::array<WeighFn<K>, MAX_BLOCK>, 3> weighs = {
+      weigh_fns<K, 1>(std::make_integer_sequence<int, MAX_BLOCK>{}),
+      weigh_fns<K, 2>(std::make_integer_sequence<int, MAX_BLOCK>{}),
+      weigh_fns<K, MAX_CB>(std::make_integer_sequence<int, MAX_BLOCK>{})};
+  const auto& by_group = groups[D / 16 - 1];
+  const ScoreFn score = scores[D / 16 - 1];
+  const int nc = static_cast<int>(D / LANES);
+  const auto& by_block = weighs[nc % MAX_CB == 0 ? 2 : nc % 2 == 0 ? 1 : 0];
+  std::vector<Shared> shared;
+  for (int64_t b = 0; b < B; ++b) shared.push_back(share(hp + b * W * C, wp + b * W * T, W, C, T));
+  const auto round_up = [](int64_t n) { return (n + LANES - 1) / LANES * LANES; };
+
+  // A (batch entry, KV head)'s queries e0 <= e < e1 (row e / G, head e % G of the group)
+  auto heads = [&](int64_t b, int64_t kvh, int64_t e0, int64_t e1, Scratch& rows_buf, TreeScratch& buf) {
+    const Shared& sh = shared[b];
+    const K* kb = kp + b * ks0 + kvh * ks2;
+    const K* vb = vp + b * vs0 + kvh * vs2;
+    buf.row.clear(), buf.head.clear();
+    for (int64_t e = e0; e < e1;) {
+      const int64_t r = e / G, h = kvh * G + e % G;
+      if (sh.n1[r] >= 0) {
+        buf.row.push_back(r), buf.head.push_back(h), ++e;
+        continue;
+      }
+      const int64_t ng = std::min<int64_t>({e1 - e, (r + 1) * G - e, MAX_GROUP});
+      by_group[ng - 1](qp + ((b * W + r) * H + h) * D, D, kb, vb, ks1, vs1, hp + (b * W + r) * C, C,
+                       wp + (b * W + r) * T, T, scale, op + (b * W + r) * H * D + h * D, D, rows_buf);
+      e += ng;
+    }
+    const int64_t nq = static_cast<int64_t>(buf.row.size());
+    if (nq == 0) return;
+    const int64_t* row = buf.row.data();
+    int64_t n1max = 0;
+    for (int64_t i = 0; i < nq; ++i) n1max = std::max(n1max, sh.n1[row[i]]);
+    const int64_t stride = round_up(n1max) + round_up(T);  // a tile's store may pass a row's n1
+    if (static_cast<int64_t>(buf.sc.size()) < nq * stride) buf.sc.resize(nq * stride);
+    if (static_cast<int64_t>(buf.qf.size()) < nq * D) buf.qf.resize(nq * D), buf.a1.resize(nq * D), buf.a2.resize(nq * D);
+    buf.kt.resize(LANES * D), buf.total.resize(nq);
+    float *sc = buf.sc.data(), *qf = buf.qf.data(), *a1 = buf.a1.data(), *a2 = buf.a2.data(), *kt = buf.kt.data();
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t c = 0; c < D; c += LANES) store(qf + i * D + c, load16(qp + ((b * W + row[i]) * H + buf.head[i]) * D + c));
+    // the scores of queries [i, j) that read them (sc + at(i)) against n <= LANES K rows, slots sl[0, n): a full
+    // run of float32 rows read in place, other tiles converted once into kt, a few rows one at a time
+    auto score_tile = [&](const int64_t* sl, int64_t n, int64_t i, int64_t j, auto reads, auto at) {
+      if (2 * n < LANES) {
+        for (; i < j; ++i)
+          if (reads(i)) few_scores(qf + i * D, kb, ks1, sl, n, D, scale, sc + at(i));
+        return;
+      }
+      const float* tile = kt;
+      int64_t stride = D;
+      if constexpr (std::is_same_v<K, float>) {
+        if (n == LANES && sl[LANES - 1] - sl[0] == LANES - 1) tile = kb + sl[0] * ks1, stride = ks1;
+      }
+      if (tile == kt) load_tile(kb, ks1, sl, n, D, kt);
+      for (; i < j; ++i)
+        if (reads(i)) score(qf + i * D, tile, stride, scale, sc + at(i));
+    };
+    // part 1: each tile of U's K rows loaded once, scored against every query that reads it
+    for (int64_t u0 = 0; u0 < n1max; u0 += LANES)
+      score_tile(sh.slots.data() + u0, std::min<int64_t>(LANES, n1max - u0), 0, nq,
+                 [&](int64_t i) { return sh.n1[row[i]] > u0; }, [&](int64_t i) { return i * stride + u0; });
+    // part 2: each row's window against its heads, after its part 1
+    for (int64_t i = 0, j; i < nq; i = j) {
+      const int64_t r = row[i], n1 = sh.n1[r], n2 = sh.n2[r];
+      for (j = i; j < nq && row[j] == r;) ++j;
+      for (int64_t t0 = 0; t0 < n2; t0 += LANES)
+        score_tile(sh.win.data() + r * T + t0, std::min<int64_t>(LANES, n2 - t0), i, j, [](int64_t) { return true; },
+                   [&](int64_t ii) { return ii * stride + n1 + t0; });
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t n1 = sh.n1[row[i]], n = n1 + sh.n2[row[i]];
+      buf.total[i] = n > 0 ? softmax(sc + i * stride, n, n1) : 0.f;
+    }
+    // the weighted sums: part 1 in blocks of queries sharing U's V rows, part 2 per row (its window)
+    const float* p[MAX_BLOCK];
+    float* o[MAX_BLOCK];
+    int64_t n[MAX_BLOCK];
+    for (int64_t i = 0, j; i < nq; i = j) {
+      for (j = i; j < nq && j - i < MAX_BLOCK; ++j) p[j - i] = sc + j * stride, n[j - i] = sh.n1[row[j]], o[j - i] = a1 + j * D;
+      by_block[j - i - 1](vb, vs1, sh.slots.data(), p, n, o, nc);
+    }
+    for (int64_t i = 0, j; i < nq; i = j) {
+      const int64_t r = row[i];
+      for (j = i; j < nq && row[j] == r && j - i < MAX_BLOCK; ++j)
+        p[j - i] = sc + j * stride + sh.n1[r], n[j - i] = sh.n2[r], o[j - i] = a2 + j * D;
+      by_block[j - i - 1](vb, vs1, sh.win.data() + r * T, p, n, o, nc);
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      E* oh = op + (b * W + row[i]) * H * D + buf.head[i] * D;
+      const bool none = sh.n1[row[i]] + sh.n2[row[i]] == 0;  // a row that sees nothing: zeros, as head_group
+      const F tv = set1(buf.total[i]);
+      for (int64_t c = 0; c < D; c += LANES)
+        store16(oh + c, none ? zero() : div(add(load(a1 + i * D + c), load(a2 + i * D + c)), tv));
+    }
+  };
+  // Work items in (batch, KV head, row, query head of the group) order, as run's: a thread computes each KV
+  // head of its share in one pass; a KV head split between the threads is walked by both (for their rows)
+  yggtree::parallel_for(0, B * W * H, 1, [&](int64_t i0, int64_t i1) {
+    static thread_local Scratch rows_buf;
+    static thread_local TreeScratch buf;
+    if (static_cast<int64_t>(rows_buf.slot.size()) < C + T)
+      rows_buf.sc.resize(MAX_GROUP * (C + T)), rows_buf.slot.resize(C + T);
+    for (int64_t i = i0; i < i1;) {
+      const int64_t first = i / (W * G) * (W * G), b = i / (W * H), kvh = (i / (W * G)) % Hkv;
+      const int64_t end = std::min(i1, first + W * G);
+      heads(b, kvh, i - first, end - first, rows_buf, buf);
+      i = end;
+    }
+  });
+}
+
+// Both ops' checks, then the kernel for the dtypes
+at::Tensor attention(const char* op, bool tree, const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& head_in, const at::Tensor& window_in) {
   const auto dt = q_in.scalar_type();
-  TORCH_CHECK(q_in.dim() == 4 && (dt == at::kFloat || dt == at::kBFloat16),
-              "rows_attention: q must be [B, W, H, D] float32 or bfloat16");
+  TORCH_CHECK(q_in.dim() == 4 && (dt == at::kFloat || dt == at::kBFloat16), op,
+              ": q must be [B, W, H, D] float32 or bfloat16");
   const auto kt = k.scalar_type();
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && v.scalar_type() == kt && k.stride(3) == 1 && v.stride(3) == 1 &&
               (kt == dt || (dt == at::kFloat && (kt == at::kHalf || kt == at::kBFloat16))),
-              "rows_attention: k and v must be [B, C, Hkv, D], D contiguous, in q's dtype (or 16-bit under float32 q)");
+              op, ": k and v must be [B, C, Hkv, D], D contiguous, in q's dtype (or 16-bit under float32 q)");
   const int64_t B = q_in.size(0), W = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
   const int64_t C = k.size(1), Hkv = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, "rows_attention: q and k/v shapes differ");
-  TORCH_CHECK(D % 16 == 0 && D <= 16 * MAX_CHUNKS, "rows_attention: head dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, op, ": q and k/v shapes differ");
+  TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 16 * MAX_CHUNKS, op, ": head dim must be a multiple of 16, at most 256");
   TORCH_CHECK(head_in.scalar_type() == at::kBool && head_in.dim() == 3 && head_in.size(0) == B && head_in.size(1) == W &&
-              head_in.size(2) == C, "rows_attention: head must be [B, W, C] bool");
+              head_in.size(2) == C, op, ": head must be [B, W, C] bool");
   TORCH_CHECK(window_in.scalar_type() == at::kLong && window_in.dim() == 3 && window_in.size(0) == B &&
-              window_in.size(1) == W, "rows_attention: window must be [B, W, T] int64");
+              window_in.size(1) == W, op, ": window must be [B, W, T] int64");
   const at::Tensor q = q_in.contiguous(), head = head_in.contiguous(), window = window_in.contiguous();
   auto out = at::empty({B, W, H * D}, q.options());
+  tree = tree && W > 1;  // one row has nothing to share: rows_attention's loop (the same bits) costs less
   if (dt == at::kBFloat16)
-    run<at::BFloat16, at::BFloat16>(q, k, v, head, window, out);
+    (tree ? run_tree<at::BFloat16, at::BFloat16> : run<at::BFloat16, at::BFloat16>)(q, k, v, head, window, out);
   else if (kt == at::kHalf)
-    run<float, at::Half>(q, k, v, head, window, out);
+    (tree ? run_tree<float, at::Half> : run<float, at::Half>)(q, k, v, head, window, out);
   else if (kt == at::kBFloat16)
-    run<float, at::BFloat16>(q, k, v, head, window, out);
+    (tree ? run_tree<float, at::BFloat16> : run<float, at::BFloat16>)(q, k, v, head, window, out);
   else
-    run<float, float>(q, k, v, head, window, out);
+    (tree ? run_tree<float, float> : run<float, float>)(q, k, v, head, window, out);
   return out;
+}
+
+at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head,
+                          const at::Tensor& window) {
+  return attention("rows_attention", false, q, k, v, head, window);
+}
+
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head,
+                          const at::Tensor& window) {
+  return attention("tree_attention", true, q, k, v, head, window);
 }
 
 }  // namespace
 
-// The op's C shim, for AOTInductor packages (see aoti_torch_cpu_w4a8_mm in w4a8.cpp)
-extern "C" AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
-                                                        AtenTensorHandle head, AtenTensorHandle window,
-                                                        AtenTensorHandle* ret0) {
+// The ops' C shims, for AOTInductor packages (see aoti_torch_cpu_w4a8_mm in w4a8.cpp)
+template <at::Tensor (*Op)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+AOTITorchError shim(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle head,
+                    AtenTensorHandle window, AtenTensorHandle* ret0) {
   using torch::aot_inductor::tensor_handle_to_tensor_pointer;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor out = rows_attention(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
-                                    *tensor_handle_to_tensor_pointer(v), *tensor_handle_to_tensor_pointer(head),
-                                    *tensor_handle_to_tensor_pointer(window));
+    at::Tensor out = Op(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
+                        *tensor_handle_to_tensor_pointer(v), *tensor_handle_to_tensor_pointer(head),
+                        *tensor_handle_to_tensor_pointer(window));
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }
 
+extern "C" AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                        AtenTensorHandle head, AtenTensorHandle window,
+                                                        AtenTensorHandle* ret0) {
+  return shim<rows_attention>(q, k, v, head, window, ret0);
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_tree_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
+                                                        AtenTensorHandle head, AtenTensorHandle window,
+                                                        AtenTensorHandle* ret0) {
+  return shim<tree_attention>(q, k, v, head, window, ret0);
+}
+
 TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
   lib.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor head, Tensor window) -> Tensor");
+  lib.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor head, Tensor window) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
   lib.impl("rows_attention", &rows_attention);
+  lib.impl("tree_attention", &tree_attention);
 }

@@ -50,8 +50,38 @@ inline F fmadd(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }    //
 inline F fnmadd(F a, F b, F c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a b, one rounding
 inline F round_even(F a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline F scalef(F p, F n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p 2^n, n integral
-inline float reduce_add(F a) { return _mm512_reduce_add_ps(a.v); }
+// the lanes' sum: halves of what is left, in a fixed order (the one of GCC's _mm512_reduce_add_ps, spelled
+// out so that reduce_add_each below reproduces it whatever the compiler's header does)
+inline float reduce_add(F a) {
+  const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)),
+                                 _mm512_castps512_ps256(a.v));
+  __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+// lane i: reduce_add(a[i]), bit for bit (every add is one of reduce_add's, on the same two values), for
+// LANES vectors at once: 15 adds and 30 shuffles instead of 16 reductions' 64 adds and shuffles
+inline F reduce_add_each(const F* a) {
+  __m512 x[8], y[4], z[2];
+  // the inputs' order makes lane i come out of a[i] (the steps below transpose 4 x 4)
+  auto in = [&](int m) { return a[(m % 4) * 4 + m / 4].v; };
+  for (int i = 0; i < 8; ++i)  // 16 -> 8 lanes each: [a lanes 0-7 + 8-15, b's]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(in(2 * i), in(2 * i + 1), 0x44),
+                         _mm512_shuffle_f32x4(in(2 * i), in(2 * i + 1), 0xEE));
+  for (int i = 0; i < 4; ++i)  // 8 -> 4: one 128-bit block a vector
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // 4 -> 2: lanes 0 + 2, 1 + 3 of each block
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+  return {_mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD))};  // 2 -> 1
+}
 inline float reduce_max(F a) { return _mm512_reduce_max_ps(a.v); }
+// bit i: byte i of the 64 at p is not zero (a bool mask's 64 entries)
+inline uint64_t nonzero_bytes(const void* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return _mm512_test_epi8_mask(v, v);
+}
 // float32 -> bfloat16, nearest even (NaN stays a quiet NaN): LANES values at p
 inline void store_bf16(uint16_t* p, F a) {
   const __m512i bits = _mm512_castps_si512(a.v);
@@ -136,11 +166,31 @@ inline float reduce_add(F a) {  // halves of what is left, in a fixed order
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+// lane i: reduce_add(a[i]), bit for bit (every add is one of reduce_add's, on the same two values)
+inline F reduce_add_each(const F* a) {
+  __m256 x[4], y[2];
+  // the inputs' order makes lane i come out of a[i]
+  auto in = [&](int m) { return a[(m % 2) * 4 + m / 2].v; };
+  for (int i = 0; i < 4; ++i)  // 8 -> 4 lanes each: [a's halves added, b's]
+    x[i] = _mm256_add_ps(_mm256_permute2f128_ps(in(2 * i), in(2 * i + 1), 0x20),
+                         _mm256_permute2f128_ps(in(2 * i), in(2 * i + 1), 0x31));
+  for (int i = 0; i < 2; ++i)  // 4 -> 2: lanes 0 + 2, 1 + 3
+    y[i] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  return {_mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], 0x88), _mm256_shuffle_ps(y[0], y[1], 0xDD))};  // 2 -> 1
+}
 inline float reduce_max(F a) {
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   q = _mm_max_ps(q, _mm_movehl_ps(q, q));
   q = _mm_max_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+}
+inline uint64_t nonzero_bytes(const void* p) {
+  const __m256i z = _mm256_setzero_si256();
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + 1);
+  const uint64_t zl = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(lo, z)));
+  const uint64_t zh = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(hi, z)));
+  return ~(zl | zh << 32);
 }
 inline void store_bf16(uint16_t* p, F a) {  // nearest even; NaN -> 0x7FC0
   const __m256i bits = _mm256_castps_si256(a.v);
