@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from yggtree import machine_plan, run_cmd
 from yggtree.machine_plan import LOCK, READY, MachinePlan
@@ -85,6 +86,7 @@ def test_a_default_run_decodes_uncompiled_while_the_build_starts(monkeypatch, tm
     run_cmd._pick_plan(args)
     assert len(started) == 1 and started[0].root.is_relative_to(tmp_path / "yggtree" / "machine")
     assert (args.mode, args.machine_build, args.plan) == ("reference", "pending", None)
+    assert args.threads == max(1, torch.get_num_threads() - 1)  # a core left to the build
     assert getattr(args, "quick", None) is None
 
 
