@@ -280,13 +280,36 @@ def gguf_raw_weights(src: ModelSource, cfg: ModelConfig) -> dict[str, tuple[str,
     if src.kind != "gguf":
         raise YggError(f"weights gguf-native need a GGUF model, {src.path} is a {src.kind} directory "
                        "(use int8 or int4)")
+    from safetensors.torch import load_file, save_file
+
+    from ..files import atomic_path
+
+    # gguf's reader parses every metadata field (the tokenizer's ~100k strings: seconds), so the
+    # blocks are read from it once and kept beside the float32 copy (_gguf_state_cached)
+    cache = _cache_dir("weights", src.path)
+    blocks, types = cache / "blocks.safetensors", cache / "blocks.json"
+    if blocks.is_file() and types.is_file():
+        try:
+            kinds, tensors = json.loads(types.read_text()), load_file(str(blocks))
+            if set(kinds) == set(tensors):
+                return {k: (kinds[k], tensors[k]) for k in kinds}
+        except Exception:
+            pass  # a damaged cache entry is rebuilt below
     out: dict[str, tuple[str, torch.Tensor]] = {}
     for t in _open_gguf(src.path).tensors:
         name = _gguf_state_name(t.name)
         if name is None or len(t.shape) != 2:
             continue
         raw = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(int(t.shape[1]), -1)
-        out[name] = (t.tensor_type.name, _gguf_rows_unpermuted(raw, t.name, cfg))
+        out[name] = (t.tensor_type.name, _gguf_rows_unpermuted(raw, t.name, cfg).contiguous())
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with atomic_path(blocks) as tmp:
+            save_file({k: v for k, (_, v) in out.items()}, str(tmp))
+        with atomic_path(types) as tmp:  # written last: its presence says the blocks are whole
+            tmp.write_text(json.dumps({k: kind for k, (kind, _) in out.items()}))
+    except OSError:
+        pass  # no writable cache: the next load parses the file again
     return out
 
 
