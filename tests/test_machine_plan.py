@@ -133,3 +133,12 @@ def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
     args = _args(no_speculate=True)
     run_cmd._pick_plan(args)
     assert args.plan is None and getattr(args, "quick", None) is None
+
+
+def test_the_plan_is_the_one_of_the_threads_asked(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: seen.append(self.threads) or (tmp_path / "p.yaml", None))
+    run_cmd._pick_plan(_args(threads=3))
+    assert seen == [3]

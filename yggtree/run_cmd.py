@@ -250,7 +250,7 @@ def _machine_plan(args, device: dict, waiting) -> bool:
 
     if waiting is not None or not machine_plan.enabled():
         return False
-    mp = machine_plan.machine_plan(device, torch.get_num_threads())
+    mp = machine_plan.machine_plan(device, args.threads or torch.get_num_threads())
     path, _ = mp.ready_plan()
     args.no_default_note = None
     if path is not None:
