@@ -581,7 +581,8 @@ def test_tuned_plans_are_found_in_the_user_data_dir_and_the_checkout(tmp_path, m
 
 def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(monkeypatch, tmp_path):
     """`yggtree run --prompt ...`: the default plan fills unset flags; a ready tuned plan is used
-    only when no model, drafter, tree or context flag says otherwise."""
+    only when no model, drafter, tree or context flag says otherwise (``--no-speculate`` runs it
+    plainly)."""
     import yggtree.plan as plan_mod
     from yggtree.cli import build_parser
     from yggtree.run_cmd import _pick_plan
@@ -592,7 +593,10 @@ def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(mon
     args = parse(["run", "--prompt", "hi"])
     _pick_plan(args)
     assert args.plan == str(ready) and args.dtype == "float32"
-    for extra in (["--max-context", "512"], ["--drafter", "self"], ["--no-speculate"],
+    args = parse(["run", "--prompt", "hi", "--no-speculate"])  # the same plan, decoded plainly (like for like)
+    _pick_plan(args)
+    assert args.plan == str(ready) and args.no_speculate
+    for extra in (["--max-context", "512"], ["--drafter", "self"],
                   ["--top-k", "2"], ["--mode", "reference"], ["--model", "x.gguf"]):
         args = parse(["run", "--prompt", "hi", *extra])
         _pick_plan(args)
