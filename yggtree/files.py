@@ -86,6 +86,12 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def data_root() -> Path:
+    """``$XDG_DATA_HOME/yggtree`` (default ``~/.local/share/yggtree``): what a machine built or
+    measured for itself (tuned plans, this machine's plan)."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "yggtree"
+
+
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/yggtree`` (default ``~/.cache/yggtree``): caches that any machine can
     rebuild (converted weights, features, kernels)."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import YggError
-from .files import write_text_atomic
+from .files import data_root, write_text_atomic
 
 BUILD_ENV = "YGGTREE_MACHINE_BUILD"  # "0": no background build
 READY = "ready.json"
@@ -45,11 +44,6 @@ LOCK = "build.lock"
 LOG = "build.log"
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
 MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
-
-
-def data_root() -> Path:
-    """``$XDG_DATA_HOME/yggtree`` (default ``~/.local/share/yggtree``)."""
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "yggtree"
 
 
 def enabled() -> bool:
@@ -132,13 +126,11 @@ def machine_plan(device: dict, threads: int, weights: str | None = "auto", root:
                  ) -> MachinePlan:
     """The machine plan of ``device`` at ``threads`` threads in ``weights`` (None: float32; "auto":
     :func:`machine_weights`)."""
-    from .runtime.device import device_key
+    from .runtime.device import device_slug
 
     weights = machine_weights() if weights == "auto" else weights
-    slug = re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")[:40] or "device"
-    fmt = weights or "float32"
-    return MachinePlan((root or data_root()) / "machine" / f"{device['kind']}-{slug}-{device_key(device)}-t{threads}-{fmt}",
-                       weights, threads)
+    name = f"{device_slug(device)}-t{threads}-{weights or 'float32'}"
+    return MachinePlan((root or data_root()) / "machine" / name, weights, threads)
 
 
 # ----------------------------------------------------------------------------- the build

@@ -664,8 +664,9 @@ def tuned_plan_dirs() -> tuple[Path, ...]:
     """Where tuned plans are looked for: the user's data directory
     (``$XDG_DATA_HOME/yggtree/profiles``, by default ``~/.local/share/yggtree/profiles``), then,
     when yggtree runs from a source checkout, the checkout's ``profiles/``."""
-    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    dirs = [Path(data) / "yggtree" / "profiles"]
+    from .files import data_root
+
+    dirs = [data_root() / "profiles"]
     checkout = Path(__file__).resolve().parent.parent
     if (checkout / "pyproject.toml").is_file():
         dirs.append(checkout / "profiles")

@@ -13,7 +13,6 @@ scikit-learn), the run decodes plainly and says why.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -28,10 +27,9 @@ TUNE_HINT = "`yggtree tune --hw NAME` tunes a plan for this machine"
 def quick_profile_path(device: dict, threads: int, dtype: str, root: Path | None = None) -> Path:
     """The cached quick profile of ``device`` at ``threads`` threads in ``dtype`` (named by the
     device's name and a digest of its identity: runtime/device.py)."""
-    from .runtime.device import device_key
+    from .runtime.device import device_slug
 
-    slug = re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")[:48] or "device"
-    return (root or cache_root()) / "profiles" / f"{device['kind']}-{slug}-{device_key(device)}-t{threads}-{dtype}.json"
+    return (root or cache_root()) / "profiles" / f"{device_slug(device)}-t{threads}-{dtype}.json"
 
 
 @dataclass(frozen=True)

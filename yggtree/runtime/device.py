@@ -46,6 +46,15 @@ def device_record(device: dict) -> dict:
     return {"device": device["kind"], "device_name": device["name"], IDENTITY_KEY: device.get("identity")}
 
 
+def device_slug(device: dict) -> str:
+    """``<kind>-<name>-<key>``: a file name for per-device records in the user's directories
+    (readable by its name, told apart by :func:`device_key`)."""
+    import re
+
+    name = re.sub(r"[^a-z0-9]+", "-", device["name"].lower()).strip("-")[:48] or "device"
+    return f"{device['kind']}-{name}-{device_key(device)}"
+
+
 def device_key(device: dict) -> str:
     """A short digest of ``device``'s kind and identity, for the names of per-device files in the
     user cache (two CPUs of one name get two files)."""
