@@ -361,9 +361,13 @@ def test_interrupted_compile_is_refused_then_rebuilt(compiled_plain, monkeypatch
     assert not (art / MANIFEST).exists() and not list(art.glob("build-*"))
     with pytest.raises(YggError, match=r"not usable: no compiled artifacts: .*manifest.json is missing"):
         prepare_run(plan_path, compile_missing=False, compile_root=root / "compile")
+    again = []
+    monkeypatch.setattr(aoti, "compile_package", lambda block, example, path, **kw: again.append(path.name)
+                        or real(block, example, path, **kw))
     plan = prepare_run(plan_path, compile_missing=True, compile_root=root / "compile")
     assert check_artifacts(plan, art) == []
     assert not list((art / CACHE_SUBDIR).glob("partial-*"))
+    assert calls[0] not in again and calls[1] in again  # resumed: the finished package is kept
 
 
 def test_prepare_run_refuses_or_compiles_stale_artifacts(compiled_plain):

@@ -93,11 +93,36 @@ def test_a_default_run_decodes_uncompiled_while_the_build_starts(monkeypatch, tm
 def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
-    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (tmp_path / "plan.yaml", None))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.compile_root / "m" / "plan.yaml", None))
     monkeypatch.setattr(MachinePlan, "start", lambda self: pytest.fail("a built plan is not built again"))
     args = _args()
     run_cmd._pick_plan(args)
-    assert (args.plan, args.machine_build, args.mode) == (str(tmp_path / "plan.yaml"), "done", "performance")
+    assert args.plan.endswith("/compile/m/plan.yaml") and (args.machine_build, args.mode) == ("done", "performance")
+
+
+@pytest.mark.parametrize("building", [False, True])
+def test_a_run_on_the_block_packages_resumes_a_stopped_last_phase(monkeypatch, tmp_path, building):
+    """The build's first phase (block packages) is ready: a run takes it, and starts the last
+    phase (whole-step packages) again where no build runs (it was stopped), never twice."""
+    started = []
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.blocks_root / "m" / "plan.yaml", None))
+    monkeypatch.setattr(MachinePlan, "building", lambda self: building)
+    monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building")
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert args.plan.endswith("/blocks/m/plan.yaml") and (args.machine_build, args.mode) == ("blocks", "performance")
+    assert len(started) == (0 if building else 1)
+
+
+def test_a_ready_record_pointing_outside_the_build_is_not_ready(tmp_path):
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    (tmp_path / READY).write_text(json.dumps({"plan": "../elsewhere/m/plan.yaml"}))
+    path, why = mp.ready_plan()
+    assert path is None and "not a plan of this build" in why
 
 
 def test_turned_off_the_quick_start_runs(monkeypatch):
@@ -125,10 +150,11 @@ def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
     """``--no-speculate`` alone decodes plainly on the machine plan's graphs (like for like)."""
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
-    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (tmp_path / "plan.yaml", None))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.compile_root / "m" / "plan.yaml", None))
     args = _args(no_speculate=True)
     run_cmd._pick_plan(args)
-    assert args.plan == str(tmp_path / "plan.yaml") and args.no_speculate
+    assert args.plan.endswith("/compile/m/plan.yaml") and args.no_speculate
     monkeypatch.setenv(machine_plan.BUILD_ENV, "0")  # turned off: plain decoding from the flags, as before
     args = _args(no_speculate=True)
     run_cmd._pick_plan(args)

@@ -306,3 +306,38 @@ def tiny_model_of_width(hidden: int):
     from helpers import tiny_model
 
     return tiny_model(hidden=hidden, max_pos=64)
+
+
+def test_packed_layers_kept_in_the_cache_are_the_layers_packed_again(tmp_path, monkeypatch):
+    """A model quantized from the packed layers a run kept (runtime/loading.cached_w4a8_layers)
+    holds the same bytes and computes the same bits as one packed from the blocks; a damaged
+    cache entry is packed again, never read."""
+    from yggtree.runtime.loading import ModelSource, cached_w4a8_layers
+    from yggtree.runtime.w4a8 import packed_of
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"stands for the model file")
+    src = ModelSource(gguf, "gguf")
+    built = []
+
+    def build():
+        built.append(1)
+        return packed_of(gguf_like(0))
+
+    first = cached_w4a8_layers(src, build)
+    again = cached_w4a8_layers(src, build)
+    assert len(built) == 1 and set(again) == set(first)
+    m = tiny(0)
+    quantize_linears(m, "w4a8", packed=again)
+    want = gguf_like(0)
+    for name, layer in packed_of(want).items():
+        got = m.get_submodule(name)
+        assert torch.equal(got.packed, layer.data) and (got.out_features, got.in_features, got.bits) == (
+            layer.n, layer.k, layer.bits), name
+        x = torch.randn(3, layer.k, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(got(x), want.get_submodule(name)(x)), name
+    (cached,) = (tmp_path / "yggtree" / "weights").glob("*/w4a8-*.safetensors")
+    cached.write_bytes(cached.read_bytes()[:100])
+    cached_w4a8_layers(src, build)
+    assert len(built) == 2

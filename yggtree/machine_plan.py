@@ -73,11 +73,17 @@ class MachinePlan:
 
     @property
     def compile_root(self) -> Path:
+        """The packages a completed build runs: block, whole-step and drafter-call packages."""
         return self.root / "compile"
 
+    @property
+    def blocks_root(self) -> Path:
+        """The block packages alone, built first: what runs until the whole ones are built."""
+        return self.root / "blocks"
+
     def ready_plan(self) -> tuple[Path | None, str | None]:
-        """(the compiled plan copy to run, None) once the build completed and its artifacts still
-        serve this machine and code; else (None, why not)."""
+        """(the compiled plan copy to run, None) once the build's first phase (the block packages)
+        completed and its artifacts still serve this machine and code; else (None, why not)."""
         from .plan import artifact_dir, check_artifacts, load_plan
 
         marker = self.root / READY
@@ -85,6 +91,8 @@ class MachinePlan:
             return None, "not built yet"
         try:
             path = self.root / json.loads(marker.read_text())["plan"]
+            if path.parent.parent != self.compile_root and path.parent.parent != self.blocks_root:
+                raise ValueError(f"{path} is not a plan of this build")
             plan = load_plan(path)
             reasons = check_artifacts(plan, artifact_dir(plan))
         except (YggError, OSError, ValueError, KeyError, TypeError) as e:
@@ -92,6 +100,10 @@ class MachinePlan:
         if reasons:
             return None, "; ".join(reasons)
         return path, None
+
+    def complete(self, path: Path) -> bool:
+        """Whether the ready plan ``path`` is the build's last phase (its whole-step packages)."""
+        return path.parent.parent == self.compile_root
 
     def building(self) -> bool:
         """Whether a build holds the lock now."""
@@ -111,8 +123,7 @@ class MachinePlan:
         self.root.mkdir(parents=True, exist_ok=True)
         if self.building():
             return f"this machine's plan is being built in the background (log: {self.root / LOG})"
-        (self.root / READY).unlink(missing_ok=True)
-        log = open(self.root / LOG, "w")
+        log = open(self.root / LOG, "a")
         cmd = [sys.executable, "-m", "yggtree.machine_plan", str(self.root), "--threads", str(self.threads),
                "--weights", self.weights or "float32"]
         with log:
@@ -150,17 +161,10 @@ def build(mp: MachinePlan, say=None) -> Path:
 
 
 def _build_locked(mp: MachinePlan, say) -> Path:
-    import torch
-
-    from .offline.compile import compile_plan
-    from .offline.profile import ProfileGrid, measure_profile, write_profile
-    from .plan import PADDING_KEY, artifact_dir, cached_padding, default_plan, save_plan, validate_plan
+    from .plan import default_plan, validate_plan
     from .quickstart import shipped_calibration
-    from .runtime.build import build_plan_engine
 
     t0 = time.perf_counter()
-    torch.set_num_threads(mp.threads)
-    (mp.root / READY).unlink(missing_ok=True)
     base = default_plan()
     calibration = shipped_calibration(base)
     if calibration is None:
@@ -170,26 +174,52 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     plan = replace(base, name=mp.name, weights=mp.weights, calibration=str(calibration), profile=None,
                    predictor=None, verify_widths=MACHINE_VERIFY_WIDTHS, draft_widths=MACHINE_DRAFT_WIDTHS)
     plan = validate_plan(plan.to_dict())
-    say(f"compiling {plan.name} ({mp.weights or 'float32'} weights) into {mp.compile_root}")
-    compile_plan(plan, mp.compile_root, replace=True)
-    art = artifact_dir(plan, mp.compile_root)
-    say(f"compiled in {time.perf_counter() - t0:.0f} s; timing its packages for the latency profile")
+    ready, _ = mp.ready_plan()
+    if ready is not None and mp.complete(ready):
+        return ready
+    # 1. the block packages (one decoder block per shape: minutes), profiled, ready
+    blocks = ready or _phase(mp, plan, mp.blocks_root, "profile-blocks", False, (), t0, say)
+    # 2. the whole-step and drafter-call packages beside them (the blocks linked, not rebuilt):
+    # the same bits, faster steps; runs started meanwhile keep the block packages
+    copy = _phase(mp, plan, mp.compile_root, "profile", True, (blocks.parent,), t0, say)
+    say(f"ready in {time.perf_counter() - t0:.0f} s: {copy}")
+    return copy
+
+
+def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, reuse: tuple[Path, ...],
+           t0: float, say) -> Path:
+    """Compile ``plan`` into ``root`` (``whole``: with the whole-step and drafter-call packages),
+    time its packages for a quick latency profile named ``profile_name``, and mark the plan
+    naming it ready. Returns its compiled copy."""
+    import torch
+
+    from .offline.compile import compile_plan
+    from .offline.profile import ProfileGrid, measure_profile, write_profile
+    from .plan import PADDING_KEY, artifact_dir, cached_padding, save_plan, validate_plan
+    from .runtime.build import build_plan_engine
+
+    torch.set_num_threads(mp.threads)
+    what = "whole-step packages" if whole else "block packages"
+    say(f"compiling {plan.name}'s {what} ({mp.weights or 'float32'} weights) into {root}")
+    compile_plan(plan, root, replace=True, whole=whole, reuse=reuse)
+    art = artifact_dir(plan, root)
+    say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the {what} for the latency profile")
     padding = cached_padding(plan)
     engine, _ = build_plan_engine(plan, art, threads=mp.threads)
     widths = tuple(sorted({1, *plan.verify_widths}))
     grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths, stage_forms=False)
-    profile = measure_profile(plan, "profile", mp.threads, grid, "yggtree run (this machine's plan)",
+    profile = measure_profile(plan, profile_name, mp.threads, grid, "yggtree run (this machine's plan)",
                               engine=engine, padding=padding)
     profile[PADDING_KEY] = profile.get(PADDING_KEY) or padding
     del engine
     write_profile(profile, mp.root, plot=False)
-    final = validate_plan(plan.to_dict() | {"profile": str(mp.root / "profile.json")})
-    save_plan(final, mp.root / "plan.yaml")
-    compile_plan(final, mp.compile_root, replace=True)  # the graphs are the same: the copy is refreshed
-    copy = artifact_dir(final, mp.compile_root) / "plan.yaml"
-    write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)),
+    final = validate_plan(plan.to_dict() | {"profile": str(mp.root / f"{profile_name}.json")})
+    save_plan(final, mp.root / f"{profile_name}-plan.yaml")
+    compile_plan(final, root, replace=True, whole=whole)  # the graphs are the same: the copy is refreshed
+    copy = artifact_dir(final, root) / "plan.yaml"
+    write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)), "whole": whole,
                                                    "build_s": round(time.perf_counter() - t0, 1)}) + "\n")
-    say(f"ready in {time.perf_counter() - t0:.0f} s: {copy}")
+    say(f"{'whole' if whole else 'block'} packages ready at {time.perf_counter() - t0:.0f} s: {copy}")
     return copy
 
 

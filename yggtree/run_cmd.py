@@ -254,9 +254,16 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     path, _ = mp.ready_plan()
     args.no_default_note = None
     if path is not None:
+        whole = mp.complete(path)
+        if not whole and not mp.building():  # its last phase stopped: resume it
+            try:
+                mp.start()
+            except OSError:
+                pass
         sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled "
-                         "here, latency objective on its own profile)\n")
-        args.plan, args.machine_build = str(path), "done"
+                         "here, latency objective on its own profile"
+                         f"{'' if whole else '; its whole-step packages are being built in the background'})\n")
+        args.plan, args.machine_build = str(path), "done" if whole else "blocks"
         return True
     try:
         line = mp.start()
@@ -425,7 +432,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     if note and "aal" not in s:
         what += f" ({note})"
     build = {"pending": ", this machine's plan: building in the background",
-             "done": ", this machine's plan"}.get(ran.get("machine_build"), "")
+             "done": ", this machine's plan", "blocks": ", this machine's plan (block packages)"}.get(ran.get("machine_build"), "")
     sys.stderr.write(
         f"[{s['new_tokens']} tokens, decode {s['decode_tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
         f"{what}, compile {s['compile_s']:.1f} s{build}, finish: {res.finish_reason}]\n"

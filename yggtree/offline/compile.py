@@ -150,10 +150,14 @@ def _roles_drafter(plan: Plan, w: int, head: int) -> str:
 # ----------------------------------------------------------------------------- the build
 
 
-def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple[list[dict], dict]:
+def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: bool = True
+                  ) -> tuple[list[dict], dict]:
     """Load the plan's models (packed products padded to ``min_rows``), record every block shape
     the engine's warm-up asks for, and compile one AOTInductor package per distinct (block kind,
-    W, C) into ``out``. Returns one record per (model, W, C) and load timings."""
+    W, C) into ``out`` (and, with ``whole``, the whole-step and drafter-call packages). A package
+    already in ``out`` (a build of the same key stopped halfway, or linked from another
+    directory: :func:`_seed_packages`) is kept. Returns one record per (model, W, C) and load
+    timings."""
     import torch
 
     from ..runtime.aoti import (ShapeRecorder, compile_drafter_call_package, compile_package, compile_step_package,
@@ -222,11 +226,11 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
     # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     skey = step_key(target, capture)
-    steps_todo = [(skey, w, c) for w in plan.step_widths for c in graphs.buckets if c >= w]
+    steps_todo = [(skey, w, c) for w in plan.step_widths for c in graphs.buckets if c >= w] if whole else []
     # 4. an EAGLE drafter's head and draft calls whole (runtime.aoti, "Drafter-call packages"), for
     # the plan's top-k and largest tree
     calls_todo = {}  # (key, W, S) -> kind
-    if hasattr(drafter, "calls"):
+    if hasattr(drafter, "calls") and whole:
         calls_todo = {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
                       for kind, ws in (("head", [head]), ("draft", plan.draft_widths)) for w in ws}
     progress.update(task, total=len(todo) + len(steps_todo) + len(calls_todo), completed=0)
@@ -238,6 +242,10 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int) -> tuple
         progress.update(task, description=f"{scope} W={w} C={c}")
         t = time.perf_counter()
         name = package_name(kind, w, c, scope)
+        if (out / name).is_file():  # built by a stopped build of the same key, or linked
+            secs[key], sums[key] = 0.0, file_sha256(out / name)
+            progress.update(task, advance=1)
+            continue
         part = out / f"partial-{name}"  # write-then-rename: a stopped compile leaves no package
         with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
@@ -356,7 +364,51 @@ def _model_prints(plan: Plan, art: Path) -> list[dict]:
     return [f | {"path": manifest_path(f["path"], art)} for f in prints]  # no absolute paths
 
 
-def _build_with_progress(plan: Plan, art: Path, console, min_rows: int) -> tuple[list[dict], dict]:
+def _build_key(plan: Plan, min_rows: int) -> dict:
+    """What every package of a build depends on: packages built under the same key are the same
+    files, so a stopped build resumes and another directory's packages can be linked."""
+    from ..runtime.device import detect_device, device_record
+    from ..runtime.model import attention_formulation
+
+    return {"graph_hash": plan.graph_hash(), "versions": versions(), "device": device_record(detect_device()),
+            "min_rows": min_rows, "kernel": plan_kernel(plan), "attention": attention_formulation(plan.prefill_chunk)}
+
+
+BUILD_KEY = "build-key.json"  # in a package cache: the key its packages were built under
+
+
+def _same_key(d: Path, key: dict) -> bool:
+    try:
+        return json.loads((d / BUILD_KEY).read_text()) == json.loads(json.dumps(key))
+    except (OSError, ValueError):
+        return False
+
+
+def _seed_packages(out: Path, key: dict, reuse: tuple[Path, ...]) -> int:
+    """Prepare the package cache ``out`` for a build under ``key``: kept if it holds packages of
+    the same key (a stopped build resumes), else emptied; then the packages of the artifact
+    directories ``reuse`` built under the same key are linked in. Returns how many it holds."""
+    if not _same_key(out, key):
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for part in out.glob("partial-*"):  # a package a stopped build was writing
+        shutil.rmtree(part, ignore_errors=True) if part.is_dir() else part.unlink(missing_ok=True)
+    (out / BUILD_KEY).write_text(json.dumps(key) + "\n")
+    for art in reuse:
+        src = cache_dir(art)
+        if src.resolve() == out.resolve() or not _same_key(src, key):
+            continue
+        for pkg in src.glob("*.pt2"):
+            if not pkg.name.startswith("partial-") and not (out / pkg.name).exists():
+                try:
+                    os.link(pkg, out / pkg.name)
+                except OSError:
+                    shutil.copy2(pkg, out / pkg.name)
+    return len(list(out.glob("*.pt2")))
+
+
+def _build_with_progress(plan: Plan, art: Path, console, min_rows: int, whole: bool = True,
+                         reuse: tuple[Path, ...] = ()) -> tuple[list[dict], dict]:
     """Every graph of ``plan`` built into ``art``'s package cache, with a progress bar on ``console``."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -371,14 +423,13 @@ def _build_with_progress(plan: Plan, art: Path, console, min_rows: int) -> tuple
         TimeElapsedColumn(),
     )
     out = cache_dir(art)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    _seed_packages(out, _build_key(plan, min_rows), reuse)
     # inductor's build files go to a scratch cache that is deleted afterwards: a package is
     # self-contained, and runs never read an inductor cache
     with tempfile.TemporaryDirectory(prefix="build-", dir=art) as scratch, inductor_cache(scratch), \
             Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("loading", total=None)
-        return _build_graphs(plan, progress, task, out, min_rows)
+        return _build_graphs(plan, progress, task, out, min_rows, whole)
 
 
 def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records: list[dict], info: dict,
@@ -430,6 +481,8 @@ def compile_plan(
     force: bool = False,
     console=None,
     replace: bool = False,
+    whole: bool = True,
+    reuse: tuple[Path, ...] = (),
 ) -> dict:
     """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
     ``status`` = ``compiled`` | ``up-to-date`` | ``plan-updated``, ``dir`` and ``wall_s``).
@@ -438,7 +491,12 @@ def compile_plan(
     ``force``: returns at once without loading anything. Stale artifacts of the same plan are
     rebuilt from scratch.
     A directory holding another plan's manifest is refused unless ``replace`` (keep the cache)
-    or ``force`` (start from an empty cache)."""
+    or ``force`` (start from an empty cache).
+
+    ``whole=False`` builds the block packages alone (a run of them computes the same bits, its
+    steps a little slower); a later ``whole`` build adds the whole-step and drafter-call packages.
+    A build stopped halfway resumes: the packages it finished are kept (same build key). ``reuse``:
+    other artifact directories whose packages of the same key are linked instead of compiled."""
     from ..runtime.graphs import check_backend
 
     t_start = time.perf_counter()
@@ -448,6 +506,8 @@ def compile_plan(
     forced_loops()  # a bad YGGTREE_LOOPS is refused now, not after the build
     measure_plan(plan)  # a plan without a profile: its product kernel on this machine (cached)
     current = None if force else _up_to_date(plan, art)
+    if current is not None and whole and not current.get("whole", True):
+        current = None  # block packages alone: the whole ones are built below
     if current is not None:
         return {**current, "dir": str(art), "wall_s": time.perf_counter() - t_start}
     stale = _clear_for_rebuild(plan, art, force)
@@ -455,10 +515,11 @@ def compile_plan(
     min_rows = plan_min_rows(plan)  # the padding of packed products the packages hold
     records, info = [], {"load_s": 0.0, "n_slots": None, "threads": None}
     if plan.backend != "eager":
-        records, info = _build_with_progress(plan, art, console, min_rows)
+        records, info = _build_with_progress(plan, art, console, min_rows, whole, tuple(reuse))
     built_rows = info.get("min_rows", min_rows)  # raised where the plan's is not batch-invariant here
     save_plan(plan, art / PLAN_COPY)
     manifest = _manifest(plan, art, prints, built_rows, records, info, stale)
+    manifest["whole"] = whole  # False: the block packages alone (compile_plan ``whole``)
     if built_rows != min_rows:  # check_artifacts accepts the plan's padding for the raised one
         manifest["packed_min_rows_raised_from"] = min_rows
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)

@@ -164,20 +164,37 @@ def quantize_models(target, drafter, weights: str | None, src, drafter_name: str
     head or an HF drafter has none and keeps float weights. Under ``w4a8`` every model's linears
     become blocks: a GGUF's own where it has them, Q4_1 from float otherwise (an EAGLE head).
     ``kernel``: the int8 layers' product kernel (runtime/quant.py ``Int8Linear``)."""
-    from .loading import gguf_raw_weights
+    from .loading import cached_w4a8_layers, gguf_raw_weights
     from .quant import quantize_linears
 
     fmt, group = weight_format(weights, str(target.embed_tokens.weight.dtype).removeprefix("torch."))
     if fmt in ("float32", "bfloat16"):
         return
     gguf = fmt in ("gguf-native", "w4a8")  # formats that run a GGUF's own blocks
-    raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" or (gguf and src.kind == "gguf") else None
-    quantize_linears(target, fmt, group, raw, kernel)
+    raw, layers = None, None
+    if fmt == "w4a8" and src.kind == "gguf":  # the file's blocks in the kernel's layout, packed once per machine
+        from .w4a8 import packed_of
+
+        def build() -> dict:
+            nonlocal raw
+            raw = gguf_raw_weights(src, target.cfg)
+            quantize_linears(target, fmt, group, raw, kernel)
+            return packed_of(target)
+
+        layers = cached_w4a8_layers(src, build)
+        if raw is None:  # read from the cache
+            quantize_linears(target, fmt, group, kernel=kernel, packed=layers)
+    else:
+        raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" or (gguf and src.kind == "gguf") else None
+        quantize_linears(target, fmt, group, raw, kernel)
     if drafter is None:
         return
     model = drafter.graphs.model
     if not gguf:
         quantize_linears(model, fmt, group, kernel=kernel)
+        return
+    if drafter_name == "self" and layers is not None:  # the target's own packed layers
+        quantize_linears(model, fmt, group, packed=layers)
         return
     raw_d = None  # the drafter's own GGUF blocks, where it has a GGUF file
     if drafter_name == "self":

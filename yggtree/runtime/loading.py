@@ -313,6 +313,37 @@ def gguf_raw_weights(src: ModelSource, cfg: ModelConfig) -> dict[str, tuple[str,
     return out
 
 
+def cached_w4a8_layers(src: ModelSource, build) -> dict:
+    """The w4a8 layers of the GGUF model ``src`` in their packed layout (layer name ->
+    ``w4a8.PackedBlocks``): read from the weights cache where a run kept them (keyed by the file
+    and by the code that reads and packs its blocks), else ``build()`` (a model's w4a8 layers,
+    ``w4a8.packed_of``) kept there for the next run. Repacking the file's blocks costs seconds
+    every start; reading the layout back maps it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ..files import atomic_path
+    from .w4a8 import PackedBlocks, layout_hash
+
+    path = _cache_dir("weights", src.path) / f"w4a8-{layout_hash()}.safetensors"
+    if path.is_file():
+        try:
+            with safe_open(str(path), "pt") as f:
+                shapes = json.loads(f.metadata()["layers"])
+                return {name: PackedBlocks(f.get_tensor(name), *shapes[name]) for name in shapes}
+        except Exception:
+            pass  # a damaged cache entry is rebuilt below
+    layers = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({name: p.data.contiguous() for name, p in layers.items()}, str(tmp),
+                      metadata={"layers": json.dumps({name: [p.n, p.k, p.bits] for name, p in layers.items()})})
+    except OSError:
+        pass  # no writable cache: the next run packs again
+    return layers
+
+
 # ----------------------------------------------------------------------------- public API
 
 

@@ -430,12 +430,14 @@ def _replace_linears(model: nn.Module, make, own: tuple[str, ...] | None = ("lm_
 
 
 def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
-                     raw: dict[str, tuple[str, torch.Tensor]] | None = None, kernel: str = "torch") -> int:
+                     raw: dict[str, tuple[str, torch.Tensor]] | None = None, kernel: str = "torch",
+                     packed: dict | None = None) -> int:
     """Replace the ``nn.Linear`` layers of ``model.layers`` and its ``lm_head`` (under w4a8 all its
     own linears: an EAGLE head's ``fc`` and ``reduce`` too) by quantized ones in ``fmt`` (``int8``, ``int4`` with ``group``, ``gguf-native`` from ``raw``: state-dict name
     -> (GGML type, bytes), :func:`yggtree.runtime.loading.gguf_raw_weights`; ``w4a8``: the
     blocks of ``raw`` where it has them, Q4_1 otherwise, runtime/w4a8.py); q/k/v and gate/up
-    become one layer each. Returns how many linears were replaced. GGUF tensors stored as float
+    become one layer each (w4a8: ``packed``, layer name -> ``w4a8.PackedBlocks``, gives the
+    layers a cache kept, :func:`yggtree.runtime.w4a8.packed_of`). Returns how many linears were replaced. GGUF tensors stored as float
     stay ``nn.Linear`` under gguf-native. ``kernel`` is the int8 and 4-bit layers' product kernel
     (:class:`Int8Linear`, :class:`Int4Linear`).
     YggError (one line) for what cannot run: see the module docs."""
@@ -476,6 +478,10 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
             if lins[0].in_features % GGUF_BLOCK:
                 raise YggError(f"weights w4a8: the input width {lins[0].in_features} of {name} is not a "
                                f"multiple of {GGUF_BLOCK}")
+            if packed is not None:
+                if name not in packed:
+                    raise YggError(f"weights w4a8: the packed layers lack {name}")
+                return W4A8Linear(None, bias, dtype, packed=packed[name])
             return W4A8Linear(cat_blocks([blocks_of(n, p) for n, p in zip(names, lins)]), bias, dtype)
         if raw is not None:
             eights = [gguf_int8(*stored(n)) for n in names] if kernel == "tiled" else [None]

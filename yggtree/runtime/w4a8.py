@@ -144,6 +144,33 @@ def pack_blocks(b: Blocks) -> torch.Tensor:
     return torch.cat([codes, per_tile(d), per_tile(m)], dim=2).contiguous()
 
 
+@dataclass(frozen=True)
+class PackedBlocks:
+    """One layer's blocks in the kernel's layout (:func:`pack_blocks`), as a cache keeps them."""
+
+    data: torch.Tensor  # [T, B, 320 | 576] uint8
+    n: int  # output columns
+    k: int  # input columns
+    bits: int
+
+
+def packed_of(model: nn.Module) -> dict[str, PackedBlocks]:
+    """Every W4A8 layer of ``model`` by module name, in its packed layout (what a cache stores)."""
+    return {name: PackedBlocks(m.packed, m.out_features, m.in_features, m.bits)
+            for name, m in model.named_modules() if isinstance(m, W4A8Linear)}
+
+
+def layout_hash() -> str:
+    """What a cached packed layout depends on: the sources that read and pack the blocks."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for f in (Path(__file__), Path(__file__).with_name("gguf_blocks.py"), Path(__file__).with_name("quant.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 class W4A8Linear(nn.Module):
     """``F.linear`` with block-quantized weights on int8-quantized activations
     (``yggtree::w4a8_mm``, float32 in and out; the result in the run's dtype ``dtype``)."""
@@ -151,12 +178,15 @@ class W4A8Linear(nn.Module):
     packed: torch.Tensor  # [T, B, 320 | 576] uint8 (pack_blocks: codes, d, m); T = N rounded up to 16, / 16
     bias: torch.Tensor | None  # [N] in the run's dtype
 
-    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: Blocks | None, bias: torch.Tensor | None, dtype: torch.dtype,
+                 packed: PackedBlocks | None = None) -> None:
+        """From ``blocks`` (packed here), or from their ``packed`` layout as :func:`packed_of` kept it."""
         super().__init__()
         load_kernel()
-        self.out_features, self.in_features = blocks.u.shape
-        self.bits, self.dtype = blocks.bits, dtype
-        self.register_buffer("packed", pack_blocks(blocks), persistent=False)
+        if packed is None:
+            packed = PackedBlocks(pack_blocks(blocks), *blocks.u.shape, blocks.bits)
+        self.out_features, self.in_features, self.bits, self.dtype = packed.n, packed.k, packed.bits, dtype
+        self.register_buffer("packed", packed.data, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]

@@ -1,0 +1,43 @@
+"""A build's package cache (offline/compile.py ``_seed_packages``): kept for a build of the same
+key (a stopped build resumes), emptied for another key, half-written packages dropped, and
+packages of another directory linked only when built under the same key."""
+
+from __future__ import annotations
+
+import json
+
+from yggtree.offline.compile import BUILD_KEY, _seed_packages
+from yggtree.plan import CACHE_SUBDIR
+
+KEY = {"graph_hash": "abc", "min_rows": 4}
+
+
+def _cache(tmp_path, name, key, files):
+    d = tmp_path / name / CACHE_SUBDIR
+    d.mkdir(parents=True)
+    (d / BUILD_KEY).write_text(json.dumps(key))
+    for f in files:
+        (d / f).write_bytes(f.encode())
+    return d
+
+
+def test_a_build_of_the_same_key_resumes_and_drops_half_written_packages(tmp_path):
+    out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2", "partial-block-x-w4-c256.pt2"])
+    assert _seed_packages(out, KEY, ()) == 1
+    assert sorted(p.name for p in out.glob("*.pt2")) == ["block-x-w1-c256.pt2"]
+
+
+def test_another_key_starts_from_an_empty_cache(tmp_path):
+    out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2"])
+    assert _seed_packages(out, KEY | {"min_rows": 8}, ()) == 0
+    assert json.loads((out / BUILD_KEY).read_text())["min_rows"] == 8
+
+
+def test_packages_of_the_same_key_elsewhere_are_linked_not_others(tmp_path):
+    _cache(tmp_path, "blocks", KEY, ["block-x-w1-c256.pt2", "partial-block-x-w8-c256.pt2"])
+    _cache(tmp_path, "other", KEY | {"graph_hash": "def"}, ["block-x-w4-c256.pt2"])
+    out = tmp_path / "whole" / CACHE_SUBDIR
+    assert _seed_packages(out, KEY, (tmp_path / "blocks", tmp_path / "other")) == 1
+    linked = out / "block-x-w1-c256.pt2"
+    assert linked.read_bytes() == b"block-x-w1-c256.pt2"
+    assert linked.stat().st_ino == (tmp_path / "blocks" / CACHE_SUBDIR / linked.name).stat().st_ino
