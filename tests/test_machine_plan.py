@@ -17,6 +17,12 @@ import torch
 from yggtree import machine_plan, run_cmd
 from yggtree.machine_plan import LOCK, READY, MachinePlan
 
+@pytest.fixture(autouse=True)
+def no_real_build(monkeypatch):
+    """No test here starts a real build (minutes of compilation in a detached process)."""
+    monkeypatch.setattr(machine_plan, "_spawn", lambda cmd, log: pytest.fail(f"a build was started: {cmd}"))
+
+
 DEVICE = {"kind": "cpu", "name": "Some CPU", "identity": {"vendor": "X", "family": 1, "model": 2}}
 
 
@@ -165,6 +171,9 @@ def test_the_plan_is_the_one_of_the_threads_asked(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
-    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: seen.append(self.threads) or (tmp_path / "p.yaml", None))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr(MachinePlan, "ready_plan",
+                        lambda self: seen.append(self.threads) or (self.compile_root / "m" / "p.yaml", None))
+    monkeypatch.setattr(MachinePlan, "start", lambda self: pytest.fail("a built plan is not built again"))
     run_cmd._pick_plan(_args(threads=3))
     assert seen == [3]

@@ -127,10 +127,15 @@ class MachinePlan:
         cmd = [sys.executable, "-m", "yggtree.machine_plan", str(self.root), "--threads", str(self.threads),
                "--weights", self.weights or "float32"]
         with log:
-            subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True, close_fds=True)
+            _spawn(cmd, log)
         return (f"building this machine's plan ({self.weights or 'float32'} weights, compiled, with a latency "
                 f"profile) in the background, once (log: {self.root / LOG}); later runs load it")
+
+
+def _spawn(cmd: list[str], log) -> None:
+    """Start ``cmd`` detached (its own session: a Ctrl-C of the run does not stop it), output to ``log``."""
+    subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                     start_new_session=True, close_fds=True)
 
 
 def machine_plan(device: dict, threads: int, weights: str | None = "auto", root: Path | None = None
