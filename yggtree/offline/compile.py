@@ -433,7 +433,7 @@ def _build_with_progress(plan: Plan, art: Path, console, min_rows: int, whole: b
 
 
 def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records: list[dict], info: dict,
-              stale: list[str]) -> dict:
+              stale: list[str], built_with: dict) -> dict:
     """The manifest of a build of ``plan`` in ``art`` (no absolute paths)."""
     from ..runtime.device import detect_device, device_record
     from ..runtime.model import attention_formulation
@@ -445,7 +445,8 @@ def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records:
         "plan": plan.to_dict(relative_to=art),  # no absolute paths
         "backend": plan.backend,
         "dtype": plan.dtype,
-        "versions": versions(),
+        # read when the build started: sources edited meanwhile (an upgrade) make the packages stale
+        "versions": built_with,
         # the device the packages were built for and on (runtime/device.py), checked by check_artifacts
         "device": device_record(detect_device()),
         "models": prints,
@@ -511,6 +512,7 @@ def compile_plan(
     if current is not None:
         return {**current, "dir": str(art), "wall_s": time.perf_counter() - t_start}
     stale = _clear_for_rebuild(plan, art, force)
+    built_with = versions()
     prints = _model_prints(plan, art)
     min_rows = plan_min_rows(plan)  # the padding of packed products the packages hold
     records, info = [], {"load_s": 0.0, "n_slots": None, "threads": None}
@@ -518,7 +520,7 @@ def compile_plan(
         records, info = _build_with_progress(plan, art, console, min_rows, whole, tuple(reuse))
     built_rows = info.get("min_rows", min_rows)  # raised where the plan's is not batch-invariant here
     save_plan(plan, art / PLAN_COPY)
-    manifest = _manifest(plan, art, prints, built_rows, records, info, stale)
+    manifest = _manifest(plan, art, prints, built_rows, records, info, stale, built_with)
     manifest["whole"] = whole  # False: the block packages alone (compile_plan ``whole``)
     if built_rows != min_rows:  # check_artifacts accepts the plan's padding for the raised one
         manifest["packed_min_rows_raised_from"] = min_rows
