@@ -187,3 +187,27 @@ def test_one_query_attention_equals_the_batched_path(heads, kv_heads):
     wide = attn(x, cos, sin, slots, mask)  # [1, 3, 48]: three rows, the bmm path
     one = attn(x[:, :1], cos[:, :1], sin[:, :1], slots[:, :1], mask[:, :1])  # the fused path
     torch.testing.assert_close(one[0, 0], wide[0, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_converted_tokenizer_is_read_back_as_autotokenizer_reads_it(tmp_path):
+    """runtime/loading._cached_tokenizer: a fast tokenizer saved by an earlier load comes back as
+    the class AutoTokenizer picks, encoding, decoding and templating alike."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from yggtree.runtime.loading import _cached_tokenizer
+
+    assert _cached_tokenizer(tmp_path) is None
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz <>|")}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="|"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<", unk_token="|")
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    tok.save_pretrained(str(tmp_path))
+    got, want = _cached_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(got) is type(want)
+    text = got.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False)
+    assert text == want.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False)
+    ids = got(text)["input_ids"]
+    assert ids == want(text)["input_ids"] and got.decode(ids) == want.decode(ids)
+    assert got.eos_token_id == want.eos_token_id == vocab["<"]

@@ -425,13 +425,15 @@ def config_from_dict(d: dict) -> ModelConfig:
 
 def load_tokenizer(src: ModelSource):
     """A transformers tokenizer. GGUF tokenizers are converted once and cached on disk."""
+    if src.kind == "gguf":
+        cached = _cached_tokenizer(_cache_dir("tokenizers", src.path))
+        if cached is not None:
+            return cached
     from transformers import AutoTokenizer
 
     if src.kind == "hf":
         return AutoTokenizer.from_pretrained(str(src.path))
     cache = _cache_dir("tokenizers", src.path)
-    if (cache / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cache))
     tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -439,6 +441,26 @@ def load_tokenizer(src: ModelSource):
     except OSError:
         pass  # a read-only home only costs the conversion time next run
     return tok
+
+
+def _cached_tokenizer(cache: Path):
+    """The tokenizer converted into ``cache`` by an earlier load, or None. A fast tokenizer is
+    read as the class AutoTokenizer picks for it, without importing AutoTokenizer's mapping of
+    every model (a second of every start)."""
+    config = cache / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        kind = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    if kind in (PreTrainedTokenizerFast.__name__, "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(str(cache))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(cache))
 
 
 def encode_prompt(tokenizer, text: str, raw: bool = False) -> list[int]:
