@@ -2,7 +2,8 @@
 
 A plain ``yggtree run`` (nothing asked but the embedded default) on a machine with no tuned plan
 answers at once with plain decoding that needs no compilation, and starts, in a detached process
-of low priority, the build of the machine plan:
+that runs only on CPU time nothing else wants (the idle scheduling class), the build of the
+machine plan:
 
 1. the default plan (at the verify and draft widths a CPU's objective takes) in the fastest lossless format the CPU runs (``machine_weights``: the GGUF's
    own 4-bit weights as w4a8 where the kernel library runs, else float32), with the shipped
@@ -228,6 +229,20 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     return copy
 
 
+def _yield_to_runs() -> None:
+    """Run the build (and the compilers it starts, which inherit it) only on CPU time nothing else
+    wants: the idle scheduling class where the OS has one, else the lowest priority. Runs decode
+    meanwhile with every core: a build that took even a share of one would stall their parallel
+    loops, whose threads wait on each other at every product."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.nice(19)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m yggtree.machine_plan DIR --threads T --weights W``: the background build."""
     import argparse
@@ -239,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--weights", required=True)
     args = p.parse_args(argv)
-    try:
-        os.nice(10)  # the run that started it decodes meanwhile
-    except OSError:
-        pass
+    _yield_to_runs()
     weights = None if args.weights == "float32" else args.weights
     mp = MachinePlan(Path(args.root), weights, args.threads)
     return run_reporting("yggtree machine plan", lambda _: build(mp) and 0, None)

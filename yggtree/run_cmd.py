@@ -270,9 +270,8 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     except OSError as e:
         line = f"this machine's plan cannot be built in {mp.root} ({e.strerror or e})"
     sys.stderr.write(f"yggtree: {line}; meanwhile plain decoding, uncompiled\n")
-    args.mode = "reference"  # eager: nothing to compile before the first token
-    if not args.threads:  # a core for the build: threads that wait on a preempted one lose far more
-        args.threads = max(1, torch.get_num_threads() - 1)
+    args.mode = "reference"  # eager: nothing to compile before the first token (every core: the
+    # build runs only on CPU time the run leaves idle, machine_plan._yield_to_runs)
     args.machine_build = "pending"
     return True
 
