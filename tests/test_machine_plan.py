@@ -177,3 +177,28 @@ def test_the_plan_is_the_one_of_the_threads_asked(monkeypatch, tmp_path):
     monkeypatch.setattr(MachinePlan, "start", lambda self: pytest.fail("a built plan is not built again"))
     run_cmd._pick_plan(_args(threads=3))
     assert seen == [3]
+
+
+def test_a_profile_timed_while_the_machine_was_busy_is_timed_again(monkeypatch, tmp_path):
+    """The build's latency profile prices every later step: timed while other processes kept
+    cores busy, it is timed again after a wait, and the quietest measurement is kept."""
+    import yggtree.offline.compile as compile_mod
+    import yggtree.offline.profile as profile_mod
+    import yggtree.plan as plan_mod
+    import yggtree.runtime.build as build_mod
+    from yggtree.plan import default_plan
+
+    busy = iter([1.2, 0.9, 0.1, 0.0])
+    waits, written = [], []
+    monkeypatch.setattr(compile_mod, "compile_plan", lambda *a, **k: {})
+    monkeypatch.setattr(plan_mod, "cached_padding", lambda plan: None)
+    monkeypatch.setattr(plan_mod, "validate_plan", lambda d: default_plan())  # names a profile not written
+    monkeypatch.setattr(build_mod, "build_plan_engine", lambda *a, **k: (object(), None))
+    monkeypatch.setattr(profile_mod, "measure_profile",
+                        lambda *a, **k: {"name": "p", "load": {"other_cores": next(busy)}})
+    monkeypatch.setattr(profile_mod, "write_profile", lambda p, d, plot: written.append(p))
+    monkeypatch.setattr(machine_plan.time, "sleep", waits.append)
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    machine_plan._phase(mp, default_plan(), mp.blocks_root, "p", False, (), 0.0, lambda line: None)
+    assert waits == list(machine_plan.QUIET_WAITS[:2]) and written[0]["load"]["other_cores"] == 0.1
+    assert json.loads((tmp_path / READY).read_text())["whole"] is False
