@@ -192,7 +192,7 @@ def test_a_profile_timed_while_the_machine_was_busy_is_timed_again(monkeypatch, 
     waits, written = [], []
     monkeypatch.setattr(compile_mod, "compile_plan", lambda *a, **k: {})
     monkeypatch.setattr(plan_mod, "cached_padding", lambda plan: None)
-    monkeypatch.setattr(plan_mod, "validate_plan", lambda d: default_plan())  # names a profile not written
+    monkeypatch.setattr(plan_mod, "validate_plan", lambda d, *a: default_plan())  # names a profile not written
     monkeypatch.setattr(build_mod, "build_plan_engine", lambda *a, **k: (object(), None))
     monkeypatch.setattr(profile_mod, "measure_profile",
                         lambda *a, **k: {"name": "p", "load": {"other_cores": next(busy)}})
