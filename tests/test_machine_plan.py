@@ -192,13 +192,14 @@ def test_a_profile_timed_while_the_machine_was_busy_is_timed_again(monkeypatch, 
     waits, written = [], []
     monkeypatch.setattr(compile_mod, "compile_plan", lambda *a, **k: {})
     monkeypatch.setattr(plan_mod, "cached_padding", lambda plan: None)
-    monkeypatch.setattr(plan_mod, "validate_plan", lambda d, *a: default_plan())  # names a profile not written
+    base = default_plan()
+    monkeypatch.setattr(plan_mod, "validate_plan", lambda d, *a: base)  # names a profile not written
     monkeypatch.setattr(build_mod, "build_plan_engine", lambda *a, **k: (object(), None))
     monkeypatch.setattr(profile_mod, "measure_profile",
                         lambda *a, **k: {"name": "p", "load": {"other_cores": next(busy)}})
     monkeypatch.setattr(profile_mod, "write_profile", lambda p, d, plot: written.append(p))
     monkeypatch.setattr(machine_plan.time, "sleep", waits.append)
     mp = MachinePlan(tmp_path, "w4a8", 2)
-    machine_plan._phase(mp, default_plan(), mp.blocks_root, "p", False, (), 0.0, lambda line: None)
+    machine_plan._phase(mp, base, mp.blocks_root, "p", False, (), 0.0, lambda line: None)
     assert waits == list(machine_plan.QUIET_WAITS[:2]) and written[0]["load"]["other_cores"] == 0.1
     assert json.loads((tmp_path / READY).read_text())["whole"] is False
