@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    from yggtree.runtime.build import pack_models
+    from yggtree.runtime.prepare import pack_models
     from yggtree.runtime.loading import load_model, load_tokenizer, resolve_model
     from yggtree.runtime.packed import packed_layers
     from yggtree.runtime.quant import quant_layers
@@ -131,7 +131,7 @@ def cost(args) -> int:
     from statistics import median
 
     from yggtree.offline.timing import time_rounds
-    from yggtree.runtime.build import pack_models
+    from yggtree.runtime.prepare import pack_models
     from yggtree.runtime.graphs import Graphs
     from yggtree.runtime.loading import load_model, resolve_model
     from yggtree.runtime.model import set_invariant_rows

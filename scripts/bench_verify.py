@@ -2,7 +2,7 @@
 """What a verify step of W rows costs against one row, per weight format and product kernel (one run).
 
 For every ``--formats`` entry and ``--kernels`` entry the target is prepared as an engine prepares it
-(``yggtree.runtime.build.pack_models``: the format's quantized or packed layers on that product kernel),
+(``yggtree.runtime.prepare.pack_models``: the format's quantized or packed layers on that product kernel),
 then, at each width W of ``--widths``:
 
 - ``products``: every weight product of one decoder step (each block's fused q/k/v, o, gate/up, down
@@ -47,7 +47,7 @@ def product_layers(model) -> list:
 
 def prepare(fmt: str, kernel: str):
     """The default target in ``fmt`` on the product ``kernel``, as an engine builds it."""
-    from yggtree.runtime.build import pack_models
+    from yggtree.runtime.prepare import pack_models
     from yggtree.runtime.loading import load_model, resolve_model
 
     src = resolve_model("default")

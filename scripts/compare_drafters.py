@@ -69,7 +69,8 @@ def heldout_data(root: Path, target, n: int, layers: tuple[int, ...]) -> "DD.Tea
 
 
 def main(args) -> int:
-    from yggtree.runtime.build import EngineSpec, load_drafter
+    from yggtree.runtime.build import EngineSpec
+    from yggtree.runtime.prepare import load_drafter
     from yggtree.runtime.eagle import EagleDrafter
     from yggtree.runtime.loading import encode_auto, load_model, load_tokenizer, resolve_model
     from yggtree.runtime.model import rope_table
@@ -82,7 +83,7 @@ def main(args) -> int:
     if args.weights:
         import copy
 
-        from yggtree.runtime.build import quantize_models
+        from yggtree.runtime.prepare import quantize_models
 
         target = copy.deepcopy(ref)
         quantize_models(target, None, args.weights, src)

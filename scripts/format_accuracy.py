@@ -107,11 +107,11 @@ def split_entry(entry: str) -> tuple[str, str | None]:
 
 
 def loader(model_name: str, kernel: str = "torch"):
-    """``load(fmt)`` for the real model: a float32 run, ``fmt`` weights (build.quantize_models);
+    """``load(fmt)`` for the real model: a float32 run, ``fmt`` weights (prepare.quantize_models);
     ``bfloat16``: the model in bfloat16. ``kernel`` ``torch``: quantized layers on torch's kernels,
     float ones on ``F.linear``; ``tiled``: every product on the tiled kernel, as an engine whose
-    profile chose it runs them (build.pack_models)."""
-    from yggtree.runtime.build import pack_models, quantize_models
+    profile chose it runs them (prepare.pack_models)."""
+    from yggtree.runtime.prepare import pack_models, quantize_models
     from yggtree.runtime.loading import load_model, resolve_model
     from yggtree.runtime.model import set_kv_dtype
     from yggtree.shapes import kv_cache_dtype

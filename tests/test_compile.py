@@ -20,7 +20,7 @@ import pytest
 
 from yggtree.cli import main as cli_main
 from yggtree.errors import YggError
-from yggtree.offline.compile import main, prepare_run
+from yggtree.offline.compile import BUILD_KEY, main, prepare_run
 from yggtree.plan import CACHE_SUBDIR, MANIFEST, check_artifacts, load_plan
 from yggtree.runtime.model import attention_formulation
 
@@ -115,7 +115,7 @@ def test_compile_builds_every_graph_once(compiled):
     assert drafter == {1: "shared", 2: "shared"}  # the self-drafter shares the target's graphs
     assert m["n_graphs"] == last["graphs"] == 4
     assert all(r["compile_s"] > 0 for r in m["graphs"] if r["cache"] == "compiled")
-    files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir())
+    files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir() if p.name != BUILD_KEY)  # + the build key
     assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 4
     assert sum(f.startswith("step-") for f in files) == 2
     assert not list(art.glob("build-*")) and m["size_bytes"] > 0  # the scratch build dir is gone
@@ -130,11 +130,13 @@ def test_compile_builds_every_graph_once(compiled):
 def test_second_compile_is_a_noop(compiled, monkeypatch):
     root, plan_path, _ = compiled
     import yggtree.runtime.loading as loading
+    import yggtree.runtime.prepare as prepare
 
     def boom(*a, **k):
         raise AssertionError("an up-to-date compile must not load models")
 
-    monkeypatch.setattr(loading, "load_model", boom)
+    for where in (loading, prepare):  # prepare binds load_model by name
+        monkeypatch.setattr(where, "load_model", boom)
     code, stdout = run_main([plan_path, "--out", root / "compile", "--json"])
     (line,) = stdout.strip().splitlines()
     last = json.loads(line)
@@ -481,11 +483,11 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
 
 def test_a_padding_not_invariant_here_is_raised_in_the_packages(tmp_path, monkeypatch):
     """A speculative plan whose padding (forced, measured, or another machine's profile) is not
-    batch-invariant on this CPU: the compile raises it as the engine will (build.invariant_padding;
+    batch-invariant on this CPU: the compile raises it as the engine will (prepare.invariant_padding;
     standing in here for a CPU whose one-row product rounds otherwise), the packages hold the
     raised padding, the manifest says from what, the artifacts stay current, and the engine runs
     them (plain decoding's tokens)."""
-    import yggtree.runtime.build as build
+    import yggtree.runtime.prepare as prepare
     from yggtree.plan import artifact_dir
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
@@ -496,7 +498,7 @@ def test_a_padding_not_invariant_here_is_raised_in_the_packages(tmp_path, monkey
             layer.min_rows = max(layer.min_rows, 2)
         return min_rows_of(target)
 
-    monkeypatch.setattr(build, "invariant_padding", raised)
+    monkeypatch.setattr(prepare, "invariant_padding", raised)
     save_tiny_checkpoint(tmp_path / "model")
     (tmp_path / "plan.yaml").write_text(PLAN)
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])

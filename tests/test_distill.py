@@ -385,7 +385,8 @@ def test_warm_start_grows_a_head_and_refuses_to_cut_one(run_a, target, tmp_path)
 
 @pytest.mark.slow
 def test_shipped_default_head_loads_and_corruption_is_refused(tmp_path):
-    from yggtree.runtime.build import EngineSpec, load_drafter
+    from yggtree.runtime.build import EngineSpec
+    from yggtree.runtime.prepare import load_drafter
     from yggtree.runtime.engine import TreeParams
     from yggtree.runtime.loading import load_model, load_tokenizer, resolve_model
 
@@ -422,7 +423,8 @@ def test_shipped_default_head_loads_and_corruption_is_refused(tmp_path):
 
 
 def test_default_drafter_refused_for_other_targets(target):
-    from yggtree.runtime.build import EngineSpec, load_drafter
+    from yggtree.runtime.build import EngineSpec
+    from yggtree.runtime.prepare import load_drafter
 
     spec = EngineSpec(model="/some/other/model", drafter="default")
     with pytest.raises(YggError, match="no default drafter"):

@@ -331,6 +331,7 @@ def test_engine_raises_a_variant_padding_and_speculates_exactly(tmp_path, monkey
 
     import yggtree.runtime.build as build
     import yggtree.runtime.packed as packed
+    import yggtree.runtime.prepare as prepare
     from yggtree.runtime.engine import SamplingParams, TreeParams
 
     from safetensors.torch import load_file, save_file
@@ -354,7 +355,7 @@ def test_engine_raises_a_variant_padding_and_speculates_exactly(tmp_path, monkey
     plain1, plain2 = engine(1), engine(2)
     assert capsys.readouterr().err == ""  # plain engines keep their padding: nothing to verify
     with monkeypatch.context() as mp:
-        mp.setattr(build, "invariant_padding", lambda *a: None)
+        mp.setattr(prepare, "invariant_padding", lambda *a: None)
         unchecked = engine(1, "self")
     assert min_rows_of(unchecked.target) == 1
     params, left = SamplingParams(max_new_tokens=16), 0
@@ -372,11 +373,12 @@ def test_engine_trusts_the_profiles_check_only_where_it_covers_it(tmp_path, monk
     from test_compile import save_tiny_checkpoint
 
     import yggtree.runtime.build as build
+    import yggtree.runtime.prepare as prepare
     from yggtree.runtime.engine import TreeParams
 
     save_tiny_checkpoint(tmp_path / "m")
     checks = []
-    monkeypatch.setattr(build, "invariant_padding", lambda target, widths, threads: checks.append((widths, threads)))
+    monkeypatch.setattr(prepare, "invariant_padding", lambda target, widths, threads: checks.append((widths, threads)))
     tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
     t = torch.get_num_threads()
 

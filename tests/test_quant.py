@@ -248,8 +248,8 @@ def test_a_format_this_machine_cannot_run_is_refused_before_loading(fmt, tmp_pat
     """`yggtree run --weights FMT` where the kernel does not run (here: made to fail) says so in
     one line and exits 1 before any model loads."""
     pytest.importorskip("transformers")
-    import yggtree.runtime.build as build
     import yggtree.runtime.loading as loading
+    import yggtree.runtime.prepare as prepare
     import yggtree.runtime.quant as q
     from test_compile import save_tiny_checkpoint
     from yggtree.cli import main
@@ -259,7 +259,7 @@ def test_a_format_this_machine_cannot_run_is_refused_before_loading(fmt, tmp_pat
 
     save_tiny_checkpoint(tmp_path / "model", intermediate=64)
     monkeypatch.setattr(q.Int8Linear if fmt == "int8" else q.Int4Linear, "forward", no_kernel)
-    for where in (loading, build):  # build binds load_model by name
+    for where in (loading, prepare):  # prepare binds load_model by name
         monkeypatch.setattr(where, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     capsys.readouterr()
     argv = ["run", "--model", str(tmp_path / "model"), "--raw", "--prompt", "t5 t6", "--max-new-tokens", "2",

@@ -145,14 +145,14 @@ def cli(argv, stdout=None) -> tuple[int, str, str]:
 
 
 def refuses_before_loading(monkeypatch):
-    import yggtree.runtime.build  # noqa: F401  (imported unpatched: it binds resolve_model)
+    import yggtree.runtime.prepare  # noqa: F401  (imported unpatched: it binds resolve_model)
     import yggtree.runtime.loading as loading
 
     def boom(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
     monkeypatch.setattr(loading, "resolve_model", boom)
-    monkeypatch.setattr("yggtree.runtime.build.resolve_model", boom)
+    monkeypatch.setattr("yggtree.runtime.prepare.resolve_model", boom)
 
 
 @pytest.mark.parametrize(

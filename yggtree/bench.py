@@ -339,7 +339,7 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     from .floor import floor_summary, matmul_floor_step, time_calls
     from .runtime.engine import Engine, EngineConfig
     from .runtime.loading import load_model
-    from .runtime.build import pack_models
+    from .runtime.prepare import pack_models
     from .kernel_choice import measured_choice
     from .runtime.packed import can_pack
 

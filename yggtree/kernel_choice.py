@@ -60,7 +60,7 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
 def measured_spec(spec, root: Path | None = None, say=None):
     """``spec`` (an EngineSpec built from flags) with the product kernel, padding and prefetch
     setting measured for it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
-    from .runtime.build import check_spec, spec_rows
+    from .runtime.prepare import check_spec, spec_rows
     from .runtime.loading import resolve_model
 
     if not spec.pack:

@@ -178,6 +178,11 @@ class Envelope:
             return 1
         return max(self.max_tree, max(self.verify_widths))
 
+    def slots(self, max_context: int) -> int:
+        """KV cache slots of an engine of this envelope: ``max_context``, the :meth:`reserve` past
+        it and a scratch slot."""
+        return max_context + self.reserve() + 1
+
     def check_draft(self, d: int, wd: int) -> None:
         if not 0 <= d <= self.d_max:
             raise YggError(f"policy chose draft depth {d}, outside the engine's 0..{self.d_max}")

@@ -152,52 +152,70 @@ def _roles_drafter(plan: Plan, w: int, head: int) -> str:
 
 def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: bool = True
                   ) -> tuple[list[dict], dict]:
-    """Load the plan's models (packed products padded to ``min_rows``), record every block shape
-    the engine's warm-up asks for, and compile one AOTInductor package per distinct (block kind,
-    W, C) into ``out`` (and, with ``whole``, the whole-step and drafter-call packages). A package
-    already in ``out`` (a build of the same key stopped halfway, or linked from another
-    directory: :func:`_seed_packages`) is kept. Returns one record per (model, W, C) and load
-    timings."""
+    """Prepare the plan's models as its engine does (``runtime.prepare.prepare_models``: packed
+    products padded to ``min_rows``, raised where a speculative plan's padding is not
+    batch-invariant here), record every block shape the engine's warm-up asks for
+    (:func:`_record_shapes`), and compile one AOTInductor package per distinct (block kind, W, C)
+    into ``out`` (and, with ``whole``, the whole-step and drafter-call packages:
+    :func:`_package_jobs`). A package already in ``out`` (a build of the same key stopped halfway,
+    or linked from another directory: :func:`_seed_packages`) is kept. Returns one record per
+    (model, W, C) and load timings."""
+    from dataclasses import replace
+
     import torch
 
-    from ..runtime.aoti import (ShapeRecorder, compile_drafter_call_package, compile_package, compile_step_package,
-                                drafter_call_key, install_recorder, library_loops_only, package_name, step_key)
-    from ..runtime.build import EngineSpec, drafter_widths, load_drafter, plan_slots
-    from ..runtime.graphs import Graphs, backend_device
-    from ..runtime.loading import load_model, load_tokenizer, resolve_model
-    from ..runtime.model import attention_rows, set_invariant_rows, set_kv_dtype
+    from ..runtime.aoti import compile_drafter_call_package, compile_package, compile_step_package, library_loops_only
+    from ..runtime.build import EngineSpec, plan_slots
+    from ..runtime.prepare import prepare_models
 
-    spec = EngineSpec.from_plan(plan) if plan.backend in ("inductor-cpu", "eager") else None
     t0 = time.perf_counter()
-    progress.update(task, description="loading target")
-    src = resolve_model(plan.target)
-    target = load_model(src, plan.dtype).to(backend_device(plan.backend))
-    set_kv_dtype(target, plan.kv_cache)  # the cache is a package input: its dtype is compiled in
-    # the tokenizer only serves load_drafter's vocabulary check of a standalone drafter
-    tokenizer = load_tokenizer(src) if plan.drafter not in (None, "self") else None
-    n_slots = plan_slots(plan)
+    progress.update(task, description="loading models")
+    models = prepare_models(replace(EngineSpec.from_plan(plan), min_rows=min_rows), tokenizer=False)
+    target, drafter = models.target, models.drafter
+    n_slots = plan_slots(plan)  # every package's cache size: the plan's engine's
     target.setup_cache(1, n_slots)
-    drafter = None
-    if plan.speculative:
-        progress.update(task, description="loading drafter")
-        if spec is None:  # cuda / npu: same fields, the engine cannot run them yet
-            spec = EngineSpec(plan.target, plan.drafter, plan.dtype, "performance", plan.max_context,
-                              plan.prefill_chunk, plan.tree_params())
-        drafter = load_drafter(spec, target, tokenizer)
-    if spec is None or spec.pack:  # as build_engine does: the packages take the packed weights
-        from ..runtime.build import pack_models
-
-        pack_models(target, drafter, min_rows, plan.weights, src, plan.drafter, plan_kernel(plan))
-        if plan.speculative and spec is not None:  # the padding its engine will check and keep
-            from ..runtime.build import engine_padding
-
-            min_rows = engine_padding(spec, target) or min_rows
-    # the attention formulation an engine of this plan sets (Engine.__init__): packages hold it
-    set_invariant_rows(target, attention_rows(plan.prefill_chunk))
     load_s = time.perf_counter() - t0
 
-    # 1. shapes: the engine's own warm-up code, run eagerly with a recorder on every block
     progress.update(task, description="recording shapes")
+    rec, uses = _record_shapes(plan, target, drafter, n_slots)
+    # capturing the drafter's layers: the target's whole steps return them
+    capture = tuple(drafter.target_layers) if drafter is not None else ()
+    jobs = _package_jobs(plan, rec, target, drafter, capture, n_slots, whole)
+    # a plain plan whose products all run on the kernel library: its packages' own loops serial, so
+    # that the library's may run on its pool (aoti.library_loops_only; loops_choice.py measures it)
+    serial_loops = drafter is None and library_loops_only(target)
+
+    def build(key: tuple[str, int, int], scope: str, path: Path) -> None:
+        kind, w, c = key
+        if scope == "block":
+            compile_package(rec.blocks[kind], rec.examples[key], path, serial_loops=serial_loops)
+        elif scope == "step":
+            compile_step_package(target, w, c, capture, path, serial_loops=serial_loops)
+        else:
+            compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, path)
+
+    secs, sums = _compile_packages(jobs, out, progress, task, build)
+    records = [*_block_records(plan, rec, uses, secs, sums)]
+    for key, scope in jobs.items():
+        if scope == "step":
+            records.append(_step_record(plan, key, capture, target.cfg.hidden_size, secs, sums))
+        elif scope != "block":
+            records.append(_call_record(plan, key, scope, drafter.cfg.hidden_size, secs, sums))
+    return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads(),
+                     "min_rows": models.min_rows or min_rows, "serial_loops": serial_loops}
+
+
+def _record_shapes(plan: Plan, target, drafter, n_slots: int):
+    """``(recorder, uses)``: the engine's own warm-up run eagerly with a recorder on every block
+    (``runtime.aoti.ShapeRecorder``: each distinct (block kind, W, C) with a block and example
+    inputs), and every (model, roles, (kind, W, C)) it asked for, in order. The blocks get their
+    plain forward back after, to be exported."""
+    import torch
+
+    from ..runtime.aoti import ShapeRecorder, install_recorder
+    from ..runtime.build import drafter_widths
+    from ..runtime.graphs import Graphs
+
     rec = ShapeRecorder()
     install_recorder(target, rec)
     head = getattr(drafter, "max_depth", 0) + 1  # EAGLE: D_max + 1; standalone LM: 1
@@ -214,31 +232,46 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: b
             for w in drafter_widths(plan):
                 drafter.setup(n_slots, [w], plan.prefill_chunk)
                 uses += [("drafter", _roles_drafter(plan, w, head), k) for k in rec.take()]
-
-    # 2. one package per distinct shape, exported from blocks with their plain forward again
     for model in (target, drafter.graphs.model if drafter is not None else None):
         for block in model.layers if model is not None else ():
             block.__dict__.pop("forward", None)
-    todo = list(rec.examples)
-    # a plain plan whose products all run on the kernel library: its packages' own loops serial, so
-    # that the library's may run on its pool (aoti.library_loops_only; loops_choice.py measures it)
-    serial_loops = drafter is None and library_loops_only(target)
-    # 3. the target's whole steps (runtime.aoti, "Step packages"): capturing the drafter's layers
-    capture = tuple(drafter.target_layers) if drafter is not None else ()
+    return rec, uses
+
+
+def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_slots: int,
+                  whole: bool) -> dict[tuple[str, int, int], str]:
+    """Every package of the build, (key, W, C) -> its scope, in build order: a block package per
+    recorded shape; with ``whole``, the target's whole tree steps (runtime.aoti, "Step
+    packages": every step width at every context bucket it fits) and an EAGLE drafter's head and
+    draft calls (runtime.aoti, "Drafter-call packages", for the plan's top-k and largest tree)."""
+    from ..runtime.aoti import drafter_call_key, step_key
+    from ..runtime.graphs import context_buckets
+
+    jobs = {key: "block" for key in rec.examples}
+    if not whole:
+        return jobs
     skey = step_key(target, capture)
-    steps_todo = [(skey, w, c) for w in plan.step_widths for c in graphs.buckets if c >= w] if whole else []
-    # 4. an EAGLE drafter's head and draft calls whole (runtime.aoti, "Drafter-call packages"), for
-    # the plan's top-k and largest tree
-    calls_todo = {}  # (key, W, S) -> kind
-    if hasattr(drafter, "calls") and whole:
-        calls_todo = {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
-                      for kind, ws in (("head", [head]), ("draft", plan.draft_widths)) for w in ws}
-    progress.update(task, total=len(todo) + len(steps_todo) + len(calls_todo), completed=0)
+    jobs |= {(skey, w, c): "step" for w in plan.step_widths for c in context_buckets(n_slots) if c >= w}
+    if hasattr(drafter, "calls"):
+        head = drafter.max_depth + 1
+        jobs |= {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
+                 for kind, ws in (("head", [head]), ("draft", plan.draft_widths)) for w in ws}
+    return jobs
+
+
+def _compile_packages(jobs: dict[tuple[str, int, int], str], out: Path, progress, task,
+                      build) -> tuple[dict, dict]:
+    """Each package of ``jobs`` written into ``out`` by ``build(key, scope, path)``, unless one is
+    there already (a stopped build's of the same key, or linked: kept); ``(seconds, sha256)`` by
+    key (0 s for a kept one). Each is written under a partial name and renamed: a stopped
+    compile leaves no package."""
+    from ..runtime.aoti import package_name
+
+    progress.update(task, total=len(jobs), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
     sums: dict[tuple[str, int, int], str] = {}  # each package's sha256, checked at every load
-    for key in [*todo, *steps_todo, *calls_todo]:
+    for key, scope in jobs.items():
         kind, w, c = key
-        scope = calls_todo.get(key) or ("step" if key in steps_todo else "block")
         progress.update(task, description=f"{scope} W={w} C={c}")
         t = time.perf_counter()
         name = package_name(kind, w, c, scope)
@@ -246,84 +279,87 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: b
             secs[key], sums[key] = 0.0, file_sha256(out / name)
             progress.update(task, advance=1)
             continue
-        part = out / f"partial-{name}"  # write-then-rename: a stopped compile leaves no package
+        part = out / f"partial-{name}"
         with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
             warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
-            if scope == "block":
-                compile_package(rec.blocks[kind], rec.examples[key], part, serial_loops=serial_loops)
-            elif scope == "step":
-                compile_step_package(target, w, c, capture, part, serial_loops=serial_loops)
-            else:
-                compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, part)
+            build(key, scope, part)
         os.replace(part, out / name)
         secs[key] = time.perf_counter() - t
         sums[key] = file_sha256(out / name)
         progress.update(task, advance=1)
+    return secs, sums
 
-    dt = plan.dtype
+
+def _block_records(plan: Plan, rec, uses, secs: dict, sums: dict) -> list[dict]:
+    """The manifest records of the block packages: one per (model, roles, shape) the warm-up asked
+    for; the first use of a package "compiled", later ones "shared" (a self-drafter's blocks)."""
+    from ..runtime.aoti import package_name
+
     records, done = [], set()
     for model_name, roles, key in uses:
         kind, w, c = key
-        x = list(rec.examples[key][0].shape)
-        records.append(
-            {
-                "model": model_name,
-                "role": roles,
-                "key": kind,
-                "scope": "block",
-                "width": w,
-                "context": c,
-                "file": package_name(kind, w, c),
-                "sha256": sums[key],
-                "shapes": {"x": x, "mask": [1, w, c], "slots": [1, w]},
-                "dtype": dt,
-                "compile_s": round(secs[key], 3) if key not in done else 0.0,
-                "cache": "compiled" if key not in done else "shared",
-            }
-        )
+        records.append({
+            "model": model_name,
+            "role": roles,
+            "key": kind,
+            "scope": "block",
+            "width": w,
+            "context": c,
+            "file": package_name(kind, w, c),
+            "sha256": sums[key],
+            "shapes": {"x": list(rec.examples[key][0].shape), "mask": [1, w, c], "slots": [1, w]},
+            "dtype": plan.dtype,
+            "compile_s": round(secs[key], 3) if key not in done else 0.0,
+            "cache": "compiled" if key not in done else "shared",
+        })
         done.add(key)
-    for key in steps_todo:
-        _, w, c = key
-        records.append(
-            {
-                "model": "target",
-                "role": "plain (whole step)" if w == 1 else "verify (whole step)",
-                "key": skey,
-                "scope": "step",
-                "capture": list(capture),
-                "width": w,
-                "context": c,
-                "file": package_name(skey, w, c, "step"),
-                "sha256": sums[key],
-                "shapes": {"x": [1, w, target.cfg.hidden_size], "mask": [1, w, c], "slots": [1, w]},
-                "dtype": dt,
-                "compile_s": round(secs[key], 3),
-                "cache": "compiled",
-            }
-        )
-    for key, scope in calls_todo.items():
-        _, w, c = key
-        records.append(
-            {
-                "model": "drafter",
-                "role": f"{scope} (whole call)",
-                "key": key[0],
-                "scope": scope,
-                "top_k": plan.top_k,  # the call's constants, which its engine installs it with
-                "nodes": plan.max_tree,
-                "width": w,
-                "context": c,
-                "file": package_name(key[0], w, c, scope),
-                "sha256": sums[key],
-                "shapes": {"x": [w, drafter.cfg.hidden_size], "mask": [w, c]},
-                "dtype": dt,
-                "compile_s": round(secs[key], 3),
-                "cache": "compiled",
-            }
-        )
-    return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads(),
-                     "min_rows": min_rows, "serial_loops": serial_loops}
+    return records
 
+
+def _step_record(plan: Plan, key: tuple[str, int, int], capture: tuple[int, ...], hidden: int, secs: dict,
+                 sums: dict) -> dict:
+    """The manifest record of a whole-step package of the target."""
+    from ..runtime.aoti import package_name
+
+    skey, w, c = key
+    return {
+        "model": "target",
+        "role": "plain (whole step)" if w == 1 else "verify (whole step)",
+        "key": skey,
+        "scope": "step",
+        "capture": list(capture),
+        "width": w,
+        "context": c,
+        "file": package_name(skey, w, c, "step"),
+        "sha256": sums[key],
+        "shapes": {"x": [1, w, hidden], "mask": [1, w, c], "slots": [1, w]},
+        "dtype": plan.dtype,
+        "compile_s": round(secs[key], 3),
+        "cache": "compiled",
+    }
+
+
+def _call_record(plan: Plan, key: tuple[str, int, int], scope: str, hidden: int, secs: dict, sums: dict) -> dict:
+    """The manifest record of a drafter-call package (``scope``: head or draft)."""
+    from ..runtime.aoti import package_name
+
+    ckey, w, c = key
+    return {
+        "model": "drafter",
+        "role": f"{scope} (whole call)",
+        "key": ckey,
+        "scope": scope,
+        "top_k": plan.top_k,  # the call's constants, which its engine installs it with
+        "nodes": plan.max_tree,
+        "width": w,
+        "context": c,
+        "file": package_name(ckey, w, c, scope),
+        "sha256": sums[key],
+        "shapes": {"x": [w, hidden], "mask": [w, c]},
+        "dtype": plan.dtype,
+        "compile_s": round(secs[key], 3),
+        "cache": "compiled",
+    }
 
 
 def _up_to_date(plan: Plan, art: Path) -> dict | None:

@@ -267,18 +267,18 @@ def model_padding(src, dtype: str, weights: str | None, widths: tuple[int, ...],
     """:func:`time_padding` on the model ``src`` (a ModelSource) loaded in ``dtype`` and weight
     format ``weights`` and packed here for each product kernel this CPU runs, at the current
     thread count, for an engine running ``widths`` rows (a quantized model packs only what stays
-    float)."""
-    from ..runtime.build import pack_models
-    from ..runtime.loading import load_model
-    from ..runtime.packed import can_pack
+    float), as an engine prepares it (runtime/prepare.py)."""
+    from dataclasses import replace
 
-    model = load_model(src, dtype)
-    pack_models(model, None, weights=weights, src=src)
-    tiled = load_model(src, dtype)
-    if can_pack(tiled, "tiled"):  # the same model on the tiled kernel, timed beside it
-        pack_models(tiled, None, weights=weights, src=src, kernel="tiled")
-    else:
-        tiled = None
+    from ..runtime.build import EngineSpec
+    from ..runtime.packed import can_pack
+    from ..runtime.prepare import prepare_models
+
+    spec = EngineSpec(model=str(src.path), dtype=dtype, weights=weights)
+    model = prepare_models(spec, tokenizer=False).target
+    tiled = None
+    if can_pack(model, "tiled"):  # the same model on the tiled kernel, timed beside it
+        tiled = prepare_models(replace(spec, kernel="tiled"), tokenizer=False).target
     return time_padding(model, warmup=warmup, repeats=repeats, widths=widths, tiled=tiled)
 
 

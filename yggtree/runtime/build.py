@@ -1,25 +1,23 @@
-"""Assemble an Engine from user-level names: model path, drafter spec, dtype, tree shape."""
+"""Assemble an Engine from user-level names (model path, drafter spec, dtype, tree shape) or from
+a plan: its models prepared by runtime/prepare.py, its graphs built or its compiled packages
+installed."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import (DEFAULT_DRAFTER_DIR, cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
+from ..plan import (cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
                     plan_prefetch, profile_invariance, read_manifest)
-from ..shapes import (DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, TreeParams, check_sizes, kv_cache_dtype,
-                      measured_prefetch, weight_format)
-from .drafters import LMDrafter, check_pair
+from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, Envelope, TreeParams, measured_prefetch
+from .drafters import LMDrafter
 from .engine import Engine, EngineConfig
-from .graphs import check_backend
+from .graphs import backend_device, check_backend
 from .hugepages import move_to_huge_pages
 from .kv_cache import KVCache
-from .loading import load_model, load_tokenizer, resolve_model
-from .model import attention_rows, set_invariant_rows, set_kv_dtype
-from .packed import pack_linears
 from .policy import FixedPolicy
+from .prepare import eagle_head_dir, prepare_models, spec_rows
 from .schedule import resolve_plan
 
 
@@ -55,6 +53,9 @@ class EngineSpec:
     weights: str | None = None  # weight format (runtime/quant.py); None: float weights in dtype
     kv_cache: str | None = None  # the target's KV cache dtype (yggtree.shapes.kv_cache_dtype); None: dtype
     n_slots: int = 0  # KV cache slots (EngineConfig.n_slots; 0: derived)
+    # the torch device of the models (a plan's backend's: graphs.backend_device); engines run on
+    # the CPU only, ``yggtree compile`` prepares a cuda or npu plan's models for their packages
+    device: str = "cpu"
 
     @classmethod
     def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
@@ -70,11 +71,6 @@ class EngineSpec:
         and ``prefetch`` then to the setting measured with it (:func:`yggtree.plan.plan_prefetch`);
         a caller naming the kernel names its setting (None: the kernel library's default)."""
         check_backend(plan.backend)
-        if plan.backend in ("cuda", "npu"):
-            raise YggError(
-                f"plan {plan.name!r}: the engine does not run backend {plan.backend!r} plans yet "
-                "(only inductor-cpu and eager)"
-            )
         if mode is None:
             mode = "reference" if plan.backend == "eager" else "performance"
         if tree is None:
@@ -98,236 +94,41 @@ class EngineSpec:
             padding_checked=profile_invariance(plan.profile) if min_rows is None and plan.profile else None,
             weights=plan.weights,
             kv_cache=plan.kv_cache,
+            device=backend_device(plan.backend),
         )
-
-
-def _eagle_head_dir(name: str) -> Path | None:
-    """The EAGLE head directory a drafter name stands for ("default": the shipped one), None for
-    a standalone LM ("self", or a model path / GGUF / HF directory)."""
-    if name == "default":
-        return DEFAULT_DRAFTER_DIR
-    if name == "self":
-        return None
-    from .eagle import is_eagle_dir
-
-    path = Path(name).expanduser()
-    return path if path.is_dir() and is_eagle_dir(path) else None
-
-
-def load_drafter(spec: EngineSpec, target, tokenizer):
-    """The drafter named by ``spec.drafter`` for ``target``; refuses mismatched vocabularies."""
-    name = spec.drafter
-    if name == "self":
-        return LMDrafter(target.shared_copy(), spec.mode)
-    head = _eagle_head_dir(name)
-    if name == "default":
-        # the shipped EAGLE head was trained for the embedded default target only
-        from .loading import default_model_path
-
-        is_default = spec.model == "default"
-        if not is_default:
-            try:
-                is_default = Path(spec.model).expanduser().resolve() == default_model_path().resolve()
-            except (OSError, YggError):
-                is_default = False
-        if not is_default:
-            raise YggError(
-                f"no default drafter exists for {spec.model} (the shipped one is for the embedded "
-                "default model); train one with `yggtree distill --model <target>` and pass its "
-                "directory, or use --drafter self / --no-speculate"
-            )
-    if head is not None:  # the feature-conditioned head
-        from .eagle import load_eagle
-
-        return load_eagle(head, target, spec.mode, max_depth=spec.tree.draft_depth)
-    src = resolve_model(name)
-    model = load_model(src, spec.dtype)
-    check_pair(target.cfg.vocab_size, model.cfg.vocab_size, tokenizer, load_tokenizer(src),
-               str(Path(name).expanduser()))
-    return LMDrafter(model, spec.mode)
 
 
 def drafter_feeds_leaves(plan) -> bool:
     """``Drafter.feeds_leaves`` of the drafter class ``plan`` names, without loading it."""
-    if plan.drafter is None or _eagle_head_dir(plan.drafter) is None:
+    if plan.drafter is None or eagle_head_dir(plan.drafter) is None:
         return LMDrafter.feeds_leaves
     from .eagle import EagleDrafter
 
     return EagleDrafter.feeds_leaves
 
 
-def quantize_models(target, drafter, weights: str | None, src, drafter_name: str | None = None,
-                    kernel: str = "torch") -> None:
-    """The weight format ``weights`` (runtime/quant.py; None: float, nothing to do) for the
-    target (loaded from ``src``) and the drafter's model. Under ``gguf-native`` a drafter gets
-    its GGUF's own blocks (``self``: the target's; a standalone GGUF model: its file's); an EAGLE
-    head or an HF drafter has none and keeps float weights. Under ``w4a8`` every model's linears
-    become blocks: a GGUF's own where it has them, Q4_1 from float otherwise (an EAGLE head).
-    ``kernel``: the int8 layers' product kernel (runtime/quant.py ``Int8Linear``)."""
-    from .loading import cached_w4a8_layers, gguf_raw_weights
-    from .quant import quantize_linears
-
-    fmt, group = weight_format(weights, str(target.embed_tokens.weight.dtype).removeprefix("torch."))
-    if fmt in ("float32", "bfloat16"):
-        return
-    gguf = fmt in ("gguf-native", "w4a8")  # formats that run a GGUF's own blocks
-    raw, layers = None, None
-    if fmt == "w4a8" and src.kind == "gguf":  # the file's blocks in the kernel's layout, packed once per machine
-        from .w4a8 import packed_of
-
-        def build() -> dict:
-            nonlocal raw
-            raw = gguf_raw_weights(src, target.cfg)
-            quantize_linears(target, fmt, group, raw, kernel)
-            return packed_of(target)
-
-        layers = cached_w4a8_layers(src, build)
-        if raw is None:  # read from the cache
-            quantize_linears(target, fmt, group, kernel=kernel, packed=layers)
-    else:
-        raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" or (gguf and src.kind == "gguf") else None
-        quantize_linears(target, fmt, group, raw, kernel)
-    if drafter is None:
-        return
-    model = drafter.graphs.model
-    if not gguf:
-        quantize_linears(model, fmt, group, kernel=kernel)
-        return
-    if drafter_name == "self" and layers is not None:  # the target's own packed layers
-        quantize_linears(model, fmt, group, packed=layers)
-        return
-    raw_d = None  # the drafter's own GGUF blocks, where it has a GGUF file
-    if drafter_name == "self":
-        raw_d = raw
-    elif _eagle_head_dir(drafter_name) is None and resolve_model(drafter_name).kind == "gguf":
-        raw_d = gguf_raw_weights(resolve_model(drafter_name), model.cfg)
-    if raw_d is not None or fmt == "w4a8":
-        quantize_linears(model, fmt, group, raw_d)
-
-
-def pack_models(target, drafter=None, min_rows: int = 1, weights: str | None = None, src=None,
-                drafter_name: str | None = None, kernel: str = "torch") -> None:
-    """The weight format ``weights`` (:func:`quantize_models`), then packed weights for the
-    product kernel ``kernel`` (runtime/packed.py) for what stays float, for an engine's target
-    and its drafter's model, before any graph or package is built for them (``build_engine`` and
-    ``yggtree compile``); packed products of fewer than ``min_rows`` rows run padded to that many."""
-    quantize_models(target, drafter, weights, src, drafter_name, kernel)
-    pack_linears(target, min_rows=min_rows, kernel=kernel)
-    if drafter is not None:
-        pack_linears(drafter.graphs.model, min_rows=min_rows, kernel=kernel)
-
-
-def torch_threads() -> int:
-    """The process's intra-op thread count."""
-    import torch
-
-    return torch.get_num_threads()
-
-
-def invariant_padding(target, widths: tuple[int, ...], threads: int = 0) -> int | None:
-    """Make the target's packed products batch-invariant at ``widths`` (the row counts a
-    speculative engine runs them at: 1 and its verify widths), checked at ``threads`` intra-op
-    threads (0: the process's count), the count the engine decodes at: keep their padding
-    (``min_rows``) if it is invariant, else raise it to the smallest invariant one and say so in
-    one line on stderr (slower perhaps, exact); YggError if no padding up to the widest width
-    is. Returns the padding (None: nothing packed). Call it before any graph or compiled
-    package is made for the target: they hold the padding as a constant."""
-    import torch
-
-    from .packed import invariant_min_rows, min_rows_of, packed_layers
-
-    rows = min_rows_of(target)
-    if rows is None:
-        return None
-    n = torch.get_num_threads()
-    threads = threads or n
-    torch.set_num_threads(threads)
-    try:
-        found = invariant_min_rows(target, widths, start=rows)
-    finally:
-        torch.set_num_threads(n)
-    if found is None:
-        raise YggError(f"the target's packed products are not batch-invariant on this CPU at {threads} "
-                       f"thread(s) at any padding from {rows} to {max(widths)} rows: speculation would not "
-                       "be exact; decode plainly")
-    if found != rows:
-        sys.stderr.write(f"yggtree: packed products padded to {rows} row(s) are not batch-invariant on this "
-                         f"CPU at {threads} thread(s) (widths {sorted(set(widths))}): padding them to "
-                         f"{found} rows, which are (exact speculation, perhaps slower)\n")
-        for layer in packed_layers(target):
-            layer.min_rows = found
-    return found
-
-
-def engine_padding(spec: EngineSpec, target) -> int | None:
-    """The padding a speculating engine of ``spec`` runs ``target``'s packed products at: their
-    own where the profile's invariance check covers the engine's threads and widths, else checked
-    now and raised where not batch-invariant (:func:`invariant_padding`). ``yggtree compile``
-    calls it too, so that a plan's packages hold the padding its engine will keep."""
-    from .packed import min_rows_of
-
-    threads, widths = spec_rows(spec)
-    checked = spec.padding_checked  # the profile's check stands where it covers this engine
-    if checked is not None and checked[0] == threads and set(widths) <= set(checked[1]):
-        return min_rows_of(target)
-    return invariant_padding(target, widths, threads)
-
-
-def spec_rows(spec: EngineSpec) -> tuple[int, tuple[int, ...]]:
-    """The thread count an engine of ``spec`` decodes at and the row counts its products run at
-    (1, and with a tree to verify, drafted or looked up, its verify widths)."""
-    spec_on = spec.drafter is not None or spec.lookup > 0
-    threads = resolve_plan(spec.stages, spec_on, threads=spec.threads).threads or torch_threads()
-    return threads, ((1, *spec.verify_widths, spec.tree.verify_width) if spec_on else (1,))
-
-
-def check_spec(spec: EngineSpec) -> str:
-    """Refuse, before anything loads, impossible sizes and trees and an unknown weight format or
-    group size or KV cache dtype; returns the format's name."""
-    check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
-    kv_cache_dtype(spec.kv_cache, spec.dtype)
-    fmt, _ = weight_format(spec.weights, spec.dtype)
-    return fmt
-
-
 def build_engine(spec: EngineSpec, prepare=None):
-    """Load the target, its tokenizer and the drafter; build and warm up the engine.
+    """Load and prepare the target, its tokenizer and the drafter (:func:`prepare_models`); build
+    and warm up the engine.
 
-    ``prepare(target, drafter)``, when given, runs after loading and before the engine is built
-    (``build_plan_engine`` installs the plan's compiled graphs there). A speculative engine's
-    packed products are made batch-invariant first (:func:`invariant_padding`), its quantized
-    ones checked after."""
-    fmt = check_spec(spec)
-    if fmt not in ("float32", "bfloat16"):  # ... and a kernel this torch/CPU does not run
-        import torch
-
-        from .quant import check_kernel
-
-        check_kernel("int8" if fmt == "int8" else "int4", getattr(torch, spec.dtype), spec.kernel)
-    src = resolve_model(spec.model)
-    target = load_model(src, spec.dtype)
-    set_kv_dtype(target, kv_cache_dtype(spec.kv_cache, spec.dtype))
-    tokenizer = load_tokenizer(src)
-    drafter = load_drafter(spec, target, tokenizer) if spec.drafter else None
-    if spec.pack:  # oneDNN-packed block weights on a CPU (see runtime/packed.py)
-        pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter, spec.kernel)
-    else:
-        quantize_models(target, drafter, spec.weights, src, spec.drafter, spec.kernel)
-    spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
-    threads, widths = spec_rows(spec)
-    if spec_on:  # packed products padded so that they are batch-invariant (before any graph)
-        engine_padding(spec, target)
+    ``prepare(target, drafter)``, when given, runs after the models are prepared and before the
+    engine is built (``build_plan_engine`` installs the plan's compiled graphs there). A
+    speculative engine's quantized products are checked batch-invariant after it."""
+    if spec.device != "cpu":
+        raise YggError(f"the engine does not run models on {spec.device} yet (only inductor-cpu and eager "
+                       "plans): a cuda or npu plan can be compiled, not run")
+    models = prepare_models(spec)
+    target, drafter, tokenizer = models.target, models.drafter, models.tokenizer
     # every weight in one arena of 2 MiB pages (runtime/hugepages.py), before anything keeps
     # references to them (the packages' input lists)
     move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache,))
     if prepare is not None:
-        # the target's attention formulation first, as Engine sets it: packages are keyed by it
-        set_invariant_rows(target, attention_rows(spec.prefill_chunk))
         prepare(target, drafter)
+    spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
     if spec_on:  # quantized kernels must be batch-invariant for speculation to be exact
         from .quant import check_batch_invariant
 
-        check_batch_invariant(target, max(widths))
+        check_batch_invariant(target, max(spec_rows(spec)[1]))
     cfg = EngineConfig(
         mode=spec.mode,
         max_context=spec.max_context,
@@ -353,11 +154,10 @@ def build_engine(spec: EngineSpec, prepare=None):
 
 
 def plan_slots(plan) -> int:
-    """KV cache slots of an engine built from ``EngineSpec.from_plan(plan)``: mirrors
-    ``Engine.__init__`` (max_context + reserve + scratch) for the plan's envelope tree. Every
-    compiled graph's shapes depend on it, so ``yggtree compile`` builds with exactly this."""
-    reserve = plan.max_tree if plan.speculative else 1
-    return plan.max_context + reserve + 1
+    """KV cache slots of an engine built from ``EngineSpec.from_plan(plan)`` (its envelope's
+    :meth:`~yggtree.shapes.Envelope.slots`), which every compiled graph's shapes depend on."""
+    tree = plan.tree_params() if plan.speculative else None
+    return Envelope.of(tree, plan.draft_widths, plan.verify_widths).slots(plan.max_context)
 
 
 def drafter_widths(plan) -> list[int]:

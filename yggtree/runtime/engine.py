@@ -252,7 +252,7 @@ class Engine:
         check_engine(target, cfg, drafter)
         # one attention formulation for plain steps and every verify width narrower than a prefill
         # chunk: row by row, so a verified node's logits are bitwise a plain step's (before any graph;
-        # yggtree compile applies the same rule to its packages)
+        # runtime/prepare.py sets it already for the models it prepares, compiled packages' included)
         set_invariant_rows(target, attention_rows(cfg.prefill_chunk))
         self.target, self.drafter, self.eos_ids = target, drafter, tuple(eos_ids)
         self.envelope = Envelope.of(cfg.tree, cfg.draft_widths, cfg.verify_widths, cfg.d_max)
@@ -260,7 +260,7 @@ class Engine:
         self.worker = None  # the drafter's worker (overlap plans), made once the drafter is set
         self._lock = threading.Lock()  # one generate at a time: caches and graphs are shared state
         self.graphs = Graphs(target, cfg.mode)
-        need = cfg.max_context + self.envelope.reserve() + 1  # + scratch slot
+        need = self.envelope.slots(cfg.max_context)
         if cfg.n_slots and cfg.n_slots < need:
             raise YggError(f"{cfg.n_slots} cache slots cannot hold max-context {cfg.max_context} and this tree "
                            f"({need} needed)")
