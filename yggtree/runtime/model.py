@@ -352,6 +352,14 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def embedding(n: int, h: int) -> nn.Embedding:
+    """``nn.Embedding(n, h)``; built under the meta device (a model whose weights are loaded next),
+    without its random init: torch's normal_ on a meta tensor runs a Python decomposition whose
+    first call imports the compiler stack, a second of every start for values thrown away."""
+    w = torch.empty(n, h)
+    return nn.Embedding(n, h, _weight=w) if w.is_meta else nn.Embedding(n, h)
+
+
 def _run_block(block: Block, x, cos, sin, slots, mask) -> torch.Tensor:
     return block(x, cos, sin, slots, mask)
 
@@ -377,7 +385,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
