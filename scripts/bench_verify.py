@@ -35,9 +35,9 @@ import torch
 from yggtree.errors import YggError, run_reporting
 
 
-# the library's two attentions, timed alike; RUNS is the one runtime/model.py calls (Attention.native_rows)
+# the library's two attentions, timed alike; a step's is the one this machine's choice runs
+# (runtime/kernels.py attention_kernel; one row: rows_attention)
 ATTENTIONS = ("rows_attention", "tree_attention")
-RUNS = "rows_attention"
 
 
 def product_layers(model) -> list:
@@ -58,23 +58,8 @@ def prepare(fmt: str, kernel: str):
     return model
 
 
-def attention_call(op, cfg, width: int, context: int):
-    """The library's attention ``op`` of one layer: ``width`` chained tree rows over ``context`` slots."""
-    d, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, width, h, d, generator=gen)
-    # the cache is head-major (runtime/kv_cache.py): each KV head's slots one contiguous run
-    k = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
-    v = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
-    head = torch.zeros(1, width, context + width, dtype=torch.bool)
-    head[:, :, :context] = True
-    ar = torch.arange(width)
-    window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]  # [1, W, W] a chain
-    return lambda: op(q, k, v, head, window)
-
-
 def run(args) -> int:
-    from yggtree.runtime.kernels import isa, load_library
+    from yggtree.runtime.kernels import attention_call, attention_kernel, isa, load_library
 
     torch.set_num_threads(args.threads)
     load_library()
@@ -104,7 +89,7 @@ def run(args) -> int:
     for c in args.contexts:
         for w in args.widths:
             for kind in ATTENTIONS:
-                one = attention_call(getattr(torch.ops.yggtree, kind), cfg, w, c)
+                one = attention_call(kind.removesuffix("_attention"), (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), w, c)
                 calls[(kind, c, w)] = lambda one=one, n=cfg.num_layers: [one() for _ in range(n)]
     keys = list(calls)
     times = {k: [] for k in keys}
@@ -123,6 +108,7 @@ def run(args) -> int:
     for c in args.contexts:
         head += f" {'attn@' + str(c):>9} {'tree@' + str(c):>9} {'step@' + str(c):>10} {'x W=1':>6} {'attn share':>10}"
     print(head)
+    chosen = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), args.threads)["kernel"]
     rows = []
     for fmt, kernel in systems:
         p1 = med[("products", fmt, kernel, args.widths[0])]
@@ -132,14 +118,15 @@ def run(args) -> int:
             row = {"format": fmt, "kernel": kernel, "width": w, "products_ms": round(p, 3)}
             for c in args.contexts:
                 rows_ms, tree_ms = med[("rows_attention", c, w)], med[("tree_attention", c, w)]
-                a, a1 = med[(RUNS, c, w)], med[(RUNS, c, args.widths[0])]
+                runs = lambda w: f"{chosen}_attention" if w > 1 else "rows_attention"  # noqa: E731
+                a, a1 = med[(runs(w), c, w)], med[(runs(args.widths[0]), c, args.widths[0])]
                 line += (f" {rows_ms:>9.2f} {tree_ms:>9.2f} {p + a:>10.2f} {(p + a) / (p1 + a1):>6.2f}"
                          f" {a / (p + a):>10.2f}")
                 row[f"attention_ms@{c}"] = round(rows_ms, 3)
                 row[f"tree_attention_ms@{c}"] = round(tree_ms, 3)
             print(line)
             rows.append(row)
-    print(json.dumps({"command": "bench_verify", "isa": isa(), "threads": args.threads, "repeats": args.repeats,
+    print(json.dumps({"command": "bench_verify", "isa": isa(), "attention": chosen, "threads": args.threads, "repeats": args.repeats,
                       "rows": rows, "torch": torch.__version__}))
     return 0
 

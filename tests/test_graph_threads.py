@@ -9,6 +9,9 @@ then never compiles (it runs under ``fail_on_recompile``), whatever the process'
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,11 +126,24 @@ def test_build_lifts_dynamo_recompile_limits_while_it_compiles():
     lifetime cap of 256 allows; builds lift both limits, and only while they run."""
     import torch._dynamo.config as dc
 
-    g = Graphs(tiny(), "reference")
+    g = Graphs(tiny(), "performance")
     seen = []
     g.build([1, 2], lambda w: seen.append((dc.recompile_limit, dc.accumulated_recompile_limit)))
     assert seen == [(256, 1 << 20)] * 2
     assert (dc.recompile_limit, dc.accumulated_recompile_limit) == (8, 256)
+
+
+def test_graphs_import_no_compiler_until_they_compile():
+    """Graphs arm torch.compile at their first build or call: an engine whose blocks run
+    AOTInductor packages, or eager code, never imports the compiler (over a second of a start)."""
+    code = ("import sys\nfrom yggtree.runtime.graphs import Graphs\nfrom test_engine import tiny\n"
+            "g = Graphs(tiny(), 'performance', scope='block')\n"
+            "print('torch._dynamo' in sys.modules)\n"
+            "g.build([1], lambda w: None)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent).stdout.split()
+    assert out == ["False", "True"]
 
 
 # ----------------------------------------------------------------------------- engines

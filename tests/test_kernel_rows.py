@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from yggtree.errors import YggError
 from yggtree.runtime import kernels
 
 pytestmark = [
@@ -187,3 +188,50 @@ def test_every_instruction_set_this_cpu_runs_is_checked(isa):
                           str(here / "test_kernel_rows.py"), str(here / "test_tiled.py"), str(here / "test_w4a8.py")],
                          env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tmp_path):
+    """kernels.attention_kernel: timed once per library build, thread count and head shape, read
+    back after; ``YGGTREE_ATTENTION`` names one (no timing), a bad name is one line."""
+    from yggtree.runtime import kernels
+
+    if not kernels.library_usable():
+        pytest.skip("the kernel library does not run on this CPU")
+    monkeypatch.delenv(kernels.ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(kernels, "library_dir", lambda: tmp_path)
+    heads = (4, 2, 32)
+    first = kernels.attention_kernel(heads, 1)
+    assert first["kernel"] in kernels.ATTENTION_KERNELS and set(first["median_ms"]) == {
+        f"{k}@{c}" for k in kernels.ATTENTION_KERNELS for c in kernels.ATTENTION_SHAPE[1]}
+    monkeypatch.setattr(kernels, "attention_call", lambda *a: pytest.fail("measured twice"))
+    assert kernels.attention_kernel(heads, 1) == first
+    monkeypatch.setenv(kernels.ATTENTION_ENV, "tree")
+    assert kernels.attention_kernel(heads, 1)["kernel"] == "tree"
+    monkeypatch.setenv(kernels.ATTENTION_ENV, "fast")
+    with pytest.raises(YggError, match="YGGTREE_ATTENTION=fast is not one of rows, tree"):
+        kernels.attention_kernel(heads, 1)
+
+
+@pytest.mark.parametrize("kernel", ["rows", "tree"])
+def test_a_model_on_either_attention_computes_the_same_steps(kernel):
+    """A w4a8 engine whose tree rows run yggtree::tree_attention emits, greedily, the tokens of one
+    on yggtree::rows_attention, plain and speculative alike (the two kernels compute the same bits)."""
+    from test_w4a8 import gguf_like
+
+    from yggtree.runtime import kernels
+    from yggtree.runtime.drafters import LMDrafter
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+
+    if not kernels.library_usable():
+        pytest.skip("the kernel library does not run on this CPU")
+    target, other = gguf_like(0), gguf_like(0)
+    kernels.use_rows_attention(target, kernel)
+    kernels.use_rows_attention(other, "rows")
+    assert {b.self_attn.native_rows for b in target.layers} == {kernel}
+    cfg = dict(mode="reference", max_context=80, prefill_chunk=8)
+    tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+    want = Engine(other, EngineConfig(**cfg))
+    got = Engine(target, EngineConfig(**cfg, tree=tree), LMDrafter(gguf_like(1), "reference"))
+    for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
+        p = SamplingParams(max_new_tokens=24)
+        assert got.generate(prompt, p).token_ids == want.generate(prompt, p).token_ids, prompt

@@ -95,7 +95,7 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path, monkeypatc
     assert isinstance(static_blocks(engine.target), PackageSet)
     assert step_packages(engine.target).runners.keys() == {(1, engine.n_slots), (2, engine.n_slots)}  # steps whole
     assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])
-    assert engine.target.layers[0].self_attn.native_rows == (fmt == "w4a8")
+    assert bool(engine.target.layers[0].self_attn.native_rows) == (fmt == "w4a8")
     tree, plain = fixed_policy(engine, plan), FixedPolicy(StepChoice(0, 1), 1)
     frames = counters["frames"]["total"]
     for prompt in ([3, 4, 5], list(range(10, 23))):

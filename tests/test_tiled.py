@@ -162,7 +162,7 @@ def test_tiled_engine_speculates_exactly(dtype, hidden):
     pack_linears(target, kernel="tiled")
     pack_linears(draft, kernel="tiled")
     native = hidden == 64
-    assert all(b.self_attn.native_rows == native for b in target.layers)
+    assert all(bool(b.self_attn.native_rows) == native for b in target.layers)
     plain = Engine(target, EngineConfig(mode="reference", max_context=60, prefill_chunk=8))
     tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
     spec = Engine(target, EngineConfig(mode="reference", max_context=60, prefill_chunk=8, tree=tree),

@@ -106,7 +106,7 @@ def block_key(block: nn.Module) -> str:
     size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
     cfg = block.self_attn.cfg
     parts = [type(block).__qualname__, f"heads{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}",
-             f"rows{block.self_attn.invariant_rows}{'native' if block.self_attn.native_rows else ''}"]
+             f"rows{block.self_attn.invariant_rows}{block.self_attn.native_rows or ''}"]
     parts += [f"{n}{tuple(p.shape)}{p.dtype}" for n, p in block_tensors(block)]
     min_rows = _packed.min_rows_of(block)
     if min_rows is not None:

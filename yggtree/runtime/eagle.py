@@ -58,7 +58,7 @@ from .drafters import Snapshot, TopK, ahead_layout, put_back, take_path, take_sn
 from .graphs import Graphs
 from .kv_cache import KVCache, KVStore
 from .loading import read_safetensors
-from .model import Block, ModelConfig, RMSNorm, RopeScaling, Transformer, rope_table
+from .model import Block, ModelConfig, RMSNorm, RopeScaling, Transformer, embedding, rope_table
 from .steps import tree_mask
 
 __all__ = [
@@ -238,7 +238,7 @@ class EagleNet(nn.Module):
             # a plain attribute, not a submodule: no copy, and not part of the head's state dict
             self.__dict__["shared_embed"] = shared_embed
         else:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+            self.embed_tokens = embedding(cfg.vocab_size, h)
         n_feat = len(cfg.target_layers)
         if n_feat > 1:
             self.reduce = nn.Linear(n_feat * cfg.target_hidden_size, h, bias=False)

@@ -85,12 +85,21 @@ class Graphs:
     backend: str = "inductor-cpu"  # performance mode only; see compile_options
     scope: str = "step"  # performance mode: "step" (whole step functions) or "block" (regional)
     _fns: dict = field(default_factory=dict, repr=False)  # step scope: name -> compiled function
+    _armed: bool = field(default=False, repr=False)  # the compiler wrappers are set (_arm)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise YggError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.scope not in SCOPES:
             raise YggError(f"unknown graph scope {self.scope!r} (choose from {', '.join(SCOPES)})")
+
+    def _arm(self) -> None:
+        """Wrap the blocks (block scope) or the step functions (step scope) in ``torch.compile``,
+        once, at the first build or call: blocks that run AOTInductor packages by then (installed
+        after __init__) never import the compiler, a second and a half of every start."""
+        if self._armed:
+            return
+        self._armed = True
         opts = compile_options(self.backend, half_precision(self.model)) if self.mode == "performance" else None
         if opts is not None and static_blocks(self.model) is None:  # "eager" gives None: no graphs
             if self.scope == "block":
@@ -133,17 +142,20 @@ class Graphs:
         ``widths`` not built yet at ``threads`` (None: the calling thread's count), with the
         calling thread set to that count, grad off and compiles allowed; record them and add the
         time to ``compile_s``. Returns the widths built now."""
+        self._arm()
         key = self.threads_key(threads)
         have = self.built.setdefault((kind, key), set())
         todo = sorted(set(widths) - have)
         if not todo:
             return todo
         t0 = time.perf_counter()
+        # dynamo counts every compile of a code object over the process's life and refuses the one
+        # past accumulated_recompile_limit (256): a long-lived process that builds many engines
+        # (tuning trials, test suites) would reach it
+        limits = (torch._dynamo.config.patch(**BUILD_LIMITS) if self.compiled and static_blocks(self.model) is None
+                  else contextlib.nullcontext())
         try:
-            # dynamo counts every compile of a code object over the process's life and refuses
-            # the one past accumulated_recompile_limit (256): a long-lived process that builds
-            # many engines (tuning trials, test suites) would reach it
-            with torch.no_grad(), torch._dynamo.config.patch(**BUILD_LIMITS), at_threads(key):
+            with torch.no_grad(), limits, at_threads(key):
                 for w in todo:
                     run(w)
                     have.add(w)
@@ -154,7 +166,10 @@ class Graphs:
     def _compiled_fns(self) -> dict:
         """The step scope's compiled functions, or {} (eager code, block scope, or blocks that
         run AOTInductor packages or a shape recorder, which may be installed after __init__)."""
-        return self._fns if static_blocks(self.model) is None else {}
+        if static_blocks(self.model) is not None:
+            return {}
+        self._arm()
+        return self._fns
 
     def tree_step(self, tokens, depth, node, anc, committed, capture=(), n_ctx=None):
         """:func:`steps.tree_step` on this model (in step scope: the mask is built eagerly, the

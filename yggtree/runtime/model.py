@@ -150,11 +150,13 @@ class Attention(nn.Module):
         # each row's result independent of the call's other rows and of where its ancestors sit);
         # wider calls use the grouped matmuls. Engines set it (set_invariant_rows, attention_rows).
         self.invariant_rows = 1
-        # the row-by-row attention as the compiled kernel yggtree::rows_attention (our kernel
-        # library, runtime/csrc/rows_attention.cpp: work over the visible slots only) instead of
-        # _rows_attention's broadcast products over the context bucket; float32 and bfloat16
-        # models whose products run on the library set it (runtime/kernels.py use_rows_attention)
-        self.native_rows = False
+        # the row-by-row attention on our kernel library (runtime/csrc/rows_attention.cpp: work
+        # over the visible slots only) instead of _rows_attention's broadcast products over the
+        # context bucket: "rows" (yggtree::rows_attention) or "tree" (yggtree::tree_attention, the
+        # same bits from one pass over the cache for a call's rows, where that is faster here);
+        # float32 and bfloat16 models whose products run on the library set it
+        # (runtime/kernels.py use_rows_attention)
+        self.native_rows: str | None = None
 
     def forward(
         self,
@@ -184,7 +186,8 @@ class Attention(nn.Module):
         if window is not None or rows_path(self.invariant_rows, bsz, w):
             if window is None:
                 window, mask = row_window(mask)
-            rows = torch.ops.yggtree.rows_attention if self.native_rows else _rows_attention
+            rows = (_rows_attention if not self.native_rows else torch.ops.yggtree.tree_attention
+                    if self.native_rows == "tree" and w > 1 else torch.ops.yggtree.rows_attention)
             return self.o_proj(rows(q, k_all[:, :n_ctx], v_all[:, :n_ctx], mask, window))
         # [B, Hkv, D, C] and [B, Hkv, C, D]: views (a 16-bit cache under float32 q: float32 copies)
         k_t = k_all[:, :n_ctx].permute(0, 2, 3, 1).to(q.dtype)
@@ -349,6 +352,14 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def embedding(n: int, h: int) -> nn.Embedding:
+    """``nn.Embedding(n, h)``; built under the meta device (a model whose weights are loaded next),
+    without its random init: torch's normal_ on a meta tensor runs a Python decomposition whose
+    first call imports the compiler stack, a second of every start for values thrown away."""
+    w = torch.empty(n, h)
+    return nn.Embedding(n, h, _weight=w) if w.is_meta else nn.Embedding(n, h)
+
+
 def _run_block(block: Block, x, cos, sin, slots, mask) -> torch.Tensor:
     return block(x, cos, sin, slots, mask)
 
@@ -374,7 +385,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
