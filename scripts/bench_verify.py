@@ -59,7 +59,8 @@ def prepare(fmt: str, kernel: str):
 
 
 def run(args) -> int:
-    from yggtree.runtime.kernels import attention_call, attention_kernel, isa, load_library
+    from yggtree.runtime.attention_choice import attention_call, attention_kernel
+    from yggtree.runtime.kernels import isa, library_dir, load_library
 
     torch.set_num_threads(args.threads)
     load_library()
@@ -108,7 +109,7 @@ def run(args) -> int:
     for c in args.contexts:
         head += f" {'attn@' + str(c):>9} {'tree@' + str(c):>9} {'step@' + str(c):>10} {'x W=1':>6} {'attn share':>10}"
     print(head)
-    chosen = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), args.threads)["kernel"]
+    chosen = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), args.threads, library_dir())["kernel"]
     rows = []
     for fmt, kernel in systems:
         p1 = med[("products", fmt, kernel, args.widths[0])]

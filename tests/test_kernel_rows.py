@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,25 +192,35 @@ def test_every_instruction_set_this_cpu_runs_is_checked(isa):
 
 
 def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tmp_path):
-    """kernels.attention_kernel: timed once per library build, thread count and head shape, read
-    back after; ``YGGTREE_ATTENTION`` names one (no timing), a bad name is one line."""
-    from yggtree.runtime import kernels
+    """attention_choice.attention_kernel: timed per library build, thread count and head shape, a
+    clear answer kept and read back after; ``YGGTREE_ATTENTION`` names one (no timing), a bad
+    name is one line."""
+    from yggtree.runtime import attention_choice as kernels
+    from yggtree.runtime.kernels import library_usable
 
-    if not kernels.library_usable():
+    if not library_usable():
         pytest.skip("the kernel library does not run on this CPU")
     monkeypatch.delenv(kernels.ATTENTION_ENV, raising=False)
-    monkeypatch.setattr(kernels, "library_dir", lambda: tmp_path)
-    heads = (4, 2, 32)
-    first = kernels.attention_kernel(heads, 1)
-    assert first["kernel"] in kernels.ATTENTION_KERNELS and set(first["median_ms"]) == {
+    heads, where = (4, 2, 32), tmp_path
+    first = kernels.attention_kernel(heads, 1, where)
+    assert first["kernel"] in kernels.ATTENTION_KERNELS and set(first["best_ms"]) == {
         f"{k}@{c}" for k in kernels.ATTENTION_KERNELS for c in kernels.ATTENTION_SHAPE[1]}
-    monkeypatch.setattr(kernels, "attention_call", lambda *a: pytest.fail("measured twice"))
-    assert kernels.attention_kernel(heads, 1) == first
+    kept = list(tmp_path.glob("attention-*.json"))
+    if kept:  # a clear answer is kept and read back
+        monkeypatch.setattr(kernels, "attention_call", lambda *a: pytest.fail("measured twice"))
+        assert kernels.attention_kernel(heads, 1, where) == first
+    else:  # a tie runs the rows and is timed again next time
+        assert first["kernel"] == "rows"
+    monkeypatch.setattr(kernels, "attention_call", lambda k, *a: (lambda: time.sleep(0.002 if k == "tree" else 0.001)))
+    where = tmp_path / "tie"
+    where.mkdir()
+    assert kernels.attention_kernel(heads, 1, where)["kernel"] == "rows"  # a clear loss: rows, kept
+    assert len(list((tmp_path / "tie").glob("attention-*.json"))) == 1
     monkeypatch.setenv(kernels.ATTENTION_ENV, "tree")
-    assert kernels.attention_kernel(heads, 1)["kernel"] == "tree"
+    assert kernels.attention_kernel(heads, 1, where)["kernel"] == "tree"
     monkeypatch.setenv(kernels.ATTENTION_ENV, "fast")
     with pytest.raises(YggError, match="YGGTREE_ATTENTION=fast is not one of rows, tree"):
-        kernels.attention_kernel(heads, 1)
+        kernels.attention_kernel(heads, 1, where)
 
 
 @pytest.mark.parametrize("kernel", ["rows", "tree"])

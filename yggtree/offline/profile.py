@@ -650,10 +650,12 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     profile["pruning_share"] = pruning_share(CostModel.from_profile_dict(profile), plan, contexts)
     attn = next((m.native_rows for m in engine.target.modules() if getattr(m, "native_rows", None)), None)
     if attn is not None:  # the library's attention the curves ran (runtime/kernels.py attention_kernel)
-        from ..runtime.kernels import attention_kernel
+        from ..runtime.attention_choice import attention_kernel
+        from ..runtime.kernels import library_dir
 
         cfg = engine.target.cfg
-        profile["attention_kernel"] = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads) | {
+        profile["attention_kernel"] = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads,
+                                                       library_dir()) | {
             "ran": attn}
     return profile
 

@@ -5,7 +5,7 @@
 - ``yggtree::rows_attention`` (``csrc/rows_attention.cpp``): row-by-row attention over the visible
   slots; ``yggtree::tree_attention`` the same rows, bit for bit, from one pass over each KV head's
   cache for all of them (runtime/model.py's ``Attention.native_rows``). Which of the two runs a
-  call of several rows is measured once per machine (:func:`attention_kernel`): the shared pass
+  call of several rows is measured per machine (``runtime/attention_choice.py``): the shared pass
   wins where the query vectors fit the registers and loses where they spill.
 - how far ahead their products prefetch their weights (``csrc/prefetch.cpp``): two distances, into
   the first- and the second-level cache, measured per machine with the product kernel
@@ -254,8 +254,8 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
     """Have every attention layer of a float32 or bfloat16 ``model`` whose head dim the kernel
     takes compute its row-by-row attention on the library (``Attention.native_rows``: work over
     the visible slots only, instead of inductor's code over the context bucket), its calls of
-    several rows by ``kernel`` (``rows`` or ``tree``, the same bits; None: :func:`attention_kernel`
-    at the process's thread count); a model whose products run on the library (the w4a8 format,
+    several rows by ``kernel`` (``rows`` or ``tree``, the same bits; None: this machine's choice at
+    the process's thread count, ``runtime/attention_choice.py``); a model whose products run on the library (the w4a8 format,
     the tiled kernel) runs it too. Loads the library; returns how many layers it set (0 for
     another dtype)."""
     from .model import Attention
@@ -265,82 +265,16 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
         return 0
     layers = [m for m in model.modules() if isinstance(m, Attention) and runs_attention(m.cfg.head_dim)]
     if layers and kernel is None:
+        from .attention_choice import attention_kernel
+
         c = layers[0].cfg
-        kernel = attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), torch.get_num_threads())["kernel"]
-    if kernel not in ATTENTION_KERNELS:
-        raise YggError(f"no attention kernel {kernel!r} (one of {', '.join(ATTENTION_KERNELS)})")
+        kernel = attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), torch.get_num_threads(),
+                                  library_dir())["kernel"]
+    if kernel not in ("rows", "tree"):
+        raise YggError(f"no attention kernel {kernel!r} (rows or tree)")
     for m in layers:
         m.native_rows = kernel
     return len(layers)
-
-
-ATTENTION_KERNELS = ("rows", "tree")  # the library's attentions of a call's rows: one by one, or one pass
-ATTENTION_ENV = "YGGTREE_ATTENTION"  # one of ATTENTION_KERNELS: no measurement
-ATTENTION_SHAPE = (8, (256, 1024))  # what the choice is timed on: tree rows, contexts
-
-
-def attention_call(kernel: str, heads: tuple[int, int, int], width: int, context: int):
-    """One call of the library's ``kernel`` attention for a layer of ``heads`` (query heads, KV
-    heads, head dim): ``width`` chained tree rows over ``context`` cached slots, random values."""
-    h, hkv, d = heads
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, width, h, d, generator=gen)
-    # the cache is head-major (runtime/kv_cache.py): each KV head's slots one contiguous run
-    k = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
-    v = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
-    mask = torch.zeros(1, width, context + width, dtype=torch.bool)
-    mask[:, :, :context] = True
-    ar = torch.arange(width)
-    window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]  # [1, W, W] a chain
-    op = getattr(torch.ops.yggtree, f"{kernel}_attention")
-    return lambda: op(q, k, v, mask, window)
-
-
-def attention_kernel(heads: tuple[int, int, int], threads: int) -> dict:
-    """Which attention (:data:`ATTENTION_KERNELS`) runs a call of several rows for layers of
-    ``heads`` (query heads, KV heads, head dim) at ``threads`` threads on this machine, as
-    ``{"kernel": ..., "median_ms": {...}}``: ``$YGGTREE_ATTENTION`` where set, else timed once (a
-    fraction of a second: both kernels alternately, :data:`ATTENTION_SHAPE`) and kept in the
-    library's build directory beside the code it timed. The two compute the same bits: the
-    choice is speed only."""
-    import json
-    import time
-
-    from ..files import write_text_atomic
-
-    named = os.environ.get(ATTENTION_ENV, "")
-    if named:
-        if named not in ATTENTION_KERNELS:
-            raise YggError(f"{ATTENTION_ENV}={named} is not one of {', '.join(ATTENTION_KERNELS)}")
-        return {"kernel": named, "median_ms": {}, "source": ATTENTION_ENV}
-    load_library()
-    path = library_dir() / f"attention-t{threads}-h{'-'.join(map(str, heads))}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    width, contexts = ATTENTION_SHAPE
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        calls = {(k, c): attention_call(k, heads, width, c) for k in ATTENTION_KERNELS for c in contexts}
-        times: dict = {key: [] for key in calls}
-        for _ in range(15):
-            for key, call in calls.items():
-                t = time.perf_counter()
-                call()
-                times[key].append(time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(before)
-    med = {f"{k}@{c}": round(1e3 * sorted(v)[len(v) // 2], 4) for (k, c), v in times.items()}
-    total = {k: sum(med[f"{k}@{c}"] for c in contexts) for k in ATTENTION_KERNELS}
-    choice = {"kernel": min(ATTENTION_KERNELS, key=lambda k: (total[k], k != "rows")), "median_ms": med,
-              "width": width, "threads": threads}
-    try:
-        write_text_atomic(path, json.dumps(choice) + "\n")
-    except OSError:
-        pass  # an unwritable cache: measured again next time
-    return choice
 
 
 def _w4a8_mm_fake(x, blocks):

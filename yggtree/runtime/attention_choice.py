@@ -1,0 +1,88 @@
+"""Which of the kernel library's two attentions runs a call of several tree rows on this machine.
+
+``yggtree::rows_attention`` computes a call's rows one by one; ``yggtree::tree_attention`` the same
+bits from one pass over each KV head's cache for all of them (``runtime/csrc/rows_attention.cpp``).
+The shared pass wins where the query vectors fit the registers and loses where they spill, so the
+choice is timed per machine, thread count and head shape, and kept beside the library build it
+timed. Apart from the library (runtime/kernels.py), so that how it is measured can change without
+making compiled packages stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import YggError
+from ..files import write_text_atomic
+
+ATTENTION_KERNELS = ("rows", "tree")  # the library's attentions of a call's rows: one by one, or one pass
+ATTENTION_ENV = "YGGTREE_ATTENTION"  # one of ATTENTION_KERNELS: no measurement
+ATTENTION_SHAPE = (8, (256, 1024))  # what the choice is timed on: tree rows, contexts
+ATTENTION_MARGIN = 0.05  # the shared pass must beat the rows by this share to be chosen
+
+
+def attention_call(kernel: str, heads: tuple[int, int, int], width: int, context: int):
+    """One call of the library's ``kernel`` attention for a layer of ``heads`` (query heads, KV
+    heads, head dim): ``width`` chained tree rows over ``context`` cached slots, random values."""
+    h, hkv, d = heads
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, width, h, d, generator=gen)
+    # the cache is head-major (runtime/kv_cache.py): each KV head's slots one contiguous run
+    k = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
+    v = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
+    mask = torch.zeros(1, width, context + width, dtype=torch.bool)
+    mask[:, :, :context] = True
+    ar = torch.arange(width)
+    window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]  # [1, W, W] a chain
+    op = getattr(torch.ops.yggtree, f"{kernel}_attention")
+    return lambda: op(q, k, v, mask, window)
+
+
+def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> dict:
+    """Which attention (:data:`ATTENTION_KERNELS`) runs a call of several rows for layers of
+    ``heads`` (query heads, KV heads, head dim) at ``threads`` threads on this machine, as
+    ``{"kernel": ..., "best_ms": {...}}``: ``$YGGTREE_ATTENTION`` where set, else timed (a fraction
+    of a second: both kernels alternately, :data:`ATTENTION_SHAPE`, the best of 25 calls each, as
+    other processes only ever add time) and kept in the library's build directory beside the code
+    it timed (``where``: the loaded library's build directory, ``kernels.library_dir``). ``tree`` is chosen where it is faster by :data:`ATTENTION_MARGIN`; a closer result
+    (a tie, or a machine so busy that every call waited for a core) runs ``rows`` and is not
+    kept: the next process times it again. The two compute the same bits: the choice is speed
+    only."""
+    named = os.environ.get(ATTENTION_ENV, "")
+    if named:
+        if named not in ATTENTION_KERNELS:
+            raise YggError(f"{ATTENTION_ENV}={named} is not one of {', '.join(ATTENTION_KERNELS)}")
+        return {"kernel": named, "best_ms": {}, "source": ATTENTION_ENV}
+    path = where / f"attention-t{threads}-h{'-'.join(map(str, heads))}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    width, contexts = ATTENTION_SHAPE
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        calls = {(k, c): attention_call(k, heads, width, c) for k in ATTENTION_KERNELS for c in contexts}
+        times: dict = {key: [] for key in calls}
+        for _ in range(25):
+            for key, call in calls.items():
+                t = time.perf_counter()
+                call()
+                times[key].append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    best = {f"{k}@{c}": round(1e3 * min(v), 4) for (k, c), v in times.items()}
+    total = {k: sum(best[f"{k}@{c}"] for c in contexts) for k in ATTENTION_KERNELS}
+    wins = total["tree"] < (1 - ATTENTION_MARGIN) * total["rows"]
+    choice = {"kernel": "tree" if wins else "rows", "best_ms": best, "width": width, "threads": threads}
+    if wins or total["rows"] < (1 - ATTENTION_MARGIN) * total["tree"]:  # a clear answer: kept
+        try:
+            write_text_atomic(path, json.dumps(choice) + "\n")
+        except OSError:
+            pass  # an unwritable cache: measured again next time
+    return choice
