@@ -30,6 +30,39 @@ def pytest_runtest_protocol(item, nextitem):
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session")
+def real_tokenizer():
+    """The embedded model's tokenizer (its chat template, a 49k vocabulary), loaded once for the
+    run: for tests that drive tiny random targets with real text (its weights are never loaded)."""
+    from yggtree.runtime.loading import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("default"))
+
+
+@pytest.fixture(scope="session")
+def tiny_plain():
+    """Greedy plain decoding of the tiny target of tests/test_engine.py (``tiny()``: vocabulary 97,
+    hidden 64, 2 layers, seed 0), in reference mode: ``tiny_plain(prompt, n, max_context=200,
+    prefill_chunk=16)`` is the ``n`` new tokens' ids, each computed once for the whole run at each
+    intra-op thread count (the reference several modules compare their speculative engines with)."""
+    from helpers import tiny_model
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
+
+    engines, done = {}, {}
+
+    def plain(prompt, n: int, max_context: int = 200, prefill_chunk: int = 16) -> list[int]:
+        key = (tuple(prompt), n, max_context, prefill_chunk, torch.get_num_threads())
+        if key not in done:
+            if (max_context, prefill_chunk) not in engines:
+                cfg = EngineConfig(mode="reference", max_context=max_context, prefill_chunk=prefill_chunk)
+                engines[max_context, prefill_chunk] = Engine(tiny_model(97, 64, 2, seed=0, std=0.3), cfg)
+            eng = engines[max_context, prefill_chunk]
+            done[key] = eng.generate(list(prompt), SamplingParams(max_new_tokens=n)).token_ids
+        return list(done[key])
+
+    return plain
+
+
 @pytest.fixture(scope="module")
 def onednn_unpadded():
     """Plans without a profile compile and run on oneDNN's product kernel, unpadded, instead of

@@ -157,8 +157,15 @@ def test_stdlib_paths_exclude_tests_idle_and_site_packages():
         assert not {"test", "tests", "idlelib", "site-packages"} & set(p.relative_to(root).parts)
 
 
-def test_calibration_never_contains_evaluation_text():
-    corpus = calibration_corpus()
+@pytest.fixture(scope="module")
+def corpus0():
+    """``calibration_corpus()`` (seed 0, uncut), built once for the module: reading and
+    decontaminating the whole stdlib is most of a second each time."""
+    return calibration_corpus()
+
+
+def test_calibration_never_contains_evaluation_text(corpus0):
+    corpus = corpus0
     forbidden = _all_forbidden()
     assert len(forbidden) > 80 + 80 + 164
     joined = "\0".join(corpus.texts)  # \0 occurs in no evaluation text, so matches stay within one chunk
@@ -203,7 +210,13 @@ def test_calibration_chat_prompts():
         calibration_chat_prompts(-1)
 
 
-def test_varied_prompt_style_keeps_chunks_and_widens_requests():
+def test_varied_prompt_style_keeps_chunks_and_widens_requests(corpus0, monkeypatch):
+    """The prompts of each style over the seed-0 corpus built once (``corpus0``): the corpus's own
+    determinism is test_calibration_chat_prompts' (and the slow test_calibration_is_deterministic_and_seeded's)."""
+    real = data.calibration_corpus
+    monkeypatch.setattr(data, "calibration_corpus",
+                        lambda max_chars=None, seed=0, **kw: corpus0 if (max_chars, seed, kw) == (None, 0, {})
+                        else real(max_chars, seed, **kw))
     basic = calibration_chat_prompts(200, seed=0)
     varied = calibration_chat_prompts(200, seed=0, style="varied")
     assert varied == calibration_chat_prompts(200, seed=0, style="varied")

@@ -36,10 +36,8 @@ TREES = {
 
 
 @pytest.fixture(scope="module")
-def plain_outputs():
-    model = tiny()
-    eng = engine(model)
-    return {i: eng.generate(p, SamplingParams(max_new_tokens=40)).token_ids for i, p in enumerate(PROMPTS)}
+def plain_outputs(tiny_plain):
+    return {i: tiny_plain(p, 40) for i, p in enumerate(PROMPTS)}
 
 
 @pytest.mark.parametrize("tree,drafter", sweep(
@@ -190,10 +188,10 @@ def test_bad_prompts_are_refused():
         eng.generate([1, 500], SamplingParams())
 
 
-def test_eos_inside_a_multi_token_emission():
+def test_eos_inside_a_multi_token_emission(tiny_plain):
     """EOS stops decoding even in the middle of an accepted path (self-drafter: long paths)."""
     target = tiny()
-    plain = engine(target).generate(PROMPTS[1], SamplingParams(max_new_tokens=40)).token_ids
+    plain = tiny_plain(PROMPTS[1], 40)
     eos = plain[9]
     first = plain.index(eos)
     cfg = EngineConfig(mode="reference", max_context=200, prefill_chunk=16, tree=TREES["chain"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = ("yggtree.errors", "yggtree.files", "yggtree.progress", "yggtree.streaming", "yggtree.shapes")
 
@@ -88,26 +90,33 @@ def test_import_graph_reads_a_small_tree(tmp_path):
 KNOWN_CYCLES: list[list[str]] = []
 
 
-def test_no_new_import_cycles():
-    assert [c for c in import_cycles(import_graph()) if c not in KNOWN_CYCLES] == []
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """The package's import graph, read once for the tests below (parsing every source was each
+    one's time)."""
+    return import_graph()
 
 
-def test_runtime_never_imports_offline():
+def test_no_new_import_cycles(graph):
+    assert [c for c in import_cycles(graph) if c not in KNOWN_CYCLES] == []
+
+
+def test_runtime_never_imports_offline(graph):
     """The run side (runtime/ and plan.py) imports neither the offline side nor the tools above it."""
     above = ("yggtree.offline", "yggtree.bench", "yggtree.floor", "yggtree.data", "yggtree.cli",
              "yggtree.run_cmd", "yggtree.quickstart")
-    bad = [(a, b) for a, bs in import_graph().items() for b in bs
+    bad = [(a, b) for a, bs in graph.items() for b in bs
            if (a.startswith("yggtree.runtime") or a == "yggtree.plan") and b.startswith(above)]
     assert bad == []
 
 
-def test_nothing_imports_the_cli():
+def test_nothing_imports_the_cli(graph):
     """Only the console entry point (``yggtree.launch``: the allocator first, then the CLI)."""
-    assert [a for a, bs in import_graph().items() if "yggtree.cli" in bs] == ["yggtree.launch"]
+    assert [a for a, bs in graph.items() if "yggtree.cli" in bs] == ["yggtree.launch"]
 
 
-def test_helpers_import_only_errors():
-    g = import_graph()
+def test_helpers_import_only_errors(graph):
+    g = graph
     assert {h: g[h] - {"yggtree.errors"} for h in HELPERS if h in g} == {h: set() for h in HELPERS if h in g}
 
 

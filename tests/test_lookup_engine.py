@@ -29,9 +29,8 @@ def engine(model, tree=None, drafter=None, lookup=0, chunk=16, mode="reference")
 
 
 @pytest.fixture(scope="module")
-def plain_outputs():
-    eng = engine(tiny())
-    return {i: eng.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for i, p in enumerate(ALL_PROMPTS)}
+def plain_outputs(tiny_plain):
+    return {i: tiny_plain(p, NEW) for i, p in enumerate(ALL_PROMPTS)}
 
 
 def make_drafter(kind, target):

@@ -45,9 +45,8 @@ def engine(target, tree, drafter, stages=SPLIT, lookup=0, max_context=200):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs():
-    eng = Engine(tiny(), EngineConfig(mode="reference", max_context=200, prefill_chunk=16))
-    return [eng.generate(p, SamplingParams(max_new_tokens=40)).token_ids for p in PROMPTS]
+def plain_outputs(tiny_plain):
+    return [tiny_plain(p, 40) for p in PROMPTS]
 
 
 # ----------------------------------------------------------------------------- plans
@@ -149,7 +148,7 @@ def test_overlap_sampling_is_lossless(tree):
 
 @needs_two
 @pytest.mark.parametrize("kind", ["self", "near", "eagle"])
-def test_overlap_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind):
+def test_overlap_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind, tiny_plain):
     """A policy cycling through every width, plain steps (the drafter falls behind and resyncs)
     and drafted steps verifying the root alone: the speculated (D, W_d) is often not the next
     choice, so used guesses are redrafted too; output equals plain decoding."""
@@ -157,8 +156,7 @@ def test_overlap_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kin
     from test_policy import TREE as PTREE
 
     target = tiny()
-    plain = Engine(tiny(), EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
-    want = [plain.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for p in P]
+    want = [tiny_plain(p, NEW, 160, 8) for p in P]  # make_engine's context and prefill chunk
     eng = make_engine(target, drafter_of(kind, target), PTREE)
     eng.use_plan(SPLIT)
     for p, w in zip(P, want):

@@ -78,9 +78,8 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def plain(target):
-    eng = Engine(target, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
-    return [eng.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for p in PROMPTS]
+def plain(tiny_plain):
+    return [tiny_plain(p, NEW, 160, 8) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("kind", ["self", "other-lm", "eagle-random", "eagle-bigram"])

@@ -34,7 +34,7 @@ import uvicorn  # noqa: E402
 from helpers import perturbed, tiny_model  # noqa: E402
 from yggtree.runtime.drafters import LMDrafter  # noqa: E402
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams  # noqa: E402
-from yggtree.runtime.loading import encode_prompt, load_tokenizer, resolve_model  # noqa: E402
+from yggtree.runtime.loading import encode_prompt  # noqa: E402
 from yggtree.serve.app import create_app  # noqa: E402
 from yggtree.serve.metrics import Metrics  # noqa: E402
 from yggtree.serve.scheduler import Backend, Scheduler  # noqa: E402
@@ -51,8 +51,8 @@ PROMPTS = ["Hello there", "Write a haiku about trees.", "def fib(n):", "1, 2, 3,
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(resolve_model("default"))
+def tok(real_tokenizer):
+    return real_tokenizer
 
 
 def tiny_engine(tok, speculative: bool = True) -> Engine:

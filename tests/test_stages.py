@@ -99,9 +99,8 @@ def test_plain_engine_runs_the_one_stage_plan_and_reports_it():
 
 
 @pytest.fixture(scope="module")
-def plain_outputs():
-    eng = Engine(tiny(), EngineConfig(mode="reference", max_context=200, prefill_chunk=16))
-    return [eng.generate(p, SamplingParams(max_new_tokens=40)).token_ids for p in PROMPTS]
+def plain_outputs(tiny_plain):
+    return [tiny_plain(p, 40) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("tree,kind,lookup", sweep(
@@ -225,7 +224,7 @@ def test_ahead_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
 
 
 @pytest.mark.parametrize("kind", ["self", "other-lm", "eagle"])
-def test_ahead_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind):
+def test_ahead_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind, tiny_plain):
     """A policy cycling through drafted steps of every width, plain steps (the drafter falls
     behind and resyncs; the picked-up head is dropped) and drafted steps verifying the root
     alone: greedy output under the ahead plan equals plain decoding."""
@@ -233,8 +232,7 @@ def test_ahead_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind)
     from test_policy import TREE as PTREE
 
     target = tiny()
-    plain = Engine(tiny(), EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
-    want = [plain.generate(p, SamplingParams(max_new_tokens=NEW)).token_ids for p in P]
+    want = [tiny_plain(p, NEW, 160, 8) for p in P]  # make_engine's context and prefill chunk
     if kind == "eagle":
         drafter = EagleDrafter.random(target, "reference", max_depth=D_MAX)
     else:

@@ -27,10 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from yggtree.runtime.loading import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model("default"))
+def tokenizer(real_tokenizer):
+    return real_tokenizer
 
 
 def tiny(vocab: int, seed: int = 0, dtype=torch.float64) -> Transformer:
