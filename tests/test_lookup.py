@@ -30,7 +30,7 @@ def brute_match(toks: list[int], k: int) -> tuple[int, list[int]]:
     return 0, []
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(streams, st.integers(1, 6), st.integers(1, 4))
 def test_index_matches_brute_force_at_every_prefix(toks, k, chunk):
     idx = LookupIndex(max_order=k)
@@ -60,7 +60,7 @@ def brute_proposal(toks, calib, budget, depth, occ, k):
     return {"values": best, "all": value}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(streams, st.integers(1, 8), st.integers(1, 5), st.integers(1, 5), st.integers(1, 6))
 def test_proposals_match_brute_force(toks, budget, depth, occ, k):
     idx = LookupIndex(max_order=k)
@@ -145,7 +145,7 @@ def test_merge_grafts_and_merges_duplicates():
     assert sorted(kept[ok].tolist()) == [0, 1, 5, 6]  # lookup nodes beat the weaker drafted ones
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=2, max_size=30), st.integers(1, 6))
 def test_merge_onto_the_root_is_the_trie(toks, budget):
     idx = LookupIndex()

@@ -120,6 +120,15 @@ def skewed(real, bad):
     return op
 
 
+def few_rows(monkeypatch, rows: int = 32) -> None:
+    """Batch-invariance checks draw ``rows`` rows per layer, not up to 512: a kernel skewed on
+    purpose (``skewed``) shifts every row it shifts, so a few blocks of rows show it; the sample
+    size is for a real kernel that rounds otherwise in a few outputs of thousands."""
+    import yggtree.runtime.packed as packed
+
+    monkeypatch.setattr(packed, "MAX_SAMPLE_ROWS", rows)
+
+
 def test_check_finds_the_smallest_invariant_padding(monkeypatch):
     """A kernel whose products of fewer than 4 rows round otherwise by their row count: 4 is
     the smallest invariant padding; one whose 8-row products do: invariant at 1 where no
@@ -131,6 +140,7 @@ def test_check_finds_the_smallest_invariant_padding(monkeypatch):
     pack_linears(m)
     real, widths = packed.packed_linear, range(1, 17)
     assert invariant_min_rows(m, widths) == 1 and padding_is_invariant(m, 1, widths)  # the real kernel
+    few_rows(monkeypatch)
     monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * r if r < 4 else 0))
     assert [padding_is_invariant(m, r, widths) for r in (1, 2, 3, 4, 8)] == [False, False, False, True, True]
     assert padding_is_invariant(m, 1, (1,)) and padding_is_invariant(m, 2, (1, 2))  # one kernel run each
@@ -305,6 +315,7 @@ def test_profile_never_records_a_non_invariant_padding(monkeypatch):
         return {r: [1.0 + 0.5 * (int(r) > 1) + 0.01 * int(r)] * repeats for r in variants}
 
     monkeypatch.setattr(profile, "time_rounds", rounds)
+    few_rows(monkeypatch)
     monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * (r == 1)))
     pad = time_padding(m, warmup=1, repeats=3, widths=(6,))
     assert pad["invariant"] == {"1": False, "2": True, "4": True, "8": True} and pad["widths"] == [1, 6]
@@ -340,6 +351,7 @@ def test_engine_raises_a_variant_padding_and_speculates_exactly(tmp_path, monkey
     w = load_file(tmp_path / "m" / "model.safetensors")  # larger weights: its greedy tokens vary
     save_file({k: v if "norm" in k else v * 15 for k, v in w.items()}, tmp_path / "m" / "model.safetensors",
               metadata={"format": "pt"})
+    few_rows(monkeypatch)
     monkeypatch.setattr(packed, "packed_linear",
                         skewed(packed.packed_linear, lambda r, y: 0.5 * y.flip(-1) * (r == 1)))
     tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)

@@ -52,7 +52,7 @@ def is_connected_with_root(parent: list[int], nodes) -> bool:
 small_real = st.floats(-10, 10, allow_nan=False, width=32)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(st.integers(1, 9), st.integers(0, 2**31 - 1), st.integers(1, 10), st.data())
 def test_dp_equals_bruteforce(n, seed, w_v, data) -> None:
     parent = random_parents(seed, n)
@@ -94,7 +94,7 @@ def monotone_tree(seed: int, n_valid: int, n_pad: int, factors: list[float]):
     return tree, parent, value, vals
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(
     st.integers(1, 9), st.integers(0, 3), st.integers(0, 2**31 - 1), st.integers(1, 13),
     st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]) | st.floats(0, 1, width=32),
@@ -190,7 +190,7 @@ def test_bruteforce_is_itself_sane() -> None:
     assert prune_bruteforce(parent, value, 3) == want == 3.0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     st.integers(1, 12), st.integers(0, 4), st.integers(0, 2**31 - 1), st.integers(1, 16),
     st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]) | st.floats(0, 1, width=32), min_size=12, max_size=12),

@@ -240,7 +240,7 @@ def test_models_health_and_metrics(client):
 
 
 def test_greedy_completion_and_chat_equal_the_target_decoding_alone(client, tok, reference):
-    for i, p in enumerate(PROMPTS[:4]):
+    for i, p in enumerate(PROMPTS[:2]):
         n = 12 + 5 * i
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -288,7 +288,7 @@ def test_speculative_false_gives_the_same_text_without_drafts(client, server):
 
 
 def test_sampling_is_seeded(client):
-    body = chat(PROMPTS[2], max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
+    body = chat(PROMPTS[2], max_tokens=8, temperature=0.9, top_p=0.95, seed=7)
     a = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
     b = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
     c = client.post("/v1/chat/completions", json=body | {"seed": 8}).json()["choices"][0]["message"]["content"]
@@ -352,6 +352,8 @@ def test_stop_strings_across_chunk_boundaries(client, tok, reference):
             deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
             assert "".join(deltas) == want and chunks[-1]["choices"][0]["finish_reason"] == "stop"
         tried += 1
+        if tried == 3:  # three boundaries, both forms each
+            break
     assert tried >= 2
 
 

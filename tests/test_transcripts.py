@@ -51,8 +51,13 @@ def make(target, tokenizer, index: int = 0, split: str = "train"):
 @pytest.fixture(scope="module")
 def built(target, tokenizer):
     """``make(target, tokenizer)`` once for the module (deterministic; no test changes it):
-    the shard and its features."""
-    return make(target, tokenizer)
+    the shard and its features. Its self-synthesised (Magpie) requests are sampled up to 12
+    tokens, not 96: a random target never ends one, so each is rejected either way (a template
+    takes its place), and sorting the 49k-token vocabulary for every sampled token was most of
+    this fixture's time. The slow tests' shards (``shard_dir``, the command) keep 96."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tr, "MAGPIE_MAX_TOKENS", 12)
+        return make(target, tokenizer)
 
 
 # ---------------------------------------------------------------- generation
@@ -113,11 +118,24 @@ def test_decontamination_and_dedup():
     assert rq.normalised("Hello,  World!") == rq.normalised("hello world")
 
 
-def test_template_requests_are_deterministic_and_split():
+def test_template_requests_are_deterministic_and_split(monkeypatch):
+    """The bug and function kinds draw documented stdlib functions: from every fourth stdlib file
+    here (sorted order; some 170 functions), as parsing them all was nearly all of this test's
+    time. The chunk corpus the other kinds use is the whole one."""
     import random
 
-    a = [rq.template_request(k, random.Random(1), "train") for k in rq.KINDS if k != "magpie"]
-    b = [rq.template_request(k, random.Random(1), "train") for k in rq.KINDS if k != "magpie"]
+    from yggtree import data
+
+    rq.corpus_split("train")  # the whole corpus, cached before the file list is cut
+    every = data.stdlib_source_paths
+    monkeypatch.setattr(data, "stdlib_source_paths", lambda root=None: every(root)[::4])
+    rq._stdlib_functions_all.cache_clear()
+    try:
+        assert len(rq.stdlib_functions("train")) > 100 and rq.stdlib_functions("heldout")
+        a = [rq.template_request(k, random.Random(1), "train") for k in rq.KINDS if k != "magpie"]
+        b = [rq.template_request(k, random.Random(1), "train") for k in rq.KINDS if k != "magpie"]
+    finally:
+        rq._stdlib_functions_all.cache_clear()  # later callers parse the whole stdlib
     assert a == b
     train_code, _ = rq.corpus_split("train")
     held_code, _ = rq.corpus_split("heldout")

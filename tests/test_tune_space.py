@@ -150,7 +150,7 @@ def test_allowed_leaves_exactly_the_valid_plans():
     :func:`plan_count` counts them; a space with none is refused by check_space in one line."""
     from hypothesis import given, settings, strategies as st
 
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=100, deadline=None)
     @given(st.data(), st.integers(4, 40))
     def check(data, max_context):
         space = _random_space(data.draw)
