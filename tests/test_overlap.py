@@ -147,7 +147,7 @@ def test_overlap_sampling_is_lossless(tree):
 
 
 @needs_two
-@pytest.mark.parametrize("kind", ["self", "near", "eagle"])
+@pytest.mark.parametrize("kind", sweep(["self", "near", "eagle"], unit=[("near",), ("eagle",)]))
 def test_overlap_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind, tiny_plain):
     """A policy cycling through every width, plain steps (the drafter falls behind and resyncs)
     and drafted steps verifying the root alone: the speculated (D, W_d) is often not the next

@@ -149,7 +149,8 @@ def test_gguf_blocks_run_as_llama_cpp_blocks_with_bfloat16_scales(kind, dtype):
     assert torch.equal(Int4Linear(planes, None, dtype)(torch.eye(96, dtype=dtype)).T, read)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+# int4 at groups of 64 in the unit run; gguf-native's planes run int4 at groups of 32
+@pytest.mark.parametrize("fmt", sweep(FORMATS, unit=[("int8",), ("int4@64",), ("gguf-native",)]))
 def test_quantized_engine_speculates_exactly(fmt):
     """Greedy tree speculation on a quantized target (and a quantized drafter) emits plain
     decoding's tokens in every format, and the format changes the model (it is not float)."""
