@@ -246,3 +246,24 @@ def test_a_model_on_either_attention_computes_the_same_steps(kernel):
     for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
         p = SamplingParams(max_new_tokens=24)
         assert got.generate(prompt, p).token_ids == want.generate(prompt, p).token_ids, prompt
+
+
+def test_an_engine_on_packages_runs_the_attention_they_were_built_with():
+    """Package names hold the attention kernel their blocks call: the installer sets the one the
+    manifest records on every library-attention layer, whatever this machine measures now."""
+    from test_w4a8 import gguf_like
+
+    from yggtree.runtime.attention_choice import native_attention, set_native_attention
+    from yggtree.runtime.model import Attention
+
+    if not kernels.library_usable():
+        pytest.skip("the kernel library does not run on this CPU")
+    m = gguf_like(0)
+    kernels.use_rows_attention(m, "rows")
+    set_native_attention([m], "tree")
+    assert native_attention(m) == "tree" and all(
+        a.native_rows == "tree" for a in m.modules() if isinstance(a, Attention))
+    set_native_attention([m], None)  # an older manifest: left as measured
+    assert native_attention(m) == "tree"
+    with pytest.raises(YggError, match="no attention kernel 'fast'"):
+        set_native_attention([m], "fast")

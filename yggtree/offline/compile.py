@@ -166,6 +166,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: b
 
     from ..runtime.aoti import compile_drafter_call_package, compile_package, compile_step_package, library_loops_only
     from ..runtime.build import EngineSpec, plan_slots
+    from ..runtime.attention_choice import native_attention
     from ..runtime.prepare import prepare_models
 
     t0 = time.perf_counter()
@@ -202,7 +203,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: b
         elif scope != "block":
             records.append(_call_record(plan, key, scope, drafter.cfg.hidden_size, secs, sums))
     return records, {"load_s": round(load_s, 3), "n_slots": n_slots, "threads": torch.get_num_threads(),
-                     "min_rows": models.min_rows or min_rows, "serial_loops": serial_loops}
+                     "min_rows": models.min_rows or min_rows, "serial_loops": serial_loops,
+                     "attention_kernel": native_attention(target)}  # runtime/attention_choice.py
 
 
 def _record_shapes(plan: Plan, target, drafter, n_slots: int):
@@ -487,6 +489,9 @@ def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records:
         "device": device_record(detect_device()),
         "models": prints,
         "n_slots": info["n_slots"],
+        # the library attention the packages call for tree rows (runtime/attention_choice.py; None:
+        # none): an engine loading them runs the same, whatever this machine measures later
+        "attention_kernel": info.get("attention_kernel"),
         # inductor's CPU kernels are built for the thread count of the compiling process
         "threads": info["threads"],
         "packed_min_rows": min_rows,  # compared with the plan's profile by check_artifacts

@@ -86,3 +86,25 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> 
         except OSError:
             pass  # an unwritable cache: measured again next time
     return choice
+
+
+def native_attention(model) -> str | None:
+    """The library attention ``model``'s layers run for tree rows (``rows``, ``tree``), or None."""
+    from .model import Attention
+
+    return next((m.native_rows for m in model.modules() if isinstance(m, Attention) and m.native_rows), None)
+
+
+def set_native_attention(models, kernel: str | None) -> None:
+    """Have the layers of ``models`` that run the library's attention run ``kernel`` for tree rows
+    (compiled packages call the one they were built with: their names hold it); None leaves them."""
+    from .model import Attention
+
+    if kernel is None:
+        return
+    if kernel not in ATTENTION_KERNELS:
+        raise YggError(f"no attention kernel {kernel!r} (one of {', '.join(ATTENTION_KERNELS)})")
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, Attention) and m.native_rows:
+                m.native_rows = kernel

@@ -316,6 +316,10 @@ def _package_installer(art: Path):
                            "batch-invariant on this CPU at this thread count, or min_rows was overridden): "
                            "profile this machine again (yggtree profile) and recompile the plan "
                            "(yggtree compile --force)")
+        from .attention_choice import set_native_attention
+
+        set_native_attention([target, *([drafter.graphs.model] if drafter is not None else [])],
+                             manifest.get("attention_kernel"))  # the packages' (their names hold it)
         install_packages(target, packages)
         if step_capture is not None:
             install_step_packages(target, packages, step_capture)
