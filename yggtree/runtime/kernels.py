@@ -270,7 +270,7 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
         c = layers[0].cfg
         kernel = attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), torch.get_num_threads(),
                                   library_dir())["kernel"]
-    if kernel not in ("rows", "tree"):
+    if layers and kernel not in ("rows", "tree"):
         raise YggError(f"no attention kernel {kernel!r} (rows or tree)")
     for m in layers:
         m.native_rows = kernel
