@@ -182,8 +182,11 @@ def half_safetensors(monkeypatch, name_part: str) -> None:
     monkeypatch.setattr(st, "save_file", save_file)
 
 
-@pytest.mark.parametrize("point", ["mlp-mid-write", "baseline-mid-write", "manifest-mid-write",
-                                   "records-mid-write"])
+# unit: train-predictor stopped inside its manifest's write, and a safetensors file (the records)
+# stopped half-way; train-predictor stopped inside its predictor files' writes: slow
+@pytest.mark.parametrize("point", [pytest.param("mlp-mid-write", marks=pytest.mark.slow),
+                                   pytest.param("baseline-mid-write", marks=pytest.mark.slow),
+                                   "manifest-mid-write", "records-mid-write"])
 def test_interrupted_train_predictor_is_refused_then_repaired(records, tmp_path, monkeypatch, capsys, point):
     from yggtree.offline.train_predictor import load_records, main as train_main
     from yggtree.runtime.predictor import MANIFEST_FILE, load_predictor

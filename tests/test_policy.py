@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import sweep
 from test_eagle import bigram_head
 from test_engine import tiny
 from yggtree.errors import YggError
@@ -82,7 +83,10 @@ def plain(tiny_plain):
     return [tiny_plain(p, NEW, 160, 8) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("kind", ["self", "other-lm", "eagle-random", "eagle-bigram"])
+# unit: an LM drafter accepting in part, an EAGLE head accepting much (the self-drafter under
+# Cycling: test_policy_observes_every_step)
+@pytest.mark.parametrize("kind", sweep(["self", "other-lm", "eagle-random", "eagle-bigram"],
+                                       unit=[("other-lm",), ("eagle-bigram",)]))
 def test_changing_policy_keeps_greedy_output(target, plain, kind):
     if kind == "eagle-bigram":
         from test_eagle import tiny as eagle_tiny
@@ -218,7 +222,7 @@ class Steady(StepPolicy):
         return self.wv
 
 
-@pytest.mark.parametrize("kind", ["other-lm", "eagle-random"])
+@pytest.mark.parametrize("kind", sweep(["other-lm", "eagle-random"], unit=[("other-lm",)]))
 def test_a_policy_that_may_decline_absorbs_the_prompt_into_the_drafter_when_it_first_drafts(target, plain, kind):
     """A policy that may choose plain steps leaves the prompt's prefill to the drafter's first
     drafted step (the resync stage, from slot 0): a request decoded in plain steps never runs it,

@@ -223,7 +223,7 @@ def test_ahead_compiled_equals_plain_with_no_recompiles(plain_outputs, kind):
     assert sum(counters["recompiles"].values()) == recompiles
 
 
-@pytest.mark.parametrize("kind", ["self", "other-lm", "eagle"])
+@pytest.mark.parametrize("kind", sweep(["self", "other-lm", "eagle"], unit=[("self",), ("eagle",)]))
 def test_ahead_with_a_policy_mixing_plain_and_root_only_steps_equals_plain(kind, tiny_plain):
     """A policy cycling through drafted steps of every width, plain steps (the drafter falls
     behind and resyncs; the picked-up head is dropped) and drafted steps verifying the root
