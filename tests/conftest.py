@@ -121,20 +121,23 @@ def pytest_configure(config):
     torch._inductor.aoti_compile_and_package = counted
 
 
-def _inductor_builds() -> int:
+def _graph_builds() -> int:
+    """Graphs dynamo captured (torch.compile, any backend), inductor graphs built or read from its
+    cache, and AOTInductor packages built, in this process so far."""
     from torch._dynamo.utils import counters
 
-    return _AOTI_PACKAGES[0] + sum(v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache_"))
+    return (_AOTI_PACKAGES[0] + counters["stats"]["unique_graphs"]
+            + sum(v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache_")))
 
 
 @pytest.fixture(autouse=True)
 def unit_tests_compile_nothing(request):
-    """The unit run (``-m "not slow"``) builds no graph with inductor (torch.compile's default
-    backend, AOTInductor packages): a test that does is marked slow. (Dynamo with the eager
-    backend or a test's own backend is allowed: it traces, it does not compile.)"""
+    """The unit run (``-m "not slow"``) builds no graph: no torch.compile (dynamo, whatever the
+    backend: the eager one traces too), no inductor, no AOTInductor package. A test that does is
+    marked slow."""
     if request.node.get_closest_marker("slow"):
         yield
         return
-    before = _inductor_builds()
+    before = _graph_builds()
     yield
-    assert _inductor_builds() == before, "this test compiles graphs with inductor: mark it slow"
+    assert _graph_builds() == before, "this test builds graphs (torch.compile or inductor): mark it slow"

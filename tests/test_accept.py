@@ -217,6 +217,7 @@ def test_sample_accept_uses_only_the_given_generator() -> None:
     assert c.tokens.tolist() == b.tokens.tolist()
 
 
+@pytest.mark.slow  # dynamo traces it (torch.compile, eager backend): no compiler in the unit run
 def test_acceptance_traces_as_one_static_graph() -> None:
     """No data-dependent Python control flow or host sync: dynamo captures a single graph."""
     tree = build_tree([0, 0, 0, 1], [9, 3, 4, 5], size=6)

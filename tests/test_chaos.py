@@ -182,8 +182,10 @@ def half_safetensors(monkeypatch, name_part: str) -> None:
     monkeypatch.setattr(st, "save_file", save_file)
 
 
-# baseline-mid-write stops inside a predictor file's write as mlp-mid-write does: not a unit case
-@pytest.mark.parametrize("point", ["mlp-mid-write", pytest.param("baseline-mid-write", marks=pytest.mark.slow),
+# unit: train-predictor stopped inside its manifest's write, and a safetensors file (the records)
+# stopped half-way; train-predictor stopped inside its predictor files' writes: slow
+@pytest.mark.parametrize("point", [pytest.param("mlp-mid-write", marks=pytest.mark.slow),
+                                   pytest.param("baseline-mid-write", marks=pytest.mark.slow),
                                    "manifest-mid-write", "records-mid-write"])
 def test_interrupted_train_predictor_is_refused_then_repaired(records, tmp_path, monkeypatch, capsys, point):
     from yggtree.offline.train_predictor import load_records, main as train_main

@@ -119,7 +119,7 @@ def test_greedy_speculation_equals_plain(target, plain, tree, kind):
         assert accepted > 0
 
 
-@pytest.mark.parametrize("tree", ["egt", "deep-chain"])
+@pytest.mark.parametrize("tree", sweep(["egt", "deep-chain"], unit=[("deep-chain",)]))
 def test_last_level_is_not_fed(target, plain, tree):
     """An EAGLE head's D-deep tree costs the head and D - 1 steps: feeding the last level as
     well (what a KV-cache drafter needs) drafts the very same trees and emits the same tokens."""

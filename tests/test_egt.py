@@ -264,6 +264,7 @@ def test_device_side_on_meta() -> None:
     assert state.tree.token.device.type == "meta" and state.tree.token.shape == (7,)
 
 
+@pytest.mark.slow  # dynamo traces it (torch.compile, eager backend): no compiler in the unit run
 def test_drafting_and_pruning_trace_as_one_static_graph() -> None:
     """D EGT steps + top-k pruning + re-indexing: dynamo captures one graph (no host sync)."""
     from yggtree.runtime.prune import prune_topk, subtree

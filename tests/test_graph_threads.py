@@ -79,6 +79,7 @@ def decodes_as_plain(eng, plain, **stats):
 # ----------------------------------------------------------------------------- torch's guards
 
 
+@pytest.mark.slow  # dynamo's guards (torch.compile, a tagging backend): no compiler in the unit run
 def test_the_unsafe_stance_tells_graphs_of_two_thread_counts_apart(process_threads):
     """What Graphs.frozen relies on: under skip_guard_eval_unsafe dynamo still evaluates the
     global-state guard (thread count included), so of two graphs of one shape built at 1 and 2

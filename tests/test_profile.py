@@ -128,6 +128,7 @@ def test_calibrate_writes_a_loadable_calibration(plan_path, tmp_path, capsys):
     assert main(args) == 1 and "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # dynamo's guards (torch.compile, eager backend): no compiler in the unit run
 def test_stage_forms_rebuild_a_graph_for_another_thread_count():
     """Dynamo guards a graph on the thread count: a profile that times a split at another count
     must rebuild it first (``_built``) or its frozen stance refuses the call."""

@@ -149,8 +149,9 @@ def test_gguf_blocks_run_as_llama_cpp_blocks_with_bfloat16_scales(kind, dtype):
     assert torch.equal(Int4Linear(planes, None, dtype)(torch.eye(96, dtype=dtype)).T, read)
 
 
-# int4 at groups of 64 in the unit run; gguf-native's planes run int4 at groups of 32
-@pytest.mark.parametrize("fmt", sweep(FORMATS, unit=[("int8",), ("int4@64",), ("gguf-native",)]))
+# unit: the int8 kernel, and the int4 kernel on gguf-native's planes (groups of 32; quantize_int4 at
+# groups of 32, 64 and 128: test_products_are_the_dequantized_weights_product)
+@pytest.mark.parametrize("fmt", sweep(FORMATS, unit=[("int8",), ("gguf-native",)]))
 def test_quantized_engine_speculates_exactly(fmt):
     """Greedy tree speculation on a quantized target (and a quantized drafter) emits plain
     decoding's tokens in every format, and the format changes the model (it is not float)."""
