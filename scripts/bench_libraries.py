@@ -7,7 +7,7 @@ o, gate/up and down, then the LM head, in forward order, each on a [W, in_featur
 
 - ``w4a8``: ours, the GGUF's own blocks (Q4_0/Q4_1; its LM head Q8_0) on int8 activations
   (``yggtree::w4a8_mm``), as an engine prepares it (scripts/bench_verify.py ``prepare``), each
-  product a module call from Python (~15-20 us of eager overhead each, 121 a step);
+  product a module call from Python (~25 us of eager overhead each, 121 a step);
   ``w4a8-aoti``: the same products in one AOTInductor package as ``yggtree compile`` builds
   one (the ops called through their C shims; W dynamic), one call a step -- the reference
   (``x ref``) where it is timed, as the one-call systems below are;
