@@ -86,15 +86,9 @@ def test_the_q8_0_lm_head_rows_are_their_rows_alone():
 def test_every_attention_row_is_its_row_alone(context, heads, d, seed):
     """W tree rows (a chain) over ``context`` committed slots: each row's attention is its call alone."""
     kernels.load_library()
-    h, hkv = heads
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, W, h, d, generator=g)
-    k = torch.randn(1, hkv, context + W, d, generator=g).transpose(1, 2)
-    v = torch.randn(1, hkv, context + W, d, generator=g).transpose(1, 2)
-    head = torch.zeros(1, W, context + W, dtype=torch.bool)
-    head[:, :, :context] = True
-    ar = torch.arange(W)
-    window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]
+    from yggtree.runtime.attention_choice import chain_inputs
+
+    q, k, v, head, window = chain_inputs((*heads, d), W, context, torch.Generator().manual_seed(seed))
     op = torch.ops.yggtree.rows_attention
     one = torch.cat([op(q[:, i : i + 1], k, v, head[:, i : i + 1], window[:, i : i + 1]) for i in range(W)], 1)
     for w in range(1, W + 1):

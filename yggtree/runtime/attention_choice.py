@@ -26,21 +26,27 @@ ATTENTION_SHAPE = (8, (256, 1024))  # what the choice is timed on: tree rows, co
 ATTENTION_MARGIN = 0.05  # the shared pass must beat the rows by this share to be chosen
 
 
-def attention_call(kernel: str, heads: tuple[int, int, int], width: int, context: int):
-    """One call of the library's ``kernel`` attention for a layer of ``heads`` (query heads, KV
-    heads, head dim): ``width`` chained tree rows over ``context`` cached slots, random values."""
+def chain_inputs(heads: tuple[int, int, int], width: int, context: int, gen: torch.Generator) -> tuple:
+    """Random inputs of one layer's library attention for ``heads`` (query heads, KV heads, head
+    dim): q [1, W, H, D], k and v [1, C + W, Hkv, D] (head-major cache, runtime/kv_cache.py),
+    mask [1, W, C + W] bool (the ``context`` committed slots) and window [1, W, W] (a chain)."""
     h, hkv, d = heads
-    gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, width, h, d, generator=gen)
-    # the cache is head-major (runtime/kv_cache.py): each KV head's slots one contiguous run
     k = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
     v = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
     mask = torch.zeros(1, width, context + width, dtype=torch.bool)
     mask[:, :, :context] = True
     ar = torch.arange(width)
-    window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]  # [1, W, W] a chain
+    window = torch.where(ar[None, :] <= ar[:, None], context + ar[None, :], -1)[None]
+    return q, k, v, mask, window
+
+
+def attention_call(kernel: str, heads: tuple[int, int, int], width: int, context: int):
+    """One call of the library's ``kernel`` attention for a layer of ``heads``: ``width`` chained
+    tree rows over ``context`` cached slots, random values (:func:`chain_inputs`)."""
+    args = chain_inputs(heads, width, context, torch.Generator().manual_seed(0))
     op = getattr(torch.ops.yggtree, f"{kernel}_attention")
-    return lambda: op(q, k, v, mask, window)
+    return lambda: op(*args)
 
 
 def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> dict:
