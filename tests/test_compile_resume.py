@@ -1,9 +1,10 @@
 """A build's package cache (offline/compile.py ``_seed_packages``): kept for a build of the same
-key (a stopped build resumes), emptied for another key, half-written packages dropped, and
-packages of another directory linked only when built under the same key."""
+key (a stopped build resumes), emptied for another key, half-written or damaged packages dropped,
+and intact packages of another directory linked only when built under the same key."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from yggtree.offline.compile import BUILD_KEY, _seed_packages
@@ -16,8 +17,10 @@ def _cache(tmp_path, name, key, files):
     d = tmp_path / name / CACHE_SUBDIR
     d.mkdir(parents=True)
     (d / BUILD_KEY).write_text(json.dumps(key))
-    for f in files:
+    for f in files:  # a finished package has its sha256 beside it (partial ones do not)
         (d / f).write_bytes(f.encode())
+        if not f.startswith("partial-"):
+            (d / f).with_suffix(".sha256").write_text(hashlib.sha256(f.encode()).hexdigest() + "\n")
     return d
 
 
@@ -25,6 +28,14 @@ def test_a_build_of_the_same_key_resumes_and_drops_half_written_packages(tmp_pat
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2", "partial-block-x-w4-c256.pt2"])
     assert _seed_packages(out, KEY, ()) == 1
     assert sorted(p.name for p in out.glob("*.pt2")) == ["block-x-w1-c256.pt2"]
+
+
+def test_a_damaged_or_unchecked_package_is_dropped_not_resumed(tmp_path):
+    out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2", "block-x-w4-c256.pt2", "block-x-w8-c256.pt2"])
+    (out / "block-x-w1-c256.pt2").write_bytes(b"block-x")  # truncated after it was finished
+    (out / "block-x-w4-c256.sha256").unlink()  # renamed into place, its checksum never written
+    assert _seed_packages(out, KEY, ()) == 1
+    assert sorted(p.name for p in out.glob("*.pt2")) == ["block-x-w8-c256.pt2"]
 
 
 def test_another_key_starts_from_an_empty_cache(tmp_path):
@@ -36,8 +47,11 @@ def test_another_key_starts_from_an_empty_cache(tmp_path):
 def test_packages_of_the_same_key_elsewhere_are_linked_not_others(tmp_path):
     _cache(tmp_path, "blocks", KEY, ["block-x-w1-c256.pt2", "partial-block-x-w8-c256.pt2"])
     _cache(tmp_path, "other", KEY | {"graph_hash": "def"}, ["block-x-w4-c256.pt2"])
+    bad = _cache(tmp_path, "damaged", KEY, ["block-x-w2-c256.pt2"])
+    (bad / "block-x-w2-c256.pt2").write_bytes(b"")
     out = tmp_path / "whole" / CACHE_SUBDIR
-    assert _seed_packages(out, KEY, (tmp_path / "blocks", tmp_path / "other")) == 1
+    assert _seed_packages(out, KEY, (tmp_path / "blocks", tmp_path / "other", tmp_path / "damaged")) == 1
     linked = out / "block-x-w1-c256.pt2"
     assert linked.read_bytes() == b"block-x-w1-c256.pt2"
     assert linked.stat().st_ino == (tmp_path / "blocks" / CACHE_SUBDIR / linked.name).stat().st_ino
+    assert (out / "block-x-w1-c256.sha256").is_file()  # still checked at the next resume

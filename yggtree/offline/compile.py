@@ -288,6 +288,7 @@ def _compile_packages(jobs: dict[tuple[str, int, int], str], out: Path, progress
         os.replace(part, out / name)
         secs[key] = time.perf_counter() - t
         sums[key] = file_sha256(out / name)
+        (out / name).with_suffix(".sha256").write_text(sums[key] + "\n")  # finished: _finished
         progress.update(task, advance=1)
     return secs, sums
 
@@ -422,26 +423,41 @@ def _same_key(d: Path, key: dict) -> bool:
         return False
 
 
+def _finished(pkg: Path) -> bool:
+    """Whether ``pkg`` is a package a build finished: its bytes hash to the sha256 written beside
+    it when it was renamed into place (a truncated or damaged one does not)."""
+    try:
+        return (pkg.with_suffix(".sha256")).read_text().strip() == file_sha256(pkg)
+    except OSError:
+        return False
+
+
 def _seed_packages(out: Path, key: dict, reuse: tuple[Path, ...]) -> int:
     """Prepare the package cache ``out`` for a build under ``key``: kept if it holds packages of
-    the same key (a stopped build resumes), else emptied; then the packages of the artifact
-    directories ``reuse`` built under the same key are linked in. Returns how many it holds."""
+    the same key (a stopped build resumes), else emptied, and a package that is not intact
+    (:func:`_finished`) dropped; then the intact packages of the artifact directories ``reuse``
+    built under the same key are linked in. Returns how many it holds."""
     if not _same_key(out, key):
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     for part in out.glob("partial-*"):  # a package a stopped build was writing
         shutil.rmtree(part, ignore_errors=True) if part.is_dir() else part.unlink(missing_ok=True)
+    for pkg in out.glob("*.pt2"):
+        if not _finished(pkg):
+            pkg.unlink()
     (out / BUILD_KEY).write_text(json.dumps(key) + "\n")
     for art in reuse:
         src = cache_dir(art)
         if src.resolve() == out.resolve() or not _same_key(src, key):
             continue
         for pkg in src.glob("*.pt2"):
-            if not pkg.name.startswith("partial-") and not (out / pkg.name).exists():
+            if pkg.name.startswith("partial-") or (out / pkg.name).exists() or not _finished(pkg):
+                continue
+            for f in (pkg, pkg.with_suffix(".sha256")):
                 try:
-                    os.link(pkg, out / pkg.name)
+                    os.link(f, out / f.name)
                 except OSError:
-                    shutil.copy2(pkg, out / pkg.name)
+                    shutil.copy2(f, out / f.name)
     return len(list(out.glob("*.pt2")))
 
 
