@@ -96,6 +96,23 @@ def test_a_default_run_decodes_uncompiled_while_the_build_starts(monkeypatch, tm
     assert getattr(args, "quick", None) is None
 
 
+def test_a_stale_plan_is_rebuilt_with_one_line_saying_why(monkeypatch, tmp_path, capsys):
+    """A plan built once but no longer usable (here a package whose checksum differs) is built
+    again in the background, and the run's one line names what was wrong with it."""
+    started = []
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    why = "compiled graph file X.pt2 is corrupted (its sha256 differs from the manifest's)"
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (None, why))
+    monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building")
+    args = _args()
+    run_cmd._pick_plan(args)
+    err = capsys.readouterr().err
+    assert len(started) == 1 and args.machine_build == "pending"
+    assert err.count("\n") == 1 and f"this machine's plan is stale ({why}): building" in err
+
+
 def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))

@@ -43,6 +43,7 @@ BUILD_ENV = "YGGTREE_MACHINE_BUILD"  # "0": no background build
 READY = "ready.json"
 LOCK = "build.lock"
 LOG = "build.log"
+NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
 MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
 
@@ -89,7 +90,7 @@ class MachinePlan:
 
         marker = self.root / READY
         if not marker.is_file():
-            return None, "not built yet"
+            return None, NOT_BUILT
         try:
             path = self.root / json.loads(marker.read_text())["plan"]
             if path.parent.parent != self.compile_root and path.parent.parent != self.blocks_root:

@@ -251,7 +251,7 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     if waiting is not None or not machine_plan.enabled():
         return False
     mp = machine_plan.machine_plan(device, args.threads or torch.get_num_threads())
-    path, _ = mp.ready_plan()
+    path, why = mp.ready_plan()
     args.no_default_note = None
     if path is not None:
         whole = mp.complete(path)
@@ -269,6 +269,8 @@ def _machine_plan(args, device: dict, waiting) -> bool:
         line = mp.start()
     except OSError as e:
         line = f"this machine's plan cannot be built in {mp.root} ({e.strerror or e})"
+    if why != machine_plan.NOT_BUILT:  # built once, no longer usable (a damaged package, new code)
+        line = f"this machine's plan is stale ({why}): {line}"
     sys.stderr.write(f"yggtree: {line}; meanwhile plain decoding, uncompiled\n")
     args.mode = "reference"  # eager: nothing to compile before the first token (every core: the
     # build runs only on CPU time the run leaves idle, machine_plan._yield_to_runs)
