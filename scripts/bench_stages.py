@@ -121,12 +121,13 @@ def run(args) -> int:
     from yggtree.offline.compile import prepare_run
     from yggtree.offline.plan_search import hit_rate, search_plan
     from yggtree.plan import artifact_dir, load_plan, read_manifest
-    from yggtree.runtime.build import build_plan_engine, drafter_feeds_leaves, fixed_policy
+    from yggtree.runtime.build import build_plan_engine, fixed_policy
     from yggtree.runtime.calibration import Calibration
     from yggtree.runtime.cost import CostModel
     from yggtree.runtime.engine import SamplingParams
     from yggtree.runtime.objective import plan_policy
     from yggtree.runtime.policy import FixedPolicy, StepChoice
+    from yggtree.runtime.prepare import drafter_feeds_leaves
 
     threads = [int(t) for t in args.threads.split(",")]
     if args.out and os.path.exists(args.out + ".rows.jsonl"):

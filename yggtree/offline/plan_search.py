@@ -111,7 +111,7 @@ def search_plan(plan) -> dict | None:
     import json
     from dataclasses import replace
 
-    from ..runtime.build import drafter_feeds_leaves
+    from ..runtime.prepare import drafter_feeds_leaves
     from ..runtime.calibration import Calibration
     from ..runtime.cost import CostModel
 

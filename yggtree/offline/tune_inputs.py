@@ -100,7 +100,7 @@ def objective_files(inp: Inputs, fields: dict) -> tuple[str | None, str | None]:
 def trial_stage_scale(plan, stages: str, threads: int, inp: Inputs):
     """The StageScale of a trial's stage plan over its tree shapes (None: ``sequential`` at the
     profile's threads); YggError when the profile's stage forms cannot price it."""
-    from ..runtime.build import drafter_feeds_leaves
+    from ..runtime.prepare import drafter_feeds_leaves
     from .plan_search import hit_rate
     from .tune_objective import stage_scale
 

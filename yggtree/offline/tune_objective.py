@@ -131,8 +131,9 @@ def block_shapes(plan) -> int:
     distinct width the target runs (prefill chunk, 1, every W_v) and the drafter runs (prefill
     chunk, the head, every W_d). A self-drafter or an EAGLE head shares the target's block
     graphs (same block shape); a standalone drafter LM has its own."""
-    from ..runtime.build import drafter_feeds_leaves, drafter_widths, plan_slots
+    from ..runtime.build import drafter_widths, plan_slots
     from ..runtime.graphs import context_buckets
+    from ..runtime.prepare import drafter_feeds_leaves
 
     buckets = len(context_buckets(plan_slots(plan)))
     target = set(plan.target_widths)

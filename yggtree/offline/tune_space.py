@@ -298,7 +298,7 @@ GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16")  # runtime/qu
 def _quantized_configs(base) -> list:
     """The ModelConfigs of the models a quantized format replaces linears of: the target, and a
     standalone LM drafter (an EAGLE head keeps float weights; ``self`` is the target)."""
-    from ..runtime.build import drafter_feeds_leaves
+    from ..runtime.prepare import drafter_feeds_leaves
     from ..runtime.loading import load_config, resolve_model
 
     cfgs = [load_config(resolve_model(base.target))]

@@ -11,13 +11,12 @@ from ..errors import YggError
 from ..plan import (cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
                     plan_prefetch, profile_invariance, read_manifest)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, Envelope, TreeParams, measured_prefetch
-from .drafters import LMDrafter
 from .engine import Engine, EngineConfig
 from .graphs import backend_device, check_backend
 from .hugepages import move_to_huge_pages
 from .kv_cache import KVCache
 from .policy import FixedPolicy
-from .prepare import eagle_head_dir, prepare_models, spec_rows
+from .prepare import prepare_models, spec_rows
 from .schedule import resolve_plan
 
 
@@ -96,15 +95,6 @@ class EngineSpec:
             kv_cache=plan.kv_cache,
             device=backend_device(plan.backend),
         )
-
-
-def drafter_feeds_leaves(plan) -> bool:
-    """``Drafter.feeds_leaves`` of the drafter class ``plan`` names, without loading it."""
-    if plan.drafter is None or eagle_head_dir(plan.drafter) is None:
-        return LMDrafter.feeds_leaves
-    from .eagle import EagleDrafter
-
-    return EagleDrafter.feeds_leaves
 
 
 def build_engine(spec: EngineSpec, prepare=None):

@@ -174,7 +174,7 @@ class CostModel:
                     f"{where} is not of this machine: {differs}; profile this machine with `yggtree "
                     "profile --hw NAME --plan ...` (latency curves do not transfer between devices)"
                 )
-        from .build import drafter_feeds_leaves  # here: build imports the engine, loading, torch
+        from .prepare import drafter_feeds_leaves  # here: prepare imports the models, loading, torch
 
         return replace(cls.from_profile_dict(d, where), feeds_leaves=drafter_feeds_leaves(plan))
 

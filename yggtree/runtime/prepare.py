@@ -97,6 +97,15 @@ def eagle_head_dir(name: str) -> Path | None:
     return path if path.is_dir() and is_eagle_dir(path) else None
 
 
+def drafter_feeds_leaves(plan) -> bool:
+    """``Drafter.feeds_leaves`` of the drafter class ``plan`` names, without loading it."""
+    if plan.drafter is None or eagle_head_dir(plan.drafter) is None:
+        return LMDrafter.feeds_leaves
+    from .eagle import EagleDrafter
+
+    return EagleDrafter.feeds_leaves
+
+
 def load_drafter(spec, target, tokenizer):
     """The drafter named by ``spec.drafter`` for ``target``; refuses mismatched vocabularies."""
     name = spec.drafter
