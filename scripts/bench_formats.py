@@ -54,7 +54,7 @@ the decode time is kept. Definitions::
                     probed through the run: a 256 MiB sum on huge pages (where yggtree keeps weights:
                     runtime/hugepages.py) before every prompt's systems and once after the last;
                     the limit is at the median probe. Once, before the timed passes, a 256 MiB copy
-                    (yggtree.floor.copy_bandwidth_gbps, bytes read per second) and sums on ordinary
+                    (yggtree.measure.floor.copy_bandwidth_gbps, bytes read per second) and sums on ordinary
                     and huge pages are also measured and reported
     % limit       per pass, its decode tok/s over the limit at the mean of the probes just before
                     and after its prompt's systems; the median over prompts of each prompt's median
@@ -164,7 +164,7 @@ def streamed_weight_bytes(model) -> int:
     quantized) reads: each product's own weights (a packed layer's packed copy, a quantized layer's
     codes and scales, a fused q/k/v or gate/up product instead of its parts), norms and biases, the
     LM head; not the embedding (a step gathers one row), the rope table or the caches."""
-    from yggtree.floor import weight_bytes
+    from yggtree.measure.floor import weight_bytes
     from yggtree.runtime.kv_cache import KVCache
     from yggtree.runtime.model import FUSED_PROJECTIONS
 
@@ -201,7 +201,7 @@ def sum_gbps(x, repeats: int = 10, warmup: int = 2) -> float:
     """GB/s of ``x.sum()`` (bytes read per second, the median of ``repeats`` timed sums)."""
     import numpy as np
 
-    from yggtree.floor import time_calls
+    from yggtree.measure.floor import time_calls
 
     return x.numel() * x.element_size() / float(np.median(time_calls(x.sum, repeats, warmup, x.device))) / 1e9
 
@@ -220,7 +220,7 @@ def bandwidth(threads: int, probe) -> dict:
     ordinary pages and one on huge pages (``probe``, the run's probe buffer)."""
     import torch
 
-    from yggtree.floor import copy_bandwidth_gbps
+    from yggtree.measure.floor import copy_bandwidth_gbps
 
     copy = copy_bandwidth_gbps(BANDWIDTH_BYTES)
     read = sum_gbps(torch.ones(BANDWIDTH_BYTES // 4))

@@ -2,7 +2,7 @@
 """Weight matmuls of one decoder step, F.linear vs oneDNN-packed, at 1..W rows (one run).
 
 Times every 2-D weight product of a model's forward (its decoder blocks' seven projections and
-the LM head, yggtree.floor.matmul_weights) for M rows, both ways, interleaved per repeat, and
+the LM head, yggtree.measure.floor.matmul_weights) for M rows, both ways, interleaved per repeat, and
 prints the medians and the ratio to M = 1. This is what decides whether verifying a tree of M
 nodes can cost about one plain step (see yggtree/runtime/packed.py).
 
@@ -23,7 +23,7 @@ from yggtree.errors import YggError, run_reporting
 
 
 def run(args) -> int:
-    from yggtree.floor import matmul_weights
+    from yggtree.measure.floor import matmul_weights
     from yggtree.runtime.loading import load_model, resolve_model
     from yggtree.runtime.packed import can_pack
 

@@ -66,7 +66,7 @@ def tiny_plain():
 @pytest.fixture(scope="module")
 def onednn_unpadded():
     """Plans without a profile compile and run on oneDNN's product kernel, unpadded, instead of
-    the kernel this machine measures fastest (yggtree.kernel_choice): for modules whose tests
+    the kernel this machine measures fastest (yggtree.measure.kernel_choice): for modules whose tests
     are about that kernel's padding. A module opts in with
     ``pytestmark = pytest.mark.usefixtures("onednn_unpadded")``."""
     with pytest.MonkeyPatch.context() as mp:
@@ -76,7 +76,7 @@ def onednn_unpadded():
 
 @pytest.fixture(autouse=True, scope="session")
 def openmp_loops():
-    """No test compile measures where the kernel loops run (yggtree/loops_choice.py: seconds per
+    """No test compile measures where the kernel loops run (yggtree/measure/loops_choice.py: seconds per
     w4a8 plan): they record OpenMP unless a test sets ``YGGTREE_LOOPS`` itself."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("YGGTREE_LOOPS", "openmp")

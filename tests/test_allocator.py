@@ -1,4 +1,4 @@
-"""The allocator choice (runtime/allocator.py, yggtree/allocator_choice.py): finding the libraries,
+"""The allocator choice (runtime/allocator.py, yggtree/measure/allocator_choice.py): finding the libraries,
 which one a process runs, the decision rule, the cache, and the restart on the chosen one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from yggtree.allocator_choice import decide, measure_compiled
+from yggtree.measure.allocator_choice import decide, measure_compiled
 from yggtree.errors import YggError
 from yggtree.runtime import allocator as a
 
@@ -100,7 +100,7 @@ def test_chosen_reads_the_cached_measurement(monkeypatch, tmp_path):
 def test_measure_without_other_allocators_caches_the_system(monkeypatch, tmp_path):
     monkeypatch.setenv(a.ALLOCATOR_ENV, "auto")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr("yggtree.allocator_choice.installed", lambda: {})
+    monkeypatch.setattr("yggtree.measure.allocator_choice.installed", lambda: {})
     monkeypatch.setattr("yggtree.runtime.allocator.installed", lambda dirs=None: {})
     record = measure_compiled("unused.yaml", "unused")  # nothing to compare: no child runs
     assert record["choice"] == "system" and record["rounds"] == []

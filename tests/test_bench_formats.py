@@ -120,7 +120,7 @@ def test_a_plan_is_its_formats_speculative_system(model_dir, tmp_path, capsys):
 def test_streamed_weight_bytes_of_float_packed_and_quantized_models():
     from test_quant import quantized
 
-    from yggtree.floor import weight_bytes
+    from yggtree.measure.floor import weight_bytes
     from yggtree.runtime.packed import pack_linears
 
     mod = load_script("bench_formats")

@@ -516,10 +516,10 @@ def test_a_padding_not_invariant_here_is_raised_in_the_packages(tmp_path, monkey
 
 
 def test_allocator_measured_on_the_compiled_plan(compiled_plain, tmp_path, monkeypatch):
-    """The allocator measurement (yggtree.allocator_choice) runs the compiled plan's decoding in
+    """The allocator measurement (yggtree.measure.allocator_choice) runs the compiled plan's decoding in
     one child per allocator, each on its own preloaded library (libm stands for one here), and
     caches what it chose with every round's times."""
-    import yggtree.allocator_choice as ac
+    import yggtree.measure.allocator_choice as ac
     from yggtree.runtime import allocator
 
     libm = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from yggtree.errors import YggError
-from yggtree.floor import copy_bandwidth_gbps, floor_summary, matmul_floor_ms, matmul_weights, weight_bytes
+from yggtree.measure.floor import copy_bandwidth_gbps, floor_summary, matmul_floor_ms, matmul_weights, weight_bytes
 from yggtree.runtime.packed import can_pack
 
 KEYS = {"median_ms", "p10_ms", "p90_ms", "weight_bytes", "n_matmuls", "gbps", "width", "repeats", "kernel"}

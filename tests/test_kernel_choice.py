@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from yggtree import kernel_choice
+from yggtree.measure import kernel_choice
 from yggtree.runtime.build import EngineSpec
 from yggtree.runtime.loading import resolve_model
 from yggtree.shapes import TreeParams

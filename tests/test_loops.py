@@ -166,7 +166,7 @@ def test_packages_of_library_only_blocks_compile_serial_loops():
 
 
 def test_the_pool_is_chosen_when_it_wins_most_prompts():
-    from yggtree.loops_choice import decide
+    from yggtree.measure.loops_choice import decide
     from yggtree.runtime.build import loops_on_pool
 
     assert decide([(4.0, 3.8), (4.0, 3.9), (4.0, 4.1)])[0] == "pool"

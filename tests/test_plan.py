@@ -362,7 +362,7 @@ def test_non_graph_fields_keep_the_artifacts(tmp_path):
 
 def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path, monkeypatch):
     """The padding of short packed products comes from the plan's profile (without one: this
-    machine's measurement, yggtree.kernel_choice; a profile older than the measurement: what the
+    machine's measurement, yggtree.measure.kernel_choice; a profile older than the measurement: what the
     runtime padded to then), reaches the engine's
     spec, is recorded in the manifest, and a profile padding otherwise makes compiled packages
     stale (they hold it); the eager backend compiles nothing and ignores it."""

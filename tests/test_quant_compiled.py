@@ -152,7 +152,7 @@ def test_a_plain_library_plan_decodes_on_the_pool_exactly(fmt, tmp_path, monkeyp
     engine.cfg = replace(engine.cfg, loop_pool=False)
     assert [engine.generate(p, SamplingParams(max_new_tokens=8)).token_ids for p in ([3, 4, 5], list(range(10, 23)))] == pooled
     # measured (as `yggtree compile` does unforced): both loops decode the calibration prompts
-    import yggtree.loops_choice as loops_choice
+    import yggtree.measure.loops_choice as loops_choice
 
     monkeypatch.setenv("YGGTREE_LOOPS", "auto")
     monkeypatch.setattr(loops_choice, "ROUNDS", 1)

@@ -18,7 +18,7 @@ Definitions (every number is a median over ``--repeats``; one repeat runs every 
     prefill ms   mean over prompts of ttft (yggtree) or of the separate prompt forward (hf)
     vs hf        tok/s of the system / tok/s of hf, same dtype, same repeat, same prompts
     x floor      ms/token / matmul floor at width 1 (1.0 = decoding as fast as the weight
-                 matmuls alone; see yggtree.floor.matmul_floor_ms): the faster of the two
+                 matmuls alone; see yggtree.measure.floor.matmul_floor_ms): the faster of the two
                  kernels timed, ``x @ w.T`` over the model's 7 weights per layer (as eager code
                  runs them) and the oneDNN-packed product over the compiled system's own products
                  (q/k/v and gate/up stacked: 4 per layer, CPU); the JSON line has both under
@@ -336,11 +336,11 @@ def paired_ratio(rows: list[dict], a: str, b: str, n_boot: int = 4000, seed: int
 
 def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], list[dict], dict]:
     """All systems at one dtype: (table rows, per-prompt records, the matmul floor measurement)."""
-    from .floor import floor_summary, matmul_floor_step, time_calls
+    from .measure.floor import floor_summary, matmul_floor_step, time_calls
     from .runtime.engine import Engine, EngineConfig
     from .runtime.loading import load_model
     from .runtime.prepare import pack_models
-    from .kernel_choice import measured_choice
+    from .measure.kernel_choice import measured_choice
     from .runtime.packed import can_pack
 
     status = progress.add_task(f"[{dtype}] loading yggtree weights", total=None)
@@ -466,7 +466,7 @@ def run(args) -> int:
     """The ``bench`` subcommand: table on stdout, one JSON line last. Returns the exit code."""
     from rich.console import Console
 
-    from .floor import copy_bandwidth_gbps
+    from .measure.floor import copy_bandwidth_gbps
     from .runtime.loading import load_tokenizer, resolve_model
 
     if args.max_new_tokens < 1:

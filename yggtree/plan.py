@@ -393,7 +393,7 @@ def _measured(plan: Plan) -> dict:
 
 def cached_padding(plan: Plan) -> dict | None:
     """For a plan without a profile: its product kernel and padding as measured on this machine
-    at the plan's threads and widths and cached (``yggtree.kernel_choice.measure_plan``, which
+    at the plan's threads and widths and cached (``yggtree.measure.kernel_choice.measure_plan``, which
     ``yggtree compile`` and the commands running a plan call first; read with
     ``runtime/kernel_cache.py``), or None where it was not; oneDNN unpadded for a backend that
     packs nothing (eager: reference mode; accelerators)."""

@@ -360,7 +360,7 @@ def _flag_engine(args):
         kv_cache=args.kv_cache,
     )
     if args.mode == "performance":  # the product kernel this CPU runs fastest, measured once
-        from .kernel_choice import measured_spec
+        from .measure.kernel_choice import measured_spec
 
         spec = measured_spec(spec)
     return build_engine(spec)

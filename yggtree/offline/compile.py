@@ -48,8 +48,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import YggError, module_main
-from ..kernel_choice import measure_plan
-from ..loops_choice import forced as forced_loops
+from ..measure.kernel_choice import measure_plan
+from ..measure.loops_choice import forced as forced_loops
 from ..files import file_sha256, manifest_path
 from ..plan import (
     CACHE_SUBDIR,
@@ -183,7 +183,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: b
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     jobs = _package_jobs(plan, rec, target, drafter, capture, n_slots, whole)
     # a plain plan whose products all run on the kernel library: its packages' own loops serial, so
-    # that the library's may run on its pool (aoti.library_loops_only; loops_choice.py measures it)
+    # that the library's may run on its pool (aoti.library_loops_only; measure/loops_choice.py measures it)
     serial_loops = drafter is None and library_loops_only(target)
 
     def build(key: tuple[str, int, int], scope: str, path: Path) -> None:
@@ -586,7 +586,7 @@ def compile_plan(
     # this machine's allocator, measured once on a compiled plan (its children load the plan through
     # the manifest just written, which then records the choice)
     if plan.backend == "inductor-cpu":
-        from ..allocator_choice import measure_compiled
+        from ..measure.allocator_choice import measure_compiled
 
         say = lambda line: sys.stderr.write(f"yggtree: {line}\n")  # noqa: E731
         try:
@@ -597,10 +597,10 @@ def compile_plan(
         if record is not None:
             manifest["allocator"] = {k: record.get(k) for k in ("choice", "library", "stats")}
             _write_manifest(art, manifest)
-        # where the kernel library's loops run (loops_choice.py): only where they are the step's only
+        # where the kernel library's loops run (measure/loops_choice.py): only where they are the step's only
         # parallel regions, at 2+ threads
         if info.get("serial_loops") and (info.get("threads") or 1) > 1:
-            from ..loops_choice import measure_compiled as measure_loops
+            from ..measure.loops_choice import measure_compiled as measure_loops
 
             try:
                 manifest["loops"] = measure_loops(plan, art, say=say)

@@ -5,7 +5,7 @@ every product's output), and glibc's malloc spends a measurable share of a short
 Which allocator decodes fastest is a property of the machine (its
 CPU, its C library, the allocators installed), so it is measured there, never assumed:
 ``yggtree compile`` times the compiled plan's decoding (as ``yggtree run --plan`` runs it) under
-every allocator installed (``yggtree.allocator_choice``) and caches the choice under the user cache directory, keyed by
+every allocator installed (``yggtree.measure.allocator_choice``) and caches the choice under the user cache directory, keyed by
 the CPU and the libraries; every later ``yggtree`` command reads the cache before anything heavy
 is imported and, where the choice is another allocator than the one running, starts itself again
 with it preloaded (``LD_PRELOAD``: an allocator cannot change once a process has allocated), as

@@ -1,6 +1,6 @@
 """The product-kernel choices measured on this machine, as cached (the run side's reader).
 
-``yggtree.kernel_choice`` measures which product kernel (runtime/packed.py ``KERNELS``) and
+``yggtree.measure.kernel_choice`` measures which product kernel (runtime/packed.py ``KERNELS``) and
 padding an engine without a profile runs, and caches each answer under the user cache directory
 (``kernels/choice-*.json``), keyed by everything it depends on: the device, the thread count, the
 model file, dtype, weight format, widths, the torch version and the kernel library's sources.

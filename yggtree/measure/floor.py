@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from yggtree.errors import YggError
+from ..errors import YggError
 
 MIB = 1 << 20
 
@@ -114,7 +114,7 @@ def matmul_floor_step(
         if key not in inputs:
             inputs[key] = torch.randn(width, w.shape[1], generator=gen, device=device).to(w.dtype)
     if kernel == "packed":
-        from .runtime.packed import can_pack, packed_linear
+        from ..runtime.packed import can_pack, packed_linear
 
         if device.type != "cpu" or not all(can_pack(torch.nn.Linear(1, 1).to(w.dtype)) for w in mats):
             raise YggError("the packed matmul floor needs oneDNN on a CPU for these weight dtypes")
@@ -126,8 +126,8 @@ def matmul_floor_step(
             for x, p, n in prods:
                 packed_linear(x, p, n)
     elif kernel == "tiled":
-        from .runtime.kernels import load_library
-        from .runtime.packed import pack_weight, tiled_linear
+        from ..runtime.kernels import load_library
+        from ..runtime.packed import pack_weight, tiled_linear
 
         if device.type != "cpu" or not all(w.dtype in (torch.float32, torch.bfloat16) for w in mats):
             raise YggError("the tiled matmul floor needs float32 or bfloat16 weights on a CPU")

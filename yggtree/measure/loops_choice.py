@@ -20,7 +20,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import YggError, env_choice
+from ..errors import YggError, env_choice
 
 LOOPS_ENV = "YGGTREE_LOOPS"  # auto | openmp | pool (module docstring)
 CHOICES = ("openmp", "pool")
@@ -52,7 +52,7 @@ def measure_compiled(plan, art: str | Path, say=None) -> dict:
     if choice is not None:
         return {"choice": choice, "forced": LOOPS_ENV}
     from .probe_prompts import decode_ms_per_token, probe_requests
-    from .runtime.build import build_plan_engine
+    from ..runtime.build import build_plan_engine
 
     engine, tok = build_plan_engine(plan, art, speculate=False)
     threads = engine.plan_threads(engine.plan)

@@ -17,9 +17,9 @@ def probe_requests(tok, max_context: int, prompts: int = PROMPTS, new_tokens: in
     """``(ids, params)``: ``prompts + 1`` calibration chat prompts as token ids (the first is the
     warm-up), each trimmed to its last tokens where the plan's context is small, and the
     SamplingParams that decode ``new_tokens`` (at most a quarter of the context) of each."""
-    from .data import calibration_chat_prompts
-    from .runtime.engine import SamplingParams
-    from .runtime.loading import encode_auto
+    from ..data import calibration_chat_prompts
+    from ..runtime.engine import SamplingParams
+    from ..runtime.loading import encode_auto
 
     new_tokens = max(2, min(new_tokens, max_context // 4))
     room = max_context - new_tokens

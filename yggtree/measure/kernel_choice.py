@@ -21,9 +21,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .files import write_text_atomic
-from .runtime.kernel_cache import cached_choice, plan_threads_widths
-from .shapes import measured_prefetch
+from ..files import write_text_atomic
+from ..runtime.kernel_cache import cached_choice, plan_threads_widths
+from ..shapes import measured_prefetch
 
 
 def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...], threads: int,
@@ -34,8 +34,8 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     measured now and cached. ``say(line)`` hears a measurement (default: one line on stderr)."""
     import torch
 
-    from .offline.profile import model_padding, padding_line
-    from .offline.timing import LoadMeter, load_warning
+    from ..offline.profile import model_padding, padding_line
+    from ..offline.timing import LoadMeter, load_warning
 
     choice, path, key = cached_choice(src, dtype, weights, widths, threads, root)
     if choice is not None:
@@ -60,8 +60,8 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
 def measured_spec(spec, root: Path | None = None, say=None):
     """``spec`` (an EngineSpec built from flags) with the product kernel, padding and prefetch
     setting measured for it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
-    from .runtime.prepare import check_spec, spec_rows
-    from .runtime.loading import resolve_model
+    from ..runtime.prepare import check_spec, spec_rows
+    from ..runtime.loading import resolve_model
 
     if not spec.pack:
         return spec
@@ -78,7 +78,7 @@ def measure_plan(plan, say=None) -> None:
     choice is not the profile's: a plan for the CPU backend without a profile
     (``yggtree.plan.plan_kernel`` reads it). ``yggtree compile`` and the commands that run a plan
     call this first."""
-    from .runtime.loading import resolve_model
+    from ..runtime.loading import resolve_model
 
     if plan.profile is not None or plan.backend != "inductor-cpu":
         return

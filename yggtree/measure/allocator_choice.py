@@ -9,7 +9,7 @@ speed hits all of them alike. Each child decodes a few chat prompts of the calib
 (never evaluation prompts) after a warm-up and reports its median ms per token. An allocator is
 chosen over the system's only when its median per-round speed-up is above 1 and it was faster
 in more than half of the rounds; the rounds' times are cached with the choice. A child is
-``python -m yggtree.allocator_probe PLAN.yaml --compile-root DIR``.
+``python -m yggtree.measure.allocator_probe PLAN.yaml --compile-root DIR``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .errors import YggError
-from .files import write_text_atomic
-from .runtime.allocator import SYSTEM, cached, forced, installed, preload_env
+from ..errors import YggError
+from ..files import write_text_atomic
+from ..runtime.allocator import SYSTEM, cached, forced, installed, preload_env
 
 ROUNDS = 5  # turns of every allocator (after one untimed child: the model file into the page cache)
 
@@ -31,7 +31,7 @@ ROUNDS = 5  # turns of every allocator (after one untimed child: the model file 
 def _child(plan_path: str, compile_root: str, library: str | None) -> float:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env = preload_env(env, library) if library else env
-    cmd = [sys.executable, "-m", "yggtree.allocator_probe", plan_path, "--compile-root", compile_root]
+    cmd = [sys.executable, "-m", "yggtree.measure.allocator_probe", plan_path, "--compile-root", compile_root]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
