@@ -26,9 +26,10 @@ from yggtree.errors import YggError, run_reporting
 
 def run(args) -> int:
     from yggtree.data import load_prompts
-    from yggtree.plan import load_plan, plan_min_rows
+    from yggtree.plan import load_plan
     from yggtree.runtime.build import EngineSpec, build_engine
     from yggtree.runtime.engine import SamplingParams
+    from yggtree.runtime.padding import plan_min_rows
 
     torch.set_num_threads(args.threads)
     plan = load_plan(args.plan)

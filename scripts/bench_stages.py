@@ -118,9 +118,11 @@ def covers(forms: dict, label: str, shape: tuple[int, int, int]) -> bool:
 def run(args) -> int:
     from dataclasses import replace
 
+    from yggtree.compiled import artifact_dir
     from yggtree.offline.compile import prepare_run
     from yggtree.offline.plan_search import hit_rate, search_plan
-    from yggtree.plan import artifact_dir, load_plan, read_manifest
+    from yggtree.plan import load_plan
+    from yggtree.runtime.artifacts import read_manifest
     from yggtree.runtime.build import build_plan_engine, fixed_policy
     from yggtree.runtime.calibration import Calibration
     from yggtree.runtime.cost import CostModel

@@ -15,7 +15,7 @@ import shlex
 import sys
 
 from yggtree.offline.distill import main
-from yggtree.plan import DEFAULT_DRAFTER_DIR
+from yggtree.runtime.artifacts import DEFAULT_DRAFTER_DIR
 
 
 def shipped_options() -> list[str]:

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from yggtree.cli import main as cli_main
+from yggtree.compiled import check_artifacts
 from yggtree.errors import YggError
 from yggtree.offline.compile import BUILD_KEY, main, prepare_run
-from yggtree.plan import CACHE_SUBDIR, MANIFEST, check_artifacts, load_plan
+from yggtree.plan import load_plan
+from yggtree.runtime.artifacts import CACHE_SUBDIR, MANIFEST
 from yggtree.runtime.model import attention_formulation
 
 transformers = pytest.importorskip("transformers")
@@ -148,8 +150,9 @@ WARM = textwrap.dedent(
     import itertools, json, sys
     import torch
     from torch._dynamo.utils import counters
+    from yggtree.compiled import artifact_dir
     from yggtree.errors import YggError
-    from yggtree.plan import artifact_dir, load_plan
+    from yggtree.plan import load_plan
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
     from yggtree.runtime.policy import StepChoice, StepPolicy
@@ -259,7 +262,7 @@ def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
     verify steps are whole too (test_bfloat16_whole_step... checks a two-node step)."""
     import torch
 
-    from yggtree.plan import artifact_dir
+    from yggtree.compiled import artifact_dir
     from yggtree.runtime.aoti import step_packages
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
@@ -297,7 +300,7 @@ def test_moved_compiled_directory_still_loads(compiled, tmp_path):
     date and its packages run, with the reference engine's greedy tokens."""
     import shutil
 
-    from yggtree.plan import artifact_dir
+    from yggtree.compiled import artifact_dir
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
 
@@ -443,7 +446,7 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
     width, and speculation gives plain decoding's tokens."""
     import torch
 
-    from yggtree.plan import artifact_dir
+    from yggtree.compiled import artifact_dir
     from yggtree.runtime.aoti import step_packages
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
@@ -488,7 +491,7 @@ def test_a_padding_not_invariant_here_is_raised_in_the_packages(tmp_path, monkey
     raised padding, the manifest says from what, the artifacts stay current, and the engine runs
     them (plain decoding's tokens)."""
     import yggtree.runtime.prepare as prepare
-    from yggtree.plan import artifact_dir
+    from yggtree.compiled import artifact_dir
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
     from yggtree.runtime.packed import min_rows_of, packed_layers

@@ -8,7 +8,7 @@ import hashlib
 import json
 
 from yggtree.offline.compile import BUILD_KEY, _seed_packages
-from yggtree.plan import CACHE_SUBDIR
+from yggtree.runtime.artifacts import CACHE_SUBDIR
 
 KEY = {"graph_hash": "abc", "min_rows": 4}
 

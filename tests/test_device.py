@@ -105,7 +105,7 @@ def test_a_profile_of_the_other_epyc_is_refused(on_zen3, tmp_path):
 def test_the_committed_tuned_plan_is_not_taken_on_another_epyc(on_zen3, tmp_path):
     """`yggtree run` without a plan on the Zen 3: the checkout's epyc-2core plan (tuned on the
     Zen 4) is neither taken nor offered for compiling; one line says why."""
-    from yggtree.plan import find_tuned_plan
+    from yggtree.tuned import find_tuned_plan
 
     lines = []
     found = find_tuned_plan("float32", on_zen3, (ROOT / "profiles",), tmp_path / "compile", say=lines.append)
@@ -157,7 +157,9 @@ def test_a_kernel_choice_of_the_other_epyc_is_measured_again(on_zen3, tmp_path, 
 
 
 def test_packages_compiled_on_the_other_epyc_are_stale(on_zen3, tmp_path, monkeypatch):
-    from yggtree.plan import MANIFEST, check_artifacts, load_plan
+    from yggtree.compiled import check_artifacts
+    from yggtree.plan import load_plan
+    from yggtree.runtime.artifacts import MANIFEST
 
     monkeypatch.setenv("YGGTREE_KERNEL", "torch")
     m = tmp_path / "model"

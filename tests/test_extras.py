@@ -28,6 +28,6 @@ def test_base_install_imports_no_offline_package():
         "build_parser()\n"
         "for m in pkgutil.iter_modules(yggtree.runtime.__path__, 'yggtree.runtime.'):\n"
         "    importlib.import_module(m.name)\n"
-        "import yggtree.bench, yggtree.plan, yggtree.streaming\n"
+        "import yggtree.bench, yggtree.plan, yggtree.compiled, yggtree.tuned, yggtree.streaming\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -86,7 +86,7 @@ def test_a_default_run_decodes_uncompiled_while_the_build_starts(monkeypatch, tm
     started = []
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building")
     args = _args()
     run_cmd._pick_plan(args)
@@ -102,7 +102,7 @@ def test_a_stale_plan_is_rebuilt_with_one_line_saying_why(monkeypatch, tmp_path,
     started = []
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     why = "compiled graph file X.pt2 is corrupted (its sha256 differs from the manifest's)"
     monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (None, why))
     monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building")
@@ -115,7 +115,7 @@ def test_a_stale_plan_is_rebuilt_with_one_line_saying_why(monkeypatch, tmp_path,
 
 def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.compile_root / "m" / "plan.yaml", None))
     monkeypatch.setattr(MachinePlan, "start", lambda self: pytest.fail("a built plan is not built again"))
@@ -131,7 +131,7 @@ def test_a_run_on_the_block_packages_resumes_a_stopped_last_phase(monkeypatch, t
     started = []
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.blocks_root / "m" / "plan.yaml", None))
     monkeypatch.setattr(MachinePlan, "building", lambda self: building)
     monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building")
@@ -150,7 +150,7 @@ def test_a_ready_record_pointing_outside_the_build_is_not_ready(tmp_path):
 
 def test_turned_off_the_quick_start_runs(monkeypatch):
     monkeypatch.setenv(machine_plan.BUILD_ENV, "0")
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setattr(MachinePlan, "start", lambda self: pytest.fail("turned off"))
     args = _args()
     run_cmd._pick_plan(args)
@@ -162,7 +162,7 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
     blocked.write_text("")
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setenv("XDG_DATA_HOME", str(blocked))
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     args = _args()
     run_cmd._pick_plan(args)
     err = capsys.readouterr().err.strip().splitlines()
@@ -172,7 +172,7 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
 def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
     """``--no-speculate`` alone decodes plainly on the machine plan's graphs (like for like)."""
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.compile_root / "m" / "plan.yaml", None))
     args = _args(no_speculate=True)
@@ -187,7 +187,7 @@ def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
 def test_the_plan_is_the_one_of_the_threads_asked(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
-    monkeypatch.setattr("yggtree.plan.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     monkeypatch.setattr(MachinePlan, "ready_plan",
                         lambda self: seen.append(self.threads) or (self.compile_root / "m" / "p.yaml", None))
@@ -203,12 +203,13 @@ def test_a_profile_timed_while_the_machine_was_busy_is_timed_again(monkeypatch, 
     import yggtree.offline.profile as profile_mod
     import yggtree.plan as plan_mod
     import yggtree.runtime.build as build_mod
+    import yggtree.runtime.padding as padding_mod
     from yggtree.plan import default_plan
 
     busy = iter([1.2, 0.9, 0.1, 0.0])
     waits, written = [], []
     monkeypatch.setattr(compile_mod, "compile_plan", lambda *a, **k: {})
-    monkeypatch.setattr(plan_mod, "cached_padding", lambda plan: None)
+    monkeypatch.setattr(padding_mod, "cached_padding", lambda plan: None)
     base = default_plan()
     monkeypatch.setattr(plan_mod, "validate_plan", lambda d, *a: base)  # names a profile not written
     monkeypatch.setattr(build_mod, "build_plan_engine", lambda *a, **k: (object(), None))

@@ -409,7 +409,7 @@ def test_engine_trusts_the_profiles_check_only_where_it_covers_it(tmp_path, monk
 def test_profile_invariance_reads_only_a_recorded_invariant_choice(tmp_path):
     import json
 
-    from yggtree.plan import profile_invariance
+    from yggtree.runtime.padding import profile_invariance
 
     def prof(pad, threads=2):
         p = tmp_path / "p.json"

@@ -13,17 +13,12 @@ import torch
 import yaml
 
 from helpers import tiny_model
+from yggtree.compiled import check_artifacts
 from yggtree.errors import YggError
 from yggtree.offline.compile import compile_plan, prepare_run
-from yggtree.plan import (
-    DEFAULT_PLAN,
-    MANIFEST,
-    check_artifacts,
-    default_plan,
-    load_plan,
-    save_plan,
-)
+from yggtree.plan import DEFAULT_PLAN, default_plan, load_plan, save_plan
 from yggtree.runtime import graphs
+from yggtree.runtime.artifacts import MANIFEST
 from yggtree.runtime.build import fixed_policy, plan_slots, warm_plan
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig
@@ -368,8 +363,8 @@ def test_profile_padding_flows_to_the_engine_and_the_artifacts(tmp_path, monkeyp
     stale (they hold it); the eager backend compiles nothing and ignores it."""
     from dataclasses import replace
 
-    from yggtree.plan import LEGACY_MIN_ROWS, plan_min_rows, profile_min_rows
     from yggtree.runtime.build import EngineSpec
+    from yggtree.runtime.padding import LEGACY_MIN_ROWS, plan_min_rows, profile_min_rows
 
     prof = tmp_path / "prof.json"
 
@@ -439,8 +434,8 @@ def test_shipped_profiles_load_and_set_their_padding():
     """The checkout's profiles load (older ones, from before the padding measurement, with the
     padding their curves were measured with), and an engine of each shipped plan pads its short
     packed products as its profile says."""
-    from yggtree.plan import LEGACY_MIN_ROWS, PADDING_KEY, profile_min_rows
     from yggtree.runtime.build import EngineSpec
+    from yggtree.runtime.padding import LEGACY_MIN_ROWS, PADDING_KEY, profile_min_rows
 
     root = Path(__file__).resolve().parent.parent / "profiles"
     for p in sorted(root.glob("*.json")):
@@ -507,8 +502,8 @@ def test_find_tuned_plan_picks_a_compiled_plan_for_this_device(tmp_path):
     """`yggtree run` without --plan looks for a plan tuned for this device and dtype: usable
     artifacts make it ``ready``, missing ones ``uncompiled``; other devices, dtypes, targets or
     plans without a profile and calibration never match."""
-    from yggtree.plan import find_tuned_plan
     from yggtree.runtime.device import detect_device, device_record
+    from yggtree.tuned import find_tuned_plan
 
     here = detect_device()
     (tmp_path / "here.json").write_text(json.dumps({"hardware": device_record(here)}))
@@ -545,8 +540,8 @@ def test_find_tuned_plan_prefers_the_fastest_measured_plain_step(tmp_path):
     """Of several ready tuned plans, the one whose profile measured the fastest plain step (its
     width-1 verify point at the shortest context) is taken, whatever the file names' order; a
     profile without that point comes last."""
-    from yggtree.plan import find_tuned_plan
     from yggtree.runtime.device import detect_device, device_record
+    from yggtree.tuned import find_tuned_plan
 
     here = detect_device()
     hw = device_record(here)
@@ -562,8 +557,8 @@ def test_find_tuned_plan_prefers_the_fastest_measured_plain_step(tmp_path):
 def test_tuned_plans_are_found_in_the_user_data_dir_and_the_checkout(tmp_path, monkeypatch):
     """An installed yggtree finds tuned plans in the user's data directory; run from a checkout
     (as this test is), in the checkout's profiles/ after it."""
-    from yggtree.plan import find_tuned_plan, tuned_plan_dirs
     from yggtree.runtime.device import detect_device, device_record
+    from yggtree.tuned import find_tuned_plan, tuned_plan_dirs
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     user = tmp_path / "data" / "yggtree" / "profiles"
@@ -583,12 +578,12 @@ def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(mon
     """`yggtree run --prompt ...`: the default plan fills unset flags; a ready tuned plan is used
     only when no model, drafter, tree or context flag says otherwise (``--no-speculate`` runs it
     plainly)."""
-    import yggtree.plan as plan_mod
+    import yggtree.tuned as tuned_mod
     from yggtree.cli import build_parser
     from yggtree.run_cmd import _pick_plan
 
     ready = tmp_path / "tuned.yaml"
-    monkeypatch.setattr(plan_mod, "find_tuned_plan", lambda dtype, device, *a, **k: (ready, None))
+    monkeypatch.setattr(tuned_mod, "find_tuned_plan", lambda dtype, device, *a, **k: (ready, None))
     parse = build_parser().parse_args
     args = parse(["run", "--prompt", "hi"])
     _pick_plan(args)
@@ -602,7 +597,7 @@ def test_run_without_plan_takes_a_tuned_plan_only_when_nothing_else_is_asked(mon
         _pick_plan(args)
         assert args.plan is None, extra
         assert (args.max_context, args.prefill_chunk) == ((512 if "512" in extra else 1024), 64)
-    monkeypatch.setattr(plan_mod, "find_tuned_plan", lambda dtype, device, *a, **k: (None, ready))
+    monkeypatch.setattr(tuned_mod, "find_tuned_plan", lambda dtype, device, *a, **k: (None, ready))
     args = parse(["run", "--prompt", "hi", "--dtype", "bfloat16"])
     _pick_plan(args)
     assert args.plan is None and "yggtree compile" in args.no_default_note and args.dtype == "bfloat16"

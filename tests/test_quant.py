@@ -282,7 +282,8 @@ def test_a_kernel_that_is_not_batch_invariant_refuses_speculation(monkeypatch):
 
 
 def test_plan_field(tmp_path):
-    from yggtree.plan import GRAPH_SOURCES, validate_plan
+    from yggtree.plan import validate_plan
+    from yggtree.runtime.artifacts import GRAPH_SOURCES
 
     base = {"name": "q", "target": "default", "drafter": "self"}
     plain = validate_plan(base)

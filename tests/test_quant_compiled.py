@@ -67,7 +67,8 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path, monkeypatc
     from torch._dynamo.utils import counters
 
     from test_compile import run_main, save_tiny_checkpoint
-    from yggtree.plan import artifact_dir, load_plan
+    from yggtree.compiled import artifact_dir
+    from yggtree.plan import load_plan
     from yggtree.runtime.aoti import PackageSet, static_blocks, step_packages
     from yggtree.runtime.build import build_plan_engine, fixed_policy
     from yggtree.runtime.policy import FixedPolicy, StepChoice
@@ -109,7 +110,8 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path, monkeypatc
     import subprocess
     import sys
 
-    code = ("from yggtree.plan import artifact_dir, load_plan\n"
+    code = ("from yggtree.compiled import artifact_dir\n"
+            "from yggtree.plan import load_plan\n"
             "from yggtree.runtime.build import build_plan_engine\n"
             f"plan = load_plan({str(tmp_path / 'compile' / 'tiny-q' / 'plan.yaml')!r})\n"
             "build_plan_engine(plan, artifact_dir(plan))\n")
@@ -128,7 +130,8 @@ def test_a_plain_library_plan_decodes_on_the_pool_exactly(fmt, tmp_path, monkeyp
     from dataclasses import replace
 
     from test_compile import run_main, save_tiny_checkpoint
-    from yggtree.plan import artifact_dir, load_plan
+    from yggtree.compiled import artifact_dir
+    from yggtree.plan import load_plan
     from yggtree.runtime.build import build_plan_engine
 
     save_tiny_checkpoint(tmp_path / "model", intermediate=64, heads=2, kv_heads=1)

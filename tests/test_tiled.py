@@ -243,7 +243,7 @@ def test_plan_reads_the_profiles_prefetch_setting(tmp_path):
     """A profile's measured setting reaches its plan's engine spec (one distance, as profiles
     recorded before the second level: near only); a profile without one leaves the library's
     default (None); a bad one is refused in one line."""
-    from yggtree.plan import profile_prefetch
+    from yggtree.runtime.padding import profile_prefetch
 
     path = tmp_path / "p.json"
     measured, one = {"kernel": "tiled", "min_rows": 1, "prefetch": [1024, 8192]}, {"kernel": "tiled", "prefetch": 4096}
@@ -257,7 +257,7 @@ def test_plan_reads_the_profiles_prefetch_setting(tmp_path):
 
 
 def test_plan_reads_the_profiles_kernel(tmp_path):
-    from yggtree.plan import profile_invariance, profile_kernel
+    from yggtree.runtime.padding import profile_invariance, profile_kernel
 
     p = tmp_path / "p.json"
     base = {"hardware": {"threads": 2},

@@ -279,7 +279,7 @@ def plan_runner(path: str, compile_missing: bool = False, compile_root: str = "c
     the plan names a profile and calibration, else its largest tree every step; ``make(False)``
     builds the plan's plain engine (no drafter, policy None), as ``--no-speculate`` runs it."""
     from .offline.compile import prepare_run
-    from .plan import artifact_dir
+    from .compiled import artifact_dir
     from .runtime.build import build_plan_engine, fixed_policy, searched_stages
     from .runtime.objective import plan_policy
     from .runtime.predictor import policy_with_predictor

@@ -86,7 +86,8 @@ class MachinePlan:
     def ready_plan(self) -> tuple[Path | None, str | None]:
         """(the compiled plan copy to run, None) once the build's first phase (the block packages)
         completed and its artifacts still serve this machine and code; else (None, why not)."""
-        from .plan import artifact_dir, check_artifacts, load_plan
+        from .compiled import artifact_dir, check_artifacts
+        from .plan import load_plan
 
         marker = self.root / READY
         if not marker.is_file():
@@ -200,10 +201,12 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     naming it ready. Returns its compiled copy."""
     import torch
 
+    from .compiled import artifact_dir
     from .offline.compile import compile_plan
     from .offline.profile import ProfileGrid, measure_profile, write_profile
-    from .plan import PADDING_KEY, artifact_dir, cached_padding, save_plan, validate_plan
+    from .plan import save_plan, validate_plan
     from .runtime.build import build_plan_engine
+    from .runtime.padding import PADDING_KEY, cached_padding
 
     torch.set_num_threads(mp.threads)
     what = "whole-step packages" if whole else "block packages"

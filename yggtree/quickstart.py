@@ -58,9 +58,10 @@ class QuickStart:
         short packed products, which the engine is built with). ``say(line)`` reports what
         happened (default: one line on stderr)."""
         from .offline.profile import ProfileGrid, measure_padding, measure_profile
-        from .plan import profile_kernel, profile_min_rows, profile_prefetch, validate_plan
+        from .plan import validate_plan
         from .runtime.build import build_plan_engine
         from .runtime.graphs import inductor_cache
+        from .runtime.padding import profile_kernel, profile_min_rows, profile_prefetch
         from .shapes import measured_prefetch
         from .runtime.objective import plan_policy
 

@@ -203,10 +203,11 @@ def build_from_args(args):
 def _pick_plan(args) -> None:
     """Without --plan: the default plan's settings fill the flags left unset, and when the run
     asks for nothing but the embedded default (no model, drafter, tree or context flags), a compiled plan
-    tuned for this device and dtype (``yggtree.plan.find_tuned_plan``) is used instead: it
+    tuned for this device and dtype (``yggtree.tuned.find_tuned_plan``) is used instead: it
     speculates by its measured latency objective. With none, decoding is plain: on a device
     without a latency profile nothing says that speculation would pay."""
-    from .plan import default_plan, find_tuned_plan
+    from .plan import default_plan
+    from .tuned import find_tuned_plan
 
     base = default_plan()
     shaped = (args.max_context, args.prefill_chunk, args.top_k, args.draft_width, args.draft_depth,
@@ -279,7 +280,7 @@ def _machine_plan(args, device: dict, waiting) -> bool:
 
 
 def _plan_engine(args):
-    from .plan import artifact_dir
+    from .compiled import artifact_dir
     from .runtime.build import build_plan_engine, fixed_policy
 
     plan = prepare_run(args.plan, args.compile_missing)

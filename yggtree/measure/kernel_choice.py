@@ -3,15 +3,14 @@ once per machine.
 
 A plan's profile records which product kernel (``runtime/packed.py`` ``KERNELS``: oneDNN's or our
 tiled one) and which padding its engine runs (``packed_padding``). An engine built from flags
-(``yggtree run --weights int8``, ``--no-speculate``, ``--drafter ...``, ``yggtree bench``) or
-from a plan without a profile (a plain plan: ``yggtree.plan.plan_kernel``) has none: the first
+(``yggtree run --weights int8``, ``--no-speculate``, ``--drafter ...``, ``yggtree bench``) or from a
+plan without a profile (a plain plan: ``yggtree.runtime.padding.plan_kernel``) has none: the first
 such engine on a machine times the model's own one-row products on every kernel this CPU runs
 (:func:`yggtree.offline.profile.model_padding`: seconds), with batch invariance checked at the
-engine's verify widths, and caches the answer under the user cache directory; later engines read
-it (``runtime/kernel_cache.py``: the key, the file, ``YGGTREE_KERNEL``). Nothing is measured off
-CPUs or for an engine that packs nothing. A measurement taken while other processes kept the
-cores busy is cached with a warning naming the file to delete (its times, and so perhaps its
-choice, are off).
+engine's verify widths, and caches the answer under the user cache directory; later engines read it
+(``runtime/kernel_cache.py``: the key, the file, ``YGGTREE_KERNEL``). Nothing is measured off CPUs
+or for an engine that packs nothing. A measurement taken while other processes kept the cores busy
+is cached with a warning naming the file to delete (its times, and so perhaps its choice, are off).
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ def measured_spec(spec, root: Path | None = None, say=None):
 def measure_plan(plan, say=None) -> None:
     """Measure (or find cached) the product kernel of ``plan``'s engine on this machine when its
     choice is not the profile's: a plan for the CPU backend without a profile
-    (``yggtree.plan.plan_kernel`` reads it). ``yggtree compile`` and the commands that run a plan
+    (``yggtree.runtime.padding.plan_kernel`` reads it). ``yggtree compile`` and the commands that run a plan
     call this first."""
     from ..runtime.loading import resolve_model
 

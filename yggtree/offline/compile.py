@@ -47,29 +47,23 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..compiled import artifact_dir, check_artifacts
 from ..errors import YggError, module_main
+from ..files import file_sha256, manifest_path
 from ..measure.kernel_choice import measure_plan
 from ..measure.loops_choice import forced as forced_loops
-from ..files import file_sha256, manifest_path
-from ..plan import (
+from ..plan import Plan, graph_hash_of, load_plan, save_plan
+from ..runtime.artifacts import (
     CACHE_SUBDIR,
     MANIFEST,
     MANIFEST_FORMAT,
     PLAN_COPY,
-    Plan,
-    artifact_dir,
     cache_dir,
-    check_artifacts,
-    graph_hash_of,
-    load_plan,
     model_fingerprints,
-    plan_kernel,
-    plan_min_rows,
-    plan_prefetch,
     read_manifest,
-    save_plan,
     versions,
 )
+from ..runtime.padding import plan_kernel, plan_min_rows, plan_prefetch
 
 from .plan_search import search_plan
 
@@ -654,7 +648,7 @@ def summary_line(summary: dict) -> dict:
 
 def prepare_run(plan_path: str | Path, compile_missing: bool, compile_root: str | Path = "compile") -> Plan:
     """Load a plan for ``yggtree run --plan`` and make sure its compiled artifacts are usable
-    (:func:`ensure_artifacts`). The artifact directory is ``yggtree.plan.artifact_dir(plan,
+    (:func:`ensure_artifacts`). The artifact directory is ``yggtree.compiled.artifact_dir(plan,
     compile_root)``; pass it to ``build_plan_engine``."""
     plan = load_plan(plan_path)
     ensure_artifacts(plan, compile_missing, compile_root, shown_as=str(plan_path))
@@ -664,7 +658,7 @@ def prepare_run(plan_path: str | Path, compile_missing: bool, compile_root: str 
 def ensure_artifacts(plan: Plan, compile_missing: bool, compile_root: str | Path = "compile",
                      shown_as: str | None = None) -> Path | None:
     """The plan's artifact directory, its artifacts checked (None for the eager backend, which
-    uses none). Missing or stale (see :func:`yggtree.plan.check_artifacts`): with
+    uses none). Missing or stale (see :func:`yggtree.compiled.check_artifacts`): with
     ``compile_missing`` they are compiled now (the reasons go to stderr), otherwise a YggError
     lists the reasons. A plan never silently runs with other graphs."""
     from ..runtime.graphs import check_backend

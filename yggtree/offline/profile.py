@@ -46,9 +46,11 @@ from pathlib import Path
 
 from ..errors import YggError, module_main
 from ..files import atomic_path, manifest_args, write_text_atomic
-from ..plan import PADDING_KEY, default_plan, load_plan, versions
+from ..plan import default_plan, load_plan
 from ..progress import stderr_progress
+from ..runtime.artifacts import versions
 from ..runtime.device import cpu_model, detect_device, device_record
+from ..runtime.padding import PADDING_KEY
 from ..shapes import measured_prefetch, prefetch_name, prefetch_setting
 from .timing import LoadMeter, load_warning, time_rounds
 
@@ -670,8 +672,8 @@ def measure_compiled_profile(plan, hw: str, threads: int, grid: ProfileGrid, com
     and fresh compiled artifacts."""
     import torch
 
+    from ..compiled import artifact_dir, check_artifacts
     from ..files import read_json
-    from ..plan import artifact_dir, check_artifacts
     from ..runtime.build import build_plan_engine
 
     if plan.profile is None:

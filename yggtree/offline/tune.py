@@ -103,7 +103,7 @@ def study_key(url: str, study: str) -> str:
 def check_outputs(hw: str, out_dir: Path, compile_root: Path, key: str, force: bool) -> bool:
     """Refuse (before any work) to replace a plan or compiled directory this study did not
     write; returns whether the existing ones (if any) are this study's."""
-    from ..plan import read_manifest
+    from ..runtime.artifacts import read_manifest
 
     plan_path = out_dir / f"{hw}.yaml"
     ours = plan_owner(plan_path) == key

@@ -129,7 +129,7 @@ def trial_root(s: Setup, number: int) -> Path:
 def trial_graphs(s: Setup, plan, number: int) -> Path | None:
     """The compiled directory of trial ``number``'s ``plan`` (None: the eager backend), compiled
     again when the trial left none that matches (a pruned trial, a study of an older tune)."""
-    from ..plan import check_artifacts
+    from ..compiled import check_artifacts
     from .compile import compile_plan
 
     if plan.backend == "eager":
@@ -167,7 +167,7 @@ def clean_trial_dirs(s: Setup, study) -> None:
 def adopt_trial_graphs(s: Setup, plan, number: int) -> bool:
     """Move the best trial's compiled directory to ``compile/<hw>`` when its artifacts match
     ``plan`` (artifacts are path-independent); False when there is none to move."""
-    from ..plan import check_artifacts
+    from ..compiled import check_artifacts
 
     src = trial_root(s, number) / s.hw
     if plan.backend == "eager" or not src.is_dir() or check_artifacts(plan, src):

@@ -1,31 +1,105 @@
 """The offline artifacts the runtime reads (a latency profile, an acceptance calibration, a depth
-predictor's manifest): their kinds and format version, the identity of the models they were measured
-for, and reading one's JSON with a one-line error naming what is wrong.
+predictor's manifest, a compiled plan's directory): their kinds and format version, the identity of
+the models they were measured for, and reading one's JSON with a one-line error naming what is wrong.
 
-A profile holds for the plan's :func:`timing_identity` (latency depends on shapes, dtype and
-backend), a calibration and a predictor for its :func:`pair_identity` (acceptance depends on the
-drafter's weights too); a reader refuses an artifact of another identity, naming the first key
+The models are known by their files (:func:`model_fingerprints`: size, mtime, small files'
+sha256). A profile holds for the plan's :func:`timing_identity` (latency depends on shapes, dtype
+and backend), a calibration and a predictor for its :func:`pair_identity` (acceptance depends on
+the drafter's weights too); a reader refuses an artifact of another identity, naming the first key
 that differs (:func:`first_difference`).
+
+The artifacts of a compiled plan live in one directory (``compile/<name>/``)::
+
+    manifest.json      the plan and its hash, model fingerprints, torch/python versions and a
+                       hash of yggtree's runtime sources (:func:`versions`), backend, dtype, the
+                       padding of short packed products (``packed_min_rows``), every graph
+                       (shapes, compile seconds, sha256), size on disk; paths relative to the
+                       directory
+    plan.yaml          the plan as compiled (paths rewritten relative to this directory)
+    graphs/            one AOTInductor package per block shape (block-<kind>-w<W>-c<C>.pt2)
+                       and per plain-step context bucket (step-<key>-w1-c<C>.pt2)
+
+Whether they match a plan: ``yggtree.compiled.check_artifacts``. A ``plan`` here is a
+:class:`yggtree.plan.Plan`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import platform
 import time
 from pathlib import Path
 
 from ..errors import YggError
-from ..files import read_json
-from ..plan import model_fingerprints
+from ..files import file_sha256, read_json
 
 __all__ = [
     "PROFILE_KIND", "CALIBRATION_KIND", "FORMAT_VERSION", "timing_identity", "pair_identity",
-    "first_difference", "read_artifact", "artifact_head",
+    "first_difference", "read_artifact", "artifact_head", "DEFAULT_DRAFTER_DIR", "model_fingerprints",
+    "is_documentation", "MANIFEST", "PLAN_COPY", "MANIFEST_FORMAT", "CACHE_SUBDIR", "cache_dir",
+    "read_manifest", "GRAPH_SOURCES", "runtime_code_hash", "versions",
 ]
 
 PROFILE_KIND = "yggtree-profile"
 CALIBRATION_KIND = "yggtree-acceptance-calibration"
 FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PLAN_COPY = "plan.yaml"
+MANIFEST_FORMAT = 2  # 2: AOTInductor packages (1 was an inductor cache read through dynamo)
+CACHE_SUBDIR = "graphs"  # AOTInductor packages (one .pt2 per block shape)
+# the trained EAGLE head for the embedded default target (yggtree distill; see its manifest.json)
+DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m-eagle"
+
+
+# ----------------------------------------------------------------------------- model files
+
+
+def _file_print(p: Path, role: str) -> dict:
+    st = p.stat()
+    d = {"role": role, "path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if p.name == "config.json" or (p.suffix in (".json", ".yaml") and st.st_size < (1 << 20)):
+        d["sha256"] = file_sha256(p)
+    return d
+
+
+def _resolve_model_path(role: str, name: str | None) -> Path | None:
+    """The file or directory behind a plan's target/drafter (None: nothing on disk to track)."""
+    if name is None or name == "self":
+        return None
+    if name == "default":
+        if role == "target":
+            from .loading import default_model_path  # imports torch; only here
+
+            return default_model_path()
+        return DEFAULT_DRAFTER_DIR  # the shipped default drafter
+    return Path(name)
+
+
+def is_documentation(path: str | Path) -> bool:
+    """A model directory's documentation (``*.md``): no model file (editing it changes no weight)."""
+    return Path(path).suffix == ".md"
+
+
+def model_fingerprints(plan) -> list[dict]:
+    """Size and mtime (plus sha256 of small config files) of every model file the plan uses.
+
+    A directory (HF checkpoint, EAGLE head) contributes every regular file at its top level but
+    its documentation (``*.md``: a README edited after the compile changes no weight)."""
+    out = []
+    for role in ("target", "drafter"):  # the plan's models (plan.MODEL_KEYS)
+        p = _resolve_model_path(role, getattr(plan, role))
+        if p is None:
+            continue
+        if not p.exists():
+            out.append({"role": role, "path": str(p), "missing": True})
+        elif p.is_dir():
+            out += [_file_print(f, role) for f in sorted(p.iterdir()) if f.is_file() and not is_documentation(f)]
+        else:
+            out.append(_file_print(p, role))
+    return out
+
+
+# ----------------------------------------------------------------------------- identities and reading
 
 
 def _entries(plan, role: str) -> list[dict]:
@@ -91,3 +165,51 @@ def read_artifact(path: str | Path, what: str, kind: str, version: int = FORMAT_
         raise YggError(f"{what} {p} has format version {d.get('version')!r}, expected {version}")
     return d
 
+
+# ----------------------------------------------------------------------------- compiled plans
+
+
+def cache_dir(art_dir: str | Path) -> Path:
+    """The directory of compiled graph packages inside an artifact directory."""
+    return Path(art_dir) / CACHE_SUBDIR
+
+
+# the runtime sources compiled graphs are traced from (decoder block, KV cache, the export
+# wrapper); the rest of the runtime only decides which shapes are called, and a shape without a
+# graph is refused loudly at warm-up
+# packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
+# (csrc/w4a8.cpp is not traced: packages call the op, which the process loads); steps.py: the
+# step functions a whole-step package inlines
+GRAPH_SOURCES = ("aoti.py", "eagle.py", "kernels.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "steps.py",
+                 "w4a8.py")
+
+
+def runtime_code_hash() -> str:
+    """sha256 (16 hex digits) of the runtime sources the compiled graphs are traced from."""
+    h = hashlib.sha256()
+    for name in GRAPH_SOURCES:
+        f = Path(__file__).parent / name
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def versions() -> dict:
+    """What compiled graphs depend on besides the plan and the models."""
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "yggtree_runtime": runtime_code_hash(),
+    }
+
+
+def read_manifest(art_dir: str | Path) -> dict | None:
+    """The manifest in ``art_dir``, or None if absent; YggError if unreadable."""
+    p = Path(art_dir) / MANIFEST
+    if not p.is_file():
+        return None
+    m = read_json(p, "manifest")
+    if not isinstance(m, dict):
+        raise YggError(f"manifest {p} is not a JSON object")
+    return m

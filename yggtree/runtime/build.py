@@ -8,13 +8,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import (cache_dir, plan_kernel, plan_min_rows,  # noqa: F401  (re-exported)
-                    plan_prefetch, profile_invariance, read_manifest)
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, Envelope, TreeParams, measured_prefetch
+from .artifacts import cache_dir, read_manifest
 from .engine import Engine, EngineConfig
 from .graphs import backend_device, check_backend
 from .hugepages import move_to_huge_pages
 from .kv_cache import KVCache
+from .padding import plan_kernel, plan_min_rows, plan_prefetch, profile_invariance
 from .policy import FixedPolicy
 from .prepare import prepare_models, spec_rows
 from .schedule import resolve_plan
@@ -65,9 +65,9 @@ class EngineSpec:
         ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
         caches so that every width of the plan fits, and :func:`warm_plan` then builds the rest.
         ``mode`` defaults to performance, or reference for the eager backend. ``min_rows``
-        defaults to the padding the plan's profile measured (:func:`yggtree.plan.plan_min_rows`),
-        ``kernel`` defaults to the product kernel it measured fastest (:func:`yggtree.plan.plan_kernel`)
-        and ``prefetch`` then to the setting measured with it (:func:`yggtree.plan.plan_prefetch`);
+        defaults to the padding the plan's profile measured (:func:`padding.plan_min_rows`),
+        ``kernel`` defaults to the product kernel it measured fastest (:func:`padding.plan_kernel`)
+        and ``prefetch`` then to the setting measured with it (:func:`padding.plan_prefetch`);
         a caller naming the kernel names its setting (None: the kernel library's default)."""
         check_backend(plan.backend)
         if mode is None:
@@ -213,8 +213,8 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
                       stages: str = "auto", threads: int = 0, min_rows: int | None = None, kernel: str | None = None,
                       speculate: bool = True, prefetch: tuple[int, int] | None = None):
     """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
-    plan's artifact directory, see ``yggtree.plan.artifact_dir``; check it first with
-    ``yggtree.plan.check_artifacts``) and performance mode, the blocks of the target and the
+    plan's artifact directory, see ``yggtree.compiled.artifact_dir``; check it first with
+    ``yggtree.compiled.check_artifacts``) and performance mode, the blocks of the target and the
     drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
     Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start).
     ``min_rows`` and ``kernel`` override the padding of short packed products and their kernel

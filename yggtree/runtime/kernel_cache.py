@@ -4,7 +4,7 @@
 padding an engine without a profile runs, and caches each answer under the user cache directory
 (``kernels/choice-*.json``), keyed by everything it depends on: the device, the thread count, the
 model file, dtype, weight format, widths, the torch version and the kernel library's sources.
-This module holds the key, the file and the reading, so that the run side (``yggtree.plan``'s
+This module holds the key, the file and the reading, so that the run side (runtime/padding.py's
 ``plan_kernel`` for a plan without a profile) reads a choice without importing the measurement.
 
 ``YGGTREE_KERNEL=torch`` (or ``tiled``) in the environment stands for a choice of that kernel

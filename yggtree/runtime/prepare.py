@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import YggError
-from ..plan import DEFAULT_DRAFTER_DIR
 from ..shapes import check_sizes, kv_cache_dtype, weight_format
+from .artifacts import DEFAULT_DRAFTER_DIR
 from .drafters import Drafter, LMDrafter, check_pair
 from .loading import load_model, load_tokenizer, resolve_model
 from .model import Transformer, attention_rows, set_invariant_rows, set_kv_dtype
