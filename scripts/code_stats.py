@@ -1,6 +1,7 @@
 """Code size and structure of a checkout (docs/design.md, "Code size and structure"): README lines,
 the largest modules, classes and functions of the package (lines, read with ``ast``), functions over
-100 lines, imports inside functions, import cycles (the import graph of tests/test_layers.py) and,
+100 lines, imports inside functions, import cycles (the import graph of tests/test_layers.py), the
+runtime's imports of top-level modules other than the helpers (back-edges) and,
 where the ``duplicates`` command is on PATH, its pair and file counts for yggtree/ and tests/.
 
     python scripts/code_stats.py [CHECKOUT ...]     # default: this checkout; one column each
@@ -17,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE / "tests"))
-from test_layers import import_cycles, import_graph  # noqa: E402
+from test_layers import HELPERS, import_cycles, import_graph  # noqa: E402
 
 
 def _span(node: ast.AST) -> int:
@@ -52,7 +53,11 @@ def stats(root: Path) -> dict[str, str]:
                                    if isinstance(n, (ast.Import, ast.ImportFrom))}
     top = lambda rows, n=3: ", ".join(f"{name} {size}" for size, name in sorted(rows, reverse=True)[:n])  # noqa: E731
     long = sorted((r for r in funcs if r[0] > 100), reverse=True)
-    cycles = import_cycles(import_graph(root))
+    graph = import_graph(root)
+    cycles = import_cycles(graph)
+    # the runtime reaching above itself: imports of a top-level module other than the helpers
+    up = sorted(f"{a[8:]}->{b[8:]}" for a, bs in graph.items() if a.startswith("yggtree.runtime") for b in bs
+                if not b.startswith("yggtree.runtime") and b not in HELPERS)
     return {
         "README.md lines": str(len((root / "README.md").read_text().splitlines())),
         "package: files, lines": f"{len(files)}, {sum(m[0] for m in modules)}",
@@ -62,6 +67,7 @@ def stats(root: Path) -> dict[str, str]:
         "functions over 100 lines": f"{len(long)}" + (f" ({top(long, len(long))})" if long else ""),
         "imports inside functions": str(len(nested_imports)),
         "import cycles": str(len(cycles)) + "".join(f" [{' <-> '.join(c)}]" for c in cycles),
+        "runtime imports from above": str(len(up)) + (f" ({', '.join(up)})" if up else ""),
         "duplicates yggtree/": _duplicates(root / "yggtree"),
         "duplicates tests/": _duplicates(root / "tests"),
     }
