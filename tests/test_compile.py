@@ -117,8 +117,13 @@ def test_compile_builds_every_graph_once(compiled):
     assert drafter == {1: "shared", 2: "shared"}  # the self-drafter shares the target's graphs
     assert m["n_graphs"] == last["graphs"] == 4
     assert all(r["compile_s"] > 0 for r in m["graphs"] if r["cache"] == "compiled")
-    files = sorted(p.name for p in (art / CACHE_SUBDIR).iterdir() if p.name != BUILD_KEY)  # + the build key
+    cache = art / CACHE_SUBDIR  # the packages, each with its checksum beside it, and the build key
+    files = sorted(p.name for p in cache.iterdir() if p.suffix == ".pt2")
     assert files == sorted({r["file"] for r in m["graphs"]}) and len(files) == 4
+    assert sorted(p.name for p in cache.iterdir() if p.suffix != ".pt2") == sorted(
+        [BUILD_KEY] + [f.replace(".pt2", ".sha256") for f in files])
+    assert all((cache / f).with_suffix(".sha256").read_text().strip() == r["sha256"]
+               for r in m["graphs"] for f in [r["file"]])
     assert sum(f.startswith("step-") for f in files) == 2
     assert not list(art.glob("build-*")) and m["size_bytes"] > 0  # the scratch build dir is gone
     # model files (and the embedded plan's paths) are recorded relative to the artifact directory

@@ -167,6 +167,7 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
     run_cmd._pick_plan(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be built" in err[0] and args.mode == "reference"
+    assert args.machine_build == "unbuildable"  # the summary does not say it is being built
 
 
 def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):

@@ -211,7 +211,7 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     torch.set_num_threads(mp.threads)
     what = "whole-step packages" if whole else "block packages"
     say(f"compiling {plan.name}'s {what} ({mp.weights or 'float32'} weights) into {root}")
-    compile_plan(plan, root, replace=True, whole=whole, reuse=reuse)
+    compile_plan(plan, root, replace=True, whole=whole, reuse=reuse, workers=0)  # a package per core at once
     art = artifact_dir(plan, root)
     say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the {what} for the latency profile")
     padding = cached_padding(plan)

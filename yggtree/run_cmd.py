@@ -266,16 +266,17 @@ def _machine_plan(args, device: dict, waiting) -> bool:
                          f"{'' if whole else '; its whole-step packages are being built in the background'})\n")
         args.plan, args.machine_build = str(path), "done" if whole else "blocks"
         return True
+    args.machine_build = "pending"
     try:
         line = mp.start()
     except OSError as e:
         line = f"this machine's plan cannot be built in {mp.root} ({e.strerror or e})"
+        args.machine_build = "unbuildable"
     if why != machine_plan.NOT_BUILT:  # built once, no longer usable (a damaged package, new code)
         line = f"this machine's plan is stale ({why}): {line}"
     sys.stderr.write(f"yggtree: {line}; meanwhile plain decoding, uncompiled\n")
     args.mode = "reference"  # eager: nothing to compile before the first token (every core: the
     # build runs only on CPU time the run leaves idle, machine_plan._yield_to_runs)
-    args.machine_build = "pending"
     return True
 
 
@@ -400,7 +401,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     kw = {"policy": policy, "on_step": on_step} if policy is not None else {}
     ran = {"weights": getattr(args, "ran_weights", None), "speculative": engine.drafter is not None}
     if getattr(args, "machine_build", None):
-        ran["machine_build"] = args.machine_build  # this machine's plan: pending (building) | done
+        ran["machine_build"] = args.machine_build  # this machine's plan: pending (building) | blocks | done | unbuildable
     if args.json:
         res = engine.generate(ids, params, trace=trace, **kw)
         res.stats.update(ran)
@@ -434,7 +435,8 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     if note and "aal" not in s:
         what += f" ({note})"
     build = {"pending": ", this machine's plan: building in the background",
-             "done": ", this machine's plan", "blocks": ", this machine's plan (block packages)"}.get(ran.get("machine_build"), "")
+             "done": ", this machine's plan", "blocks": ", this machine's plan (block packages)",
+             "unbuildable": ", this machine's plan: cannot be built here"}.get(ran.get("machine_build"), "")
     sys.stderr.write(
         f"[{s['new_tokens']} tokens, decode {s['decode_tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
         f"{what}, compile {s['compile_s']:.1f} s{build}, finish: {res.finish_reason}]\n"

@@ -43,7 +43,6 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -64,6 +63,7 @@ from ..runtime.artifacts import (
     versions,
 )
 from ..runtime.padding import plan_kernel, plan_min_rows, plan_prefetch
+from ..runtime.schedule import usable_cores
 
 from .plan_search import search_plan
 
@@ -144,8 +144,8 @@ def _roles_drafter(plan: Plan, w: int, head: int) -> str:
 # ----------------------------------------------------------------------------- the build
 
 
-def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: bool = True
-                  ) -> tuple[list[dict], dict]:
+def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: bool = True,
+                  workers: int = 1) -> tuple[list[dict], dict]:
     """Prepare the plan's models as its engine does (``runtime.prepare.prepare_models``: packed
     products padded to ``min_rows``, raised where a speculative plan's padding is not
     batch-invariant here), record every block shape the engine's warm-up asks for
@@ -189,7 +189,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: b
         else:
             compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, path)
 
-    secs, sums = _compile_packages(jobs, out, progress, task, build)
+    secs, sums = _compile_packages(jobs, out, progress, task, build, workers)
     records = [*_block_records(plan, rec, uses, secs, sums)]
     for key, scope in jobs.items():
         if scope == "step":
@@ -256,31 +256,30 @@ def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_
 
 
 def _compile_packages(jobs: dict[tuple[str, int, int], str], out: Path, progress, task,
-                      build) -> tuple[dict, dict]:
+                      build, workers: int = 1) -> tuple[dict, dict]:
     """Each package of ``jobs`` written into ``out`` by ``build(key, scope, path)``, unless one is
     there already (a stopped build's of the same key, or linked: kept); ``(seconds, sha256)`` by
     key (0 s for a kept one). Each is written under a partial name and renamed: a stopped
-    compile leaves no package."""
+    compile leaves no package. ``workers`` > 1: that many built at once, each in a forked child
+    (:mod:`yggtree.offline.build_jobs`)."""
     from ..runtime.aoti import package_name
+    from .build_jobs import run_here, run_in_children
 
     progress.update(task, total=len(jobs), completed=0)
     secs: dict[tuple[str, int, int], float] = {}
     sums: dict[tuple[str, int, int], str] = {}  # each package's sha256, checked at every load
+    todo = []
     for key, scope in jobs.items():
-        kind, w, c = key
-        progress.update(task, description=f"{scope} W={w} C={c}")
-        t = time.perf_counter()
-        name = package_name(kind, w, c, scope)
+        name = package_name(*key, scope)
         if (out / name).is_file():  # built by a stopped build of the same key, or linked
             secs[key], sums[key] = 0.0, file_sha256(out / name)
             progress.update(task, advance=1)
-            continue
-        part = out / f"partial-{name}"
-        with warnings.catch_warnings():  # torch's own pytree deprecation noise while packaging
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*treespec")
-            build(key, scope, part)
-        os.replace(part, out / name)
-        secs[key] = time.perf_counter() - t
+        else:
+            todo.append((key, scope, name))
+    parallel = workers > 1 and len(todo) > 1
+    for key, name, dt in (run_in_children(todo, out, build, progress, task, workers) if parallel
+                          else run_here(todo, out, build, progress, task)):
+        secs[key] = dt
         sums[key] = file_sha256(out / name)
         (out / name).with_suffix(".sha256").write_text(sums[key] + "\n")  # finished: _finished
         progress.update(task, advance=1)
@@ -456,7 +455,7 @@ def _seed_packages(out: Path, key: dict, reuse: tuple[Path, ...]) -> int:
 
 
 def _build_with_progress(plan: Plan, art: Path, console, min_rows: int, whole: bool = True,
-                         reuse: tuple[Path, ...] = ()) -> tuple[list[dict], dict]:
+                         reuse: tuple[Path, ...] = (), workers: int = 1) -> tuple[list[dict], dict]:
     """Every graph of ``plan`` built into ``art``'s package cache, with a progress bar on ``console``."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -477,7 +476,7 @@ def _build_with_progress(plan: Plan, art: Path, console, min_rows: int, whole: b
     with tempfile.TemporaryDirectory(prefix="build-", dir=art) as scratch, inductor_cache(scratch), \
             Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("loading", total=None)
-        return _build_graphs(plan, progress, task, out, min_rows, whole)
+        return _build_graphs(plan, progress, task, out, min_rows, whole, workers)
 
 
 def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records: list[dict], info: dict,
@@ -535,6 +534,7 @@ def compile_plan(
     replace: bool = False,
     whole: bool = True,
     reuse: tuple[Path, ...] = (),
+    workers: int = 1,
 ) -> dict:
     """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
     ``status`` = ``compiled`` | ``up-to-date`` | ``plan-updated``, ``dir`` and ``wall_s``).
@@ -548,7 +548,8 @@ def compile_plan(
     ``whole=False`` builds the block packages alone (a run of them computes the same bits, its
     steps a little slower); a later ``whole`` build adds the whole-step and drafter-call packages.
     A build stopped halfway resumes: the packages it finished are kept (same build key). ``reuse``:
-    other artifact directories whose packages of the same key are linked instead of compiled."""
+    other artifact directories whose packages of the same key are linked instead of compiled.
+    ``workers``: packages built at once (each in a forked child; 0: one per usable core)."""
     from ..runtime.graphs import check_backend
 
     t_start = time.perf_counter()
@@ -568,7 +569,8 @@ def compile_plan(
     min_rows = plan_min_rows(plan)  # the padding of packed products the packages hold
     records, info = [], {"load_s": 0.0, "n_slots": None, "threads": None}
     if plan.backend != "eager":
-        records, info = _build_with_progress(plan, art, console, min_rows, whole, tuple(reuse))
+        records, info = _build_with_progress(plan, art, console, min_rows, whole, tuple(reuse),
+                                             workers or usable_cores())
     built_rows = info.get("min_rows", min_rows)  # raised where the plan's is not batch-invariant here
     save_plan(plan, art / PLAN_COPY)
     manifest = _manifest(plan, art, prints, built_rows, records, info, stale, built_with)
@@ -691,6 +693,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="compile", metavar="DIR", help="artifact root: DIR/<plan-name>/ (default: compile)")
     p.add_argument("--force", action="store_true", help="rebuild from an empty cache; replace another plan's artifacts")
     p.add_argument("--json", action="store_true", help="print only the JSON line (no table)")
+    p.add_argument("--jobs", type=int, default=0, metavar="N",
+                   help="packages built at once, each in its own process (default 0: one per usable core)")
 
 
 def run(args) -> int:
@@ -698,7 +702,9 @@ def run(args) -> int:
     from rich.console import Console
 
     plan = load_plan(args.plan)
-    summary = compile_plan(plan, args.out, force=args.force)
+    if args.jobs < 0:
+        raise YggError(f"--jobs must be >= 0, got {args.jobs}")
+    summary = compile_plan(plan, args.out, force=args.force, workers=args.jobs)
     if not args.json:
         con = Console(width=None if sys.stdout.isatty() else 140)
         if summary["status"] == "up-to-date":
