@@ -67,3 +67,28 @@ def test_a_failing_build_falls_back_to_torchs_kernels_in_one_line(monkeypatch, t
     assert len(err) == 1 and "(tiled_mm.cpp:9: error: no compiler here)" in err[0]
     assert err[0].startswith("yggtree: building the kernel library in ") and err[0].endswith(
         "; products run on torch's kernels instead")
+
+
+def test_an_unwritable_cache_builds_in_a_temporary_directory_with_one_line(monkeypatch, tmp_path, capsys):
+    """A cache directory that cannot be written (here: under a file, which no user can make a
+    directory in) does not stop a run: the library is built in a temporary directory, removed
+    once loaded, and one stderr line says so."""
+    from yggtree.runtime import kernels
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    built = []
+
+    def build_and_load(build):
+        built.append(build)
+        assert build.is_dir() and not build.is_relative_to(blocked)
+        (build / "yggtree_kernels.so").write_text("")  # what a build leaves there
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(kernels, "_build_and_load", build_and_load)
+    monkeypatch.setattr(kernels, "isa", lambda: "avx2")
+    kernels.load_library.__wrapped__()
+    err = capsys.readouterr().err.splitlines()
+    assert len(built) == 1 and not built[0].exists()  # built there, then removed
+    assert len(err) == 1 and err[0].startswith(f"yggtree: the kernel cache {blocked}/yggtree/kernels/")
+    assert err[0].endswith("the kernel library is built in a temporary directory, not kept")

@@ -155,13 +155,29 @@ def library_dir() -> Path:
 @functools.cache
 def load_library() -> None:
     """Build (first use on this machine and torch) and load the kernel library; YggError in one
-    line where it cannot run here."""
-    chosen = isa()
+    line where it cannot run here. Where the cache cannot be written (read-only, not a
+    directory) the library is built in a temporary directory, removed once loaded, with one
+    stderr line: the run goes on, uncached."""
+    import tempfile
+
+    build = library_dir()
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        open(build / "build.lock", "a").close()
+    except OSError as e:
+        sys.stderr.write(f"yggtree: the kernel cache {build} cannot be written ({e.strerror or e}): the kernel "
+                         "library is built in a temporary directory, not kept\n")
+        with tempfile.TemporaryDirectory(prefix="yggtree-kernels-") as tmp:
+            _build_and_load(Path(tmp))
+        return
+    _build_and_load(build)
+
+
+def _build_and_load(build: Path) -> None:
+    """Build the library for this CPU's instruction set in ``build`` (unless built there) and load it."""
     from torch.utils import cpp_extension
 
-    cflags = CFLAGS + ISAS[chosen][1]
-    build = library_dir()
-    build.mkdir(parents=True, exist_ok=True)
+    cflags = CFLAGS + ISAS[isa()][1]
     try:
         with build_lock(build):
             cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(cflags),
