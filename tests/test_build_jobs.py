@@ -52,3 +52,43 @@ def test_a_failing_child_is_raised_in_one_line_naming_its_package(tmp_path):
     assert str(e.value) == ("building package block-w3-c256.pt2 failed: RuntimeError: inductor could not "
                             "lower this")
     assert not (tmp_path / "block-w3-c256.pt2").exists()  # only the partial name holds half a package
+
+
+def test_children_die_with_their_parent(tmp_path):
+    """A build killed outright (SIGKILL: it cannot stop its children) leaves no child building."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = f"""
+import time
+from pathlib import Path
+from yggtree.offline.build_jobs import run_in_children
+class P:
+    def update(self, task, **kw): pass
+def build(key, scope, path):
+    Path({str(tmp_path)!r}, f"child-{{key[1]}}").write_text(str(__import__("os").getpid()))
+    time.sleep(60)
+list(run_in_children([(("b", w, 1), "block", f"b{{w}}.pt2") for w in (1, 2)], Path({str(tmp_path)!r}), build, P(), None, 2))
+"""
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 30
+    while len(list(tmp_path.glob("child-*"))) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in tmp_path.glob("child-*")]
+    assert len(pids) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

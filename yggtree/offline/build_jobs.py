@@ -13,7 +13,8 @@ parent's thread count (inductor's ``cpp.threads``, which a package's own configu
 still override), exactly as a build in the parent would compile them. A child that fails writes
 its error's first line beside the partial package and exits non-zero; the parent then stops the
 others and raises it in one line. Ctrl-C reaches the children too (same process group); the
-parent kills what is left and re-raises.
+parent kills what is left and re-raises; a parent killed outright takes its children with it
+(they ask the kernel for that first).
 """
 
 from __future__ import annotations
@@ -51,10 +52,26 @@ def run_here(jobs: list[Job], out: Path, build, progress, task) -> Iterator[tupl
         yield key, name, time.perf_counter() - t
 
 
-def _child(build, key: Key, scope: str, out: Path, name: str, threads: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent dies (a parent killed outright, which
+    cannot stop its children itself; Linux only, elsewhere nothing); a parent that died before
+    that: exit now."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _child(build, key: Key, scope: str, out: Path, name: str, threads: int, parent: int) -> None:
     """A forked child's whole life: build one package, exit 0 (or write the error, exit 1)."""
     code = 1
     try:
+        _die_with_parent(parent)
         sys.stdout = open(os.dup(1), "w")  # fresh stream objects: a parent thread may have held
         sys.stderr = open(os.dup(2), "w")  # the inherited ones' locks when it forked
         import torch
@@ -81,7 +98,7 @@ def run_in_children(jobs: list[Job], out: Path, build, progress, task, workers: 
     each finishes. YggError naming the package where one fails."""
     import torch
 
-    threads = torch.get_num_threads()
+    threads, parent = torch.get_num_threads(), os.getpid()
     pending, running = list(jobs), {}  # pid -> (key, name, start)
     try:
         while pending or running:
@@ -91,7 +108,7 @@ def run_in_children(jobs: list[Job], out: Path, build, progress, task, workers: 
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(build, key, scope, out, name, threads)
+                    _child(build, key, scope, out, name, threads, parent)
                 running[pid] = (key, name, time.perf_counter())
             progress.update(task, description=", ".join(f"W={k[1]} C={k[2]}" for k, _, _ in running.values()))
             pid, status = os.wait()
