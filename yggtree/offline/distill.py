@@ -135,7 +135,11 @@ def distill(
     prompt_ids: list[list[int]] | None = None,
 ) -> dict:
     """The whole pipeline; returns the manifest. ``target``, ``tokenizer`` and ``prompt_ids``
-    (token ids of chat-templated prompts) may be given directly: tests use a tiny random target."""
+    (token ids of chat-templated prompts) may be given directly: tests use a tiny random target.
+
+    It reads better whole: one pipeline in the order it runs (data, draft vocabulary, head,
+    training, the head saved, the manifest), whose steps share a dozen values the manifest
+    records; split, each part would take most of them as arguments."""
     from ..runtime.eagle import EagleDrafter, save_eagle
 
     check_config(cfg)

@@ -271,16 +271,23 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     if forms is not None:  # profile_stages.py: ahead-of-time and overlapped stage times
         profile["stage_forms"] = forms
     profile["pruning_share"] = pruning_share(CostModel.from_profile_dict(profile), plan, contexts)
-    attn = next((m.native_rows for m in engine.target.modules() if getattr(m, "native_rows", None)), None)
-    if attn is not None:  # the library's attention the curves ran (runtime/kernels.py attention_kernel)
-        from ..runtime.attention_choice import attention_kernel
-        from ..runtime.kernels import library_dir
-
-        cfg = engine.target.cfg
-        profile["attention_kernel"] = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads,
-                                                       library_dir()) | {
-            "ran": attn}
+    attn = _attention_record(engine, threads)
+    if attn is not None:
+        profile["attention_kernel"] = attn
     return profile
+
+
+def _attention_record(engine, threads: int) -> dict | None:
+    """The kernel library's attention ``engine``'s target ran while timed, as the profile records
+    it (runtime/kernels.py attention_kernel, and what ran); None where it runs none."""
+    attn = next((m.native_rows for m in engine.target.modules() if getattr(m, "native_rows", None)), None)
+    if attn is None:
+        return None
+    from ..runtime.attention_choice import attention_kernel
+    from ..runtime.kernels import library_dir
+
+    cfg = engine.target.cfg
+    return attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads, library_dir()) | {"ran": attn}
 
 
 def measure_compiled_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str) -> dict:
