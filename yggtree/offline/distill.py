@@ -277,7 +277,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap")
     g.add_argument("--gen-batch", type=int, default=d.gen_batch)
     g.add_argument("--teacher-dtype", default=d.teacher_dtype, choices=["float32", "bfloat16"],
-                   help="target dtype while answering the prompts (bfloat16: ~2x faster on AVX-512 BF16)")
+                   help="target dtype while answering the prompts (bfloat16: faster on CPUs with AVX-512 BF16)")
     g.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
     g.add_argument("--val-frac", type=float, default=d.val_frac)
     g.add_argument("--cache-dir", default=None, help="teacher data cache (default ~/.cache/yggtree/distill)")

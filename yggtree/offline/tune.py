@@ -27,7 +27,7 @@ Phases (each reports its wall time; every valid artifact found is reused and nam
    (one engine each, warmed once; every candidate on a prompt before the next, the order
    rotating); the fastest over those prompts wins, its speed over the base plan's given with a
    95% bootstrap interval over prompts. The highest of several few-prompt trial measurements
-   alone is a winner's curse: per-prompt speed varies about 2x with the prompt.
+   alone is a winner's curse: per-prompt speed varies widely with the prompt.
 5. compile + report (:mod:`.tune_finish`): the winner becomes ``profiles/NAME.yaml`` (written
    last, whole or not at all), compiled into ``compile/NAME/``; ``profiles/NAME.tuning.json``
    (phases, best trials, the confirmation, Pareto front of speed vs graphs to compile), a rich
