@@ -393,7 +393,7 @@ def plan_format(plan, formats: list[str], quant_dtype: str) -> str | None:
 def build_systems(args, src, formats: list[str], tree, plans, threads: int, say) -> list[System]:
     """Every system, built (engines compiled, transformers loaded), in table order."""
     from yggtree.bench import load_hf_model
-    from yggtree.offline.profile import model_padding
+    from yggtree.offline.profile_padding import model_padding
     from yggtree.runtime.packed import min_rows_of
     from yggtree.runtime.build import EngineSpec, build_engine
     from yggtree.runtime.engine import TreeParams

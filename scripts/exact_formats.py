@@ -108,7 +108,7 @@ def run(args) -> int:
     import torch
 
     from yggtree.data import interleave, load_prompts
-    from yggtree.offline.profile import model_padding
+    from yggtree.offline.profile_padding import model_padding
     from yggtree.runtime.build import EngineSpec, build_engine
     from yggtree.runtime.engine import SamplingParams, TreeParams
     from yggtree.runtime.loading import load_tokenizer, resolve_model

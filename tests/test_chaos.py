@@ -188,7 +188,8 @@ def half_safetensors(monkeypatch, name_part: str) -> None:
                                    pytest.param("baseline-mid-write", marks=pytest.mark.slow),
                                    "manifest-mid-write", "records-mid-write"])
 def test_interrupted_train_predictor_is_refused_then_repaired(records, tmp_path, monkeypatch, capsys, point):
-    from yggtree.offline.train_predictor import load_records, main as train_main
+    from yggtree.offline.predictor_records import load_records
+    from yggtree.offline.train_predictor import main as train_main
     from yggtree.runtime.predictor import MANIFEST_FILE, load_predictor
 
     plan, plan_path, a, b = records
@@ -198,7 +199,7 @@ def test_interrupted_train_predictor_is_refused_then_repaired(records, tmp_path,
     if point == "records-mid-write":  # the records file itself (save_records) stops half-way
         from test_predictor import synthetic
 
-        from yggtree.offline.train_predictor import save_records
+        from yggtree.offline.predictor_records import save_records
 
         with monkeypatch.context() as m:
             half_safetensors(m, ".c.partial")

@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def counted(monkeypatch):
     """model_padding replaced by a fake that records its calls and answers ``answer``."""
-    from yggtree.offline import profile
+    from yggtree.offline import profile_padding
 
     calls = []
     answer = {"kernel": "tiled", "min_rows": 1, "products": 3, "median_ms": {"1": 2.0, "tiled": 1.0},
@@ -38,7 +38,7 @@ def counted(monkeypatch):
         calls.append((src.path, dtype, weights, tuple(widths), torch.get_num_threads()))
         return dict(answer, widths=sorted(set(widths)))
 
-    monkeypatch.setattr(profile, "model_padding", fake)
+    monkeypatch.setattr(profile_padding, "model_padding", fake)
     return calls
 
 

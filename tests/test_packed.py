@@ -283,7 +283,7 @@ def test_padded_model_is_bitwise_the_unpadded_one(min_rows):
 def test_profile_times_every_padding_of_one_step():
     """The profile's measurement: one row through every packed product of the model per
     variant; which variant wins is the machine's business, the record's shape is not."""
-    from yggtree.offline.profile import PADDING_ROWS, time_padding
+    from yggtree.offline.profile_padding import PADDING_ROWS, time_padding
 
     m = tiny()
     assert time_padding(m, warmup=0, repeats=1) == {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
@@ -300,10 +300,10 @@ def test_profile_never_records_a_non_invariant_padding(monkeypatch):
     """No padding is fastest, but its one-row products round otherwise than wider ones: the
     profile records that and chooses the fastest invariant padding; when none of its candidates
     is invariant, the smallest invariant padding; when no padding is, it refuses."""
-    import yggtree.offline.profile as profile
+    import yggtree.offline.profile_padding as profile_padding
     import yggtree.runtime.packed as packed
     from yggtree.errors import YggError
-    from yggtree.offline.profile import padding_line, time_padding
+    from yggtree.offline.profile_padding import padding_line, time_padding
 
     m = tiny()
     pack_linears(m)
@@ -314,7 +314,7 @@ def test_profile_never_records_a_non_invariant_padding(monkeypatch):
             f()
         return {r: [1.0 + 0.5 * (int(r) > 1) + 0.01 * int(r)] * repeats for r in variants}
 
-    monkeypatch.setattr(profile, "time_rounds", rounds)
+    monkeypatch.setattr(profile_padding, "time_rounds", rounds)
     few_rows(monkeypatch)
     monkeypatch.setattr(packed, "packed_linear", skewed(real, lambda r, y: 1e-3 * (r == 1)))
     pad = time_padding(m, warmup=1, repeats=3, widths=(6,))

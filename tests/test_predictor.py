@@ -16,10 +16,13 @@ import torch
 from test_eagle import bigram_head, tiny
 from test_objective import cost_model, flat_curve, policy, table
 from yggtree.errors import YggError
-from yggtree.offline.train_predictor import (
-    MLPParams, Records, collect_records, constant_p_ge, data_hash, evaluate, fit_baseline,
-    holdout_mask, length_targets, load_records, save_predictor, save_records, sidecar_path, train_mlp,
+from yggtree.offline.predictor_fit import (
+    MLPParams, constant_p_ge, evaluate, fit_baseline, holdout_mask, length_targets, train_mlp,
 )
+from yggtree.offline.predictor_records import (
+    Records, collect_records, data_hash, load_records, save_records, sidecar_path,
+)
+from yggtree.offline.train_predictor import save_predictor
 from yggtree.plan import validate_plan
 from yggtree.runtime.engine import Engine, EngineConfig, TreeParams
 from yggtree.runtime.calibration import Calibration
@@ -483,7 +486,7 @@ def test_depth_headroom_oracle_is_the_brute_force_best(seed):
     at least every fixed depth's and every predictor's; fixed depths by hand."""
     import itertools
 
-    from yggtree.offline.train_predictor import depth_headroom
+    from yggtree.offline.predictor_fit import depth_headroom
 
     rng = np.random.default_rng(seed)
     s, d = 5, 3

@@ -173,7 +173,7 @@ def test_tiled_engine_speculates_exactly(dtype, hidden):
 
 
 def test_profile_times_both_kernels_and_records_the_choice():
-    from yggtree.offline.profile import PADDING_ROWS, padding_line, time_padding
+    from yggtree.offline.profile_padding import PADDING_ROWS, padding_line, time_padding
 
     m, t = tiny_model(), tiny_model()
     pack_linears(m)
@@ -378,7 +378,7 @@ def test_gguf_q8_0_runs_as_one_int8_stream_on_the_tiled_kernel():
 
 
 def test_profile_times_int8_kernels():
-    from yggtree.offline.profile import kernel_layers, time_padding
+    from yggtree.offline.profile_padding import kernel_layers, time_padding
     from yggtree.runtime.quant import quantize_linears
 
     m, t = tiny_model(), tiny_model()
@@ -466,7 +466,7 @@ def test_the_4bit_kernels_share_their_code_blocks():
 
 
 def test_profile_times_4bit_kernels():
-    from yggtree.offline.profile import kernel_layers, time_padding
+    from yggtree.offline.profile_padding import kernel_layers, time_padding
     from yggtree.runtime.quant import Int4Linear, quantize_linears
 
     m, t = tiny_model(), tiny_model()

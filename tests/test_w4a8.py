@@ -95,7 +95,7 @@ def test_the_prefetch_setting_changes_no_result(bits):
 def test_the_w4a8_products_prefetch_distance_is_measured():
     """A w4a8 model has no packed product to pad; the measurement times its products at every
     prefetch setting and records the fastest."""
-    from yggtree.offline.profile import padding_line, prefetch_words, time_padding
+    from yggtree.offline.profile_padding import padding_line, prefetch_words, time_padding
     from yggtree.runtime.kernels import PREFETCH_CHOICES, prefetch_name
 
     m = nn.Sequential(W4A8Linear(random_blocks(64, 64, 4, torch.Generator().manual_seed(0)), None, torch.float32))

@@ -336,42 +336,10 @@ def paired_ratio(rows: list[dict], a: str, b: str, n_boot: int = 4000, seed: int
 
 def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], list[dict], dict]:
     """All systems at one dtype: (table rows, per-prompt records, the matmul floor measurement)."""
-    from .measure.floor import floor_summary, matmul_floor_step, time_calls
-    from .runtime.engine import Engine, EngineConfig
-    from .runtime.loading import load_model
-    from .runtime.prepare import pack_models
-    from .measure.kernel_choice import measured_choice
-    from .runtime.packed import can_pack
+    from .measure.floor import floor_summary, time_calls
 
     status = progress.add_task(f"[{dtype}] loading yggtree weights", total=None)
-    model = load_model(src, dtype)
-    eos = tuple(model.cfg.eos_token_ids)
-    runners = {}
-    compile_s = {}
-    if not args.no_hf:
-        progress.update(status, description=f"[{dtype}] loading transformers model")
-        hf = load_hf_model(src, dtype)
-        runners["hf"] = lambda ids, n: time_hf(hf, ids, n, eos)
-    floor_weights = {"linear": model.matmul_weights()}  # the 7 products per layer eager code runs
-    for system, mode in (("ygg-reference", "reference"), ("ygg-compiled", "performance")):
-        progress.update(status, description=f"[{dtype}] building {system} engine")
-        m = model.shared_copy()
-        choice = {}
-        if mode == "performance":  # as `yggtree run` builds it: the kernel (and prefetch) measured on this CPU
-            choice = measured_choice(src, dtype, None, (1,), torch.get_num_threads())
-            pack_models(m, min_rows=choice["min_rows"], kernel=choice["kernel"])  # a no-op off CPUs
-            fused = m.matmul_weights()  # the products the compiled system runs (q/k/v, gate/up fused)
-            for kernel in ("packed", "tiled"):
-                if can_pack(model, "torch" if kernel == "packed" else kernel):
-                    floor_weights[kernel] = fused
-        engine = Engine(
-            m,
-            EngineConfig(mode=mode, max_context=args.max_context, prefetch=measured_prefetch(choice.get("prefetch"))),
-            eos_ids=eos,
-        )
-        compile_s[system] = engine.compile_s
-        runners[system] = lambda ids, n, e=engine: time_ygg(e, ids, n)
-    floor_steps = {k: matmul_floor_step(ws, 1, kernel=k) for k, ws in floor_weights.items()}
+    runners, compile_s, floor_steps = _dtype_runners(args, src, dtype, progress, status)
 
     for system, run in runners.items():
         progress.update(status, description=f"[{dtype}] warm-up {system}")
@@ -400,10 +368,63 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
     floor["kernel_ms"] = {k: f["median_ms"] for k, f in by_kernel.items()}
     floor["kernel_p10_ms"] = {k: f["p10_ms"] for k, f in by_kernel.items()}
 
+    rows = _dtype_rows(per_repeat, last, len(prompts), dtype, floor, compile_s)
+    records = _dtype_records(prompts, last, dtype)
+    progress.update(status, visible=False)
+    return rows, records, floor
+
+
+def _dtype_runners(args, src, dtype: str, progress, status) -> tuple[dict, dict, dict]:
+    """The systems of :func:`bench_dtype` built: ``(runners, compile_s, floor_steps)``, system ->
+    ``run(ids, n) -> Timing`` and its compile seconds, and per product kernel the matmul floor's
+    step (:func:`yggtree.measure.floor.matmul_floor_step`) of the products the systems run."""
+    from .measure.floor import matmul_floor_step
+    from .runtime.engine import Engine, EngineConfig
+    from .runtime.loading import load_model
+    from .runtime.prepare import pack_models
+    from .measure.kernel_choice import measured_choice
+    from .runtime.packed import can_pack
+
+    model = load_model(src, dtype)
+    eos = tuple(model.cfg.eos_token_ids)
+    runners = {}
+    compile_s = {}
+    if not args.no_hf:
+        progress.update(status, description=f"[{dtype}] loading transformers model")
+        hf = load_hf_model(src, dtype)
+        runners["hf"] = lambda ids, n: time_hf(hf, ids, n, eos)
+    floor_weights = {"linear": model.matmul_weights()}  # the 7 products per layer eager code runs
+    for system, mode in (("ygg-reference", "reference"), ("ygg-compiled", "performance")):
+        progress.update(status, description=f"[{dtype}] building {system} engine")
+        m = model.shared_copy()
+        choice = {}
+        if mode == "performance":  # as `yggtree run` builds it: the kernel (and prefetch) measured on this CPU
+            choice = measured_choice(src, dtype, None, (1,), torch.get_num_threads())
+            pack_models(m, min_rows=choice["min_rows"], kernel=choice["kernel"])  # a no-op off CPUs
+            fused = m.matmul_weights()  # the products the compiled system runs (q/k/v, gate/up fused)
+            for kernel in ("packed", "tiled"):
+                if can_pack(model, "torch" if kernel == "packed" else kernel):
+                    floor_weights[kernel] = fused
+        engine = Engine(
+            m,
+            EngineConfig(mode=mode, max_context=args.max_context, prefetch=measured_prefetch(choice.get("prefetch"))),
+            eos_ids=eos,
+        )
+        compile_s[system] = engine.compile_s
+        runners[system] = lambda ids, n, e=engine: time_ygg(e, ids, n)
+    floor_steps = {k: matmul_floor_step(ws, 1, kernel=k) for k, ws in floor_weights.items()}
+    return runners, compile_s, floor_steps
+
+
+def _dtype_rows(per_repeat: dict, last: dict, n_prompts: int, dtype: str, floor: dict,
+                compile_s: dict) -> list[dict]:
+    """:func:`bench_dtype`'s table rows: per system the medians over repeats (``per_repeat``),
+    against transformers and the floor, and how many of the last repeat's outputs (``last``)
+    equal transformers'."""
     rows = []
     hf_tok_s = [r["tok_s"] for r in per_repeat["hf"]] if "hf" in per_repeat else None
     for system, reps in per_repeat.items():
-        row = {"system": system, "dtype": dtype, "prompts": len(prompts)}
+        row = {"system": system, "dtype": dtype, "prompts": n_prompts}
         for key in ("new_tokens", "tok_s", "ms_per_token", "prefill_ms"):
             row[key] = statistics.median(r[key] for r in reps)
         row["vs_hf"] = (
@@ -417,8 +438,13 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
         else:
             row["identical"], row["compared"] = None, None
         row["compile_s"] = compile_s.get(system)
+        row["floor_gbps"] = floor["gbps"]
         rows.append(row)
+    return rows
 
+
+def _dtype_records(prompts, last: dict, dtype: str) -> list[dict]:
+    """:func:`bench_dtype`'s per-prompt records: each system's last timing of each prompt."""
     records = []
     for i, (pid, ids) in enumerate(prompts):
         rec = {"dtype": dtype, "prompt_id": pid, "prompt_tokens": len(ids)}
@@ -430,10 +456,7 @@ def bench_dtype(args, src, prompts, dtype: str, progress) -> tuple[list[dict], l
                 "identical_to_hf": ts[i].tokens == last["hf"][i].tokens if "hf" in last else None,
             }
         records.append(rec)
-    for row in rows:
-        row["floor_gbps"] = floor["gbps"]
-    progress.update(status, visible=False)
-    return rows, records, floor
+    return records
 
 
 def _fmt(x, spec: str) -> str:

@@ -51,38 +51,56 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
         if was != v:
             what = "yggtree runtime code" if k == "yggtree_runtime" else f"{k} version"
             reasons.append(f"{what} changed: compiled with {was}, running {v}")
-    if plan.backend != "eager":  # the packages' code is built for one device (runtime/device.py)
-        from .runtime.device import detect_device, device_difference
+    if plan.backend != "eager":
+        reasons += _package_reasons(plan, m, d)
+    reasons += _model_reasons(plan, m)
+    if plan.backend not in ("eager",) and m.get("graphs"):
+        reasons += _graph_file_reasons(m, d)
+    return reasons
 
-        differs = device_difference(m.get("device"), detect_device())
-        if differs is not None:
-            reasons.append(f"the packages in {d} were not built on this machine: {differs}")
-    if plan.backend != "eager":  # the packages hold the padding of their packed products
-        source = "the plan's profile" if plan.profile is not None else "this machine's measurement"
-        try:
-            pad = plan_padding(plan)
-        except YggError as e:
-            reasons.append(str(e))
-        else:  # without a profile and without a measurement here: the packages' own choice stands
-            rows, kernel = ((pad["min_rows"], pad["kernel"]) if pad
-                            else (m.get("packed_min_rows"), m.get("packed_kernel", "torch")))
-            if m.get("packed_min_rows") != rows and m.get("packed_min_rows_raised_from") != rows:
-                reasons.append(f"the padding of short packed products changed: compiled with min_rows "
-                               f"{m.get('packed_min_rows')}, {source} says {rows}")
-            if m.get("packed_kernel", "torch") != kernel:
-                reasons.append(f"the product kernel changed: compiled with {m.get('packed_kernel', 'torch')}, "
-                               f"{source} says {kernel}")
-        from .runtime.model import attention_formulation
 
-        want = attention_formulation(plan.prefill_chunk)  # the packages hold the formulation
-        if m.get("attention") != want:
-            def say(f) -> str:
-                if not isinstance(f, dict) or set(f) != set(want):
-                    return "an earlier one"
-                return f"row by row up to {f['rows_up_to']} rows, logical window {f['logical_window']}"
+def _package_reasons(plan: Plan, m: dict, d: Path) -> list[str]:
+    """Reasons the compiled packages in ``d`` (manifest ``m``) do not fit this machine or what an
+    engine of ``plan`` runs: the device they were built on, the padding and kernel of packed
+    products they hold, their attention formulation."""
+    from .runtime.device import detect_device, device_difference
+    from .runtime.model import attention_formulation
 
-            reasons.append(f"the attention formulation changed: compiled with {say(m.get('attention'))}, an "
-                           f"engine of this plan uses {say(want)}")
+    reasons = []
+    differs = device_difference(m.get("device"), detect_device())  # their code is built for one device
+    if differs is not None:
+        reasons.append(f"the packages in {d} were not built on this machine: {differs}")
+    # the packages hold the padding of their packed products
+    source = "the plan's profile" if plan.profile is not None else "this machine's measurement"
+    try:
+        pad = plan_padding(plan)
+    except YggError as e:
+        reasons.append(str(e))
+    else:  # without a profile and without a measurement here: the packages' own choice stands
+        rows, kernel = ((pad["min_rows"], pad["kernel"]) if pad
+                        else (m.get("packed_min_rows"), m.get("packed_kernel", "torch")))
+        if m.get("packed_min_rows") != rows and m.get("packed_min_rows_raised_from") != rows:
+            reasons.append(f"the padding of short packed products changed: compiled with min_rows "
+                           f"{m.get('packed_min_rows')}, {source} says {rows}")
+        if m.get("packed_kernel", "torch") != kernel:
+            reasons.append(f"the product kernel changed: compiled with {m.get('packed_kernel', 'torch')}, "
+                           f"{source} says {kernel}")
+    want = attention_formulation(plan.prefill_chunk)  # the packages hold the formulation
+    if m.get("attention") != want:
+        def say(f) -> str:
+            if not isinstance(f, dict) or set(f) != set(want):
+                return "an earlier one"
+            return f"row by row up to {f['rows_up_to']} rows, logical window {f['logical_window']}"
+
+        reasons.append(f"the attention formulation changed: compiled with {say(m.get('attention'))}, an "
+                       f"engine of this plan uses {say(want)}")
+    return reasons
+
+
+def _model_reasons(plan: Plan, m: dict) -> list[str]:
+    """Reasons ``plan``'s model files are not those compiled (manifest ``m``): missing, new,
+    changed or no longer used."""
+    reasons = []
     # a model file is known by its role and name (the manifest records its path relative to its
     # directory, which changes when either moves); its size, mtime and checksum identify it
     was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])
@@ -98,19 +116,25 @@ def check_artifacts(plan: Plan, compile_dir: str | Path) -> list[str]:
             reasons.append(f"{key[0]} model file changed since the compile: {f['path']}")
     for key in was_prints.keys() - now_prints.keys():
         reasons.append(f"{key[0]} model file of the compile is no longer used: {key[1]}")
-    if plan.backend not in ("eager",) and m.get("graphs"):
-        cd = cache_dir(d)
-        gone = sorted({g.get("file", "?") for g in m["graphs"]} - {p.name for p in cd.glob("*.pt2")})
-        if gone:
-            reasons.append(f"{len(gone)} compiled graph file(s) missing in {cd} (e.g. {gone[0]})")
-        sums = {g.get("file", "?"): g.get("sha256") for g in m["graphs"]}
-        for name in sorted(sums.keys() - set(gone)):  # a truncated or altered package is refused
-            if sums[name] is None:
-                reasons.append(f"compiled graph file {cd / name} has no checksum in the manifest")
-                break
-            if file_sha256(cd / name) != sums[name]:
-                reasons.append(f"compiled graph file {cd / name} is corrupted (its sha256 differs "
-                               "from the manifest's)")
+    return reasons
+
+
+def _graph_file_reasons(m: dict, d: Path) -> list[str]:
+    """Reasons the package files the manifest ``m`` lists are not intact in ``d``'s cache: missing,
+    without a checksum, or altered (a truncated or altered package is refused)."""
+    reasons = []
+    cd = cache_dir(d)
+    gone = sorted({g.get("file", "?") for g in m["graphs"]} - {p.name for p in cd.glob("*.pt2")})
+    if gone:
+        reasons.append(f"{len(gone)} compiled graph file(s) missing in {cd} (e.g. {gone[0]})")
+    sums = {g.get("file", "?"): g.get("sha256") for g in m["graphs"]}
+    for name in sorted(sums.keys() - set(gone)):  # a truncated or altered package is refused
+        if sums[name] is None:
+            reasons.append(f"compiled graph file {cd / name} has no checksum in the manifest")
+            break
+        if file_sha256(cd / name) != sums[name]:
+            reasons.append(f"compiled graph file {cd / name} is corrupted (its sha256 differs "
+                           "from the manifest's)")
     return reasons
 
 

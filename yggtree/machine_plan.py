@@ -203,7 +203,8 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
 
     from .compiled import artifact_dir
     from .offline.compile import compile_plan
-    from .offline.profile import ProfileGrid, measure_profile, write_profile
+    from .offline.profile import measure_profile, write_profile
+    from .offline.profile_grid import ProfileGrid
     from .plan import save_plan, validate_plan
     from .runtime.build import build_plan_engine
     from .runtime.padding import PADDING_KEY, cached_padding

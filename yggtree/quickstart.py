@@ -2,7 +2,7 @@
 
 A plain ``yggtree run`` on a machine without a tuned plan (``yggtree tune``) still decodes with
 the latency objective: the first such run builds the default plan's graphs, times them (its own
-widths only, a few calls each: :class:`yggtree.offline.profile.ProfileGrid` with the plan's
+widths only, a few calls each: :class:`yggtree.offline.profile_grid.ProfileGrid` with the plan's
 widths) and caches the profile under the user cache directory, keyed by device, thread count and
 dtype; later runs load it. The acceptance calibration is the pair's shipped one (it does not
 depend on the machine). The objective still takes plain steps wherever no tree pays.
@@ -57,7 +57,9 @@ class QuickStart:
         profile is measured on this very engine first when none is cached (after the padding of
         short packed products, which the engine is built with). ``say(line)`` reports what
         happened (default: one line on stderr)."""
-        from .offline.profile import ProfileGrid, measure_padding, measure_profile
+        from .offline.profile import measure_profile
+        from .offline.profile_grid import ProfileGrid
+        from .offline.profile_padding import measure_padding
         from .plan import validate_plan
         from .runtime.build import build_plan_engine
         from .runtime.graphs import inductor_cache

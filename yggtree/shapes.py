@@ -37,7 +37,7 @@ INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel runs
 KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # a target's KV cache (kv_cache_dtype)
 DEFAULT_INT4_GROUP = 32  # a GGUF block: the finest group the kernel runs
 
-# the prefetch settings the product kernel's measurement tries (offline/profile.py time_padding;
+# the prefetch settings the product kernel's measurement tries (offline/profile_padding.py time_padding;
 # runtime/kernels.py prefetch): (near, far) bytes ahead into the first- and the second-level cache
 # (csrc/prefetch.h), far 0 for none
 PREFETCH_CHOICES = (tuple((near, 0) for near in (512, 1024, 2048, 4096, 8192, 16384))

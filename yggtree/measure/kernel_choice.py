@@ -6,7 +6,7 @@ tiled one) and which padding its engine runs (``packed_padding``). An engine bui
 (``yggtree run --weights int8``, ``--no-speculate``, ``--drafter ...``, ``yggtree bench``) or from a
 plan without a profile (a plain plan: ``yggtree.runtime.padding.plan_kernel``) has none: the first
 such engine on a machine times the model's own one-row products on every kernel this CPU runs
-(:func:`yggtree.offline.profile.model_padding`: seconds), with batch invariance checked at the
+(:func:`yggtree.offline.profile_padding.model_padding`: seconds), with batch invariance checked at the
 engine's verify widths, and caches the answer under the user cache directory; later engines read it
 (``runtime/kernel_cache.py``: the key, the file, ``YGGTREE_KERNEL``). Nothing is measured off CPUs
 or for an engine that packs nothing. A measurement taken while other processes kept the cores busy
@@ -33,7 +33,7 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     measured now and cached. ``say(line)`` hears a measurement (default: one line on stderr)."""
     import torch
 
-    from ..offline.profile import model_padding, padding_line
+    from ..offline.profile_padding import model_padding, padding_line
     from ..offline.timing import LoadMeter, load_warning
 
     choice, path, key = cached_choice(src, dtype, weights, widths, threads, root)

@@ -135,7 +135,11 @@ def distill(
     prompt_ids: list[list[int]] | None = None,
 ) -> dict:
     """The whole pipeline; returns the manifest. ``target``, ``tokenizer`` and ``prompt_ids``
-    (token ids of chat-templated prompts) may be given directly: tests use a tiny random target."""
+    (token ids of chat-templated prompts) may be given directly: tests use a tiny random target.
+
+    It reads better whole: one pipeline in the order it runs (data, draft vocabulary, head,
+    training, the head saved, the manifest), whose steps share a dozen values the manifest
+    records; split, each part would take most of them as arguments."""
     from ..runtime.eagle import EagleDrafter, save_eagle
 
     check_config(cfg)
@@ -273,7 +277,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap")
     g.add_argument("--gen-batch", type=int, default=d.gen_batch)
     g.add_argument("--teacher-dtype", default=d.teacher_dtype, choices=["float32", "bfloat16"],
-                   help="target dtype while answering the prompts (bfloat16: ~2x faster on AVX-512 BF16)")
+                   help="target dtype while answering the prompts (bfloat16: faster on CPUs with AVX-512 BF16)")
     g.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
     g.add_argument("--val-frac", type=float, default=d.val_frac)
     g.add_argument("--cache-dir", default=None, help="teacher data cache (default ~/.cache/yggtree/distill)")

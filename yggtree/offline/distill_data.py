@@ -571,6 +571,46 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
     if not root.is_dir():
         raise YggError(f"transcript directory {root} does not exist")
     fp = target_fingerprint(target)
+    shards, held = _transcript_shards(root, cfg.max_tokens, fp, tokenizer)
+    every = shards + held
+    fpaths, idents, cached = _cached_features(cfg, target, layout, every, fp, progress)
+    parts, blocks, info_shards = [], [], []
+    # each shard's features stay in their cache file, memory-mapped: nothing is read before a batch
+    # uses it, and the ranks of one machine share the page cache's one copy
+    for (p, sh), fpath, ident in zip(every, fpaths, idents, strict=True):
+        feats = tr.map_features(fpath, sh.n_tokens, layout.width, ident)
+        if feats is None:
+            raise YggError(f"feature cache {fpath} cannot be read back after writing it")
+        blocks.append(feats)
+        parts.append(TeacherData(sh.tokens, feats, sh.offsets, sh.role))
+        info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
+                            "sequences": sh.n_seq, "counts": sh.meta["counts"]})
+    reused = sum(cached)
+    feats_all = FeatureBlocks(blocks)
+    data = concat_teacher(parts, feats=feats_all.materialize() if in_memory else feats_all)
+    train_idx, val_idx, dup = _unique_split(data, sum(sh.n_seq for _, sh in shards), cfg)
+    roles = data.role
+    h = hashlib.sha256(json.dumps([s["sha256"] for s in info_shards]).encode())
+    info = {
+        "data_sha256": h.hexdigest(),
+        "source": "yggtree transcripts: self-synthesised and templated requests (decontaminated against "
+        "MT-Bench and HumanEval), answered by the target",
+        "shards": info_shards,
+        "n_train_shards": len(shards),
+        "n_heldout_shards": len(held),
+        "duplicates_dropped": dup,
+        "features_reused": reused,
+        "n_greedy_answer_tokens": int((roles == tr.ROLE_GREEDY).sum()),
+        "n_sampled_answer_tokens": int((roles == tr.ROLE_SAMPLED).sum()),
+        "contaminated_dropped": sum(s["counts"].get("contaminated", 0) for s in info_shards),
+    }
+    return data, train_idx, val_idx, info
+
+
+def _transcript_shards(root: Path, max_tokens: int | None, fp: str, tokenizer) -> tuple[list, list]:
+    """``(train, held-out)``: the transcript shards in ``root`` as ``(path, shard)``, the train
+    shards in index order up to ``max_tokens``, each checked against the target's fingerprint
+    ``fp`` and the tokenizer; YggError if either split is missing."""
     tok_fp = tr.tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     train_paths, held_paths = tr.shard_paths(root, "train"), tr.shard_paths(root, "heldout")
     if not train_paths:
@@ -579,15 +619,22 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
         raise YggError(f"no heldout-*.safetensors shards in {root} (yggtree transcripts --split heldout)")
     shards, n_tok = [], 0
     for p in train_paths:
-        if cfg.max_tokens is not None and n_tok >= cfg.max_tokens:
+        if max_tokens is not None and n_tok >= max_tokens:
             break
         sh = tr.load_shard(p, fp, tok_fp)
         shards.append((p, sh))
         n_tok += sh.n_tokens
     held = [(p, tr.load_shard(p, fp, tok_fp)) for p in held_paths]
+    return shards, held
+
+
+def _cached_features(cfg: DistillConfig, target, layout: "FeatureLayout", every: list, fp: str,
+                     progress) -> tuple[list, list, list[bool]]:
+    """``(paths, identities, cached)`` of the feature cache files of the shards ``every`` (``(path,
+    shard)``), after the missing ones are made by the target's prefill (data-parallel: each rank
+    its share, then all wait); ``cached``: which the cache held before this run."""
     cache = tr.feature_cache_root(cfg.feature_cache)
     rank, world = rank_and_world()
-    every = shards + held
     idents = [tr.feature_identity(sh, fp, layout.stored, cfg.teacher_dtype) for _, sh in every]
     fpaths = [tr.feature_path(cache, sh, layout.stored, cfg.teacher_dtype) for _, sh in every]
     # what the cache holds before this run (the same answer on every rank: nobody has written yet)
@@ -607,21 +654,13 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
     del teacher
     if world > 1:
         torch.distributed.barrier()
-    parts, blocks, info_shards = [], [], []
-    # each shard's features stay in their cache file, memory-mapped: nothing is read before a batch
-    # uses it, and the ranks of one machine share the page cache's one copy
-    for (p, sh), fpath, ident in zip(every, fpaths, idents, strict=True):
-        feats = tr.map_features(fpath, sh.n_tokens, layout.width, ident)
-        if feats is None:
-            raise YggError(f"feature cache {fpath} cannot be read back after writing it")
-        blocks.append(feats)
-        parts.append(TeacherData(sh.tokens, feats, sh.offsets, sh.role))
-        info_shards.append({"file": p.name, "sha256": sh.meta["sha256"], "tokens": sh.n_tokens,
-                            "sequences": sh.n_seq, "counts": sh.meta["counts"]})
-    reused = sum(cached)
-    feats_all = FeatureBlocks(blocks)
-    data = concat_teacher(parts, feats=feats_all.materialize() if in_memory else feats_all)
-    n_train_seq = sum(sh.n_seq for _, sh in shards)
+    return fpaths, idents, cached
+
+
+def _unique_split(data: TeacherData, n_train_seq: int, cfg: DistillConfig) -> tuple[list[int], list[int], int]:
+    """``(train_idx, val_idx, duplicates)``: the sequences of ``data`` whose prompt (the tokens
+    before the first answer token) no earlier sequence had; the first ``n_train_seq`` sequences'
+    shuffled by ``cfg.seed`` for training, the others' first ``cfg.heldout_seqs`` for validation."""
     seen: set[bytes] = set()
     keep_train, keep_val, dup = [], [], 0
     for i in range(data.n_seq):
@@ -636,19 +675,4 @@ def transcript_data(cfg: DistillConfig, target, tokenizer, layout: "FeatureLayou
     val_idx = keep_val[: cfg.heldout_seqs]
     gen = torch.Generator().manual_seed(cfg.seed)
     train_idx = [keep_train[j] for j in torch.randperm(len(keep_train), generator=gen).tolist()]
-    roles = data.role
-    h = hashlib.sha256(json.dumps([s["sha256"] for s in info_shards]).encode())
-    info = {
-        "data_sha256": h.hexdigest(),
-        "source": "yggtree transcripts: self-synthesised and templated requests (decontaminated against "
-        "MT-Bench and HumanEval), answered by the target",
-        "shards": info_shards,
-        "n_train_shards": len(shards),
-        "n_heldout_shards": len(held),
-        "duplicates_dropped": dup,
-        "features_reused": reused,
-        "n_greedy_answer_tokens": int((roles == tr.ROLE_GREEDY).sum()),
-        "n_sampled_answer_tokens": int((roles == tr.ROLE_SAMPLED).sum()),
-        "contaminated_dropped": sum(s["counts"].get("contaminated", 0) for s in info_shards),
-    }
-    return data, train_idx, val_idx, info
+    return train_idx, val_idx, dup

@@ -38,21 +38,21 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import YggError, module_main
 from ..files import atomic_path, manifest_args, write_text_atomic
 from ..plan import default_plan, load_plan
-from ..progress import stderr_progress
 from ..runtime.artifacts import versions
 from ..runtime.device import cpu_model, detect_device, device_record
 from ..runtime.padding import PADDING_KEY
-from ..shapes import measured_prefetch, prefetch_name, prefetch_setting
-from .timing import LoadMeter, load_warning, time_rounds
+from ..shapes import measured_prefetch
+from .profile_grid import ProfileGrid, grid_contexts, grid_widths, timed_calls
+from .profile_padding import measure_padding, padding_line
+from .timing import LoadMeter, load_warning
 
 NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -98,333 +98,6 @@ def software_info(plan, mode: str) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- the grid
-
-
-def grid_widths(plan, max_width: int) -> list[int]:
-    """Powers of two, their 1.5x midpoints (3, 6, 12, ...: the curves have kernel-switch kinks
-    a sparser grid would miss) and the plan's widths, up to ``max_width``."""
-    ws = {m << i for i in range(0, 12) for m in (2, 3) if m << i <= max_width} | {1}
-    ws |= {w for w in (*plan.draft_widths, *plan.verify_widths) if w <= max_width}
-    return sorted(ws)
-
-
-def grid_contexts(buckets: list[int], max_context: int, max_width: int) -> list[int]:
-    """One committed length per context bucket such that ctx + W stays in that bucket for
-    every grid width (the last bucket: the longest context a run can have)."""
-    out = []
-    for i, b in enumerate(buckets):
-        lo = buckets[i - 1] if i else 0
-        ctx = min(b - max_width, max_context - 1)
-        if ctx > lo or (i == 0 and ctx >= 1):
-            out.append(ctx)
-    return sorted(set(out))
-
-
-def summarise(samples: list[float]) -> dict:
-    import numpy as np
-
-    a = np.asarray(samples)
-    return {
-        "median_ms": float(np.median(a)),
-        "p10_ms": float(np.percentile(a, 10)),
-        "p90_ms": float(np.percentile(a, 90)),
-        "repeats": len(samples),
-    }
-
-
-# ----------------------------------------------------------------------------- padding
-
-PADDING_ROWS = (1, 2, 4, 8)  # the min_rows compared (1: no padding)
-RESYNC_CHUNKS = 4  # prefill chunks of the drafter's catch-up the profile times (its ms per token: cost.resync_per_token)
-
-
-def kernel_layers(model) -> list:
-    """The layers of ``model`` whose product kernel the profile chooses, in module order: its
-    packed float layers (runtime/packed.py) and its int8 and 4-bit ones (runtime/quant.py
-    ``Int8Linear``, ``Int4Linear``; int4 and gguf-native)."""
-    from ..runtime.packed import packed_layers
-    from ..runtime.quant import Int4Linear, Int8Linear
-
-    packed = {id(m) for m in packed_layers(model)}
-    return [m for m in model.modules() if id(m) in packed or isinstance(m, (Int8Linear, Int4Linear))]
-
-
-def time_padding(model, candidates: tuple[int, ...] = PADDING_ROWS, warmup: int = 2,
-                 repeats: int = 9, widths: tuple[int, ...] = (1,), tiled=None) -> dict:
-    """One row through every packed or int8 product of ``model`` (:func:`kernel_layers`: one plain
-    step's products, in module order), timed for each ``min_rows`` of ``candidates``,
-    and, given ``tiled`` (the same model packed for the ``tiled`` kernel), through its products
-    as the candidate ``"tiled"`` at every prefetch setting of the kernel library
-    (runtime/kernels.py ``PREFETCH_CHOICES``; the fastest is the candidate's time). Rounds of one call per variant
-    (:func:`yggtree.offline.timing.time_rounds`) so drifting load hits all of them alike;
-    ``warmup`` rounds, then ``repeats`` timed. Each candidate is also checked for batch invariance
-    at ``widths`` (the row counts the plan's engine runs: 1 and its verify widths;
-    :func:`yggtree.runtime.packed.padding_is_invariant`, at the current thread count).
-    Returns the profile's ``packed_padding``: the fastest invariant candidate by median (ties:
-    oneDNN, then the fewer rows; if no candidate is invariant, the smallest invariant padding) as
-    ``kernel`` and ``min_rows`` (1 for the tiled kernel), the medians and the invariance of each
-    candidate; with the tiled kernel, ``prefetch``: its fastest setting (``[near, far]`` bytes),
-    and the medians by setting (``prefetch_ms``). YggError if nothing is invariant."""
-    import torch
-
-    from ..runtime.kernels import PREFETCH_CHOICES, prefetch
-    from ..runtime.packed import invariant_min_rows, packed_layers, padding_is_invariant
-
-    layers = kernel_layers(model)
-    if not layers:  # nothing packed (another device or dtype): nothing to pad
-        none = {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
-        return none | time_prefetch(model, warmup, repeats)  # a w4a8 model: its products' prefetch
-    if not packed_layers(model):  # quantized layers only: torch's kernels are never padded
-        candidates = (1,)
-    widths = tuple(sorted({1, *widths}))
-    invariant = {str(r): padding_is_invariant(model, r, widths) for r in candidates}
-    dtype = next(model.parameters()).dtype
-    g = torch.Generator().manual_seed(0)
-    xs = [torch.randn(1, m.in_features, generator=g).to(dtype) for m in layers]
-    variants = {str(r): (layers, r, None) for r in candidates}
-    if tiled is not None:
-        invariant["tiled"] = padding_is_invariant(tiled, 1, widths)  # a prefetch changes no result
-        variants.update({f"tiled@{prefetch_name(d)}": (kernel_layers(tiled), 1, d) for d in PREFETCH_CHOICES})
-
-    def step(key: str) -> None:
-        products, rows, setting = variants[key]
-        with prefetch(setting):
-            for x, m in zip(xs, products):
-                m.product(x, rows)
-
-    with torch.no_grad():  # in rounds (timing.time_rounds), as the grid and the stage forms
-        samples = time_rounds({k: (lambda k=k: step(k)) for k in variants}, warmup, repeats)
-    medians = {k: statistics.median(v) for k, v in samples.items()}
-    by_setting = {d: medians.pop(f"tiled@{prefetch_name(d)}") for d in PREFETCH_CHOICES} if tiled is not None else {}
-    if by_setting:  # the tiled candidate at its fastest setting
-        fastest = fastest_prefetch(by_setting)
-        setting = tuple(fastest["prefetch"])
-        medians["tiled"] = by_setting[setting]
-        variants = ({k: v for k, v in variants.items() if "@" not in k}
-                    | {"tiled": variants[f"tiled@{prefetch_name(setting)}"]})
-    ok = [k for k in variants if invariant[k]]
-    order = {k: i for i, k in enumerate(variants)}  # oneDNN's paddings first, fewer rows first
-    best = min(ok, key=lambda k: (medians[k], order[k])) if ok else invariant_min_rows(model, widths)
-    if best is None:
-        raise YggError(f"packed products are not batch-invariant on this CPU at {torch.get_num_threads()} "
-                       f"thread(s) at any padding up to {max(widths)} rows: speculation would not be exact")
-    kernel, rows = ("tiled", 1) if best == "tiled" else ("torch", int(best))
-    out = {"kernel": kernel, "min_rows": rows, "products": len(layers), "warmup": warmup, "repeats": repeats,
-           "median_ms": {k: round(medians[k], 4) for k in variants},
-           "invariant": invariant, "widths": list(widths)}
-    return out | fastest if kernel == "tiled" else out
-
-
-def fastest_prefetch(medians: dict[tuple[int, int], float]) -> dict:
-    """``{"prefetch": [near, far] of the least median (ties: the nearer far, then near),
-    "prefetch_ms": the medians by setting ("near/far")}`` from medians (ms) by prefetch setting."""
-    near, far = min(medians, key=lambda d: (medians[d], d[1], d[0]))
-    return {"prefetch": [near, far], "prefetch_ms": {prefetch_name(d): round(ms, 4) for d, ms in medians.items()}}
-
-
-def time_prefetch(model, warmup: int = 2, repeats: int = 9) -> dict:
-    """One row through every w4a8 product of ``model`` (runtime/w4a8.py: the kernel library's,
-    with nothing to choose or pad) at every prefetch setting of the library (runtime/kernels.py
-    ``PREFETCH_CHOICES``), in rounds: ``{"prefetch": fastest [near, far], "prefetch_ms": medians}``,
-    or ``{}`` for a model without such products."""
-    import torch
-
-    from ..runtime.kernels import PREFETCH_CHOICES, prefetch
-    from ..runtime.w4a8 import W4A8Linear
-
-    layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
-    if not layers:
-        return {}
-    g = torch.Generator().manual_seed(0)
-    xs = [torch.randn(1, m.in_features, generator=g) for m in layers]
-
-    def step(setting: tuple[int, int]) -> None:
-        with prefetch(setting):
-            for x, m in zip(xs, layers):
-                m(x)
-
-    with torch.no_grad():
-        samples = time_rounds({d: (lambda d=d: step(d)) for d in PREFETCH_CHOICES}, warmup, repeats)
-    return fastest_prefetch({d: statistics.median(v) for d, v in samples.items()})
-
-
-def measure_padding(plan, threads: int, warmup: int = 2, repeats: int = 9) -> dict:
-    """:func:`time_padding` on ``plan``'s target, loaded in the plan's weight format and packed
-    here, in ``threads`` threads (a plan for an accelerator packs nothing, nor do quantized
-    layers: no padding)."""
-    import torch
-
-    from ..runtime.loading import resolve_model
-
-    if plan.backend not in ("inductor-cpu", "eager"):
-        return {"kernel": "torch", "min_rows": 1, "products": 0, "median_ms": {}}
-    torch.set_num_threads(threads)
-    return model_padding(resolve_model(plan.target), plan.dtype, plan.weights, (1, *plan.verify_widths),
-                         warmup, repeats)
-
-
-def model_padding(src, dtype: str, weights: str | None, widths: tuple[int, ...], warmup: int = 2,
-                  repeats: int = 9) -> dict:
-    """:func:`time_padding` on the model ``src`` (a ModelSource) loaded in ``dtype`` and weight
-    format ``weights`` and packed here for each product kernel this CPU runs, at the current
-    thread count, for an engine running ``widths`` rows (a quantized model packs only what stays
-    float), as an engine prepares it (runtime/prepare.py)."""
-    from dataclasses import replace
-
-    from ..runtime.build import EngineSpec
-    from ..runtime.packed import can_pack
-    from ..runtime.prepare import prepare_models
-
-    spec = EngineSpec(model=str(src.path), dtype=dtype, weights=weights)
-    model = prepare_models(spec, tokenizer=False).target
-    tiled = None
-    if can_pack(model, "tiled"):  # the same model on the tiled kernel, timed beside it
-        tiled = prepare_models(replace(spec, kernel="tiled"), tokenizer=False).target
-    return time_padding(model, warmup=warmup, repeats=repeats, widths=widths, tiled=tiled)
-
-
-def prefetch_words(setting) -> str:
-    """A prefetch setting in words: "1024 bytes ahead (and 16384 into the second-level cache)"."""
-    near, far = prefetch_setting(setting)
-    return f"{near} bytes ahead" + (f" (and {far} into the second-level cache)" if far else "")
-
-
-def padding_line(padding: dict) -> str:
-    """One line saying what the padding measurement found."""
-    ahead = f"; weights prefetched {prefetch_words(padding['prefetch'])}" if padding.get("prefetch") else ""
-    if not padding["products"]:
-        return "no packed products: no padding" + ahead
-    inv = padding.get("invariant", {})  # absent in profiles made before it was checked
-    times = ", ".join(f"{r}: {ms:.2f}" + (" not batch-invariant" if inv.get(r) is False else "")
-                      for r, ms in padding["median_ms"].items())
-    chosen = "the tiled kernel" if padding.get("kernel") == "tiled" else f"oneDNN, min_rows {padding['min_rows']}"
-    return f"{padding['products']} packed products of one row, median ms by rows run ({times}): {chosen}{ahead}"
-
-
-# ----------------------------------------------------------------------------- measurements
-
-
-def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widths=None):
-    """(kind, width, context, bucket, thunk) for every model-call grid point (drafter steps only
-    at ``draft_widths`` when given)."""
-    import torch
-
-    target, drafter = engine.target, engine.drafter
-    layers = drafter.target_layers
-    k = plan.top_k
-    vocab = target.cfg.vocab_size
-    out = []
-    for ctx in contexts:
-        L = torch.tensor(ctx)
-        for w in widths:
-            ar = torch.arange(w)
-            anc = ar[None, :] <= ar[:, None]  # a chain: the mask's values do not change the cost
-            bucket = engine.graphs.bucket(ctx + w)
-
-            def verify(ar=ar, anc=anc, L=L, bucket=bucket):
-                logits, _, _ = engine.graphs.tree_step(ar % vocab, ar, ar, anc, L, layers, bucket)
-                return logits
-
-            out.append(("verify", w, ctx, bucket, verify))
-            n = 1 + plan.d_max * w
-            if ctx + n > engine.n_slots or (draft_widths is not None and w not in draft_widths):
-                continue  # a draft tree this wide does not fit the cache at this context
-            node = 1 + ar
-            danc = torch.zeros(w, n, dtype=torch.bool)
-            danc[:, 0] = True
-            danc[ar, node] = True
-
-            def draft(ar=ar, node=node, danc=danc, L=L):
-                return drafter.step(ar % vocab, torch.ones_like(ar), node, torch.zeros_like(ar), danc, L, k)
-
-            dbucket = drafter.graphs.bucket(ctx + n) if hasattr(drafter, "graphs") else bucket
-            out.append(("draft", w, ctx, dbucket, draft))
-        root = torch.tensor(1)
-
-        def head(root=root, L=L):
-            return drafter.head(root, L, k)
-
-        out.append(("head", plan.d_max + 1, ctx, engine.graphs.bucket(ctx + 1), head))
-    return out
-
-
-def stage_calls(engine, plan):
-    """(stage, key, thunk) for the non-model work of a step at the plan's widths."""
-    import torch
-
-    from ..runtime import steps
-    from ..runtime.accept import argmax, greedy_accept
-    from .profile_stages import random_tree
-    from ..runtime.egt import egt_expand, egt_feed_inputs, egt_select
-    from ..runtime.calibration import Calibration, aal_by_width, path_values
-    from ..runtime.objective import best_verify
-    from ..runtime.prune import prune_topk, subtree
-    from ..runtime.tree import ancestor_mask
-
-    d, k = plan.d_max, plan.top_k
-    vocab = engine.target.cfg.vocab_size
-    out = []
-    for wd in plan.draft_widths:
-        state = random_tree(plan, wd)
-        tok = torch.zeros(wd, k, dtype=torch.int64)
-        lp = torch.full((wd, k), -1.0)
-
-        def egt(state=state, tok=tok, lp=lp):
-            st, fed = egt_select(state, d - 1)
-            egt_feed_inputs(st, fed, torch.tensor(100))
-            return egt_expand(st, fed, tok, lp)
-
-        out.append(("egt", wd, egt))
-    big = random_tree(plan, max(plan.draft_widths)).tree
-    calib = Calibration((0.0, 1.0), (0.0, 0.8))
-    widths = [1, *plan.verify_widths]
-    for wv in plan.verify_widths:
-        def prune(wv=wv):
-            kept, ok = prune_topk(big, big.logp, wv)
-            v = subtree(big, kept, ok)
-            return ancestor_mask(v.parent, v.depth, v.valid, d)
-
-        out.append(("prune", wv, prune))
-        kept, ok = prune_topk(big, big.logp, wv)
-        vtree = subtree(big, kept, ok)
-        logits = torch.randn(wv, vocab)
-
-        def accept(vtree=vtree, logits=logits):
-            return greedy_accept(vtree, logits, max_depth=d).emitted()
-
-        out.append(("accept", wv, accept))
-
-    def policy():
-        vals = path_values(big, calib.edge_prob, d)
-        aal = aal_by_width(vals, big, widths)
-        return best_verify(aal, widths, [1.0 + w for w in widths], 1.0)
-
-    out.append(("policy", None, policy))
-    plain_logits = torch.randn(1, vocab)
-    out.append(("plain_accept", None, lambda: int(argmax(plain_logits[0]))))
-    target, drafter = engine.target, engine.drafter
-    h = target.cfg.hidden_size
-    feats = tuple(torch.zeros(d + 1, h, dtype=target.embed_tokens.weight.dtype)
-                  for _ in drafter.target_layers)
-    base = max(0, min(100, engine.n_slots - d - 3))  # a realistic committed length that fits
-    src = torch.arange(2, d + 2) + base
-    dst = torch.arange(1, d + 1) + base
-    path_tok = torch.zeros(d + 1, dtype=torch.int64)
-
-    def commit():
-        steps.commit(target, src, dst)
-        drafter.commit(src, dst, path_tok, torch.tensor(1), feats)
-
-    out.append(("commit", None, commit))
-    # the drafter's catch-up after plain steps (the resync stage): absorbing n committed tokens
-    n = min(RESYNC_CHUNKS * plan.prefill_chunk, engine.n_slots // 2)
-    seq = torch.zeros(n, dtype=torch.int64)
-    seq_feats = tuple(torch.zeros(n, h, dtype=target.embed_tokens.weight.dtype) for _ in drafter.target_layers)
-    out.append(("resync", n, lambda: drafter.prefill(seq, seq_feats, 0)))
-    return out
-
-
 # ----------------------------------------------------------------------------- the command
 
 
@@ -449,20 +122,6 @@ def run_profile(args) -> int:
     print_table(profile)
     print(json.dumps(profile_summary(profile, dst, png, time.perf_counter() - t_start)))
     return 0
-
-
-@dataclass(frozen=True)
-class ProfileGrid:
-    """Which points a profile measures: widths up to ``max_width`` (or exactly ``widths``), one
-    context per bucket (the first two when ``quick``), ``warmup`` + ``repeats`` calls each."""
-
-    max_width: int = 128
-    warmup: int = 3
-    repeats: int = 9
-    quick: bool = False
-    widths: tuple[int, ...] = ()  # non-empty: exactly these verify widths and the plan's draft
-    #                               widths (the plan's own shapes: nothing else is compiled)
-    stage_forms: bool = True  # also the stage forms (profile_stages.py; the plan search's data)
 
 
 def check_profile_plan(plan, device: dict) -> None:
@@ -518,44 +177,6 @@ def _ready_engine(plan, engine, mode: str, padding: dict, n_slots: int, widths: 
         ahead = {2 * w for w in plan.verify_widths} if stage_forms else set()  # the ahead call
         engine.drafter.setup(n_slots, sorted(drafted | ahead | {1, *plan.draft_widths}), plan.prefill_chunk)
     return engine, time.perf_counter() - t0 + built
-
-
-# what a decode runs right after the target's step, on caches the step's weights have just gone
-# through: the drafter's calls and the accepting, committing and choosing (egt and prune follow the
-# drafter's calls instead); the profile times each right after a target step, not hot after a call
-# of its own
-AFTER_TARGET_STEP = ("head", "draft", "accept", "plain_accept", "commit", "policy", "resync")
-
-
-def _timed_calls(engine, plan, widths: list[int], contexts: list[int], drafted: set[int],
-                 grid: ProfileGrid) -> tuple[list[dict], dict]:
-    """The timed model calls (one row each: kind, width, context, bucket and the summary of its
-    times, all timed in rounds, each timed call right after an untimed one of the same shape, as
-    in a decode loop: timing.time_rounds; those of AFTER_TARGET_STEP right after a target step
-    too) and the median of each stage call (likewise)
-    (``stage_ms``: per key where a stage has several)."""
-    rows, stages = [], {}
-    calls = model_calls(engine, plan, widths, contexts, drafted)
-    scalls = stage_calls(engine, plan)
-    with stderr_progress() as progress:
-        task = progress.add_task("timing", total=grid.warmup + grid.repeats + len(scalls))
-        step_at = {ctx: fn for kind, w, ctx, _, fn in calls if kind == "verify" and w == 1}  # by context
-        model_before = {i: step_at[ctx] for i, (kind, _, ctx, _, _) in enumerate(calls)
-                        if kind in AFTER_TARGET_STEP and ctx in step_at}
-        times = time_rounds({i: c[-1] for i, c in enumerate(calls)}, grid.warmup, grid.repeats,
-                            on_round=lambda: progress.advance(task), settle=1, before=model_before)
-        for i, (kind, w, ctx, bucket, _) in enumerate(calls):
-            rows.append({"kind": kind, "width": w, "context": ctx, "bucket": bucket} | summarise(times[i]))
-        stage_before = {0: step_at[min(step_at)]} if step_at else None
-        for name, key, fn in scalls:
-            before = stage_before if name in AFTER_TARGET_STEP else None
-            s = summarise(time_rounds({0: fn}, grid.warmup, max(grid.repeats * 3, 10), before=before)[0])
-            if key is None:
-                stages[name] = s["median_ms"]
-            else:
-                stages.setdefault(name, {})[str(key)] = s["median_ms"]
-            progress.advance(task)
-    return rows, stages
 
 
 def _timed_stage_forms(engine, plan, hw: str, context: int, grid: ProfileGrid) -> dict | None:
@@ -616,7 +237,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     # the kernels' loops where the engine decodes them (its pool, for compiled packages that chose it)
     with torch.no_grad(), engine.graphs.frozen(), engine.drafter.frozen(), engine.library(threads), \
             LoadMeter() as load:
-        rows, stages = _timed_calls(engine, plan, widths, contexts, drafted, grid)
+        rows, stages = timed_calls(engine, plan, widths, contexts, drafted, grid)
         forms = _timed_stage_forms(engine, plan, hw, contexts[0], grid) if grid.stage_forms else None
     warning = load_warning(f"profile {hw}", load.result)
     if warning is not None:
@@ -650,16 +271,23 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
     if forms is not None:  # profile_stages.py: ahead-of-time and overlapped stage times
         profile["stage_forms"] = forms
     profile["pruning_share"] = pruning_share(CostModel.from_profile_dict(profile), plan, contexts)
-    attn = next((m.native_rows for m in engine.target.modules() if getattr(m, "native_rows", None)), None)
-    if attn is not None:  # the library's attention the curves ran (runtime/kernels.py attention_kernel)
-        from ..runtime.attention_choice import attention_kernel
-        from ..runtime.kernels import library_dir
-
-        cfg = engine.target.cfg
-        profile["attention_kernel"] = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads,
-                                                       library_dir()) | {
-            "ran": attn}
+    attn = _attention_record(engine, threads)
+    if attn is not None:
+        profile["attention_kernel"] = attn
     return profile
+
+
+def _attention_record(engine, threads: int) -> dict | None:
+    """The kernel library's attention ``engine``'s target ran while timed, as the profile records
+    it (runtime/kernels.py attention_kernel, and what ran); None where it runs none."""
+    attn = next((m.native_rows for m in engine.target.modules() if getattr(m, "native_rows", None)), None)
+    if attn is None:
+        return None
+    from ..runtime.attention_choice import attention_kernel
+    from ..runtime.kernels import library_dir
+
+    cfg = engine.target.cfg
+    return attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads, library_dir()) | {"ran": attn}
 
 
 def measure_compiled_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str) -> dict:

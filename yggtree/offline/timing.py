@@ -1,10 +1,10 @@
 """Wall-clock timing of calls for the offline measurements (profile, stage forms).
 
 A machine shared with other guests slows down for seconds at a time. Timing one call's repeats in
-a block puts such a slow stretch on that call alone (a profile once recorded one-thread verify
-times 15-43% above the same widths timed a minute earlier); :func:`time_rounds` times several
-calls in rounds, one call of each per round, so a slow stretch touches every call alike and the
-medians stay comparable."""
+a block puts such a slow stretch on that call alone (its times then compare neither with the other
+calls' nor with its own timed a minute later); :func:`time_rounds` times several calls in rounds,
+one call of each per round, so a slow stretch touches every call alike and the medians stay
+comparable."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def time_rounds(fns: dict[Hashable, Callable[[], object]], warmup: int, repeats:
     ``settle``: untimed calls of the same function right before each timed one, so that the timed
     call runs as a decode loop runs it, after calls of its own shape. Dynamo keeps a function's
     graphs in one cache, most recently used first, and a call walks the entries before its own,
-    evaluating their guards (~0.2 ms each for a decode step whose weights are graph inputs):
-    cycling through a profile grid's 42 graphs of one step function put ~10 ms of lookups on every
-    timed call, which a decode loop -- a few shapes, or AOTInductor packages with no dynamo at
-    all -- never pays.
+    evaluating their guards (not cheap for a decode step, whose weights are graph inputs):
+    cycling through a profile grid's many graphs of one step function would put all their lookups
+    on every timed call, which a decode loop -- a few shapes, or AOTInductor packages with no
+    dynamo at all -- never pays.
 
     ``before``: per key, an untimed call made last before each timed one (after the settling
     calls), for a call a decode loop makes right after another: a drafter call after the target's
@@ -74,9 +74,8 @@ class LoadMeter:
     """What else ran on the machine while a measurement did (a context manager): ``other_cores``,
     the average number of cores busy with other processes (the machine's busy CPU time minus
     this process's, over the wall time), and ``steal_cores``, the cores the hypervisor gave to
-    other guests. Timings taken beside other work are inflated (two single-thread jobs on a
-    2-core machine double a two-thread profile's times); the profile records both numbers and
-    warns. ``result`` is None where ``/proc/stat`` is unreadable (not Linux)."""
+    other guests. Timings taken beside other work are inflated (the profile's threads take turns
+    with the other processes on the same cores); the profile records both numbers and warns. ``result`` is None where ``/proc/stat`` is unreadable (not Linux)."""
 
     def __init__(self) -> None:
         self.result: dict | None = None

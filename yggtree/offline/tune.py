@@ -27,7 +27,7 @@ Phases (each reports its wall time; every valid artifact found is reused and nam
    (one engine each, warmed once; every candidate on a prompt before the next, the order
    rotating); the fastest over those prompts wins, its speed over the base plan's given with a
    95% bootstrap interval over prompts. The highest of several few-prompt trial measurements
-   alone is a winner's curse: per-prompt speed varies about 2x with the prompt.
+   alone is a winner's curse: per-prompt speed varies widely with the prompt.
 5. compile + report (:mod:`.tune_finish`): the winner becomes ``profiles/NAME.yaml`` (written
    last, whole or not at all), compiled into ``compile/NAME/``; ``profiles/NAME.tuning.json``
    (phases, best trials, the confirmation, Pareto front of speed vs graphs to compile), a rich
@@ -127,61 +127,25 @@ def run(args, on_event=None) -> int:
     trial: start, compile, measure, rung<N>, end, told (after its result is stored); and
     ``on_event("confirm", base_trial)`` before the confirmation decodes; the tests stop
     processes there)."""
-    from ..plan import default_plan, load_plan
-    from ..runtime.device import detect_device
-    from .profile import NAME_OK
-    from .tune_space import (
-        apply_overrides, check_space, default_space, override_key, plan_count, runnable_weights,
-        weight_problems,
-    )
-    from .tune_study import open_study, sqlite_url
+    from .tune_space import plan_count
+    from .tune_study import open_study
 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     t_all = time.perf_counter()
     _check_args(args)
-    device = detect_device()
-    if not NAME_OK.match(args.hw):
-        raise YggError(f"--hw {args.hw!r}: use letters, digits, '.', '_' or '-' (it names profiles/<hw>.yaml)")
-    base = load_plan(args.plan) if args.plan else default_plan()
-    if not base.speculative:
-        raise YggError(f"plan {base.name!r} has no drafter: there is no speculation to tune")
-    space = apply_overrides(default_space(base, args.threads), args.space or [], base.dtype, args.threads)
-    problems = weight_problems(base, space.weights, max(base.verify_widths))
-    given = "weights" in {override_key(item) for item in args.space or []}
-    space = runnable_weights(space, problems, given)
-    check_space(space, base, args.threads)
-    out_dir = Path(args.out_dir).resolve()
-    compile_root = Path(args.compile_root).resolve()
-    url = args.storage or sqlite_url(out_dir / f"{args.hw}.study.db")
-    if args.storage is None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    study_name = args.study or args.hw
-    key = study_key(url, study_name)
-    identity = study_identity(base, device, args.threads, space)
-    s = Setup(args.hw, base, space, url, study_name, identity, out_dir, compile_root, args.threads,
-              args.trials, args.measure_top, args.measure_prompts, args.confirm_prompts, args.max_new_tokens,
-              args.prompt_tokens, args.seed)
-    open_study(url, study_name, identity)  # bad URLs and foreign studies: refused before any work
+    s, problems, key = _setup(args)
+    base, space = s.base, s.space
+    open_study(s.url, s.study, s.identity)  # bad URLs and foreign studies: refused before any work
     if not args.search_only:
-        check_outputs(args.hw, out_dir, compile_root, key, args.force)
+        check_outputs(args.hw, s.out_dir, s.compile_root, key, args.force)
         for fmt, why in problems.items():  # after every refusal: an error stays one line
             say(f"weights {fmt} not searched: {why}")
     env = envelope_plan(base, space, args.hw)
     phases: dict = {}
     reuse: dict = {}
-    t = time.perf_counter()
-    if args.search_only:  # a worker: the coordinating process made both artifacts
-        profile, calibration = _worker_artifacts(env, args.hw, out_dir, args.threads)
-    else:
-        profile, reuse["profile"] = ensure_profile(env, args.hw, out_dir, args.threads, args.force,
-                                                   args.quick_profile, compile_root)
-        phases["profile"] = round(time.perf_counter() - t, 2)
-        t = time.perf_counter()
-        calibration, reuse["calibration"] = ensure_calibration(
-            env, args.hw, out_dir, args.threads, args.force, args.calibration_prompts, args.max_new_tokens)
-        phases["calibration"] = round(time.perf_counter() - t, 2)
+    profile, calibration = _profile_and_calibration(args, env, s, phases, reuse)
     inp = load_inputs(s, env, profile, calibration)
     deadline = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
     t = time.perf_counter()
@@ -205,6 +169,60 @@ def run(args, on_event=None) -> int:
     out["wall_s"] = round(time.perf_counter() - t_all, 2)
     print(json.dumps(out), flush=True)
     return 0
+
+
+def _setup(args) -> tuple[Setup, dict, str]:
+    """``(setup, problems, study key)`` of a tune from its flags: the base plan, the search space
+    (its ``--space`` overrides applied, the weight formats this machine cannot run left out:
+    ``problems``, format -> why), the study's storage, name and identity."""
+    from ..plan import default_plan, load_plan
+    from ..runtime.device import detect_device
+    from .profile import NAME_OK
+    from .tune_space import (
+        apply_overrides, check_space, default_space, override_key, runnable_weights, weight_problems,
+    )
+    from .tune_study import sqlite_url
+
+    device = detect_device()
+    if not NAME_OK.match(args.hw):
+        raise YggError(f"--hw {args.hw!r}: use letters, digits, '.', '_' or '-' (it names profiles/<hw>.yaml)")
+    base = load_plan(args.plan) if args.plan else default_plan()
+    if not base.speculative:
+        raise YggError(f"plan {base.name!r} has no drafter: there is no speculation to tune")
+    space = apply_overrides(default_space(base, args.threads), args.space or [], base.dtype, args.threads)
+    problems = weight_problems(base, space.weights, max(base.verify_widths))
+    given = "weights" in {override_key(item) for item in args.space or []}
+    space = runnable_weights(space, problems, given)
+    check_space(space, base, args.threads)
+    out_dir = Path(args.out_dir).resolve()
+    compile_root = Path(args.compile_root).resolve()
+    url = args.storage or sqlite_url(out_dir / f"{args.hw}.study.db")
+    if args.storage is None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    study_name = args.study or args.hw
+    key = study_key(url, study_name)
+    identity = study_identity(base, device, args.threads, space)
+    s = Setup(args.hw, base, space, url, study_name, identity, out_dir, compile_root, args.threads,
+              args.trials, args.measure_top, args.measure_prompts, args.confirm_prompts, args.max_new_tokens,
+              args.prompt_tokens, args.seed)
+    return s, problems, key
+
+
+def _profile_and_calibration(args, env, s: Setup, phases: dict, reuse: dict) -> tuple[Path, Path]:
+    """The profile and calibration of the envelope plan ``env``: a worker's found (the
+    coordinating process made both), else reused or made, with their times (``phases``) and
+    whether each was reused (``reuse``)."""
+    t = time.perf_counter()
+    if args.search_only:  # a worker: the coordinating process made both artifacts
+        return _worker_artifacts(env, args.hw, s.out_dir, args.threads)
+    profile, reuse["profile"] = ensure_profile(env, args.hw, s.out_dir, args.threads, args.force,
+                                               args.quick_profile, s.compile_root)
+    phases["profile"] = round(time.perf_counter() - t, 2)
+    t = time.perf_counter()
+    calibration, reuse["calibration"] = ensure_calibration(
+        env, args.hw, s.out_dir, args.threads, args.force, args.calibration_prompts, args.max_new_tokens)
+    phases["calibration"] = round(time.perf_counter() - t, 2)
+    return profile, calibration
 
 
 def _worker_artifacts(env, hw: str, out_dir: Path, threads: int) -> tuple[Path, Path]:

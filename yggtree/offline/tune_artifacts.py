@@ -134,7 +134,8 @@ def ensure_profile(env, hw: str, out_dir: Path, threads: int, force: bool, quick
     if why_own is not None and not force:
         raise YggError(f"profile {own} exists but cannot serve this tune ({why_own}); pass --force "
                        "to measure it again")
-    from .profile import ProfileGrid, measure_profile, write_profile
+    from .profile import measure_profile, write_profile
+    from .profile_grid import ProfileGrid
 
     need = max(*env.draft_widths, *env.verify_widths)
     grid = ProfileGrid(max_width=need, warmup=1 if quick else 3, repeats=3 if quick else 9, quick=quick)

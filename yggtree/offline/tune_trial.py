@@ -24,9 +24,7 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
     attribute set on the trial is also put in ``notes``."""
     from optuna.trial import TrialState
 
-    from ..offline.compile import compile_plan
-    from .tune_objective import block_shapes, measure_plan, predicted_tokens_per_s
-    from .tune_space import candidate_plan, infeasible, plan_fields, suggest
+    from .tune_objective import predicted_tokens_per_s
 
     notes = {} if notes is None else notes
 
@@ -40,28 +38,10 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
             on_event(name, trial.number)
 
     event("start")
-    fields = plan_fields(suggest(trial, s.space, s.base.max_context, inp.stages), s.space)
-    note("fields", fields)
-    # suggest samples valid plans only (tune_space.allowed): these checks are a guard
-    why = infeasible(fields, s.base.max_context, s.base.speculative, s.threads)
-    plan = None
-    if why is None:
-        try:
-            # named as the tuned plan: the winner's compiled directory becomes compile/<hw>
-            plan = candidate_plan(s.base, fields, s.hw, *objective_files(inp, fields))
-        except YggError as e:
-            why = str(e)
-    if why is not None:
-        note("infeasible", why)
-        trial.report(0.0, 0)  # refused before anything ran; the sampler learns it predicts nothing
+    sampled = _sampled_plan(trial, s, inp, note)
+    if sampled is None:
         return "pruned", None
-    note("shapes", block_shapes(plan))
-    try:
-        scale = trial_stage_scale(plan, fields["stages"], s.threads, inp)
-    except YggError as e:
-        note("infeasible", str(e))  # the latency model cannot price this stage plan
-        trial.report(0.0, 0)
-        return "pruned", None
+    fields, plan, scale = sampled
     if fields["weights"] != inp.profile_weights:
         note("unpriced", f"weights {fields['weights']}: the profile measured {inp.profile_weights} "
                          "weights; no prediction, measured directly with the envelope tree")
@@ -79,6 +59,54 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
     if "predicted_tps" in notes and trial.should_prune():
         note("pruned_at", "predicted")
         return "pruned", None
+    m = _compiled_and_measured(trial, s, inp, plan, note, event)
+    note("build_s", round(m.build_s, 3))
+    if m.aal is not None:
+        note("aal", round(m.aal, 4))
+    event("end")
+    return ("pruned", None) if m.pruned else ("complete", m.tokens_per_s)
+
+
+def _sampled_plan(trial, s: Setup, inp: Inputs, note) -> tuple | None:
+    """``(fields, plan, stage scale)`` of the plan ``trial`` samples, its fields and block shapes
+    noted (``note(key, value)``); None, noted ``infeasible`` and reported as predicting nothing,
+    where it cannot be built or its stage plan priced."""
+    from .tune_objective import block_shapes
+    from .tune_space import candidate_plan, infeasible, plan_fields, suggest
+
+    fields = plan_fields(suggest(trial, s.space, s.base.max_context, inp.stages), s.space)
+    note("fields", fields)
+    # suggest samples valid plans only (tune_space.allowed): these checks are a guard
+    why = infeasible(fields, s.base.max_context, s.base.speculative, s.threads)
+    plan = None
+    if why is None:
+        try:
+            # named as the tuned plan: the winner's compiled directory becomes compile/<hw>
+            plan = candidate_plan(s.base, fields, s.hw, *objective_files(inp, fields))
+        except YggError as e:
+            why = str(e)
+    if why is not None:
+        note("infeasible", why)
+        trial.report(0.0, 0)  # refused before anything ran; the sampler learns it predicts nothing
+        return None
+    note("shapes", block_shapes(plan))
+    try:
+        scale = trial_stage_scale(plan, fields["stages"], s.threads, inp)
+    except YggError as e:
+        note("infeasible", str(e))  # the latency model cannot price this stage plan
+        trial.report(0.0, 0)
+        return None
+    return fields, plan, scale
+
+
+def _compiled_and_measured(trial, s: Setup, inp: Inputs, plan, note, event):
+    """``plan`` compiled into the trial's directory and measured (tune_objective.measure_plan),
+    each measured rung reported and the trial pruned there where optuna says so; the directory
+    is kept only for a trial that completes (it may win). ``note(key, value)`` and
+    ``event(name)`` as in :func:`evaluate`."""
+    from ..offline.compile import compile_plan
+    from .tune_objective import measure_plan
+
     event("compile")
     root = trial_root(s, trial.number)
     shutil.rmtree(root, ignore_errors=True)
@@ -105,11 +133,7 @@ def evaluate(trial, study, s: Setup, inp: Inputs, on_event=None, notes: dict | N
         if m is None or m.pruned:  # a complete trial keeps its graphs while it may win
             shutil.rmtree(root, ignore_errors=True)
             _rmdir_empty(root.parent)
-    note("build_s", round(m.build_s, 3))
-    if m.aal is not None:
-        note("aal", round(m.aal, 4))
-    event("end")
-    return ("pruned", None) if m.pruned else ("complete", m.tokens_per_s)
+    return m
 
 
 def _stage_pricing(scale, threads: int, inp: Inputs) -> str:

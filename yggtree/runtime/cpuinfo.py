@@ -1,9 +1,9 @@
 """What CPU this process runs on: ``/proc/cpuinfo`` read once, as a frozen identity.
 
-A KVM guest names its CPU by marketing name only (``AMD EPYC`` for a Zen 3 with AVX2 and for a
-Zen 4 with AVX-512 alike), so a device is known by what it is: vendor, family, model, stepping,
-the instruction-set features the kernels use (:data:`FEATURES`) and the cores this process may run
-on (``os.sched_getaffinity``). Profiles, kernel choices, compiled packages and tuned plans record
+A KVM guest may name its CPU by marketing name only, one name for CPU generations with different
+instruction sets (AVX2 only, or AVX-512), so a device is known by what it is: vendor, family,
+model, stepping, the instruction-set features the kernels use (:data:`FEATURES`) and the cores
+this process may run on (``os.sched_getaffinity``). Profiles, kernel choices, compiled packages and tuned plans record
 :meth:`CpuIdentity.to_dict` and are matched on it (``runtime/device.py``: ``device_difference``).
 Nothing here imports torch.
 """

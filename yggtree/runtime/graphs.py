@@ -231,7 +231,7 @@ class Graphs:
         def chunk(w: int) -> None:
             tokens = torch.zeros(1, w, dtype=torch.int64, device=dev)
             for n_ctx in self.buckets:  # attention over a 64-row chunk is not free: keep buckets
-                if n_ctx >= w:  # (one bucket for all: +30% prefill time on the default model)
+                if n_ctx >= w:  # (one bucket for all: every chunk would attend over the longest context)
                     self.prefill_chunk(tokens, zero, zero + w, capture, n_ctx)
 
         self.build(widths, step, threads)

@@ -30,7 +30,63 @@ from .policy import StepChoice, StepPolicy
 from .prediction import Prediction
 from .tree import Tree
 
-__all__ = ["best_verify", "ObjectivePolicy", "plan_policy"]
+__all__ = ["TreeChoices", "tree_choices", "best_tree", "best_verify", "ObjectivePolicy", "plan_policy"]
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+@dataclass(frozen=True)
+class TreeChoices:
+    """Every tree step a plan can take at one context, priced offline: the (D, W_d, W_v) with a
+    calibrated AAL (W_v 1: the root alone, AAL 1), and the cost model's times of every (D, W_d,
+    W_v) and of a plain step. The costs depend on the context only through its bucket."""
+
+    rows: list  # [n] (D, W_d, W_v), by D, then W_d, then W_v (1 first)
+    depth: np.ndarray  # [n] int64 D of each row
+    aal: np.ndarray  # [n] float64 the calibration's expected accepted length (bonus included)
+    step_ms: np.ndarray  # [n] float64 the predicted step time
+    verify_ms: np.ndarray  # [n] float64 its verify call's time
+    verify_width: np.ndarray  # [n] int64 W_v of each row
+    plain_ms: float  # a plain step's predicted time
+    costs: dict  # (D, W_d, W_v) -> (step ms, verify ms), every triple, calibrated or not
+
+
+def tree_choices(cost: CostModel, calib: Calibration, d_max: int, draft_widths: tuple[int, ...],
+                 verify_widths: tuple[int, ...], ctx: int) -> TreeChoices:
+    """The :class:`TreeChoices` of D = 1..``d_max``, ``draft_widths`` and 1 and ``verify_widths`` at
+    context ``ctx``, from the profile's curves (``cost``) and the acceptance calibration."""
+    rows, aal, ms, vms, costs = [], [], [], [], {}
+    for dd in range(1, d_max + 1):
+        for wd in draft_widths:
+            for wv in (1, *verify_widths):
+                costs[dd, wd, wv] = (cost.step_ms(dd, wd, wv, ctx), cost.t_verify(wv, ctx))
+                a = calib.expected_aal(wd, dd, wv) if wv > 1 else 1.0
+                if a is None:
+                    continue
+                rows.append((dd, wd, wv))
+                aal.append(a)
+                ms.append(costs[dd, wd, wv][0])
+                vms.append(costs[dd, wd, wv][1])
+    depth = np.array([r[0] for r in rows], dtype=np.int64)
+    wvs = np.array([r[2] for r in rows], dtype=np.int64)
+    return TreeChoices(rows, depth, np.array(aal), np.array(ms), np.array(vms), wvs, cost.plain_ms(ctx), costs)
+
+
+def best_tree(aal: np.ndarray, step_ms: np.ndarray, plain_ms: float, depth: np.ndarray | None = None,
+              d: int | None = None) -> tuple[int, float]:
+    """(row, predicted speed-up) maximising ``aal * plain_ms / step_ms`` over a :class:`TreeChoices`'
+    rows (``aal``, ``step_ms`` [n], as corrected; only rows of depth ``d`` when given: ``depth``
+    [n]); a NaN never wins, and the first maximum does, as a sequential scan would keep.
+    (-1, -inf) without rows."""
+    if not len(aal):
+        return -1, -math.inf
+    s = aal * plain_ms / step_ms
+    s = np.where(np.isnan(s), -np.inf, s)
+    if d is not None:
+        s = np.where(depth == d, s, -np.inf)
+    i = int(np.argmax(s))
+    return i, float(s[i])
 
 
 def best_verify(
@@ -104,7 +160,7 @@ class ObjectivePolicy(StepPolicy):
     probe_max: int = 256
     probe_share: float = 0.1  # a probe costs at most this share of the plain steps' time before it
     log: list = field(default_factory=list)
-    _grid: dict = field(default_factory=dict)  # bucket index -> (choices, D [n], AAL [n], step ms [n], verify ms [n], W_v [n], plain ms, {(D, W_d, W_v): (step ms, verify ms)})
+    _grid: dict = field(default_factory=dict)  # bucket index -> TreeChoices
     _plain_run: int = 0  # plain steps in a row
     _probe_gap: int = 0  # plain steps before the next probe (0: probe_every)
     _probing: bool = False  # the step under way is a probe
@@ -119,27 +175,12 @@ class ObjectivePolicy(StepPolicy):
     _step_behind: int = 0  # the catch-up of the drafted step under way (its tokens)
     _planned: float = 0.0  # the speed-up the drafted step under way was chosen for (0: none)
 
-    def _choices(self, ctx: int):
-        """Every (D, W_d, W_v) with a calibrated AAL, their D, AAL and predicted step times, and
-        the plain time: the costs depend on ``ctx`` only through the context bucket."""
+    def _choices(self, ctx: int) -> TreeChoices:
+        """The plan's :class:`TreeChoices` at ``ctx``, kept per context bucket."""
         key = self.cost.verify.bucket(ctx + max(self.verify_widths))
         if key not in self._grid:
-            rows, aal, ms, vms, costs = [], [], [], [], {}
-            for dd in range(1, self.d_max + 1):
-                for wd in self.draft_widths:
-                    for wv in (1, *self.verify_widths):
-                        costs[dd, wd, wv] = (self.cost.step_ms(dd, wd, wv, ctx), self.cost.t_verify(wv, ctx))
-                        a = self.calib.expected_aal(wd, dd, wv) if wv > 1 else 1.0
-                        if a is None:
-                            continue
-                        rows.append((dd, wd, wv))
-                        aal.append(a)
-                        ms.append(costs[dd, wd, wv][0])
-                        vms.append(costs[dd, wd, wv][1])
-            depth = np.array([r[0] for r in rows], dtype=np.int64)
-            wvs = np.array([r[2] for r in rows], dtype=np.int64)
-            self._grid[key] = (rows, depth, np.array(aal), np.array(ms), np.array(vms), wvs,
-                               self.cost.plain_ms(ctx), costs)
+            self._grid[key] = tree_choices(self.cost, self.calib, self.d_max, self.draft_widths,
+                                           self.verify_widths, ctx)
         return self._grid[key]
 
     def _online_plain(self, plain_ms: float) -> float:
@@ -161,16 +202,15 @@ class ObjectivePolicy(StepPolicy):
         fb = self.feedback
         state = fb.state if fb else 0
         hit = self._best_rate.get(key)
-        rows, depth, aal, ms, vms, wvs, plain, _ = self._choices(ctx)
+        g = self._choices(ctx)
         if hit is None or hit[0] != state:
-            if not len(rows):
+            if not len(g.rows):
                 return False
-            a = fb.aal(aal, depth) if fb else aal
-            t = self._online_step(ms, vms, wvs) / (fb.machine if fb else 1.0)
-            rate = a / t
-            hit = (state, float(np.max(np.where(np.isnan(rate), -np.inf, rate))))
+            a = fb.aal(g.aal, g.depth) if fb else g.aal
+            t = self._online_step(g.step_ms, g.verify_ms, g.verify_width) / (fb.machine if fb else 1.0)
+            hit = (state, best_tree(a, t, 1.0)[1])  # the best tree's AAL per ms
             self._best_rate[key] = hit
-        best = hit[1] * (fb.width_factor(1) if fb else 1.0) * plain  # the best tree's speed-up
+        best = hit[1] * (fb.width_factor(1) if fb else 1.0) * g.plain_ms  # the best tree's speed-up
         return best < 1.0 - 1e-6 or not self._catch_up_pays(best * (1.0 + 1e-6), ctx)
 
     def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None,
@@ -184,27 +224,24 @@ class ObjectivePolicy(StepPolicy):
         allow = self.allow_plain if allow_plain is None else allow_plain
         if allow and d is None and scale is None and not extra_ms and not self._lookup and self._surely_plain(ctx):
             return StepChoice(0, self.draft_widths[0]), 1.0
-        rows, depth, aal, ms, vms, wvs, plain, _ = self._choices(ctx)
+        g = self._choices(ctx)
         fb = self.feedback
+        aal = g.aal
         if scale is not None:
             f = np.full(self.d_max + 1, np.nan)
             f[1 : len(scale) + 1] = scale[: self.d_max]
-            aal = 1.0 + (aal - 1.0) * f[depth]
-        plain_on = self._online_plain(plain) + extra_ms
-        aal = fb.aal(aal, depth) if fb and len(depth) else aal
+            aal = 1.0 + (aal - 1.0) * f[g.depth]
+        plain_on = self._online_plain(g.plain_ms) + extra_ms
+        aal = fb.aal(aal, g.depth) if fb and len(g.depth) else aal
         if self._lookup:  # the merged tree is worth at least the better of its two parts
-            aal = np.maximum(aal, [self._lookup_aal(int(w)) for w in wvs])
-        s = aal * plain_on / (self._online_step(ms, vms, wvs) + extra_ms)
-        s = np.where(np.isnan(s), -np.inf, s)
-        if d is not None:
-            s = np.where(depth == d, s, -np.inf)
+            aal = np.maximum(aal, [self._lookup_aal(int(w)) for w in g.verify_width])
+        step_on = self._online_step(g.step_ms, g.verify_ms, g.verify_width) + extra_ms
+        i, s = best_tree(aal, step_on, plain_on, g.depth, d)
         best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if allow else -1.0
         if self._lookup and allow and d is None:  # a lookup-only step (no drafter call)
             best_s = max(best_s, self._lookup_best(ctx, extra_ms)[1])
-        if len(rows):
-            i = int(np.argmax(s))  # the first maximum, as a sequential scan would keep
-            if s[i] > best_s and (not allow or self._catch_up_pays(float(s[i]), ctx)):
-                best, best_s = StepChoice(rows[i][0], rows[i][1]), float(s[i])
+        if i >= 0 and s > best_s and (not allow or self._catch_up_pays(s, ctx)):
+            best, best_s = StepChoice(g.rows[i][0], g.rows[i][1]), s
         return best, best_s
 
     def see_lookup(self, prop, committed: int) -> None:
@@ -235,13 +272,9 @@ class ObjectivePolicy(StepPolicy):
         """The best lookup-only verify width and its expected speed-up over plain decoding."""
         costs = self._lookup_costs(ctx)
         plain_on = self._online_plain(costs[1][0]) + extra_ms
-        best, best_s = 1, -1.0
-        for w in self.verify_widths:
-            t = self._online_step(*costs[w], w) + extra_ms
-            sp = self._lookup_aal(w) * plain_on / t
-            if sp > best_s:
-                best, best_s = w, sp
-        return best, best_s
+        ws = list(self.verify_widths)
+        return best_verify([self._lookup_aal(w) for w in ws], ws,
+                           [self._online_step(*costs[w], w) + extra_ms for w in ws], plain_on)
 
     def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
         self._scale, self._probing = None, False
@@ -335,13 +368,13 @@ class ObjectivePolicy(StepPolicy):
             aal = aal_by_width_lists(tree, self.calib, deep, widths)
         else:
             aal = aal_by_width(path_values(tree, self.calib.edge_prob, deep), tree, widths)
-        *_, plain, costs = self._choices(committed)
+        g = self._choices(committed)
         if d == 0:  # a lookup-only tree: the step chosen as plain may verify it instead
             steps, vms = zip(*(self._lookup_costs(committed)[w] for w in widths))
             if self._pending is not None and self.log and self.log[-1] is self._pending:
                 self.log.pop()  # choose_draft's plain prediction: this prediction replaces it
         else:
-            steps, vms = zip(*(costs[d, wd, w] for w in widths))
+            steps, vms = zip(*(g.costs[d, wd, w] for w in widths))
         extra = 0.0
         if self._scale is not None:  # the predictor's view of this context, as in choose_draft
             aal = [1.0 + (a - 1.0) * float(self._scale[d - 1]) for a in aal]
@@ -350,11 +383,11 @@ class ObjectivePolicy(StepPolicy):
         aal_on = [fb.aal(a, d) for a in aal] if fb else aal
         steps_on = [(self._online_plain(t) if d == 0 and w == 1 else self._online_step(t, v, w)) + extra
                     for t, v, w in zip(steps, vms, widths)]
-        plain_on = self._online_plain(plain)
+        plain_on = self._online_plain(g.plain_ms)
         wv, _ = best_verify(aal_on, widths, steps_on, plain_on + extra)
         i = widths.index(wv)
         # logged against plain decoding without a predictor, as the bench's plain system runs
-        self._log(Prediction(committed, d, wv, aal[i], steps[i] + extra, plain,
+        self._log(Prediction(committed, d, wv, aal[i], steps[i] + extra, g.plain_ms,
                              aal_on[i], steps_on[i], plain_on, vms[i]))
         return wv
 
