@@ -55,3 +55,16 @@ def test_packages_of_the_same_key_elsewhere_are_linked_not_others(tmp_path):
     assert linked.read_bytes() == b"block-x-w1-c256.pt2"
     assert linked.stat().st_ino == (tmp_path / "blocks" / CACHE_SUBDIR / linked.name).stat().st_ino
     assert (out / "block-x-w1-c256.sha256").is_file()  # still checked at the next resume
+
+
+def test_the_runtime_code_hash_sees_code_not_comments_or_docstrings():
+    """Compiled packages are keyed by the code they were traced from: a comment or docstring
+    edited alone keeps them, any change of code does not."""
+    from yggtree.runtime.artifacts import code_of
+
+    base = 'class A:\n    """Doc."""\n\n    def f(self, x):\n        """Doc."""\n        return x + 1  # why\n'
+    same = 'class A:\n    """Another doc."""\n\n    def f(self, x):\n        # a new comment\n        return x + 1\n'
+    assert code_of(base) == code_of(same)
+    for changed in (base.replace("x + 1", "x + 2"), base.replace("return x + 1", "return (x + 1)[0]"),
+                    base.replace('"""Doc."""\n        return', 'print("Doc.")\n        return')):
+        assert code_of(changed) != code_of(base)

@@ -199,7 +199,7 @@ def package_config(block: nn.Module, serial_loops: bool = False) -> dict:
     :func:`cpu_config` (so a whole step, whose kernels fuse across the blocks, computes its block
     packages' step bitwise in half precision too); and where it calls our kernel library (w4a8
     weights, tiled products) the kernels' C shims (a direct call; AOTInductor's proxy executor
-    would box every call's arguments, ~10 us a product); ``serial_loops``: inductor's own loops
+    would box every call's arguments, a cost paid at every product); ``serial_loops``: inductor's own loops
     serial (see :func:`library_loops_only`)."""
     from .kernels import aoti_shims
     from .w4a8 import W4A8Linear
@@ -218,10 +218,10 @@ def library_loops_only(block: nn.Module) -> bool:
     compiled with inductor's own loops serial (a package's OpenMP regions have their thread count
     compiled in), so that the library's loops may run on its thread pool (kernels.loop_pool), which
     must not meet an OpenMP team: what inductor computes in its steps is elementwise and small
-    (the SiLU-mul of one row: 1,536 floats; serial, the plain w4a8 step measured no slower), the
-    attention the library's too (kernels.use_rows_attention). Not a speculative plan's: its
-    drafter's calls and the verify's vocabulary-wide work ran slower serial, and trees gained
-    nothing on the pool."""
+    (the SiLU-mul of one row: serial, it costs a plain step nothing), the attention the
+    library's too (kernels.use_rows_attention). Not a speculative plan's: its drafter's calls and
+    the verify's vocabulary-wide work are large enough for inductor's own parallel loops, and
+    the pool gains a tree step nothing."""
     from .model import FUSED_PROJECTIONS
     from .packed import PackedConcat
     from .quant import Int4Linear, Int8Linear

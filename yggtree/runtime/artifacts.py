@@ -25,6 +25,7 @@ Whether they match a plan: ``yggtree.compiled.check_artifacts``. A ``plan`` here
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import platform
 import time
@@ -185,12 +186,28 @@ GRAPH_SOURCES = ("aoti.py", "eagle.py", "kernels.py", "kv_cache.py", "model.py",
 
 
 def runtime_code_hash() -> str:
-    """sha256 (16 hex digits) of the runtime sources the compiled graphs are traced from."""
+    """sha256 (16 hex digits) of the code of the runtime sources the compiled graphs are traced
+    from: of their syntax trees without docstrings, so that an edit of comments or docstrings
+    alone leaves every compiled package valid (the Python version, which the trees' form depends
+    on, is a version of its own: :func:`versions`)."""
     h = hashlib.sha256()
     for name in GRAPH_SOURCES:
         f = Path(__file__).parent / name
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+        h.update(f.name.encode() + b"\0" + code_of(f.read_text()).encode())
     return h.hexdigest()[:16]
+
+
+def code_of(source: str) -> str:
+    """The code of Python ``source``: its syntax tree without docstrings, dumped (comments and
+    layout are not in a syntax tree)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def versions() -> dict:

@@ -254,7 +254,7 @@ def prefetch(setting):
 def aoti_shims() -> dict:
     """``aot_inductor.custom_ops_to_c_shims`` for packages calling the library's ops: they call
     the kernels' C shims directly (``csrc/``) rather than through AOTInductor's proxy executor,
-    which boxes every call's arguments (~10 us a call). Loads the library (its ops must exist to
+    which boxes every call's arguments (a cost at every call). Loads the library (its ops must exist to
     be named)."""
     load_library()
     return {getattr(torch.ops.yggtree, name).default: [decl] for name, decl in SHIMS.items()}

@@ -245,8 +245,8 @@ def _rows_attention(
     through a matmul whose kernel (blocking, microkernel, split of the reduction) a library picks
     from the number of rows. So a row's bits do not depend on W or on the other rows. Eager ATen
     reductions split work over output elements only; inductor's CPU loops likewise, except that
-    it parallelises a reduction loop 300x longer than all output loops together (one row over a
-    context of 2700+ slots, several threads).
+    it parallelises a reduction loop far longer than all output loops together (one row over a
+    long context, several threads).
 
     Layout-invariant too. A row attends over two parts (:func:`row_window`): its first n - T
     visible slots where they are in the cache, and its last T visible slots gathered in slot order
@@ -294,7 +294,7 @@ def attention_rows(prefill_chunk: int) -> int:
 
 def attention_formulation(prefill_chunk: int) -> dict:
     """How an engine with ``prefill_chunk`` computes attention, as compiled packages record it
-    (their manifest's ``attention``; plan.check_artifacts refuses packages built otherwise)."""
+    (their manifest's ``attention``; compiled.check_artifacts refuses packages built otherwise)."""
     return {"rows_up_to": attention_rows(prefill_chunk), "logical_window": LOGICAL_WINDOW}
 
 
@@ -366,7 +366,7 @@ def _run_block(block: Block, x, cos, sin, slots, mask) -> torch.Tensor:
 
 # Inside a compiled step (graphs.Graphs, "step" scope) every decoder layer is this one nested
 # region: dynamo traces it once and reuses the subgraph for each layer (the layer's weights and
-# cache are its inputs), so a 30-layer step compiles about as fast as one block. Outside
+# cache are its inputs), so a many-layer step compiles about as fast as one block. Outside
 # torch.compile it is a plain call.
 _block = torch.compiler.nested_compile_region(_run_block)
 

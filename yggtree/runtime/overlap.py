@@ -20,8 +20,8 @@ plain decoding and sampling stays lossless (tests/test_overlap.py).
 Thread budgets: on CPUs ``torch.set_num_threads`` sets the calling thread's OpenMP budget (ATen's
 OpenMP back end: ``omp_set_num_threads`` is per thread, and so is MKL's local setting), so the
 worker, a long-lived thread, sets its own budget once and the decoding thread keeps the target's
-(measured with torch 2.13: after the worker set 1 the main thread still reported 2, and the
-worker's ops started no OpenMP team thread). Compiled graphs are guarded on (and their kernels
+(the worker's setting leaves the main thread's count as it was, and the worker's ops start
+no OpenMP team thread). Compiled graphs are guarded on (and their kernels
 built for) the thread count they were built at, so a new worker first builds the drafter's graphs
 of the speculation job on its own thread at its own count (``Engine._worker``), next to the ones
 the decoding thread runs the drafter with at the target's count. On CUDA the same plan maps to streams

@@ -20,13 +20,13 @@ Short products can run padded: with ``min_rows`` > 1 a product of fewer rows is 
 many (zero rows appended, dropped from the result), which on some CPUs reaches a faster oneDNN
 kernel and on others is slower. Which value is best is a property of the machine: ``yggtree
 profile`` measures it and records it in the profile (``packed_padding``), and a plan's engine
-packs its layers with its profile's value (:func:`yggtree.plan.plan_min_rows`); 1 is no padding.
+packs its layers with its profile's value (:func:`yggtree.runtime.padding.plan_min_rows`); 1 is no padding.
 The value is each packed layer's attribute, passed to the op as an argument, so compiled graphs
 and AOTInductor packages hold it as a constant (:func:`yggtree.runtime.aoti.block_key` names it).
 
 Two product kernels, chosen per machine by measurement (``yggtree profile`` times both on the
 model's own products and records the faster in the profile's ``packed_padding.kernel``; a plan's
-engine and its compiled packages use it, :func:`yggtree.plan.plan_kernel`):
+engine and its compiled packages use it, :func:`yggtree.runtime.padding.plan_kernel`):
 
 - ``torch``: torch's own kernel, here oneDNN with the weight reordered once into its blocked
   layout, run through ``mkldnn._linear_pointwise`` (the op ``yggtree::packed_linear``; for
@@ -41,10 +41,9 @@ engine and its compiled packages use it, :func:`yggtree.plan.plan_kernel`):
   the end: runtime/quant.py).
 
 Batch invariance is not a property of the op everywhere, and padding can change bits: oneDNN
-may run a one-row product on another kernel than an M-row one. On one machine measured
-the float32 1536 -> 576 product (the default model's down projection) rounds
-otherwise at one row than inside a product of 2 or more rows (bfloat16 likewise, in about one
-output in 8000), while padded to 2 rows it is invariant, at 1 and 2 threads. :func:`padding_is_invariant` checks a padding on a model's own
+may run a one-row product on another kernel than an M-row one, so that a product rounds
+otherwise at one row than inside a product of several rows, while padded it is invariant.
+:func:`padding_is_invariant` checks a padding on a model's own
 layer shapes at the thread count it is called at, and :func:`invariant_min_rows` finds the
 smallest invariant one: the profile only chooses invariant paddings, and a speculative engine
 raises its padding to an invariant one at start (:func:`yggtree.runtime.build.build_engine`).

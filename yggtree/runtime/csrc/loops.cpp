@@ -1,8 +1,8 @@
 // yggtree::parallel_for (csrc/loops.h) and the library's thread pool.
 //
-// Why a pool of our own: a two-thread OpenMP region costs ~3-5 us to start and join where the two CPUs sit far
-// apart (libgomp's team start touches several cache lines the other CPU wrote last), ~180 regions a w4a8 decode
-// step. Here a task is posted on one cache line (generation, body, range) and each worker reports on a line of
+// Why a pool of our own: starting and joining an OpenMP region is slow where the two CPUs sit far apart
+// (libgomp's team start touches several cache lines the other CPU wrote last), and a w4a8 decode step runs one
+// region per product. Here a task is posted on one cache line (generation, body, range) and each worker reports on a line of
 // its own, so a region costs about one line transfer each way; the caller runs the first chunk at once. Whether
 // it pays is measured per machine and plan (`yggtree compile`'s loops choice).
 //

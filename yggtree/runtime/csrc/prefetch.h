@@ -2,8 +2,8 @@
 // stream its kernels fetch ahead of the bytes they read, into the first-level cache (near) and into the second
 // (far; 0: none). One core keeps only so many first-level misses in flight, so fetching only into the first
 // level caps a core's stream whatever the kernel's arithmetic; fetching far ahead into the second level as well
-// can lift it. Which distances stream fastest depends on the machine, so the runtime measures them per machine (yggtree.offline.profile.time_padding) and sets them while an engine
-// decodes (runtime/kernels.py prefetch).
+// can lift it. Which distances stream fastest depends on the machine, so the runtime measures them per machine (yggtree.offline.profile_padding.time_padding) and
+// sets them while an engine decodes (runtime/kernels.py prefetch).
 #pragma once
 #include <cstdint>
 

@@ -232,7 +232,7 @@ int64_t w4a8_threads(const at::Tensor&) {
 
 // The op's C shim: AOTInductor packages compiled with it (runtime/aoti.py) call the kernel here
 // directly instead of through the proxy executor, which boxes every call's arguments into a
-// dispatcher stack (~10 us per call, 120 calls per decode step of the default model). The name
+// dispatcher stack at every call, and a decode step makes one call per product. The name
 // is AOTInductor's for the op's schema name (aoti_torch_<device>_<op>); runtime/w4a8.py loads
 // this library with global symbols so a package's reference resolves to it.
 extern "C" AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle blocks, AtenTensorHandle* ret0) {
