@@ -222,3 +222,36 @@ def test_a_profile_timed_while_the_machine_was_busy_is_timed_again(monkeypatch, 
     machine_plan._phase(mp, base, mp.blocks_root, "p", False, (), 0.0, lambda line: None)
     assert waits == list(machine_plan.QUIET_WAITS[:2]) and written[0]["load"]["other_cores"] == 0.1
     assert json.loads((tmp_path / READY).read_text())["whole"] is False
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_run_pauses_the_build_while_it_decodes(tmp_path):
+    """The build's process group is stopped while a run decodes and continued after; a recorded
+    id that is not this directory's build (a reused id) is never signalled."""
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    code = "import sys, time; time.sleep(60)"
+    build = subprocess.Popen([sys.executable, "-c", code, "yggtree.machine_plan", str(tmp_path)],
+                             start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", code, "something else"], start_new_session=True)
+    try:
+        (tmp_path / machine_plan.PID).write_text(f"{build.pid}\n")
+        with mp.paused():
+            deadline = time.time() + 5
+            while _state(build.pid) != "T" and time.time() < deadline:
+                time.sleep(0.01)
+            assert _state(build.pid) == "T"
+        assert _state(build.pid) != "T"
+        (tmp_path / machine_plan.PID).write_text(f"{other.pid}\n")
+        with mp.paused():
+            time.sleep(0.1)
+            assert _state(other.pid) != "T"
+        (tmp_path / machine_plan.PID).write_text("not a pid\n")
+        with mp.paused():
+            pass
+    finally:
+        for p in (build, other):
+            p.kill()
+            p.wait()

@@ -21,15 +21,23 @@ manifest last and checks it, so nothing half-written is loaded). The build holds
 lock on ``build.lock`` while it runs (released by the kernel when the process dies), so two runs
 never build at once. Its output goes to ``build.log`` in the machine plan's directory.
 
+A ``yggtree run`` that decodes while the build runs pauses it (SIGSTOP to the build's process
+group, SIGCONT when the run ends: :meth:`MachinePlan.paused`): even in the idle class, a build
+beside a multi-threaded decode stalls the decode's parallel loops, whose threads wait on each
+other at every product (the run's decoding at several times its speed alone). A run killed
+outright leaves the build stopped until the next run ends.
+
 ``YGGTREE_MACHINE_BUILD=0`` turns the background build off (the run then takes the quick start
 of ``yggtree.quickstart``, which compiles in the foreground); the test suite sets it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +51,7 @@ BUILD_ENV = "YGGTREE_MACHINE_BUILD"  # "0": no background build
 READY = "ready.json"
 LOCK = "build.lock"
 LOG = "build.log"
+PID = "build.pid"  # the running build's process id (its process group: a session of its own)
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
 MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
@@ -130,15 +139,48 @@ class MachinePlan:
         cmd = [sys.executable, "-m", "yggtree.machine_plan", str(self.root), "--threads", str(self.threads),
                "--weights", self.weights or "float32"]
         with log:
-            _spawn(cmd, log)
+            pid = _spawn(cmd, log)
+        (self.root / PID).write_text(f"{pid}\n")
         return (f"building this machine's plan ({self.weights or 'float32'} weights, compiled, with a latency "
                 f"profile) in the background, once (log: {self.root / LOG}); later runs load it")
 
 
-def _spawn(cmd: list[str], log) -> None:
-    """Start ``cmd`` detached (its own session: a Ctrl-C of the run does not stop it), output to ``log``."""
-    subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                     start_new_session=True, close_fds=True)
+    @contextlib.contextmanager
+    def paused(self):
+        """The running build (if any) stopped while the block runs, continued after."""
+        pid = self._build_pid()
+        if pid is None:
+            yield
+            return
+        try:
+            os.killpg(pid, signal.SIGSTOP)
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except OSError:
+                pass
+
+    def _build_pid(self) -> int | None:
+        """The process (group) id of this plan's build while it runs, else None."""
+        try:
+            pid = int((self.root / PID).read_text())
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return None
+        # the id is the build's only while that process is the build of this directory
+        return pid if b"yggtree.machine_plan" in cmd and str(self.root).encode() in cmd else None
+
+
+def _spawn(cmd: list[str], log) -> int:
+    """Start ``cmd`` detached (its own session: a Ctrl-C of the run does not stop it), output to
+    ``log``; returns its process id (its session's and process group's id)."""
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, close_fds=True).pid
 
 
 def machine_plan(device: dict, threads: int, weights: str | None = "auto", root: Path | None = None

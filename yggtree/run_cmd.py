@@ -163,7 +163,9 @@ def run(args) -> int:
         raise YggError("--trace needs --mode reference")
     engine, tok, policy = build_from_args(args)
     ids = encode_prompt(tok, args.prompt, raw=args.raw)
-    with open_trace(args.trace) as trace:
+    # this machine's plan building in the background: paused while this run decodes (machine_plan)
+    building = getattr(args, "machine", None)
+    with open_trace(args.trace) as trace, building.paused() if building else contextlib.nullcontext():
         return _generate(args, engine, tok, ids, params, trace, policy)
 
 
@@ -252,6 +254,7 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     if waiting is not None or not machine_plan.enabled():
         return False
     mp = machine_plan.machine_plan(device, args.threads or torch.get_num_threads())
+    args.machine = mp
     path, why = mp.ready_plan()
     args.no_default_note = None
     if path is not None:
