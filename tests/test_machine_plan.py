@@ -255,3 +255,28 @@ def test_a_run_pauses_the_build_while_it_decodes(tmp_path):
         for p in (build, other):
             p.kill()
             p.wait()
+
+
+def test_what_the_feedback_learnt_is_kept_for_the_same_profile_only(tmp_path):
+    """A run's objective feedback is kept in the plan's directory and read back by the next run
+    on the same profile; a rebuilt plan (another profile) or a damaged file starts afresh."""
+    from yggtree.runtime.feedback import Feedback
+
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    assert mp.learnt("sha-a") is None
+    fb = Feedback(machine=1.25, spec_extra=1.4, catch_up=0.5, _width={4: 1.1}, _by_depth={3: (1.0, 2.5)},
+                  _planned=(0.8, 1.2))
+    mp.keep_learnt("sha-a", fb.learnt())
+    again = Feedback().with_learnt(mp.learnt("sha-a"))
+    assert again.learnt() == fb.learnt() and again.step_ms(10.0, 4.0, 4) == fb.step_ms(10.0, 4.0, 4)
+    assert mp.learnt("sha-b") is None
+    (tmp_path / machine_plan.FEEDBACK).write_text("{not json")
+    assert mp.learnt("sha-a") is None
+
+
+@pytest.mark.parametrize("record", [None, {}, {"machine": "fast"}, {  # the last: a negative factor
+    "machine": -1.0, "spec_extra": 1.0, "catch_up": None, "width": {}, "by_depth": {}, "planned": [0, 0]}])
+def test_a_learnt_record_that_does_not_read_changes_nothing(record):
+    from yggtree.runtime.feedback import Feedback
+
+    assert Feedback().with_learnt(record) == Feedback()

@@ -15,7 +15,9 @@ machine plan:
    ``ready.json`` pointing at it.
 
 Every later run loads the compiled copy (no tracing) and decodes with the latency objective on
-the machine's own curves (plain steps wherever no tree pays). A build that is interrupted or
+the machine's own curves (plain steps wherever no tree pays), its online feedback starting from
+what the earlier runs on the same profile learnt (``feedback.json``: the offline model's
+optimism is paid once per machine, not in every short run). A build that is interrupted or
 killed leaves no ``ready.json``: the next run starts it again (the compile pipeline writes its
 manifest last and checks it, so nothing half-written is loaded). The build holds an exclusive
 lock on ``build.lock`` while it runs (released by the kernel when the process dies), so two runs
@@ -51,6 +53,7 @@ BUILD_ENV = "YGGTREE_MACHINE_BUILD"  # "0": no background build
 READY = "ready.json"
 LOCK = "build.lock"
 LOG = "build.log"
+FEEDBACK = "feedback.json"  # what the objective's feedback learnt in earlier runs, by profile
 PID = "build.pid"  # the running build's process id (its process group: a session of its own)
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
@@ -144,6 +147,24 @@ class MachinePlan:
         return (f"building this machine's plan ({self.weights or 'float32'} weights, compiled, with a latency "
                 f"profile) in the background, once (log: {self.root / LOG}); later runs load it")
 
+
+    def learnt(self, profile_sha: str) -> dict | None:
+        """What earlier runs' objective feedback learnt on the plan timed by the profile of
+        sha256 ``profile_sha`` (runtime/feedback.py ``Feedback.learnt``); None if nothing (or
+        only for another profile: a rebuilt plan starts afresh)."""
+        try:
+            record = json.loads((self.root / FEEDBACK).read_text())
+        except (OSError, ValueError):
+            return None
+        ok = isinstance(record, dict) and record.get("profile") == profile_sha
+        return record.get("learnt") if ok else None
+
+    def keep_learnt(self, profile_sha: str, learnt: dict) -> None:
+        """Keep ``learnt`` for the next run (nothing where the directory cannot be written)."""
+        try:
+            write_text_atomic(self.root / FEEDBACK, json.dumps({"profile": profile_sha, "learnt": learnt}) + "\n")
+        except OSError:
+            pass
 
     @contextlib.contextmanager
     def paused(self):

@@ -163,10 +163,31 @@ def run(args) -> int:
         raise YggError("--trace needs --mode reference")
     engine, tok, policy = build_from_args(args)
     ids = encode_prompt(tok, args.prompt, raw=args.raw)
-    # this machine's plan building in the background: paused while this run decodes (machine_plan)
-    building = getattr(args, "machine", None)
-    with open_trace(args.trace) as trace, building.paused() if building else contextlib.nullcontext():
-        return _generate(args, engine, tok, ids, params, trace, policy)
+    mp = getattr(args, "machine", None)  # this machine's plan (yggtree.machine_plan), if the run took it
+    learnt = _learnt_feedback(args, mp, policy)
+    # its build, if it runs in the background: paused while this run decodes
+    with open_trace(args.trace) as trace, mp.paused() if mp else contextlib.nullcontext():
+        code = _generate(args, engine, tok, ids, params, trace, policy)
+    if learnt is not None:
+        mp.keep_learnt(learnt, policy.feedback.learnt())
+    return code
+
+
+def _learnt_feedback(args, mp, policy) -> str | None:
+    """On this machine's plan, the objective's feedback continues from what earlier runs learnt
+    on its profile; returns the profile's sha256 to keep this run's under (None: nothing kept)."""
+    feedback = getattr(policy, "feedback", None)
+    if mp is None or feedback is None or getattr(args, "machine_build", None) not in ("done", "blocks"):
+        return None
+    from .files import file_sha256
+    from .plan import load_plan
+
+    profile = load_plan(args.plan).profile
+    sha = file_sha256(profile) if profile else None
+    record = mp.learnt(sha) if sha else None
+    if record is not None:
+        policy.feedback = feedback.with_learnt(record)
+    return sha
 
 
 def build_from_args(args):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -77,6 +77,32 @@ class Feedback:
     _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
     _planned: tuple = (0.0, 0.0)  # discounted sums of (realised, planned) speed-ups of drafted steps
     state: int = 0  # counts the changes of everything but ``machine`` and the plain width's factor
+
+    def learnt(self) -> dict:
+        """What the steps so far taught, JSON-ready (the settings and this request's own sums
+        left out): a later process of the same machine and plan starts from it
+        (:meth:`with_learnt`) instead of from the offline model's optimism."""
+        return {"machine": self.machine, "spec_extra": self.spec_extra, "catch_up": self.catch_up,
+                "width": {str(w): f for w, f in self._width.items()},
+                "by_depth": {str(d): list(v) for d, v in self._by_depth.items()},
+                "planned": list(self._planned)}
+
+    def with_learnt(self, record) -> "Feedback":
+        """This feedback continuing from ``record`` (a :meth:`learnt` dict); unchanged where the
+        record does not read as one (it only ever changes choices, never tokens)."""
+        try:
+            fields = dict(
+                machine=float(record["machine"]), spec_extra=float(record["spec_extra"]),
+                catch_up=None if record["catch_up"] is None else float(record["catch_up"]),
+                _width={int(w): float(f) for w, f in record["width"].items()},
+                _by_depth={int(d): (float(a), float(e)) for d, (a, e) in record["by_depth"].items()},
+                _planned=tuple(float(x) for x in record["planned"][:2]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return self
+        finite = [fields["machine"], fields["spec_extra"], *fields["_width"].values()]
+        if not all(np.isfinite(x) and x > 0 for x in finite) or len(fields["_planned"]) != 2:
+            return self
+        return replace(self, **fields)
 
     def start_request(self) -> None:
         """A new request begins: its own acceptance starts at the all-requests estimate."""
