@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -229,21 +230,26 @@ def _state(pid: int) -> str:
 
 
 def test_a_run_pauses_the_build_while_it_decodes(tmp_path):
-    """The build's process group is stopped while a run decodes and continued after; a recorded
-    id that is not this directory's build (a reused id) is never signalled."""
+    """The build's whole session is stopped while a run decodes and continued after (a
+    compiler its tools start in a process group of its own too); a recorded id that is not this
+    directory's build (a reused id) is never signalled."""
     mp = MachinePlan(tmp_path, "w4a8", 2)
     code = "import sys, time; time.sleep(60)"
-    build = subprocess.Popen([sys.executable, "-c", code, "yggtree.machine_plan", str(tmp_path)],
-                             start_new_session=True)
+    spawner = ("import os, subprocess, sys, time; "  # the build's tools: a compile in a group of its own
+               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], process_group=0); "
+               "print(p.pid, flush=True); time.sleep(60)")
+    build = subprocess.Popen([sys.executable, "-c", spawner, "yggtree.machine_plan", str(tmp_path)],
+                             start_new_session=True, stdout=subprocess.PIPE, text=True)
+    tool = int(build.stdout.readline())
     other = subprocess.Popen([sys.executable, "-c", code, "something else"], start_new_session=True)
     try:
         (tmp_path / machine_plan.PID).write_text(f"{build.pid}\n")
         with mp.paused():
             deadline = time.time() + 5
-            while _state(build.pid) != "T" and time.time() < deadline:
+            while {_state(build.pid), _state(tool)} != {"T"} and time.time() < deadline:
                 time.sleep(0.01)
-            assert _state(build.pid) == "T"
-        assert _state(build.pid) != "T"
+            assert _state(build.pid) == "T" and _state(tool) == "T"
+        assert _state(build.pid) != "T" and _state(tool) != "T"
         (tmp_path / machine_plan.PID).write_text(f"{other.pid}\n")
         with mp.paused():
             time.sleep(0.1)
@@ -252,6 +258,7 @@ def test_a_run_pauses_the_build_while_it_decodes(tmp_path):
         with mp.paused():
             pass
     finally:
+        os.kill(tool, signal.SIGKILL)
         for p in (build, other):
             p.kill()
             p.wait()

@@ -23,8 +23,8 @@ manifest last and checks it, so nothing half-written is loaded). The build holds
 lock on ``build.lock`` while it runs (released by the kernel when the process dies), so two runs
 never build at once. Its output goes to ``build.log`` in the machine plan's directory.
 
-A ``yggtree run`` that decodes while the build runs pauses it (SIGSTOP to the build's process
-group, SIGCONT when the run ends: :meth:`MachinePlan.paused`): even in the idle class, a build
+A ``yggtree run`` that decodes while the build runs pauses it (SIGSTOP to every process of the
+build's session, SIGCONT when the run ends: :meth:`MachinePlan.paused`): even in the idle class, a build
 beside a multi-threaded decode stalls the decode's parallel loops, whose threads wait on each
 other at every product (the run's decoding at several times its speed alone). A run killed
 outright leaves the build stopped until the next run ends.
@@ -54,7 +54,7 @@ READY = "ready.json"
 LOCK = "build.lock"
 LOG = "build.log"
 FEEDBACK = "feedback.json"  # what the objective's feedback learnt in earlier runs, by profile
-PID = "build.pid"  # the running build's process id (its process group: a session of its own)
+PID = "build.pid"  # the running build's process id (and its session's: it starts one of its own)
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
 MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
@@ -168,23 +168,19 @@ class MachinePlan:
 
     @contextlib.contextmanager
     def paused(self):
-        """The running build (if any) stopped while the block runs, continued after."""
-        pid = self._build_pid()
-        if pid is None:
+        """The running build (if any) stopped while the block runs, continued after: every
+        process of its session (the compilers its tools start in process groups of their own
+        included)."""
+        sid = self._build_pid()
+        if sid is None:
             yield
             return
-        try:
-            os.killpg(pid, signal.SIGSTOP)
-        except OSError:
-            yield
-            return
+        for _ in range(2):  # twice: a process may have started one more while the first pass ran
+            _signal_session(sid, signal.SIGSTOP)
         try:
             yield
         finally:
-            try:
-                os.killpg(pid, signal.SIGCONT)
-            except OSError:
-                pass
+            _signal_session(sid, signal.SIGCONT)
 
     def _build_pid(self) -> int | None:
         """The process (group) id of this plan's build while it runs, else None."""
@@ -195,6 +191,17 @@ class MachinePlan:
             return None
         # the id is the build's only while that process is the build of this directory
         return pid if b"yggtree.machine_plan" in cmd and str(self.root).encode() in cmd else None
+
+
+def _signal_session(sid: int, sig: int) -> None:
+    """Send ``sig`` to every process of the session ``sid`` (Linux's /proc; elsewhere nothing)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+            if int(fields[3]) == sid:
+                os.kill(int(stat.parent.name), sig)
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile, or not ours to signal
 
 
 def _spawn(cmd: list[str], log) -> int:
