@@ -4,6 +4,7 @@ manifests record them."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -78,7 +79,15 @@ def manifest_args(argv: list[str], base: str | Path) -> list[str]:
 
 
 def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks."""
+    """Hex sha256 of a file's bytes, read in chunks; a file this process hashed already, unchanged
+    since (same inode, size and modification time), is not read again (a run checks its packages
+    at several steps: finding the plan, checking it, loading it)."""
+    st = os.stat(path)
+    return _sha256_of(str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_of(path: str, ino: int, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

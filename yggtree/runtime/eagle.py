@@ -252,8 +252,12 @@ class EagleNet(nn.Module):
         self.layers = nn.ModuleList(Block(cfg.layer_config()) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        # draft id -> target id; persistent, saved with the weights
-        self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size), persistent=True)
+        # draft id -> target id; persistent, saved with the weights. Built on the meta device (to
+        # load weights over it) an empty stand-in: a meta arange would import torch's reference ops
+        n = cfg.draft_vocab_size
+        meta = torch.get_default_device().type == "meta"
+        self.register_buffer("draft_vocab", torch.empty(n, dtype=torch.int64) if meta else torch.arange(n),
+                             persistent=True)
         self.register_buffer("rope", torch.zeros(0, cfg.head_dim // 2, 2), persistent=False)
         self.cache_slots = 0
 
