@@ -236,7 +236,7 @@ def test_a_run_pauses_the_build_while_it_decodes(tmp_path):
     mp = MachinePlan(tmp_path, "w4a8", 2)
     code = "import sys, time; time.sleep(60)"
     spawner = ("import os, subprocess, sys, time; "  # the build's tools: a compile in a group of its own
-               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], process_group=0); "
+               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=os.setpgrp); "
                "print(p.pid, flush=True); time.sleep(60)")
     build = subprocess.Popen([sys.executable, "-c", spawner, "yggtree.machine_plan", str(tmp_path)],
                              start_new_session=True, stdout=subprocess.PIPE, text=True)
