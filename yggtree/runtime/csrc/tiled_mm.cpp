@@ -228,7 +228,7 @@ void run_i8(const int8_t* wp, const float* sp, int64_t B, const float* x, int64_
       const float* s = sp + t * B * 16;
       in_groups<WIDE>(M, [&](int64_t r, auto n) {
         constexpr int R = decltype(n)::value;
-        i8_tile<R, R <= 2 ? 2 : 1>(w, s, G, rows.qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+        i8_tile<R, R <= 4 ? 2 : 1>(w, s, G, rows.qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
       });
     }
   });
