@@ -228,7 +228,9 @@ void run_i8(const int8_t* wp, const float* sp, int64_t B, const float* x, int64_
       const float* s = sp + t * B * 16;
       in_groups<WIDE>(M, [&](int64_t r, auto n) {
         constexpr int R = decltype(n)::value;
-        i8_tile<R, R <= 4 ? 2 : 1>(w, s, G, rows.qa + r * K2, rows.da + r, K2, op + r * N + 16 * t, N, pf);
+        // two sums a row where the registers hold them (a group of 4 with one ran slower than 8 rows)
+        i8_tile<R, (R <= 2 || (R <= 4 && REGISTERS >= 32)) ? 2 : 1>(w, s, G, rows.qa + r * K2, rows.da + r, K2,
+                                                                    op + r * N + 16 * t, N, pf);
       });
     }
   });
