@@ -281,7 +281,7 @@ def _compile_packages(jobs: dict[tuple[str, int, int], str], out: Path, progress
                           else run_here(todo, out, build, progress, task)):
         secs[key] = dt
         sums[key] = file_sha256(out / name)
-        (out / name).with_suffix(".sha256").write_text(sums[key] + "\n")  # finished: _finished
+        _checksum(out / name).write_text(sums[key] + "\n")  # finished: _finished
         progress.update(task, advance=1)
     return secs, sums
 
@@ -416,11 +416,16 @@ def _same_key(d: Path, key: dict) -> bool:
         return False
 
 
+def _checksum(pkg: Path) -> Path:
+    """Where the sha256 of the finished package ``pkg`` is written, beside it."""
+    return pkg.with_suffix(".sha256")
+
+
 def _finished(pkg: Path) -> bool:
     """Whether ``pkg`` is a package a build finished: its bytes hash to the sha256 written beside
     it when it was renamed into place (a truncated or damaged one does not)."""
     try:
-        return (pkg.with_suffix(".sha256")).read_text().strip() == file_sha256(pkg)
+        return _checksum(pkg).read_text().strip() == file_sha256(pkg)
     except OSError:
         return False
 
@@ -446,7 +451,7 @@ def _seed_packages(out: Path, key: dict, reuse: tuple[Path, ...]) -> int:
         for pkg in src.glob("*.pt2"):
             if pkg.name.startswith("partial-") or (out / pkg.name).exists() or not _finished(pkg):
                 continue
-            for f in (pkg, pkg.with_suffix(".sha256")):
+            for f in (pkg, _checksum(pkg)):
                 try:
                     os.link(f, out / f.name)
                 except OSError:
