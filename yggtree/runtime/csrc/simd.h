@@ -269,6 +269,10 @@ inline I magnitude(I c) { return {_mm256_abs_epi8(c.v)}; }
 inline I dot_centered(I acc, I mag, I c, I s) { return widen16(acc, pairs16(mag, I{_mm256_sign_epi8(s.v, c.v)})); }
 #endif
 
+// An opaque copy of a register: a sum written as a chain of adds stays that chain (the compiler may not
+// reassociate integer adds through it into a tree whose partial sums outnumber the registers and spill)
+inline void keep(I& a) { asm("" : "+x"(a.v)); }
+
 // Integer dot products, per 32-bit lane, exact in int32:
 //   dpwssd(acc, a, b):      acc + a0 b0 + a1 b1                 (16-bit a, b; never both -32768)
 //   dpbusd(acc, u, s):      acc + u0 s0 + u1 s1 + u2 s2 + u3 s3 (unsigned bytes u, signed bytes s); without VNNI

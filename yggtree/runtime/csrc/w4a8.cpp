@@ -162,6 +162,74 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
   }
 }
 
+// R rows of one 16-column tile where the vectors hold 8 columns and there is no VNNI (AVX2): both halves of
+// the tile in one pass over its blocks, so each row's activation broadcasts serve all 16 columns (`tile`
+// walks the halves one after the other, broadcasting twice). Per column the same integer sums and the same
+// float steps in the same order as `tile`: the same bits.
+template <int R, int BITS>
+inline void tile_halves(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum,
+                        int64_t K, int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
+  static_assert(LANES == 8 && !NATIVE_DOT, "the AVX2 path without VNNI");
+  F acc0[R], acc1[R];  // columns 0-7, 8-15
+  for (int r = 0; r < R; ++r) acc0[r] = zero(), acc1[r] = zero();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* cb = blocks + b * STRIDE<BITS>;
+    for (int i = 0; i < STRIDE<BITS>; i += 64) {  // as `tile` does: 8-bit codes into the second level only
+      if (BITS == 4 && ahead.near) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.near + i), _MM_HINT_T0);
+      if (ahead.far) _mm_prefetch(reinterpret_cast<const char*>(cb + ahead.far + i), _MM_HINT_T1);
+    }
+    I s0[R], s1[R];  // the block's integer sums (4-bit: pair sums in 16 bits, <= 8 * 3810, as in `tile`)
+    if constexpr (BITS == 4) {
+      for (int g = 0; g < 4; ++g) {
+        const I v0 = load_i(cb + g * 64), v1 = load_i(cb + g * 64 + 32);
+        const I lo0 = low_nibbles(v0), hi0 = high_nibbles(v0), lo1 = low_nibbles(v1), hi1 = high_nibbles(v1);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = qa + r * K + b * 32 + 4 * g;
+          const I al = bytes4(a), ah = bytes4(a + 16);
+          const I t0 = add16(pairs16(lo0, al), pairs16(hi0, ah)), t1 = add16(pairs16(lo1, al), pairs16(hi1, ah));
+          s0[r] = g == 0 ? t0 : add16(s0[r], t0);
+          s1[r] = g == 0 ? t1 : add16(s1[r], t1);
+          keep(s0[r]), keep(s1[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) s0[r] = widen16(zero_i(), s0[r]), s1[r] = widen16(zero_i(), s1[r]);
+    } else {  // sum (u - 128) qa by the sign trick (simd.h), then + 128 sum qa, as `tile`
+      for (int g = 0; g < 8; ++g) {
+        const I c0 = centered(load_i(cb + g * 64)), c1 = centered(load_i(cb + g * 64 + 32));
+        const I mag0 = magnitude(c0), mag1 = magnitude(c1);
+        for (int r = 0; r < R; ++r) {
+          const I a = bytes4(qa + r * K + b * 32 + 4 * g);
+          s0[r] = dot_centered(g == 0 ? zero_i() : s0[r], mag0, c0, a);
+          s1[r] = dot_centered(g == 0 ? zero_i() : s1[r], mag1, c1, a);
+          keep(s0[r]), keep(s1[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t offset = 128 * qsum[r * B + b];
+        s0[r] = add(s0[r], bytes4(&offset)), s1[r] = add(s1[r], bytes4(&offset));
+      }
+    }
+    const F d0 = load_half(cb + CODES<BITS>), d1 = load_half(cb + CODES<BITS> + 16);
+    const F m0 = load_half(cb + CODES<BITS> + 32), m1 = load_half(cb + CODES<BITS> + 48);
+    for (int r = 0; r < R; ++r) {
+      const F dr = set1(da[r * B + b]), sr = set1(sa[r * B + b]);
+      acc0[r] = fmadd(m0, sr, fmadd(mul(d0, dr), to_float(s0[r]), acc0[r]));
+      acc1[r] = fmadd(m1, sr, fmadd(mul(d1, dr), to_float(s1[r]), acc1[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) store(out + r * ldo, acc0[r]), store(out + r * ldo + 8, acc1[r]);
+}
+
+// R rows of one tile: `tile_halves` where it applies, else `tile`
+template <int R, int BITS>
+inline void rows(const uint8_t* c, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum, int64_t K,
+                 int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
+  if constexpr (LANES == 8 && !NATIVE_DOT)
+    tile_halves<R, BITS>(c, qa, da, sa, qsum, K, B, out, ldo, ahead);
+  else
+    tile<R, BITS>(c, qa, da, sa, qsum, K, B, out, ldo, ahead);
+}
+
 template <int BITS>
 void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap, const int32_t* qsp, int64_t M,
          int64_t K, int64_t T, int64_t B, float* op) {
@@ -174,13 +242,13 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
       int64_t r = 0;
       if constexpr (WIDE >= 8)
         for (; r + 8 <= M; r += 8)
-          tile<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+          rows<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 4 <= M; r += 4)
-        tile<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+        rows<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r + 2 <= M; r += 2)
-        tile<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+        rows<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
       for (; r < M; ++r)
-        tile<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+        rows<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
     }
   });
 }
