@@ -37,9 +37,10 @@ from ..shapes import SamplingParams
 from . import steps
 from .accept import Accepted, argmax, filter_probs, sample_choices, truncate, walk
 from .drafters import TopK
+from .egt import draft_tree
 from .lookup import LookupIndex, Proposal, propose
 from .merge import SOURCE_DRAFTER, SOURCE_LOOKUP, SOURCE_NAMES, merge_lookup, root_tree
-from .overlap import Speculation, draft_tree, fits, guess_path, speculate
+from .overlap import Speculation, fits, guess_path, speculate
 from .policy import StepChoice, StepPolicy
 from .prune import prune_lists, prune_topk, subtree
 from .tree import Tree, ancestor_mask, check_invariants
