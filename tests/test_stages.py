@@ -183,21 +183,20 @@ def test_both_caches_after_ahead_steps_equal_a_causal_recompute():
 
 
 @pytest.mark.parametrize("kind,lookup,temperature", sweep(
-    ["near", "other-lm", "eagle"], [0, 2], [0.0, 0.8],
-    unit=[("near", 0, 0.0), ("near", 2, 0.8), ("other-lm", 2, 0.0), ("eagle", 0, 0.8)]))
+    ["near", "other-lm"], [0, 2], [0.0, 0.8],
+    unit=[("near", 0, 0.0), ("near", 2, 0.8), ("other-lm", 2, 0.0)]))
 def test_ahead_and_overlap_equal_the_sequential_step(kind, lookup, temperature):
     """The ahead and overlap plans are the sequential step plus stages that touch the drafter
-    alone: they draft the same trees and draw exactly the uniforms the sequential plan draws (one
-    per verified node), so one seed gives the same tokens and the same acceptance at every step
-    (the overlap plan over used and discarded guesses: a near drafter's greedy guesses hit)."""
+    alone: with an LM drafter they draft the same trees and draw exactly the uniforms the
+    sequential plan draws (one per verified node), so one seed gives the same tokens and the same
+    acceptance at every step (the overlap plan over used and discarded guesses: a near drafter's
+    greedy guesses hit). An EAGLE head's used guess may change later proposals (design.md
+    section 9): its plans are checked against plain decoding, in greedy."""
     plans = ("sequential", "ahead", "overlap@1+1") if usable_cores() >= 2 else ("sequential", "ahead")
     target = tiny()
     runs = {}
     for stages in plans:
-        if kind == "eagle":
-            drafter = EagleDrafter.random(target, "reference", max_depth=4, seed=1)
-        else:
-            drafter = LMDrafter(perturbed(tiny(seed=0)) if kind == "near" else tiny(seed=1, std=0.25), "reference")
+        drafter = LMDrafter(perturbed(tiny(seed=0)) if kind == "near" else tiny(seed=1, std=0.25), "reference")
         eng = engine(target, TREES["egt"], drafter, stages, lookup=lookup)
         runs[stages] = []
         for p in PROMPTS:

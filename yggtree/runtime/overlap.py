@@ -1,6 +1,7 @@
 """Cross-core overlap: the next step's draft on the drafter's own worker while the target verifies.
 
-The ``overlap`` execution plan (runtime/schedule.py) adds two stages to the sequential plan::
+The ``overlap`` execution plan (runtime/schedule.py) adds two stages to the sequential step
+(stages.speculate_step)::
 
     fork   after prune: guess the accepted path (the verified path the drafter scores highest,
            to a verified leaf, then the drafter's top-1 token there as the bonus), and start the
