@@ -30,7 +30,6 @@ from .accept import argmax as greedy, truncate
 from .drafters import Drafter
 from .graphs import Graphs
 from .lookup import LookupCalibration, LookupIndex
-from .merge import SOURCE_NAMES
 from .model import Transformer, attention_rows, set_invariant_rows
 from .overlap import make_worker
 from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
