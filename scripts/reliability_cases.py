@@ -265,8 +265,6 @@ CASES = [
     Case("plan-not-yaml", "plan that is not YAML", f"yggtree run --plan not_yaml.yaml {PLAN_P}"),
     Case("stages-unknown", "--stages of an unknown execution plan", f"{SELF} --stages warp",
          flags=("run --stages",)),
-    Case("stages-bad-order", "--stages with a bad stage order", f"{SELF} --stages verify,draft,accept,commit",
-         flags=("run --stages",)),
     Case("depth-without-plan", "--depth without --plan", f"{SELF} --depth 2"),
     Case("depth-out-of-range", "--depth 99 with a plan of d_max 2", f"yggtree run --plan eager.yaml {PLAN_P} --depth 99"),
     # --- models and files

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from yggtree.runtime.egt import EGTState, egt_expand, egt_feed_inputs, egt_init, egt_select
+from yggtree.runtime.drafters import TopK
+from yggtree.runtime.egt import EGTState, draft_tree, egt_expand, egt_feed_inputs, egt_init, egt_select
 from yggtree.runtime.tree import ancestor_mask, check_invariants
 
 # ---------------------------------------------------------------- fake drafter + reference
@@ -243,6 +244,35 @@ def test_feed_inputs() -> None:
     assert tok.tolist() == t.token[fed].tolist()
     assert pos.tolist() == (40 + t.depth[fed]).tolist()
     assert torch.equal(rows, ancestor_mask(t.parent, t.depth, t.valid, 3)[fed])
+
+
+class Replay:
+    """A drafter replaying ``run_egt``'s outputs: each step checks what it is fed and returns the
+    next recorded top-k."""
+
+    def __init__(self, outputs, feeds_leaves: bool) -> None:
+        self.outputs, self.feeds_leaves, self.calls = outputs[1:], feeds_leaves, 0
+
+    def step(self, tokens, pos, fed, parent, rows, L, k):
+        tok, lp = self.outputs[self.calls]
+        assert tokens.shape == fed.shape == parent.shape == (tok.shape[0],) and rows.shape[0] == tok.shape[0]
+        assert bool((pos >= 0).all()) and tok.shape[1] == k
+        self.calls += 1
+        return TopK(tok, lp)
+
+
+@pytest.mark.parametrize("feeds_leaves", [True, False])
+def test_draft_tree_is_the_egt_loop_with_a_drafter(feeds_leaves) -> None:
+    """draft_tree over a drafter replaying recorded proposals builds run_egt's tree; a drafter
+    that does not feed leaves is not called for the last level (never picked from)."""
+    d_max, w_d, k = 4, 3, 2
+    state, outputs = run_egt(d_max, w_d, k, seed=5, ties=False)
+    drafter = Replay(outputs, feeds_leaves)
+    head = TopK(outputs[0][0][None], outputs[0][1][None])
+    tree, calls = draft_tree(drafter, torch.tensor(7), head, d_max, w_d, torch.tensor(30), k)
+    assert calls == drafter.calls == d_max - 1 + int(feeds_leaves)
+    for name in ("token", "parent", "depth", "valid", "logp"):
+        assert torch.equal(getattr(tree, name), getattr(state.tree, name)), name
 
 
 def test_device_side_on_meta() -> None:

@@ -100,7 +100,6 @@ from .shapes import (
 PLAN_VERSION = 1
 BACKENDS = ("inductor-cpu", "eager", "cuda", "npu")  # same as runtime.graphs.BACKENDS
 DTYPES = ("float32", "bfloat16")
-STAGE_PLANS = tuple(n for n in PLANS if n != "plain")  # execution plans a plan may record
 PATH_KEYS = ("profile", "predictor", "calibration")
 MODEL_KEYS = ("target", "drafter")
 NON_PATH_MODELS = {"target": ("default",), "drafter": ("default", "self")}
@@ -376,9 +375,9 @@ def _stages(v: str, origin: str) -> str:
         name, _, _ = split_name(v)
     except YggError as e:
         raise YggError(f"{_where('stages', origin)}: {e}") from None
-    if name not in STAGE_PLANS:
+    if name not in PLANS:
         raise YggError(f"{_where('stages', origin)}: unknown value {v!r} (choose from auto, "
-                       f"{', '.join(STAGE_PLANS)}, optionally with @T or @T+D)")
+                       f"{', '.join(PLANS)}, optionally with @T or @T+D)")
     return v
 
 

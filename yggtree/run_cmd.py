@@ -104,8 +104,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="execution plan of a decode step: auto (default: the plan's recorded one, or its "
         "compile-time search's choice for a plan with stages: auto; else sequential) | sequential | "
         "ahead (ahead-of-time tail and head draft) | overlap (the drafter on its own worker while "
-        "the target verifies) | a comma-separated stage order (ablations); a thread split may "
-        "follow: sequential@2, overlap@1+1 (target + drafter threads)",
+        "the target verifies); a thread split may follow: sequential@2, overlap@1+1 (target + "
+        "drafter threads)",
     )
     p.add_argument("--threads", type=_nonneg_int, default=0,
                    help="intra-op threads while decoding (0: torch's default; at most the cores)")

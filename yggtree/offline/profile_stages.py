@@ -77,7 +77,7 @@ def form_calls(engine, plan, ctx: int):
     ahead(W_v) (ahead + take) and spec(W_d) (the worker's job for a D_max-deep tree)."""
     import torch
 
-    from ..runtime.overlap import draft_tree
+    from ..runtime.egt import draft_tree
     from ..runtime.prune import prune_topk, subtree
     from ..runtime.tree import ancestor_mask
 

@@ -29,18 +29,23 @@ the child the drafter ranked first. With equal child log-probs everywhere this i
 which is how a full k-ary tree comes out of the same code (and W_d = k = 1 gives a chain).
 
 All functions here are device-side: no host synchronisation, static shapes given the Python
-ints (``d_max``, ``w_d``, ``k``, ``step``).
+ints (``d_max``, ``w_d``, ``k``, ``step``). :func:`draft_tree` is the drafting loop that runs them
+with a drafter (a speculation step's draft, and the overlap plan's worker).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from yggtree.runtime.tree import Tree, ancestor_mask, positions
 
-__all__ = ["EGTState", "egt_init", "egt_select", "egt_expand", "egt_feed_inputs"]
+if TYPE_CHECKING:
+    from yggtree.runtime.drafters import TopK
+
+__all__ = ["EGTState", "egt_init", "egt_select", "egt_expand", "egt_feed_inputs", "draft_tree"]
 
 
 @dataclass(frozen=True)
@@ -185,3 +190,19 @@ def egt_feed_inputs(
     tree = state.tree
     mask = ancestor_mask(tree.parent, tree.depth, tree.valid, state.d_max)
     return tree.token[fed_idx], positions(tree.depth, committed_len)[fed_idx], mask[fed_idx]
+
+
+def draft_tree(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L: torch.Tensor, k: int
+               ) -> tuple[Tree, int]:
+    """D levels of EGT from ``head`` at ``root`` (position ``L``): every level picks W_d nodes
+    and the drafter proposes the top-k children of each. Returns the tree (``1 + d * wd`` slots)
+    and the drafter calls made."""
+    state = egt_init(root, head.token[0], head.logp[0], d, wd)
+    for s in range(d):
+        state, fed = egt_select(state, s)  # fed [W_d] int64: the tree slots just written
+        if s == d - 1 and not drafter.feeds_leaves:
+            break  # the children of the last level would never be picked
+        tokens, pos, rows = egt_feed_inputs(state, fed, L)
+        top = drafter.step(tokens, pos - L, fed, state.tree.parent[fed], rows, L, k)  # [W_d, k]
+        state = egt_expand(state, fed, top.token, top.logp)
+    return state.tree, d - 1 + int(drafter.feeds_leaves)

@@ -1,19 +1,12 @@
 """The engine: a target (+ optional drafter) with static caches and graphs, and its decode loop.
 
-One speculation step (docs/design.md section 2) is a sequence of stages run by the scheduler
-(``runtime/stages.py``, ``runtime/schedule.py``)::
-
-    head   drafter sees the root (the last emitted token)        -> top-k children
-    draft  D x (EGT select W_d nodes, drafter step over them)     -> tree of 1 + D*W_d nodes
-    prune  keep the W_v best nodes (a connected subtree)          -> verify tree
-    verify target over the W_v nodes, tree mask                   -> logits at every node
-    accept greedy or lossless sampling                            -> accepted path + bonus
-    commit move the accepted path's KV to contiguous slots (target and drafter)
-
-The tree shape may change every step: a :class:`~yggtree.runtime.policy.StepPolicy` picks
-(D, W_d) before drafting and W_v after it, inside the engine's :class:`~yggtree.shapes.Envelope`
-(the compiled widths and D_max, fixed when the engine is built). Without a policy every step
-uses ``cfg.tree``. Plain decoding is the same loop with the plan ``verify, accept, commit``.
+One speculation step (docs/design.md section 2) is :func:`~yggtree.runtime.stages.speculate_step`:
+draft, prune, verify, accept, commit, in order, with the optional stages of the engine's
+execution plan (``runtime/schedule.py``). The tree shape may change every step: a
+:class:`~yggtree.runtime.policy.StepPolicy` picks (D, W_d) before drafting and W_v after it,
+inside the engine's :class:`~yggtree.shapes.Envelope` (the compiled widths and D_max, fixed when
+the engine is built). Without a policy every step uses ``cfg.tree``. Plain decoding is the same
+step over the root alone (verify, accept, commit).
 """
 
 from __future__ import annotations
@@ -37,14 +30,11 @@ from .accept import argmax as greedy, truncate
 from .drafters import Drafter
 from .graphs import Graphs
 from .lookup import LookupCalibration, LookupIndex
-from .merge import SOURCE_NAMES
 from .model import Transformer, attention_rows, set_invariant_rows
 from .overlap import make_worker
 from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
-from .schedule import BUCKETS, ExecutionPlan, StageTimer, resolve_plan
-from .stages import STAGE_FNS, Request, Step, choose_token
-
-STAGES = BUCKETS  # the stage-time buckets of stats["stage_ms"] and StepRecord.stage_ms
+from .schedule import ExecutionPlan, StageTimer, resolve_plan
+from .stages import Request, Step, choose_token, speculate_step
 
 
 @dataclass(frozen=True)
@@ -62,7 +52,7 @@ class EngineConfig:
     # nodes join each step's tree (0: none); with no drafter, every step is lookup-only or plain
     lookup: int = 0
     lookup_calibration: str | None = None  # lookup calibration JSON (None: the shipped one)
-    stages: str = "sequential"  # execution plan (runtime/schedule.py): sequential | ahead | a stage order
+    stages: str = "sequential"  # execution plan (runtime/schedule.py): sequential | ahead | overlap
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
     # the kernel library's loops on its own thread pool of ``threads`` while a sequential plan
     # decodes, the decoding thread at one OpenMP thread (kernels.loop_pool): for compiled packages
@@ -343,7 +333,7 @@ class Engine:
         return self.graphs.compile_s + extra
 
     def use_plan(self, stages: str, threads: int | None = None) -> ExecutionPlan:
-        """Run ``stages`` (``sequential``, ``ahead`` or a stage order) with ``threads`` intra-op
+        """Run ``stages`` (``sequential``, ``ahead`` or ``overlap``) with ``threads`` intra-op
         threads (None: unchanged) from now on; the graphs it needs at its thread counts (the
         target's and the drafter's at ``threads``, the worker's at its own) are built now.
         Returns the execution plan."""
@@ -450,16 +440,15 @@ class Engine:
         return Result(out, list(prompt_ids), reason, stats)
 
     def decode(self, req: Request, timer: StageTimer, trace=None, on_step=None) -> str:
-        """The decode loop: run the execution plan's stages once per step until a finish."""
-        stages = [(name, STAGE_FNS[name]) for name in self.plan.stages]
+        """The decode loop: one :func:`~yggtree.runtime.stages.speculate_step` per step until a
+        finish."""
         report = [fn for fn in (on_step, req.policy.observe if req.policy else None) if fn is not None]
         try:
             while True:
                 st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
                 h_root, committed = req.h_root, req.committed
                 timer.new_step()
-                for name, fn in stages:
-                    timer.run(name, fn, self, req, st)
+                speculate_step(self, req, st, timer)
                 if report:
                     rec = step_record(st, committed, h_root, timer.step_ms(), on_step is not None)
                     for fn in report:

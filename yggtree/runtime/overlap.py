@@ -1,6 +1,7 @@
 """Cross-core overlap: the next step's draft on the drafter's own worker while the target verifies.
 
-The ``overlap`` execution plan (runtime/schedule.py) adds two stages to the sequential plan::
+The ``overlap`` execution plan (runtime/schedule.py) adds two stages to the sequential step
+(stages.speculate_step)::
 
     fork   after prune: guess the accepted path (the verified path the drafter scores highest,
            to a verified leaf, then the drafter's top-1 token there as the bonus), and start the
@@ -40,7 +41,7 @@ import torch
 
 from ..errors import YggError
 from .drafters import TopK
-from .egt import egt_expand, egt_feed_inputs, egt_init, egt_select
+from .egt import draft_tree
 from .merge import SOURCE_LOOKUP
 from .tree import Tree
 
@@ -92,21 +93,6 @@ def guess_path(vtree: Tree, kept: torch.Tensor, src: torch.Tensor | None) -> Gue
         path.append(max(children[path[-1]], key=lambda v: logp[v]))
     idx = torch.tensor(path, dtype=torch.int64)
     return Guess(tuple(path), kept[idx], vtree.token[idx])
-
-
-def draft_tree(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L: torch.Tensor, k: int
-               ) -> tuple[Tree, int]:
-    """D levels of EGT from ``head`` at ``root`` (position ``L``): every level picks W_d nodes
-    and the drafter proposes the top-k children of each. Returns the tree and the calls made."""
-    state = egt_init(root, head.token[0], head.logp[0], d, wd)
-    for s in range(d):
-        state, fed = egt_select(state, s)
-        if s == d - 1 and not drafter.feeds_leaves:
-            break  # the children of the last level would never be picked
-        tokens, pos, rows = egt_feed_inputs(state, fed, L)
-        top = drafter.step(tokens, pos - L, fed, state.tree.parent[fed], rows, L, k)
-        state = egt_expand(state, fed, top.token, top.logp)
-    return state.tree, d - 1 + int(drafter.feeds_leaves)
 
 
 def speculate(drafter, guess: Guess, L: torch.Tensor, d: int, wd: int, k: int, n_slots: int

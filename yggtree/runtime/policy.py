@@ -1,7 +1,7 @@
 """Per-step tree choices: the hook through which a policy steers the decode loop.
 
 Every policy subclasses :class:`StepPolicy` (one interface; the engine refuses anything else).
-Each speculation step the engine asks it (runtime/stages.py: the choose, refine and size stages)::
+Each speculation step the engine asks it (stages.speculate_step: its "policy" stages)::
 
     policy.see_catch_up(behind, remaining)                the drafter's lag, the tokens left
     policy.see_lookup(prop, committed)                    this step's lookup candidates
