@@ -33,6 +33,7 @@ import torch
 from yggtree.errors import YggError, run_reporting
 from yggtree.offline import distill_config as DC
 from yggtree.offline import distill_data as DD
+from yggtree.offline import teacher_data as TD
 from yggtree.offline import distill_eval as DE
 from yggtree.offline import distill_loss as DL
 from yggtree.progress import stderr_progress
@@ -48,7 +49,7 @@ def selection_prompts(first: int, n: int, seed: int) -> list[str]:
     return [p.text for p in basic + varied]
 
 
-def heldout_data(root: Path, target, n: int, layers: tuple[int, ...]) -> "DD.TeacherData":
+def heldout_data(root: Path, target, n: int, layers: tuple[int, ...]) -> "TD.TeacherData":
     """The first ``n`` held-out conversations of a transcript directory with the float32 target's
     features (as at run time), by batched prefill."""
     from yggtree.offline import transcripts as tr
@@ -59,13 +60,13 @@ def heldout_data(root: Path, target, n: int, layers: tuple[int, ...]) -> "DD.Tea
         k = min(sh.n_seq, n - got)
         cut = tr.Shard(sh.tokens[: int(sh.offsets[k])], sh.offsets[: k + 1], sh.role[: int(sh.offsets[k])], sh.meta)
         feats = tr.prefill_features(target, cut, layers, batch=4)
-        parts.append(DD.TeacherData(cut.tokens, feats, cut.offsets, cut.role))
+        parts.append(TD.TeacherData(cut.tokens, feats, cut.offsets, cut.role))
         got += k
         if got == n:
             break
     if not parts:
         raise YggError(f"no heldout-*.safetensors shards in {root}")
-    return DD.concat_teacher(parts)
+    return TD.concat_teacher(parts)
 
 
 def main(args) -> int:
@@ -114,9 +115,9 @@ def main(args) -> int:
     h = tc.hidden_size
     rows = []
     for name, d in heads.items():
-        lay = DD.FeatureLayout.make(tuple(d.target_layers), tc.num_layers, h)
+        lay = TD.FeatureLayout.make(tuple(d.target_layers), tc.num_layers, h)
         cols = torch.cat([torch.arange(layers.index(i) * h, (layers.index(i) + 1) * h) for i in lay.stored])
-        view = DD.TeacherData(data.tokens, data.feats[:, cols], data.offsets, data.role)
+        view = TD.TeacherData(data.tokens, data.feats[:, cols], data.offsets, data.role)
         net = d.net.float()
         vmap = net.draft_vocab
         th = DL.TargetHead(norm_weight=ref.norm.weight.float(), eps=tc.rms_norm_eps,

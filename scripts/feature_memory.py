@@ -61,7 +61,8 @@ def make_shard(index: int, n_seq: int, fp: str):
 
 def prepare(args) -> None:
     from yggtree.offline import transcripts as tr
-    from yggtree.offline.distill_data import FeatureLayout, target_fingerprint
+    from yggtree.offline.distill_data import target_fingerprint
+    from yggtree.offline.teacher_data import FeatureLayout
 
     t = target()
     fp = target_fingerprint(t)

@@ -21,7 +21,8 @@ import pytest
 from yggtree.cli import main as cli_main
 from yggtree.compiled import check_artifacts
 from yggtree.errors import YggError
-from yggtree.offline.compile import BUILD_KEY, main, prepare_run
+from yggtree.offline.compile import main, prepare_run
+from yggtree.offline.compile_packages import BUILD_KEY
 from yggtree.plan import load_plan
 from yggtree.runtime.artifacts import CACHE_SUBDIR, MANIFEST
 from yggtree.runtime.model import attention_formulation

@@ -1,4 +1,4 @@
-"""A build's package cache (offline/compile.py ``_seed_packages``): kept for a build of the same
+"""A build's package cache (offline/compile_packages.py ``seed_packages``): kept for a build of the same
 key (a stopped build resumes), emptied for another key, half-written or damaged packages dropped,
 and intact packages of another directory linked only when built under the same key."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from yggtree.offline.compile import BUILD_KEY, _seed_packages
+from yggtree.offline.compile_packages import BUILD_KEY, seed_packages
 from yggtree.runtime.artifacts import CACHE_SUBDIR
 
 KEY = {"graph_hash": "abc", "min_rows": 4}
@@ -26,7 +26,7 @@ def _cache(tmp_path, name, key, files):
 
 def test_a_build_of_the_same_key_resumes_and_drops_half_written_packages(tmp_path):
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2", "partial-block-x-w4-c256.pt2"])
-    assert _seed_packages(out, KEY, ()) == 1
+    assert seed_packages(out, KEY, ()) == 1
     assert sorted(p.name for p in out.glob("*.pt2")) == ["block-x-w1-c256.pt2"]
 
 
@@ -34,13 +34,13 @@ def test_a_damaged_or_unchecked_package_is_dropped_not_resumed(tmp_path):
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2", "block-x-w4-c256.pt2", "block-x-w8-c256.pt2"])
     (out / "block-x-w1-c256.pt2").write_bytes(b"block-x")  # truncated after it was finished
     (out / "block-x-w4-c256.sha256").unlink()  # renamed into place, its checksum never written
-    assert _seed_packages(out, KEY, ()) == 1
+    assert seed_packages(out, KEY, ()) == 1
     assert sorted(p.name for p in out.glob("*.pt2")) == ["block-x-w8-c256.pt2"]
 
 
 def test_another_key_starts_from_an_empty_cache(tmp_path):
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2"])
-    assert _seed_packages(out, KEY | {"min_rows": 8}, ()) == 0
+    assert seed_packages(out, KEY | {"min_rows": 8}, ()) == 0
     assert json.loads((out / BUILD_KEY).read_text())["min_rows"] == 8
 
 
@@ -50,7 +50,7 @@ def test_packages_of_the_same_key_elsewhere_are_linked_not_others(tmp_path):
     bad = _cache(tmp_path, "damaged", KEY, ["block-x-w2-c256.pt2"])
     (bad / "block-x-w2-c256.pt2").write_bytes(b"")
     out = tmp_path / "whole" / CACHE_SUBDIR
-    assert _seed_packages(out, KEY, (tmp_path / "blocks", tmp_path / "other", tmp_path / "damaged")) == 1
+    assert seed_packages(out, KEY, (tmp_path / "blocks", tmp_path / "other", tmp_path / "damaged")) == 1
     linked = out / "block-x-w1-c256.pt2"
     assert linked.read_bytes() == b"block-x-w1-c256.pt2"
     assert linked.stat().st_ino == (tmp_path / "blocks" / CACHE_SUBDIR / linked.name).stat().st_ino

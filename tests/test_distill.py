@@ -18,6 +18,7 @@ from yggtree.offline import distill_config as DC
 from yggtree.offline import distill_data as DD
 from yggtree.offline import distill_loss as DL
 from yggtree.offline import distill_train as DT
+from yggtree.offline import teacher_data as TD
 from yggtree.runtime import steps
 from yggtree.runtime.eagle import EagleDrafter, load_eagle
 from yggtree.runtime.model import Transformer, rope_table
@@ -140,15 +141,15 @@ def test_generate_batch_equals_single_rows(target, layers):
 
 
 def test_feature_layout_stores_the_last_layer_once():
-    lay = DD.FeatureLayout.make((2, -1), 30, 8)
+    lay = TD.FeatureLayout.make((2, -1), 30, 8)
     assert lay.inputs == (2, 29) and lay.stored == (2, 29) and lay.last == 1 and lay.width == 16
-    lay = DD.FeatureLayout.make((2, 15), 30, 8)
+    lay = TD.FeatureLayout.make((2, 15), 30, 8)
     assert lay.stored == (2, 15, 29) and lay.last == 2 and lay.width == 24
     f = torch.arange(24.0)[None].repeat(3, 1)  # [3, 24]
     assert torch.equal(lay.head_input(f), f[:, :16]) and torch.equal(lay.last_layer(f), f[:, 16:])
     for bad, msg in (((30,), "out of range"), ((1, -29), "twice"), ((), "empty")):
         with pytest.raises(YggError, match=msg):
-            DD.FeatureLayout.make(bad, 30, 8)
+            TD.FeatureLayout.make(bad, 30, 8)
 
 
 # ---------------------------------------------------------------- vocabulary
@@ -223,7 +224,7 @@ def test_manifest_and_report(run_a, target):
 def test_fused_layers_pipeline(target, tmp_path):
     """Two target layers fused (EAGLE-3): the teacher stores both side by side, the head starts
     as the last layer alone, trains, and loads back reading both layers."""
-    layout = DD.FeatureLayout.make((0, -1), target.cfg.num_layers, target.cfg.hidden_size)
+    layout = TD.FeatureLayout.make((0, -1), target.cfg.num_layers, target.cfg.hidden_size)
     cfg = small_cfg(tmp_path, target_layers=(0, -1), epochs=4.0, feature_noise=0.05)
     vmap = torch.arange(48)
     drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=0, target_layers=layout.inputs,
@@ -237,7 +238,7 @@ def test_fused_layers_pipeline(target, tmp_path):
     assert manifest["target"]["feature_layers"] == [0, 1]
     assert manifest["data"]["teacher_meta"]["target_layers"] == [0, 1]
     key = manifest["data"]["teacher_cache_key"]
-    data = DD.load_teacher(Path(cfg.cache_dir) / key / DD.TEACHER_FILE, 2 * target.cfg.hidden_size)
+    data = TD.load_teacher(Path(cfg.cache_dir) / key / TD.TEACHER_FILE, 2 * target.cfg.hidden_size)
     assert data.feats.shape == (manifest["data"]["n_tokens"], 64)
     rows = list(csv_rows(tmp_path / "out" / "report" / "train_log.csv"))
     first = sum(float(r["kl"]) for r in rows[:5]) / 5
@@ -319,7 +320,7 @@ def test_two_layer_head_pipeline(target, tmp_path):
     """--draft-layers 2: both decoder layers start damped (fc identity), train, and the head loads
     back with two layers."""
     cfg = small_cfg(tmp_path, draft_layers=2, epochs=2.0, fc_init="identity")
-    layout = DD.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
+    layout = TD.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
     vmap = torch.arange(48)
     drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=0, target_layers=layout.inputs,
                                   draft_vocab=vmap, num_layers=2)
@@ -360,7 +361,7 @@ def test_warm_start_grows_a_head_and_refuses_to_cut_one(run_a, target, tmp_path)
     tmp_a, _ = run_a
     head = tmp_a / "out"
     cfg = small_cfg(tmp_a, init_from=str(head), draft_layers=2)
-    layout = DD.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
+    layout = TD.FeatureLayout.make(cfg.target_layers, target.cfg.num_layers, target.cfg.hidden_size)
     base = DT.warm_start_head(cfg, target, layout, 48)
     grown = D._new_head(cfg, target, layout, base.net.draft_vocab, base)
     assert len(grown.layers) == 2 and len(base.net.layers) == 1

@@ -17,6 +17,7 @@ from yggtree.errors import YggError
 from yggtree.offline import distill as D
 from yggtree.offline import distill_config as DC
 from yggtree.offline import distill_data as DD
+from yggtree.offline import teacher_data as TD
 from yggtree.offline import distill_eval as DE
 from yggtree.offline import distill_train as DT
 from yggtree.offline import requests as rq
@@ -361,7 +362,7 @@ def test_memory_mapped_features_train_exactly_the_in_memory_weights(shard_dir, t
         D.distill(_distill_cfg(shard_dir, tmp_path / "mapped", tmp_path / "c", checkpoint_every=100), target=t32,
                   tokenizer=tokenizer)
         feats = seen["data"].feats
-        assert isinstance(feats, DD.FeatureBlocks) and len(feats.blocks) == 3
+        assert isinstance(feats, TD.FeatureBlocks) and len(feats.blocks) == 3
         files = sorted((tmp_path / "c").rglob("features.safetensors"))
         assert len(files) == 3
         for blk in feats.blocks:
@@ -390,7 +391,7 @@ def test_memory_mapped_features_train_exactly_the_in_memory_weights(shard_dir, t
 def test_feature_blocks_read_as_one_tensor():
     g = torch.Generator().manual_seed(0)
     blocks = [torch.randn(n, 6, generator=g).to(torch.float16) for n in (5, 1, 7, 4)]
-    fb = DD.FeatureBlocks(blocks)
+    fb = TD.FeatureBlocks(blocks)
     whole = torch.cat(blocks)
     assert fb.shape == whole.shape and len(fb) == 17 and fb.dtype == torch.float16
     for a in range(18):
@@ -400,9 +401,9 @@ def test_feature_blocks_read_as_one_tensor():
         assert torch.equal(fb[key], whole[key])
     assert fb[0:5].data_ptr() == blocks[0].data_ptr() and fb[6:9].data_ptr() == blocks[2][0:].data_ptr()
     cols = fb[..., 2:4]
-    assert isinstance(cols, DD.FeatureBlocks) and torch.equal(cols[3:12], whole[3:12, 2:4])
+    assert isinstance(cols, TD.FeatureBlocks) and torch.equal(cols[3:12], whole[3:12, 2:4])
     assert torch.equal(cols[::2], whole[::2, 2:4]) and torch.equal(fb[:, 1:2].materialize(), whole[:, 1:2])
-    mixed = DD.FeatureBlocks([blocks[0], blocks[1].float()])  # a shard that overflowed float16 is float32
+    mixed = TD.FeatureBlocks([blocks[0], blocks[1].float()])  # a shard that overflowed float16 is float32
     assert mixed.dtype == torch.float32 and torch.equal(mixed[3:6], torch.cat(blocks[:2]).float()[3:6])
     assert torch.equal(mixed.materialize(), torch.cat(blocks[:2]).float())
 

@@ -154,6 +154,12 @@ class Plan:
         return self.drafter is not None
 
     @property
+    def verifies(self) -> bool:
+        """Whether its engine verifies trees: drafted, or of lookup nodes alone (a run's flags
+        ``--drafter none --lookup N``: :func:`validate_plan` ``lookup_only``)."""
+        return self.speculative or self.lookup > 0
+
+    @property
     def max_tree(self) -> int:
         """Nodes of the largest drafted tree: 1 + D_max * max(W_d)."""
         return 1 + self.d_max * max(self.draft_widths)
@@ -183,7 +189,7 @@ class Plan:
         ``None`` picks the largest compiled width (and ``d_max``). A width outside the compiled set
         is refused: ``width X is not in the plan's compiled set {...}``.
         """
-        if not self.speculative:
+        if not self.verifies:
             raise YggError(f"plan {self.name!r} has no drafter (plain decoding): no tree widths")
         wd = max(self.draft_widths) if draft_width is None else draft_width
         wv = max(self.verify_widths) if verify_width is None else verify_width
@@ -409,9 +415,10 @@ def _models(f: _Fields, base: Path) -> dict[str, Any]:
             "drafter": f.path("drafter", base, NON_PATH_MODELS["drafter"])}
 
 
-def _shapes(f: _Fields, speculative: bool) -> dict[str, Any]:
+def _shapes(f: _Fields, speculative: bool, lookup_only: bool = False) -> dict[str, Any]:
     """The graph shapes: context, prefill chunk, draft and verify widths, depth, top-k and the lookup
-    nodes, each within the limits every run checks (refused here, before anything is compiled)."""
+    nodes, each within the limits every run checks (refused here, before anything is compiled);
+    lookup nodes without a drafter only where ``lookup_only``."""
     s = {"max_context": f.integer("max_context", DEFAULT_MAX_CONTEXT, lo=2),
          "prefill_chunk": f.integer("prefill_chunk", DEFAULT_PREFILL_CHUNK),
          "draft_widths": f.widths("draft_widths", (DEFAULT_DRAFT_WIDTH,)),
@@ -432,7 +439,7 @@ def _shapes(f: _Fields, speculative: bool) -> dict[str, Any]:
     lookup = s["lookup"] = f.integer("lookup", 0, lo=0)
     if lookup > max(s["verify_widths"]):
         raise YggError(f"{f.where('lookup')}: {lookup} exceeds the largest verify width {max(s['verify_widths'])}")
-    if lookup and not speculative:
+    if lookup and not speculative and not lookup_only:
         raise YggError(f"{f.where('lookup')}: a plan without a drafter compiles no verify widths "
                        "(lookup-only decoding: yggtree run --drafter none --lookup N)")
     return s
@@ -459,10 +466,13 @@ def _sampling(raw: dict, origin: str, max_context: int) -> Sampling:
     return Sampling(temperature, top_p, max_new)
 
 
-def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan", unwritten: tuple[str, ...] = ()) -> Plan:
+def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan", unwritten: tuple[str, ...] = (),
+                  lookup_only: bool = False) -> Plan:
     """Check plain data against the schema; relative paths resolve against ``base``. The files
     of the ``unwritten`` keys (of PATH_KEYS) need not exist yet: the command loading the plan
-    writes them (``yggtree profile`` its profile).
+    writes them (``yggtree profile`` its profile). ``lookup_only``: ``lookup`` may be set without
+    a drafter (the plan a run's flags ``--drafter none --lookup N`` make in memory, whose graphs
+    are built when it runs; ``yggtree compile`` compiles no verify widths without a drafter).
 
     Raises :class:`YggError` naming the bad key (``origin`` is the file, for the message)."""
     if not isinstance(raw, dict):
@@ -481,7 +491,7 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan", unwrit
     except YggError as e:
         raise YggError(f"{_where('kv_cache', origin)}: {e}") from None
     backend = f.string("backend", "inductor-cpu", BACKENDS)
-    shapes = _shapes(f, models["drafter"] is not None)
+    shapes = _shapes(f, models["drafter"] is not None, lookup_only)
     return Plan(**models, dtype=dtype, weights=weights, kv_cache=kv_cache, backend=backend, **shapes,
                 sampling=_sampling(raw, origin, shapes["max_context"]),
                 **{k: f.path(k, base, must_exist=k not in unwritten) for k in PATH_KEYS},

@@ -3,8 +3,9 @@
 With ``--plan``, the compiled plan's engine, steered by its latency objective when the plan names
 a profile and a calibration. Without one, the default plan's settings fill the flags left unset,
 and a compiled plan tuned for this device is taken when nothing else is asked (else the default
-plan with a quick profile); engine flags alone build one fixed tree. The text streams to stdout
-with a summary line on stderr, or comes as one JSON object (``--json``).
+plan with a quick profile); engine flags alone make a plan in memory with one fixed tree. Every
+engine is built from its plan the same way (runtime/build.py ``build_plan_engine``). The text
+streams to stdout with a summary line on stderr, or comes as one JSON object (``--json``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from .errors import YggError
 from .offline.compile import prepare_run
+from .plan import NON_PATH_MODELS, Plan, Sampling, validate_plan
 from .quickstart import default_quick_start
 from .runtime.device import detect_device
 from .runtime.schedule import resolve_plan
-from .shapes import DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_VERIFY_WIDTH, KV_CACHE_DTYPES, TreeParams
+from .shapes import (
+    DEFAULT_DRAFT_DEPTH, DEFAULT_DRAFT_WIDTH, DEFAULT_VERIFY_WIDTH, KV_CACHE_DTYPES, TreeParams, check_sizes,
+    kv_cache_dtype, weight_format,
+)
 from .streaming import TextStream
 
 
@@ -192,9 +198,10 @@ def _learnt_feedback(args, mp, policy) -> str | None:
 
 def build_from_args(args):
     """(engine, tokenizer, policy or None) from the engine flags (:func:`add_engine_arguments`),
-    every flag checked before the model loads: a compiled plan (``--plan``), else the default
-    plan's settings with a tuned plan or the quick start when nothing else is asked, else one
-    fixed tree from the flags."""
+    every flag checked before the model loads. Every engine is built from a plan by one function
+    (runtime/build.py ``build_plan_engine``): a compiled plan (``--plan``), else the default plan's
+    settings with a tuned plan or the quick start when nothing else is asked, else the plan the
+    flags describe (:func:`flags_plan`, in memory: one fixed tree)."""
     resolve_plan(args.stages, True, threads=args.threads)  # a bad plan is refused before loading
     if args.depth != "auto" and not args.plan:
         raise YggError("--depth needs --plan (without a plan, --draft-depth sets a fixed tree)")
@@ -209,18 +216,58 @@ def build_from_args(args):
         raise YggError("--weights and --plan exclude each other (a plan names its format: its 'weights' key)")
     if args.kv_cache is not None and args.plan:
         raise YggError("--kv-cache and --plan exclude each other (a plan names its cache: its 'kv_cache' key)")
-    policy = None
     if not args.plan:
         _pick_plan(args)
     if getattr(args, "quick", None) is not None:  # speculation by default
-        engine, tok, policy = args.quick.engine()
         args.ran_weights = args.quick.plan.weights or args.quick.plan.dtype
-    elif args.plan:
-        engine, tok, policy = _plan_engine(args)
-    else:
-        engine, tok = _flag_engine(args)
-        args.ran_weights = args.weights or args.dtype
-    return engine, tok, policy
+        return args.quick.engine()
+    if args.plan:
+        from .compiled import artifact_dir
+
+        plan = prepare_run(args.plan, args.compile_missing)
+        args.ran_weights = plan.weights or plan.dtype
+        return _plan_engine(args, plan, artifact_dir(plan) if plan.backend != "eager" else None)
+    plan = flags_plan(args)
+    args.ran_weights = args.weights or args.dtype  # as the flag names it
+    return _plan_engine(args, plan, flags=True)
+
+
+def flags_plan(args) -> Plan:
+    """The plan a run's engine flags describe, made in memory (no ``--plan``, no tuned plan or
+    quick start taken): the model, drafter, dtype, weight format, KV cache dtype, context and
+    prefill chunk the flags name (the default plan's where unset: :func:`_pick_plan`) and, where
+    its engine verifies trees (a drafter, or lookup nodes alone), the one tree W_d, D, W_v, k of
+    the tree flags (yggtree.shapes' defaults where unset) as its only widths and its lookup
+    nodes; ``--no-speculate`` makes a plain plan. The flags are checked first in the lines that
+    name them, then by the plan schema as a plan file is (:func:`yggtree.plan.validate_plan`)."""
+    from .runtime.loading import resolve_model
+
+    drafter = None if args.no_speculate else args.drafter or None
+    lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
+    # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
+    wv = args.verify_width or (min(lookup + 1, DEFAULT_VERIFY_WIDTH) if lookup and not drafter
+                               else DEFAULT_VERIFY_WIDTH)
+    tree = TreeParams(args.draft_width or DEFAULT_DRAFT_WIDTH, args.draft_depth or DEFAULT_DRAFT_DEPTH,
+                      wv, args.top_k)
+    verifies = drafter is not None or lookup > 0
+    if verifies:
+        tree.validate()
+    _check_lookup(lookup, tree.verify_width)
+    check_sizes(args.max_context, args.prefill_chunk, tree if drafter else None)
+    kv_cache_dtype(args.kv_cache, args.dtype)
+    weight_format(args.weights, args.dtype)
+    resolve_model(args.model)  # a model that is not there, in loading's words
+    if drafter not in (None, *NON_PATH_MODELS["drafter"]) and not Path(drafter).expanduser().exists():
+        raise YggError(f"model path does not exist: {Path(drafter).expanduser()}")
+    raw = {"name": "flags", "target": args.model, "drafter": drafter, "dtype": args.dtype,
+           "weights": args.weights, "kv_cache": args.kv_cache, "max_context": args.max_context,
+           "prefill_chunk": args.prefill_chunk,
+           # a plan's sampling defaults, valid at any context (a run samples by its own flags)
+           "sampling": {"max_new_tokens": min(Sampling.max_new_tokens, args.max_context - 1)}}
+    if verifies:
+        raw |= {"draft_widths": [tree.draft_width], "d_max": tree.draft_depth,
+                "verify_widths": [tree.verify_width], "top_k": tree.top_k, "lookup": lookup}
+    return validate_plan(raw, origin="the run's flags", lookup_only=True)
 
 
 def _pick_plan(args) -> None:
@@ -304,16 +351,15 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     return True
 
 
-def _plan_engine(args):
-    from .compiled import artifact_dir
+def _plan_engine(args, plan: Plan, art=None, flags: bool = False):
+    """(engine, tokenizer, policy or None) of ``plan`` as the run's flags ask: a plan file's (its
+    compiled artifacts ``art``) steered by its latency objective and depth predictor, else one
+    choice of its widths; or the plan of the run's flags (``flags``: its one tree, no policy, its
+    product kernel measured for this engine in performance mode)."""
     from .runtime.build import build_plan_engine, fixed_policy
-
-    plan = prepare_run(args.plan, args.compile_missing)
-    args.ran_weights = plan.weights or plan.dtype
-    art = artifact_dir(plan) if plan.backend != "eager" else None
-    mode = "reference" if args.mode == "reference" else None
     from .runtime.objective import plan_policy
 
+    mode = "reference" if args.mode == "reference" else None
     fixed = (args.draft_width, args.verify_width, args.draft_depth) != (None, None, None)
     depth = _depth_flag(args.depth, plan)
     policy = (None if fixed or args.no_speculate  # checked before loading
@@ -324,12 +370,18 @@ def _plan_engine(args):
     # without an objective, --depth N is the depth of one fixed tree
     draft_depth = args.draft_depth if policy is not None or depth is None else depth
     lookup = 0 if args.no_speculate else (plan.lookup if args.lookup is None else args.lookup)
-    if lookup and not plan.speculative:
+    if lookup and not plan.verifies:
         raise YggError(f"--lookup {lookup}: plan {plan.name!r} has no drafter and compiles no verify "
                        "widths (lookup-only decoding: --drafter none --lookup N without a plan)")
-    _check_lookup(lookup, max(plan.verify_widths) if plan.speculative else 1)
+    _check_lookup(lookup, max(plan.verify_widths) if plan.verifies else 1)
+    products = {}
+    if flags:  # the kernel this CPU runs fastest, measured once (reference mode: oneDNN's, unpadded)
+        from .measure.kernel_choice import measured_spec
+
+        products = {"kernel": "torch", "min_rows": 1,
+                    "measure": measured_spec if args.mode == "performance" else None}
     engine, tok = build_plan_engine(plan, art, mode, stages=args.stages, threads=args.threads,
-                                    speculate=not args.no_speculate)
+                                    speculate=not args.no_speculate, **products)
     if engine.drafter is not None:
         engine.set_lookup(lookup)
     if policy is not None:
@@ -339,7 +391,7 @@ def _plan_engine(args):
             policy = policy_with_predictor(plan, policy, hidden_size=engine.target.cfg.hidden_size)
         else:
             policy = policy.fresh(depth_fn=lambda h_root, committed: depth)
-    if engine.drafter is not None and not args.no_speculate and policy is None:
+    if engine.drafter is not None and not args.no_speculate and policy is None and not flags:
         policy = fixed_policy(engine, plan, args.draft_width, args.verify_width, draft_depth)
     return engine, tok, policy
 
@@ -357,39 +409,6 @@ def _depth_flag(text: str, plan) -> int | None:
     if not 1 <= d <= plan.d_max:
         raise YggError(f"--depth {d} is outside the plan's 1..d_max ({plan.d_max})")
     return d
-
-
-def _flag_engine(args):
-    from .runtime.build import EngineSpec, build_engine
-    drafter = None if args.no_speculate else args.drafter
-    lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
-    # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
-    wv = args.verify_width or (min(lookup + 1, DEFAULT_VERIFY_WIDTH) if lookup and not drafter
-                               else DEFAULT_VERIFY_WIDTH)
-    tree = TreeParams(args.draft_width or DEFAULT_DRAFT_WIDTH, args.draft_depth or DEFAULT_DRAFT_DEPTH,
-                      wv, args.top_k)
-    if drafter or lookup:
-        tree.validate()
-    _check_lookup(lookup, tree.verify_width)
-    spec = EngineSpec(
-        model=args.model,
-        drafter=drafter,
-        dtype=args.dtype,
-        mode=args.mode,
-        max_context=args.max_context,
-        prefill_chunk=args.prefill_chunk,
-        tree=tree,
-        lookup=lookup,
-        stages="sequential" if args.stages == "auto" else args.stages,
-        threads=args.threads,
-        weights=args.weights,
-        kv_cache=args.kv_cache,
-    )
-    if args.mode == "performance":  # the product kernel this CPU runs fastest, measured once
-        from .measure.kernel_choice import measured_spec
-
-        spec = measured_spec(spec)
-    return build_engine(spec)
 
 
 def _check_lookup(n: int, verify_width: int) -> None:

@@ -54,7 +54,6 @@ from ..progress import stderr_progress
 from ..runtime.loading import load_model, load_tokenizer, resolve_model
 from .distill_config import DistillConfig, check_config
 from .distill_data import (
-    FeatureLayout,
     build_draft_vocab,
     prompt_data,
     rank_and_world,
@@ -68,6 +67,7 @@ from .distill_loss import TargetHead
 from .distill_train import (
     CHECKPOINT_FILE, checkpoint_identity, grow_layers, init_head, join_process_group, train, warm_start_head,
 )
+from .teacher_data import FeatureLayout
 
 
 def _progress():

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .distill_config import DistillConfig
-from .distill_data import FeatureLayout, TeacherData
+from .teacher_data import FeatureLayout, TeacherData
 from .distill_loss import TargetHead, make_batch, step_losses, unrolled_forward
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..runtime.model import apply_rope
 from .distill_config import DistillConfig
-from .distill_data import FeatureLayout, TeacherData
+from .teacher_data import FeatureLayout, TeacherData
 
 
 def unrolled_forward(net, tok: torch.Tensor, feat: torch.Tensor, steps: int, rope: torch.Tensor) -> list[torch.Tensor]:

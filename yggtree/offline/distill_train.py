@@ -17,7 +17,8 @@ from ..errors import YggError
 from ..files import atomic_path
 from ..runtime.model import rope_table
 from .distill_config import DistillConfig
-from .distill_data import FeatureLayout, TeacherData, plain_log, rank_and_world
+from .distill_data import plain_log, rank_and_world
+from .teacher_data import FeatureLayout, TeacherData
 from .distill_eval import evaluate
 from .distill_loss import TargetHead, feature_dim_std, make_batch, step_losses, train_autocast, unrolled_forward
 

@@ -4,7 +4,7 @@ installed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import YggError
@@ -57,23 +57,24 @@ class EngineSpec:
     device: str = "cpu"
 
     @classmethod
-    def from_plan(cls, plan, mode: str | None = None, tree: TreeParams | None = None,
-                  stages: str = "auto", threads: int = 0, min_rows: int | None = None,
-                  kernel: str | None = None, prefetch: tuple[int, int] | None = None) -> "EngineSpec":
-        """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`).
+    def from_plan(cls, plan, mode: str | None = None, stages: str = "auto", threads: int = 0,
+                  min_rows: int | None = None, kernel: str | None = None,
+                  prefetch: tuple[int, int] | None = None) -> "EngineSpec":
+        """The spec of an engine for ``plan`` (a :class:`yggtree.plan.Plan`: a plan file's, or the
+        one a run's flags make in memory).
 
-        ``tree`` defaults to the plan's envelope (largest W_d, D_max, largest W_v): it sizes the
-        caches so that every width of the plan fits, and :func:`warm_plan` then builds the rest.
-        ``mode`` defaults to performance, or reference for the eager backend. ``min_rows``
-        defaults to the padding the plan's profile measured (:func:`padding.plan_min_rows`),
-        ``kernel`` defaults to the product kernel it measured fastest (:func:`padding.plan_kernel`)
-        and ``prefetch`` then to the setting measured with it (:func:`padding.plan_prefetch`);
-        a caller naming the kernel names its setting (None: the kernel library's default)."""
+        Its tree is the plan's envelope (largest W_d, D_max, largest W_v): it sizes the caches so
+        that every width of the plan fits, and :func:`warm_plan` then builds the rest.
+        ``mode`` defaults to performance, or reference for the eager backend; ``stages`` other
+        than auto replaces the plan's. ``min_rows`` defaults to the padding the plan's profile
+        measured (:func:`padding.plan_min_rows`), ``kernel`` to the product kernel it measured
+        fastest (:func:`padding.plan_kernel`) and ``prefetch`` then to the setting measured with
+        it (:func:`padding.plan_prefetch`); a caller naming the kernel names its setting (None:
+        the kernel library's default)."""
         check_backend(plan.backend)
         if mode is None:
             mode = "reference" if plan.backend == "eager" else "performance"
-        if tree is None:
-            tree = plan.tree_params() if plan.speculative else TreeParams()
+        verifies = plan.verifies  # a drafter, or lookup nodes alone
         return cls(
             model=plan.target,
             drafter=plan.drafter,
@@ -81,9 +82,9 @@ class EngineSpec:
             mode=mode,
             max_context=plan.max_context,
             prefill_chunk=plan.prefill_chunk,
-            tree=tree,
-            draft_widths=tuple(plan.draft_widths) if plan.speculative else (),
-            verify_widths=tuple(plan.verify_widths) if plan.speculative else (),
+            tree=plan.tree_params() if verifies else TreeParams(),
+            draft_widths=tuple(plan.draft_widths) if verifies else (),
+            verify_widths=tuple(plan.verify_widths) if verifies else (),
             lookup=plan.lookup,
             stages=plan.stages if stages == "auto" else stages,
             threads=threads,
@@ -95,6 +96,22 @@ class EngineSpec:
             kv_cache=plan.kv_cache,
             device=backend_device(plan.backend),
         )
+
+    @property
+    def verifies(self) -> bool:
+        """Whether its engine verifies trees: drafted, or of lookup nodes alone."""
+        return self.drafter is not None or self.lookup > 0
+
+    def config(self) -> EngineConfig:
+        """The engine's part of the spec: every field of :class:`EngineConfig` this spec holds,
+        passed by name; an engine verifying no tree decodes plainly (no tree, no widths)."""
+        cfg = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name in _SPEC_FIELDS}
+        if not self.verifies:
+            cfg.update(tree=None, draft_widths=(), verify_widths=())
+        return EngineConfig(**cfg)
+
+
+_SPEC_FIELDS = frozenset(f.name for f in fields(EngineSpec))
 
 
 def build_engine(spec: EngineSpec, prepare=None):
@@ -114,25 +131,11 @@ def build_engine(spec: EngineSpec, prepare=None):
     move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache,))
     if prepare is not None:
         prepare(target, drafter)
-    spec_on = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
-    if spec_on:  # quantized kernels must be batch-invariant for speculation to be exact
+    if spec.verifies:  # quantized kernels must be batch-invariant for speculation to be exact
         from .quant import check_batch_invariant
 
         check_batch_invariant(target, max(spec_rows(spec)[1]))
-    cfg = EngineConfig(
-        mode=spec.mode,
-        max_context=spec.max_context,
-        prefill_chunk=spec.prefill_chunk,
-        tree=spec.tree if spec_on else None,
-        draft_widths=spec.draft_widths if spec_on else (),
-        verify_widths=spec.verify_widths if spec_on else (),
-        lookup=spec.lookup,
-        stages=spec.stages,
-        threads=spec.threads,
-        loop_pool=spec.loop_pool,
-        prefetch=spec.prefetch,
-        n_slots=spec.n_slots,
-    )
+    cfg = spec.config()
     eos = tuple(target.cfg.eos_token_ids) or (
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     )
@@ -146,7 +149,7 @@ def build_engine(spec: EngineSpec, prepare=None):
 def plan_slots(plan) -> int:
     """KV cache slots of an engine built from ``EngineSpec.from_plan(plan)`` (its envelope's
     :meth:`~yggtree.shapes.Envelope.slots`), which every compiled graph's shapes depend on."""
-    tree = plan.tree_params() if plan.speculative else None
+    tree = plan.tree_params() if plan.verifies else None
     return Envelope.of(tree, plan.draft_widths, plan.verify_widths).slots(plan.max_context)
 
 
@@ -211,8 +214,9 @@ def manifest_prefetch(manifest: dict, artifacts) -> tuple[int, int] | None:
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
                       stages: str = "auto", threads: int = 0, min_rows: int | None = None, kernel: str | None = None,
-                      speculate: bool = True, prefetch: tuple[int, int] | None = None):
-    """Engine and tokenizer for ``plan`` with every plan width built. With ``artifacts`` (the
+                      speculate: bool = True, prefetch: tuple[int, int] | None = None, measure=None):
+    """Engine and tokenizer for ``plan`` with every plan width built: the one way from a plan (a
+    plan file's, the quick start's, or the one a run's flags make in memory) to an engine. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.compiled.artifact_dir``; check it first with
     ``yggtree.compiled.check_artifacts``) and performance mode, the blocks of the target and the
     drafter run the plan's AOTInductor packages: nothing is traced or compiled in this process.
@@ -227,7 +231,11 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
 
     ``speculate=False``: plain decoding on the plan's target graphs, with no drafter loaded and
     no feature kept for one (``yggtree run --plan P --no-speculate``); the cache keeps the plan's
-    slot count and the packages' padding, so the same packages serve it."""
+    slot count and the packages' padding, so the same packages serve it.
+
+    ``measure(spec)``, when given, has the last say on the spec's product kernel and padding
+    before the models load (a run's flags: ``yggtree.measure.kernel_choice.measured_spec``
+    measures them for this engine's threads and widths on this machine)."""
     if stages == "auto" and plan.stages == "auto" and artifacts is not None:
         stages = searched_stages(artifacts)
     if artifacts is not None and plan.profile is None and plan.backend == "inductor-cpu":
@@ -238,6 +246,8 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
         min_rows = m.get("packed_min_rows", 1) if min_rows is None else min_rows
     spec = EngineSpec.from_plan(plan, mode, stages=stages, threads=threads, min_rows=min_rows, kernel=kernel,
                                 prefetch=prefetch)
+    if measure is not None:
+        spec = measure(spec)
     if artifacts is not None and spec.mode == "performance" and loops_on_pool(read_manifest(Path(artifacts)) or {}):
         spec = replace(spec, loop_pool=True)
     if not speculate:

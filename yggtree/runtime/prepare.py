@@ -258,6 +258,5 @@ def spec_rows(spec) -> tuple[int, tuple[int, ...]]:
     (1, and with a tree to verify, drafted or looked up, its verify widths)."""
     import torch
 
-    spec_on = spec.drafter is not None or spec.lookup > 0
-    threads = resolve_plan(spec.stages, spec_on, threads=spec.threads).threads or torch.get_num_threads()
-    return threads, ((1, *spec.verify_widths, spec.tree.verify_width) if spec_on else (1,))
+    threads = resolve_plan(spec.stages, spec.verifies, threads=spec.threads).threads or torch.get_num_threads()
+    return threads, ((1, *spec.verify_widths, spec.tree.verify_width) if spec.verifies else (1,))
