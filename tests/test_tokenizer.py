@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,9 @@ from yggtree.runtime.tokenizer import LightTokenizer
 transformers = pytest.importorskip("transformers")
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def converted() -> Path:
@@ -125,6 +130,15 @@ def test_save_pretrained_loads_back_alike(pair, tmp_path):
     again, back = LightTokenizer.load(tmp_path / "copy"), PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "copy"))
     assert again is not None and back.backend_tokenizer.to_str() == hf.backend_tokenizer.to_str()
     assert again.get_vocab() == light.get_vocab() and back.chat_template == light.chat_template
+
+
+def test_loading_the_cached_tokenizer_imports_neither_transformers_nor_jinja(converted):
+    code = ("import sys\nimport yggtree.runtime.loading as l\ntok = l.load_tokenizer(l.resolve_model('default'))\n"
+            "assert type(tok).__name__ == 'LightTokenizer' and 'jinja2' not in sys.modules\n"
+            "ids = l.encode_prompt(tok, 'Write a haiku about trees.')\nassert tok.decode(ids, skip_special_tokens=True)\n"
+            "assert 'transformers' not in sys.modules, 'transformers imported'\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 # ----------------------------------------------------------------------------- hand-made directories
