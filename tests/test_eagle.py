@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from helpers import sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime import steps
-from yggtree.runtime.eagle import EagleDrafter, is_eagle_dir, load_eagle, save_eagle
+from yggtree.runtime.eagle import EagleDrafter, load_eagle, save_eagle
+from yggtree.runtime.eagle_config import is_eagle_dir
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.kv_cache import KVCache
 from yggtree.runtime.model import ModelConfig, Transformer, rope_table

@@ -15,6 +15,7 @@ import yaml
 
 from yggtree.errors import YggError
 from yggtree.offline import tune_space as ts
+from yggtree.offline import weight_check
 
 transformers = pytest.importorskip("transformers")
 optuna = pytest.importorskip("optuna")
@@ -285,7 +286,7 @@ def test_weight_formats_the_model_or_machine_cannot_run_are_left_out(tiny, monke
 
     base = load_plan(tiny / "plan.yaml")  # hidden 32, MLP 48: a group of 32 does not divide 48
     space = ts.default_space(base, 1)
-    problems = ts.weight_problems(base, space.weights, 4)
+    problems = weight_check.weight_problems(base, space.weights, 4)
     assert problems == {"int4@32": "group 32 does not divide the input width 48 of the model",
                         "gguf-native": "the target model is not a GGUF file",
                         "w4a8": "group 32 does not divide the input width 48 of the model"}
@@ -300,9 +301,9 @@ def test_weight_formats_the_model_or_machine_cannot_run_are_left_out(tiny, monke
         raise YggError(f"the Int8Linear kernel of the {what} is not batch-invariant on this CPU")
 
     monkeypatch.setattr(quant, "check_batch_invariant", not_invariant)  # quant.py's own check decides
-    assert ts.weight_problem("int8", base, 4) == "the Int8Linear kernel of the probe layers is not " \
+    assert weight_check.weight_problem("int8", base, 4) == "the Int8Linear kernel of the probe layers is not " \
                                                 "batch-invariant on this CPU"
-    assert ts.weight_problem("float32", base, 4) is None  # float weights: nothing to check
+    assert weight_check.weight_problem("float32", base, 4) is None  # float weights: nothing to check
 
 
 # ----------------------------------------------------------------------------- pricing

@@ -179,8 +179,9 @@ def _setup(args) -> tuple[Setup, dict, str]:
     from ..runtime.device import detect_device
     from .profile import NAME_OK
     from .tune_space import (
-        apply_overrides, check_space, default_space, override_key, runnable_weights, weight_problems,
+        apply_overrides, check_space, default_space, override_key, runnable_weights,
     )
+    from .weight_check import weight_problems
     from .tune_study import sqlite_url
 
     device = detect_device()

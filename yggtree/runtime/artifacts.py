@@ -178,11 +178,11 @@ def cache_dir(art_dir: str | Path) -> Path:
 # the runtime sources compiled graphs are traced from (decoder block, KV cache, the export
 # wrapper); the rest of the runtime only decides which shapes are called, and a shape without a
 # graph is refused loudly at warm-up
-# packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
+# eagle_config.py: the drafter's layer shapes; packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
 # (csrc/w4a8.cpp is not traced: packages call the op, which the process loads); steps.py: the
 # step functions a whole-step package inlines
-GRAPH_SOURCES = ("aoti.py", "eagle.py", "kernels.py", "kv_cache.py", "model.py", "packed.py", "quant.py", "steps.py",
-                 "w4a8.py")
+GRAPH_SOURCES = ("aoti.py", "eagle.py", "eagle_config.py", "kernels.py", "kv_cache.py", "model.py",
+                 "packed.py", "quant.py", "steps.py", "w4a8.py")
 
 
 def runtime_code_hash() -> str:

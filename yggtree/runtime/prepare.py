@@ -91,7 +91,7 @@ def eagle_head_dir(name: str) -> Path | None:
         return DEFAULT_DRAFTER_DIR
     if name == "self":
         return None
-    from .eagle import is_eagle_dir
+    from .eagle_config import is_eagle_dir
 
     path = Path(name).expanduser()
     return path if path.is_dir() and is_eagle_dir(path) else None
