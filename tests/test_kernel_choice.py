@@ -53,6 +53,49 @@ def test_measured_once_then_read_from_the_cache(model_dir, tmp_path, counted):
     assert len(files) == 1 and json.loads(files[0].read_text())["padding"] == first
 
 
+def test_a_busy_measurement_is_taken_again_after_the_waits_and_the_quietest_kept(model_dir, tmp_path, counted,
+                                                                                 monkeypatch):
+    from yggtree.offline import timing
+
+    busy = iter([1.5, 0.9, 0.1, 3.0])  # other processes' cores during each measurement
+
+    class Meter:
+        def __enter__(self):
+            self.result = {"wall_s": 1.0, "other_cores": next(busy), "steal_cores": 0.0}
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    slept = []
+    monkeypatch.setattr(timing, "LoadMeter", Meter)
+    monkeypatch.setattr("time.sleep", slept.append)
+    src = resolve_model(str(model_dir))
+    said = []
+    kernel_choice.measured_choice(src, "float32", None, (1,), 1, tmp_path, said.append, waits=(30, 60, 120))
+    assert len(counted) == 3 and slept == [30, 60]  # quiet at the third: no fourth, no third wait
+    (f,) = (tmp_path / "kernels").glob("choice-cpu-t1-*.json")
+    assert json.loads(f.read_text())["load"]["other_cores"] == 0.1
+    assert "inflated" not in said[0]
+
+
+def test_without_waits_a_busy_measurement_is_cached_with_a_warning(model_dir, tmp_path, counted, monkeypatch):
+    from yggtree.offline import timing
+
+    class Meter:
+        def __enter__(self):
+            self.result = {"wall_s": 1.0, "other_cores": 1.5, "steal_cores": 0.0}
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(timing, "LoadMeter", Meter)
+    said = []
+    kernel_choice.measured_choice(resolve_model(str(model_dir)), "float32", None, (1,), 1, tmp_path, said.append)
+    assert len(counted) == 1 and "other processes kept 1.50 cores busy" in said[0]
+
+
 @pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(weights="int8"), dict(widths=(1, 8)),
                                     dict(threads=2)])
 def test_every_part_of_the_key_measures_again(model_dir, tmp_path, counted, change):

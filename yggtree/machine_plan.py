@@ -273,6 +273,7 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
 
     from .compiled import artifact_dir
     from .offline.compile import compile_plan
+    from .measure.kernel_choice import measure_plan
     from .offline.profile import measure_profile, write_profile
     from .offline.profile_grid import ProfileGrid
     from .plan import save_plan, validate_plan
@@ -282,6 +283,7 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     torch.set_num_threads(mp.threads)
     what = "whole-step packages" if whole else "block packages"
     say(f"compiling {plan.name}'s {what} ({mp.weights or 'float32'} weights) into {root}")
+    measure_plan(plan, say, QUIET_WAITS)  # the product kernel every package holds: timed on a quiet machine
     compile_plan(plan, root, replace=True, whole=whole, reuse=reuse, workers=0)  # a package per core at once
     art = artifact_dir(plan, root)
     say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the {what} for the latency profile")
