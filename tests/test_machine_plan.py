@@ -287,3 +287,16 @@ def test_a_learnt_record_that_does_not_read_changes_nothing(record):
     from yggtree.runtime.feedback import Feedback
 
     assert Feedback().with_learnt(record) == Feedback()
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="this kernel has no autogroups")
+def test_the_build_session_yields_to_runs_in_other_sessions():
+    """The build's own session (an autogroup) gets the lowest weight: the idle class alone does not
+    hold across sessions, which the scheduler shares fairly first."""
+    code = ("from yggtree import machine_plan; import os; machine_plan._yield_to_runs(); "
+            "print(open('/proc/self/autogroup').read().split()[-1], os.sched_getscheduler(0) == os.SCHED_IDLE)")
+    ours = Path("/proc/self/autogroup").read_text()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         start_new_session=True).stdout.split()
+    assert out == ["19", "True"]
+    assert Path("/proc/self/autogroup").read_text() == ours  # a session of its own: the caller's is untouched

@@ -327,7 +327,12 @@ def _yield_to_runs() -> None:
     """Run the build (and the compilers it starts, which inherit it) only on CPU time nothing else
     wants: the idle scheduling class where the OS has one, else the lowest priority. Runs decode
     meanwhile with every core: a build that took even a share of one would stall their parallel
-    loops, whose threads wait on each other at every product."""
+    loops, whose threads wait on each other at every product.
+
+    The build runs in a session of its own, and Linux's autogroups (on by default) share the CPU
+    fairly between sessions before any policy inside one applies: an idle-class build in its own
+    session still took half the cores from a run in another. So the session's group is set to
+    the lowest weight too (``/proc/self/autogroup``, nice 19), where the kernel has autogroups."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -335,6 +340,10 @@ def _yield_to_runs() -> None:
             os.nice(19)
         except OSError:
             pass
+    try:
+        Path("/proc/self/autogroup").write_text("19")
+    except OSError:  # no autogroups (another OS, a kernel without them): the policy above is all
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
