@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yggtree.runtime.drafters import TopK
+from yggtree.runtime import egt as egt_module
 from yggtree.runtime.egt import EGTState, draft_tree, egt_expand, egt_feed_inputs, egt_init, egt_select
 from yggtree.runtime.tree import ancestor_mask, check_invariants
 
@@ -273,6 +274,43 @@ def test_draft_tree_is_the_egt_loop_with_a_drafter(feeds_leaves) -> None:
     assert calls == drafter.calls == d_max - 1 + int(feeds_leaves)
     for name in ("token", "parent", "depth", "valid", "logp"):
         assert torch.equal(getattr(tree, name), getattr(state.tree, name)), name
+
+
+class Recording(Replay):
+    """Replay that records every call's inputs."""
+
+    def __init__(self, outputs, feeds_leaves=True):
+        super().__init__(outputs, feeds_leaves)
+        self.inputs = []
+
+    def step(self, tokens, pos, fed, parent, rows, L, k):
+        self.inputs.append(tuple(t.clone() for t in (tokens, pos, fed, parent, rows)))
+        return super().step(tokens, pos, fed, parent, rows, L, k)
+
+
+@settings(max_examples=150, deadline=None)
+@given(d_max=st.integers(1, 5), w_d=st.integers(1, 4), k=st.integers(1, 4), seed=st.integers(0, 10**6),
+       ties=st.booleans(), dups=st.booleans(), feeds_leaves=st.booleans())
+def test_the_host_loop_builds_the_device_loops_tree_and_calls(d_max, w_d, k, seed, ties, dups, feeds_leaves) -> None:
+    """On a CPU draft_tree keeps the EGT state in numpy: the same tree bit for bit and the same
+    drafter inputs at every level as the tensor functions, ties, duplicates and exhausted pools
+    included."""
+    gen = torch.Generator().manual_seed(seed)
+    outputs = [fake_topk(gen, 1 if i == 0 else w_d, k, ties, dups=dups) for i in range(d_max + 1)]
+    head = TopK(outputs[0][0], outputs[0][1])
+    runs = []
+    for loop in (egt_module._draft_tree_host, egt_module._draft_tree_device):
+        drafter = Recording(outputs, feeds_leaves)
+        tree, calls = loop(drafter, torch.tensor(7), head, d_max, w_d, torch.tensor(30), k)
+        runs.append((tree, calls, drafter.inputs))
+    (t_host, c_host, in_host), (t_dev, c_dev, in_dev) = runs
+    assert c_host == c_dev and len(in_host) == len(in_dev)
+    for name in ("token", "parent", "depth", "valid", "logp"):
+        a, b = getattr(t_host, name), getattr(t_dev, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for a, b in zip(in_host, in_dev):
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and torch.equal(x, y)
 
 
 def test_device_side_on_meta() -> None:

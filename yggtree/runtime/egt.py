@@ -30,7 +30,8 @@ which is how a full k-ary tree comes out of the same code (and W_d = k = 1 gives
 
 All functions here are device-side: no host synchronisation, static shapes given the Python
 ints (``d_max``, ``w_d``, ``k``, ``step``). :func:`draft_tree` is the drafting loop that runs them
-with a drafter (a speculation step's draft, and the overlap plan's worker).
+with a drafter (a speculation step's draft, and the overlap plan's worker); on a CPU it runs the
+same steps on the host, in numpy.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from yggtree.runtime.tree import Tree, ancestor_mask, positions
@@ -196,7 +198,18 @@ def draft_tree(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L: torc
                ) -> tuple[Tree, int]:
     """D levels of EGT from ``head`` at ``root`` (position ``L``): every level picks W_d nodes
     and the drafter proposes the top-k children of each. Returns the tree (``1 + d * wd`` slots)
-    and the drafter calls made."""
+    and the drafter calls made. On a CPU the levels' bookkeeping runs on the host
+    (:func:`_draft_tree_host`, the same tree bit for bit): there every tensor operation costs its
+    dispatch, a few microseconds, against a few nanoseconds of work on tensors of a dozen
+    nodes, and a level's ~60 of them cost as much as the drafter call itself."""
+    if root.device.type == "cpu":
+        return _draft_tree_host(drafter, root, head, d, wd, L, k)
+    return _draft_tree_device(drafter, root, head, d, wd, L, k)
+
+
+def _draft_tree_device(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L: torch.Tensor, k: int
+                       ) -> tuple[Tree, int]:
+    """:func:`draft_tree` on the device: the tensor functions above, no host synchronisation."""
     state = egt_init(root, head.token[0], head.logp[0], d, wd)
     for s in range(d):
         state, fed = egt_select(state, s)  # fed [W_d] int64: the tree slots just written
@@ -206,3 +219,46 @@ def draft_tree(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L: torc
         top = drafter.step(tokens, pos - L, fed, state.tree.parent[fed], rows, L, k)  # [W_d, k]
         state = egt_expand(state, fed, top.token, top.logp)
     return state.tree, d - 1 + int(drafter.feeds_leaves)
+
+
+def _draft_tree_host(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L: torch.Tensor, k: int
+                     ) -> tuple[Tree, int]:
+    """:func:`draft_tree` with the EGT state in numpy arrays: the same picks (a stable sort of
+    the float32 pool scores, descending), the same float32 path scores, the same drafter inputs
+    (tests/test_egt.py checks every one against the tensor functions)."""
+    n, p = 1 + d * wd, (1 + d * wd) * k
+    token = np.zeros(n, np.int64)  # the Tree's fields, as in egt_init
+    parent = np.zeros(n, np.int64)
+    depth = np.zeros(n, np.int64)
+    valid = np.zeros(n, np.bool_)
+    logp = np.full(n, -np.inf, np.float32)
+    token[0], valid[0], logp[0] = int(root), True, 0.0
+    anc = np.eye(n, dtype=np.bool_)  # [N, N] ancestor-or-self rows (an invalid node: itself only)
+    cand_token = np.zeros(p, np.int64)
+    cand_score = np.full(p, -np.inf, np.float32)
+    cand_token[:k] = head.token[0].numpy()
+    cand_score[:k] = head.logp[0].float().numpy()
+    children = np.arange(k)
+    for s in range(d):
+        pick = np.argsort(-cand_score, kind="stable")[:wd]  # egt_select
+        score = cand_score[pick]
+        ok = score > -np.inf
+        fed = np.arange(1 + s * wd, 1 + (s + 1) * wd)
+        up = np.where(ok, pick // k, 0)
+        token[fed] = np.where(ok, cand_token[pick], 0)
+        parent[fed] = up
+        depth[fed] = np.where(ok, depth[up] + 1, 0)
+        valid[fed] = ok
+        logp[fed] = np.where(ok, score, -np.inf)
+        anc[fed] |= anc[up] & ok[:, None]
+        cand_score[pick] = -np.inf
+        if s == d - 1 and not drafter.feeds_leaves:
+            break
+        t = torch.from_numpy
+        top = drafter.step(t(token[fed]), t(depth[fed]), t(fed), t(parent[fed]), t(anc[fed]), L, k)
+        child = logp[fed][:, None] + top.logp.float().numpy()  # egt_expand: [W_d, k] in float32
+        slots = (fed[:, None] * k + children).reshape(-1)
+        cand_token[slots] = top.token.numpy().reshape(-1)
+        cand_score[slots] = np.where(valid[fed][:, None], child, -np.inf).reshape(-1)
+    tree = Tree(*(torch.from_numpy(a) for a in (token, parent, depth, valid, logp)))
+    return tree, d - 1 + int(drafter.feeds_leaves)
