@@ -103,6 +103,18 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widt
     return out
 
 
+class _Instant:
+    """A drafter whose calls cost nothing (the same top-k every call)."""
+
+    feeds_leaves = True
+
+    def __init__(self, top) -> None:
+        self.top = top
+
+    def step(self, *args):
+        return self.top
+
+
 def stage_calls(engine, plan):
     """(stage, key, thunk) for the non-model work of a step at the plan's widths."""
     import torch
@@ -110,7 +122,8 @@ def stage_calls(engine, plan):
     from ..runtime import steps
     from ..runtime.accept import argmax, greedy_accept
     from .profile_stages import random_tree
-    from ..runtime.egt import egt_expand, egt_feed_inputs, egt_select
+    from ..runtime.drafters import TopK
+    from ..runtime.egt import draft_tree
     from ..runtime.calibration import Calibration, aal_by_width, path_values
     from ..runtime.objective import best_verify
     from ..runtime.prune import prune_topk, subtree
@@ -120,14 +133,13 @@ def stage_calls(engine, plan):
     vocab = engine.target.cfg.vocab_size
     out = []
     for wd in plan.draft_widths:
-        state = random_tree(plan, wd)
-        tok = torch.zeros(wd, k, dtype=torch.int64)
-        lp = torch.full((wd, k), -1.0)
+        # one level of the drafting loop as a step runs it (draft_tree: on a CPU on the host), its
+        # drafter call free: the level's bookkeeping alone (the call is the "draft" stage)
+        drafter = _Instant(TopK(torch.zeros(wd, k, dtype=torch.int64), torch.full((wd, k), -1.0)))
+        head = TopK(torch.arange(k)[None], torch.full((1, k), -1.0))
 
-        def egt(state=state, tok=tok, lp=lp):
-            st, fed = egt_select(state, d - 1)
-            egt_feed_inputs(st, fed, torch.tensor(100))
-            return egt_expand(st, fed, tok, lp)
+        def egt(drafter=drafter, head=head, wd=wd):
+            return draft_tree(drafter, torch.tensor(0), head, 1, wd, torch.tensor(100), k)
 
         out.append(("egt", wd, egt))
     big = random_tree(plan, max(plan.draft_widths)).tree
