@@ -53,11 +53,11 @@ def test_measured_once_then_read_from_the_cache(model_dir, tmp_path, counted):
     assert len(files) == 1 and json.loads(files[0].read_text())["padding"] == first
 
 
-def test_a_busy_measurement_is_taken_again_after_the_waits_and_the_quietest_kept(model_dir, tmp_path, counted,
-                                                                                 monkeypatch):
+def loaded(monkeypatch, busy: list[float]) -> None:
+    """The load meter replaced by one reporting ``busy[i]`` other cores during measurement i."""
     from yggtree.offline import timing
 
-    busy = iter([1.5, 0.9, 0.1, 3.0])  # other processes' cores during each measurement
+    busy = iter(busy)
 
     class Meter:
         def __enter__(self):
@@ -67,8 +67,13 @@ def test_a_busy_measurement_is_taken_again_after_the_waits_and_the_quietest_kept
         def __exit__(self, *exc):
             return False
 
-    slept = []
     monkeypatch.setattr(timing, "LoadMeter", Meter)
+
+
+def test_a_busy_measurement_is_taken_again_after_the_waits_and_the_quietest_kept(model_dir, tmp_path, counted,
+                                                                                 monkeypatch):
+    loaded(monkeypatch, [1.5, 0.9, 0.1, 3.0])  # other processes' cores during each measurement
+    slept = []
     monkeypatch.setattr("time.sleep", slept.append)
     src = resolve_model(str(model_dir))
     said = []
@@ -80,17 +85,7 @@ def test_a_busy_measurement_is_taken_again_after_the_waits_and_the_quietest_kept
 
 
 def test_without_waits_a_busy_measurement_is_cached_with_a_warning(model_dir, tmp_path, counted, monkeypatch):
-    from yggtree.offline import timing
-
-    class Meter:
-        def __enter__(self):
-            self.result = {"wall_s": 1.0, "other_cores": 1.5, "steal_cores": 0.0}
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(timing, "LoadMeter", Meter)
+    loaded(monkeypatch, [1.5])
     said = []
     kernel_choice.measured_choice(resolve_model(str(model_dir)), "float32", None, (1,), 1, tmp_path, said.append)
     assert len(counted) == 1 and "other processes kept 1.50 cores busy" in said[0]
