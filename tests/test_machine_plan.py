@@ -77,7 +77,7 @@ def test_a_running_build_is_not_started_twice_and_a_killed_one_frees_its_lock(tm
 
 
 def _args(**kw):
-    base = dict(model="default", drafter=None, no_speculate=False, mode="performance", max_context=None,
+    base = dict(model="default", drafter=None, no_speculate=False, speculate=False, mode="performance", max_context=None,
                 prefill_chunk=None, top_k=None, draft_width=None, draft_depth=None, verify_width=None,
                 weights=None, kv_cache=None, dtype=None, plan=None, threads=0)
     return argparse.Namespace(**(base | kw))
@@ -115,6 +115,7 @@ def test_a_stale_plan_is_rebuilt_with_one_line_saying_why(monkeypatch, tmp_path,
 
 
 def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: (True, 1.1))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -173,6 +174,7 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
 
 def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
     """``--no-speculate`` alone decodes plainly on the machine plan's graphs (like for like)."""
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: (True, 1.1))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -188,6 +190,7 @@ def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
 
 def test_the_plan_is_the_one_of_the_threads_asked(monkeypatch, tmp_path):
     seen = []
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: (True, 1.1))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -300,3 +303,98 @@ def test_the_build_session_yields_to_runs_in_other_sessions():
                          start_new_session=True).stdout.split()
     assert out == ["19", "True"]
     assert Path("/proc/self/autogroup").read_text() == ours  # a session of its own: the caller's is untouched
+
+
+def _built(monkeypatch, tmp_path, verdict, started=None):
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.compile_root / "m" / "plan.yaml", None))
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: verdict)
+    monkeypatch.setattr(MachinePlan, "building", lambda self: False)
+    monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building" if started is not None
+                        else pytest.fail("a built plan with its verdict is not built again"))
+
+
+def test_where_plain_steps_measured_faster_the_default_decodes_plainly(monkeypatch, tmp_path, capsys):
+    """The build measured the objective slower than plain steps here: a default run decodes the
+    plan plainly and says so in its one line; --speculate keeps the objective."""
+    _built(monkeypatch, tmp_path, (False, 0.954))
+    args = _args()
+    run_cmd._pick_plan(args)
+    err = capsys.readouterr().err
+    assert args.no_speculate and args.plan.endswith("/compile/m/plan.yaml")
+    assert err.count("\n") == 1 and "plain steps: its latency objective decoded at 0.95x their speed here" in err
+    assert "--speculate to use it" in err
+    args = _args(speculate=True)
+    run_cmd._pick_plan(args)
+    assert not args.no_speculate and "latency objective on its own profile" in capsys.readouterr().err
+
+
+def test_where_the_objective_measured_faster_the_default_speculates(monkeypatch, tmp_path, capsys):
+    _built(monkeypatch, tmp_path, (True, 1.08))
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert not args.no_speculate and "latency objective on its own profile" in capsys.readouterr().err
+
+
+def test_a_built_plan_without_a_verdict_starts_the_build_to_measure_it(monkeypatch, tmp_path):
+    """A plan built before the verdict existed (or whose profile changed): the run speculates as
+    before and starts the build, which only measures the verdict (machine_plan._build_locked)."""
+    started = []
+    _built(monkeypatch, tmp_path, None, started)
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert len(started) == 1 and not args.no_speculate
+
+
+def test_speculate_and_no_speculate_exclude_each_other():
+    from yggtree.cli import build_parser
+    from yggtree.errors import YggError
+
+    args = build_parser().parse_args(["run", "--prompt", "x", "--speculate", "--no-speculate"])
+    with pytest.raises(YggError, match="^--speculate and --no-speculate exclude each other$"):
+        run_cmd.build_from_args(args)
+
+
+def test_the_verdict_is_kept_for_its_profile_only(tmp_path):
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    assert mp.speculates("abc") is None
+    (tmp_path / machine_plan.SPECULATION).write_text(json.dumps({"profile": "abc", "ratio": 0.95, "speculate": False}))
+    assert mp.speculates("abc") == (False, 0.95) and mp.speculates("def") is None
+    (tmp_path / machine_plan.SPECULATION).write_text("{not json")
+    assert mp.speculates("abc") is None
+
+
+def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_path):
+    """Timed while other processes kept the cores busy, the verdict is timed again after a wait
+    and the quietest measurement kept; recorded under the plan's profile."""
+    import yggtree.compiled as compiled_mod
+    import yggtree.measure.speculation_choice as choice_mod
+    import yggtree.plan as plan_mod
+
+    busy = iter([(1.2, 1.3), (0.1, 0.97), (0.0, 2.0)])
+
+    def measure(plan, art, threads):
+        load, ratio = next(busy)
+        return {"ratio": ratio, "prompts": 6, "load": {"other_cores": load}}
+
+    waits, said = [], []
+    monkeypatch.setattr(choice_mod, "measure_speculation", measure)
+    monkeypatch.setattr(plan_mod, "load_plan", lambda path: object())
+    monkeypatch.setattr(compiled_mod, "artifact_dir", lambda plan: tmp_path)
+    monkeypatch.setattr(machine_plan, "profile_sha", lambda path: "sha")
+    monkeypatch.setattr(machine_plan.time, "sleep", waits.append)
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    machine_plan._measure_speculation(mp, tmp_path / "plan.yaml", said.append)
+    assert waits == [machine_plan.QUIET_WAITS[0]] and mp.speculates("sha") == (False, 0.97)
+    assert "0.970x plain steps here (6 calibration prompts): runs decode plainly" in said[-1]
+
+
+def test_speed_ratio_is_the_geometric_mean_of_paired_speedups():
+    from yggtree.measure.speculation_choice import speed_ratio
+
+    assert speed_ratio([2.0, 8.0], [1.0, 8.0]) == pytest.approx(2 ** 0.5)
+    assert speed_ratio([5.0], [5.0]) == 1.0
+    with pytest.raises(ValueError):
+        speed_ratio([1.0], [])

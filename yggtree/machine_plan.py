@@ -12,7 +12,11 @@ machine plan:
    kernel library and measures the product kernel first);
 3. a quick latency profile timed on those packages (the padding they were compiled with);
 4. the plan naming that profile, refreshed in its compiled copy, and last, written in one rename,
-   ``ready.json`` pointing at it.
+   ``ready.json`` pointing at it;
+5. (after the last phase) whether its latency objective decodes faster than its plain steps here
+   (``measure/speculation_choice.py``, calibration prompts), kept by profile in
+   ``speculation.json``: where it does not, runs decode the plan plainly (``--speculate`` keeps the
+   objective); a plan built before the verdict existed has it measured by the next build.
 
 Every later run loads the compiled copy (no tracing) and decodes with the latency objective on
 the machine's own curves (plain steps wherever no tree pays), its online feedback starting from
@@ -54,6 +58,7 @@ READY = "ready.json"
 LOCK = "build.lock"
 LOG = "build.log"
 FEEDBACK = "feedback.json"  # what the objective's feedback learnt in earlier runs, by profile
+SPECULATION = "speculation.json"  # whether the objective decoded faster than plain steps here, by profile
 PID = "build.pid"  # the running build's process id (and its session's: it starts one of its own)
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
@@ -147,6 +152,17 @@ class MachinePlan:
         return (f"building this machine's plan ({self.weights or 'float32'} weights, compiled, with a latency "
                 f"profile) in the background, once (log: {self.root / LOG}); later runs load it")
 
+
+    def speculates(self, profile_sha: str) -> tuple[bool, float] | None:
+        """(whether runs speculate, the objective's measured speed over plain steps) on the plan
+        timed by the profile of sha256 ``profile_sha``; None where nothing was measured for it."""
+        try:
+            record = json.loads((self.root / SPECULATION).read_text())
+            if record.get("profile") != profile_sha:
+                return None
+            return bool(record["speculate"]), float(record["ratio"])
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            return None
 
     def learnt(self, profile_sha: str) -> dict | None:
         """What earlier runs' objective feedback learnt on the plan timed by the profile of
@@ -254,14 +270,42 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     plan = validate_plan(plan.to_dict())
     ready, _ = mp.ready_plan()
     if ready is not None and mp.complete(ready):
+        if mp.speculates(profile_sha(ready)) is None:  # built before the verdict was measured
+            _measure_speculation(mp, ready, say)
         return ready
     # 1. the block packages (one decoder block per shape: minutes), profiled, ready
     blocks = ready or _phase(mp, plan, mp.blocks_root, "profile-blocks", False, (), t0, say)
     # 2. the whole-step and drafter-call packages beside them (the blocks linked, not rebuilt):
     # the same bits, faster steps; runs started meanwhile keep the block packages
     copy = _phase(mp, plan, mp.compile_root, "profile", True, (blocks.parent,), t0, say)
+    # 3. whether its objective beats its plain steps here: runs decode plainly where it does not
+    _measure_speculation(mp, copy, say)
     say(f"ready in {time.perf_counter() - t0:.0f} s: {copy}")
     return copy
+
+
+def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
+    """Time the ready plan ``copy``'s objective against its plain steps on calibration prompts
+    (measure/speculation_choice.py), again after waits while other processes keep the cores
+    busy (the quietest kept), and record the verdict under its profile's sha256."""
+    from .compiled import artifact_dir
+    from .measure.speculation_choice import measure_speculation
+    from .plan import load_plan
+
+    plan = load_plan(copy)
+    best = None
+    for wait in (*QUIET_WAITS, None):
+        again = measure_speculation(plan, artifact_dir(plan), mp.threads)
+        if best is None or _busy(again) < _busy(best):
+            best = again
+        if _busy(best) <= QUIET_CORES or wait is None:
+            break
+        say(f"other processes kept {_busy(again):.2f} cores busy while timing speculation: again in {wait} s")
+        time.sleep(wait)
+    record = {"profile": profile_sha(copy), **best, "speculate": best["ratio"] >= 1.0}
+    write_text_atomic(mp.root / SPECULATION, json.dumps(record) + "\n")
+    say(f"the latency objective decodes at {best['ratio']:.3f}x plain steps here ({best['prompts']} calibration "
+        f"prompts): runs {'speculate' if record['speculate'] else 'decode plainly'}")
 
 
 def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, reuse: tuple[Path, ...],
@@ -318,8 +362,21 @@ QUIET_CORES = 0.25  # a profile timed while other processes kept more cores busy
 QUIET_WAITS = (30, 60, 120, 240)  # ... after these waits, the quietest one kept
 
 
+def profile_sha(plan_path: Path) -> str | None:
+    """sha256 of the profile the plan at ``plan_path`` names (None: none, or unreadable)."""
+    from .files import file_sha256
+    from .plan import load_plan
+
+    try:
+        profile = load_plan(plan_path).profile
+        return file_sha256(profile) if profile else None
+    except (YggError, OSError):
+        return None
+
+
 def _busy(profile: dict) -> float:
-    """Cores other processes kept busy while ``profile`` was timed (offline/timing.LoadMeter)."""
+    """Cores other processes kept busy while a measurement (a profile, the speculation verdict) was
+    timed (offline/timing.LoadMeter)."""
     return float((profile.get("load") or {}).get("other_cores") or 0.0)
 
 

@@ -101,6 +101,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "far join the drafter's tree (0 disables; <= the verify width; default: the plan's, 0)",
     )
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with a drafter")
+    p.add_argument("--speculate", action="store_true",
+                   help="this machine's plan speculates even where it measured its plain steps faster")
     p.add_argument("--draft-width", type=_positive_int, default=None, help=f"W_d (default {DEFAULT_DRAFT_WIDTH})")
     p.add_argument("--draft-depth", type=_positive_int, default=None, help=f"D (default {DEFAULT_DRAFT_DEPTH})")
     p.add_argument("--verify-width", type=_positive_int, default=None, help=f"W_v (default {DEFAULT_VERIFY_WIDTH})")
@@ -185,11 +187,9 @@ def _learnt_feedback(args, mp, policy) -> str | None:
     feedback = getattr(policy, "feedback", None)
     if mp is None or feedback is None or getattr(args, "machine_build", None) not in ("done", "blocks"):
         return None
-    from .files import file_sha256
-    from .plan import load_plan
+    from .machine_plan import profile_sha
 
-    profile = load_plan(args.plan).profile
-    sha = file_sha256(profile) if profile else None
+    sha = profile_sha(args.plan)
     record = mp.learnt(sha) if sha else None
     if record is not None:
         policy.feedback = feedback.with_learnt(record)
@@ -216,6 +216,8 @@ def build_from_args(args):
         raise YggError("--weights and --plan exclude each other (a plan names its format: its 'weights' key)")
     if args.kv_cache is not None and args.plan:
         raise YggError("--kv-cache and --plan exclude each other (a plan names its cache: its 'kv_cache' key)")
+    if args.speculate and args.no_speculate:
+        raise YggError("--speculate and --no-speculate exclude each other")
     if not args.plan:
         _pick_plan(args)
     if getattr(args, "quick", None) is not None:  # speculation by default
@@ -327,13 +329,19 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     args.no_default_note = None
     if path is not None:
         whole = mp.complete(path)
-        if not whole and not mp.building():  # its last phase stopped: resume it
+        verdict = mp.speculates(machine_plan.profile_sha(path)) if whole else None
+        if (not whole or verdict is None) and not mp.building():  # its last phase stopped: resume it
             try:
                 mp.start()
             except OSError:
                 pass
+        how = "latency objective on its own profile"
+        if verdict is not None and not verdict[0] and not (args.speculate or args.no_speculate):
+            args.no_speculate = True  # measured: plain steps are faster here than keeping the objective's option
+            how = (f"plain steps: its latency objective decoded at {verdict[1]:.2f}x their speed here; "
+                   "--speculate to use it")
         sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled "
-                         "here, latency objective on its own profile"
+                         f"here, {how}"
                          f"{'' if whole else '; its whole-step packages are being built in the background'})\n")
         args.plan, args.machine_build = str(path), "done" if whole else "blocks"
         return True
