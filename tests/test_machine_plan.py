@@ -303,6 +303,8 @@ def test_the_build_session_yields_to_runs_in_other_sessions():
                          start_new_session=True).stdout.split()
     assert out == ["19", "True"]
     assert Path("/proc/self/autogroup").read_text() == ours  # a session of its own: the caller's is untouched
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1] == "True" and Path("/proc/self/autogroup").read_text() == ours  # by hand: the shell's group kept
 
 
 def _built(monkeypatch, tmp_path, verdict, started=None):

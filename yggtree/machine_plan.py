@@ -389,7 +389,8 @@ def _yield_to_runs() -> None:
     The build runs in a session of its own, and Linux's autogroups (on by default) share the CPU
     fairly between sessions before any policy inside one applies: an idle-class build in its own
     session still took half the cores from a run in another. So the session's group is set to
-    the lowest weight too (``/proc/self/autogroup``, nice 19), where the kernel has autogroups."""
+    the lowest weight too (``/proc/self/autogroup``, nice 19), where the kernel has autogroups and
+    the build leads its session (as runs start it; by hand in a shell, the shell's group is left)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -397,6 +398,8 @@ def _yield_to_runs() -> None:
             os.nice(19)
         except OSError:
             pass
+    if os.getsid(0) != os.getpid():
+        return  # started by hand inside another session: its group is not the build's to lower
     try:
         Path("/proc/self/autogroup").write_text("19")
     except OSError:  # no autogroups (another OS, a kernel without them): the policy above is all
