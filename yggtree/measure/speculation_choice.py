@@ -15,6 +15,9 @@ import math
 
 from .probe_prompts import decode_ms_per_token, probe_requests
 
+PROMPTS = 10  # calibration chat prompts timed (after one warm-up prompt)
+NEW_TOKENS = 128  # each: whole answers, as a run decodes them (a short probe's openings draft better)
+
 
 def speed_ratio(plain_ms: list[float], objective_ms: list[float]) -> float:
     """The objective's decode speed over plain steps': the geometric mean over prompts of
@@ -34,7 +37,7 @@ def measure_speculation(plan, art, threads: int) -> dict:
     from ..runtime.policy import FixedPolicy, StepChoice
 
     engine, tok = build_plan_engine(plan, art, threads=threads)
-    ids, params = probe_requests(tok, plan.max_context)
+    ids, params = probe_requests(tok, plan.max_context, PROMPTS, NEW_TOKENS)
     plain = FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1)
     objective = plan_policy(plan)
     for policy in (plain, objective):  # warm-up
