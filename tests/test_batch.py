@@ -1,0 +1,203 @@
+"""Continuous batching (runtime/batch.py): every request of a batch gets exactly the tokens it gets
+decoded alone by ``Engine.generate`` -- greedy and seeded sampling, plain and speculative steps,
+requests joining mid-run (chunked prefill beside running decodes) and leaving mid-run -- over a
+sweep of batch sizes; and the decoder's refusals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from yggtree.errors import YggError
+from yggtree.runtime.batch import BatchDecoder, batch_bucket, check_rows_invariant, plain_policy
+from yggtree.runtime.drafters import LMDrafter
+from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
+from yggtree.runtime.kernels import library_missing
+from yggtree.runtime.packed import pack_linears
+
+from helpers import perturbed, tiny_model
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(bool(library_missing()), reason="the kernel library needs AVX2 with FMA and F16C (or AVX-512)"),
+]
+
+VOCAB, EOS = 97, 3
+TREE = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
+
+
+def tiled(model):
+    """``model`` on the tiled product kernel: rows bitwise independent of the call's other rows
+    (``F.linear``'s BLAS picks kernels by the row count)."""
+    pack_linears(model, kernel="tiled")
+    return model
+
+
+def engine(kind: str, max_context: int = 320, tree: TreeParams = TREE) -> Engine:
+    """A fresh tiny engine on the tiled kernel: ``plain`` (no drafter) or ``spec`` (a perturbed
+    copy drafting)."""
+    target = tiled(tiny_model(VOCAB, 64, 2, max_pos=1024, eos=(EOS,), seed=0))
+    drafter = None
+    if kind == "spec":
+        drafter = LMDrafter(tiled(perturbed(tiny_model(VOCAB, 64, 2, max_pos=1024, seed=0), 0.05)), "reference")
+    cfg = EngineConfig(mode="reference", max_context=max_context, prefill_chunk=16,
+                       tree=tree if kind == "spec" else None, verify_widths=(2, 4, 6) if kind == "spec" else ())
+    return Engine(target, cfg, drafter, eos_ids=(EOS,))
+
+
+def workload(n: int, seed: int, sampling: bool, max_prompt: int = 40, max_new: int = 30):
+    """``n`` requests: random prompts (some longer than a prefill chunk), lengths, arrival steps,
+    some abandoned after a few steps, some plain on a speculative engine."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, max_prompt))]
+        params = SamplingParams(rng.randint(1, max_new), 0.8 if sampling and i % 2 else 0.0, 0.9, seed=1000 + i)
+        reqs.append(dict(key=i, prompt=prompt, params=params, arrive=rng.randint(0, 2) if i < 8 else rng.randint(0, 25),
+                         leave=rng.randint(2, 12) if rng.random() < 0.2 else None, plain=rng.random() < 0.25))
+    return reqs
+
+
+def alone(kind: str, reqs, max_context: int) -> dict:
+    eng = engine(kind, max_context)
+    out = {}
+    for r in reqs:
+        kw = {"policy": plain_policy(eng)} if kind == "spec" and r["plain"] else {}
+        res = eng.generate(r["prompt"], r["params"], **kw)
+        out[r["key"]] = (res.token_ids, res.finish_reason)
+    return out
+
+
+def batched(kind: str, reqs, max_batch: int, max_context: int):
+    """Run ``reqs`` through a decoder: each joins at its arrival step (or later, when the batch is
+    full) and leaves after ``leave`` steps if it has not finished. Returns {key: (tokens, finish)}
+    and the largest batch seen."""
+    eng = engine(kind, max_context)
+    dec = BatchDecoder(eng, max_batch)
+    pending = sorted(reqs, key=lambda r: r["arrive"])
+    got, finish, steps_in, widest = {}, {}, {}, 0
+    step = 0
+    while pending or dec.running:
+        while pending and pending[0]["arrive"] <= step and dec.free:
+            r = pending.pop(0)
+            policy = plain_policy(eng) if kind == "spec" and r["plain"] else None
+            dec.add(r["key"], r["prompt"], r["params"], policy)
+            got[r["key"]], steps_in[r["key"]] = [], 0
+        for r in reqs:
+            k = r["key"]
+            if k in steps_in and k not in finish and r["leave"] is not None and steps_in[k] >= r["leave"]:
+                dec.remove(k)
+                finish[k] = "left"
+        widest = max(widest, dec.running)
+        for e in dec.step():
+            assert e.error is None, e.error
+            got[e.key] += e.tokens
+            if e.finish is not None:
+                finish[e.key] = e.finish
+        for k in steps_in:
+            steps_in[k] += 1
+        step += 1
+        assert step < 5000
+    return {k: (got[k], finish[k]) for k in got}, widest
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec"])
+@pytest.mark.parametrize("max_batch", [1, 2, 4, 8])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_every_request_of_a_batch_equals_its_decoding_alone(kind, max_batch, sampling):
+    reqs = workload(12, seed=max_batch, sampling=sampling)
+    want = alone(kind, reqs, 320)
+    got, widest = batched(kind, reqs, max_batch, 320)
+    assert widest == max_batch  # the batch filled up
+    left = 0
+    for r in reqs:
+        tokens, finish = got[r["key"]]
+        ref, ref_finish = want[r["key"]]
+        if finish == "left":  # abandoned mid-run: what it got is the start of its decoding alone
+            left += 1
+            assert tokens == ref[: len(tokens)], r["key"]
+        else:
+            assert (tokens, finish) == (ref, ref_finish), r["key"]
+    assert left > 0
+
+
+def test_long_contexts_across_context_buckets():
+    """Requests whose contexts lie in different attention buckets share verify calls."""
+    reqs = workload(6, seed=7, sampling=False, max_prompt=250, max_new=40)
+    for kind in ("plain", "spec"):
+        want = alone(kind, reqs, 600)
+        got, _ = batched(kind, reqs, 4, 600)
+        for r in reqs:
+            tokens, finish = got[r["key"]]
+            ref, ref_finish = want[r["key"]]
+            if finish == "left":
+                assert tokens == ref[: len(tokens)]
+            else:
+                assert (tokens, finish) == (ref, ref_finish)
+
+
+def test_batch_buckets():
+    assert [batch_bucket(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [batch_bucket(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    assert batch_bucket(3, 3) == 3
+
+
+def test_refusals_are_one_line():
+    eng = engine("spec")
+    for bad in (0, 33, True, "4"):
+        with pytest.raises(YggError, match="max-batch must be an integer") as e:
+            BatchDecoder(eng, bad)
+        assert "\n" not in str(e.value)
+    dec = BatchDecoder(eng, 1)
+    with pytest.raises(YggError, match="the prompt is empty"):
+        dec.add("a", [], SamplingParams(4))
+    dec.add("a", [5, 6], SamplingParams(4))
+    with pytest.raises(YggError, match="the batch is full"):
+        dec.add("b", [5, 6], SamplingParams(4))
+    compiled = engine("plain")
+    compiled.graphs.mode = "performance"
+    with pytest.raises(YggError, match="eager code"):
+        BatchDecoder(compiled, 2)
+
+
+def test_a_product_that_is_not_row_invariant_is_refused():
+    class Skewed(torch.nn.Linear):  # rounds a row otherwise when others share the call
+        def forward(self, x):
+            y = super().forward(x)
+            return y + (x.shape[0] > 1) * 1e-3
+
+    model = tiled(tiny_model(VOCAB, 64, 1))
+    check_rows_invariant(model, 48)
+    model.lm_head = Skewed(64, VOCAB, bias=False)
+    with pytest.raises(YggError, match="not row-invariant"):
+        check_rows_invariant(model, 4)
+
+
+def test_a_failing_request_leaves_the_others_running():
+    eng = engine("spec")
+    dec = BatchDecoder(eng, 2)
+    dec.add("ok", [5, 6, 7], SamplingParams(20))
+    dec.add("bad", [8, 9], SamplingParams(20))
+    real = eng.drafter.head
+
+    def head(root, committed, k):  # fails while the request "bad" runs its stages (its row bound)
+        bad = next((s for s in dec.slots if s.key == "bad"), None)
+        if bad is not None and eng.target.kv is dec.rows[bad.row]:
+            raise RuntimeError("injected")
+        return real(root, committed, k)
+
+    eng.drafter.head = head
+    got, errors, finish = [], [], None
+    while dec.running:
+        for e in dec.step():
+            if e.error is not None:
+                errors.append(e.key)
+            elif e.key == "ok":
+                got += e.tokens
+                finish = e.finish or finish
+    assert errors == ["bad"]
+    eng.drafter.head = real
+    want = engine("spec").generate([5, 6, 7], SamplingParams(20))
+    assert (got, finish) == (want.token_ids, want.finish_reason)
