@@ -1,16 +1,18 @@
 """Continuous batching (runtime/batch.py): every request of a batch gets exactly the tokens it gets
-decoded alone by ``Engine.generate`` -- greedy and seeded sampling, plain and speculative steps,
+decoded alone by ``Engine.generate``, and every verify call bitwise the logits it computes alone -- greedy and seeded sampling, plain and speculative steps,
 requests joining mid-run (chunked prefill beside running decodes) and leaving mid-run -- over a
 sweep of batch sizes; and the decoder's refusals."""
 
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
 
 from yggtree.errors import YggError
+from yggtree.runtime import stages
 from yggtree.runtime.batch import BatchDecoder, batch_bucket, check_rows_invariant, plain_policy
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
@@ -60,22 +62,51 @@ def workload(n: int, seed: int, sampling: bool, max_prompt: int = 40, max_new: i
     return reqs
 
 
-def alone(kind: str, reqs, max_context: int) -> dict:
+def alone(kind: str, reqs, max_context: int, logits: dict | None = None) -> dict:
+    """{key: (tokens, finish)} of every request decoded alone by ``Engine.generate``; ``logits``
+    receives {key: [each verify call's logits [W_v, V]]}."""
     eng = engine(kind, max_context)
     out = {}
     for r in reqs:
         kw = {"policy": plain_policy(eng)} if kind == "spec" and r["plain"] else {}
-        res = eng.generate(r["prompt"], r["params"], **kw)
+        seen = []
+
+        def verify(*args, real=stages.verify):
+            res = real(*args)
+            seen.append(res[0])
+            return res
+
+        with mock.patch.object(stages, "verify", verify):
+            res = eng.generate(r["prompt"], r["params"], **kw)
         out[r["key"]] = (res.token_ids, res.finish_reason)
+        if logits is not None:
+            logits[r["key"]] = seen
     return out
 
 
-def batched(kind: str, reqs, max_batch: int, max_context: int):
+def assert_same_logits(got: dict, want: dict, keys) -> None:
+    """Every verify call of every request computed bitwise the logits it computes alone."""
+    for k in keys:
+        a_calls, b_calls = got.get(k, []), want.get(k, [])
+        assert len(a_calls) <= len(b_calls)
+        for i, (a, b) in enumerate(zip(a_calls, b_calls)):
+            assert torch.equal(a, b), (k, i)
+
+
+def batched(kind: str, reqs, max_batch: int, max_context: int, logits: dict | None = None):
     """Run ``reqs`` through a decoder: each joins at its arrival step (or later, when the batch is
     full) and leaves after ``leave`` steps if it has not finished. Returns {key: (tokens, finish)}
-    and the largest batch seen."""
+    and the largest batch seen; ``logits`` receives {key: [each verify call's logits [W_v, V]]}."""
     eng = engine(kind, max_context)
     dec = BatchDecoder(eng, max_batch)
+    if logits is not None:
+        real = dec._settle
+
+        def settle(s, st):
+            logits.setdefault(s.key, []).append(st.logits.clone())
+            return real(s, st)
+
+        dec._settle = settle
     pending = sorted(reqs, key=lambda r: r["arrive"])
     got, finish, steps_in, widest = {}, {}, {}, 0
     step = 0
@@ -108,9 +139,12 @@ def batched(kind: str, reqs, max_batch: int, max_context: int):
 @pytest.mark.parametrize("sampling", [False, True])
 def test_every_request_of_a_batch_equals_its_decoding_alone(kind, max_batch, sampling):
     reqs = workload(12, seed=max_batch, sampling=sampling)
-    want = alone(kind, reqs, 320)
-    got, widest = batched(kind, reqs, max_batch, 320)
+    want_logits, got_logits = {}, {}
+    want = alone(kind, reqs, 320, want_logits)
+    got, widest = batched(kind, reqs, max_batch, 320, got_logits)
     assert widest == max_batch  # the batch filled up
+    assert_same_logits(got_logits, want_logits, [r["key"] for r in reqs])
+    assert sum(map(len, got_logits.values())) > 50
     left = 0
     for r in reqs:
         tokens, finish = got[r["key"]]
@@ -127,8 +161,10 @@ def test_long_contexts_across_context_buckets():
     """Requests whose contexts lie in different attention buckets share verify calls."""
     reqs = workload(6, seed=7, sampling=False, max_prompt=250, max_new=40)
     for kind in ("plain", "spec"):
-        want = alone(kind, reqs, 600)
-        got, _ = batched(kind, reqs, 4, 600)
+        want_logits, got_logits = {}, {}
+        want = alone(kind, reqs, 600, want_logits)
+        got, _ = batched(kind, reqs, 4, 600, got_logits)
+        assert_same_logits(got_logits, want_logits, [r["key"] for r in reqs])
         for r in reqs:
             tokens, finish = got[r["key"]]
             ref, ref_finish = want[r["key"]]
@@ -201,3 +237,57 @@ def test_a_failing_request_leaves_the_others_running():
     eng.drafter.head = real
     want = engine("spec").generate([5, 6, 7], SamplingParams(20))
     assert (got, finish) == (want.token_ids, want.finish_reason)
+
+
+def tiny_objective():
+    """A profile whose verify curve is flat up to 12 rows and steep after, and a calibration
+    where deeper, wider trees accept more: trees alone, plain steps in a full batch."""
+    from yggtree.runtime.batch_objective import BatchObjective
+    from yggtree.runtime.calibration import Calibration
+    from yggtree.runtime.cost import CostModel, Curve
+
+    def curve(ms_at):
+        xs = tuple(float(w) for w in sorted(ms_at))
+        ys = tuple(float(ms_at[w]) for w in sorted(ms_at))
+        return Curve((256, 1024), (xs, xs), (ys, ys))
+
+    verify = curve({1: 30, 6: 31, 12: 33, 24: 60, 48: 120})
+    draft = curve({1: 2.0, 2: 2.1, 4: 2.2})
+    head = curve({1: 2.0})
+    stages = {"egt": {"1": 0.05}, "prune": {"4": 0.1}, "accept": 0.1, "commit": 0.1, "policy": 0.2,
+              "plain_accept": 0.05}
+    wvs = (2, 4, 6)
+    calib = Calibration((0.0, 1.0), (0.0, 0.9),
+                        {"2": [[1.0 + 0.3 * d + 0.1 * wv for wv in wvs] for d in (1, 2, 3)]}, wvs)
+    return BatchObjective(CostModel(verify, draft, head, stages), calib, (2,), wvs, 3)
+
+
+def test_batch_aware_trees_stay_lossless_and_fall_back_to_plain_steps():
+    """With the joint objective a request's trees change with the batch around it (trees alone,
+    plain steps in a full batch), its greedy tokens never do. (Seeded sampling is the same
+    distribution under any tree, not the same draws: its identity is tested on fixed trees.)"""
+    reqs = workload(12, seed=3, sampling=False)
+    want = alone("spec", reqs, 320)
+    eng = engine("spec")
+    dec = BatchDecoder(eng, 8, objective=tiny_objective())
+    got, finish, drafted_by_batch = {}, {}, {}
+    pending = list(reqs)
+    while pending or dec.running:
+        while pending and dec.free:
+            r = pending.pop(0)
+            policy = plain_policy(eng) if r["plain"] else None
+            dec.add(r["key"], r["prompt"], r["params"], policy)
+            got[r["key"]] = []
+        n = sum(s.req is not None for s in dec.slots)  # requests in this step's verify call
+        for e in dec.step():
+            assert e.error is None, e.error
+            got[e.key] += e.tokens
+            if e.tokens and (e.drafted or e.verify_width == 1):
+                drafted_by_batch.setdefault(n, []).append(e.drafted)
+            if e.finish is not None:
+                finish[e.key] = e.finish
+    for r in reqs:
+        assert (got[r["key"]], finish[r["key"]]) == want[r["key"]], r["key"]
+    assert drafted_by_batch[8] and not any(drafted_by_batch[8])  # a full batch: plain steps only
+    assert any(any(v) for n, v in drafted_by_batch.items() if n <= 2)  # few requests: trees
+

@@ -44,6 +44,7 @@ from torch import nn
 from ..errors import YggError
 from ..shapes import SamplingParams
 from .accept import truncate
+from .batch_objective import BatchObjective
 from .drafters import Snapshot
 from .engine import Engine, check_prompt
 from .kv_cache import KVStore
@@ -71,6 +72,9 @@ class Emitted:
     tokens: list[int]
     finish: str | None = None
     error: Exception | None = None
+    drafted: bool = False  # the step verified a drafted tree
+    verify_width: int = 1  # W_v of the step (1: the root alone)
+    accepted: int = 0  # drafted tokens accepted (the bonus excluded)
 
 
 @dataclass
@@ -164,7 +168,8 @@ class BatchDecoder:
     target's cache is reallocated with ``max_batch`` rows). ``add`` a request, ``step`` until
     its :class:`Emitted` carries a finish, ``remove`` one that is abandoned."""
 
-    def __init__(self, engine: Engine, max_batch: int, check_rows: bool = True) -> None:
+    def __init__(self, engine: Engine, max_batch: int, objective: BatchObjective | None = None,
+                 check_rows: bool = True) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= MAX_BATCH:
             raise YggError(f"max-batch must be an integer in 1..{MAX_BATCH}, got {max_batch!r}")
         if engine.plan.ahead or engine.plan.overlap:
@@ -177,7 +182,9 @@ class BatchDecoder:
         if widest > attention_rows(chunk):
             raise YggError(f"verify width {widest} is not below the prefill chunk ({chunk}): batched rows "
                            "would attend otherwise than alone")
-        self.engine, self.max_batch = engine, max_batch
+        if objective is not None and engine.cfg.tree is None:
+            raise YggError("batch-aware trees need a speculative engine (a drafter)")
+        self.engine, self.max_batch, self.objective = engine, max_batch, objective
         target = engine.target
         if check_rows:
             check_rows_invariant(target, max_batch * widest)
@@ -252,6 +259,8 @@ class BatchDecoder:
                 if filling is not None:
                     self._guard(filling, out, self._prefill_chunk, filling)
                 decoding = [s for s in self.slots if s.req is not None and s is not filling]
+                if self.objective is not None and decoding:
+                    self._choose(decoding)
                 steps = {}
                 for s in decoding:
                     st = Step(torch.tensor(s.req.out[-1]), torch.tensor(s.req.committed))
@@ -296,9 +305,18 @@ class BatchDecoder:
         try:
             yield SlotEngine(self.engine, s.feat_buf)
         finally:
-            if drafter is not None:
-                hi = min(s.extent() + 1, self.engine.n_slots)
+            if drafter is not None:  # its committed slots and a step's tree past them
+                hi = min(s.extent() + self.engine.envelope.reserve(), self.engine.n_slots)
                 s.drafter = drafter.snapshot(0, hi)
+
+    def _choose(self, decoding: list[Slot]) -> None:
+        """Every request's tree of this step, jointly (:class:`BatchObjective`); a request with
+        the plain policy (draft depth 0) takes a plain step."""
+        plain = [isinstance(s.policy, FixedPolicy) and s.policy.choice.draft_depth == 0 for s in decoding]
+        picks = self.objective.choose([s.req.committed for s in decoding], [not p for p in plain],
+                                      batch_bucket(len(self.slots), self.max_batch))
+        for s, (d, wd, wv) in zip(decoding, picks):
+            s.req.policy = FixedPolicy(StepChoice(d, wd), wv)
 
     def _prefill_chunk(self, s: Slot) -> Emitted | None:
         """One chunk of ``s``'s prompt (``engine.prefill``'s chunks); after the last, its first
@@ -325,7 +343,7 @@ class BatchDecoder:
             new, reason = truncate([first], eng.eos_ids, s.params.max_new_tokens)
             req = Request(list(s.prompt), s.params, s.gen, s.policy, list(new), len(s.prompt), h_root,
                           eng._lookup_index(s.prompt, new), None, sync_from=len(s.prompt),
-                          keep_feats=eng._keeps_features(s.policy))
+                          keep_feats=eng._keeps_features(s.policy) or self.objective is not None)
             s.req = req
             if reason is None:
                 for b, x in zip(view.feat_buf, feats):
@@ -344,7 +362,7 @@ class BatchDecoder:
         with self._on(s) as view:
             settle_step(view, s.req, st, s.timer)
             s.req.h_root = s.req.h_root.clone()  # not a view of this step's batch
-        return Emitted(s.key, list(st.new), st.reason)
+        return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
 
     def _verify(self, ready: list[Slot], steps: list[Step]) -> None:
         """One target call over every ready request's tree (``st.logits``, ``hidden``, ``caps``)."""
