@@ -5,6 +5,7 @@ sweep of batch sizes; and the decoder's refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from unittest import mock
 
@@ -99,6 +100,7 @@ def batched(kind: str, reqs, max_batch: int, max_context: int, logits: dict | No
     and the largest batch seen; ``logits`` receives {key: [each verify call's logits [W_v, V]]}."""
     eng = engine(kind, max_context)
     dec = BatchDecoder(eng, max_batch)
+    spy = contextlib.nullcontext()
     if logits is not None:
         real = dec._settle
 
@@ -106,32 +108,46 @@ def batched(kind: str, reqs, max_batch: int, max_context: int, logits: dict | No
             logits.setdefault(s.key, []).append(st.logits.clone())
             return real(s, st)
 
+        def verify(*args, real=stages.verify):  # one request: the engine's own step
+            res = real(*args)
+            logits.setdefault(dec.slots[0].key, []).append(res[0])
+            return res
+
         dec._settle = settle
+        spy = mock.patch.object(stages, "verify", verify)
     pending = sorted(reqs, key=lambda r: r["arrive"])
     got, finish, steps_in, widest = {}, {}, {}, 0
     step = 0
-    while pending or dec.running:
-        while pending and pending[0]["arrive"] <= step and dec.free:
-            r = pending.pop(0)
-            policy = plain_policy(eng) if kind == "spec" and r["plain"] else None
-            dec.add(r["key"], r["prompt"], r["params"], policy)
-            got[r["key"]], steps_in[r["key"]] = [], 0
-        for r in reqs:
-            k = r["key"]
-            if k in steps_in and k not in finish and r["leave"] is not None and steps_in[k] >= r["leave"]:
-                dec.remove(k)
-                finish[k] = "left"
-        widest = max(widest, dec.running)
-        for e in dec.step():
-            assert e.error is None, e.error
-            got[e.key] += e.tokens
-            if e.finish is not None:
-                finish[e.key] = e.finish
-        for k in steps_in:
-            steps_in[k] += 1
-        step += 1
-        assert step < 5000
+    with spy:
+        while pending or dec.running:
+            widest = max(widest, run_step(dec, eng, kind, reqs, pending, got, finish, steps_in, step))
+            step += 1
+            assert step < 5000
     return {k: (got[k], finish[k]) for k in got}, widest
+
+
+def run_step(dec, eng, kind, reqs, pending, got, finish, steps_in, step) -> int:
+    """Admit the requests that arrived, drop those that leave now, run one step; the batch size
+    the step ran at."""
+    while pending and pending[0]["arrive"] <= step and dec.free:
+        r = pending.pop(0)
+        policy = plain_policy(eng) if kind == "spec" and r["plain"] else None
+        dec.add(r["key"], r["prompt"], r["params"], policy)
+        got[r["key"]], steps_in[r["key"]] = [], 0
+    for r in reqs:
+        k = r["key"]
+        if k in steps_in and k not in finish and r["leave"] is not None and steps_in[k] >= r["leave"]:
+            dec.remove(k)
+            finish[k] = "left"
+    running = dec.running
+    for e in dec.step():
+        assert e.error is None, e.error
+        got[e.key] += e.tokens
+        if e.finish is not None:
+            finish[e.key] = e.finish
+    for k in steps_in:
+        steps_in[k] += 1
+    return running
 
 
 @pytest.mark.parametrize("kind", ["plain", "spec"])

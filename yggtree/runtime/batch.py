@@ -46,12 +46,12 @@ from ..shapes import SamplingParams
 from .accept import truncate
 from .batch_objective import BatchObjective
 from .drafters import Snapshot
-from .engine import Engine, check_prompt
+from .engine import Engine, check_prompt, step_record
 from .kv_cache import KVStore
 from .model import FUSED_PROJECTIONS, Transformer, _block, attention_rows, row_window
 from .policy import FixedPolicy, StepChoice, StepPolicy
 from .schedule import StageTimer
-from .stages import Request, Step, choose_token, plan_step, settle_step
+from .stages import Request, Step, choose_token, plan_step, settle_step, speculate_step
 from .steps import tree_mask
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # batch shapes of the verify call (and max_batch itself)
@@ -172,28 +172,34 @@ class BatchDecoder:
                  check_rows: bool = True) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= MAX_BATCH:
             raise YggError(f"max-batch must be an integer in 1..{MAX_BATCH}, got {max_batch!r}")
-        if engine.plan.ahead or engine.plan.overlap:
-            raise YggError(f"batched decoding runs the sequential stage plan, this engine runs {engine.plan.name!r}")
-        if engine.graphs.compiled:
-            raise YggError("batched decoding runs the model's eager code: build the engine in reference mode "
-                           "or on the eager backend")
-        env, chunk = engine.envelope, engine.cfg.prefill_chunk
-        widest = max(env.verify_widths)
-        if widest > attention_rows(chunk):
-            raise YggError(f"verify width {widest} is not below the prefill chunk ({chunk}): batched rows "
-                           "would attend otherwise than alone")
         if objective is not None and engine.cfg.tree is None:
             raise YggError("batch-aware trees need a speculative engine (a drafter)")
         self.engine, self.max_batch, self.objective = engine, max_batch, objective
+        self.single = max_batch == 1  # one request: the engine's own cache, graphs and stage plan
         target = engine.target
-        if check_rows:
-            check_rows_invariant(target, max_batch * widest)
-        target.setup_cache(max_batch, engine.n_slots)
-        kv = target.kv.kv  # [L, 2, B, H, S, D]
-        self.full = target.kv
-        self.rows = [KVStore.over(kv[:, :, r : r + 1]) for r in range(max_batch)]  # each [L, 2, 1, H, S, D]
-        self.buckets = {b: KVStore.over(kv[:, :, :b]) for b in {batch_bucket(n, max_batch)
-                                                                 for n in range(1, max_batch + 1)}}
+        if self.single:
+            self.full = target.kv
+            self.rows, self.buckets = [target.kv], {1: target.kv}
+        else:
+            if engine.plan.ahead or engine.plan.overlap:
+                raise YggError(f"batched decoding runs the sequential stage plan, this engine runs "
+                               f"{engine.plan.name!r} (--stages sequential)")
+            if engine.graphs.compiled:
+                raise YggError("batched decoding runs the model's eager code (graphs per batch bucket are not "
+                               "compiled yet): build the engine in reference mode (--mode reference)")
+            chunk = engine.cfg.prefill_chunk
+            widest = max(engine.envelope.verify_widths)
+            if widest > attention_rows(chunk):
+                raise YggError(f"verify width {widest} is not below the prefill chunk ({chunk}): batched rows "
+                               "would attend otherwise than alone")
+            if check_rows:
+                check_rows_invariant(target, max_batch * widest)
+            target.setup_cache(max_batch, engine.n_slots)
+            kv = target.kv.kv  # [L, 2, B, H, S, D]
+            self.full = target.kv
+            self.rows = [KVStore.over(kv[:, :, r : r + 1]) for r in range(max_batch)]  # each [L, 2, 1, H, S, D]
+            self.buckets = {b: KVStore.over(kv[:, :, :b]) for b in {batch_bucket(n, max_batch)
+                                                                     for n in range(1, max_batch + 1)}}
         self.slots: list[Slot] = []  # by row
         self.layers = engine.drafter.target_layers if engine.drafter is not None else ()
 
@@ -253,36 +259,62 @@ class BatchDecoder:
         threads = eng.plan_threads(eng.plan)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        threaded = eng.worker is not None and eng.worker.threaded
         try:
-            with torch.no_grad(), eng.library(threads):
+            with (torch.no_grad(), eng.library(threads), eng.graphs.frozen(threaded),
+                  eng.drafter.frozen(threaded) if eng.drafter is not None else contextlib.nullcontext()):
                 filling = next((s for s in self.slots if s.req is None), None)
                 if filling is not None:
                     self._guard(filling, out, self._prefill_chunk, filling)
                 decoding = [s for s in self.slots if s.req is not None and s is not filling]
-                if self.objective is not None and decoding:
-                    self._choose(decoding)
-                steps = {}
-                for s in decoding:
-                    st = Step(torch.tensor(s.req.out[-1]), torch.tensor(s.req.committed))
-                    s.timer.new_step()
-                    if self._guard(s, out, self._plan, s, st):
-                        steps[s.key] = st
-                ready = [s for s in decoding if s.key in steps]
-                if ready:
-                    try:
-                        self._verify(ready, [steps[s.key] for s in ready])
-                    except Exception as e:  # noqa: BLE001 - the shared call failed: every request in it
-                        for s in ready:
-                            out.append(Emitted(s.key, [], error=e))
-                        ready = []
-                for s in ready:
-                    self._guard(s, out, self._settle, s, steps[s.key])
+                if self.single:
+                    for s in decoding:
+                        self._guard(s, out, self._whole_step, s)
+                else:
+                    self._batch_step(decoding, out)
         finally:
             torch.set_num_threads(before)
         for e in out:
             if e.finish is not None or e.error is not None:
                 self.remove(e.key)
         return out
+
+    def _batch_step(self, decoding: list[Slot], out: list[Emitted]) -> None:
+        """Each request's stages up to verify, one verify call over all, each request's settle."""
+        if self.objective is not None and decoding:
+            self._choose(decoding)
+        steps = {}
+        for s in decoding:
+            st = Step(torch.tensor(s.req.out[-1]), torch.tensor(s.req.committed))
+            s.timer.new_step()
+            if self._guard(s, out, self._plan, s, st):
+                steps[s.key] = st
+        ready = [s for s in decoding if s.key in steps]
+        if ready:
+            try:
+                self._verify(ready, [steps[s.key] for s in ready])
+            except Exception as e:  # noqa: BLE001 - the shared call failed: every request in it
+                for s in ready:
+                    out.append(Emitted(s.key, [], error=e))
+                ready = []
+        for s in ready:
+            self._guard(s, out, self._settle, s, steps[s.key])
+
+    def _whole_step(self, s: Slot) -> Emitted:
+        """One request alone: the engine's own step (its graphs, its stage plan) and its policy's
+        report, as ``Engine.decode`` runs them."""
+        req, eng = s.req, self.engine
+        st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
+        h_root, committed = req.h_root, req.committed
+        s.timer.new_step()
+        try:
+            speculate_step(eng, req, st, s.timer)
+        finally:
+            if eng.worker is not None:  # a step that failed between fork and join
+                eng.worker.drain()
+        if req.policy is not None:
+            req.policy.observe(step_record(st, committed, h_root, s.timer.step_ms(), False))
+        return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
 
     def _guard(self, s: Slot, out: list[Emitted], fn, *args) -> bool:
         """``fn(*args)`` for one request; an exception ends that request alone (an error event)."""
@@ -298,8 +330,9 @@ class BatchDecoder:
     @contextlib.contextmanager
     def _on(self, s: Slot):
         """``s``'s row as the target's cache and its state in the drafter, for its own stages."""
-        drafter = self.engine.drafter
-        self.engine.target.set_store(self.rows[s.row])
+        drafter = None if self.single else self.engine.drafter
+        if not self.single:
+            self.engine.target.set_store(self.rows[s.row])
         if drafter is not None and s.drafter is not None:
             drafter.restore(s.drafter)
         try:
