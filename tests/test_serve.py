@@ -34,6 +34,8 @@ import uvicorn  # noqa: E402
 from helpers import perturbed, tiny_model  # noqa: E402
 from yggtree.runtime.drafters import LMDrafter  # noqa: E402
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams  # noqa: E402
+from yggtree.runtime.kernels import library_missing  # noqa: E402
+from yggtree.runtime.packed import pack_linears  # noqa: E402
 from yggtree.runtime.loading import encode_prompt  # noqa: E402
 from yggtree.serve.app import create_app  # noqa: E402
 from yggtree.serve.metrics import Metrics  # noqa: E402
@@ -55,19 +57,28 @@ def tok(real_tokenizer):
     return real_tokenizer
 
 
+def tiled(model):
+    """``model``'s products on the tiled kernel (rows bitwise independent of the other rows of a
+    call, as batched decoding needs; ``F.linear``'s BLAS picks kernels by the row count)."""
+    if not library_missing():
+        pack_linears(model, kernel="tiled")
+    return model
+
+
 def tiny_engine(tok, speculative: bool = True) -> Engine:
     """The tiny target (its EOS the tokenizer's) with a perturbed copy drafting: partial acceptances."""
     eos = (tok.eos_token_id,)
-    target = tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3)
-    drafter = LMDrafter(perturbed(tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3), 0.05),
+    target = tiled(tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3))
+    drafter = LMDrafter(tiled(perturbed(tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3), 0.05)),
                         "reference") if speculative else None
     cfg = EngineConfig(mode="reference", max_context=CONTEXT, prefill_chunk=16, tree=TREE if speculative else None)
     return Engine(target, cfg, drafter, eos_ids=eos)
 
 
 class Gate:
-    """A backend wrapper for scheduling tests: holds each request until ``open`` (``hold``), and
-    sleeps ``delay`` seconds per step; ``fail_on`` (a prompt's first token id list) raises."""
+    """A backend wrapper for scheduling tests: holds every step until ``gate`` is open, sleeps
+    ``delay`` seconds per step; a job whose prompt is ``fail_on`` (a token id list) fails when it
+    joins the batch."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend, self.delay, self.fail_on = backend, 0.0, None
@@ -78,28 +89,28 @@ class Gate:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def generate(self, job, on_tokens, on_step):
-        self.gate.wait()
+    def admit(self, job):
         if self.fail_on is not None and job.prompt_ids == self.fail_on:
             raise RuntimeError("injected failure")
+        self.backend.admit(job)
 
-        def slow(ids):
-            self.steps += 1
-            if self.delay:
-                time.sleep(self.delay)
-            on_tokens(ids)
-
-        return self.backend.generate(job, slow, on_step)
+    def step(self):
+        self.gate.wait()
+        self.steps += 1
+        if self.delay:
+            time.sleep(self.delay)
+        return self.backend.step()
 
 
 class Server:
     """A uvicorn server on a free loopback port, in a thread, over a scheduler of the tiny engine."""
 
-    def __init__(self, tok, max_queue: int = 64, timeout: float = 60.0, speculative: bool = True) -> None:
+    def __init__(self, tok, max_queue: int = 64, timeout: float = 60.0, speculative: bool = True,
+                 max_batch: int = 1) -> None:
         self.gated: Gate | None = None
 
         def build():
-            self.gated = Gate(Backend(tiny_engine(tok, speculative), tok, None, "tiny"))
+            self.gated = Gate(Backend(tiny_engine(tok, speculative), tok, None, "tiny", max_batch))
             return self.gated
 
         self.scheduler = Scheduler(build, lambda b: Metrics("tiny", TREE.draft_depth), max_queue, timeout).start()

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..errors import YggError
-from ..shapes import SamplingParams
+from ..shapes import MAX_BATCH, SamplingParams
 from .accept import truncate
 from .batch_objective import BatchObjective
 from .drafters import Snapshot
@@ -55,7 +55,6 @@ from .stages import Request, Step, choose_token, plan_step, settle_step, specula
 from .steps import tree_mask
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # batch shapes of the verify call (and max_batch itself)
-MAX_BATCH = 32
 
 
 def batch_bucket(n: int, max_batch: int) -> int:
