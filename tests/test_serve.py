@@ -131,9 +131,23 @@ class Server:
         self.scheduler.stop()
 
 
+BATCHES = [1, pytest.param(4, marks=pytest.mark.skipif(bool(library_missing()),
+                                                        reason="exact batching needs the tiled kernel"))]
+
+
+@pytest.fixture(scope="module", params=BATCHES, ids=lambda b: f"batch{b}")
+def server(tok, request):
+    """The tiny server, decoding one request at a time, then up to four at once."""
+    s = Server(tok, max_batch=request.param)
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="module")
-def server(tok):
-    s = Server(tok)
+def batch_server(tok):
+    if library_missing():
+        pytest.skip("exact batching needs the tiled kernel")
+    s = Server(tok, max_batch=4)
     yield s
     s.close()
 
@@ -427,6 +441,98 @@ def test_a_failing_request_does_not_take_down_the_others(client, server, tok):
         assert r.status_code == 500
     r = client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 4})
     assert r.status_code == 200 and client.get("/health").json()["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_concurrent_requests_each_equal_their_decoding_alone(batch_server, tok, reference):
+    """Twenty requests, eight at a time, into four slots: chat and completions, streamed or not,
+    speculative or not, of different lengths, joining and leaving the running batch at step
+    boundaries; each response is its prompt decoded alone (greedy), and the batch ran full."""
+    rng = random.Random(7)
+    plans = [{"prompt": rng.choice(PROMPTS), "n": rng.randint(1, 40), "chat": rng.random() < 0.5,
+              "stream": rng.random() < 0.5, "speculative": rng.random() < 0.7} for _ in range(20)]
+    busiest = []
+
+    async def one(c, p, sem):
+        async with sem:
+            path = "/v1/chat/completions" if p["chat"] else "/v1/completions"
+            body = (chat(p["prompt"]) if p["chat"] else {"prompt": p["prompt"]}) | {
+                "max_tokens": p["n"], "temperature": 0, "stream": p["stream"], "speculative": p["speculative"]}
+            if not p["stream"]:
+                r = await c.post(path, json=body)
+                assert r.status_code == 200, r.text
+                ch = r.json()["choices"][0]
+                return ch["message"]["content"] if p["chat"] else ch["text"]
+            async with c.stream("POST", path, json=body) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(e) for e in sse_events((await r.aread()).decode())[:-1]]
+            return "".join(c["choices"][0]["delta"].get("content", "") if p["chat"] else c["choices"][0]["text"]
+                           for c in chunks)
+
+    async def watch(c, done):
+        while not done.is_set():
+            busiest.append((await c.get("/health")).json()["running"])
+            await asyncio.sleep(0.005)
+
+    async def go():
+        sem, done = asyncio.Semaphore(8), asyncio.Event()
+        async with httpx.AsyncClient(base_url=batch_server.url, timeout=120) as c:
+            w = asyncio.create_task(watch(c, done))
+            texts = await asyncio.gather(*(one(c, p, sem) for p in plans))
+            done.set()
+            await w
+            return texts
+
+    texts = asyncio.run(asyncio.wait_for(go(), 120))
+    for p, text in zip(plans, texts):
+        assert text == decode(tok, reference(encode_prompt(tok, p["prompt"], raw=not p["chat"]), p["n"])), p
+    assert max(busiest) == 4
+
+
+def test_the_openai_client_at_concurrency(batch_server, tok, reference):
+    """The ``openai`` package against the batching server from six threads at once: streamed and
+    whole chat completions, completions with stop strings, and errors, each as alone."""
+    openai = pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=batch_server.url + "/v1", api_key="unused", max_retries=0)
+
+    def chat_case(i):
+        p, n = PROMPTS[i % len(PROMPTS)], 10 + 3 * i
+        want = decode(tok, reference(encode_prompt(tok, p), n))
+        if i % 2:
+            stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                    max_tokens=n, temperature=0, stream=True)
+            got = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        else:
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                               max_tokens=n, temperature=0)
+            got = r.choices[0].message.content
+        return got == want
+
+    def stop_case(i):
+        p, n = PROMPTS[i], 30
+        full = decode(tok, reference(encode_prompt(tok, p, raw=True), n))
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        if not stop.strip():
+            return True  # nothing to stop at in this text
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0, stop=[stop])
+        return r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+    def error_case(i):
+        try:
+            client.completions.create(model="tiny", prompt="x", max_tokens=10 * CONTEXT)
+        except openai.BadRequestError as e:
+            return "context" in str(e)
+        return False
+
+    cases = [(chat_case, i) for i in range(6)] + [(stop_case, i) for i in range(4)] + [(error_case, 0)] * 2
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda c: c[0](c[1]), cases))
+    assert all(results), results
+    assert client.models.list().data[0].id == "tiny"
 
 
 # ----------------------------------------------------------------------------- overload
