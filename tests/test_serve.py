@@ -825,6 +825,17 @@ def test_real_server_with_the_openai_client_and_curl(tmp_path):
             assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
             text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
             assert outs[1].choices[0].message.content.startswith(text)
+        # concurrent requests share the batch (the server batches eager engines): each as alone
+        from concurrent.futures import ThreadPoolExecutor
+
+        def ask(p):
+            return client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                                  max_tokens=48, temperature=0).choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(ask, prompts * 2))
+        assert texts == [r.choices[0].message.content for r in outs] * 2
+        assert "batch 4" in log.read_text()
         m = httpx.get(base + "/metrics").text
         assert metric(m, "yggtree:spec_decode_num_drafts_total") > 0
         assert metric(m, "yggtree:spec_decode_num_accepted_tokens_total") > 0
