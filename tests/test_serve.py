@@ -538,8 +538,9 @@ def test_the_openai_client_at_concurrency(batch_server, tok, reference):
 # ----------------------------------------------------------------------------- overload
 
 
-def test_a_full_queue_answers_429_with_retry_after(tok):
-    s = Server(tok, max_queue=2)
+@pytest.mark.parametrize("max_batch", BATCHES)
+def test_a_full_queue_answers_429_with_retry_after(tok, max_batch):
+    s = Server(tok, max_queue=2, max_batch=max_batch)
     try:
         s.gated.gate.clear()  # the worker holds the first request: the next two wait, the fourth is refused
 
@@ -568,8 +569,9 @@ def test_a_full_queue_answers_429_with_retry_after(tok):
         s.close()
 
 
-def test_timeouts_while_queued_and_while_decoding(tok):
-    s = Server(tok, timeout=0.6)
+@pytest.mark.parametrize("max_batch", BATCHES)
+def test_timeouts_while_queued_and_while_decoding(tok, max_batch):
+    s = Server(tok, timeout=0.6, max_batch=max_batch)
     try:
         with httpx.Client(base_url=s.url, timeout=30) as c:
             s.gated.gate.clear()
@@ -600,8 +602,9 @@ def test_timeouts_while_queued_and_while_decoding(tok):
         s.close()
 
 
-def test_a_disconnect_frees_the_slot_at_the_next_step(tok):
-    s = Server(tok)
+@pytest.mark.parametrize("max_batch", BATCHES)
+def test_a_disconnect_frees_the_slot_at_the_next_step(tok, max_batch):
+    s = Server(tok, max_batch=max_batch)
     try:
         s.gated.delay = 0.03
         with httpx.Client(base_url=s.url, timeout=30) as c:
