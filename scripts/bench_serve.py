@@ -3,7 +3,8 @@
 p50/p95 time to first token and time per output token, at each concurrency.
 
 Each cell streams greedy chat completions of ``--max-tokens`` tokens over ``--prompts`` prompts
-(half MT-Bench first turns, half HumanEval), ``C`` requests in flight at a time. For yggtree the
+(half MT-Bench first turns, half HumanEval), ``C`` requests in flight at a time, after one
+uncounted warm-up request per setting. For yggtree the
 sweep runs with speculation (``"speculative": true``) and without (``false``) on one server;
 ``--url`` points it at a server already running instead (yggtree's, or llama.cpp's
 ``llama-server``: ``--speculative none`` then sends no such field). Without ``--url`` it starts
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         rows = []
         for spec in settings:
+            asyncio.run(cell(url, model, prompts[:1], 1, args.max_tokens, spec))  # warm-up, not counted
             for c in levels:
                 r = asyncio.run(cell(url, model, prompts, c, args.max_tokens, spec))
                 rows.append(r)
