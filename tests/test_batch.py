@@ -16,6 +16,7 @@ from yggtree.errors import YggError
 from yggtree.runtime import stages
 from yggtree.runtime.batch import BatchDecoder, batch_bucket, check_rows_invariant, plain_policy
 from yggtree.runtime.drafters import LMDrafter
+from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.kernels import library_missing
 from yggtree.runtime.packed import pack_linears
@@ -39,14 +40,17 @@ def tiled(model):
 
 
 def engine(kind: str, max_context: int = 320, tree: TreeParams = TREE) -> Engine:
-    """A fresh tiny engine on the tiled kernel: ``plain`` (no drafter) or ``spec`` (a perturbed
-    copy drafting)."""
+    """A fresh tiny engine on the tiled kernel: ``plain`` (no drafter), ``spec`` (a perturbed
+    copy drafting) or ``eagle`` (a random EAGLE head)."""
     target = tiled(tiny_model(VOCAB, 64, 2, max_pos=1024, eos=(EOS,), seed=0))
     drafter = None
     if kind == "spec":
         drafter = LMDrafter(tiled(perturbed(tiny_model(VOCAB, 64, 2, max_pos=1024, seed=0), 0.05)), "reference")
+    elif kind == "eagle":  # reads the target's layers: features kept per request
+        drafter = EagleDrafter.random(target, "reference", max_depth=tree.draft_depth, seed=3, target_layers=(0, 1))
+    spec = kind != "plain"
     cfg = EngineConfig(mode="reference", max_context=max_context, prefill_chunk=16,
-                       tree=tree if kind == "spec" else None, verify_widths=(2, 4, 6) if kind == "spec" else ())
+                       tree=tree if spec else None, verify_widths=(2, 4, 6) if spec else ())
     return Engine(target, cfg, drafter, eos_ids=(EOS,))
 
 
@@ -69,7 +73,7 @@ def alone(kind: str, reqs, max_context: int, logits: dict | None = None) -> dict
     eng = engine(kind, max_context)
     out = {}
     for r in reqs:
-        kw = {"policy": plain_policy(eng)} if kind == "spec" and r["plain"] else {}
+        kw = {"policy": plain_policy(eng)} if kind != "plain" and r["plain"] else {}
         seen = []
 
         def verify(*args, real=stages.verify):
@@ -131,7 +135,7 @@ def run_step(dec, eng, kind, reqs, pending, got, finish, steps_in, step) -> int:
     the step ran at."""
     while pending and pending[0]["arrive"] <= step and dec.free:
         r = pending.pop(0)
-        policy = plain_policy(eng) if kind == "spec" and r["plain"] else None
+        policy = plain_policy(eng) if kind != "plain" and r["plain"] else None
         dec.add(r["key"], r["prompt"], r["params"], policy)
         got[r["key"]], steps_in[r["key"]] = [], 0
     for r in reqs:
@@ -150,7 +154,7 @@ def run_step(dec, eng, kind, reqs, pending, got, finish, steps_in, step) -> int:
     return running
 
 
-@pytest.mark.parametrize("kind", ["plain", "spec"])
+@pytest.mark.parametrize("kind", ["plain", "spec", "eagle"])
 @pytest.mark.parametrize("max_batch", [1, 2, 4, 8])
 @pytest.mark.parametrize("sampling", [False, True])
 def test_every_request_of_a_batch_equals_its_decoding_alone(kind, max_batch, sampling):
@@ -278,13 +282,14 @@ def tiny_objective():
     return BatchObjective(CostModel(verify, draft, head, stages), calib, (2,), wvs, 3)
 
 
-def test_batch_aware_trees_stay_lossless_and_fall_back_to_plain_steps():
+@pytest.mark.parametrize("kind", ["spec", "eagle"])
+def test_batch_aware_trees_stay_lossless_and_fall_back_to_plain_steps(kind):
     """With the joint objective a request's trees change with the batch around it (trees alone,
     plain steps in a full batch), its greedy tokens never do. (Seeded sampling is the same
     distribution under any tree, not the same draws: its identity is tested on fixed trees.)"""
     reqs = workload(12, seed=3, sampling=False)
-    want = alone("spec", reqs, 320)
-    eng = engine("spec")
+    want = alone(kind, reqs, 320)
+    eng = engine(kind)
     dec = BatchDecoder(eng, 8, objective=tiny_objective())
     got, finish, drafted_by_batch = {}, {}, {}
     pending = list(reqs)
