@@ -13,6 +13,7 @@ the predicted tokens per ms against all-plain steps. The last line is JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -53,6 +54,10 @@ def objective(plan_path: str, any_device: bool):
                           tuple(plan.verify_widths), plan.d_max)
 
 
+def verify_ms(cost, ctx: int, rows: int) -> float:
+    return cost.t_verify(rows, ctx)
+
+
 def run(args: argparse.Namespace) -> int:
     from yggtree.runtime.batch import batch_bucket
     from yggtree.runtime.batch_objective import joint_choice, plain_menu, rate
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         for b in batches:
             menu = obj.menu(ctx)
             n_rows = batch_bucket(b, max(batches))
-            verify = lambda r: obj.cost.t_verify(r, ctx)  # noqa: E731
+            verify = functools.partial(verify_ms, obj.cost, ctx)
             picks, best = joint_choice([menu] * b, verify, n_rows)
             plain = rate([plain_menu(menu.own_ms[0])] * b, [0] * b, verify, n_rows)
             choices = [menu.choices[p] for p in picks]

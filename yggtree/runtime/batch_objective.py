@@ -22,8 +22,8 @@ solution over all caps is the optimum (tests/test_batch_objective.py checks it a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -60,12 +60,17 @@ def menu_of(g: TreeChoices, plain_verify_ms: float) -> Menu:
     return Menu(choices, aal, own, rows)
 
 
+def _sums(menus: list[Menu], picks) -> tuple[float, float, int]:
+    """(expected tokens, own ms, widest W_v) of a step's picks."""
+    tokens = sum(float(m.aal[p]) for m, p in zip(menus, picks))
+    own = sum(float(m.own_ms[p]) for m, p in zip(menus, picks))
+    return tokens, own, max(int(m.rows[p]) for m, p in zip(menus, picks))
+
+
 def rate(menus: list[Menu], picks, verify_ms: Callable[[int], float], batch_rows: int) -> float:
     """Tokens per ms of the step that takes option ``picks[i]`` of ``menus[i]``, its verify call
     over ``batch_rows`` batch rows of the widest pick's W_v each."""
-    tokens = sum(float(m.aal[p]) for m, p in zip(menus, picks))
-    width = max(int(m.rows[p]) for m, p in zip(menus, picks))
-    own = sum(float(m.own_ms[p]) for m, p in zip(menus, picks))
+    tokens, own, width = _sums(menus, picks)
     return tokens / (own + verify_ms(batch_rows * width))
 
 
@@ -77,13 +82,15 @@ def joint_choice(menus: list[Menu], verify_ms: Callable[[int], float], batch_row
     caps = sorted({int(w) for m in menus for w in m.rows})
     best, best_rate = None, -np.inf
     for cap in caps:
-        fixed = verify_ms(batch_rows * cap)
+        fixed = verify_ms(batch_rows * cap)  # the call priced at the cap, whatever the picks' width
         allowed = [m.rows <= cap for m in menus]
         picks = [0] * len(menus)  # the plain step: always under the cap
-        lam = rate(menus, picks, lambda _: fixed, 1)
+        tokens, own, _ = _sums(menus, picks)
+        lam = tokens / (own + fixed)
         for _ in range(MAX_ROUNDS):
             picks = [int(np.argmax(np.where(ok, m.aal - lam * m.own_ms, -np.inf))) for m, ok in zip(menus, allowed)]
-            new = rate(menus, picks, lambda _: fixed, 1)
+            tokens, own, _ = _sums(menus, picks)
+            new = tokens / (own + fixed)
             if not new > lam:
                 break
             lam = new
@@ -104,7 +111,7 @@ class BatchObjective:
         self._menus: dict[int, Menu] = {}
 
     @classmethod
-    def of(cls, policy) -> "BatchObjective":
+    def of(cls, policy) -> BatchObjective:
         """The objective of an :class:`~yggtree.runtime.objective.ObjectivePolicy`'s plan."""
         return cls(policy.cost, policy.calib, policy.draft_widths, policy.verify_widths, policy.d_max)
 
