@@ -11,21 +11,17 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import perturbed, tiny_model
 
 from yggtree.errors import YggError
 from yggtree.runtime import stages
-from yggtree.runtime.batch import (
-    BatchDecoder,
-    batch_bucket,
-    check_rows_invariant,
-    plain_policy,
-)
+from yggtree.runtime.batch import BatchDecoder, batch_bucket, check_rows_invariant, plain_policy
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.kernels import library_missing
 from yggtree.runtime.packed import pack_linears
+
+from helpers import perturbed, tiny_model
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -10,13 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from yggtree.runtime.batch_objective import (
-    Menu,
-    joint_choice,
-    menu_of,
-    plain_menu,
-    rate,
-)
+from yggtree.runtime.batch_objective import Menu, joint_choice, menu_of, plain_menu, rate
 from yggtree.runtime.objective import TreeChoices, best_tree
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -74,7 +68,9 @@ def test_one_request_is_the_single_request_objective(seed):
 def test_trees_fall_back_to_plain_steps_as_the_batch_grows():
     """Identical requests whose tree pays alone: the chosen verify rows shrink as the batch grows,
     down to plain steps once the call's rows are past the curve's flat part."""
-    fn = lambda rows: 10.0 + 0.02 * min(rows, 16) + 1.2 * max(rows - 16, 0)
+    def fn(rows):
+        return 10.0 + 0.02 * min(rows, 16) + 1.2 * max(rows - 16, 0)
+
     m = Menu(((0, 1, 1), (2, 2, 4), (3, 4, 8)), np.array([1.0, 2.2, 2.9]), np.array([0.3, 2.0, 4.0]),
              np.array([1, 4, 8]))
     widths = []
