@@ -853,3 +853,21 @@ def test_real_server_with_the_openai_client_and_curl(tmp_path):
         tail = log.read_text()[-1500:]
         if "Traceback" in tail:
             print(tail)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--max-batch", "33"], "yggtree: error: --max-batch must be in 1..32, got 33"),
+    (["--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
+    (["--max-batch", "four"], "argument --max-batch: expected an integer, got 'four'"),
+])
+def test_a_bad_max_batch_is_one_line_before_the_model_loads(monkeypatch, capsys, flags, line):
+    import yggtree.runtime.loading as loading
+    from yggtree.cli import main
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    try:
+        code = main(["serve", *flags])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code != 0 and line in err and err.strip().count("\n") <= 1, err
