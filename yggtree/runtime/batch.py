@@ -163,8 +163,9 @@ def check_rows_invariant(model: Transformer, rows: int, seed: int = 0) -> None:
 
 
 class BatchDecoder:
-    """Up to ``max_batch`` requests decoded together on ``engine`` (which it takes over: its
-    target's cache is reallocated with ``max_batch`` rows). ``add`` a request, ``step`` until
+    """Up to ``max_batch`` requests decoded together on ``engine`` (which it takes over: above one
+    request its target's cache is reallocated with ``max_batch`` rows, and ``engine.generate`` is
+    no longer usable). ``add`` a request, ``step`` until
     its :class:`Emitted` carries a finish, ``remove`` one that is abandoned."""
 
     def __init__(self, engine: Engine, max_batch: int, objective: BatchObjective | None = None,
