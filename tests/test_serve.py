@@ -491,6 +491,42 @@ def test_concurrent_requests_each_equal_their_decoding_alone(batch_server, tok, 
     assert max(busiest) == 4
 
 
+def test_a_request_failing_mid_batch_leaves_the_others_decoding(tok, reference):
+    """One request of a running batch fails in its own stages: it alone gets a 500, the requests
+    decoding beside it finish as alone, the server stays healthy."""
+    if library_missing():
+        pytest.skip("exact batching needs the tiled kernel")
+    s = Server(tok, max_batch=4)
+    try:
+        dec = s.gated.backend.decoder
+        bad = encode_prompt(tok, "boom", raw=True)
+        real = dec._plan
+
+        def plan(slot, st):
+            if slot.prompt == bad and slot.req.committed > len(bad) + 2:  # a few steps in
+                raise RuntimeError("injected mid-batch failure")
+            return real(slot, st)
+
+        dec._plan = plan
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                bodies = [{"prompt": "boom", "max_tokens": 30, "temperature": 0, "speculative": False}] + [
+                    {"prompt": p, "max_tokens": 25, "temperature": 0} for p in PROMPTS[:3]]
+                return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+        rs = asyncio.run(go())
+        assert "injected mid-batch failure" in error_of(rs[0], 500)
+        for p, r in zip(PROMPTS[:3], rs[1:]):
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["text"] == decode(tok, reference(encode_prompt(tok, p, raw=True), 25))
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.get("/health").json()["status"] == "ok"
+            assert metric(c.get("/metrics").text, "yggtree:request_failure_total", reason="error") == 1
+    finally:
+        s.close()
+
+
 def test_the_openai_client_at_concurrency(batch_server, tok, reference):
     """The ``openai`` package against the batching server from six threads at once: streamed and
     whole chat completions, completions with stop strings, and errors, each as alone."""
