@@ -34,6 +34,8 @@ import uvicorn  # noqa: E402
 from helpers import perturbed, tiny_model  # noqa: E402
 from yggtree.runtime.drafters import LMDrafter  # noqa: E402
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams  # noqa: E402
+from yggtree.runtime.kernels import library_missing  # noqa: E402
+from yggtree.runtime.packed import pack_linears  # noqa: E402
 from yggtree.runtime.loading import encode_prompt  # noqa: E402
 from yggtree.serve.app import create_app  # noqa: E402
 from yggtree.serve.metrics import Metrics  # noqa: E402
@@ -55,19 +57,28 @@ def tok(real_tokenizer):
     return real_tokenizer
 
 
+def tiled(model):
+    """``model``'s products on the tiled kernel (rows bitwise independent of the other rows of a
+    call, as batched decoding needs; ``F.linear``'s BLAS picks kernels by the row count)."""
+    if not library_missing():
+        pack_linears(model, kernel="tiled")
+    return model
+
+
 def tiny_engine(tok, speculative: bool = True) -> Engine:
     """The tiny target (its EOS the tokenizer's) with a perturbed copy drafting: partial acceptances."""
     eos = (tok.eos_token_id,)
-    target = tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3)
-    drafter = LMDrafter(perturbed(tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3), 0.05),
+    target = tiled(tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3))
+    drafter = LMDrafter(tiled(perturbed(tiny_model(len(tok), 32, 2, max_pos=512, eos=eos, seed=0, std=0.3), 0.05)),
                         "reference") if speculative else None
     cfg = EngineConfig(mode="reference", max_context=CONTEXT, prefill_chunk=16, tree=TREE if speculative else None)
     return Engine(target, cfg, drafter, eos_ids=eos)
 
 
 class Gate:
-    """A backend wrapper for scheduling tests: holds each request until ``open`` (``hold``), and
-    sleeps ``delay`` seconds per step; ``fail_on`` (a prompt's first token id list) raises."""
+    """A backend wrapper for scheduling tests: holds every step until ``gate`` is open, sleeps
+    ``delay`` seconds per step; a job whose prompt is ``fail_on`` (a token id list) fails when it
+    joins the batch."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend, self.delay, self.fail_on = backend, 0.0, None
@@ -78,28 +89,28 @@ class Gate:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def generate(self, job, on_tokens, on_step):
-        self.gate.wait()
+    def admit(self, job):
         if self.fail_on is not None and job.prompt_ids == self.fail_on:
             raise RuntimeError("injected failure")
+        self.backend.admit(job)
 
-        def slow(ids):
-            self.steps += 1
-            if self.delay:
-                time.sleep(self.delay)
-            on_tokens(ids)
-
-        return self.backend.generate(job, slow, on_step)
+    def step(self):
+        self.gate.wait()
+        self.steps += 1
+        if self.delay:
+            time.sleep(self.delay)
+        return self.backend.step()
 
 
 class Server:
     """A uvicorn server on a free loopback port, in a thread, over a scheduler of the tiny engine."""
 
-    def __init__(self, tok, max_queue: int = 64, timeout: float = 60.0, speculative: bool = True) -> None:
+    def __init__(self, tok, max_queue: int = 64, timeout: float = 60.0, speculative: bool = True,
+                 max_batch: int = 1) -> None:
         self.gated: Gate | None = None
 
         def build():
-            self.gated = Gate(Backend(tiny_engine(tok, speculative), tok, None, "tiny"))
+            self.gated = Gate(Backend(tiny_engine(tok, speculative), tok, None, "tiny", max_batch))
             return self.gated
 
         self.scheduler = Scheduler(build, lambda b: Metrics("tiny", TREE.draft_depth), max_queue, timeout).start()
@@ -120,9 +131,23 @@ class Server:
         self.scheduler.stop()
 
 
+BATCHES = [1, pytest.param(4, marks=pytest.mark.skipif(bool(library_missing()),
+                                                        reason="exact batching needs the tiled kernel"))]
+
+
+@pytest.fixture(scope="module", params=BATCHES, ids=lambda b: f"batch{b}")
+def server(tok, request):
+    """The tiny server, decoding one request at a time, then up to four at once."""
+    s = Server(tok, max_batch=request.param)
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="module")
-def server(tok):
-    s = Server(tok)
+def batch_server(tok):
+    if library_missing():
+        pytest.skip("exact batching needs the tiled kernel")
+    s = Server(tok, max_batch=4)
     yield s
     s.close()
 
@@ -418,11 +443,140 @@ def test_a_failing_request_does_not_take_down_the_others(client, server, tok):
     assert r.status_code == 200 and client.get("/health").json()["status"] == "ok"
 
 
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_concurrent_requests_each_equal_their_decoding_alone(batch_server, tok, reference):
+    """Twenty requests, eight at a time, into four slots: chat and completions, streamed or not,
+    speculative or not, of different lengths, joining and leaving the running batch at step
+    boundaries; each response is its prompt decoded alone (greedy), and the batch ran full."""
+    rng = random.Random(7)
+    plans = [{"prompt": rng.choice(PROMPTS), "n": rng.randint(1, 40), "chat": rng.random() < 0.5,
+              "stream": rng.random() < 0.5, "speculative": rng.random() < 0.7} for _ in range(20)]
+    busiest = []
+
+    async def one(c, p, sem):
+        async with sem:
+            path = "/v1/chat/completions" if p["chat"] else "/v1/completions"
+            body = (chat(p["prompt"]) if p["chat"] else {"prompt": p["prompt"]}) | {
+                "max_tokens": p["n"], "temperature": 0, "stream": p["stream"], "speculative": p["speculative"]}
+            if not p["stream"]:
+                r = await c.post(path, json=body)
+                assert r.status_code == 200, r.text
+                ch = r.json()["choices"][0]
+                return ch["message"]["content"] if p["chat"] else ch["text"]
+            async with c.stream("POST", path, json=body) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(e) for e in sse_events((await r.aread()).decode())[:-1]]
+            return "".join(c["choices"][0]["delta"].get("content", "") if p["chat"] else c["choices"][0]["text"]
+                           for c in chunks)
+
+    async def watch(c, done):
+        while not done.is_set():
+            busiest.append((await c.get("/health")).json()["running"])
+            await asyncio.sleep(0.005)
+
+    async def go():
+        sem, done = asyncio.Semaphore(8), asyncio.Event()
+        async with httpx.AsyncClient(base_url=batch_server.url, timeout=120) as c:
+            w = asyncio.create_task(watch(c, done))
+            texts = await asyncio.gather(*(one(c, p, sem) for p in plans))
+            done.set()
+            await w
+            return texts
+
+    texts = asyncio.run(asyncio.wait_for(go(), 120))
+    for p, text in zip(plans, texts):
+        assert text == decode(tok, reference(encode_prompt(tok, p["prompt"], raw=not p["chat"]), p["n"])), p
+    assert max(busiest) == 4
+
+
+def test_a_request_failing_mid_batch_leaves_the_others_decoding(tok, reference):
+    """One request of a running batch fails in its own stages: it alone gets a 500, the requests
+    decoding beside it finish as alone, the server stays healthy."""
+    if library_missing():
+        pytest.skip("exact batching needs the tiled kernel")
+    s = Server(tok, max_batch=4)
+    try:
+        dec = s.gated.backend.decoder
+        bad = encode_prompt(tok, "boom", raw=True)
+        real = dec._plan
+
+        def plan(slot, st):
+            if slot.prompt == bad and slot.req.committed > len(bad) + 2:  # a few steps in
+                raise RuntimeError("injected mid-batch failure")
+            return real(slot, st)
+
+        dec._plan = plan
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                bodies = [{"prompt": "boom", "max_tokens": 30, "temperature": 0, "speculative": False}] + [
+                    {"prompt": p, "max_tokens": 25, "temperature": 0} for p in PROMPTS[:3]]
+                return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+        rs = asyncio.run(go())
+        assert "injected mid-batch failure" in error_of(rs[0], 500)
+        for p, r in zip(PROMPTS[:3], rs[1:]):
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["text"] == decode(tok, reference(encode_prompt(tok, p, raw=True), 25))
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.get("/health").json()["status"] == "ok"
+            assert metric(c.get("/metrics").text, "yggtree:request_failure_total", reason="error") == 1
+    finally:
+        s.close()
+
+
+def test_the_openai_client_at_concurrency(batch_server, tok, reference):
+    """The ``openai`` package against the batching server from six threads at once: streamed and
+    whole chat completions, completions with stop strings, and errors, each as alone."""
+    openai = pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=batch_server.url + "/v1", api_key="unused", max_retries=0)
+
+    def chat_case(i):
+        p, n = PROMPTS[i % len(PROMPTS)], 10 + 3 * i
+        want = decode(tok, reference(encode_prompt(tok, p), n))
+        if i % 2:
+            stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                    max_tokens=n, temperature=0, stream=True)
+            got = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        else:
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                               max_tokens=n, temperature=0)
+            got = r.choices[0].message.content
+        return got == want
+
+    def stop_case(i):
+        p, n = PROMPTS[i], 30
+        full = decode(tok, reference(encode_prompt(tok, p, raw=True), n))
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        if not stop.strip():
+            return True  # nothing to stop at in this text
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0, stop=[stop])
+        return r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+    def error_case(i):
+        try:
+            client.completions.create(model="tiny", prompt="x", max_tokens=10 * CONTEXT)
+        except openai.BadRequestError as e:
+            return "context" in str(e)
+        return False
+
+    cases = [(chat_case, i) for i in range(6)] + [(stop_case, i) for i in range(4)] + [(error_case, 0)] * 2
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda c: c[0](c[1]), cases))
+    assert all(results), results
+    assert client.models.list().data[0].id == "tiny"
+
+
 # ----------------------------------------------------------------------------- overload
 
 
-def test_a_full_queue_answers_429_with_retry_after(tok):
-    s = Server(tok, max_queue=2)
+@pytest.mark.parametrize("max_batch", BATCHES)
+def test_a_full_queue_answers_429_with_retry_after(tok, max_batch):
+    s = Server(tok, max_queue=2, max_batch=max_batch)
     try:
         s.gated.gate.clear()  # the worker holds the first request: the next two wait, the fourth is refused
 
@@ -451,8 +605,9 @@ def test_a_full_queue_answers_429_with_retry_after(tok):
         s.close()
 
 
-def test_timeouts_while_queued_and_while_decoding(tok):
-    s = Server(tok, timeout=0.6)
+@pytest.mark.parametrize("max_batch", BATCHES)
+def test_timeouts_while_queued_and_while_decoding(tok, max_batch):
+    s = Server(tok, timeout=0.6, max_batch=max_batch)
     try:
         with httpx.Client(base_url=s.url, timeout=30) as c:
             s.gated.gate.clear()
@@ -483,8 +638,9 @@ def test_timeouts_while_queued_and_while_decoding(tok):
         s.close()
 
 
-def test_a_disconnect_frees_the_slot_at_the_next_step(tok):
-    s = Server(tok)
+@pytest.mark.parametrize("max_batch", BATCHES)
+def test_a_disconnect_frees_the_slot_at_the_next_step(tok, max_batch):
+    s = Server(tok, max_batch=max_batch)
     try:
         s.gated.delay = 0.03
         with httpx.Client(base_url=s.url, timeout=30) as c:
@@ -708,6 +864,17 @@ def test_real_server_with_the_openai_client_and_curl(tmp_path):
             assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
             text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
             assert outs[1].choices[0].message.content.startswith(text)
+        # concurrent requests share the batch (the server batches eager engines): each as alone
+        from concurrent.futures import ThreadPoolExecutor
+
+        def ask(p):
+            return client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                                  max_tokens=48, temperature=0).choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(ask, prompts * 2))
+        assert texts == [r.choices[0].message.content for r in outs] * 2
+        assert "batch 4" in log.read_text()
         m = httpx.get(base + "/metrics").text
         assert metric(m, "yggtree:spec_decode_num_drafts_total") > 0
         assert metric(m, "yggtree:spec_decode_num_accepted_tokens_total") > 0
@@ -722,3 +889,21 @@ def test_real_server_with_the_openai_client_and_curl(tmp_path):
         tail = log.read_text()[-1500:]
         if "Traceback" in tail:
             print(tail)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--max-batch", "33"], "yggtree: error: --max-batch must be in 1..32, got 33"),
+    (["--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
+    (["--max-batch", "four"], "argument --max-batch: expected an integer, got 'four'"),
+])
+def test_a_bad_max_batch_is_one_line_before_the_model_loads(monkeypatch, capsys, flags, line):
+    import yggtree.runtime.loading as loading
+    from yggtree.cli import main
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    try:
+        code = main(["serve", *flags])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code != 0 and line in err and err.strip().count("\n") <= 1, err

@@ -19,6 +19,7 @@ MIN_TEMPERATURE = 0.01  # below it (but not 0) logits / T overflow to inf: use 0
 MAX_DRAFT_DEPTH = 32  # D: drafter calls per step
 MAX_DRAFT_WIDTH = 64  # W_d: nodes fed per drafter call
 MAX_VERIFY_WIDTH = 256  # W_v: nodes the target verifies per step
+MAX_BATCH = 32  # requests one engine decodes at once (runtime/batch.py, yggtree serve --max-batch)
 MAX_TOP_K = 64  # children proposed per fed node
 MAX_SEED = 2**63 - 1
 

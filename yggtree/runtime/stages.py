@@ -109,6 +109,20 @@ def speculate_step(eng, req: Request, st: Step, clock: StageTimer) -> None:
     them with the target, accept the target's choices down the tree, commit the accepted path.
     A plain step (D = 0, nothing looked up; every step of an engine without a drafter or lookup)
     verifies, accepts and commits the root alone. ``clock(name)`` times each stage."""
+    plan_step(eng, req, st, clock)
+    pending = None
+    if st.drafted and eng.plan.overlap:
+        with clock("fork"):  # the next step's head and draft start on the drafter's worker
+            pending = fork(eng, req, st)
+    with clock("verify"):  # logits [W_v, V] float32, hidden [W_v, H], caps: each [W_v, H]
+        st.logits, st.hidden, st.caps = verify(eng, req, st)
+    settle_step(eng, req, st, clock, pending)
+
+
+def plan_step(eng, req: Request, st: Step, clock: StageTimer) -> None:
+    """The stages before the verify call: look up, choose, draft and prune (``st.vtree`` is
+    then the tree to verify, None on a plain step). A batch of requests runs this for each,
+    then one verify call over all their trees (runtime/batch.py)."""
     if req.index is not None:
         with clock("lookup"):  # model-free candidates from the request's own text
             st.prop = propose(req.index, eng.lookup_calib, eng.cfg.lookup, eng.lookup_depth)
@@ -139,12 +153,11 @@ def speculate_step(eng, req: Request, st: Step, clock: StageTimer) -> None:
             st.dw = max(st.d, st.prop.max_depth)  # depth bound of the verified tree
             # kept [W_v] int64 tree nodes, kept_valid [W_v] bool, vtree W_v slots, anc [W_v, W_v] bool
             st.kept, st.kept_valid, st.vtree, st.anc = prune(eng, req, st)
-    pending = None
-    if st.drafted and eng.plan.overlap:
-        with clock("fork"):  # the next step's head and draft start on the drafter's worker
-            pending = fork(eng, req, st)
-    with clock("verify"):  # logits [W_v, V] float32, hidden [W_v, H], caps: each [W_v, H]
-        st.logits, st.hidden, st.caps = verify(eng, req, st)
+
+
+def settle_step(eng, req: Request, st: Step, clock: StageTimer, pending=None) -> None:
+    """The stages after the verify call (``st.logits``, ``st.hidden`` and ``st.caps`` set):
+    accept, emit, the ahead call and the worker's join where the plan has them, commit."""
     with clock("accept"):  # bonus [W_v] int64 the target's choice at each node, acc.path [dw + 1]
         emitted = accept(eng, req, st)  # the accepted tokens and the bonus token
         st.new, st.reason = truncate(emitted, eng.eos_ids, req.params.max_new_tokens - len(req.out))

@@ -14,7 +14,9 @@ import time
 
 from ..errors import YggError
 from ..run_cmd import _float, _int_at_least, add_engine_arguments
+from ..shapes import MAX_BATCH
 
+AUTO_BATCH = 4  # --max-batch's default where the engine can batch
 SERVE_EXTRA = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
@@ -25,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's name in the API (default: the model file's or directory's name)")
     p.add_argument("--max-queue", type=_int_at_least(1), default=64,
                    help="requests that may wait for the engine; more get 429 with Retry-After (default 64)")
+    p.add_argument("--max-batch", type=_int_at_least(1), default=None,
+                   help=f"requests decoded at once, 1..{MAX_BATCH} (continuous batching; default {AUTO_BATCH} where the "
+                   "engine runs eager code, else 1: compiled graphs are built for one request)")
     p.add_argument("--request-timeout", type=_float, default=600.0,
                    help="seconds a request may take, queueing included, before it ends with 504 (default 600)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -70,6 +75,8 @@ def run(args) -> int:
     check_serve_extra()
     if args.request_timeout <= 0:
         raise YggError(f"--request-timeout must be > 0, got {args.request_timeout:g}")
+    if args.max_batch is not None and args.max_batch > MAX_BATCH:
+        raise YggError(f"--max-batch must be in 1..{MAX_BATCH}, got {args.max_batch}")
     import prometheus_client
     import uvicorn
 
@@ -85,7 +92,15 @@ def run(args) -> int:
 
     def build() -> Backend:
         engine, tok, policy = build_from_args(args)
-        return Backend(engine, tok, policy, name)
+        if args.max_batch is not None:
+            return Backend(engine, tok, policy, name, args.max_batch)
+        if engine.graphs.compiled:
+            return Backend(engine, tok, policy, name, 1)
+        try:
+            return Backend(engine, tok, policy, name, AUTO_BATCH)
+        except YggError as e:  # this engine cannot batch exactly here: one request at a time
+            sys.stderr.write(f"yggtree: serving one request at a time ({e})\n")
+            return Backend(engine, tok, policy, name, 1)
 
     def metrics(backend: Backend) -> Metrics:
         return Metrics(name, max_positions=backend.engine.envelope.d_max if backend.speculative else 1)
@@ -103,7 +118,7 @@ def run(args) -> int:
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
         b = scheduler.backend
         kind = "speculative" if b.speculative else "plain"
-        sys.stderr.write(f"yggtree: serving {name} ({kind}, context {b.max_context}) on "
+        sys.stderr.write(f"yggtree: serving {name} ({kind}, context {b.max_context}, batch {b.max_batch}) on "
                          f"http://{args.host}:{port}/v1 — ready in {time.perf_counter() - startup['t0']:.1f} s\n")
         sys.stderr.flush()
 

@@ -6,20 +6,12 @@ and reads events. A request is a :class:`Job`: the worker feeds its text back th
 asyncio queue (``loop.call_soon_threadsafe``), and the HTTP side cancels it (a disconnect, a
 timeout) by setting a flag the worker reads at the next step boundary.
 
-Step boundaries. ``Engine.generate`` runs the whole decode loop itself (it is not a generator),
-but calls ``on_tokens`` exactly once per verify step, with the tokens that step emitted (and once
-after prefill, with the first token). :class:`Session` is that hook: it detokenizes, holds back
-stop strings, hands the text over, and then decides whether the request goes on; when it does not
-(a stop string, a cancel, a deadline) it raises :class:`EndRequest`, which unwinds ``generate``
-at that step (the engine resets its per-request state when the next request starts: its caches
-are rewritten from slot 0 by prefill, the drafter worker is drained in ``decode``'s ``finally``).
-
-Continuous batching (several requests a step, batch-aware trees) slots in here: the loop in :meth:`Scheduler._serve_loop`
-admits jobs into ``running`` at step boundaries up to :attr:`Scheduler.capacity` (1 today, because
-the engine holds one request's KV cache). A batched engine would expose ``step(sessions)``
-advancing every running request by one verify step and return each one's tokens, which go to the
-same :meth:`Session.deliver`; a False from it (or a finish) frees that slot for the next queued
-job at the next step boundary, exactly as the exception does today.
+Continuous batching. The engine decodes up to :attr:`Scheduler.capacity` requests at once
+(``--max-batch``; runtime/batch.py's :class:`~yggtree.runtime.batch.BatchDecoder`): at every step
+boundary the worker admits queued jobs into free slots, drops the running jobs whose client left,
+timed out or completed a stop string, and runs one step of every running request (a joining
+request's prefill advances one chunk per step beside them). Each step's tokens go to the request's
+:class:`Session`, which detokenizes, holds back stop strings and hands the text over.
 """
 
 from __future__ import annotations
@@ -58,15 +50,7 @@ def timeout_error(timeout: float) -> ServeError:
                       "timeout_error")
 
 
-class EndRequest(Exception):
-    """Raised from the engine's per-step hook to end a request at this step boundary."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why  # "stop" (a stop string) | "cancelled" | "timeout"
-
-
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request as the worker sees it. ``events`` receives ``("text", str)`` deltas, then one
     ``("done", finish_reason, usage)`` or ``("error", ServeError)``."""
@@ -99,31 +83,52 @@ class Job:
 
 
 class Backend:
-    """An engine, its tokenizer and step policy, and what requests may ask of them."""
+    """An engine, its tokenizer and step policy, the decoder that runs up to ``max_batch``
+    requests on it at once, and what requests may ask of them."""
 
-    def __init__(self, engine, tokenizer, policy=None, model_name: str = "default") -> None:
+    def __init__(self, engine, tokenizer, policy=None, model_name: str = "default", max_batch: int = 1) -> None:
+        from ..runtime.batch import BatchDecoder
+        from ..runtime.batch_objective import BatchObjective
+        from ..runtime.objective import ObjectivePolicy
+
         self.engine, self.tokenizer, self.policy, self.model_name = engine, tokenizer, policy, model_name
         self.max_context = engine.cfg.max_context
         self.vocab_size = engine.target.cfg.vocab_size
         self.speculative = engine.cfg.tree is not None
+        self.max_batch = max_batch
+        # several requests at once: the plan's objective chooses their trees jointly every step
+        joint = max_batch > 1 and isinstance(policy, ObjectivePolicy)
+        self.decoder = BatchDecoder(engine, max_batch, BatchObjective.of(policy) if joint else None)
         # the HTTP side encodes prompts while the worker decodes text: one tokenizer call at a time
         # (a fast tokenizer's Rust object refuses a call while another one borrows it mutably)
         self.tokenizer_lock = threading.Lock()
 
-    def plain_policy(self):
-        """Plain steps on a speculative engine (``"speculative": false``): draft depth 0, the root
-        alone verified; the drafter's prefill is skipped too (``Engine._may_skip_drafting``)."""
-        from ..runtime.policy import FixedPolicy, StepChoice
+    def policy_for(self, job: "Job"):
+        """A job's step policy: plain steps for ``"speculative": false`` (draft depth 0, the root
+        alone verified, the drafter's prefill skipped), else the plan's policy (one request at a
+        time: it learns across them as ``yggtree run`` does; in a batch the joint objective
+        replaces its choices every step), else the engine's tree."""
+        if not self.speculative:
+            return None
+        if not job.speculative:
+            from ..runtime.batch import plain_policy
 
-        return FixedPolicy(StepChoice(0, self.engine.envelope.draft_widths[0]), 1)
+            return plain_policy(self.engine)
+        if self.max_batch == 1 or self.decoder.objective is not None:
+            return self.policy
+        return None
 
-    def generate(self, job: Job, on_tokens, on_step):
-        """Decode ``job`` on the engine (on the worker thread), ``on_tokens`` once per step."""
-        kw = {}
-        if self.speculative:
-            kw["on_step"] = on_step
-            kw["policy"] = self.policy if job.speculative else self.plain_policy()
-        return self.engine.generate(job.prompt_ids, job.params, on_tokens=on_tokens, **kw)
+    def admit(self, job: "Job") -> None:
+        """``job`` joins the running batch (its prefill starts at the next step)."""
+        self.decoder.add(job, job.prompt_ids, job.params, self.policy_for(job))
+
+    def release(self, job: "Job") -> None:
+        """``job`` leaves the running batch (a no-op when it is not in it)."""
+        self.decoder.remove(job)
+
+    def step(self):
+        """One step of every running request: a list of :class:`~yggtree.runtime.batch.Emitted`."""
+        return self.decoder.step()
 
 
 class Session:
@@ -161,12 +166,13 @@ class Session:
             self.job.put("text", text)
         return self.finish is None and self.job.cancelled is None and now < self.job.deadline
 
-    def on_tokens(self, ids: list[int]) -> None:
-        if not self.deliver(ids):
-            raise EndRequest("stop" if self.finish else "cancelled" if self.job.cancelled else "timeout")
-
-    def on_step(self, rec) -> None:
-        self.metrics.step(rec.verify_width, rec.choice.draft_depth > 0, rec.n_accepted)
+    def why_not(self) -> str | None:
+        """Why the request must end at this step boundary (None: it goes on)."""
+        if self.finish is not None:
+            return "stop"
+        if self.job.cancelled is not None:
+            return "cancelled"
+        return "timeout" if time.monotonic() >= self.job.deadline else None
 
     def close(self, engine_finish: str) -> tuple[str, dict]:
         """The finish reason and usage once the engine stopped by itself (EOS or length)."""
@@ -185,10 +191,8 @@ class Session:
 
 class Scheduler:
     """Owns the worker thread: it builds the engine (``build()`` -> :class:`Backend`) and serves
-    the bounded queue of jobs in arrival order. ``submit`` raises a 429 :class:`ServeError` when
-    ``max_queue`` jobs are already waiting."""
-
-    capacity = 1  # requests decoded at once (the engine's KV cache holds one)
+    the bounded queue of jobs in arrival order, up to the backend's ``max_batch`` at once.
+    ``submit`` raises a 429 :class:`ServeError` when ``max_queue`` jobs are already waiting."""
 
     def __init__(self, build, metrics_factory, max_queue: int = 64, timeout: float = 600.0) -> None:
         self._build, self._metrics_factory = build, metrics_factory
@@ -197,6 +201,7 @@ class Scheduler:
         self.metrics = None
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
+        self._sessions: dict[int, Session] = {}  # id(job) -> its session, for the running jobs
         self._cv = threading.Condition()
         self._stop = False
         self._ready = threading.Event()
@@ -204,6 +209,11 @@ class Scheduler:
         self._service = collections.deque(maxlen=32)  # recent service times, for Retry-After
         self.served = 0
         self.thread = threading.Thread(target=self._main, name="yggtree-engine", daemon=True)
+
+    @property
+    def capacity(self) -> int:
+        """Requests decoded at once (the backend's batch)."""
+        return self.backend.max_batch if self.backend is not None else 1
 
     # ----------------------------------------------------------------- HTTP side
 
@@ -232,9 +242,10 @@ class Scheduler:
             self._cv.notify()
 
     def retry_after(self) -> int:
-        """Seconds until a queue slot is likely free: the recent mean service time, at least 1."""
+        """Seconds until a queue slot is likely free: the recent mean service time over the
+        requests served at once, at least 1."""
         mean = sum(self._service) / len(self._service) if self._service else 1.0
-        return max(1, min(60, math.ceil(mean)))
+        return max(1, min(60, math.ceil(mean / self.capacity)))
 
     def discard(self, job: Job, why: str) -> None:
         """The client gave up on ``job``: a waiting job leaves the queue now, a running one ends at
@@ -249,7 +260,7 @@ class Scheduler:
         self.metrics.failed.labels(self.metrics.model, why).inc()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop taking jobs, fail the waiting ones (503), let the running one end, join."""
+        """Stop taking jobs, fail the waiting ones (503), end the running ones at the next step, join."""
         with self._cv:
             self._stop = True
             dropped, self.waiting = list(self.waiting), collections.deque()
@@ -273,29 +284,47 @@ class Scheduler:
             self._ready.set()
             return
         self._ready.set()
-        self._serve_loop()
+        try:
+            self._serve_loop()
+        finally:
+            for job in list(self.running):  # the server stops: every running job gets its answer
+                self._end(job, ServeError(503, "the server is shutting down", "server_error"), "shutdown")
 
     def _serve_loop(self) -> None:
+        """Step boundaries: admit queued jobs into free slots, drop the jobs that must end, run
+        one step of every running job, hand out its tokens."""
         m = self.metrics
         while True:
             with self._cv:
-                while not self.waiting and not self._stop:
+                while not self.waiting and not self.running and not self._stop:
                     self._cv.wait()
                 if self._stop:
                     return
-                job = self.waiting.popleft()
+                joining = []
+                while self.waiting and len(self.running) + len(joining) < self.capacity:
+                    joining.append(self.waiting.popleft())
                 m.waiting.labels(m.model).set(len(self.waiting))
-                self.running.append(job)
-                m.running.labels(m.model).set(len(self.running))
+            for job in joining:
+                self._admit(job)
+            for job in list(self.running):
+                why = self._sessions[id(job)].why_not()
+                if why is not None:
+                    self._stop_job(job, why)
+            if not self.running:
+                continue
             try:
-                self._serve(job)
-            finally:
-                with self._cv:
-                    self.running.remove(job)
-                    m.running.labels(m.model).set(len(self.running))
+                events = self.backend.step()
+            except Exception as e:  # noqa: BLE001 - the step failed as a whole: its jobs fail, the server goes on
+                traceback.print_exc(file=sys.stderr)
+                for job in list(self.running):
+                    self._fail(job, e)
+                continue
+            for ev in events:
+                self._event(ev)
 
-    def _serve(self, job: Job) -> None:
-        """Run one job to its end; whatever happens, the job gets exactly one final event."""
+    def _admit(self, job: Job) -> None:
+        """Start ``job`` (into ``running``), or answer it now: cancelled while queued, timed out,
+        or refused by the engine."""
         m, model = self.metrics, self.metrics.model
         job.started = time.monotonic()
         m.queue_time.labels(model).observe(job.started - job.arrival)
@@ -305,32 +334,76 @@ class Scheduler:
             m.failed.labels(model, "timeout").inc()
             job.put("error", timeout_error(job.timeout))
             return
-        session = Session(job, self.backend, m)
         try:
-            res = self.backend.generate(job, session.on_tokens, session.on_step)
-        except EndRequest as e:
-            if e.why == "stop":
-                self._finished(job, session, "stop")
-            elif e.why == "timeout":
-                m.failed.labels(model, "timeout").inc()
-                job.put("error", timeout_error(job.timeout))
-            else:
-                m.failed.labels(model, job.cancelled or "cancelled").inc()
-                job.put("error", ServeError(499, "the request was cancelled", "cancelled"))
-        except YggError as e:  # a request the engine refuses (the HTTP side checks them first)
+            self.backend.admit(job)
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            self._answer_failure(job, e)
+            return
+        self._sessions[id(job)] = Session(job, self.backend, m)
+        self.running.append(job)
+        m.running.labels(model).set(len(self.running))
+
+    def _event(self, ev) -> None:
+        """One running job's part of a step: its tokens, its finish or its failure."""
+        job = ev.key
+        session = self._sessions.get(id(job))
+        if session is None:
+            return
+        if ev.error is not None:
+            self._fail(job, ev.error)
+            return
+        self.metrics.step(ev.verify_width, ev.drafted, ev.accepted)
+        if ev.tokens:
+            session.deliver(ev.tokens)
+        if ev.finish is not None:
+            finish, _ = session.close(ev.finish)
+            self._end(job)
+            self._finished(job, session, finish)
+        elif session.finish is not None:  # a stop string: its slot is freed now
+            self._stop_job(job, "stop")
+
+    def _stop_job(self, job: Job, why: str) -> None:
+        """End a running job at this step boundary: ``stop`` (a stop string), ``cancelled`` or ``timeout``."""
+        m, model = self.metrics, self.metrics.model
+        session = self._sessions[id(job)]
+        self._end(job)
+        if why == "stop":
+            self._finished(job, session, "stop")
+        elif why == "timeout":
+            m.failed.labels(model, "timeout").inc()
+            job.put("error", timeout_error(job.timeout))
+        else:
+            m.failed.labels(model, job.cancelled or "cancelled").inc()
+            job.put("error", ServeError(499, "the request was cancelled", "cancelled"))
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        self._end(job)
+        self._answer_failure(job, e)
+
+    def _answer_failure(self, job: Job, e: Exception) -> None:
+        m, model = self.metrics, self.metrics.model
+        if isinstance(e, YggError):  # a request the engine refuses (the HTTP side checks them first)
             m.failed.labels(model, "invalid").inc()
             job.put("error", ServeError(400, str(e)))
-        except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
-            traceback.print_exc(file=sys.stderr)
-            m.failed.labels(model, "error").inc()
-            job.put("error", ServeError(500, f"internal error while decoding: {type(e).__name__}: {e}",
-                                        "server_error"))
-        else:
-            finish, _ = session.close(res.finish_reason)
-            self._finished(job, session, finish)
-        finally:
+            return
+        traceback.print_exception(e, file=sys.stderr)
+        m.failed.labels(model, "error").inc()
+        job.put("error", ServeError(500, f"internal error while decoding: {type(e).__name__}: {e}", "server_error"))
+
+    def _end(self, job: Job, error: ServeError | None = None, why: str | None = None) -> None:
+        """``job`` leaves the batch and ``running`` (its slot is free for the next step)."""
+        self.backend.release(job)
+        self._sessions.pop(id(job), None)
+        with self._cv:
+            if job in self.running:
+                self.running.remove(job)
+        self.metrics.running.labels(self.metrics.model).set(len(self.running))
+        if job.started is not None:
             self._service.append(time.monotonic() - job.started)
-            self.served += 1
+        self.served += 1
+        if error is not None:
+            self.metrics.failed.labels(self.metrics.model, why).inc()
+            job.put("error", error)
 
     def _finished(self, job: Job, session: Session, finish: str) -> None:
         m, model = self.metrics, self.metrics.model
