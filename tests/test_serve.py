@@ -131,8 +131,11 @@ class Server:
         self.scheduler.stop()
 
 
-BATCHES = [1, pytest.param(4, marks=pytest.mark.skipif(bool(library_missing()),
-                                                        reason="exact batching needs the tiled kernel"))]
+# every endpoint test on a server of one slot (the default of a compiled engine) in the unit run, and
+# on one of four slots in the slow run; the unit run keeps the batched server's own tests (batch_server)
+BATCHES = [1, pytest.param(4, marks=[pytest.mark.slow,
+                                     pytest.mark.skipif(bool(library_missing()),
+                                                        reason="exact batching needs the tiled kernel")])]
 
 
 @pytest.fixture(scope="module", params=BATCHES, ids=lambda b: f"batch{b}")
