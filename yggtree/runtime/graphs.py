@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -358,22 +359,35 @@ def inductor_cache(path: str | Path):
 
     Inductor reads its cache root from ``TORCHINDUCTOR_CACHE_DIR`` at every lookup, so the
     variable is set on entry and restored on exit (the process's previous value, or unset).
+
+    One process at a time compiles into a directory (an exclusive lock on ``path/.lock``, released
+    by the kernel if the holder dies): inductor writes a compiled library in place, and a second
+    process compiling the same graph beside it left a truncated one that every later load refused.
+    A process that finds the lock held says so in one line and waits, then loads what the first built.
     """
+    import fcntl
+
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     root = Path(path).resolve()
     root.mkdir(parents=True, exist_ok=True)
     key = "TORCHINDUCTOR_CACHE_DIR"
-    before = os.environ.get(key)
-    os.environ[key] = str(root)
-    try:
-        with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(
-            enable_autograd_cache=True
-        ):
-            yield root
-    finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+    with open(root / ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.stderr.write(f"yggtree: waiting for another process compiling graphs into {root}\n")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        before = os.environ.get(key)
+        os.environ[key] = str(root)
+        try:
+            with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(
+                enable_autograd_cache=True
+            ):
+                yield root
+        finally:
+            if before is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before
