@@ -292,16 +292,10 @@ def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
     from .measure.speculation_choice import measure_speculation
     from .plan import load_plan
 
+    from .offline.timing import quietest
+
     plan = load_plan(copy)
-    best = None
-    for wait in (*QUIET_WAITS, None):
-        again = measure_speculation(plan, artifact_dir(plan), mp.threads)
-        if best is None or _busy(again) < _busy(best):
-            best = again
-        if _busy(best) <= QUIET_CORES or wait is None:
-            break
-        say(f"other processes kept {_busy(again):.2f} cores busy while timing speculation: again in {wait} s")
-        time.sleep(wait)
+    best = quietest(lambda: measure_speculation(plan, artifact_dir(plan), mp.threads), QUIET_WAITS, "speculation", say)
     record = {"profile": profile_sha(copy), **best, "speculate": best["ratio"] >= 1.0}
     write_text_atomic(mp.root / SPECULATION, json.dumps(record) + "\n")
     say(f"the latency objective decodes at {best['ratio']:.3f}x plain steps here ({best['prompts']} calibration "
@@ -320,6 +314,7 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     from .measure.kernel_choice import measure_plan
     from .offline.profile import measure_profile, write_profile
     from .offline.profile_grid import ProfileGrid
+    from .offline.timing import quietest
     from .plan import save_plan, validate_plan
     from .runtime.build import build_plan_engine
     from .runtime.padding import PADDING_KEY, cached_padding
@@ -335,18 +330,11 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     engine, _ = build_plan_engine(plan, art, threads=mp.threads)
     widths = tuple(sorted({1, *plan.verify_widths}))
     grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths, stage_forms=False)
-    profile = None
-    for wait in QUIET_WAITS:  # times taken while other processes ran price every later step wrongly
-        again = measure_profile(plan, profile_name, mp.threads, grid, "yggtree run (this machine's plan)",
-                                engine=engine, padding=padding)
-        if profile is None or _busy(again) < _busy(profile):
-            profile = again
-        if _busy(profile) <= QUIET_CORES:
-            break
-        say(f"other processes kept {_busy(again):.2f} cores busy while timing: again in {wait} s")
-        time.sleep(wait)
+    # times taken while other processes ran would price every later step wrongly
+    profile = quietest(lambda: measure_profile(plan, profile_name, mp.threads, grid, "yggtree run (this machine's plan)",
+                                               engine=engine, padding=padding), QUIET_WAITS, "the profile", say)
     profile[PADDING_KEY] = profile.get(PADDING_KEY) or padding
-    del engine
+    engine = None  # its memory, before the compile below
     write_profile(profile, mp.root, plot=False)
     final = validate_plan(plan.to_dict() | {"profile": str(mp.root / f"{profile_name}.json")})
     save_plan(final, mp.root / f"{profile_name}-plan.yaml")
@@ -358,8 +346,8 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     return copy
 
 
-QUIET_CORES = 0.25  # a profile timed while other processes kept more cores busy is timed again ...
-QUIET_WAITS = (30, 60, 120, 240)  # ... after these waits, the quietest one kept
+QUIET_WAITS = (30, 60, 120, 240)  # a measurement timed while other processes kept cores busy is timed
+# again after these waits (offline/timing.quietest), the quietest kept
 
 
 def profile_sha(plan_path: Path) -> str | None:
@@ -372,12 +360,6 @@ def profile_sha(plan_path: Path) -> str | None:
         return file_sha256(profile) if profile else None
     except (YggError, OSError):
         return None
-
-
-def _busy(profile: dict) -> float:
-    """Cores other processes kept busy while a measurement (a profile, the speculation verdict) was
-    timed (offline/timing.LoadMeter)."""
-    return float((profile.get("load") or {}).get("other_cores") or 0.0)
 
 
 def _yield_to_runs() -> None:

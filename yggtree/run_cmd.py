@@ -187,9 +187,7 @@ def _learnt_feedback(args, mp, policy) -> str | None:
     feedback = getattr(policy, "feedback", None)
     if mp is None or feedback is None or getattr(args, "machine_build", None) not in ("done", "blocks"):
         return None
-    from .machine_plan import profile_sha
-
-    sha = profile_sha(args.plan)
+    sha = args.profile_sha
     record = mp.learnt(sha) if sha else None
     if record is not None:
         policy.feedback = feedback.with_learnt(record)
@@ -329,7 +327,8 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     args.no_default_note = None
     if path is not None:
         whole = mp.complete(path)
-        verdict = mp.speculates(machine_plan.profile_sha(path)) if whole else None
+        args.profile_sha = machine_plan.profile_sha(path)  # its feedback and verdict are kept under it
+        verdict = mp.speculates(args.profile_sha) if whole else None
         if (not whole or verdict is None) and not mp.building():  # its last phase stopped: resume it
             try:
                 mp.start()

@@ -34,32 +34,27 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     A measurement taken while other processes kept the cores busy is taken again after each of
     ``waits`` seconds until one is quiet; the quietest is kept (a background build passes waits:
     it has the time, and its choice is compiled into every package)."""
-    import time
-
     import torch
 
     from ..offline.profile_padding import model_padding, padding_line
-    from ..offline.timing import BUSY_CORES, LoadMeter, load_warning
+    from ..offline.timing import LoadMeter, load_warning, quietest
 
     choice, path, key = cached_choice(src, dtype, weights, widths, threads, root)
     if choice is not None:
         return choice
+
+    def measure() -> dict:
+        with LoadMeter() as load:
+            padding = model_padding(src, dtype, weights, tuple(widths), warmup=1, repeats=5)
+        return {"padding": padding, "load": load.result}
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    best = None  # (padding, load, other cores busy) of the quietest measurement
     try:
-        for wait in (*waits, None):
-            with LoadMeter() as load:
-                padding = model_padding(src, dtype, weights, tuple(widths), warmup=1, repeats=5)
-            busy = (load.result or {}).get("other_cores", 0.0)  # None: not measurable here
-            if best is None or busy < best[2]:
-                best = (padding, load.result, busy)
-            if best[2] <= BUSY_CORES or wait is None:
-                break
-            time.sleep(wait)
+        best = quietest(measure, waits, "the product kernel")
     finally:
         torch.set_num_threads(before)
-    padding, load_result, _ = best
+    padding, load_result = best["padding"], best["load"]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"key": key, "padding": padding, "load": load_result}, indent=1) + "\n")
     if padding["products"] or padding.get("prefetch"):

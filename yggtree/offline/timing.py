@@ -96,6 +96,28 @@ class LoadMeter:
 BUSY_CORES = 0.25  # other work above this (cores on average) makes a measurement's times suspect
 
 
+def other_cores(measured: dict) -> float:
+    """Cores other processes kept busy while ``measured`` (a dict with a ``load``: a LoadMeter
+    result) was timed; 0 where that was not measurable."""
+    return float((measured.get("load") or {}).get("other_cores") or 0.0)
+
+
+def quietest(measure, waits: tuple[float, ...], what: str, say=None) -> dict:
+    """``measure()`` (a dict with a ``load``), taken again after each of ``waits`` seconds while
+    other processes kept more than BUSY_CORES cores busy: the quietest result. ``say(line)``
+    hears each wait."""
+    best = None
+    for wait in (*waits, None):
+        again = measure()
+        if best is None or other_cores(again) < other_cores(best):
+            best = again
+        if other_cores(best) <= BUSY_CORES or wait is None:
+            return best
+        if say is not None:
+            say(f"other processes kept {other_cores(again):.2f} cores busy while timing {what}: again in {wait} s")
+        time.sleep(wait)
+
+
 def load_warning(what: str, load: dict | None) -> str | None:
     """One line saying ``what``'s times are inflated by other work (``LoadMeter.result``), or None."""
     if load is None:
