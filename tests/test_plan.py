@@ -319,10 +319,15 @@ def test_stale_detection(tmp_path):
     (r,) = check_artifacts(plan, art)
     assert r.startswith("yggtree runtime code changed")
     compile_plan(plan, tmp_path / "compile")
-    # a model file touched
+    # a model file copied again (a fresh clone, a reinstalled package: a new mtime, the same bytes)
     w = tmp_path / "model" / "model.safetensors"
     st = w.stat()
     os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert check_artifacts(plan, art) == []
+    # a model file changed in place, its size kept
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
     (r,) = check_artifacts(plan, art)
     assert "target model file changed" in r and str(w) in r
     compile_plan(plan, tmp_path / "compile")

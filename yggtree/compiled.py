@@ -13,7 +13,7 @@ from .errors import YggError
 from .files import file_sha256
 from .plan import GRAPH_FIELDS, OPTIONAL_GRAPH_FIELDS, Plan, graph_hash_of
 from .runtime.artifacts import (MANIFEST, MANIFEST_FORMAT, PLAN_COPY, cache_dir, is_documentation,
-                                model_fingerprints, read_manifest, versions)
+                                model_fingerprints, read_manifest, same_model_file, versions)
 from .runtime.padding import plan_padding
 
 
@@ -102,7 +102,7 @@ def _model_reasons(plan: Plan, m: dict) -> list[str]:
     changed or no longer used."""
     reasons = []
     # a model file is known by its role and name (the manifest records its path relative to its
-    # directory, which changes when either moves); its size, mtime and checksum identify it
+    # directory, which changes when either moves); its size and checksum identify it
     was_prints = {(f["role"], Path(f["path"]).name): f for f in m.get("models", [])
                   if not is_documentation(f["path"])}  # earlier compiles recorded documentation too
     now_prints = {(f["role"], Path(f["path"]).name): f for f in model_fingerprints(plan)}
@@ -112,7 +112,7 @@ def _model_reasons(plan: Plan, m: dict) -> list[str]:
             reasons.append(f"{key[0]} model file is missing: {f['path']}")
         elif old is None:
             reasons.append(f"{key[0]} model file was not part of the compile: {f['path']}")
-        elif any(old.get(x) != f.get(x) for x in ("size", "mtime_ns", "sha256")):
+        elif not same_model_file(old, f):
             reasons.append(f"{key[0]} model file changed since the compile: {f['path']}")
     for key in was_prints.keys() - now_prints.keys():
         reasons.append(f"{key[0]} model file of the compile is no longer used: {key[1]}")

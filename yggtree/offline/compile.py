@@ -148,7 +148,7 @@ def _clear_for_rebuild(plan: Plan, art: Path, force: bool) -> list[str]:
 
 def _model_prints(plan: Plan, art: Path) -> list[dict]:
     """The plan's model fingerprints with paths relative to ``art``; YggError if a file is missing."""
-    prints = model_fingerprints(plan)
+    prints = model_fingerprints(plan, content=True)  # a file is its content: a copy of it stays it
     missing = [f["path"] for f in prints if f.get("missing")]
     if missing:
         raise YggError(f"plan {plan.name!r}: model file not found: {missing[0]}")

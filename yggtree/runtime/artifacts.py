@@ -2,8 +2,8 @@
 predictor's manifest, a compiled plan's directory): their kinds and format version, the identity of
 the models they were measured for, and reading one's JSON with a one-line error naming what is wrong.
 
-The models are known by their files (:func:`model_fingerprints`: size, mtime, small files'
-sha256). A profile holds for the plan's :func:`timing_identity` (latency depends on shapes, dtype
+The models are known by their files' content (:func:`model_fingerprints`, :func:`same_model_file`:
+size and sha256, the mtime only saving a re-read). A profile holds for the plan's :func:`timing_identity` (latency depends on shapes, dtype
 and backend), a calibration and a predictor for its :func:`pair_identity` (acceptance depends on
 the drafter's weights too); a reader refuses an artifact of another identity, naming the first key
 that differs (:func:`first_difference`).
@@ -37,6 +37,7 @@ from ..files import file_sha256, read_json
 __all__ = [
     "PROFILE_KIND", "CALIBRATION_KIND", "FORMAT_VERSION", "timing_identity", "pair_identity",
     "first_difference", "read_artifact", "artifact_head", "DEFAULT_DRAFTER_DIR", "model_fingerprints",
+    "same_model_file",
     "is_documentation", "MANIFEST", "PLAN_COPY", "MANIFEST_FORMAT", "CACHE_SUBDIR", "cache_dir",
     "read_manifest", "GRAPH_SOURCES", "runtime_code_hash", "versions",
 ]
@@ -55,12 +56,26 @@ DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "draft
 # ----------------------------------------------------------------------------- model files
 
 
-def _file_print(p: Path, role: str) -> dict:
+def _file_print(p: Path, role: str, content: bool = False) -> dict:
     st = p.stat()
     d = {"role": role, "path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    if p.name == "config.json" or (p.suffix in (".json", ".yaml") and st.st_size < (1 << 20)):
+    if content or p.name == "config.json" or (p.suffix in (".json", ".yaml") and st.st_size < (1 << 20)):
         d["sha256"] = file_sha256(p)
     return d
+
+
+def same_model_file(was: dict, now: dict) -> bool:
+    """Whether the model file recorded as ``was`` (a fingerprint) is the file ``now`` describes.
+    A file is its content: an equal size and mtime is taken as unchanged without reading it; a new
+    mtime (a fresh clone, a reinstalled package) is checked against the recorded sha256 when there
+    is one, so copying the same weights again never invalidates what was built for them."""
+    if was.get("size") != now.get("size"):
+        return False
+    if "sha256" in was and "sha256" in now:
+        return was["sha256"] == now["sha256"]
+    if was.get("mtime_ns") == now.get("mtime_ns"):
+        return True
+    return "sha256" in was and was["sha256"] == file_sha256(Path(now["path"]))
 
 
 def _resolve_model_path(role: str, name: str | None) -> Path | None:
@@ -81,8 +96,9 @@ def is_documentation(path: str | Path) -> bool:
     return Path(path).suffix == ".md"
 
 
-def model_fingerprints(plan) -> list[dict]:
-    """Size and mtime (plus sha256 of small config files) of every model file the plan uses.
+def model_fingerprints(plan, content: bool = False) -> list[dict]:
+    """Size and mtime (plus sha256 of small config files, of every file with ``content``: what a
+    compile records, :func:`same_model_file`) of every model file the plan uses.
 
     A directory (HF checkpoint, EAGLE head) contributes every regular file at its top level but
     its documentation (``*.md``: a README edited after the compile changes no weight)."""
@@ -94,9 +110,10 @@ def model_fingerprints(plan) -> list[dict]:
         if not p.exists():
             out.append({"role": role, "path": str(p), "missing": True})
         elif p.is_dir():
-            out += [_file_print(f, role) for f in sorted(p.iterdir()) if f.is_file() and not is_documentation(f)]
+            out += [_file_print(f, role, content) for f in sorted(p.iterdir())
+                    if f.is_file() and not is_documentation(f)]
         else:
-            out.append(_file_print(p, role))
+            out.append(_file_print(p, role, content))
     return out
 
 
