@@ -16,6 +16,16 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Test processes (pytest-xdist, ``--dist loadgroup`` in pyproject's addopts): a module's unit
+    tests run in one process (its module fixtures built once), and every slow test in one process,
+    one after the other, beside the unit tests: they compile and run with the process's threads,
+    and two of them at once oversubscribe a small machine's cores."""
+    for item in items:
+        group = "slow" if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Every unit test, with the fixtures it sets up, runs on one intra-op thread (the count
