@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Two code versions on the same prompts: paired speed ratio and identical outputs per system.
 
-Reads the ``OUT.rows.jsonl`` files that ``scripts/bench_objective.py`` writes, one run of each
+Reads the ``OUT.rows.jsonl`` files that ``scripts/bench_objective.py`` or ``scripts/bench_stages.py``
+writes, one run of each
 version, side by side on the same machine (one process per version, started together, the same
 prompts and systems), and reports per system: decode speed of B over A (summed tokens over summed
 decode time, 95% bootstrap interval over prompts, ``yggtree.bench.paired_ratio``) and how many
@@ -22,14 +23,14 @@ from yggtree.errors import YggError, run_reporting
 
 
 def read_rows(path: str) -> dict[str, dict]:
-    """Prompt id -> row of a bench_objective rows file."""
+    """Prompt id -> row of a bench_objective (``prompt``) or bench_stages (``id``) rows file."""
     rows = {}
     try:
         with open(path) as f:
             for line in f:
                 if line.strip():
                     row = json.loads(line)
-                    rows[row["prompt"]] = row
+                    rows[row["prompt"] if "prompt" in row else row["id"]] = row
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise YggError(f"cannot read rows file {path}: {e}") from None
     return rows
