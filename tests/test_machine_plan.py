@@ -409,3 +409,72 @@ def test_speed_ratio_is_the_geometric_mean_of_paired_speedups():
     assert speed_ratio([5.0], [5.0]) == 1.0
     with pytest.raises(ValueError):
         speed_ratio([1.0], [])
+
+
+def _timed(tmp_path, monkeypatch, kernel=0.0, profile=0.0, verdict=0.0) -> tuple[MachinePlan, Path]:
+    """A machine plan whose ready plan's kernel choice, profile and verdict were timed with
+    ``kernel``, ``profile`` and ``verdict`` other cores busy."""
+    import yggtree.measure.kernel_choice as choice_mod
+    from yggtree.plan import default_plan, save_plan
+
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    (tmp_path / "profile.json").write_text(json.dumps({"load": {"other_cores": profile, "steal_cores": 0.0}}))
+    path = tmp_path / "compile" / "m" / "plan.yaml"
+    path.parent.mkdir(parents=True)
+    save_plan(default_plan().__class__(**{**default_plan().__dict__, "profile": str(tmp_path / "profile.json")}), path)
+    monkeypatch.setattr(choice_mod, "choice_record",
+                        lambda plan: {"padding": {}, "load": {"other_cores": kernel, "steal_cores": 0.0}})
+    sha = machine_plan.profile_sha(path)
+    (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
+        {"profile": sha, "ratio": 1.1, "speculate": True, "load": {"other_cores": verdict, "steal_cores": 0.0}}))
+    return mp, path
+
+
+@pytest.mark.parametrize("busy,what", [({}, None), ({"kernel": 1.51}, "the product kernel"),
+                                       ({"profile": 0.8}, "the profile"), ({"verdict": 0.6}, "the speculation verdict")])
+def test_a_measurement_timed_while_busy_is_named(monkeypatch, tmp_path, busy, what):
+    mp, path = _timed(tmp_path, monkeypatch, **busy)
+    said = mp.unsettled(path)
+    if what is None:
+        assert said is None
+    else:
+        load = next(iter(busy.values()))
+        assert said == f"{what}: while timing, other processes kept {load:.2f} cores busy"
+        (tmp_path / machine_plan.REMEASURED).write_text(json.dumps({"builds": machine_plan.REMEASURES}))
+        assert mp.unsettled(path) is None  # measured again as often as it may be: kept
+
+
+def test_a_run_on_a_plan_timed_while_busy_measures_it_again_in_the_background(monkeypatch, tmp_path, capsys):
+    started = []
+    _built(monkeypatch, tmp_path, (True, 1.08), started)
+    monkeypatch.setattr(MachinePlan, "unsettled", lambda self, path: "the profile: while timing, other processes "
+                        "kept 0.80 cores busy")
+    args = _args()
+    run_cmd._pick_plan(args)
+    err = capsys.readouterr().err
+    assert len(started) == 1 and not args.no_speculate and err.count("\n") == 1
+    assert "the profile: while timing, other processes kept 0.80 cores busy: measuring it again in the background" in err
+
+
+def test_the_build_measures_a_busy_plan_again_and_forgets_a_busy_kernel_choice(monkeypatch, tmp_path):
+    """A complete plan whose kernel choice was timed while busy: the build deletes that choice
+    (measured again before its packages are compiled: the same choice keeps them) and runs both
+    phases and the verdict again, counting the builds; a quiet plan is left as it is."""
+    import yggtree.measure.kernel_choice as choice_mod
+    import yggtree.quickstart as quick_mod
+
+    mp, path = _timed(tmp_path, monkeypatch, kernel=1.51)
+    (tmp_path / "calibration.json").write_text("{}")  # named, never read here
+    monkeypatch.setattr(quick_mod, "shipped_calibration", lambda plan: tmp_path / "calibration.json")
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (path, None))
+    monkeypatch.setattr(MachinePlan, "complete", lambda self, p: True)
+    forgot, phases, verdicts, said = [], [], [], []
+    monkeypatch.setattr(choice_mod, "forget_choice", lambda plan: forgot.append(plan.name))
+    monkeypatch.setattr(machine_plan, "_phase", lambda mp_, plan, root, name, whole, *a: phases.append(name) or path)
+    monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: verdicts.append(copy))
+    assert machine_plan._build_locked(mp, said.append) == path
+    assert forgot == [mp.name] and phases == ["profile-blocks", "profile"] and verdicts == [path]
+    assert mp.remeasured() == 1 and "measuring again (1 of at most 3)" in said[0]
+    monkeypatch.setattr(choice_mod, "choice_record", lambda plan: {"load": {"other_cores": 0.0, "steal_cores": 0.0}})
+    phases.clear()
+    assert machine_plan._build_locked(mp, said.append) == path and phases == []  # quiet now: nothing to do

@@ -18,6 +18,11 @@ machine plan:
    ``speculation.json``: where it does not, runs decode the plan plainly (``--speculate`` keeps the
    objective); a plan built before the verdict existed has it measured by the next build.
 
+Every measurement waits for a quiet machine (``QUIET_WAITS``); one that could not (the product
+kernel's choice, a profile or the verdict timed while other processes kept the cores busy) is
+used, and the next run starts a build that measures it again (at most ``REMEASURES`` times: its
+packages stay where the kernel choice does not change).
+
 Every later run loads the compiled copy (no tracing) and decodes with the latency objective on
 the machine's own curves (plain steps wherever no tree pays), its online feedback starting from
 what the earlier runs on the same profile learnt (``feedback.json``: the offline model's
@@ -61,6 +66,8 @@ FEEDBACK = "feedback.json"  # what the objective's feedback learnt in earlier ru
 SPECULATION = "speculation.json"  # whether the objective decoded faster than plain steps here, by profile
 PID = "build.pid"  # the running build's process id (and its session's: it starts one of its own)
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
+REMEASURED = "remeasured.json"  # how many later builds measured a plan timed while busy again
+REMEASURES = 3  # at most this many: a machine that is never quiet keeps what it measured
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
 MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
 
@@ -163,6 +170,40 @@ class MachinePlan:
             return bool(record["speculate"]), float(record["ratio"])
         except (OSError, ValueError, AttributeError, KeyError, TypeError):
             return None
+
+    def unsettled(self, path: Path) -> str | None:
+        """What of the ready plan ``path`` was timed while other processes kept the cores busy
+        (the build waited as long as it could: ``QUIET_WAITS``): its product-kernel choice, its
+        profile or its speculation verdict, as one line; None where all were quiet, or once
+        ``REMEASURES`` later builds measured them again."""
+        from .measure.kernel_choice import choice_record
+        from .offline.timing import load_warning
+        from .plan import load_plan
+
+        if self.remeasured() >= REMEASURES:
+            return None
+        try:
+            plan = load_plan(path)
+            loads = [("the product kernel", (choice_record(replace(plan, profile=None)) or {}).get("load"))]
+            if plan.profile is not None:
+                loads.append(("the profile", json.loads(Path(plan.profile).read_text()).get("load")))
+            verdict = json.loads((self.root / SPECULATION).read_text())
+            if verdict.get("profile") == profile_sha(path):
+                loads.append(("the speculation verdict", verdict.get("load")))
+        except (YggError, OSError, ValueError, AttributeError):
+            return None  # nothing to judge by: the staleness checks decide
+        for what, load in loads:
+            busy = load_warning(what, load if isinstance(load, dict) else None)
+            if busy is not None:
+                return busy.split(": its times")[0]
+        return None
+
+    def remeasured(self) -> int:
+        """How many builds measured this plan again after it was timed while busy."""
+        try:
+            return int(json.loads((self.root / REMEASURED).read_text())["builds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
 
     def learnt(self, profile_sha: str) -> dict | None:
         """What earlier runs' objective feedback learnt on the plan timed by the profile of
@@ -270,9 +311,22 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     plan = validate_plan(plan.to_dict())
     ready, _ = mp.ready_plan()
     if ready is not None and mp.complete(ready):
-        if mp.speculates(profile_sha(ready)) is None:  # built before the verdict was measured
-            _measure_speculation(mp, ready, say)
-        return ready
+        busy = mp.unsettled(ready)
+        if busy is None:
+            if mp.speculates(profile_sha(ready)) is None:  # built before the verdict was measured
+                _measure_speculation(mp, ready, say)
+            return ready
+        # timed while busy: measured again (the same kernel choice keeps every package)
+        n = mp.remeasured() + 1
+        write_text_atomic(mp.root / REMEASURED, json.dumps({"builds": n}) + "\n")
+        say(f"{busy}: measuring again ({n} of at most {REMEASURES})")
+        if busy.startswith("the product kernel"):
+            from .measure.kernel_choice import forget_choice
+
+            forget_choice(plan)
+        ready = None
+    else:
+        (mp.root / REMEASURED).unlink(missing_ok=True)  # a build from scratch: its own count
     # 1. the block packages (one decoder block per shape: minutes), profiled, ready
     blocks = ready or _phase(mp, plan, mp.blocks_root, "profile-blocks", False, (), t0, say)
     # 2. the whole-step and drafter-call packages beside them (the blocks linked, not rebuilt):

@@ -329,7 +329,9 @@ def _machine_plan(args, device: dict, waiting) -> bool:
         whole = mp.complete(path)
         args.profile_sha = machine_plan.profile_sha(path)  # its feedback and verdict are kept under it
         verdict = mp.speculates(args.profile_sha) if whole else None
-        if (not whole or verdict is None) and not mp.building():  # its last phase stopped: resume it
+        busy = mp.unsettled(path) if whole and verdict is not None else None
+        # its last phase stopped (resumed), or a measurement taken while busy (taken again)
+        if (not whole or verdict is None or busy) and not mp.building():
             try:
                 mp.start()
             except OSError:
@@ -341,7 +343,8 @@ def _machine_plan(args, device: dict, waiting) -> bool:
                    "--speculate to use it")
         sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled "
                          f"here, {how}"
-                         f"{'' if whole else '; its whole-step packages are being built in the background'})\n")
+                         f"{'' if whole else '; its whole-step packages are being built in the background'}"
+                         f"{f'; {busy}: measuring it again in the background' if busy else ''})\n")
         args.plan, args.machine_build = str(path), "done" if whole else "blocks"
         return True
     args.machine_build = "pending"

@@ -65,6 +65,29 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     return padding
 
 
+def choice_record(plan, root: Path | None = None) -> dict | None:
+    """The cached record (``key``, ``padding``, ``load``) of the product-kernel choice of
+    ``plan`` (a CPU plan without a profile), None where there is none."""
+    from ..runtime.loading import resolve_model
+
+    threads, widths = plan_threads_widths(plan)
+    choice, path, _ = cached_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads, root)
+    try:
+        return json.loads(path.read_text()) if choice is not None and path is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def forget_choice(plan, root: Path | None = None) -> None:
+    """Delete the cached product-kernel choice of ``plan``: the next engine or compile measures it."""
+    from ..runtime.loading import resolve_model
+
+    threads, widths = plan_threads_widths(plan)
+    _, path, _ = cached_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads, root)
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
 def measured_spec(spec, root: Path | None = None, say=None):
     """``spec`` (an EngineSpec built from flags) with the product kernel, padding and prefetch
     setting measured for it on this machine (:func:`measured_choice`); unchanged if it packs nothing."""
