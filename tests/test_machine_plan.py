@@ -418,7 +418,8 @@ def _timed(tmp_path, monkeypatch, kernel=0.0, profile=0.0, verdict=0.0) -> tuple
     from yggtree.plan import default_plan, save_plan
 
     mp = MachinePlan(tmp_path, "w4a8", 2)
-    (tmp_path / "profile.json").write_text(json.dumps({"load": {"other_cores": profile, "steal_cores": 0.0}}))
+    (tmp_path / "profile.json").write_text(json.dumps({"load": {"other_cores": profile, "steal_cores": 0.0},
+                                                      "stage_calls": 2}))
     path = tmp_path / "compile" / "m" / "plan.yaml"
     path.parent.mkdir(parents=True)
     save_plan(default_plan().__class__(**{**default_plan().__dict__, "profile": str(tmp_path / "profile.json")}), path)
@@ -442,6 +443,12 @@ def test_a_measurement_timed_while_busy_is_named(monkeypatch, tmp_path, busy, wh
         assert said == f"{what}: while timing, other processes kept {load:.2f} cores busy"
         (tmp_path / machine_plan.REMEASURED).write_text(json.dumps({"builds": machine_plan.REMEASURES}))
         assert mp.unsettled(path) is None  # measured again as often as it may be: kept
+
+
+def test_a_profile_timing_other_stage_calls_is_measured_again(monkeypatch, tmp_path):
+    mp, path = _timed(tmp_path, monkeypatch)
+    (tmp_path / "profile.json").write_text(json.dumps({"load": {"other_cores": 0.0, "steal_cores": 0.0}}))
+    assert mp.unsettled(path) == "its profile timed other calls for the pruning and the policy than the engine runs"
 
 
 def test_a_run_on_a_plan_timed_while_busy_measures_it_again_in_the_background(monkeypatch, tmp_path, capsys):

@@ -172,11 +172,13 @@ class MachinePlan:
             return None
 
     def unsettled(self, path: Path) -> str | None:
-        """What of the ready plan ``path`` was timed while other processes kept the cores busy
-        (the build waited as long as it could: ``QUIET_WAITS``): its product-kernel choice, its
-        profile or its speculation verdict, as one line; None where all were quiet, or once
-        ``REMEASURES`` later builds measured them again."""
+        """What of the ready plan ``path`` is to be measured again, as one line: its
+        product-kernel choice, its profile or its speculation verdict timed while other processes
+        kept the cores busy (the build waited as long as it could: ``QUIET_WAITS``), or a profile
+        whose stage timings time other calls than the engine runs (an earlier ``STAGE_CALLS``);
+        None where all hold, or once ``REMEASURES`` later builds measured them again."""
         from .measure.kernel_choice import choice_record
+        from .offline.profile_grid import STAGE_CALLS
         from .offline.timing import load_warning
         from .plan import load_plan
 
@@ -186,7 +188,10 @@ class MachinePlan:
             plan = load_plan(path)
             loads = [("the product kernel", (choice_record(replace(plan, profile=None)) or {}).get("load"))]
             if plan.profile is not None:
-                loads.append(("the profile", json.loads(Path(plan.profile).read_text()).get("load")))
+                profile = json.loads(Path(plan.profile).read_text())
+                if profile.get("stage_calls", 1) < STAGE_CALLS:
+                    return "its profile timed other calls for the pruning and the policy than the engine runs"
+                loads.append(("the profile", profile.get("load")))
             verdict = json.loads((self.root / SPECULATION).read_text())
             if verdict.get("profile") == profile_sha(path):
                 loads.append(("the speculation verdict", verdict.get("load")))

@@ -50,7 +50,7 @@ from ..runtime.artifacts import versions
 from ..runtime.device import cpu_model, detect_device, device_record
 from ..runtime.padding import PADDING_KEY
 from ..shapes import measured_prefetch
-from .profile_grid import ProfileGrid, grid_contexts, grid_widths, timed_calls
+from .profile_grid import STAGE_CALLS, ProfileGrid, grid_contexts, grid_widths, timed_calls
 from .profile_padding import measure_padding, padding_line
 from .timing import LoadMeter, load_warning
 
@@ -264,6 +264,7 @@ def measure_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str
         "load": load.result,  # what else ran while timing (timing.LoadMeter); None: unknown
         "points": rows,
         "stage_ms": stages,
+        "stage_calls": STAGE_CALLS,  # what the stage timings time (profile_grid.STAGE_CALLS)
         PADDING_KEY: padding,
         "fit": fit,
         "fit_error": errors,

@@ -103,6 +103,10 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widt
     return out
 
 
+STAGE_CALLS = 2  # what the stage timings time: 2, the engine's own calls on the device (the host on a
+# CPU); 1 (or absent), the pruning and the policy on tensors where the engine runs them on the host
+
+
 class _Instant:
     """A drafter whose calls cost nothing (the same top-k every call)."""
 
@@ -124,10 +128,9 @@ def stage_calls(engine, plan):
     from .profile_stages import random_tree
     from ..runtime.drafters import TopK
     from ..runtime.egt import draft_tree
-    from ..runtime.calibration import Calibration, aal_by_width, path_values
+    from ..runtime.calibration import Calibration, tree_aal_by_width
     from ..runtime.objective import best_verify
-    from ..runtime.prune import prune_topk, subtree
-    from ..runtime.tree import ancestor_mask
+    from ..runtime.prune import prune_for_verify, prune_topk, subtree
 
     d, k = plan.d_max, plan.top_k
     vocab = engine.target.cfg.vocab_size
@@ -146,10 +149,8 @@ def stage_calls(engine, plan):
     calib = Calibration((0.0, 1.0), (0.0, 0.8))
     widths = [1, *plan.verify_widths]
     for wv in plan.verify_widths:
-        def prune(wv=wv):
-            kept, ok = prune_topk(big, big.logp, wv)
-            v = subtree(big, kept, ok)
-            return ancestor_mask(v.parent, v.depth, v.valid, d)
+        def prune(wv=wv):  # as the engine prunes (stages.prune)
+            return prune_for_verify(big, big.logp, wv, d)
 
         out.append(("prune", wv, prune))
         kept, ok = prune_topk(big, big.logp, wv)
@@ -161,9 +162,8 @@ def stage_calls(engine, plan):
 
         out.append(("accept", wv, accept))
 
-    def policy():
-        vals = path_values(big, calib.edge_prob, d)
-        aal = aal_by_width(vals, big, widths)
+    def policy():  # as the policy chooses W_v (ObjectivePolicy.choose_verify)
+        aal = tree_aal_by_width(big, calib, d, widths)
         return best_verify(aal, widths, [1.0 + w for w in widths], 1.0)
 
     out.append(("policy", None, policy))

@@ -24,7 +24,7 @@ from ..errors import YggError
 from .artifacts import CALIBRATION_KIND, first_difference, pair_identity, read_artifact
 from .tree import Tree
 
-__all__ = ["Calibration", "path_values", "aal_by_width", "aal_by_width_lists"]
+__all__ = ["Calibration", "path_values", "aal_by_width", "aal_by_width_lists", "tree_aal_by_width"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +166,12 @@ def aal_by_width_lists(tree: Tree, calib: Calibration, d_max: int, widths: list[
         total += val[i]
         csum.append(total)
     return [csum[min(w, n) - 1] for w in widths]
+
+
+def tree_aal_by_width(tree: Tree, calib: Calibration, d_max: int, widths: list[int]) -> list[float]:
+    """Expected accepted length of ``tree``'s kept nodes at each W_v in ``widths``, as the policy
+    computes it: on the host (:func:`aal_by_width_lists`) for a tree on a CPU, else on its device.
+    What the policy runs and the profile times."""
+    if tree.logp.device.type == "cpu":
+        return aal_by_width_lists(tree, calib, d_max, widths)
+    return aal_by_width(path_values(tree, calib.edge_prob, d_max), tree, widths)

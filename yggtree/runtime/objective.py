@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import YggError
-from .calibration import Calibration, aal_by_width, aal_by_width_lists, path_values
+from .calibration import Calibration, tree_aal_by_width
 from .cost import CostModel
 from .feedback import Feedback
 from .policy import StepChoice, StepPolicy
@@ -364,10 +364,7 @@ class ObjectivePolicy(StepPolicy):
         widths = [1, *self.verify_widths]
         # lookup nodes may hang deeper than the drafter's D
         deep = max(d, int(tree.depth.max()))
-        if tree.logp.device.type == "cpu":
-            aal = aal_by_width_lists(tree, self.calib, deep, widths)
-        else:
-            aal = aal_by_width(path_values(tree, self.calib.edge_prob, deep), tree, widths)
+        aal = tree_aal_by_width(tree, self.calib, deep, widths)
         g = self._choices(committed)
         if d == 0:  # a lookup-only tree: the step chosen as plain may verify it instead
             steps, vms = zip(*(self._lookup_costs(committed)[w] for w in widths))

@@ -29,7 +29,7 @@ import torch
 
 from yggtree.runtime.tree import Tree
 
-__all__ = ["prune_topk", "subtree", "prune_dp", "prune_lists"]
+__all__ = ["prune_topk", "subtree", "prune_dp", "prune_lists", "prune_for_verify"]
 
 
 def prune_topk(tree: Tree, value: torch.Tensor, w_v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,3 +224,17 @@ def prune_dp(
                 todo.append((children[u][i], t))
                 s -= t
     return best[0][size], tuple(sorted(chosen))
+
+
+def prune_for_verify(tree: Tree, value: torch.Tensor, w_v: int, max_depth: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, Tree, torch.Tensor]:
+    """The ``w_v`` best nodes of ``tree`` by ``value`` as a step verifies them: their tree nodes,
+    validity, the kept tree and its ancestor-or-self mask; on the host (:func:`prune_lists`) for a
+    tree on a CPU, else on its device. What the engine runs and the profile times."""
+    from .tree import ancestor_mask
+
+    if tree.token.device.type == "cpu":
+        return prune_lists(tree, value, w_v, max_depth)
+    kept, kept_valid = prune_topk(tree, value, w_v)
+    vtree = subtree(tree, kept, kept_valid)
+    return kept, kept_valid, vtree, ancestor_mask(vtree.parent, vtree.depth, vtree.valid, max_depth)

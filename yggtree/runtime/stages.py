@@ -26,9 +26,9 @@ from .lookup import LookupIndex, Proposal, propose
 from .merge import SOURCE_DRAFTER, SOURCE_LOOKUP, SOURCE_NAMES, merge_lookup, root_tree
 from .overlap import Speculation, fits, guess_path, speculate
 from .policy import StepChoice, StepPolicy
-from .prune import prune_lists, prune_topk, subtree
+from .prune import prune_for_verify
 from .schedule import StageTimer
-from .tree import Tree, ancestor_mask, check_invariants
+from .tree import Tree, check_invariants
 
 
 @dataclass
@@ -236,12 +236,7 @@ def prune(eng, req: Request, st: Step) -> tuple[torch.Tensor, torch.Tensor, Tree
     check = eng.cfg.mode == "reference"
     if check:
         check_invariants(st.tree)
-    if st.tree.token.device.type == "cpu":  # the same, as lists: fewer microseconds on a CPU
-        kept, kept_valid, vtree, anc = prune_lists(st.tree, st.tree.logp, st.wv, st.dw)
-    else:
-        kept, kept_valid = prune_topk(st.tree, st.tree.logp, st.wv)
-        vtree = subtree(st.tree, kept, kept_valid)
-        anc = ancestor_mask(vtree.parent, vtree.depth, vtree.valid, st.dw)
+    kept, kept_valid, vtree, anc = prune_for_verify(st.tree, st.tree.logp, st.wv, st.dw)
     if check:
         check_invariants(vtree)
     return kept, kept_valid, vtree, anc
