@@ -75,10 +75,16 @@ async def cell(url: str, model: str, prompts: list[str], concurrency: int, max_t
         async with sem:
             return await one(c, model, p, max_tokens, speculative)
 
-    limits = httpx.Limits(max_connections=concurrency + 2)
+    # a connection per request: a server may close a kept-alive connection as the next request
+    # goes out on it (llama-server after a few requests), which no client can tell from a failure
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as c:
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*(run(c, p) for p in prompts))
+        try:
+            rs = await asyncio.gather(*(run(c, p) for p in prompts))
+        except httpx.HTTPError as e:
+            raise YggError(f"the server at {url} failed a request at concurrency {concurrency}: "
+                           f"{type(e).__name__}: {e}") from None
         wall = time.perf_counter() - t0
     tpots = [r["tpot"] for r in rs if r["tpot"] == r["tpot"]]
     tokens = sum(r["tokens"] for r in rs)
