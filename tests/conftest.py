@@ -16,6 +16,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Test processes (pytest-xdist, ``--dist loadgroup`` in pyproject's addopts): a module's unit
     tests run in one process (its module fixtures built once), and every slow test in one process,
