@@ -65,13 +65,19 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     return padding
 
 
-def choice_record(plan, root: Path | None = None) -> dict | None:
-    """The cached record (``key``, ``padding``, ``load``) of the product-kernel choice of
-    ``plan`` (a CPU plan without a profile), None where there is none."""
+def _choice_file(plan, root: Path | None) -> tuple[dict | None, Path | None]:
+    """The cached product-kernel choice of ``plan`` (a CPU plan without a profile) and its file."""
     from ..runtime.loading import resolve_model
 
     threads, widths = plan_threads_widths(plan)
     choice, path, _ = cached_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads, root)
+    return choice, path
+
+
+def choice_record(plan, root: Path | None = None) -> dict | None:
+    """The cached record (``key``, ``padding``, ``load``) of the product-kernel choice of
+    ``plan``, None where there is none."""
+    choice, path = _choice_file(plan, root)
     try:
         return json.loads(path.read_text()) if choice is not None and path is not None else None
     except (OSError, ValueError):
@@ -80,10 +86,7 @@ def choice_record(plan, root: Path | None = None) -> dict | None:
 
 def forget_choice(plan, root: Path | None = None) -> None:
     """Delete the cached product-kernel choice of ``plan``: the next engine or compile measures it."""
-    from ..runtime.loading import resolve_model
-
-    threads, widths = plan_threads_widths(plan)
-    _, path, _ = cached_choice(resolve_model(plan.target), plan.dtype, plan.weights, widths, threads, root)
+    _, path = _choice_file(plan, root)
     if path is not None:
         path.unlink(missing_ok=True)
 
