@@ -296,8 +296,16 @@ def test_a_learnt_record_that_does_not_read_changes_nothing(record):
 def test_the_build_session_yields_to_runs_in_other_sessions():
     """The build's own session (an autogroup) gets the lowest weight: the idle class alone does not
     hold across sessions, which the scheduler shares fairly first."""
-    code = ("from yggtree import machine_plan; import os; machine_plan._yield_to_runs(); "
-            "print(open('/proc/self/autogroup').read().split()[-1], os.sched_getscheduler(0) == os.SCHED_IDLE)")
+    code = ("from yggtree import machine_plan; import json, os; machine_plan._yield_to_runs(); "
+            "print(json.dumps([open('/proc/self/autogroup').read(), os.sched_getscheduler(0) == os.SCHED_IDLE]))")
+
+    def build_session(**kw):
+        group, idle = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                check=True, **kw).stdout)
+        if not group.strip():  # seen on CI: the probe's group applied, the next session's reads empty
+            pytest.skip("autogroups do not apply to this session (a CPU cgroup holds it)")
+        return group.split()[-1], idle
+
     probe = ("import pathlib\ntry:\n    pathlib.Path('/proc/self/autogroup').write_text('19')\n"
              "    print('ok' if pathlib.Path('/proc/self/autogroup').read_text().strip() else "
              "'autogroups do not apply (a CPU cgroup holds this process)')\n"
@@ -308,12 +316,9 @@ def test_the_build_session_yields_to_runs_in_other_sessions():
         pytest.skip(f"a session's autogroup nice cannot be set here: {said}")
     time.sleep(0.2)  # an unprivileged process may change an autogroup's nice once per 100 ms
     ours = Path("/proc/self/autogroup").read_text()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         start_new_session=True).stdout.split()
-    assert out == ["19", "True"]
+    assert build_session(start_new_session=True) == ("19", True)
     assert Path("/proc/self/autogroup").read_text() == ours  # a session of its own: the caller's is untouched
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[1] == "True" and Path("/proc/self/autogroup").read_text() == ours  # by hand: the shell's group kept
+    assert build_session()[1] is True and Path("/proc/self/autogroup").read_text() == ours  # by hand: shell's kept
 
 
 def _built(monkeypatch, tmp_path, verdict, started=None):
