@@ -354,6 +354,24 @@ def test_where_the_objective_measured_faster_the_default_speculates(monkeypatch,
     assert not args.no_speculate and "latency objective on its own profile" in capsys.readouterr().err
 
 
+def test_a_namesake_devices_tuned_plan_is_not_mentioned_where_the_machine_plan_runs(monkeypatch, tmp_path, capsys):
+    """Another CPU of the same name tuned a plan: where this machine's own plan runs, the run's one
+    line names it alone; the passed-over plan is said only where the quick start runs instead."""
+    _built(monkeypatch, tmp_path, (True, 1.08))
+
+    def namesake(*a, say=None, **k):
+        say("not using tuned plan profiles/other.yaml: it records another cpu")
+        return None, None
+
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", namesake)
+    run_cmd._pick_plan(_args())
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not using tuned plan" not in err
+    monkeypatch.setattr(run_cmd, "_machine_plan", lambda *a: False)
+    run_cmd._pick_plan(_args(no_speculate=True))
+    assert "not using tuned plan profiles/other.yaml" in capsys.readouterr().err
+
+
 def test_a_built_plan_without_a_verdict_starts_the_build_to_measure_it(monkeypatch, tmp_path):
     """A plan built before the verdict existed (or whose profile changed): the run speculates as
     before and starts the build, which only measures the verdict (machine_plan._build_locked)."""

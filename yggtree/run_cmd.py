@@ -294,21 +294,26 @@ def _pick_plan(args) -> None:
     if not only_defaults:
         return
     device = detect_device()
-    ready, waiting = find_tuned_plan(args.dtype, device, say=lambda line: sys.stderr.write(f"yggtree: {line}\n"))
+    passed_over = []  # a namesake device's tuned plan: said only where no plan of this machine's runs
+    ready, waiting = find_tuned_plan(args.dtype, device, say=passed_over.append)
     if ready is not None:
         sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
         args.plan = str(ready)
         args.no_default_note = None
-    elif _machine_plan(args, device, waiting) or args.no_speculate:
         return
-    else:  # no compiled tuned plan: the default plan with a quick profile (yggtree.quickstart)
-        import torch
+    if _machine_plan(args, device, waiting):
+        return
+    for line in passed_over:
+        sys.stderr.write(f"yggtree: {line}\n")
+    if args.no_speculate:
+        return
+    import torch  # no compiled tuned plan: the default plan with a quick profile (yggtree.quickstart)
 
-        compile_hint = waiting and f"`yggtree compile {waiting}` once to speculate with the plan tuned for it"
-        args.quick, why = default_quick_start(args.dtype, device, torch.get_num_threads(), compile_hint)
-        args.no_default_note = (f"plan {waiting} is tuned for this {device['kind']} but not compiled: "
-                                f"{compile_hint}" if waiting is not None else
-                                why and f"no tuned plan for this {device['kind']} in {args.dtype}: {why}")
+    compile_hint = waiting and f"`yggtree compile {waiting}` once to speculate with the plan tuned for it"
+    args.quick, why = default_quick_start(args.dtype, device, torch.get_num_threads(), compile_hint)
+    args.no_default_note = (f"plan {waiting} is tuned for this {device['kind']} but not compiled: "
+                            f"{compile_hint}" if waiting is not None else
+                            why and f"no tuned plan for this {device['kind']} in {args.dtype}: {why}")
 
 
 def _machine_plan(args, device: dict, waiting) -> bool:
