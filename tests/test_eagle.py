@@ -19,7 +19,7 @@ from yggtree.runtime.eagle import EagleDrafter, load_eagle, save_eagle
 from yggtree.runtime.eagle_config import is_eagle_dir
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.kv_cache import KVCache
-from yggtree.runtime.model import ModelConfig, Transformer, rope_table
+from yggtree.runtime.model import ModelConfig, Transformer, rope_table, set_invariant_rows
 from yggtree.runtime.tree import ancestor_mask
 
 CHUNK = 8
@@ -307,12 +307,14 @@ DRAFTS = {
 }
 
 
-@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("num_layers,rows", [(1, 1), (2, 1), (2, CHUNK - 1)])
 @pytest.mark.parametrize("shape", list(DRAFTS))
-def test_draft_equals_reference_stack(target, shape, num_layers):
+def test_draft_equals_reference_stack(target, shape, num_layers, rows):
     """Head and steps of a 1- and a 2-layer head equal, node by node, :func:`reference_stack`
     along the node's path (prompt pairs with true features, then each drafted token with its
-    parent's predicted feature): every layer's cache, tree mask and position is right."""
+    parent's predicted feature): every layer's cache, tree mask and position is right. With
+    ``rows`` > 1 the head's calls of several rows (the head's D_max + 1, a tree's 2) take the row
+    attention, each row's context split once for every layer (``row_window``)."""
     n_slots, prompt, root = 48, torch.tensor(PROMPTS[3][:10]), torch.tensor(42)
     L = prompt.shape[0]
     feat = true_features(target, prompt, n_slots)
@@ -322,6 +324,7 @@ def test_draft_equals_reference_stack(target, shape, num_layers):
 
     d = EagleDrafter.random(target, "reference", max_depth=MAX_DEPTH, seed=4, num_layers=num_layers)
     assert len(d.net.layers) == num_layers
+    set_invariant_rows(d.net, rows)
     d.setup(n_slots, [CHUNK, 1, 2], CHUNK)
     d.prefill(prompt, (feat,))
     got = {0: _full_logp(d.head(root, torch.tensor(L), 97))[0]}

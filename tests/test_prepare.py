@@ -43,3 +43,24 @@ def test_an_engine_runs_the_models_prepared_from_its_spec(model_dir):
     p = prepare_models(spec)
     assert min_rows_of(engine.target) == p.min_rows and tok is not None
     assert engine.n_slots == engine.envelope.slots(64) == 64 + 7 + 1  # context, largest tree (1 + 3 * 2), scratch
+
+
+def test_a_drafter_computes_row_by_row_where_the_library_attention_reads_only_visible_slots():
+    """A drafter's calls narrower than a prefill chunk take the row attention only where its layers
+    run the library's kernel (which reads each row's visible slots): elsewhere the grouped products
+    over the context bucket stay."""
+    from helpers import tiny_model
+    from yggtree.runtime.prepare import drafter_rows
+
+    def rows(m):
+        return {a.invariant_rows for a in m.modules() if isinstance(a, Attention)}
+
+    torch_attention = tiny_model(hidden=32, max_pos=64)
+    drafter_rows(torch_attention, 8)
+    assert rows(torch_attention) == {1}
+    library = tiny_model(hidden=32, max_pos=64)
+    for a in library.modules():
+        if isinstance(a, Attention):
+            a.native_rows = "rows"
+    drafter_rows(library, 8)
+    assert rows(library) == {attention_rows(8)} == {7}

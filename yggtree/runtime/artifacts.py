@@ -197,9 +197,10 @@ def cache_dir(art_dir: str | Path) -> Path:
 # graph is refused loudly at warm-up
 # eagle_config.py: the drafter's layer shapes; packed.py, quant.py and w4a8.py: the custom ops and the quantized layers the packages call
 # (csrc/w4a8.cpp is not traced: packages call the op, which the process loads); steps.py: the
-# step functions a whole-step package inlines
+# step functions a whole-step package inlines; prepare.py: what the models hold when traced (padding,
+# each model's attention formulation), constants of every package
 GRAPH_SOURCES = ("aoti.py", "eagle.py", "eagle_config.py", "kernels.py", "kv_cache.py", "model.py",
-                 "packed.py", "quant.py", "steps.py", "w4a8.py")
+                 "packed.py", "prepare.py", "quant.py", "steps.py", "w4a8.py")
 
 
 def runtime_code_hash() -> str:

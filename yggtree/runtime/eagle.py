@@ -58,7 +58,7 @@ from .eagle_config import CONFIG_FILE, WEIGHTS_FILE, EagleConfig, check_vocab_ma
 from .graphs import Graphs
 from .kv_cache import KVCache, KVStore
 from .loading import read_safetensors
-from .model import Block, RMSNorm, Transformer, embedding, rope_table
+from .model import Block, RMSNorm, Transformer, embedding, rope_table, row_window, rows_path
 from .steps import tree_mask
 
 __all__ = ["EagleNet", "EagleDrafter", "save_eagle", "load_eagle"]
@@ -161,8 +161,14 @@ class EagleNet(nn.Module):
         cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)
         e = F.embedding(tokens, self.embed_weight if embed is None else embed)  # [W, H]
         x = self.fuse_input(e, feat)[None]  # [1, W, H]
+        slots, mask = slots[None], mask[None]
+        if rows_path(self.layers[0].self_attn.invariant_rows, *slots.shape):
+            # the rows' context split once, as the target's decoder does: its blocks take the same
+            # inputs, so a block package serves either model
+            window, mask = row_window(mask)
+            slots = torch.cat([slots[..., None], window], -1)  # [1, W, 1 + T]
         for block in self.layers:
-            x = block(x, cos, sin, slots[None], mask[None])
+            x = block(x, cos, sin, slots, mask)
         return x[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
