@@ -168,10 +168,10 @@ def eagle_call_engine(k=TREE.top_k, nodes=None):
     drafter = EagleDrafter.random(target, "reference", max_depth=TREE.draft_depth, seed=3)
     nodes = nodes or 1 + TREE.draft_depth * TREE.draft_width
     eng = Engine(target, EngineConfig(mode="reference", max_context=MAX_CTX, prefill_chunk=CHUNK, tree=TREE), drafter)
-    runners = {(drafter_call_key(drafter, "head", k, nodes), TREE.draft_depth + 1, N_SLOTS):
-               FakeCallRunner(drafter.net, "head", TREE.draft_depth + 1, k, nodes),
-               (drafter_call_key(drafter, "draft", k, nodes), TREE.draft_width, N_SLOTS):
-               FakeCallRunner(drafter.net, "draft", TREE.draft_width, k, nodes)}
+    runners = {(drafter_call_key(drafter, "head", k, nodes), w, N_SLOTS): FakeCallRunner(drafter.net, "head", w, k, nodes)
+               for w in drafter.head_widths}
+    runners[(drafter_call_key(drafter, "draft", k, nodes), TREE.draft_width, N_SLOTS)] = FakeCallRunner(
+        drafter.net, "draft", TREE.draft_width, k, nodes)
     install_drafter_calls(drafter, PackageSet(runners, N_SLOTS), k, nodes)
     return eng, runners
 

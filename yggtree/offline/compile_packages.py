@@ -194,7 +194,7 @@ def _record_shapes(plan: Plan, target, drafter, n_slots: int):
 
     rec = ShapeRecorder()
     install_recorder(target, rec)
-    head = getattr(drafter, "max_depth", 0) + 1  # EAGLE: D_max + 1; standalone LM: 1
+    heads = getattr(drafter, "head_widths", (1,))  # EAGLE: its head calls' widths; standalone LM: 1
     uses: list[tuple[str, str, tuple[str, int, int]]] = []  # (model, role, shape)
     with torch.no_grad():
         graphs = Graphs(target, "performance", backend=plan.backend)
@@ -207,7 +207,7 @@ def _record_shapes(plan: Plan, target, drafter, n_slots: int):
             uses += [("drafter", "prefill+head", k) for k in rec.take()]
             for w in drafter_widths(plan):
                 drafter.setup(n_slots, [w], plan.prefill_chunk)
-                uses += [("drafter", _roles_drafter(plan, w, head), k) for k in rec.take()]
+                uses += [("drafter", _roles_drafter(plan, w, heads), k) for k in rec.take()]
     for model in (target, drafter.graphs.model if drafter is not None else None):
         for block in model.layers if model is not None else ():
             block.__dict__.pop("forward", None)
@@ -225,11 +225,11 @@ def _roles_target(plan: Plan, w: int) -> str:
     return "+".join(roles)
 
 
-def _roles_drafter(plan: Plan, w: int, head: int) -> str:
+def _roles_drafter(plan: Plan, w: int, heads: tuple[int, ...]) -> str:
     roles = []
     if w == plan.prefill_chunk:
         roles.append("prefill")
-    if w == head:
+    if w in heads:
         roles.append("head")
     if w in plan.draft_widths:
         roles.append("draft")
@@ -251,9 +251,8 @@ def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_
     skey = step_key(target, capture)
     jobs |= {(skey, w, c): "step" for w in plan.step_widths for c in context_buckets(n_slots) if c >= w}
     if hasattr(drafter, "calls"):
-        head = drafter.max_depth + 1
         jobs |= {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
-                 for kind, ws in (("head", [head]), ("draft", plan.draft_widths)) for w in ws}
+                 for kind, ws in (("head", drafter.head_widths), ("draft", plan.draft_widths)) for w in ws}
     return jobs
 
 

@@ -96,7 +96,9 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widt
             out.append(("draft", w, ctx, dbucket, draft))
         root = torch.tensor(1)
 
-        def head(root=root, L=L):
+        def head(root=root, L=L):  # the widest head call (every draft token accepted): a bound
+            if hasattr(drafter, "pend_n"):
+                drafter.pend_n.fill_(drafter.max_depth)
             return drafter.head(root, L, k)
 
         out.append(("head", plan.d_max + 1, ctx, engine.graphs.bucket(ctx + 1), head))

@@ -132,6 +132,7 @@ def block_shapes(plan) -> int:
     chunk, the head, every W_d). A self-drafter or an EAGLE head shares the target's block
     graphs (same block shape); a standalone drafter LM has its own."""
     from ..runtime.build import drafter_widths, plan_slots
+    from ..runtime.eagle import head_widths
     from ..runtime.graphs import context_buckets
     from ..runtime.prepare import drafter_feeds_leaves
 
@@ -140,7 +141,8 @@ def block_shapes(plan) -> int:
     if not plan.speculative:
         return buckets * len(target)
     eagle = not drafter_feeds_leaves(plan)  # an EAGLE head; an LM drafter feeds its leaves
-    drafter = {plan.prefill_chunk, plan.d_max + 1 if eagle else 1, *drafter_widths(plan)}
+    heads = head_widths(plan.d_max) if eagle else (1,)
+    drafter = {plan.prefill_chunk, *heads, *drafter_widths(plan)}
     if plan.drafter == "self" or eagle:
         return buckets * len(target | drafter)
     return buckets * (len(target) + len(drafter))

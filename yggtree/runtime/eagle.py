@@ -190,6 +190,13 @@ def topk_of(net: EagleNet, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return net.draft_vocab[idx], val
 
 
+def head_widths(max_depth: int) -> tuple[int, ...]:
+    """The widths a head call runs at (each a static shape) for a drafter of depth ``max_depth``:
+    a call takes the fewest of these rows that hold its a + 1 pending pairs (a: the tokens
+    accepted at the last step, at most D_max)."""
+    return tuple(sorted({w for w in (1, 2, 4) if w <= max_depth} | {max_depth + 1}))
+
+
 def head_call(
     net: EagleNet,
     root: torch.Tensor,  # [] int64 the root token t_L
@@ -367,7 +374,7 @@ class EagleDrafter:
             mask = (torch.arange(s, device=dev)[None, :] == s - 1).repeat(w, 1)
             self.net(ar, feat, ar, scratch, mask)
 
-        self.graphs.build(sorted(set(widths) | {self.max_depth + 1}), run, threads)
+        self.graphs.build(sorted(set(widths) | set(self.head_widths)), run, threads)
 
     def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
         """Pairs (t_{i+1}, f_i), i = 0..n-2, at slots 1..n-1 in chunks of ``C``; f_{n-1} pends.
@@ -403,11 +410,18 @@ class EagleDrafter:
         self.pend_feat[0] = f[n - 1 - base]
         self.pend_n.zero_()
 
+    @property
+    def head_widths(self) -> tuple[int, ...]:
+        return head_widths(self.max_depth)
+
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
-        """Feed the pending pairs, the last of which is (root, f_{L-1}) at slot L: [1, k]."""
+        """Feed the pending pairs, the last of which is (root, f_{L-1}) at slot L, in a call of
+        the fewest :attr:`head_widths` rows that hold them: [1, k]."""
         self._check_k(k)
-        acts = (root.to(torch.int64), committed, self.pend_tok, self.pend_feat, self.pend_n)
-        run = self.calls.runner("head", self.max_depth + 1, k) if self.calls is not None else None
+        a = int(self.pend_n)
+        w = next(w for w in self.head_widths if w > a)
+        acts = (root.to(torch.int64), committed, self.pend_tok[:w], self.pend_feat[:w], self.pend_n)
+        run = self.calls.runner("head", w, k) if self.calls is not None else None
         if run is not None:
             return TopK(*run(acts, self.node_feat))
         return TopK(*head_call(self.net, *acts, self.node_feat, k))

@@ -96,9 +96,11 @@ class KVStore:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` [B, K] to slots ``dst`` [B, K] in every layer (the gather is taken
-        before the write, so overlapping slot sets are safe)."""
-        bi = torch.arange(src.shape[0], device=src.device)[:, None]
-        self.kv[:, :, bi, :, dst] = self.kv[:, :, bi, :, src]  # [B, K, L, 2, H, D]
+        before the write, so overlapping slot sets are safe). Row by row along the slot axis: half
+        the time of one advanced-indexing gather and write over the batch and slot axes together."""
+        for b in range(src.shape[0]):
+            kv = self.kv[:, :, b]  # [L, 2, H, S, D] a view
+            kv.index_copy_(3, dst[b], kv.index_select(3, src[b]))
 
     def keep_rows(self, idx: torch.Tensor) -> "KVStore":
         """A store of the batch rows ``idx`` [B'] only (a batch whose finished rows leave)."""
