@@ -207,15 +207,19 @@ def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
     k, nodes = 2, 1 + 3 * 2
     loaders = {kind: AOTIModelPackageLoader(str(compile_drafter_call_package(
         drafter, kind, w, k, nodes, tmp_path / f"{kind}.pt2")), "model", False, 1, -1)
-        for kind, w in (("head", 4), ("draft", 2))}
+        for kind, w in (("head", 2), ("draft", 2))}
     drafter.prefill(torch.arange(3, 14), (torch.randn(11, target.cfg.hidden_size),))
     state = [drafter.net.embed_weight, *(b.self_attn.cache.kv for b in drafter.net.layers),
              *(t for _, t in model_tensors(drafter.net))]
     L = torch.tensor(11)
     nf = drafter.node_feat[:nodes]
-    got = loaders["head"].run([torch.tensor(5), L, drafter.pend_tok, drafter.pend_feat, drafter.pend_n, nf, *state])
+    drafter.pend_tok[0] = 9  # one pending pair beside the root's: a head call of 2 rows
+    drafter.pend_feat[1] = drafter.pend_feat[0] + 1
+    drafter.pend_n.fill_(1)
+    got = loaders["head"].run([torch.tensor(5), L + 1, drafter.pend_tok[:2], drafter.pend_feat[:2], drafter.pend_n,
+                               nf, *state])
     row0 = drafter.node_feat[0].clone()
-    want = drafter.head(torch.tensor(5), L, k)
+    want = drafter.head(torch.tensor(5), L + 1, k)
     assert torch.equal(got[0], want.token) and torch.allclose(got[1], want.logp, atol=1e-5)
     assert torch.allclose(row0, drafter.node_feat[0], atol=1e-5)
     tok, depth, node, parent = torch.tensor([7, 9]), torch.tensor([1, 1]), torch.tensor([1, 2]), torch.tensor([0, 0])

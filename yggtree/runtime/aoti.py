@@ -482,14 +482,14 @@ class _DrafterCallFn(nn.Module):
 
 
 def compile_drafter_call_package(drafter, kind: str, width: int, k: int, nodes: int, path: Path) -> Path:
-    """Export an EAGLE drafter's ``kind`` call (head: its width is D_max + 1; draft: W_d inputs)
+    """Export an EAGLE drafter's ``kind`` call (head: ``width`` pending rows; draft: W_d inputs)
     with top-``k`` over trees of up to ``nodes`` nodes and compile it into the AOTInductor package
     ``path``. The drafter must be set up and its blocks run their own forward."""
     net = drafter.net
     i64 = dict(dtype=torch.int64)
-    if kind == "head":
-        acts = (torch.tensor(1, **i64), torch.tensor(2, **i64), drafter.pend_tok.clone(), drafter.pend_feat.clone(),
-                torch.tensor(0, **i64))
+    if kind == "head":  # the first ``width`` pending rows (EagleDrafter.head_widths)
+        acts = (torch.tensor(1, **i64), torch.tensor(2, **i64), drafter.pend_tok[:width].clone(),
+                drafter.pend_feat[:width].clone(), torch.tensor(0, **i64))
     else:
         ar = torch.arange(width)
         anc = torch.zeros(width, nodes, dtype=torch.bool)
