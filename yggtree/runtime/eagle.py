@@ -135,9 +135,11 @@ class EagleNet(nn.Module):
             )
         if len(feats) == 1:
             return feats[0]
+        x = torch.cat(feats, dim=-1)  # [..., n H_t]
         if self.cfg.input_norm:  # parameter-free per-layer RMS scaling before the reduction
-            feats = tuple(x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) for x in feats)
-        return self.reduce(torch.cat(feats, dim=-1))
+            per = x.view(*x.shape[:-1], len(feats), -1)  # [..., n, H_t]: each layer's own scale, in one pass
+            x = (per * torch.rsqrt(per.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)).view(x.shape)
+        return self.reduce(x)
 
     def fuse_input(self, e: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """fc(cat(embedding, feature)) [..., H], both normalised first when ``input_norm``."""
