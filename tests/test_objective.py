@@ -761,7 +761,7 @@ def test_the_catch_up_is_learnt_from_the_drafted_steps_that_paid_it():
                           feedback=Feedback(alpha=0.5))
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
     pol.see_catch_up(40, 10_000)
-    assert pol.catch_up_ms() == pytest.approx(40 * 0.5)
+    assert pol.catch_up_ms(100) == pytest.approx(40 * 0.5)
     for measured, want in ((1.0, 1.0), (1.2, 1.1)):  # ms a token: set, then halfway (alpha 0.5)
         pol.see_catch_up(40, 10_000)
         c = pol.choose_draft(torch.zeros(8), 100)
@@ -770,12 +770,41 @@ def test_the_catch_up_is_learnt_from_the_drafted_steps_that_paid_it():
         pol.observe(StepRecord(torch.zeros(8), 100, c, 8, 1, {"verify": 31.0, "draft": 10.0, "resync": 40 * measured}))
         assert pol.feedback.catch_up == pytest.approx(want)
     pol.see_catch_up(10, 10_000)
-    assert pol.catch_up_ms() == pytest.approx(10 * 1.1)
+    assert pol.catch_up_ms(100) == pytest.approx(10 * 1.1)
     pol.see_catch_up(0, 10_000)  # in step: a drafted step without a catch-up teaches nothing
     c = pol.choose_draft(torch.zeros(8), 100)
     pol.choose_verify(tree, c, 100)
     pol.observe(StepRecord(torch.zeros(8), 100, c, 8, 1, {"verify": 31.0, "draft": 10.0, "resync": 0.001}))
     assert pol.feedback.catch_up == pytest.approx(1.1)
+
+
+def test_a_catch_up_is_priced_per_call_of_the_drafters_prefill_chunks():
+    """The drafter absorbs a lag in calls of its prefill chunk (static width: a call costs the same
+    however few of its rows are new), redoing the grid's chunks from the one holding the first
+    missing token: one token behind costs a call, a whole prompt ceil((n - 1) / chunk) calls. The
+    profile's catch-up of N tokens and each measured one are divided by their calls, so one lost
+    plain step does not price a prompt's catch-up at its length times a call."""
+    from yggtree.runtime.cost import catch_up_calls
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.policy import StepRecord
+
+    assert [catch_up_calls(b, 150, 64) for b in (0, 1, 21, 22, 85, 86, 150)] == [0, 1, 1, 2, 2, 3, 3]
+    assert catch_up_calls(30, 30, 64) == 1 and catch_up_calls(7, 30, 1) == 7  # a prompt; per token
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + min(d, 3) * 0.3), (4, 8, 16, 32))
+    pol = ObjectivePolicy(catch_up_model(0.5), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, feedback=Feedback(alpha=0.5),
+                          chunk=64)
+    per_call = 256 * 0.5 / 4  # the profile's 256 tokens from the start: 4 calls of 64
+    assert pol.cost.resync_per_call(64) == pytest.approx(per_call)
+    pol.see_catch_up(100, 10_000)  # a prompt of 100 tokens: 2 calls, not 100 tokens' worth
+    assert pol.catch_up_ms(100) == pytest.approx(2 * per_call)
+    pol.see_catch_up(1, 10_000)  # one plain step behind: a whole call
+    assert pol.catch_up_ms(100) == pytest.approx(per_call)
+    c = pol.choose_draft(torch.zeros(8), 100)
+    pol.choose_verify(topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1]), c, 100)
+    pol.observe(StepRecord(torch.zeros(8), 100, c, 8, 1, {"verify": 31.0, "draft": 10.0, "resync": 3.0}))
+    assert pol.feedback.catch_up == pytest.approx(3.0)  # ms a call: the prompt's catch-up then 2 x 3 ms
+    pol.see_catch_up(100, 10_000)
+    assert pol.catch_up_ms(100) == pytest.approx(6.0)
 
 
 def test_a_probe_waits_until_its_catch_up_is_a_small_share_of_the_plain_steps():

@@ -66,7 +66,7 @@ def test_profile_writes_a_loadable_profile_and_never_overwrites(plan_path, tmp_p
     cost = CostModel.from_profile(out / "cpu-test.json", load_plan(plan_path))
     assert cost.t_verify(4, 10) > 0 and cost.plain_ms(10) > 0
     (n, ms), = prof["stage_ms"]["resync"].items()  # the drafter's catch-up of n tokens, priced per token
-    assert int(n) >= 1 and ms > 0 and cost.resync_per_token() == pytest.approx(ms / int(n))
+    assert int(n) >= 1 and ms > 0 and cost.resync_per_call(1) == pytest.approx(ms / int(n))
     check_stage_forms(prof["stage_forms"], replace(load_plan(plan_path), profile=str(out / "cpu-test.json")),
                       tmp_path)
     before = (out / "cpu-test.json").read_text()

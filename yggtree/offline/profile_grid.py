@@ -56,7 +56,7 @@ def summarise(samples: list[float]) -> dict:
     }
 
 
-RESYNC_CHUNKS = 4  # prefill chunks of the drafter's catch-up the profile times (its ms per token: cost.resync_per_token)
+RESYNC_CHUNKS = 4  # prefill chunks of the drafter's catch-up the profile times (its ms per call: cost.resync_per_call)
 
 
 def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widths=None):

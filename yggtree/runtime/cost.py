@@ -21,7 +21,7 @@ from ..errors import YggError
 from .artifacts import PROFILE_KIND, first_difference, read_artifact, timing_identity
 from .device import detect_device, device_difference
 
-__all__ = ["Curve", "CostModel", "profile_weights"]
+__all__ = ["Curve", "CostModel", "profile_weights", "catch_up_calls"]
 
 
 def profile_weights(prof: dict, dtype: str) -> str:
@@ -120,19 +120,16 @@ class CostModel:
             return self.plain_ms(ctx)
         return self.t_verify(wv, ctx) + self.overhead_ms(0, 1, wv)
 
-    def resync_per_token(self) -> float | None:
-        """ms a drafted step pays per committed token the drafter has to absorb first (its
-        catch-up after plain steps, the ``resync`` stage): the profile times a catch-up of N
-        tokens (``stage_ms["resync"] = {"N": ms}``); None in a profile without it."""
-        return self._resync_per_token
-
-    @cached_property
-    def _resync_per_token(self) -> float | None:
+    def resync_per_call(self, chunk: int) -> float | None:
+        """ms a drafted step pays per call of the drafter's catch-up (after plain steps, the
+        ``resync`` stage), its prefill in chunks of ``chunk`` tokens, one call each (``chunk`` 1:
+        per token): the profile times a catch-up of N tokens from the start (``stage_ms["resync"]
+        = {"N": ms}``), ``catch_up_calls(N, N, chunk)`` calls; None in a profile without it."""
         v = self.stage_ms.get("resync")
         if not isinstance(v, dict) or not v:
             return None
         n = max(int(k) for k in v)
-        return float(v[str(n)]) / n
+        return float(v[str(n)]) / max(catch_up_calls(n, n, chunk), 1)
 
     def plain_ms(self, ctx: int) -> float:
         """One plain decoding step: the target at width 1 plus choosing the token (a function
@@ -198,3 +195,14 @@ class CostModel:
             str(d.get("name", "")),
         )
 
+
+def catch_up_calls(behind: int, committed: int, chunk: int) -> int:
+    """Calls of a drafter's catch-up of the ``behind`` tokens below ``committed``: its prefill
+    redoes the chunks of the full prefill's grid from the one holding the first (one call of
+    ``chunk`` rows each, however few of them are new: runtime/eagle.py ``prefill``); ``chunk``
+    1 (not known): one per token."""
+    if behind <= 0 or chunk <= 1:
+        return max(behind, 0)
+    start = max(committed - behind, 1)
+    first = min(1 + ((start - 1) // chunk) * chunk, max(committed - 1, 1))
+    return len(range(first, committed, chunk))

@@ -46,10 +46,11 @@ class Feedback:
       paid; held out, decoding was slower with it than without in the same processes. Probes and
       the discounted all-requests sums still follow a text the drafter does badly on.
 
-    - ``catch_up`` (fast): ms per token of the drafter's catch-up (the ``resync`` stage: a
+    - ``catch_up`` (fast): ms per call of the drafter's catch-up (the ``resync`` stage: a
       drafted step after plain steps first absorbs the tokens they committed, and after a request
-      whose drafter prefill was deferred, the whole prompt), measured; until a catch-up has run,
-      the profile's figure stands.
+      whose drafter prefill was deferred, the whole prompt, in prefill chunks of static width: one
+      call per chunk, whatever its tokens; per token where the policy knows no chunk), measured;
+      until a catch-up has run, the profile's figure stands.
     - ``plan_ratio`` (slow): realised / planned speed-up of drafted steps, as discounted sums
       (weight ``1 - accept_alpha`` per drafted step, ``prior_tokens`` pseudo-steps at 1): the
       speed-up a step realised ((1 + accepted) x T_plain' over its measured time, the catch-up
@@ -71,7 +72,7 @@ class Feedback:
     request_prior_tokens: float | None = None  # None: no per-request acceptance
     machine: float = 1.0
     spec_extra: float = 1.0
-    catch_up: float | None = None  # ms per token of the drafter's catch-up (None: none measured yet)
+    catch_up: float | None = None  # ms per call of the drafter's catch-up (None: none measured yet)
     _width: dict = field(default_factory=dict)  # W -> relative factor of width-W target calls
     _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
     _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
@@ -82,7 +83,7 @@ class Feedback:
         """What the steps so far taught, JSON-ready (the settings and this request's own sums
         left out): a later process of the same machine and plan starts from it
         (:meth:`with_learnt`) instead of from the offline model's optimism."""
-        return {"machine": self.machine, "spec_extra": self.spec_extra, "catch_up": self.catch_up,
+        return {"machine": self.machine, "spec_extra": self.spec_extra, "catch_up_call": self.catch_up,
                 "width": {str(w): f for w, f in self._width.items()},
                 "by_depth": {str(d): list(v) for d, v in self._by_depth.items()},
                 "planned": list(self._planned)}
@@ -93,7 +94,8 @@ class Feedback:
         try:
             fields = dict(
                 machine=float(record["machine"]), spec_extra=float(record["spec_extra"]),
-                catch_up=None if record["catch_up"] is None else float(record["catch_up"]),
+                # (records before it was priced per call held "catch_up", ms per token: not read)
+                catch_up=None if record.get("catch_up_call") is None else float(record["catch_up_call"]),
                 _width={int(w): float(f) for w, f in record["width"].items()},
                 _by_depth={int(d): (float(a), float(e)) for d, (a, e) in record["by_depth"].items()},
                 _planned=tuple(float(x) for x in record["planned"][:2]))
@@ -160,16 +162,16 @@ class Feedback:
             scales = [_shrunk(self._request.get(d), self.request_prior_tokens, g) for d, g in enumerate(scales)]
         return 1.0 + (aal - 1.0) * np.array(scales)[depth]
 
-    def catch_up_per_token(self, prior: float | None) -> float | None:
-        """ms per token of the drafter's catch-up: the measured estimate, else ``prior`` (the
+    def catch_up_per_call(self, prior: float | None) -> float | None:
+        """ms per call of the drafter's catch-up: the measured estimate, else ``prior`` (the
         profile's, or None)."""
         return self.catch_up if self.catch_up is not None else prior
 
-    def update_catch_up(self, ms: float, behind: int) -> None:
-        """Fold in one drafted step's catch-up: ``ms`` to absorb ``behind`` tokens."""
-        if behind <= 0:
+    def update_catch_up(self, ms: float, calls: int) -> None:
+        """Fold in one drafted step's catch-up: ``ms`` for its ``calls`` calls."""
+        if calls <= 0:
             return
-        r = ms / behind
+        r = ms / calls
         self.catch_up = r if self.catch_up is None else _toward(self.catch_up, r, self.alpha, self.clip)
 
     def plan_ratio(self) -> float:

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import YggError
 from .calibration import Calibration, tree_aal_by_width
-from .cost import CostModel
+from .cost import CostModel, catch_up_calls
 from .feedback import Feedback
 from .policy import StepChoice, StepPolicy
 from .prediction import Prediction
@@ -137,8 +137,9 @@ class ObjectivePolicy(StepPolicy):
     - the drafter's catch-up (``see_catch_up``: after plain steps, and at a request's start,
       whose drafter prefill the engine defers to the first drafted step, the drafter must first
       absorb the tokens it lacks): a tree is chosen only where its saving over the tokens the
-      request may still emit pays for the catch-up first (``behind`` tokens at the feedback's
-      measured ms per token, else the profile's; the saving at the speed-up the trees chosen so
+      request may still emit pays for the catch-up first (a call per prefill chunk of the
+      ``behind`` tokens, ``chunk`` wide, at the feedback's measured ms per call, else the
+      profile's: a call costs the same however few of its rows are new; the saving at the speed-up the trees chosen so
       far realised, the feedback's ``plan_ratio`` times the price), and a probe only where its
       catch-up costs at most ``probe_share`` of the plain steps before it and of the tokens still
       to come. On a fast target a prompt's catch-up costs many plain steps, which a short
@@ -159,6 +160,7 @@ class ObjectivePolicy(StepPolicy):
     probe_every: int = 16
     probe_max: int = 256
     probe_share: float = 0.1  # a probe costs at most this share of the plain steps' time before it
+    chunk: int = 1  # the drafter's prefill chunk: a catch-up costs a call a chunk (1: priced per token)
     log: list = field(default_factory=list)
     _grid: dict = field(default_factory=dict)  # bucket index -> TreeChoices
     _plain_run: int = 0  # plain steps in a row
@@ -172,7 +174,7 @@ class ObjectivePolicy(StepPolicy):
     _best_rate: dict = field(default_factory=dict)  # bucket index -> (feedback state, best tree's AAL / step ms)
     _behind: int = 0  # tokens the drafter lacks before the coming step (see_catch_up)
     _remaining: int | None = None  # tokens the request may still emit (None: not told)
-    _step_behind: int = 0  # the catch-up of the drafted step under way (its tokens)
+    _step_calls: int = 0  # the catch-up of the drafted step under way (its calls)
     _planned: float = 0.0  # the speed-up the drafted step under way was chosen for (0: none)
 
     def _choices(self, ctx: int) -> TreeChoices:
@@ -293,7 +295,7 @@ class ObjectivePolicy(StepPolicy):
                   and self._probe_affordable(committed)):
                 choice, s = self.plan_choice(committed, allow_plain=False)  # probe
                 self._probing = True
-        self._step_behind = self._behind if choice.draft_depth > 0 else 0
+        self._step_calls = self._catch_up_calls(committed) if choice.draft_depth > 0 else 0
         self._planned = s if choice.draft_depth > 0 else 0.0
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
             self._plain_run += 1
@@ -319,14 +321,18 @@ class ObjectivePolicy(StepPolicy):
     def see_catch_up(self, behind: int, remaining: int) -> None:
         self._behind, self._remaining = int(behind), int(remaining)
 
-    def catch_up_ms(self) -> float:
-        """Predicted time of the drafter's catch-up before a drafted step now (0: in step, or no
-        price known yet)."""
-        if self._behind <= 0:
+    def _catch_up_calls(self, ctx: int) -> int:
+        return catch_up_calls(self._behind, ctx, self.chunk)
+
+    def catch_up_ms(self, ctx: int) -> float:
+        """Predicted time of the drafter's catch-up before a drafted step at context ``ctx`` now
+        (0: in step, or no price known yet): a call per prefill chunk it redoes."""
+        calls = self._catch_up_calls(ctx)
+        if calls <= 0:
             return 0.0
-        prior = self.cost.resync_per_token()
-        per = self.feedback.catch_up_per_token(prior) if self.feedback else prior
-        return self._behind * per if per else 0.0
+        prior = self.cost.resync_per_call(self.chunk)
+        per = self.feedback.catch_up_per_call(prior) if self.feedback else prior
+        return calls * per if per else 0.0
 
     def _catch_up_pays(self, speedup: float, ctx: int) -> bool:
         """Whether a tree at ``speedup`` over plain steps repays the drafter's catch-up within
@@ -334,7 +340,7 @@ class ObjectivePolicy(StepPolicy):
         speed-up scaled by the feedback's realised / planned ratio of drafted steps: the trees
         that follow are priced as the best of many, and realise less); true where the engine did
         not report them or the catch-up has no price."""
-        cost = self.catch_up_ms()
+        cost = self.catch_up_ms(ctx)
         if cost <= 0.0 or self._remaining is None:
             return True
         if self.feedback is not None:  # as fast as the trees chosen so far turned out, not as priced
@@ -346,7 +352,7 @@ class ObjectivePolicy(StepPolicy):
         """Whether a probe's catch-up costs at most ``probe_share`` of the plain steps before it
         and of the plain steps the request may still take (a probe near a request's end pays its
         catch-up for tokens that cannot repay it)."""
-        cost = self.catch_up_ms()
+        cost = self.catch_up_ms(ctx)
         steps = self._plain_run if self._remaining is None else min(self._plain_run, self._remaining)
         return cost <= self.probe_share * steps * self._online_plain(self.cost.plain_ms(ctx))
 
@@ -395,14 +401,14 @@ class ObjectivePolicy(StepPolicy):
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _lk_grid={}, _best_rate={}, _plain_run=0, _probe_gap=0, _probing=False,
-                       _probe_cost=None, _behind=0, _remaining=None, _step_behind=0, _planned=0.0,
+                       _probe_cost=None, _behind=0, _remaining=None, _step_calls=0, _planned=0.0,
                        _pending=None, _scale=None, _lookup=(), **changes)
 
     def start_request(self) -> None:
         """The engine starts a request: its acceptance is learnt afresh (from the all-requests
         estimate) and a policy that fell back to plain steps probes again from the start."""
         self._plain_run, self._probe_gap, self._probing, self._pending = 0, 0, False, None
-        self._behind, self._remaining, self._step_behind, self._planned = 0, None, 0, 0.0
+        self._behind, self._remaining, self._step_calls, self._planned = 0, None, 0, 0.0
         if self.feedback is not None:
             self.feedback.start_request()
 
@@ -413,12 +419,12 @@ class ObjectivePolicy(StepPolicy):
     def observe(self, rec) -> None:
         """The engine's report of the step just run (a StepRecord): fold it into the feedback."""
         pred, self._pending = self._pending, None
-        behind, self._step_behind = self._step_behind, 0
+        calls, self._step_calls = self._step_calls, 0
         planned, self._planned = self._planned, 0.0
         if self.feedback is None or pred is None:
             return
-        if behind > 0 and "resync" in rec.stage_ms:
-            self.feedback.update_catch_up(rec.stage_ms["resync"], behind)
+        if calls > 0 and "resync" in rec.stage_ms:
+            self.feedback.update_catch_up(rec.stage_ms["resync"], calls)
         # the drafter's catch-up after plain steps ("resync") is left out: it is the price of the
         # plain steps before, grows with their number, and counted against speculation it made
         # every later probe look worse (a feedback loop that kept a policy on plain steps)
@@ -459,4 +465,5 @@ def plan_policy(plan, feedback: bool = True) -> ObjectivePolicy | None:
         tuple(plan.verify_widths),
         plan.d_max,
         feedback=Feedback() if feedback else None,
+        chunk=plan.prefill_chunk,
     )
