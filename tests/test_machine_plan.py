@@ -463,7 +463,8 @@ def test_a_measurement_timed_while_busy_is_named(monkeypatch, tmp_path, busy, wh
         assert said is None
     else:
         load = next(iter(busy.values()))
-        assert said == f"{what}: while timing, other processes kept {load:.2f} cores busy"
+        assert said.line == f"{what}: while timing, other processes kept {load:.2f} cores busy"
+        assert said.kernel == (what == "the product kernel")
         (tmp_path / machine_plan.REMEASURED).write_text(json.dumps({"builds": machine_plan.REMEASURES}))
         assert mp.unsettled(path) is None  # measured again as often as it may be: kept
 
@@ -471,14 +472,15 @@ def test_a_measurement_timed_while_busy_is_named(monkeypatch, tmp_path, busy, wh
 def test_a_profile_timing_other_stage_calls_is_measured_again(monkeypatch, tmp_path):
     mp, path = _timed(tmp_path, monkeypatch)
     (tmp_path / "profile.json").write_text(json.dumps({"load": {"other_cores": 0.0, "steal_cores": 0.0}}))
-    assert mp.unsettled(path) == "its profile timed other calls for the pruning and the policy than the engine runs"
+    assert mp.unsettled(path) == machine_plan.Unsettled(
+        "its profile timed other calls for the pruning and the policy than the engine runs")
 
 
 def test_a_run_on_a_plan_timed_while_busy_measures_it_again_in_the_background(monkeypatch, tmp_path, capsys):
     started = []
     _built(monkeypatch, tmp_path, (True, 1.08), started)
-    monkeypatch.setattr(MachinePlan, "unsettled", lambda self, path: "the profile: while timing, other processes "
-                        "kept 0.80 cores busy")
+    monkeypatch.setattr(MachinePlan, "unsettled", lambda self, path: machine_plan.Unsettled(
+        "the profile: while timing, other processes kept 0.80 cores busy"))
     args = _args()
     run_cmd._pick_plan(args)
     err = capsys.readouterr().err

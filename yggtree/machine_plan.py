@@ -86,6 +86,14 @@ def machine_weights(flags: set[str] | None = None) -> str | None:
 
 
 @dataclass(frozen=True)
+class Unsettled:
+    """A measurement of a ready machine plan to be taken again (:meth:`MachinePlan.unsettled`)."""
+
+    line: str  # what and why, one line
+    kernel: bool = False  # the product-kernel choice: forgotten first (the same choice keeps every package)
+
+
+@dataclass(frozen=True)
 class MachinePlan:
     """Where this machine's plan for ``threads`` threads and ``weights`` lives, and its state."""
 
@@ -171,12 +179,12 @@ class MachinePlan:
         except (OSError, ValueError, AttributeError, KeyError, TypeError):
             return None
 
-    def unsettled(self, path: Path) -> str | None:
-        """What of the ready plan ``path`` is to be measured again, as one line: its
-        product-kernel choice, its profile or its speculation verdict timed while other processes
-        kept the cores busy (the build waited as long as it could: ``QUIET_WAITS``), or a profile
-        whose stage timings time other calls than the engine runs (an earlier ``STAGE_CALLS``);
-        None where all hold, or once ``REMEASURES`` later builds measured them again."""
+    def unsettled(self, path: Path) -> Unsettled | None:
+        """What of the ready plan ``path`` is to be measured again: its product-kernel choice,
+        its profile or its speculation verdict timed while other processes kept the cores busy
+        (the build waited as long as it could: ``QUIET_WAITS``), or a profile whose stage timings
+        time other calls than the engine runs (an earlier ``STAGE_CALLS``); None where all hold,
+        or once ``REMEASURES`` later builds measured them again."""
         from .measure.kernel_choice import choice_record
         from .offline.profile_grid import STAGE_CALLS
         from .offline.timing import load_warning
@@ -190,7 +198,7 @@ class MachinePlan:
             if plan.profile is not None:
                 profile = json.loads(Path(plan.profile).read_text())
                 if profile.get("stage_calls", 1) < STAGE_CALLS:
-                    return "its profile timed other calls for the pruning and the policy than the engine runs"
+                    return Unsettled("its profile timed other calls for the pruning and the policy than the engine runs")
                 loads.append(("the profile", profile.get("load")))
             verdict = json.loads((self.root / SPECULATION).read_text())
             if verdict.get("profile") == profile_sha(path):
@@ -200,7 +208,7 @@ class MachinePlan:
         for what, load in loads:
             busy = load_warning(what, load if isinstance(load, dict) else None)
             if busy is not None:
-                return busy.split(": its times")[0]
+                return Unsettled(busy.split(": its times")[0], kernel=what == "the product kernel")
         return None
 
     def remeasured(self) -> int:
@@ -324,8 +332,8 @@ def _build_locked(mp: MachinePlan, say) -> Path:
         # timed while busy: measured again (the same kernel choice keeps every package)
         n = mp.remeasured() + 1
         write_text_atomic(mp.root / REMEASURED, json.dumps({"builds": n}) + "\n")
-        say(f"{busy}: measuring again ({n} of at most {REMEASURES})")
-        if busy.startswith("the product kernel"):
+        say(f"{busy.line}: measuring again ({n} of at most {REMEASURES})")
+        if busy.kernel:
             from .measure.kernel_choice import forget_choice
 
             forget_choice(plan)

@@ -349,7 +349,7 @@ def _machine_plan(args, device: dict, waiting) -> bool:
         sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled "
                          f"here, {how}"
                          f"{'' if whole else '; its whole-step packages are being built in the background'}"
-                         f"{f'; {busy}: measuring it again in the background' if busy else ''})\n")
+                         f"{f'; {busy.line}: measuring it again in the background' if busy else ''})\n")
         args.plan, args.machine_build = str(path), "done" if whole else "blocks"
         return True
     args.machine_build = "pending"
