@@ -17,6 +17,7 @@ import torch
 
 from yggtree import machine_plan, run_cmd
 from yggtree.machine_plan import LOCK, READY, MachinePlan
+from yggtree.offline.profile_grid import STAGE_CALLS
 
 @pytest.fixture(autouse=True)
 def no_real_build(monkeypatch):
@@ -442,7 +443,7 @@ def _timed(tmp_path, monkeypatch, kernel=0.0, profile=0.0, verdict=0.0) -> tuple
 
     mp = MachinePlan(tmp_path, "w4a8", 2)
     (tmp_path / "profile.json").write_text(json.dumps({"load": {"other_cores": profile, "steal_cores": 0.0},
-                                                      "stage_calls": 2}))
+                                                      "stage_calls": STAGE_CALLS}))
     path = tmp_path / "compile" / "m" / "plan.yaml"
     path.parent.mkdir(parents=True)
     save_plan(default_plan().__class__(**{**default_plan().__dict__, "profile": str(tmp_path / "profile.json")}), path)
@@ -473,7 +474,7 @@ def test_a_profile_timing_other_stage_calls_is_measured_again(monkeypatch, tmp_p
     mp, path = _timed(tmp_path, monkeypatch)
     (tmp_path / "profile.json").write_text(json.dumps({"load": {"other_cores": 0.0, "steal_cores": 0.0}}))
     assert mp.unsettled(path) == machine_plan.Unsettled(
-        "its profile timed other calls for the pruning and the policy than the engine runs")
+        "its profile timed other stage calls than the engine runs (pruning, policy, head width)")
 
 
 def test_a_run_on_a_plan_timed_while_busy_measures_it_again_in_the_background(monkeypatch, tmp_path, capsys):

@@ -198,7 +198,7 @@ class MachinePlan:
             if plan.profile is not None:
                 profile = json.loads(Path(plan.profile).read_text())
                 if profile.get("stage_calls", 1) < STAGE_CALLS:
-                    return Unsettled("its profile timed other calls for the pruning and the policy than the engine runs")
+                    return Unsettled("its profile timed other stage calls than the engine runs (pruning, policy, head width)")
                 loads.append(("the profile", profile.get("load")))
             verdict = json.loads((self.root / SPECULATION).read_text())
             if verdict.get("profile") == profile_sha(path):

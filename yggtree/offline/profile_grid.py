@@ -96,17 +96,23 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widt
             out.append(("draft", w, ctx, dbucket, draft))
         root = torch.tensor(1)
 
-        def head(root=root, L=L):  # the widest head call (every draft token accepted): a bound
-            if hasattr(drafter, "pend_n"):
-                drafter.pend_n.fill_(drafter.max_depth)
+        # an EAGLE head call after one accepted draft token (the common case: a call's width
+        # grows with the tokens the last step accepted, drafter.head_widths)
+        typical = 1
+        eagle = hasattr(drafter, "pend_n")
+
+        def head(root=root, L=L):
+            if eagle:
+                drafter.pend_n.fill_(min(typical, drafter.max_depth))
             return drafter.head(root, L, k)
 
-        out.append(("head", plan.d_max + 1, ctx, engine.graphs.bucket(ctx + 1), head))
+        width = next(w for w in drafter.head_widths if w > typical) if eagle else plan.d_max + 1
+        out.append(("head", width, ctx, engine.graphs.bucket(ctx + 1), head))
     return out
 
 
-STAGE_CALLS = 2  # what the stage timings time: 2, the engine's own calls on the device (the host on a
-# CPU); 1 (or absent), the pruning and the policy on tensors where the engine runs them on the host
+STAGE_CALLS = 3  # what the stage timings time: 3, the engine's own calls, an EAGLE head call at its typical
+# width; 2, its widest; 1 (or absent), the pruning and the policy on tensors where the engine runs them on the host
 
 
 class _Instant:
