@@ -201,8 +201,8 @@ def catch_up_calls(behind: int, committed: int, chunk: int) -> int:
     redoes the chunks of the full prefill's grid from the one holding the first (one call of
     ``chunk`` rows each, however few of them are new: runtime/eagle.py ``prefill``); ``chunk``
     1 (not known): one per token."""
+    from .eagle import prefill_first
+
     if behind <= 0 or chunk <= 1:
         return max(behind, 0)
-    start = max(committed - behind, 1)
-    first = min(1 + ((start - 1) // chunk) * chunk, max(committed - 1, 1))
-    return len(range(first, committed, chunk))
+    return len(range(prefill_first(committed - behind, committed, chunk), committed, chunk))

@@ -192,6 +192,13 @@ def topk_of(net: EagleNet, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return net.draft_vocab[idx], val
 
 
+def prefill_first(start: int, n: int, chunk: int) -> int:
+    """The first slot a prefill of ``n`` tokens resuming at slot ``start`` redoes: the start of
+    the full prefill's chunk grid (pairs at slots 1, 1 + chunk, ...) holding ``start``; its calls
+    are ``range(prefill_first(...), n, chunk)``."""
+    return min(1 + ((max(start, 1) - 1) // chunk) * chunk, max(n - 1, 1))
+
+
 def head_widths(max_depth: int) -> tuple[int, ...]:
     """The widths a head call runs at (each a static shape) for a drafter of depth ``max_depth``:
     a call takes the fewest of these rows that hold its a + 1 pending pairs (a: the tokens
@@ -385,8 +392,7 @@ class EagleDrafter:
             raise YggError("EagleDrafter.setup() must be called before prefill()")
         net, c = self.net, self.chunk
         n = prompt.shape[0]
-        first = 1 + ((max(start, 1) - 1) // c) * c  # first chunk of the full grid to redo
-        first = min(first, max(n - 1, 1))
+        first = prefill_first(start, n, c)
         base = first - 1  # f[j] below is the fused feature of position base + j
         f = net.fuse_target(tuple(x[base:n].to(self.pend_feat.dtype) for x in feats))  # [n - base, H]
         dev = self._state_dev
