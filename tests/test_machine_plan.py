@@ -80,7 +80,7 @@ def test_a_running_build_is_not_started_twice_and_a_killed_one_frees_its_lock(tm
 def _args(**kw):
     base = dict(model="default", drafter=None, no_speculate=False, speculate=False, mode="performance", max_context=None,
                 prefill_chunk=None, top_k=None, draft_width=None, draft_depth=None, verify_width=None,
-                weights=None, kv_cache=None, dtype=None, plan=None, threads=0)
+                weights=None, kv_cache=None, dtype=None, plan=None, threads=0, lookup=None)
     return argparse.Namespace(**(base | kw))
 
 
@@ -116,7 +116,7 @@ def test_a_stale_plan_is_rebuilt_with_one_line_saying_why(monkeypatch, tmp_path,
 
 
 def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
-    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: (True, 1.1))  # its verdict measured
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -175,7 +175,7 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
 
 def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
     """``--no-speculate`` alone decodes plainly on the machine plan's graphs (like for like)."""
-    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: (True, 1.1))  # its verdict measured
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -191,7 +191,7 @@ def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
 
 def test_the_plan_is_the_one_of_the_threads_asked(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: (True, 1.1))  # its verdict measured
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -336,7 +336,7 @@ def _built(monkeypatch, tmp_path, verdict, started=None):
 def test_where_plain_steps_measured_faster_the_default_decodes_plainly(monkeypatch, tmp_path, capsys):
     """The build measured the objective slower than plain steps here: a default run decodes the
     plan plainly and says so in its one line; --speculate keeps the objective."""
-    _built(monkeypatch, tmp_path, (False, 0.954))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(False, 0.954, 0))
     args = _args()
     run_cmd._pick_plan(args)
     err = capsys.readouterr().err
@@ -349,16 +349,31 @@ def test_where_plain_steps_measured_faster_the_default_decodes_plainly(monkeypat
 
 
 def test_where_the_objective_measured_faster_the_default_speculates(monkeypatch, tmp_path, capsys):
-    _built(monkeypatch, tmp_path, (True, 1.08))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0))
     args = _args()
     run_cmd._pick_plan(args)
-    assert not args.no_speculate and "latency objective on its own profile" in capsys.readouterr().err
+    assert not args.no_speculate and args.lookup == 0
+    assert "latency objective on its own profile)" in capsys.readouterr().err
+
+
+def test_the_default_runs_the_lookup_count_its_objective_was_fastest_with(monkeypatch, tmp_path, capsys):
+    """The verdict's lookup count becomes the run's (its one line says so); --lookup N keeps N."""
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.25, 4))
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert args.lookup == 4 and "latency objective on its own profile, 4 lookup nodes a step" in capsys.readouterr().err
+    args = _args(lookup=0)
+    run_cmd._pick_plan(args)
+    assert args.lookup == 0
+    args = _args(no_speculate=True)
+    run_cmd._pick_plan(args)
+    assert args.lookup is None
 
 
 def test_a_namesake_devices_tuned_plan_is_not_mentioned_where_the_machine_plan_runs(monkeypatch, tmp_path, capsys):
     """Another CPU of the same name tuned a plan: where this machine's own plan runs, the run's one
     line names it alone; the passed-over plan is said only where the quick start runs instead."""
-    _built(monkeypatch, tmp_path, (True, 1.08))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0))
 
     def namesake(*a, say=None, **k):
         say("not using tuned plan profiles/other.yaml: it records another cpu")
@@ -396,7 +411,10 @@ def test_the_verdict_is_kept_for_its_profile_only(tmp_path):
     mp = MachinePlan(tmp_path, "w4a8", 2)
     assert mp.speculates("abc") is None
     (tmp_path / machine_plan.SPECULATION).write_text(json.dumps({"profile": "abc", "ratio": 0.95, "speculate": False}))
-    assert mp.speculates("abc") == (False, 0.95) and mp.speculates("def") is None
+    assert mp.speculates("abc") is None  # measured before lookup counts were: measured again
+    (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
+        {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4}))
+    assert mp.speculates("abc") == machine_plan.Verdict(False, 0.95, 4) and mp.speculates("def") is None
     (tmp_path / machine_plan.SPECULATION).write_text("{not json")
     assert mp.speculates("abc") is None
 
@@ -412,7 +430,8 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
 
     def measure(plan, art, threads):
         load, ratio = next(busy)
-        return {"ratio": ratio, "prompts": 6, "load": {"other_cores": load}}
+        return {"ratio": ratio, "lookup": 0, "ratios": {"0": ratio, "4": ratio - 0.01}, "prompts": 6,
+                "load": {"other_cores": load}}
 
     waits, said = [], []
     monkeypatch.setattr(choice_mod, "measure_speculation", measure)
@@ -422,8 +441,17 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
     monkeypatch.setattr(machine_plan.time, "sleep", waits.append)
     mp = MachinePlan(tmp_path, "w4a8", 2)
     machine_plan._measure_speculation(mp, tmp_path / "plan.yaml", said.append)
-    assert waits == [machine_plan.QUIET_WAITS[0]] and mp.speculates("sha") == (False, 0.97)
-    assert "0.970x plain steps here (6 calibration prompts): runs decode plainly" in said[-1]
+    assert waits == [machine_plan.QUIET_WAITS[0]] and mp.speculates("sha") == machine_plan.Verdict(False, 0.97, 0)
+    assert said[-1] == ("the latency objective decodes at 0.970x plain steps here with 0 lookup nodes a step "
+                        "(0.960x with 4), 6 calibration prompts: runs decode plainly")
+
+
+def test_the_fastest_lookup_count_is_chosen_the_fewer_among_equals():
+    from yggtree.measure.speculation_choice import LOOKUPS, best_system, lookup_counts
+
+    assert best_system({0: 1.10, 4: 1.25, 8: 1.20}) == 4
+    assert best_system({0: 1.2, 4: 1.2, 8: 1.1}) == 0
+    assert lookup_counts([4, 8]) == tuple(n for n in LOOKUPS if n <= 8) and lookup_counts([1]) == (0,)
 
 
 def test_speed_ratio_is_the_geometric_mean_of_paired_speedups():
@@ -451,7 +479,8 @@ def _timed(tmp_path, monkeypatch, kernel=0.0, profile=0.0, verdict=0.0) -> tuple
                         lambda plan: {"padding": {}, "load": {"other_cores": kernel, "steal_cores": 0.0}})
     sha = machine_plan.profile_sha(path)
     (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
-        {"profile": sha, "ratio": 1.1, "speculate": True, "load": {"other_cores": verdict, "steal_cores": 0.0}}))
+        {"profile": sha, "ratio": 1.1, "speculate": True, "lookup": 0,
+         "load": {"other_cores": verdict, "steal_cores": 0.0}}))
     return mp, path
 
 
@@ -479,7 +508,7 @@ def test_a_profile_timing_other_stage_calls_is_measured_again(monkeypatch, tmp_p
 
 def test_a_run_on_a_plan_timed_while_busy_measures_it_again_in_the_background(monkeypatch, tmp_path, capsys):
     started = []
-    _built(monkeypatch, tmp_path, (True, 1.08), started)
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0), started)
     monkeypatch.setattr(MachinePlan, "unsettled", lambda self, path: machine_plan.Unsettled(
         "the profile: while timing, other processes kept 0.80 cores busy"))
     args = _args()

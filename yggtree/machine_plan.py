@@ -94,6 +94,15 @@ class Unsettled:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """What the build measured of a ready plan's speculation here (measure/speculation_choice.py)."""
+
+    speculate: bool  # its objective decoded faster than its plain steps
+    ratio: float  # the fastest objective's speed over plain steps
+    lookup: int  # lookup nodes a step of that objective
+
+
+@dataclass(frozen=True)
 class MachinePlan:
     """Where this machine's plan for ``threads`` threads and ``weights`` lives, and its state."""
 
@@ -168,14 +177,15 @@ class MachinePlan:
                 f"profile) in the background, once (log: {self.root / LOG}); later runs load it")
 
 
-    def speculates(self, profile_sha: str) -> tuple[bool, float] | None:
-        """(whether runs speculate, the objective's measured speed over plain steps) on the plan
-        timed by the profile of sha256 ``profile_sha``; None where nothing was measured for it."""
+    def speculates(self, profile_sha: str) -> Verdict | None:
+        """Whether runs speculate, at what measured speed over plain steps and with how many
+        lookup nodes, on the plan timed by the profile of sha256 ``profile_sha``; None where
+        nothing was measured for it (or before lookup counts were: measured again)."""
         try:
             record = json.loads((self.root / SPECULATION).read_text())
             if record.get("profile") != profile_sha:
                 return None
-            return bool(record["speculate"]), float(record["ratio"])
+            return Verdict(bool(record["speculate"]), float(record["ratio"]), int(record["lookup"]))
         except (OSError, ValueError, AttributeError, KeyError, TypeError):
             return None
 
@@ -365,8 +375,10 @@ def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
     best = quietest(lambda: measure_speculation(plan, artifact_dir(plan), mp.threads), QUIET_WAITS, "speculation", say)
     record = {"profile": profile_sha(copy), **best, "speculate": best["ratio"] >= 1.0}
     write_text_atomic(mp.root / SPECULATION, json.dumps(record) + "\n")
-    say(f"the latency objective decodes at {best['ratio']:.3f}x plain steps here ({best['prompts']} calibration "
-        f"prompts): runs {'speculate' if record['speculate'] else 'decode plainly'}")
+    others = ", ".join(f"{r:.3f}x with {n}" for n, r in best.get("ratios", {}).items() if int(n) != best["lookup"])
+    say(f"the latency objective decodes at {best['ratio']:.3f}x plain steps here with {best['lookup']} lookup "
+        f"nodes a step{f' ({others})' if others else ''}, {best['prompts']} calibration prompts: "
+        f"runs {'speculate' if record['speculate'] else 'decode plainly'}")
 
 
 def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, reuse: tuple[Path, ...],

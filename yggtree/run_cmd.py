@@ -98,7 +98,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         type=_nonneg_int,
         default=None,
         help="at most N lookup nodes per step: continuations of the prompt and the text generated so "
-        "far join the drafter's tree (0 disables; <= the verify width; default: the plan's, 0)",
+        "far join the drafter's tree (0 disables; <= the verify width; default: the plan's, 0, or on "
+        "this machine's plan the count its objective measured fastest with)",
     )
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with a drafter")
     p.add_argument("--speculate", action="store_true",
@@ -342,10 +343,13 @@ def _machine_plan(args, device: dict, waiting) -> bool:
             except OSError:
                 pass
         how = "latency objective on its own profile"
-        if verdict is not None and not verdict[0] and not (args.speculate or args.no_speculate):
+        if verdict is not None and not verdict.speculate and not (args.speculate or args.no_speculate):
             args.no_speculate = True  # measured: plain steps are faster here than keeping the objective's option
-            how = (f"plain steps: its latency objective decoded at {verdict[1]:.2f}x their speed here; "
+            how = (f"plain steps: its latency objective decoded at {verdict.ratio:.2f}x their speed here; "
                    "--speculate to use it")
+        elif verdict is not None and not args.no_speculate and args.lookup is None:
+            args.lookup = verdict.lookup  # the lookup count its objective was fastest with here
+            how += f", {verdict.lookup} lookup nodes a step" if verdict.lookup else ""
         sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled "
                          f"here, {how}"
                          f"{'' if whole else '; its whole-step packages are being built in the background'}"

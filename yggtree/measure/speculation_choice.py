@@ -1,12 +1,17 @@
 """Whether a compiled plan decodes faster with its latency objective than with plain steps on this
-machine, measured once (the machine plan's build, yggtree.machine_plan).
+machine, and with how many lookup nodes a step, measured once (the machine plan's build,
+yggtree.machine_plan).
 
 The objective declines the trees that do not pay, but keeping the option costs every step a little
 (the target's features kept for the drafter, the policy, its probe trees and the drafter's
 catch-up before them): where no tree pays on this machine, plain steps are the faster default.
-Both decode the same calibration chat prompts (``probe_prompts``: never evaluation prompts) on one
-engine, alternating which goes first, after one warm-up prompt each; the verdict is the geometric
-mean over prompts of plain ms per token over the objective's (above 1: the objective is faster).
+Lookup nodes (runtime/lookup.py: continuations of the prompt and of the text so far, merged into
+the drafted tree) cost no model call but take verify rows, which are cheap or not by machine: each
+count of :data:`LOOKUPS` the plan's verify widths hold runs the objective as its own system.
+All decode the same calibration chat prompts (``probe_prompts``: never evaluation prompts) on one
+engine, in an order rotated per prompt, after one warm-up prompt each; a system's ratio is the
+geometric mean over prompts of plain ms per token over its own (above 1: faster than plain steps),
+and the verdict the best system's.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from .probe_prompts import decode_ms_per_token, probe_requests
 
 PROMPTS = 10  # calibration chat prompts timed (after one warm-up prompt)
 NEW_TOKENS = 128  # each: whole answers, as a run decodes them (a short probe's openings draft better)
+LOOKUPS = (0, 4, 8)  # lookup nodes a step the objective is timed with (those the verify widths hold)
 
 
 def speed_ratio(plain_ms: list[float], objective_ms: list[float]) -> float:
@@ -27,10 +33,22 @@ def speed_ratio(plain_ms: list[float], objective_ms: list[float]) -> float:
     return math.exp(sum(math.log(p / o) for p, o in zip(plain_ms, objective_ms)) / len(plain_ms))
 
 
+def lookup_counts(verify_widths) -> tuple[int, ...]:
+    """The counts of :data:`LOOKUPS` a plan of ``verify_widths`` can verify (pure)."""
+    return tuple(n for n in LOOKUPS if n <= max(verify_widths))
+
+
+def best_system(ratios: dict[int, float]) -> int:
+    """The lookup count of the fastest system (``ratios``: count -> speed over plain steps); the
+    fewer lookup nodes among equals (pure)."""
+    return min(ratios, key=lambda n: (-ratios[n], n))
+
+
 def measure_speculation(plan, art, threads: int) -> dict:
-    """``{"ratio", "prompts", "load"}`` of ``plan`` (a speculative plan with a profile and
-    calibration, its compiled artifacts ``art``) at ``threads`` threads: the objective's decode
-    speed over plain steps' on the calibration prompts."""
+    """``{"ratio", "lookup", "ratios", "prompts", "load"}`` of ``plan`` (a speculative plan with a
+    profile and calibration, its compiled artifacts ``art``) at ``threads`` threads: the decode
+    speed over plain steps' of its objective with each count of lookup nodes the plan holds
+    (``ratios``), on the calibration prompts; ``lookup`` the fastest count, ``ratio`` its speed."""
     from ..offline.timing import LoadMeter
     from ..runtime.build import build_plan_engine
     from ..runtime.objective import plan_policy
@@ -38,18 +56,28 @@ def measure_speculation(plan, art, threads: int) -> dict:
 
     engine, tok = build_plan_engine(plan, art, threads=threads)
     ids, params = probe_requests(tok, plan.max_context, PROMPTS, NEW_TOKENS)
-    plain = FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1)
-    objective = plan_policy(plan)
-    for policy in (plain, objective):  # warm-up
-        engine.generate(ids[0], params, policy=policy)
-    times = {"plain": [], "objective": []}
+    # (name, lookup nodes, policy): each objective learns its own feedback
+    systems = [("plain", 0, FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1))]
+    systems += [(n, n, plan_policy(plan)) for n in lookup_counts(plan.verify_widths)]
+
+    def decode(prompt, n: int, policy) -> float | None:
+        engine.set_lookup(n)
+        return decode_ms_per_token(engine.generate(prompt, params, policy=policy))
+
+    for _, n, policy in systems:  # warm-up
+        decode(ids[0], n, policy)
+    times = {name: [] for name, _, _ in systems}
     with LoadMeter() as load:
         for i, prompt in enumerate(ids[1:]):
-            order = (("plain", plain), ("objective", objective))
-            for name, policy in order if i % 2 == 0 else order[::-1]:
-                times[name].append(decode_ms_per_token(engine.generate(prompt, params, policy=policy)))
-    pairs = [(p, o) for p, o in zip(times["plain"], times["objective"]) if p and o]
-    if not pairs:
-        raise ValueError("no calibration prompt decoded more than one token")
-    ratio = speed_ratio([p for p, _ in pairs], [o for _, o in pairs])
-    return {"ratio": round(ratio, 4), "prompts": len(pairs), "load": load.result}
+            for name, n, policy in systems[i % len(systems):] + systems[: i % len(systems)]:
+                times[name].append(decode(prompt, n, policy))
+    engine.set_lookup(plan.lookup)
+    ratios = {}
+    for name, _, _ in systems[1:]:
+        pairs = [(p, o) for p, o in zip(times["plain"], times[name]) if p and o]
+        if not pairs:
+            raise ValueError("no calibration prompt decoded more than one token")
+        ratios[name] = round(speed_ratio([p for p, _ in pairs], [o for _, o in pairs]), 4)
+    best = best_system(ratios)
+    return {"ratio": ratios[best], "lookup": best, "ratios": {str(n): r for n, r in ratios.items()},
+            "prompts": len(pairs), "load": load.result}
