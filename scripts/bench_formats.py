@@ -20,7 +20,7 @@ prompts with the chat template, as ``yggtree bench``; the two sets alternating):
   (W_d,D,W_v,top_k; default 8,6,32,8 as scripts/eval_drafter.py; ``--spec-tree none``: no
   fixed-tree systems). A speculative engine the format cannot run exactly (a kernel that is not
   batch-invariant on this CPU) is reported as refused;
-- ``ygg/FMT/plan:NAME`` for every ``--plan PATH`` (repeatable): a compiled plan as ``yggtree run
+- ``ygg/FMT/plan:NAME`` (``NAME+lookupN`` for a plan of N lookup nodes) for every ``--plan PATH`` (repeatable): a compiled plan as ``yggtree run
   --plan PATH`` runs it (its weight format FMT, which ``--formats`` must name so that its output
   is checked against that format's plain decoding; its packages, stage plan, and the latency
   objective over its own profile, with its depth predictor if it names one): the speculative
@@ -448,8 +448,10 @@ def build_systems(args, src, formats: list[str], tree, plans, threads: int, say)
             if plan_fmt != fmt:
                 continue
             kinds = ((("", "spec", True),) if plan.speculative else ()) + (("/plain", "plan-plain", False),)
+            # two plans of one name apart by their lookup count (a copy with ``lookup: N``) stay apart
+            name = f"{plan.name}+lookup{plan.lookup}" if plan.lookup else plan.name
             for suffix, kind, speculate in kinds:  # a plan without a drafter: its plain steps only
-                s = System(f"ygg/{fmt}/plan:{plan.name}{suffix}", kind, fmt, plan.dtype)
+                s = System(f"ygg/{fmt}/plan:{name}{suffix}", kind, fmt, plan.dtype)
                 s.info.update(info, **({} if speculate else {"policy": "plain steps (--no-speculate)"}))
 
                 def make(s=s, make_plan=make_plan, speculate=speculate):

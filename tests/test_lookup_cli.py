@@ -34,6 +34,7 @@ def test_run_with_lookup_equals_plain(plan_dir, capsys):
     _, plain, _ = run(main, capsys, base + plan + ["--no-speculate"])
     _, obj, _ = run(main, capsys, base + plan + ["--lookup", "2"])
     assert obj["token_ids"] == plain["token_ids"]
+    assert (obj["stats"]["lookup"], plain["stats"]["lookup"]) == (2, 0)  # what ran, in the stats
     src = obj["stats"]["accepted_by_source"]
     assert set(src) == {"drafter", "lookup", "both"} and sum(src.values()) == obj["stats"]["accepted_tokens"]
     _, off, _ = run(main, capsys, base + plan)  # the plan's default: no lookup
@@ -41,7 +42,7 @@ def test_run_with_lookup_equals_plain(plan_dir, capsys):
     model = ["--model", str(plan_dir / "model"), "--mode", "reference", "--max-context", "64", "--prefill-chunk", "4"]
     _, only, _ = run(main, capsys, base + model + ["--drafter", "none", "--lookup", "3", "--verify-width", "4",
                                                   "--draft-depth", "3"])
-    assert only["token_ids"] == plain["token_ids"]
+    assert only["token_ids"] == plain["token_ids"] and only["stats"]["lookup"] == 3
     assert only["stats"]["draft_calls"] == 0 and only["stats"]["lookup_steps"] > 0
     assert only["stats"]["accepted_by_source"]["drafter"] == 0
 

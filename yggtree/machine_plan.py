@@ -13,10 +13,12 @@ machine plan:
 3. a quick latency profile timed on those packages (the padding they were compiled with);
 4. the plan naming that profile, refreshed in its compiled copy, and last, written in one rename,
    ``ready.json`` pointing at it;
-5. (after the last phase) whether its latency objective decodes faster than its plain steps here
-   (``measure/speculation_choice.py``, calibration prompts), kept by profile in
-   ``speculation.json``: where it does not, runs decode the plan plainly (``--speculate`` keeps the
-   objective); a plan built before the verdict existed has it measured by the next build.
+5. (after the last phase) whether its latency objective decodes faster than its plain steps here,
+   and with how many lookup nodes a step (``measure/speculation_choice.py``: 0, 4 and 8, each
+   timed on calibration prompts), kept by profile in ``speculation.json``: runs take the fastest
+   count (``--lookup N`` keeps N), and where no objective beat plain steps they decode the plan
+   plainly (``--speculate`` keeps the objective); a plan built before the verdict (or before its
+   lookup counts) existed has it measured by the next build.
 
 Every measurement waits for a quiet machine (``QUIET_WAITS``); one that could not (the product
 kernel's choice, a profile or the verdict timed while other processes kept the cores busy) is

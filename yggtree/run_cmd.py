@@ -461,7 +461,8 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
         steps[key] = steps.get(key, 0) + 1
 
     kw = {"policy": policy, "on_step": on_step} if policy is not None else {}
-    ran = {"weights": getattr(args, "ran_weights", None), "speculative": engine.drafter is not None}
+    ran = {"weights": getattr(args, "ran_weights", None), "speculative": engine.drafter is not None,
+           "lookup": engine.cfg.lookup}  # lookup nodes a step (0: none)
     if getattr(args, "machine_build", None):
         ran["machine_build"] = args.machine_build  # this machine's plan: pending (building) | blocks | done | unbuildable
     if args.json:
@@ -493,6 +494,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     s = res.stats
     what = f"{ran['weights']}, " if ran["weights"] else ""
     what += f"speculative, aal {s['aal']:.2f}" if "aal" in s else "plain"
+    what += f", lookup {ran['lookup']}" if ran["lookup"] and "aal" in s else ""
     note = getattr(args, "no_default_note", None)
     if note and "aal" not in s:
         what += f" ({note})"
