@@ -123,7 +123,7 @@ class MachinePlan:
 
     @property
     def blocks_root(self) -> Path:
-        """The block packages alone, built first: what runs until the whole ones are built."""
+        """The block and drafter-call packages, built first: what runs until the whole-step ones are built."""
         return self.root / "blocks"
 
     def ready_plan(self) -> tuple[Path | None, str | None]:
@@ -352,10 +352,11 @@ def _build_locked(mp: MachinePlan, say) -> Path:
         ready = None
     else:
         (mp.root / REMEASURED).unlink(missing_ok=True)  # a build from scratch: its own count
-    # 1. the block packages (one decoder block per shape: minutes), profiled, ready
+    # 1. the block packages (one decoder block per shape) and the drafter's call packages (one
+    # layer each): minutes, profiled, ready
     blocks = ready or _phase(mp, plan, mp.blocks_root, "profile-blocks", False, (), t0, say)
-    # 2. the whole-step and drafter-call packages beside them (the blocks linked, not rebuilt):
-    # the same bits, faster steps; runs started meanwhile keep the block packages
+    # 2. the whole-step packages beside them (the rest linked, not rebuilt): the same bits, faster
+    # target steps; runs started meanwhile keep the block packages
     copy = _phase(mp, plan, mp.compile_root, "profile", True, (blocks.parent,), t0, say)
     # 3. whether its objective beats its plain steps here: runs decode plainly where it does not
     _measure_speculation(mp, copy, say)
@@ -385,7 +386,7 @@ def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
 
 def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, reuse: tuple[Path, ...],
            t0: float, say) -> Path:
-    """Compile ``plan`` into ``root`` (``whole``: with the whole-step and drafter-call packages),
+    """Compile ``plan`` into ``root`` (its block and drafter-call packages; ``whole``: with the whole-step ones),
     time its packages for a quick latency profile named ``profile_name``, and mark the plan
     naming it ready. Returns its compiled copy."""
     import torch
@@ -401,7 +402,7 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     from .runtime.padding import PADDING_KEY, cached_padding
 
     torch.set_num_threads(mp.threads)
-    what = "whole-step packages" if whole else "block packages"
+    what = "whole-step packages" if whole else "block and drafter-call packages"
     say(f"compiling {plan.name}'s {what} ({mp.weights or 'float32'} weights) into {root}")
     measure_plan(plan, say, QUIET_WAITS)  # the product kernel every package holds: timed on a quiet machine
     compile_plan(plan, root, replace=True, whole=whole, reuse=reuse, workers=0)  # a package per core at once

@@ -221,8 +221,9 @@ def compile_plan(
     A directory holding another plan's manifest is refused unless ``replace`` (keep the cache)
     or ``force`` (start from an empty cache).
 
-    ``whole=False`` builds the block packages alone (a run of them computes the same bits, its
-    steps a little slower); a later ``whole`` build adds the whole-step and drafter-call packages.
+    ``whole=False`` builds the block and drafter-call packages alone (a run of them computes the
+    same bits, its target steps a little slower); a later ``whole`` build adds the whole-step
+    packages.
     A build stopped halfway resumes: the packages it finished are kept (same build key). ``reuse``:
     other artifact directories whose packages of the same key are linked instead of compiled.
     ``workers``: packages built at once (each in a forked child; 0: one per usable core)."""

@@ -239,20 +239,22 @@ def _roles_drafter(plan: Plan, w: int, heads: tuple[int, ...]) -> str:
 def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_slots: int,
                   whole: bool) -> dict[tuple[str, int, int], str]:
     """Every package of the build, (key, W, C) -> its scope, in build order: a block package per
-    recorded shape; with ``whole``, the target's whole tree steps (runtime.aoti, "Step
-    packages": every step width at every context bucket it fits) and an EAGLE drafter's head and
-    draft calls (runtime.aoti, "Drafter-call packages", for the plan's top-k and largest tree)."""
+    recorded shape, an EAGLE drafter's head and draft calls (runtime.aoti, "Drafter-call
+    packages", for the plan's top-k and largest tree: one decoder layer each, seconds to build, and
+    a drafted step's calls run ~3x slower op by op around block packages); with ``whole``, the
+    target's whole tree steps (runtime.aoti, "Step packages": every step width at every context
+    bucket it fits: all layers each, the slow ones to build)."""
     from ..runtime.aoti import drafter_call_key, step_key
     from ..runtime.graphs import context_buckets
 
     jobs = {key: "block" for key in rec.examples}
+    if hasattr(drafter, "calls"):
+        jobs |= {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
+                 for kind, ws in (("head", drafter.head_widths), ("draft", plan.draft_widths)) for w in ws}
     if not whole:
         return jobs
     skey = step_key(target, capture)
     jobs |= {(skey, w, c): "step" for w in plan.step_widths for c in context_buckets(n_slots) if c >= w}
-    if hasattr(drafter, "calls"):
-        jobs |= {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
-                 for kind, ws in (("head", drafter.head_widths), ("draft", plan.draft_widths)) for w in ws}
     return jobs
 
 
