@@ -424,7 +424,7 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     copy = artifact_dir(final, root) / "plan.yaml"
     write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)), "whole": whole,
                                                    "build_s": round(time.perf_counter() - t0, 1)}) + "\n")
-    say(f"{'whole' if whole else 'block'} packages ready at {time.perf_counter() - t0:.0f} s: {copy}")
+    say(f"{'whole-step' if whole else 'block and drafter-call'} packages ready at {time.perf_counter() - t0:.0f} s: {copy}")
     return copy
 
 
