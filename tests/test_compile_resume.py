@@ -68,3 +68,26 @@ def test_the_runtime_code_hash_sees_code_not_comments_or_docstrings():
     for changed in (base.replace("x + 1", "x + 2"), base.replace("return x + 1", "return (x + 1)[0]"),
                     base.replace('"""Doc."""\n        return', 'print("Doc.")\n        return')):
         assert code_of(changed) != code_of(base)
+
+
+def test_the_block_phase_builds_the_drafter_calls_and_the_whole_phase_adds_the_steps(monkeypatch):
+    """A build without ``whole`` (the machine plan's first phase) has every block package and the
+    drafter's call packages (one layer each: seconds); ``whole`` adds the target's step packages
+    (every layer: the slow ones), at every context bucket a step width fits."""
+    import types
+
+    import yggtree.runtime.aoti as aoti
+    from yggtree.offline.compile_packages import _package_jobs
+
+    monkeypatch.setattr(aoti, "step_key", lambda target, capture: "step")
+    monkeypatch.setattr(aoti, "drafter_call_key", lambda drafter, kind, k, nodes: kind)
+    plan = types.SimpleNamespace(top_k=4, max_tree=13, draft_widths=(1, 2), step_widths=(1, 4))
+    rec = types.SimpleNamespace(examples={("blk", 1, 256): None, ("blk", 64, 512): None})
+    drafter = types.SimpleNamespace(calls=None, head_widths=(1, 2, 7))
+    first = _package_jobs(plan, rec, None, drafter, (29,), 512, whole=False)
+    assert first == {("blk", 1, 256): "block", ("blk", 64, 512): "block", ("head", 1, 512): "head",
+                     ("head", 2, 512): "head", ("head", 7, 512): "head", ("draft", 1, 512): "draft",
+                     ("draft", 2, 512): "draft"}
+    whole = _package_jobs(plan, rec, None, drafter, (29,), 512, whole=True)
+    assert whole == first | {("step", w, c): "step" for w in (1, 4) for c in (256, 512)}
+    assert _package_jobs(plan, rec, None, None, (), 512, whole=False) == {k: "block" for k in rec.examples}
