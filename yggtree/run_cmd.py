@@ -499,7 +499,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     if note and "aal" not in s:
         what += f" ({note})"
     build = {"pending": ", this machine's plan: building in the background",
-             "done": ", this machine's plan", "blocks": ", this machine's plan (block packages)",
+             "done": ", this machine's plan", "blocks": ", this machine's plan (its first phase: block and drafter-call packages)",
              "unbuildable": ", this machine's plan: cannot be built here"}.get(ran.get("machine_build"), "")
     sys.stderr.write(
         f"[{s['new_tokens']} tokens, decode {s['decode_tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
