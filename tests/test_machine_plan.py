@@ -408,12 +408,17 @@ def test_speculate_and_no_speculate_exclude_each_other():
 
 
 def test_the_verdict_is_kept_for_its_profile_only(tmp_path):
+    from yggtree.measure.speculation_choice import VERSION
+
     mp = MachinePlan(tmp_path, "w4a8", 2)
     assert mp.speculates("abc") is None
     (tmp_path / machine_plan.SPECULATION).write_text(json.dumps({"profile": "abc", "ratio": 0.95, "speculate": False}))
     assert mp.speculates("abc") is None  # measured before lookup counts were: measured again
     (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
-        {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4}))
+        {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4, "version": 1}))
+    assert mp.speculates("abc") is None  # another measurement's verdict: measured again
+    (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
+        {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4, "version": VERSION}))
     assert mp.speculates("abc") == machine_plan.Verdict(False, 0.95, 4) and mp.speculates("def") is None
     (tmp_path / machine_plan.SPECULATION).write_text("{not json")
     assert mp.speculates("abc") is None
@@ -431,7 +436,7 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
     def measure(plan, art, threads):
         load, ratio = next(busy)
         return {"ratio": ratio, "lookup": 0, "ratios": {"0": ratio, "4": ratio - 0.01}, "prompts": 6,
-                "load": {"other_cores": load}}
+                "load": {"other_cores": load}, "version": choice_mod.VERSION}
 
     waits, said = [], []
     monkeypatch.setattr(choice_mod, "measure_speculation", measure)
@@ -443,7 +448,30 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
     machine_plan._measure_speculation(mp, tmp_path / "plan.yaml", said.append)
     assert waits == [machine_plan.QUIET_WAITS[0]] and mp.speculates("sha") == machine_plan.Verdict(False, 0.97, 0)
     assert said[-1] == ("the latency objective decodes at 0.970x plain steps here with 0 lookup nodes a step "
-                        "(0.960x with 4), 6 calibration prompts: runs decode plainly")
+                        "(0.960x with 4), 6 held-out prompts: runs decode plainly")
+
+
+def test_the_verdict_takes_turns_between_chat_prompts_and_open_questions(monkeypatch):
+    """Half its requests quote nothing (open questions), half embed a snippet; never evaluation prompts."""
+    from yggtree.data import evaluation_texts, open_questions
+    from yggtree.measure import speculation_choice as sc
+
+    chat, calls = [[1], [2], [3], [4], [5], [6]], []
+
+    def probe(tok, max_context, prompts, new_tokens):
+        calls.append((prompts, new_tokens))
+        return chat[: prompts + 1], "params"
+
+    monkeypatch.setattr(sc, "probe_requests", probe)
+    monkeypatch.setattr("yggtree.runtime.loading.encode_auto", lambda tok, text: text)
+    ids, params = sc.verdict_requests(None, 1024)
+    opens = [p.text for p in open_questions(sc.PROMPTS // 2)]
+    assert calls == [(sc.PROMPTS - sc.PROMPTS // 2, sc.NEW_TOKENS)] and params == "params"
+    assert len(ids) == sc.PROMPTS + 1 and ids[0] == [1]
+    assert ids[1::2] == chat[1 : sc.PROMPTS // 2 + 1] and ids[2::2] == opens
+    assert len(set(opens)) == len(opens) and not any("```" in t or "\n" in t for t in opens)
+    assert not any(t in e for t in opens for e in evaluation_texts())
+    assert [p.text for p in open_questions(4, seed=1)] != [p.text for p in open_questions(4)]
 
 
 def test_the_fastest_lookup_count_is_chosen_the_fewer_among_equals():
@@ -467,6 +495,7 @@ def _timed(tmp_path, monkeypatch, kernel=0.0, profile=0.0, verdict=0.0) -> tuple
     """A machine plan whose ready plan's kernel choice, profile and verdict were timed with
     ``kernel``, ``profile`` and ``verdict`` other cores busy."""
     import yggtree.measure.kernel_choice as choice_mod
+    from yggtree.measure.speculation_choice import VERSION
     from yggtree.plan import default_plan, save_plan
 
     mp = MachinePlan(tmp_path, "w4a8", 2)
@@ -479,7 +508,7 @@ def _timed(tmp_path, monkeypatch, kernel=0.0, profile=0.0, verdict=0.0) -> tuple
                         lambda plan: {"padding": {}, "load": {"other_cores": kernel, "steal_cores": 0.0}})
     sha = machine_plan.profile_sha(path)
     (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
-        {"profile": sha, "ratio": 1.1, "speculate": True, "lookup": 0,
+        {"profile": sha, "ratio": 1.1, "speculate": True, "lookup": 0, "version": VERSION,
          "load": {"other_cores": verdict, "steal_cores": 0.0}}))
     return mp, path
 

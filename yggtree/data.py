@@ -440,6 +440,38 @@ def chat_prompt_from_chunk(
     return template.format(snippet=_snippet(chunk.text, max_snippet_chars))
 
 
+# open-ended requests with nothing to quote: the answer is the model's own text, as a chat user's
+# question makes it (the chat prompts above embed a snippet their answers repeat); our own
+# instructions, none taken from an evaluation set
+_OPEN_TEMPLATES = (
+    "Explain {topic} in Python in one short paragraph.",
+    "You are a patient teacher. Describe {topic} in Python to someone who has never programmed.",
+    "Give three tips for using {topic} in Python well, as a numbered list.",
+    "Write a short, light-hearted story in which a junior developer learns about {topic} in Python.",
+    "Write a persuasive paragraph on why every Python programmer should understand {topic}.",
+    "Compare {topic} in Python with how another programming language handles the same idea.",
+)
+
+
+def open_questions(n: int, seed: int = 0) -> list[Prompt]:
+    """``n`` open-ended chat requests with no text to quote (never evaluation prompts): a topic of
+    the Python reference (the title of a pydoc topic, e.g. "Mutable Sequence Types") in one of our
+    templates, the pairs in a seeded shuffle. Ids are ``open/<i>``."""
+    from pydoc_data.topics import topics  # stdlib data module, imported only when needed
+
+    titles = sorted({topics[k].strip().splitlines()[0].strip() for k in topics})
+    pairs = [(t, title) for t in _OPEN_TEMPLATES for title in titles]
+    if not 0 <= n <= len(pairs):
+        raise YggError(f"there are {len(pairs)} open questions; asked for {n}")
+    random.Random(f"open/{seed}").shuffle(pairs)
+    return [Prompt(id=f"open/{i}", text=t.format(topic=_in_sentence(title))) for i, (t, title) in enumerate(pairs[:n])]
+
+
+def _in_sentence(title: str) -> str:
+    """A heading as words inside a sentence: its first letter lowered unless it starts an acronym."""
+    return title[0].lower() + title[1:] if title[1:2].islower() else title
+
+
 def calibration_chat_prompts(
     n: int, seed: int = 0, max_snippet_chars: int = 1200, style: str = "basic"
 ) -> list[Prompt]:

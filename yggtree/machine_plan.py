@@ -15,10 +15,10 @@ machine plan:
    ``ready.json`` pointing at it;
 5. (after the last phase) whether its latency objective decodes faster than its plain steps here,
    and with how many lookup nodes a step (``measure/speculation_choice.py``: 0, 4 and 8, each
-   timed on calibration prompts), kept by profile in ``speculation.json``: runs take the fastest
+   timed on held-out prompts), kept by profile in ``speculation.json``: runs take the fastest
    count (``--lookup N`` keeps N), and where no objective beat plain steps they decode the plan
-   plainly (``--speculate`` keeps the objective); a plan built before the verdict (or before its
-   lookup counts) existed has it measured by the next build.
+   plainly (``--speculate`` keeps the objective); a plan whose verdict is missing or of another
+   ``VERSION`` has it measured by the next build.
 
 Every measurement waits for a quiet machine (``QUIET_WAITS``); one that could not (the product
 kernel's choice, a profile or the verdict timed while other processes kept the cores busy) is
@@ -182,10 +182,12 @@ class MachinePlan:
     def speculates(self, profile_sha: str) -> Verdict | None:
         """Whether runs speculate, at what measured speed over plain steps and with how many
         lookup nodes, on the plan timed by the profile of sha256 ``profile_sha``; None where
-        nothing was measured for it (or before lookup counts were: measured again)."""
+        nothing was measured for it (or another measurement was: measured again)."""
+        from .measure.speculation_choice import VERSION
+
         try:
             record = json.loads((self.root / SPECULATION).read_text())
-            if record.get("profile") != profile_sha:
+            if record.get("profile") != profile_sha or record.get("version") != VERSION:
                 return None
             return Verdict(bool(record["speculate"]), float(record["ratio"]), int(record["lookup"]))
         except (OSError, ValueError, AttributeError, KeyError, TypeError):
@@ -380,7 +382,7 @@ def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
     write_text_atomic(mp.root / SPECULATION, json.dumps(record) + "\n")
     others = ", ".join(f"{r:.3f}x with {n}" for n, r in best.get("ratios", {}).items() if int(n) != best["lookup"])
     say(f"the latency objective decodes at {best['ratio']:.3f}x plain steps here with {best['lookup']} lookup "
-        f"nodes a step{f' ({others})' if others else ''}, {best['prompts']} calibration prompts: "
+        f"nodes a step{f' ({others})' if others else ''}, {best['prompts']} held-out prompts: "
         f"runs {'speculate' if record['speculate'] else 'decode plainly'}")
 
 

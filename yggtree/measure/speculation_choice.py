@@ -8,8 +8,10 @@ catch-up before them): where no tree pays on this machine, plain steps are the f
 Lookup nodes (runtime/lookup.py: continuations of the prompt and of the text so far, merged into
 the drafted tree) cost no model call but take verify rows, which are cheap or not by machine: each
 count of :data:`LOOKUPS` the plan's verify widths hold runs the objective as its own system.
-All decode the same calibration chat prompts (``probe_prompts``: never evaluation prompts) on one
-engine, in an order rotated per prompt, after one warm-up prompt each; a system's ratio is the
+All decode the same held-out requests on one engine (never evaluation prompts: half calibration chat
+prompts, whose answers quote the snippet they embed, which lookup continues; half open questions
+with nothing to quote, ``data.open_questions``), in an order rotated per prompt, after one warm-up
+prompt each; a system's ratio is the
 geometric mean over prompts of plain ms per token over its own (above 1: faster than plain steps),
 and the verdict the best system's.
 """
@@ -23,6 +25,7 @@ from .probe_prompts import decode_ms_per_token, probe_requests
 PROMPTS = 10  # calibration chat prompts timed (after one warm-up prompt)
 NEW_TOKENS = 128  # each: whole answers, as a run decodes them (a short probe's openings draft better)
 LOOKUPS = (0, 4, 8)  # lookup nodes a step the objective is timed with (those the verify widths hold)
+VERSION = 2  # of what a verdict measures (2: lookup counts, half open questions); another is measured again
 
 
 def speed_ratio(plain_ms: list[float], objective_ms: list[float]) -> float:
@@ -44,6 +47,17 @@ def best_system(ratios: dict[int, float]) -> int:
     return min(ratios, key=lambda n: (-ratios[n], n))
 
 
+def verdict_requests(tok, max_context: int):
+    """``(ids, params)``: a warm-up calibration chat prompt, then :data:`PROMPTS` requests taking
+    turns between calibration chat prompts and open questions, and the SamplingParams of each."""
+    from ..data import open_questions
+    from ..runtime.loading import encode_auto
+
+    ids, params = probe_requests(tok, max_context, PROMPTS - PROMPTS // 2, NEW_TOKENS)
+    opens = [encode_auto(tok, p.text) for p in open_questions(PROMPTS // 2)]
+    return [ids[0], *(x for pair in zip(ids[1:], opens) for x in pair)], params
+
+
 def measure_speculation(plan, art, threads: int) -> dict:
     """``{"ratio", "lookup", "ratios", "prompts", "load"}`` of ``plan`` (a speculative plan with a
     profile and calibration, its compiled artifacts ``art``) at ``threads`` threads: the decode
@@ -55,7 +69,7 @@ def measure_speculation(plan, art, threads: int) -> dict:
     from ..runtime.policy import FixedPolicy, StepChoice
 
     engine, tok = build_plan_engine(plan, art, threads=threads)
-    ids, params = probe_requests(tok, plan.max_context, PROMPTS, NEW_TOKENS)
+    ids, params = verdict_requests(tok, plan.max_context)
     # (name, lookup nodes, policy): each objective learns its own feedback
     systems = [("plain", 0, FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1))]
     systems += [(n, n, plan_policy(plan)) for n in lookup_counts(plan.verify_widths)]
@@ -80,4 +94,4 @@ def measure_speculation(plan, art, threads: int) -> dict:
         ratios[name] = round(speed_ratio([p for p, _ in pairs], [o for _, o in pairs]), 4)
     best = best_system(ratios)
     return {"ratio": ratios[best], "lookup": best, "ratios": {str(n): r for n, r in ratios.items()},
-            "prompts": len(pairs), "load": load.result}
+            "prompts": len(pairs), "load": load.result, "version": VERSION}
