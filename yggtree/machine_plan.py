@@ -367,7 +367,7 @@ def _build_locked(mp: MachinePlan, say) -> Path:
 
 
 def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
-    """Time the ready plan ``copy``'s objective against its plain steps on calibration prompts
+    """Time the ready plan ``copy``'s objective against its plain steps on held-out prompts
     (measure/speculation_choice.py), again after waits while other processes keep the cores
     busy (the quietest kept), and record the verdict under its profile's sha256."""
     from .compiled import artifact_dir
@@ -426,7 +426,7 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     copy = artifact_dir(final, root) / "plan.yaml"
     write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)), "whole": whole,
                                                    "build_s": round(time.perf_counter() - t0, 1)}) + "\n")
-    say(f"{'whole-step' if whole else 'block and drafter-call'} packages ready at {time.perf_counter() - t0:.0f} s: {copy}")
+    say(f"{what} ready at {time.perf_counter() - t0:.0f} s: {copy}")
     return copy
 
 

@@ -11,9 +11,8 @@ count of :data:`LOOKUPS` the plan's verify widths hold runs the objective as its
 All decode the same held-out requests on one engine (never evaluation prompts: half calibration chat
 prompts, whose answers quote the snippet they embed, which lookup continues; half open questions
 with nothing to quote, ``data.open_questions``), in an order rotated per prompt, after one warm-up
-prompt each; a system's ratio is the
-geometric mean over prompts of plain ms per token over its own (above 1: faster than plain steps),
-and the verdict the best system's.
+prompt each; a system's ratio is the geometric mean over prompts of plain ms per token over its
+own (above 1: faster than plain steps), and the verdict the best system's.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import math
 
 from .probe_prompts import decode_ms_per_token, probe_requests
 
-PROMPTS = 10  # calibration chat prompts timed (after one warm-up prompt)
+PROMPTS = 10  # held-out requests timed (after one warm-up prompt): :func:`verdict_requests`
 NEW_TOKENS = 128  # each: whole answers, as a run decodes them (a short probe's openings draft better)
 LOOKUPS = (0, 4, 8)  # lookup nodes a step the objective is timed with (those the verify widths hold)
 VERSION = 2  # of what a verdict measures (2: lookup counts, half open questions); another is measured again
@@ -62,7 +61,7 @@ def measure_speculation(plan, art, threads: int) -> dict:
     """``{"ratio", "lookup", "ratios", "prompts", "load"}`` of ``plan`` (a speculative plan with a
     profile and calibration, its compiled artifacts ``art``) at ``threads`` threads: the decode
     speed over plain steps' of its objective with each count of lookup nodes the plan holds
-    (``ratios``), on the calibration prompts; ``lookup`` the fastest count, ``ratio`` its speed."""
+    (``ratios``), on :func:`verdict_requests`; ``lookup`` the fastest count, ``ratio`` its speed."""
     from ..offline.timing import LoadMeter
     from ..runtime.build import build_plan_engine
     from ..runtime.objective import plan_policy
@@ -70,28 +69,31 @@ def measure_speculation(plan, art, threads: int) -> dict:
 
     engine, tok = build_plan_engine(plan, art, threads=threads)
     ids, params = verdict_requests(tok, plan.max_context)
-    # (name, lookup nodes, policy): each objective learns its own feedback
-    systems = [("plain", 0, FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1))]
-    systems += [(n, n, plan_policy(plan)) for n in lookup_counts(plan.verify_widths)]
+    # name -> (lookup nodes, policy); an objective is named by its lookup count and learns its own feedback
+    systems = {"plain": (0, FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1))}
+    systems |= {n: (n, plan_policy(plan)) for n in lookup_counts(plan.verify_widths)}
+    names = list(systems)
 
-    def decode(prompt, n: int, policy) -> float | None:
+    def decode(prompt, name) -> float | None:
+        n, policy = systems[name]
         engine.set_lookup(n)
         return decode_ms_per_token(engine.generate(prompt, params, policy=policy))
 
-    for _, n, policy in systems:  # warm-up
-        decode(ids[0], n, policy)
-    times = {name: [] for name, _, _ in systems}
+    for name in names:  # warm-up
+        decode(ids[0], name)
+    times = {name: [] for name in names}
     with LoadMeter() as load:
         for i, prompt in enumerate(ids[1:]):
-            for name, n, policy in systems[i % len(systems):] + systems[: i % len(systems)]:
-                times[name].append(decode(prompt, n, policy))
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                times[name].append(decode(prompt, name))
     engine.set_lookup(plan.lookup)
-    ratios = {}
-    for name, _, _ in systems[1:]:
+    ratios, counts = {}, []
+    for name in names[1:]:
         pairs = [(p, o) for p, o in zip(times["plain"], times[name]) if p and o]
         if not pairs:
-            raise ValueError("no calibration prompt decoded more than one token")
+            raise ValueError("no held-out request decoded more than one token")
         ratios[name] = round(speed_ratio([p for p, _ in pairs], [o for _, o in pairs]), 4)
+        counts.append(len(pairs))
     best = best_system(ratios)
     return {"ratio": ratios[best], "lookup": best, "ratios": {str(n): r for n, r in ratios.items()},
-            "prompts": len(pairs), "load": load.result, "version": VERSION}
+            "prompts": min(counts), "load": load.result, "version": VERSION}
