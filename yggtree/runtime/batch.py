@@ -29,7 +29,10 @@ other rows of the call (checked on the model's own layers when the decoder is bu
 with its decoding alone.
 
 The decoder runs the engine's eager modules (reference mode, or a performance engine on the
-eager backend): compiled graphs and AOTInductor packages are built for a batch-1 cache.
+eager backend), or on a compiled engine (AOTInductor packages, built for its batch-1 cache) its
+batch packages (runtime/batch_packages.py: the block at every batch bucket and step width, over
+the ``max_batch``-row cache), which its blocks run from then on; the glue around them (embedding,
+row windows, final norm, LM head) stays eager, as in the engine's block path.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..errors import YggError
 from ..shapes import MAX_BATCH, SamplingParams
 from .accept import truncate
 from .batch_objective import BatchObjective
+from .batch_packages import BatchPackages
 from .drafters import Snapshot
 from .engine import Engine, check_prompt, step_record
 from .kv_cache import KVStore
@@ -169,12 +173,13 @@ class BatchDecoder:
     its :class:`Emitted` carries a finish, ``remove`` one that is abandoned."""
 
     def __init__(self, engine: Engine, max_batch: int, objective: BatchObjective | None = None,
-                 check_rows: bool = True) -> None:
+                 check_rows: bool = True, packages: BatchPackages | None = None) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= MAX_BATCH:
             raise YggError(f"max-batch must be an integer in 1..{MAX_BATCH}, got {max_batch!r}")
         if objective is not None and engine.cfg.tree is None:
             raise YggError("batch-aware trees need a speculative engine (a drafter)")
         self.engine, self.max_batch, self.objective = engine, max_batch, objective
+        self.packages = None if max_batch == 1 else packages
         self.single = max_batch == 1  # one request: the engine's own cache, graphs and stage plan
         target = engine.target
         if self.single:
@@ -184,9 +189,9 @@ class BatchDecoder:
             if engine.plan.ahead or engine.plan.overlap:
                 raise YggError(f"batched decoding runs the sequential stage plan, this engine runs "
                                f"{engine.plan.name!r} (--stages sequential)")
-            if engine.graphs.compiled:
-                raise YggError("batched decoding runs the model's eager code (graphs per batch bucket are not "
-                               "compiled yet): build the engine in reference mode (--mode reference)")
+            if engine.graphs.compiled and packages is None:
+                raise YggError("batched decoding of a compiled engine needs its batched graphs "
+                               "(offline/batch_build.py), or an engine in reference mode (--mode reference)")
             chunk = engine.cfg.prefill_chunk
             widest = max(engine.envelope.verify_widths)
             if widest > attention_rows(chunk):
@@ -195,6 +200,8 @@ class BatchDecoder:
             if check_rows:
                 check_rows_invariant(target, max_batch * widest)
             target.setup_cache(max_batch, engine.n_slots)
+            if packages is not None:  # the blocks run the batch packages from now on
+                packages.install(target)
             kv = target.kv.kv  # [L, 2, B, H, S, D]
             self.full = target.kv
             self.rows = [KVStore.over(kv[:, :, r : r + 1]) for r in range(max_batch)]  # each [L, 2, 1, H, S, D]
@@ -402,7 +409,8 @@ class BatchDecoder:
         eng, target = self.engine, self.engine.target
         b = batch_bucket(len(self.slots), self.max_batch)
         width = max(st.wv for st in steps)
-        n_ctx = eng.graphs.bucket(max(s.req.committed + st.wv for s, st in zip(ready, steps)))
+        need = max(s.req.committed + st.wv for s, st in zip(ready, steps))
+        n_ctx = self.packages.context(need) if self.packages is not None else eng.graphs.bucket(need)
         scratch = eng.n_slots - 1
         tokens = torch.zeros(b, width, dtype=torch.int64)
         pos = torch.zeros(b, width, dtype=torch.int64)

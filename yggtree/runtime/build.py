@@ -321,6 +321,7 @@ def _package_installer(art: Path):
         set_native_attention([target, *([drafter.graphs.model] if drafter is not None else [])],
                              manifest.get("attention_kernel"))  # the packages' (their names hold it)
         install_packages(target, packages)
+        target.package_root = cache_dir(art)  # where batch packages go (runtime/batch_packages.py)
         if step_capture is not None:
             install_step_packages(target, packages, step_capture)
         if drafter is not None:

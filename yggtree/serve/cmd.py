@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=_int_at_least(1), default=64,
                    help="requests that may wait for the engine; more get 429 with Retry-After (default 64)")
     p.add_argument("--max-batch", type=_int_at_least(1), default=None,
-                   help=f"requests decoded at once, 1..{MAX_BATCH} (continuous batching; default {AUTO_BATCH} where the "
-                   "engine runs eager code, else 1: compiled graphs are built for one request)")
+                   help=f"requests decoded at once, 1..{MAX_BATCH} (continuous batching; default {AUTO_BATCH}; a compiled "
+                   "plan's batched graphs are built on the first start at a batch size, a few minutes once)")
     p.add_argument("--request-timeout", type=_float, default=600.0,
                    help="seconds a request may take, queueing included, before it ends with 504 (default 600)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -71,6 +71,17 @@ def model_name(args) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def compiled_batch(engine, max_batch: int):
+    """A compiled engine's batch packages for ``max_batch`` requests at once (built where missing:
+    once per plan and batch size, before the server listens); None for an eager engine or one
+    request at a time."""
+    if max_batch == 1 or not engine.graphs.compiled:
+        return None
+    from ..offline.batch_build import batch_packages
+
+    return batch_packages(engine, max_batch)
+
+
 def run(args) -> int:
     check_serve_extra()
     if args.request_timeout <= 0:
@@ -92,13 +103,13 @@ def run(args) -> int:
 
     def build() -> Backend:
         engine, tok, policy = build_from_args(args)
-        if args.max_batch is not None:
-            return Backend(engine, tok, policy, name, args.max_batch)
-        if engine.graphs.compiled:
-            return Backend(engine, tok, policy, name, 1)
+        max_batch = args.max_batch or AUTO_BATCH
         try:
-            return Backend(engine, tok, policy, name, AUTO_BATCH)
+            packages = compiled_batch(engine, max_batch)
+            return Backend(engine, tok, policy, name, max_batch, packages)
         except YggError as e:  # this engine cannot batch exactly here: one request at a time
+            if args.max_batch is not None:
+                raise
             sys.stderr.write(f"yggtree: serving one request at a time ({e})\n")
             return Backend(engine, tok, policy, name, 1)
 

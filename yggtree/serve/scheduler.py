@@ -86,7 +86,8 @@ class Backend:
     """An engine, its tokenizer and step policy, the decoder that runs up to ``max_batch``
     requests on it at once, and what requests may ask of them."""
 
-    def __init__(self, engine, tokenizer, policy=None, model_name: str = "default", max_batch: int = 1) -> None:
+    def __init__(self, engine, tokenizer, policy=None, model_name: str = "default", max_batch: int = 1,
+                 packages=None) -> None:
         from ..runtime.batch import BatchDecoder
         from ..runtime.batch_objective import BatchObjective
         from ..runtime.objective import ObjectivePolicy
@@ -98,7 +99,9 @@ class Backend:
         self.max_batch = max_batch
         # several requests at once: the plan's objective chooses their trees jointly every step
         joint = max_batch > 1 and isinstance(policy, ObjectivePolicy)
-        self.decoder = BatchDecoder(engine, max_batch, BatchObjective.of(policy) if joint else None)
+        # ``packages``: a compiled engine's batch packages (runtime/batch_packages.py)
+        self.decoder = BatchDecoder(engine, max_batch, BatchObjective.of(policy) if joint else None,
+                                    packages=packages)
         # the HTTP side encodes prompts while the worker decodes text: one tokenizer call at a time
         # (a fast tokenizer's Rust object refuses a call while another one borrows it mutably)
         self.tokenizer_lock = threading.Lock()
