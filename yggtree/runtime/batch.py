@@ -181,6 +181,7 @@ class BatchDecoder:
         self.engine, self.max_batch, self.objective = engine, max_batch, objective
         self.packages = None if max_batch == 1 else packages
         self.single = max_batch == 1  # one request: the engine's own cache, graphs and stage plan
+        self.solo = None
         target = engine.target
         if self.single:
             self.full = target.kv
@@ -199,14 +200,18 @@ class BatchDecoder:
                                "would attend otherwise than alone")
             if check_rows:
                 check_rows_invariant(target, max_batch * widest)
+            # compiled: the engine's own batch-1 cache stays, for steps with one request decoding
+            self.solo = target.kv if packages is not None else None
             target.setup_cache(max_batch, engine.n_slots)
-            if packages is not None:  # the blocks run the batch packages from now on
+            if packages is not None:  # the blocks run the batch packages from now on (their own on the solo cache)
                 packages.install(target)
             kv = target.kv.kv  # [L, 2, B, H, S, D]
             self.full = target.kv
             self.rows = [KVStore.over(kv[:, :, r : r + 1]) for r in range(max_batch)]  # each [L, 2, 1, H, S, D]
             self.buckets = {b: KVStore.over(kv[:, :, :b]) for b in {batch_bucket(n, max_batch)
                                                                      for n in range(1, max_batch + 1)}}
+        self.solo_key = None  # the request whose state is in the solo cache (not its row)
+        self._attached = target.kv  # the store the target's layers read and write
         self.slots: list[Slot] = []  # by row
         self.layers = engine.drafter.target_layers if engine.drafter is not None else ()
 
@@ -250,6 +255,8 @@ class BatchDecoder:
         i = next((i for i, s in enumerate(self.slots) if s.key == key), None)
         if i is None:
             return
+        if key == self.solo_key:  # its state leaves with it
+            self.solo_key = None
         last = self.slots.pop()
         if last.key != key:
             n = last.extent()
@@ -277,7 +284,10 @@ class BatchDecoder:
                 if self.single:
                     for s in decoding:
                         self._guard(s, out, self._whole_step, s)
+                elif self.solo is not None and len(decoding) == 1:
+                    self._guard(decoding[0], out, self._solo_step, decoding[0])
                 else:
+                    self._unsolo()
                     self._batch_step(decoding, out)
         finally:
             torch.set_num_threads(before)
@@ -323,6 +333,41 @@ class BatchDecoder:
             req.policy.observe(step_record(st, committed, h_root, s.timer.step_ms(), False))
         return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
 
+    def _solo_step(self, s: Slot) -> Emitted:
+        """The one decoding request of a compiled decoder, alone: the engine's own step on its
+        batch-1 cache (whole-step packages; its state copied there from its row first), the
+        joint objective's choice at one request where trees are chosen jointly."""
+        if self.solo_key != s.key:
+            self._unsolo()
+            n = s.extent()
+            self.solo.kv[:, :, 0, :, :n] = self.full.kv[:, :, s.row, :, :n]
+            self.solo_key = s.key
+        if self.objective is not None:
+            self._choose([s])
+        req = s.req
+        st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
+        h_root, committed = req.h_root, req.committed
+        s.timer.new_step()
+        with self._on(s, self.solo) as view:
+            speculate_step(view, req, st, s.timer)
+        if req.policy is not None:
+            req.policy.observe(step_record(st, committed, h_root, s.timer.step_ms(), False))
+        return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
+
+    def _unsolo(self) -> None:
+        """The request in the solo cache, if any, back to its row (before a batched step)."""
+        s = next((s for s in self.slots if s.key == self.solo_key), None)
+        if s is not None:
+            n = s.extent()
+            self.full.kv[:, :, s.row, :, :n] = self.solo.kv[:, :, 0, :, :n]
+        self.solo_key = None
+
+    def _attach(self, store: KVStore) -> None:
+        """The target's layers read and write ``store`` (re-attached only when it changes)."""
+        if self._attached is not store:
+            self.engine.target.set_store(store)
+            self._attached = store
+
     def _guard(self, s: Slot, out: list[Emitted], fn, *args) -> bool:
         """``fn(*args)`` for one request; an exception ends that request alone (an error event)."""
         try:
@@ -335,11 +380,16 @@ class BatchDecoder:
         return True
 
     @contextlib.contextmanager
-    def _on(self, s: Slot):
-        """``s``'s row as the target's cache and its state in the drafter, for its own stages."""
+    def _on(self, s: Slot, store: KVStore | None = None, attach: bool = False):
+        """``s``'s row (or ``store``) as the target's cache and its state in the drafter, for its
+        own stages. The layers are attached to it with ``attach`` or a ``store`` (a call of the
+        target's blocks follows), else only ``target.kv`` is (the commit's store: the layers stay
+        where the last call left them, re-attached by the next call that reads them)."""
         drafter = None if self.single else self.engine.drafter
         if not self.single:
-            self.engine.target.set_store(self.rows[s.row])
+            if store is not None or attach:
+                self._attach(store or self.rows[s.row])
+            self.engine.target.kv = store or self.rows[s.row]
         if drafter is not None and s.drafter is not None:
             drafter.restore(s.drafter)
         try:
@@ -362,7 +412,7 @@ class BatchDecoder:
         """One chunk of ``s``'s prompt (``engine.prefill``'s chunks); after the last, its first
         token, its drafter's prefill (or its deferral) and its request state, as generate does."""
         eng, chunk = self.engine, self.engine.cfg.prefill_chunk
-        with self._on(s) as view:
+        with self._on(s, attach=True) as view:
             prompt = torch.tensor(s.prompt, dtype=torch.int64)
             start = s.done
             part = prompt[start : start + chunk]
@@ -427,9 +477,12 @@ class BatchDecoder:
             pos[r, :w] = st.L + depth
             slots[r, :w] = st.L + torch.arange(w)
             mask[r, :w] = tree_mask(st.L, anc, n_ctx)
-        target.set_store(self.buckets[b])
         t0 = time.perf_counter()
-        x, caps = batch_layers(target, tokens, pos, slots, mask, self.layers)
+        if self.packages is not None:
+            x, caps = self.packages.layers(target, self.buckets[b], tokens, pos, slots, mask, self.layers)
+        else:
+            self._attach(self.buckets[b])
+            x, caps = batch_layers(target, tokens, pos, slots, mask, self.layers)
         hidden = target.norm(x)  # [b, W, H]
         logits = target.logits(hidden)  # [b, W, V]
         dt = time.perf_counter() - t0

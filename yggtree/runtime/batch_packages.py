@@ -152,6 +152,37 @@ class BatchPackages:
         """The context a batched step whose rows need ``need`` slots runs at."""
         return next(c for c in self.step_contexts if c >= need)
 
+    def layers(self, target: nn.Module, store, tokens, positions, slots, mask, capture=()):
+        """``runtime.batch.batch_layers`` over ``store`` (a bucket of the batch cache) with each
+        layer's package called directly: the last layer's output [b, W, H] and the captured
+        layers (each [b, W, H]). tokens, positions, slots [b, W] int64; mask [b, W, C] bool."""
+        from .model import row_window
+
+        b, w = tokens.shape
+        runner = self.runners.get((b, w, mask.shape[-1]))
+        if runner is None:
+            raise YggError(f"no batched graph for {b} rows of width {w} at context {mask.shape[-1]} "
+                           f"(built: {sorted(self.runners)})")
+        cs = target.rope[positions]  # [b, W, D/2, 2]
+        cos, sin = cs[..., 0].unsqueeze(2).contiguous(), cs[..., 1].unsqueeze(2).contiguous()
+        x = target.embed_tokens(tokens)
+        window, mask = row_window(mask)
+        acts = [cos, sin, torch.cat([slots[..., None], window], -1).contiguous(), mask.contiguous()]
+        weights = self._weights(target)
+        captured = []
+        for i, cache in enumerate(store.caches):
+            x = runner.run([x, *acts, cache.kv, *weights[i]])[0]
+            if i in capture:
+                captured.append(x)
+        return x, tuple(captured)
+
+    def _weights(self, target: nn.Module) -> list[list[torch.Tensor]]:
+        cached = getattr(self, "_by_layer", None)
+        if cached is None:
+            cached = [[p for _, p in block_tensors(block)] for block in target.layers]
+            object.__setattr__(self, "_by_layer", cached)  # the same tensors for the target's life
+        return cached
+
     def install(self, target: nn.Module) -> None:
         """Make every block of ``target`` (its cache set up with ``max_batch`` rows) run these
         packages; a call of a shape without one is a YggError, never a compile."""
@@ -159,18 +190,21 @@ class BatchPackages:
         if tuple(kv.shape[2:3]) != (self.max_batch,) or kv.shape[4] != self.n_slots:
             raise YggError(f"the batched graphs are built for {self.max_batch} rows of {self.n_slots} slots, "
                            f"the cache holds {kv.shape[2]} of {kv.shape[4]}")
-        for block in target.layers:
-            block.forward = BatchForward(block, self.runners)
+        for block in target.layers:  # a block on a batch-1 cache of its own keeps its packages
+            block.forward = BatchForward(block, self.runners, block.__dict__.get("forward"))
 
 
 class BatchForward:
     """A block's forward that runs its batch package for the call's (b, W, C)."""
 
-    def __init__(self, block: nn.Module, runners: dict) -> None:
-        self.block, self.runners = block, runners
+    def __init__(self, block: nn.Module, runners: dict, solo=None) -> None:
+        self.block, self.runners, self.solo = block, runners, solo
         self.weights = [p for _, p in block_tensors(block)]
 
     def __call__(self, x, cos, sin, slots, mask):
+        kv = self.block.self_attn.cache.kv
+        if self.solo is not None and kv.shape[1] == 1 and kv.is_contiguous():  # not a view of the batch cache
+            return self.solo(x, cos, sin, slots, mask)
         shape = (x.shape[0], x.shape[1], mask.shape[-1])
         runner = self.runners.get(shape)
         if runner is None:
