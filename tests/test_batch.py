@@ -214,7 +214,7 @@ def test_refusals_are_one_line():
         dec.add("b", [5, 6], SamplingParams(4))
     compiled = engine("plain")
     compiled.graphs.mode = "performance"
-    with pytest.raises(YggError, match="eager code"):
+    with pytest.raises(YggError, match="needs its batched graphs"):
         BatchDecoder(compiled, 2)
 
 

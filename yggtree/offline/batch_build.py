@@ -35,10 +35,13 @@ def batch_packages(engine, max_batch: int, say=None) -> BatchPackages:
     root = package_root(target)
     shapes = engine_batch_shapes(engine, max_batch)
     out = batch_dir(root, max_batch)
-    try:
-        return BatchPackages.load(out, target, shapes, max_batch, engine.n_slots)
-    except YggError:
-        pass
+    from .compile_packages import _same_key
+
+    if _same_key(out, build_key(target, root, max_batch, engine.n_slots)):
+        try:
+            return BatchPackages.load(out, target, shapes, max_batch, engine.n_slots)
+        except YggError:  # one missing or damaged: built below
+            pass
     say = say or (lambda line: sys.stderr.write(f"yggtree: {line}\n"))
     say(f"building the compiled graphs of {max_batch} requests at once ({len(shapes)} packages, "
         f"~{len(shapes) * SECONDS_EACH / 60:.0f} min; once for this plan, in {out})")
@@ -56,6 +59,23 @@ def _serial_loops(root: Path, target) -> bool:
     return plan.get("drafter") is None and library_loops_only(target)
 
 
+def build_key(target, root: Path, max_batch: int, n_slots: int) -> dict:
+    """What the batch packages of ``root`` depend on: the plan's packages' build key (its graphs,
+    versions, device, padding, kernel, attention), the block's kind over the cache, and the code
+    that shapes the packages' inputs. Packages of another key are built again."""
+    import hashlib
+    import inspect
+
+    from .compile_packages import BUILD_KEY
+
+    try:
+        parent = json.loads((root / BUILD_KEY).read_text())
+    except (OSError, ValueError):
+        parent = None
+    shaping = hashlib.sha256(inspect.getsource(example_inputs).encode()).hexdigest()[:12]
+    return {"packages": parent, "batch": batch_key(target.layers[0], max_batch, n_slots), "inputs": shaping}
+
+
 def build(target, root: Path, max_batch: int, n_slots: int, shapes: list[tuple[int, int, int]],
           serial_loops: bool, console=None) -> None:
     """Every package of ``shapes`` not already in :func:`batch_dir` built from ``target``'s
@@ -65,20 +85,15 @@ def build(target, root: Path, max_batch: int, n_slots: int, shapes: list[tuple[i
 
     from ..runtime.aoti import _BlockFn, _export_and_package, block_tensors, package_config
     from ..runtime.graphs import inductor_cache
-    from .compile_packages import BUILD_KEY, _compile_packages, seed_packages
+    from .compile_packages import _compile_packages, seed_packages
 
     block = target.layers[0]
     key = batch_key(block, max_batch, n_slots)
     out = batch_dir(root, max_batch)
     try:
-        parent = json.loads((root / BUILD_KEY).read_text())
-    except (OSError, ValueError):
-        parent = None
-    from ..files import file_sha256
-    from ..runtime import batch_packages as source
-
-    # the plan's packages' key, and the code that shapes these packages' inputs
-    seed_packages(out, {"packages": parent, "batch": key, "source": file_sha256(Path(source.__file__))}, ())
+        seed_packages(out, build_key(target, root, max_batch, n_slots), ())
+    except OSError as e:
+        raise YggError(f"cannot build the batched graphs in {out}: {e.strerror or e}") from None
     jobs = {entry(key, s): SCOPE for s in shapes}
     shape_of = {entry(key, s): s for s in shapes}
     config = package_config(block, serial_loops)

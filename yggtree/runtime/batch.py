@@ -211,6 +211,7 @@ class BatchDecoder:
             self.buckets = {b: KVStore.over(kv[:, :, :b]) for b in {batch_bucket(n, max_batch)
                                                                      for n in range(1, max_batch + 1)}}
         self.solo_key = None  # the request whose state is in the solo cache (not its row)
+        self.drafter_owner = None  # the request whose state the drafter holds (the others: snapshots)
         self._attached = target.kv  # the store the target's layers read and write
         self.slots: list[Slot] = []  # by row
         self.layers = engine.drafter.target_layers if engine.drafter is not None else ()
@@ -257,6 +258,8 @@ class BatchDecoder:
             return
         if key == self.solo_key:  # its state leaves with it
             self.solo_key = None
+        if key == self.drafter_owner:
+            self.drafter_owner = None
         last = self.slots.pop()
         if last.key != key:
             n = last.extent()
@@ -385,19 +388,28 @@ class BatchDecoder:
         own stages. The layers are attached to it with ``attach`` or a ``store`` (a call of the
         target's blocks follows), else only ``target.kv`` is (the commit's store: the layers stay
         where the last call left them, re-attached by the next call that reads them)."""
-        drafter = None if self.single else self.engine.drafter
         if not self.single:
             if store is not None or attach:
                 self._attach(store or self.rows[s.row])
             self.engine.target.kv = store or self.rows[s.row]
-        if drafter is not None and s.drafter is not None:
+            if not (isinstance(s.policy, FixedPolicy) and s.policy.choice.draft_depth == 0):
+                self._drafter_for(s)  # a request in plain steps only never reads or writes it
+        yield SlotEngine(self.engine, s.feat_buf)
+
+    def _drafter_for(self, s: Slot) -> None:
+        """The drafter holds ``s``'s state: swapped only when another request's is there (that one
+        kept as a snapshot of its committed slots and a step's tree past them)."""
+        drafter = self.engine.drafter
+        if drafter is None or self.drafter_owner == s.key:
+            return
+        owner = next((o for o in self.slots if o.key == self.drafter_owner), None)
+        if owner is not None:
+            hi = min(owner.extent() + self.engine.envelope.reserve(), self.engine.n_slots)
+            owner.drafter = drafter.snapshot(0, hi)
+        if s.drafter is not None:
             drafter.restore(s.drafter)
-        try:
-            yield SlotEngine(self.engine, s.feat_buf)
-        finally:
-            if drafter is not None:  # its committed slots and a step's tree past them
-                hi = min(s.extent() + self.engine.envelope.reserve(), self.engine.n_slots)
-                s.drafter = drafter.snapshot(0, hi)
+            s.drafter = None  # its state is the drafter's now
+        self.drafter_owner = s.key
 
     def _choose(self, decoding: list[Slot]) -> None:
         """Every request's tree of this step, jointly (:class:`BatchObjective`); a request with

@@ -198,12 +198,14 @@ class BatchForward:
     """A block's forward that runs its batch package for the call's (b, W, C)."""
 
     def __init__(self, block: nn.Module, runners: dict, solo=None) -> None:
-        self.block, self.runners, self.solo = block, runners, solo
+        # solo: the block's forward on a batch-1 cache of its own (its packages', else its eager code)
+        self.block, self.runners = block, runners
+        self.solo = solo or (lambda *args: type(block).forward(block, *args))
         self.weights = [p for _, p in block_tensors(block)]
 
     def __call__(self, x, cos, sin, slots, mask):
         kv = self.block.self_attn.cache.kv
-        if self.solo is not None and kv.shape[1] == 1 and kv.is_contiguous():  # not a view of the batch cache
+        if kv.shape[1] == 1 and kv.is_contiguous():  # not a view of the batch cache
             return self.solo(x, cos, sin, slots, mask)
         shape = (x.shape[0], x.shape[1], mask.shape[-1])
         runner = self.runners.get(shape)
