@@ -338,16 +338,16 @@ class BatchDecoder:
 
     def _solo_step(self, s: Slot) -> Emitted:
         """The one decoding request of a compiled decoder, alone: the engine's own step on its
-        batch-1 cache (whole-step packages; its state copied there from its row first), the
-        joint objective's choice at one request where trees are chosen jointly."""
+        batch-1 cache (whole-step packages; its state copied there from its row first), on its
+        own policy (where trees are chosen jointly, the single-request objective the joint one is
+        at one request, which also prices the drafter's catch-up after batched plain steps)."""
         if self.solo_key != s.key:
             self._unsolo()
             n = s.extent()
             self.solo.kv[:, :, 0, :, :n] = self.full.kv[:, :, s.row, :, :n]
             self.solo_key = s.key
-        if self.objective is not None:
-            self._choose([s])
         req = s.req
+        req.policy = s.policy
         st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
         h_root, committed = req.h_root, req.committed
         s.timer.new_step()
@@ -383,16 +383,17 @@ class BatchDecoder:
         return True
 
     @contextlib.contextmanager
-    def _on(self, s: Slot, store: KVStore | None = None, attach: bool = False):
+    def _on(self, s: Slot, store: KVStore | None = None, attach: bool = False, drafts: bool = True):
         """``s``'s row (or ``store``) as the target's cache and its state in the drafter, for its
         own stages. The layers are attached to it with ``attach`` or a ``store`` (a call of the
         target's blocks follows), else only ``target.kv`` is (the commit's store: the layers stay
-        where the last call left them, re-attached by the next call that reads them)."""
+        where the last call left them, re-attached by the next call that reads them). The drafter
+        takes its state only where its stages may read or write it (``drafts``)."""
         if not self.single:
             if store is not None or attach:
                 self._attach(store or self.rows[s.row])
             self.engine.target.kv = store or self.rows[s.row]
-            if not (isinstance(s.policy, FixedPolicy) and s.policy.choice.draft_depth == 0):
+            if drafts and not (isinstance(s.policy, FixedPolicy) and s.policy.choice.draft_depth == 0):
                 self._drafter_for(s)  # a request in plain steps only never reads or writes it
         yield SlotEngine(self.engine, s.feat_buf)
 
@@ -424,7 +425,7 @@ class BatchDecoder:
         """One chunk of ``s``'s prompt (``engine.prefill``'s chunks); after the last, its first
         token, its drafter's prefill (or its deferral) and its request state, as generate does."""
         eng, chunk = self.engine, self.engine.cfg.prefill_chunk
-        with self._on(s, attach=True) as view:
+        with self._on(s, attach=True, drafts=False) as view:
             prompt = torch.tensor(s.prompt, dtype=torch.int64)
             start = s.done
             part = prompt[start : start + chunk]
@@ -453,15 +454,17 @@ class BatchDecoder:
                 if eng.drafter is not None and eng._may_skip_drafting(s.policy):
                     req.synced, req.sync_from = False, 0
                 elif eng.drafter is not None:
+                    self._drafter_for(s)
                     eng.drafter.prefill(prompt, feats)
         return Emitted(s.key, new, reason)
 
     def _plan(self, s: Slot, st: Step) -> None:
-        with self._on(s) as view:
+        pol = s.req.policy  # a plain step this time (the joint objective's choice): no drafter
+        with self._on(s, drafts=not (isinstance(pol, FixedPolicy) and pol.choice.draft_depth == 0)) as view:
             plan_step(view, s.req, st, s.timer)
 
     def _settle(self, s: Slot, st: Step) -> Emitted:
-        with self._on(s) as view:
+        with self._on(s, drafts=st.drafted) as view:
             settle_step(view, s.req, st, s.timer)
             s.req.h_root = s.req.h_root.clone()  # not a view of this step's batch
         return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)

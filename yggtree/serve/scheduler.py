@@ -109,16 +109,21 @@ class Backend:
     def policy_for(self, job: "Job"):
         """A job's step policy: plain steps for ``"speculative": false`` (draft depth 0, the root
         alone verified, the drafter's prefill skipped), else the plan's policy (one request at a
-        time: it learns across them as ``yggtree run`` does; in a batch the joint objective
-        replaces its choices every step), else the engine's tree."""
+        time: it learns across them as ``yggtree run`` does; in a batch each request its own copy,
+        sharing what it learns, whose choices the joint objective replaces in batched steps), else
+        the engine's tree."""
         if not self.speculative:
             return None
         if not job.speculative:
             from ..runtime.batch import plain_policy
 
             return plain_policy(self.engine)
-        if self.max_batch == 1 or self.decoder.objective is not None:
+        if self.max_batch == 1:
             return self.policy
+        if self.decoder.objective is not None:
+            import copy
+
+            return copy.copy(self.policy)  # its per-request state its own (start_request), the rest shared
         return None
 
     def admit(self, job: "Job") -> None:
