@@ -96,6 +96,42 @@ async def cell(url: str, model: str, prompts: list[str], concurrency: int, max_t
             "tpot_p95_ms": round(1e3 * percentile(tpots, 0.95), 1)}
 
 
+SPEC_COUNTERS = {"drafts": "yggtree:spec_decode_num_drafts_total",
+                 "accepted": "yggtree:spec_decode_num_accepted_tokens_total",
+                 "tokens": "yggtree:generation_tokens_total"}
+
+
+def spec_counters(text: str) -> dict[str, float] | None:
+    """yggtree's speculation counters in a Prometheus text page (None: another server's)."""
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("{") if "{" in line else line.partition(" ")
+        for key, metric in SPEC_COUNTERS.items():
+            if name.strip() == metric:
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out if len(out) == len(SPEC_COUNTERS) else None
+
+
+def drafted_share(before: dict | None, after: dict | None) -> dict:
+    """What a cell's steps did, from the counters around it: the share of decode steps that
+    verified a drafted tree, and accepted tokens per such step ({} for another server)."""
+    if before is None or after is None:
+        return {}
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    steps = d["tokens"] - d["accepted"]  # every step emits one token beside the accepted ones
+    return {"drafted_share": round(d["drafts"] / steps, 3) if steps else 0.0,
+            "accepted_per_draft": round(d["accepted"] / d["drafts"], 2) if d["drafts"] else 0.0}
+
+
+def metrics_of(url: str) -> dict | None:
+    import httpx
+
+    try:
+        return spec_counters(httpx.get(url + "/metrics", timeout=30).text)
+    except httpx.HTTPError:
+        return None
+
+
 def start_server(serve_args: str) -> tuple[subprocess.Popen, str, float]:
     """``yggtree serve`` on a free loopback port: the process, its URL and its start-up time."""
     import httpx
@@ -154,11 +190,15 @@ def run(args: argparse.Namespace) -> int:
         for spec in settings:
             asyncio.run(cell(url, model, prompts[:1], 1, args.max_tokens, spec))  # warm-up, not counted
             for c in levels:
+                before = metrics_of(url)
                 r = asyncio.run(cell(url, model, prompts, c, args.max_tokens, spec))
+                r |= drafted_share(before, metrics_of(url))
                 rows.append(r)
+                drafted = (f"  drafted {100 * r['drafted_share']:.0f}% of steps, {r['accepted_per_draft']:.2f} "
+                           "accepted each" if "drafted_share" in r else "")
                 print(f"speculative={spec!s:5} C={c:2}  {r['tokens_per_s']:8.1f} tok/s  "
                       f"TTFT p50 {r['ttft_p50_ms']:8.1f} p95 {r['ttft_p95_ms']:8.1f} ms  "
-                      f"TPOT p50 {r['tpot_p50_ms']:7.1f} p95 {r['tpot_p95_ms']:7.1f} ms", flush=True)
+                      f"TPOT p50 {r['tpot_p50_ms']:7.1f} p95 {r['tpot_p95_ms']:7.1f} ms{drafted}", flush=True)
     finally:
         if proc is not None:
             proc.terminate()

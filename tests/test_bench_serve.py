@@ -82,3 +82,19 @@ def test_a_failing_server_is_one_line(server):
         asyncio.run(bench_serve.cell(url, "m", ["a"] * 2, 1, 3, None))
     with pytest.raises(YggError, match=r"^the server at http://127\.0\.0\.1:1 failed a request at concurrency 1: ConnectError"):
         asyncio.run(bench_serve.cell("http://127.0.0.1:1", "m", ["a"], 1, 3, None))
+
+
+def test_drafted_share_from_yggtree_counters():
+    page = """# HELP yggtree:spec_decode_num_drafts_total Verify steps that checked drafted tokens
+yggtree:spec_decode_num_drafts_total{model_name="m"} 30.0
+yggtree:spec_decode_num_accepted_tokens_total{model_name="m"} 45.0
+yggtree:generation_tokens_total{model_name="m"} 245.0
+yggtree:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 20.0
+"""
+    before = {"drafts": 10.0, "accepted": 15.0, "tokens": 115.0}
+    after = bench_serve.spec_counters(page)
+    assert after == {"drafts": 30.0, "accepted": 45.0, "tokens": 245.0}
+    # 130 tokens, 30 of them accepted: 100 steps, 20 drafted, 1.5 accepted each
+    assert bench_serve.drafted_share(before, after) == {"drafted_share": 0.2, "accepted_per_draft": 1.5}
+    assert bench_serve.spec_counters("llamacpp:tokens_predicted_total 5\n") is None
+    assert bench_serve.drafted_share(None, after) == {}
