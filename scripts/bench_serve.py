@@ -189,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         for spec in settings:
             asyncio.run(cell(url, model, prompts[:1], 1, args.max_tokens, spec))  # warm-up, not counted
-            for c in levels:
+        # the settings alternate at each concurrency: a host whose speed drifts over the run
+        # shifts both alike
+        for c in levels:
+            for spec in settings:
                 before = metrics_of(url)
                 r = asyncio.run(cell(url, model, prompts, c, args.max_tokens, spec))
                 r |= drafted_share(before, metrics_of(url))
