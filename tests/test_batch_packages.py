@@ -52,7 +52,7 @@ def requests(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [dict(key=i, prompt=[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 40))],
                  params=SamplingParams(rng.randint(8, 30), 0.0, 1.0, seed=i), plain=i % 3 == 2,
-                 arrive=[0, 0, 3, 9, 10][i % 5])
+                 arrive=[0, 0, 3, 9, 10, 12][i % 6], leave=6 if i == 1 else None)
             for i in range(n)]
 
 
@@ -75,7 +75,7 @@ def blocks(tmp_path_factory):
 
 def test_batched_compiled_requests_equal_their_decoding_alone(blocks):
     root, pset = blocks
-    reqs = requests(5)
+    reqs = requests(6)  # request 1 leaves (a client gone) after 6 steps
     eng = engine(root, pset)
     alone = {}
     for r in reqs:
@@ -89,11 +89,16 @@ def test_batched_compiled_requests_equal_their_decoding_alone(blocks):
     assert packages.step_contexts and sorted(packages.runners) == sorted(batch_build.engine_batch_shapes(eng, 2))
     dec = BatchDecoder(eng, 2, packages=packages)
     got, pending, step, solo_steps, batched_steps = {}, list(reqs), 0, 0, 0
+    joined = {}
     while pending or dec.running:
+        for r in reqs:
+            if r["leave"] is not None and joined.get(r["key"]) == step - r["leave"]:
+                dec.remove(r["key"])
         for r in [r for r in pending if r["arrive"] <= step]:
             if not dec.free:
                 break
             pending.remove(r)
+            joined[r["key"]] = step
             dec.add(r["key"], r["prompt"], r["params"], plain_policy(eng) if r["plain"] else None)
         decoding = sum(s.req is not None for s in dec.slots)
         for e in dec.step():
@@ -103,6 +108,9 @@ def test_batched_compiled_requests_equal_their_decoding_alone(blocks):
         batched_steps += decoding == 2
         step += 1
         assert step < 2000
+    left = reqs[1]["key"]
+    cut = got.pop(left)
+    assert 0 < len(cut) < len(alone[left]) and cut == alone.pop(left)[: len(cut)]  # what it got before it left
     assert got == alone
     assert solo_steps and batched_steps  # both paths ran, and requests moved between them
 
