@@ -20,6 +20,7 @@ MAX_DRAFT_DEPTH = 32  # D: drafter calls per step
 MAX_DRAFT_WIDTH = 64  # W_d: nodes fed per drafter call
 MAX_VERIFY_WIDTH = 256  # W_v: nodes the target verifies per step
 MAX_BATCH = 32  # requests one engine decodes at once (runtime/batch.py, yggtree serve --max-batch)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch shapes of a batched verify call (and max_batch itself)
 MAX_TOP_K = 64  # children proposed per fed node
 MAX_SEED = 2**63 - 1
 
@@ -284,3 +285,8 @@ def kv_cache_dtype(kv_cache: str | None, dtype: str) -> str | None:
         raise YggError(f"KV cache {kv_cache} with dtype {dtype}: a {dtype} model keeps its cache in {dtype} "
                        "(16-bit caches are for float32 activations)")
     return kv_cache
+
+
+def batch_bucket(n: int, max_batch: int) -> int:
+    """The smallest batch shape holding ``n`` rows: a bucket of :data:`BATCH_BUCKETS`, or ``max_batch``."""
+    return next((b for b in BATCH_BUCKETS if n <= b < max_batch), max_batch)

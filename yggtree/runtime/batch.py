@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import YggError
-from ..shapes import MAX_BATCH, SamplingParams
+from ..shapes import MAX_BATCH, SamplingParams, batch_bucket
 from .accept import truncate
 from .batch_objective import BatchObjective
 from .batch_packages import BatchPackages
@@ -58,12 +58,6 @@ from .schedule import StageTimer
 from .stages import Request, Step, choose_token, plan_step, settle_step, speculate_step
 from .steps import tree_mask
 
-BUCKETS = (1, 2, 4, 8, 16, 32)  # batch shapes of the verify call (and max_batch itself)
-
-
-def batch_bucket(n: int, max_batch: int) -> int:
-    """The smallest batch shape holding ``n`` rows: a bucket of :data:`BUCKETS`, or ``max_batch``."""
-    return next((b for b in BUCKETS if n <= b < max_batch), max_batch)
 
 
 @dataclass(frozen=True)

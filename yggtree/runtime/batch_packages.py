@@ -49,7 +49,7 @@ def batch_dir(root: Path, max_batch: int) -> Path:
 
 def batch_buckets(max_batch: int) -> list[int]:
     """The batch shapes a decoder of ``max_batch`` rows calls (runtime.batch.batch_bucket)."""
-    from .batch import batch_bucket
+    from ..shapes import batch_bucket
 
     return sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
 
