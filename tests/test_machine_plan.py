@@ -563,9 +563,20 @@ def test_the_build_measures_a_busy_plan_again_and_forgets_a_busy_kernel_choice(m
     monkeypatch.setattr(choice_mod, "forget_choice", lambda plan: forgot.append(plan.name))
     monkeypatch.setattr(machine_plan, "_phase", lambda mp_, plan, root, name, whole, *a: phases.append(name) or path)
     monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: verdicts.append(copy))
+    served = []
+    monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: served.append(copy))
     assert machine_plan._build_locked(mp, said.append) == path
     assert forgot == [mp.name] and phases == ["profile-blocks", "profile"] and verdicts == [path]
+    assert served == [path]  # last: the server's batched graphs of the ready plan
     assert mp.remeasured() == 1 and "measuring again (1 of at most 3)" in said[0]
     monkeypatch.setattr(choice_mod, "choice_record", lambda plan: {"load": {"other_cores": 0.0, "steal_cores": 0.0}})
     phases.clear()
     assert machine_plan._build_locked(mp, said.append) == path and phases == []  # quiet now: nothing to do
+
+
+def test_the_servers_batched_graphs_that_fail_to_build_are_one_line(monkeypatch, tmp_path):
+    """The build's last phase (the batched graphs of ``yggtree serve``): a plan that cannot load
+    or a package that cannot be built is one line, and the build still ends ready."""
+    said = []
+    machine_plan._build_serving(tmp_path / "missing-plan.yaml", said.append)
+    assert len(said) == 1 and "its first start builds them" in said[0] and "\n" not in said[0]

@@ -19,6 +19,8 @@ machine plan:
    count (``--lookup N`` keeps N), and where no objective beat plain steps they decode the plan
    plainly (``--speculate`` keeps the objective); a plan whose verdict is missing or of another
    ``VERSION`` has it measured by the next build.
+6. last, the batched graphs ``yggtree serve`` decodes ``SERVE_BATCH`` requests at once with
+   (runtime/batch_packages.py, built where missing), so that a server's first start loads them.
 
 Every measurement waits for a quiet machine (``QUIET_WAITS``); one that could not (the product
 kernel's choice, a profile or the verdict timed while other processes kept the cores busy) is
@@ -363,7 +365,27 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     # 3. whether its objective beats its plain steps here: runs decode plainly where it does not
     _measure_speculation(mp, copy, say)
     say(f"ready in {time.perf_counter() - t0:.0f} s: {copy}")
+    # 4. the batched graphs `yggtree serve` decodes its default batch with: its first start loads them
+    _build_serving(copy, say)
     return copy
+
+
+def _build_serving(copy: Path, say) -> None:
+    """The batch packages of ``yggtree serve --max-batch SERVE_BATCH`` on the ready plan ``copy``
+    (offline/batch_build.py), built after the plan is ready (runs never wait for them); a
+    failure is one line, and the server builds them at its first start instead."""
+    from .compiled import artifact_dir
+    from .offline.batch_build import batch_packages
+    from .plan import load_plan
+    from .runtime.build import build_plan_engine
+    from .shapes import SERVE_BATCH
+
+    try:
+        plan = load_plan(copy)
+        engine, _ = build_plan_engine(plan, artifact_dir(plan))
+        batch_packages(engine, SERVE_BATCH, say)
+    except (YggError, OSError) as e:
+        say(f"the batched graphs of `yggtree serve` were not built ({e}): its first start builds them")
 
 
 def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:

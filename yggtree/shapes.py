@@ -20,6 +20,7 @@ MAX_DRAFT_DEPTH = 32  # D: drafter calls per step
 MAX_DRAFT_WIDTH = 64  # W_d: nodes fed per drafter call
 MAX_VERIFY_WIDTH = 256  # W_v: nodes the target verifies per step
 MAX_BATCH = 32  # requests one engine decodes at once (runtime/batch.py, yggtree serve --max-batch)
+SERVE_BATCH = 4  # yggtree serve's --max-batch by default (the machine plan builds its batch graphs)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch shapes of a batched verify call (and max_batch itself)
 MAX_TOP_K = 64  # children proposed per fed node
 MAX_SEED = 2**63 - 1

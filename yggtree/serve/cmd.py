@@ -14,9 +14,9 @@ import time
 
 from ..errors import YggError
 from ..run_cmd import _float, _int_at_least, add_engine_arguments
-from ..shapes import MAX_BATCH
+from ..shapes import MAX_BATCH, SERVE_BATCH
 
-AUTO_BATCH = 4  # --max-batch's default where the engine can batch
+AUTO_BATCH = SERVE_BATCH  # --max-batch's default where the engine can batch
 SERVE_EXTRA = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
