@@ -15,8 +15,18 @@ import tempfile
 from pathlib import Path
 
 from ..errors import YggError
-from ..runtime.batch_packages import (SCOPE, BatchPackages, batch_dir, batch_key, batch_shapes, entry,
-                                      example_inputs, native_attention, package_root)
+from ..runtime.attention_choice import native_attention
+from ..runtime.batch_packages import (
+    SCOPE,
+    BatchPackages,
+    batch_dir,
+    batch_key,
+    batch_shapes,
+    entry,
+    example_inputs,
+    package_root,
+)
+from .compile_packages import BUILD_KEY, _compile_packages, _same_key, seed_packages
 
 SECONDS_EACH = 15  # roughly what one package takes to build on 2 cores (said up front, not relied on)
 
@@ -25,7 +35,8 @@ def engine_batch_shapes(engine, max_batch: int) -> list[tuple[int, int, int]]:
     """The (b, W, C) a decoder of ``max_batch`` rows calls on ``engine``: its plain step and
     verify widths, its prefill chunk, its cache."""
     widths = (1, *engine.envelope.verify_widths) if engine.cfg.tree is not None else (1,)
-    return batch_shapes(max_batch, widths, engine.cfg.prefill_chunk, engine.n_slots, native_attention(engine.target))
+    native = native_attention(engine.target) is not None  # the library's rows: bits independent of the context
+    return batch_shapes(max_batch, widths, engine.cfg.prefill_chunk, engine.n_slots, native)
 
 
 def batch_packages(engine, max_batch: int, say=None) -> BatchPackages:
@@ -35,8 +46,6 @@ def batch_packages(engine, max_batch: int, say=None) -> BatchPackages:
     root = package_root(target)
     shapes = engine_batch_shapes(engine, max_batch)
     out = batch_dir(root, max_batch)
-    from .compile_packages import _same_key
-
     if _same_key(out, build_key(target, root, max_batch, engine.n_slots)):
         try:
             return BatchPackages.load(out, target, shapes, max_batch, engine.n_slots)
@@ -66,8 +75,6 @@ def build_key(target, root: Path, max_batch: int, n_slots: int) -> dict:
     import hashlib
     import inspect
 
-    from .compile_packages import BUILD_KEY
-
     try:
         parent = json.loads((root / BUILD_KEY).read_text())
     except (OSError, ValueError):
@@ -83,10 +90,13 @@ def build(target, root: Path, max_batch: int, n_slots: int, shapes: list[tuple[i
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..runtime.aoti import _BlockFn, _export_and_package, block_tensors, package_config
+    from ..runtime.aoti import (
+        _BlockFn,
+        _export_and_package,
+        block_tensors,
+        package_config,
+    )
     from ..runtime.graphs import inductor_cache
-    from .compile_packages import _compile_packages, seed_packages
-
     block = target.layers[0]
     key = batch_key(block, max_batch, n_slots)
     out = batch_dir(root, max_batch)

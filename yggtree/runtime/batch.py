@@ -59,7 +59,6 @@ from .stages import Request, Step, choose_token, plan_step, settle_step, specula
 from .steps import tree_mask
 
 
-
 @dataclass(frozen=True)
 class Emitted:
     """What one step did for one request: the tokens it emitted (maybe none: a prefill chunk
@@ -317,7 +316,11 @@ class BatchDecoder:
     def _whole_step(self, s: Slot) -> Emitted:
         """One request alone: the engine's own step (its graphs, its stage plan) and its policy's
         report, as ``Engine.decode`` runs them."""
-        req, eng = s.req, self.engine
+        return self._engine_step(s, self.engine)
+
+    def _engine_step(self, s: Slot, eng) -> Emitted:
+        """:meth:`_whole_step` on ``eng`` (the engine, or its view for one slot)."""
+        req = s.req
         st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
         h_root, committed = req.h_root, req.committed
         s.timer.new_step()
@@ -328,7 +331,7 @@ class BatchDecoder:
                 eng.worker.drain()
         if req.policy is not None:
             req.policy.observe(step_record(st, committed, h_root, s.timer.step_ms(), False))
-        return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
+        return emitted(s, st)
 
     def _solo_step(self, s: Slot) -> Emitted:
         """The one decoding request of a compiled decoder, alone: the engine's own step on its
@@ -340,16 +343,9 @@ class BatchDecoder:
             n = s.extent()
             self.solo.kv[:, :, 0, :, :n] = self.full.kv[:, :, s.row, :, :n]
             self.solo_key = s.key
-        req = s.req
-        req.policy = s.policy
-        st = Step(torch.tensor(req.out[-1]), torch.tensor(req.committed))
-        h_root, committed = req.h_root, req.committed
-        s.timer.new_step()
+        s.req.policy = s.policy
         with self._on(s, self.solo) as view:
-            speculate_step(view, req, st, s.timer)
-        if req.policy is not None:
-            req.policy.observe(step_record(st, committed, h_root, s.timer.step_ms(), False))
-        return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
+            return self._engine_step(s, view)
 
     def _unsolo(self) -> None:
         """The request in the solo cache, if any, back to its row (before a batched step)."""
@@ -387,7 +383,7 @@ class BatchDecoder:
             if store is not None or attach:
                 self._attach(store or self.rows[s.row])
             self.engine.target.kv = store or self.rows[s.row]
-            if drafts and not (isinstance(s.policy, FixedPolicy) and s.policy.choice.draft_depth == 0):
+            if drafts and not plain_only(s.policy):
                 self._drafter_for(s)  # a request in plain steps only never reads or writes it
         yield SlotEngine(self.engine, s.feat_buf)
 
@@ -409,7 +405,7 @@ class BatchDecoder:
     def _choose(self, decoding: list[Slot]) -> None:
         """Every request's tree of this step, jointly (:class:`BatchObjective`); a request with
         the plain policy (draft depth 0) takes a plain step."""
-        plain = [isinstance(s.policy, FixedPolicy) and s.policy.choice.draft_depth == 0 for s in decoding]
+        plain = [plain_only(s.policy) for s in decoding]
         picks = self.objective.choose([s.req.committed for s in decoding], [not p for p in plain],
                                       batch_bucket(len(self.slots), self.max_batch))
         for s, (d, wd, wv) in zip(decoding, picks):
@@ -453,15 +449,15 @@ class BatchDecoder:
         return Emitted(s.key, new, reason)
 
     def _plan(self, s: Slot, st: Step) -> None:
-        pol = s.req.policy  # a plain step this time (the joint objective's choice): no drafter
-        with self._on(s, drafts=not (isinstance(pol, FixedPolicy) and pol.choice.draft_depth == 0)) as view:
+        # a plain step this time (the joint objective's choice): no drafter
+        with self._on(s, drafts=not plain_only(s.req.policy)) as view:
             plan_step(view, s.req, st, s.timer)
 
     def _settle(self, s: Slot, st: Step) -> Emitted:
         with self._on(s, drafts=st.drafted) as view:
             settle_step(view, s.req, st, s.timer)
             s.req.h_root = s.req.h_root.clone()  # not a view of this step's batch
-        return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
+        return emitted(s, st)
 
     def _verify(self, ready: list[Slot], steps: list[Step]) -> None:
         """One target call over every ready request's tree (``st.logits``, ``hidden``, ``caps``)."""
@@ -501,6 +497,16 @@ class BatchDecoder:
             s.req.counters["verify_calls"] += 1
             s.timer.step["verify"] += dt  # the shared call's time, on every request in it
             s.timer.total["verify"] += dt
+
+
+def plain_only(policy: StepPolicy | None) -> bool:
+    """Whether ``policy`` takes plain steps only (draft depth 0): its steps never use the drafter."""
+    return isinstance(policy, FixedPolicy) and policy.choice.draft_depth == 0
+
+
+def emitted(s: Slot, st: Step) -> Emitted:
+    """What a settled step ``st`` of ``s`` did."""
+    return Emitted(s.key, list(st.new), st.reason, drafted=st.drafted, verify_width=st.wv, accepted=st.n_acc)
 
 
 def plain_policy(engine: Engine) -> FixedPolicy:

@@ -54,11 +54,6 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
 
 
-def native_attention(model: nn.Module) -> bool:
-    """Whether ``model``'s attention runs on the kernel library (context-independent rows)."""
-    return model.layers[0].self_attn.native_rows is not None
-
-
 def batch_shapes(max_batch: int, step_widths: tuple[int, ...], prefill_chunk: int, n_slots: int,
                  native: bool) -> list[tuple[int, int, int]]:
     """Every (b, W, C) a decoder of ``max_batch`` rows calls (see the module's docstring)."""
@@ -98,8 +93,7 @@ def example_inputs(block: nn.Module, shape: tuple[int, int, int], max_batch: int
     attn = block.self_attn
     cache = attn.cache.kv  # [2, B, Hkv, S, D]: any cache of the block's, for its dtype and heads
     cfg = attn.cfg
-    dtype = next(p for n, p in block.named_parameters() if n.endswith("input_layernorm.weight")).dtype
-    x = torch.zeros(b, w, cfg.hidden_size, dtype=dtype)
+    x = torch.zeros(b, w, cfg.hidden_size, dtype=block.input_layernorm.weight.dtype)
     cos = torch.zeros(b, w, 1, cfg.head_dim // 2)
     slots = (torch.zeros(b, w, 1 + LOGICAL_WINDOW, dtype=torch.int64) if w <= attn.invariant_rows
              else torch.zeros(b, w, dtype=torch.int64))
@@ -120,7 +114,7 @@ class BatchPackages:
 
     @classmethod
     def load(cls, root: Path, target: nn.Module, shapes: list[tuple[int, int, int]], max_batch: int,
-             n_slots: int) -> "BatchPackages":
+             n_slots: int) -> BatchPackages:
         """The packages of ``shapes`` from ``root`` (:func:`batch_dir`); YggError naming the first
         one missing or damaged."""
         from torch._C._aoti import AOTIModelPackageLoader
@@ -158,30 +152,18 @@ class BatchPackages:
         layers (each [b, W, H]). tokens, positions, slots [b, W] int64; mask [b, W, C] bool."""
         from .model import row_window
 
-        b, w = tokens.shape
-        runner = self.runners.get((b, w, mask.shape[-1]))
-        if runner is None:
-            raise YggError(f"no batched graph for {b} rows of width {w} at context {mask.shape[-1]} "
-                           f"(built: {sorted(self.runners)})")
+        runner = runner_for(self.runners, (*tokens.shape, mask.shape[-1]))
         cs = target.rope[positions]  # [b, W, D/2, 2]
         cos, sin = cs[..., 0].unsqueeze(2).contiguous(), cs[..., 1].unsqueeze(2).contiguous()
         x = target.embed_tokens(tokens)
         window, mask = row_window(mask)
         acts = [cos, sin, torch.cat([slots[..., None], window], -1).contiguous(), mask.contiguous()]
-        weights = self._weights(target)
         captured = []
-        for i, cache in enumerate(store.caches):
-            x = runner.run([x, *acts, cache.kv, *weights[i]])[0]
+        for i, (block, cache) in enumerate(zip(target.layers, store.caches)):
+            x = runner.run([x, *acts, cache.kv, *block.forward.weights])[0]  # its BatchForward's (install)
             if i in capture:
                 captured.append(x)
         return x, tuple(captured)
-
-    def _weights(self, target: nn.Module) -> list[list[torch.Tensor]]:
-        cached = getattr(self, "_by_layer", None)
-        if cached is None:
-            cached = [[p for _, p in block_tensors(block)] for block in target.layers]
-            object.__setattr__(self, "_by_layer", cached)  # the same tensors for the target's life
-        return cached
 
     def install(self, target: nn.Module) -> None:
         """Make every block of ``target`` (its cache set up with ``max_batch`` rows) run these
@@ -192,6 +174,15 @@ class BatchPackages:
                            f"the cache holds {kv.shape[2]} of {kv.shape[4]}")
         for block in target.layers:  # a block on a batch-1 cache of its own keeps its packages
             block.forward = BatchForward(block, self.runners, block.__dict__.get("forward"))
+
+
+def runner_for(runners: dict, shape: tuple[int, int, int]):
+    """The runner of ``shape`` (b, W, C); a YggError naming it and what was built, never a compile."""
+    runner = runners.get(shape)
+    if runner is None:
+        raise YggError(f"no batched graph for {shape[0]} rows of width {shape[1]} at context {shape[2]} "
+                       f"(built: {sorted(runners)})")
+    return runner
 
 
 class BatchForward:
@@ -207,13 +198,9 @@ class BatchForward:
         kv = self.block.self_attn.cache.kv
         if kv.shape[1] == 1 and kv.is_contiguous():  # not a view of the batch cache
             return self.solo(x, cos, sin, slots, mask)
-        shape = (x.shape[0], x.shape[1], mask.shape[-1])
-        runner = self.runners.get(shape)
-        if runner is None:
-            raise YggError(f"no batched graph for {shape[0]} rows of width {shape[1]} at context {shape[2]} "
-                           f"(built: {sorted(self.runners)})")
+        runner = runner_for(self.runners, (x.shape[0], x.shape[1], mask.shape[-1]))
         acts = (x.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous(), mask.contiguous())
-        return self.runners[shape].run([*acts, self.block.self_attn.cache.kv, *self.weights])[0]
+        return runner.run([*acts, self.block.self_attn.cache.kv, *self.weights])[0]
 
 
 def package_root(target: nn.Module) -> Path:
