@@ -28,9 +28,6 @@ from ..runtime.batch_packages import (
 )
 from .compile_packages import BUILD_KEY, _compile_packages, _same_key, seed_packages
 
-SECONDS_EACH = 15  # roughly what one package takes to build on 2 cores (said up front, not relied on)
-
-
 def engine_batch_shapes(engine, max_batch: int) -> list[tuple[int, int, int]]:
     """The (b, W, C) a decoder of ``max_batch`` rows calls on ``engine``: its plain step and
     verify widths, its prefill chunk, its cache."""
@@ -53,7 +50,7 @@ def batch_packages(engine, max_batch: int, say=None) -> BatchPackages:
             pass
     say = say or (lambda line: sys.stderr.write(f"yggtree: {line}\n"))
     say(f"building the compiled graphs of {max_batch} requests at once ({len(shapes)} packages, "
-        f"~{len(shapes) * SECONDS_EACH / 60:.0f} min; once for this plan, in {out})")
+        f"minutes; once for this plan, in {out})")
     build(target, root, max_batch, engine.n_slots, shapes, _serial_loops(root, target))
     return BatchPackages.load(out, target, shapes, max_batch, engine.n_slots)
 
