@@ -28,6 +28,7 @@ from ..runtime.batch_packages import (
 )
 from .compile_packages import BUILD_KEY, _compile_packages, _same_key, seed_packages
 
+
 def engine_batch_shapes(engine, max_batch: int) -> list[tuple[int, int, int]]:
     """The (b, W, C) a decoder of ``max_batch`` rows calls on ``engine``: its plain step and
     verify widths, its prefill chunk, its cache."""
