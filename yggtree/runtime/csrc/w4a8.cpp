@@ -169,7 +169,7 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
 template <int R, int BITS>
 inline void tile_halves(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum,
                         int64_t K, int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
-  static_assert(LANES == 8 && !NATIVE_DOT, "the AVX2 path without VNNI");
+  static_assert(R > 0 && LANES == 8 && !NATIVE_DOT, "the AVX2 path without VNNI");  // R: checked where instantiated
   F acc0[R], acc1[R];  // columns 0-7, 8-15
   for (int r = 0; r < R; ++r) acc0[r] = zero(), acc1[r] = zero();
   for (int64_t b = 0; b < B; ++b) {
