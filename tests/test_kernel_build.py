@@ -1,4 +1,5 @@
-"""The kernel library's build guard: a build killed midway must not hang the next run."""
+"""The kernel library's build guard: a build killed midway must not hang the next run; every
+instruction-set variant compiles, whatever the CPU runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 
 import pytest
 
+from yggtree.errors import YggError
+from yggtree.runtime import kernels
 from yggtree.runtime.kernels import build_lock
 
 HOLD = """
@@ -92,3 +95,22 @@ def test_an_unwritable_cache_builds_in_a_temporary_directory_with_one_line(monke
     assert len(built) == 1 and not built[0].exists()  # built there, then removed
     assert len(err) == 1 and err[0].startswith(f"yggtree: the kernel cache {blocked}/yggtree/kernels/")
     assert err[0].endswith("the kernel library is built in a temporary directory, not kept")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(kernels.ISAS))
+def test_every_instruction_set_variant_compiles_whatever_this_cpu_runs(isa):
+    """A variant is built only on a CPU that runs it, so one no test machine runs would break
+    unseen (the AVX2 path's static_assert once stopped every AVX-512 build): each compiles here."""
+    kernels.check_sources(isa)
+
+
+def test_a_variant_that_does_not_compile_names_its_source_and_first_error(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text('static_assert(false, "not on this variant");\n')
+    monkeypatch.setattr(kernels, "SOURCES", (bad,))
+    with pytest.raises(YggError, match=r"^the kernel library's bad.cpp does not compile for avx2: .*error: static "
+                                       r"assertion failed: not on this variant$"):
+        kernels.check_sources("avx2")
+    with pytest.raises(YggError, match=r"^no instruction set 'neon'"):
+        kernels.check_sources("neon")
