@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from yggtree.errors import YggError
-from yggtree.runtime import kernels
+from yggtree.runtime import kernel_check, kernels
 from yggtree.runtime.kernels import build_lock
 
 HOLD = """
@@ -53,7 +53,7 @@ def test_a_failing_build_falls_back_to_torchs_kernels_in_one_line(monkeypatch, t
     import torch
     from torch.utils import cpp_extension
 
-    from yggtree.runtime import kernels
+    from yggtree.runtime import kernel_check, kernels
     from yggtree.runtime.packed import can_pack
 
     def broken(**kw):
@@ -76,7 +76,7 @@ def test_an_unwritable_cache_builds_in_a_temporary_directory_with_one_line(monke
     """A cache directory that cannot be written (here: under a file, which no user can make a
     directory in) does not stop a run: the library is built in a temporary directory, removed
     once loaded, and one stderr line says so."""
-    from yggtree.runtime import kernels
+    from yggtree.runtime import kernel_check, kernels
 
     blocked = tmp_path / "a-file"
     blocked.write_text("")
@@ -102,7 +102,7 @@ def test_an_unwritable_cache_builds_in_a_temporary_directory_with_one_line(monke
 def test_every_instruction_set_variant_compiles_whatever_this_cpu_runs(isa):
     """A variant is built only on a CPU that runs it, so one no test machine runs would break
     unseen (the AVX2 path's static_assert once stopped every AVX-512 build): each compiles here."""
-    kernels.check_sources(isa)
+    kernel_check.check_sources(isa)
 
 
 def test_a_variant_that_does_not_compile_names_its_source_and_first_error(monkeypatch, tmp_path):
@@ -111,6 +111,6 @@ def test_a_variant_that_does_not_compile_names_its_source_and_first_error(monkey
     monkeypatch.setattr(kernels, "SOURCES", (bad,))
     with pytest.raises(YggError, match=r"^the kernel library's bad.cpp does not compile for avx2: .*error: static "
                                        r"assertion failed: not on this variant$"):
-        kernels.check_sources("avx2")
+        kernel_check.check_sources("avx2")
     with pytest.raises(YggError, match=r"^no instruction set 'neon'"):
-        kernels.check_sources("neon")
+        kernel_check.check_sources("neon")

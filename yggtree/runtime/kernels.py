@@ -44,7 +44,7 @@ import torch
 from ..errors import YggError
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
-__all__ = ["SOURCES", "SHIMS", "ISAS", "check_sources", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "load_library", "aoti_shims", "runs_attention",
+__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "load_library", "aoti_shims", "runs_attention",
            "use_rows_attention", "loop_pool", "prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
@@ -196,31 +196,6 @@ def _build_and_load(build: Path) -> None:
     torch.library.register_fake("yggtree::tree_attention")(_rows_attention_fake)
     torch.library.register_fake("yggtree::tiled_mm")(_tiled_mm_fake)
     torch.library.register_fake("yggtree::tiled_q4_mm")(_tiled_q4_mm_fake)
-
-
-def check_sources(name: str) -> None:
-    """Compile every source for the instruction set ``name`` of :data:`ISAS` without building or
-    running it (the compiler's ``-fsyntax-only``: templates instantiated, ``static_assert``\ s
-    checked), whatever this CPU runs; YggError naming the source and the compiler's first error
-    line where one fails. The tests call it for every variant, so one no test machine can run
-    still compiles (the build itself is only ever for a variant the CPU runs)."""
-    import subprocess
-    import sysconfig
-
-    from torch.utils import cpp_extension
-
-    if name not in ISAS:
-        raise YggError(f"no instruction set {name!r} (one of {', '.join(ISAS)})")
-    includes = [f"-isystem{p}" for p in (*cpp_extension.include_paths(), sysconfig.get_paths()["include"])]
-    # as cpp_extension.load compiles them (its -std for this torch, its two defines)
-    base = [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", "-DTORCH_EXTENSION_NAME=yggtree_kernels",
-            "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, *CFLAGS, *ISAS[name][1]]
-    for src in SOURCES:
-        r = subprocess.run([*base, str(src)], capture_output=True, text=True)
-        if r.returncode:
-            lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
-            first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else f"exit status {r.returncode}")
-            raise YggError(f"the kernel library's {src.name} does not compile for {name}: {first}")
 
 
 @functools.cache
