@@ -23,7 +23,7 @@ __all__ = ["check_sources"]
 
 def check_sources(name: str) -> None:
     """Compile every source for the instruction set ``name`` of :data:`ISAS` without building or
-    running it (the compiler's ``-fsyntax-only``: templates instantiated, ``static_assert``\ s
+    running it (the compiler's ``-fsyntax-only``: templates instantiated, static_asserts
     checked), whatever this CPU runs; YggError naming the source and the compiler's first error
     line where one fails. The tests call it for every variant, so one no test machine can run
     still compiles (the build itself is only ever for a variant the CPU runs)."""
