@@ -190,10 +190,6 @@ def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tm
     clear answer kept and read back after; ``YGGTREE_ATTENTION`` names one (no timing), a bad
     name is one line."""
     from yggtree.runtime import attention_choice as kernels
-    from yggtree.runtime.kernels import library_usable
-
-    if not library_usable():
-        pytest.skip("the kernel library does not run on this CPU")
     monkeypatch.delenv(kernels.ATTENTION_ENV, raising=False)
     heads, where = (4, 2, 32), tmp_path
     first = kernels.attention_kernel(heads, 1, where)
@@ -227,8 +223,6 @@ def test_a_model_on_either_attention_computes_the_same_steps(kernel):
     from yggtree.runtime.drafters import LMDrafter
     from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 
-    if not kernels.library_usable():
-        pytest.skip("the kernel library does not run on this CPU")
     target, other = gguf_like(0), gguf_like(0)
     kernels.use_rows_attention(target, kernel)
     kernels.use_rows_attention(other, "rows")
@@ -250,8 +244,6 @@ def test_an_engine_on_packages_runs_the_attention_they_were_built_with():
     from yggtree.runtime.attention_choice import native_attention, set_native_attention
     from yggtree.runtime.model import Attention
 
-    if not kernels.library_usable():
-        pytest.skip("the kernel library does not run on this CPU")
     m = gguf_like(0)
     kernels.use_rows_attention(m, "rows")
     set_native_attention([m], "tree")
