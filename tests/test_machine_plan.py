@@ -115,6 +115,45 @@ def test_a_stale_plan_is_rebuilt_with_one_line_saying_why(monkeypatch, tmp_path,
     assert err.count("\n") == 1 and f"this machine's plan is stale ({why}): building" in err
 
 
+def test_a_failed_build_is_not_started_again_by_every_run_until_the_code_changes(monkeypatch, tmp_path, capsys):
+    """A build that stopped on an error (a kernel library that does not compile here, say) would stop on it
+    again: runs stop starting it, say so in one line with the error, and start it once the code changes."""
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
+    error = "weights w4a8: building the kernel library in K failed (w4a8.cpp:172:23: error: static assertion failed)"
+
+    def failing(mp, say):
+        raise machine_plan.YggError(error)
+
+    monkeypatch.setattr(machine_plan, "_build_locked", failing)
+    monkeypatch.setattr(machine_plan, "code_key", lambda: "code-1")
+    args = _args()
+    mp = machine_plan.machine_plan(DEVICE, 2, "w4a8", root=tmp_path)
+    with pytest.raises(machine_plan.YggError):
+        machine_plan.build(mp)
+    assert mp.failed() == error
+    monkeypatch.setattr(machine_plan, "machine_plan", lambda *a, **k: mp)
+    run_cmd._pick_plan(args)  # the autouse fixture fails the test if a build is spawned
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"this machine's plan failed to build with this code ({error}; log: " in err
+    assert (args.machine_build, args.mode) == ("failed", "reference")  # still answers, uncompiled
+    spawned = []
+    monkeypatch.setattr(machine_plan, "_spawn", lambda cmd, log: spawned.append(cmd) or 1)
+    monkeypatch.setattr(machine_plan, "code_key", lambda: "code-2")  # new code: built again
+    assert mp.failed() is None and mp.start().startswith("building this machine's plan") and len(spawned) == 1
+    monkeypatch.setattr(machine_plan, "_build_locked", lambda mp, say: tmp_path / "plan.yaml")
+    machine_plan.build(mp)  # a build that completes clears the record
+    assert not (mp.root / machine_plan.FAILED).exists()
+
+
+def test_the_code_key_follows_the_code_and_the_compilers(monkeypatch):
+    key = machine_plan.code_key()
+    assert key == machine_plan.code_key() and len(key) == 16
+    monkeypatch.setattr("shutil.which", lambda tool: None)  # no compiler on the PATH: another key
+    assert machine_plan.code_key() != key
+
+
 def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
     monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")

@@ -32,7 +32,9 @@ the machine's own curves (plain steps wherever no tree pays), its online feedbac
 what the earlier runs on the same profile learnt (``feedback.json``: the offline model's
 optimism is paid once per machine, not in every short run). A build that is interrupted or
 killed leaves no ``ready.json``: the next run starts it again (the compile pipeline writes its
-manifest last and checks it, so nothing half-written is loaded). The build holds an exclusive
+manifest last and checks it, so nothing half-written is loaded). A build that stops on an error
+records it (``failed.json``, with :func:`code_key`): the same code would stop on it again, so runs
+say so in one line and do not start it until the code, torch or the compilers on the PATH change. The build holds an exclusive
 lock on ``build.lock`` while it runs (released by the kernel when the process dies), so two runs
 never build at once. Its output goes to ``build.log`` in the machine plan's directory.
 
@@ -70,6 +72,7 @@ FEEDBACK = "feedback.json"  # what the objective's feedback learnt in earlier ru
 SPECULATION = "speculation.json"  # whether the objective decoded faster than plain steps here, by profile
 PID = "build.pid"  # the running build's process id (and its session's: it starts one of its own)
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
+FAILED = "failed.json"  # the error a build stopped on, with the code it ran: not retried until that changes
 REMEASURED = "remeasured.json"  # how many later builds measured a plan timed while busy again
 REMEASURES = 3  # at most this many: a machine that is never quiet keeps what it measured
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
@@ -165,10 +168,23 @@ class MachinePlan:
         except OSError:
             return False
 
+    def failed(self) -> str | None:
+        """The error the last build stopped on, where it ran this very code (:func:`code_key`):
+        the same build would stop on it again. None where none did (or other code did)."""
+        try:
+            record = json.loads((self.root / FAILED).read_text())
+            return str(record["error"]) if record.get("code") == code_key() else None
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            return None
+
     def start(self) -> str:
-        """Start the build in a detached process (unless one runs); returns a line saying so.
-        OSError where the directory cannot be written."""
+        """Start the build in a detached process (unless one runs, or this code's build failed:
+        :meth:`failed`); returns a line saying so. OSError where the directory cannot be written."""
         self.root.mkdir(parents=True, exist_ok=True)
+        error = self.failed()
+        if error is not None:
+            return (f"this machine's plan failed to build with this code ({error}; log: {self.root / LOG}); "
+                    f"it is built again once the code changes, or after `rm {self.root / FAILED}`")
         if self.building():
             return f"this machine's plan is being built in the background (log: {self.root / LOG})"
         log = open(self.root / LOG, "a")
@@ -321,7 +337,31 @@ def build(mp: MachinePlan, say=None) -> Path:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise YggError(f"another process is building {mp.root}") from None
-        return _build_locked(mp, say)
+        try:
+            path = _build_locked(mp, say)
+        except YggError as e:  # the same code would stop on it again: runs stop starting it (MachinePlan.failed)
+            write_text_atomic(mp.root / FAILED, json.dumps({"error": str(e), "code": code_key()}) + "\n")
+            raise
+        (mp.root / FAILED).unlink(missing_ok=True)
+        return path
+
+
+def code_key() -> str:
+    """sha256 (16 hex digits) of what a build runs with: every source file of the package (Python,
+    the kernel library's C++), the torch version and the compilers and ninja on the PATH. A failed
+    build is retried once it changes (new code, or a compiler installed)."""
+    import hashlib
+    import shutil
+
+    import torch
+
+    tools = [shutil.which(t) or "" for t in ("c++", "g++", "ninja")]
+    h = hashlib.sha256("\0".join([torch.__version__, *tools]).encode())
+    package = Path(__file__).resolve().parent
+    for f in sorted(package.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h") and f.is_file():
+            h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _build_locked(mp: MachinePlan, say) -> Path:

@@ -356,7 +356,7 @@ def _machine_plan(args, device: dict, waiting) -> bool:
                          f"{f'; {busy.line}: measuring it again in the background' if busy else ''})\n")
         args.plan, args.machine_build = str(path), "done" if whole else "blocks"
         return True
-    args.machine_build = "pending"
+    args.machine_build = "failed" if mp.failed() is not None else "pending"
     try:
         line = mp.start()
     except OSError as e:
@@ -464,7 +464,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     ran = {"weights": getattr(args, "ran_weights", None), "speculative": engine.drafter is not None,
            "lookup": engine.cfg.lookup}  # lookup nodes a step (0: none)
     if getattr(args, "machine_build", None):
-        ran["machine_build"] = args.machine_build  # this machine's plan: pending (building) | blocks | done | unbuildable
+        ran["machine_build"] = args.machine_build  # this machine's plan: pending (building) | blocks | done | unbuildable | failed
     if args.json:
         res = engine.generate(ids, params, trace=trace, **kw)
         res.stats.update(ran)
@@ -500,7 +500,8 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
         what += f" ({note})"
     build = {"pending": ", this machine's plan: building in the background",
              "done": ", this machine's plan", "blocks": ", this machine's plan (its first phase: block and drafter-call packages)",
-             "unbuildable": ", this machine's plan: cannot be built here"}.get(ran.get("machine_build"), "")
+             "unbuildable": ", this machine's plan: cannot be built here",
+             "failed": ", this machine's plan: its build failed (see above)"}.get(ran.get("machine_build"), "")
     sys.stderr.write(
         f"[{s['new_tokens']} tokens, decode {s['decode_tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
         f"{what}, compile {s['compile_s']:.1f} s{build}, finish: {res.finish_reason}]\n"
