@@ -34,9 +34,9 @@ optimism is paid once per machine, not in every short run). A build that is inte
 killed leaves no ``ready.json``: the next run starts it again (the compile pipeline writes its
 manifest last and checks it, so nothing half-written is loaded). A build that stops on an error
 records it (``failed.json``, with :func:`code_key`): the same code would stop on it again, so runs
-say so in one line and do not start it until the code, torch or the compilers on the PATH change. The build holds an exclusive
-lock on ``build.lock`` while it runs (released by the kernel when the process dies), so two runs
-never build at once. Its output goes to ``build.log`` in the machine plan's directory.
+say so in one line and do not start it until the code, torch or the compilers on the PATH change.
+The build holds an exclusive lock on ``build.lock`` while it runs (released by the kernel when the
+process dies), so two runs never build at once. Its output goes to ``build.log`` in the machine plan's directory.
 
 A ``yggtree run`` that decodes while the build runs pauses it (SIGSTOP to every process of the
 build's session, SIGCONT when the run ends: :meth:`MachinePlan.paused`): even in the idle class, a build
