@@ -40,6 +40,16 @@ def tiny_model(
     return m.eval().requires_grad_(False)
 
 
+def need_kernel_library() -> None:
+    """Load yggtree's kernel library, or skip (a test or, at import, a module) where the CPU lacks
+    the flags it needs; a library that fails to build fails the test instead of skipping it."""
+    from yggtree.runtime.kernels import library_missing, load_library
+
+    if library_missing():  # pragma: no cover - a CPU without AVX2
+        pytest.skip(f"this CPU lacks {', '.join(library_missing())}", allow_module_level=True)
+    load_library()
+
+
 def load_script(name: str):
     """scripts/<name>.py as a module (the scripts are not a package)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")

@@ -53,7 +53,7 @@ def test_a_failing_build_falls_back_to_torchs_kernels_in_one_line(monkeypatch, t
     import torch
     from torch.utils import cpp_extension
 
-    from yggtree.runtime import kernel_check, kernels
+    from yggtree.runtime import kernels
     from yggtree.runtime.packed import can_pack
 
     def broken(**kw):
@@ -76,7 +76,7 @@ def test_an_unwritable_cache_builds_in_a_temporary_directory_with_one_line(monke
     """A cache directory that cannot be written (here: under a file, which no user can make a
     directory in) does not stop a run: the library is built in a temporary directory, removed
     once loaded, and one stderr line says so."""
-    from yggtree.runtime import kernel_check, kernels
+    from yggtree.runtime import kernels
 
     blocked = tmp_path / "a-file"
     blocked.write_text("")

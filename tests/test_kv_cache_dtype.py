@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import sweep, tiny_model
+from helpers import need_kernel_library, sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
@@ -26,15 +26,6 @@ def tiny(seed=0):
     return tiny_model(hidden=64, max_pos=256, seed=seed)  # head dim 16: the library kernel takes it
 
 
-def need_library() -> None:
-    """Skip where the CPU lacks the library's flags; a library that fails to build fails the test."""
-    from yggtree.runtime.kernels import library_missing, load_library
-
-    if library_missing():  # pragma: no cover - a CPU without AVX2
-        pytest.skip(f"this CPU lacks {', '.join(library_missing())}")
-    load_library()
-
-
 def greedy(eng: Engine) -> list[list[int]]:
     return [eng.generate(p, SamplingParams(max_new_tokens=32)).token_ids for p in PROMPTS]
 
@@ -48,7 +39,7 @@ def test_speculation_over_a_16_bit_cache_is_its_plain_decoding(kv, native):
     if native:
         from yggtree.runtime.kernels import use_rows_attention
 
-        need_library()
+        need_kernel_library()
     cfg = dict(mode="reference", max_context=80, prefill_chunk=8)
     models = []
     for seed, kv_cache in ((0, kv), (1, None), (0, None)):
@@ -96,7 +87,7 @@ def test_library_kernel_reads_a_16_bit_cache(kv):
     """yggtree::rows_attention with float32 queries over 16-bit K and V: the reference on the
     same values (to float32 rounding: its sums run in another order), each row its one-row call,
     the same at 1 and 2 threads; a 16-bit q over a float32 cache is refused."""
-    need_library()
+    need_kernel_library()
     op = torch.ops.yggtree.rows_attention
     gen = torch.Generator().manual_seed(0)
     b, w, h, hkv, d, c = 1, 5, 9, 3, 64, 96

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import need_kernel_library
 from yggtree.runtime import kernels
 from yggtree.runtime.kernels import loop_pool
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-if kernels.library_missing():  # pragma: no cover - only a CPU without the flags skips; a failing build fails
-    pytest.skip(f"this CPU lacks {', '.join(kernels.library_missing())}", allow_module_level=True)
+need_kernel_library()
 from yggtree.runtime import w4a8  # noqa: E402
 
 w4a8.load_kernel()

@@ -245,10 +245,10 @@ def test_a_profile_timed_while_the_machine_was_busy_is_timed_again(monkeypatch, 
     """The build's latency profile prices every later step: timed while other processes kept
     cores busy, it is timed again after a wait, and the quietest measurement is kept."""
     import yggtree.offline.compile as compile_mod
+    import yggtree.measure.kernel_choice as choice_mod
     import yggtree.offline.profile as profile_mod
     import yggtree.plan as plan_mod
     import yggtree.runtime.build as build_mod
-    import yggtree.measure.kernel_choice as choice_mod
     import yggtree.runtime.padding as padding_mod
     from yggtree.plan import default_plan
 

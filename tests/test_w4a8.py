@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import need_kernel_library
 from test_quant import gguf_blocks as tiny_gguf_blocks, tiny
 from yggtree.errors import YggError
-from yggtree.runtime import kernels, w4a8
+from yggtree.runtime import w4a8
 from yggtree.runtime.quant import check_batch_invariant, quant_layers, quantize_linears
 from yggtree.runtime.w4a8 import Blocks, W4A8Linear, dequantize_blocks, gguf_blocks, q4_1_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-if kernels.library_missing():  # pragma: no cover - only a CPU without the flags skips; a failing build fails
-    pytest.skip(f"this CPU lacks {', '.join(kernels.library_missing())}", allow_module_level=True)
+need_kernel_library()
 w4a8.load_kernel()
 
 

@@ -36,7 +36,8 @@ manifest last and checks it, so nothing half-written is loaded). A build that st
 records it (``failed.json``, with :func:`code_key`): the same code would stop on it again, so runs
 say so in one line and do not start it until the code, torch or the compilers on the PATH change.
 The build holds an exclusive lock on ``build.lock`` while it runs (released by the kernel when the
-process dies), so two runs never build at once. Its output goes to ``build.log`` in the machine plan's directory.
+process dies), so two runs never build at once. Its output goes to ``build.log`` in the machine
+plan's directory.
 
 A ``yggtree run`` that decodes while the build runs pauses it (SIGSTOP to every process of the
 build's session, SIGCONT when the run ends: :meth:`MachinePlan.paused`): even in the idle class, a build
@@ -52,6 +53,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import json
 import os
 import signal
@@ -347,21 +350,26 @@ def build(mp: MachinePlan, say=None) -> Path:
 
 
 def code_key() -> str:
-    """sha256 (16 hex digits) of what a build runs with: every source file of the package (Python,
-    the kernel library's C++), the torch version and the compilers and ninja on the PATH. A failed
-    build is retried once it changes (new code, or a compiler installed)."""
-    import hashlib
+    """sha256 (16 hex digits) of what a build runs with: the package's sources (:func:`_sources_sha`),
+    the torch version and the compilers and ninja on the PATH. A failed build is retried once it
+    changes (new code, or a compiler installed)."""
     import shutil
 
     import torch
 
     tools = [shutil.which(t) or "" for t in ("c++", "g++", "ninja")]
-    h = hashlib.sha256("\0".join([torch.__version__, *tools]).encode())
+    return hashlib.sha256("\0".join([_sources_sha(), torch.__version__, *tools]).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _sources_sha() -> str:
+    """sha256 of every source file of the package (Python, the kernel library's C++), read once a process."""
+    h = hashlib.sha256()
     package = Path(__file__).resolve().parent
     for f in sorted(package.rglob("*")):
         if f.suffix in (".py", ".cpp", ".h") and f.is_file():
             h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 def _build_locked(mp: MachinePlan, say) -> Path:
