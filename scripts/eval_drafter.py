@@ -105,7 +105,7 @@ def measure_cost(args, tokenizer, mode: str, width: int, repeats: int, ctx: int)
         drafter.step(tok, torch.ones(w, dtype=torch.int64), ar + 1, torch.zeros(w, dtype=torch.int64), anc_d, L, tp.top_k)
 
     # the engine's verify call: attention over the smallest context bucket holding the tree
-    bucket = eng.graphs.bucket(len(prompt) + w) if hasattr(eng.graphs, "bucket") else None
+    bucket = eng.graphs.bucket(len(prompt) + w, w) if hasattr(eng.graphs, "bucket") else None
 
     def verify():
         steps.tree_step(target, tok, ar, ar, anc_v, L, drafter.target_layers, bucket)

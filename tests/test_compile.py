@@ -291,7 +291,7 @@ def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
         model.kv.kv.copy_(before)
         model.step_packages = path
         with torch.no_grad():
-            outs.append(graphs.tree_step(torch.tensor([7]), zero, zero, one, committed, (), graphs.bucket(17)))
+            outs.append(graphs.tree_step(torch.tensor([7]), zero, zero, one, committed, (), graphs.bucket(17, 1)))
         caches.append(model.kv.kv.clone())
     model.step_packages = whole
     (la, ha, _), (lb, hb, _) = outs
@@ -485,7 +485,7 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
                 model.step_packages = path
                 with torch.no_grad():
                     outs.append((*graphs.tree_step((token + ar) % 128, ar, ar, anc, torch.tensor(8), (),
-                                                   graphs.bucket(8 + w))[:2], model.kv.kv.clone()))
+                                                   graphs.bucket(8 + w, w))[:2], model.kv.kv.clone()))
             model.step_packages = whole
             assert all(torch.equal(a, b) for a, b in zip(*outs)), (w, token)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from helpers import tiny_model
+
 from yggtree.offline.compile_packages import BUILD_KEY, seed_packages
 from yggtree.runtime.artifacts import CACHE_SUBDIR
 
@@ -70,6 +72,25 @@ def test_the_runtime_code_hash_sees_code_not_comments_or_docstrings():
         assert code_of(changed) != code_of(base)
 
 
+def test_calls_whose_attention_reads_only_the_visible_slots_run_at_the_whole_cache():
+    """graphs.call_buckets: a call every attention layer computes row by row on the kernel library
+    needs no smaller bucket (one graph instead of one per bucket); wider calls (prefill chunks),
+    calls of unknown width and layers on inductor's attention keep the buckets."""
+    from yggtree.runtime.graphs import call_buckets, context_buckets
+
+    model = tiny_model(layers=2)
+    model.setup_cache(1, 1100)
+    every = context_buckets(1100)
+    assert every == [256, 512, 1100]
+    assert call_buckets(model, 1) == every
+    layers = [m for m in model.modules() if hasattr(m, "native_rows")]
+    for m in layers:
+        m.native_rows, m.invariant_rows = "tree", 63
+    assert [call_buckets(model, w) for w in (1, 8, 63, 64, None)] == [[1100]] * 3 + [every] * 2
+    layers[1].native_rows = None
+    assert call_buckets(model, 1) == every
+
+
 def test_the_block_phase_builds_the_drafter_calls_and_the_whole_phase_adds_the_steps(monkeypatch):
     """A build without ``whole`` (the machine plan's first phase) has every block package and the
     drafter's call packages (one layer each: seconds); ``whole`` adds the target's step packages
@@ -84,10 +105,18 @@ def test_the_block_phase_builds_the_drafter_calls_and_the_whole_phase_adds_the_s
     plan = types.SimpleNamespace(top_k=4, max_tree=13, draft_widths=(1, 2), step_widths=(1, 4))
     rec = types.SimpleNamespace(examples={("blk", 1, 256): None, ("blk", 64, 512): None})
     drafter = types.SimpleNamespace(calls=None, head_widths=(1, 2, 7))
-    first = _package_jobs(plan, rec, None, drafter, (29,), 512, whole=False)
+    target = tiny_model()
+    target.setup_cache(1, 512)
+    first = _package_jobs(plan, rec, target, drafter, (29,), 512, whole=False)
     assert first == {("blk", 1, 256): "block", ("blk", 64, 512): "block", ("head", 1, 512): "head",
                      ("head", 2, 512): "head", ("head", 7, 512): "head", ("draft", 1, 512): "draft",
                      ("draft", 2, 512): "draft"}
-    whole = _package_jobs(plan, rec, None, drafter, (29,), 512, whole=True)
+    whole = _package_jobs(plan, rec, target, drafter, (29,), 512, whole=True)
     assert whole == first | {("step", w, c): "step" for w in (1, 4) for c in (256, 512)}
+    # steps whose attention runs row by row on the kernel library: the whole cache alone
+    for m in target.modules():
+        if hasattr(m, "native_rows"):
+            m.native_rows, m.invariant_rows = "rows", 63
+    whole = _package_jobs(plan, rec, target, drafter, (29,), 512, whole=True)
+    assert whole == first | {("step", w, 512): "step" for w in (1, 4)}
     assert _package_jobs(plan, rec, None, None, (), 512, whole=False) == {k: "block" for k in rec.examples}

@@ -243,9 +243,9 @@ def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_
     packages", for the plan's top-k and largest tree: one decoder layer each, seconds to build, and
     a drafted step's calls run ~3x slower op by op around block packages); with ``whole``, the
     target's whole tree steps (runtime.aoti, "Step packages": every step width at every context
-    bucket it fits: all layers each, the slow ones to build)."""
+    bucket it runs at and fits, graphs.call_buckets: all layers each, the slow ones to build)."""
     from ..runtime.aoti import drafter_call_key, step_key
-    from ..runtime.graphs import context_buckets
+    from ..runtime.graphs import call_buckets
 
     jobs = {key: "block" for key in rec.examples}
     if hasattr(drafter, "calls"):
@@ -254,7 +254,7 @@ def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_
     if not whole:
         return jobs
     skey = step_key(target, capture)
-    jobs |= {(skey, w, c): "step" for w in plan.step_widths for c in context_buckets(n_slots) if c >= w}
+    jobs |= {(skey, w, c): "step" for w in plan.step_widths for c in call_buckets(target, w) if c >= w}
     return jobs
 
 

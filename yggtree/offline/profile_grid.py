@@ -74,10 +74,13 @@ def model_calls(engine, plan, widths: list[int], contexts: list[int], draft_widt
         for w in widths:
             ar = torch.arange(w)
             anc = ar[None, :] <= ar[:, None]  # a chain: the mask's values do not change the cost
+            # the row's bucket is the profile's pricing tier (the cost model's curves, one per
+            # context bucket); the call runs at its graph's bucket (the whole cache where its
+            # attention reads only the visible slots: graphs.call_buckets)
             bucket = engine.graphs.bucket(ctx + w)
 
-            def verify(ar=ar, anc=anc, L=L, bucket=bucket):
-                logits, _, _ = engine.graphs.tree_step(ar % vocab, ar, ar, anc, L, layers, bucket)
+            def verify(ar=ar, anc=anc, L=L, n_ctx=engine.graphs.bucket(ctx + w, w)):
+                logits, _, _ = engine.graphs.tree_step(ar % vocab, ar, ar, anc, L, layers, n_ctx)
                 return logits
 
             out.append(("verify", w, ctx, bucket, verify))

@@ -91,7 +91,7 @@ def form_calls(engine, plan, ctx: int):
     def verify(w):
         ar = torch.arange(w)
         anc = ar[None, :] <= ar[:, None]
-        bucket = engine.graphs.bucket(ctx + w)
+        bucket = engine.graphs.bucket(ctx + w, w)
         return lambda: engine.graphs.tree_step(ar % vocab, ar, ar, anc, L, layers, bucket)
 
     def head():

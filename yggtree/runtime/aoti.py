@@ -74,7 +74,13 @@ from . import quant as _quant  # noqa: F401  registers yggtree::int4_mm, which q
 
 # inductor settings of CPU graphs, torch.compile'd and AOTInductor-packaged alike: no per-call
 # size/stride asserts (Python checks of every input and extern-kernel output; see graphs.compile_options)
-INDUCTOR_CPU_CONFIG = {"size_asserts": False}
+# realize_reads_threshold 0: a value several kernels read is computed once and stored. Inductor's
+# default recomputes a cheap one (few reads, few ops) inside each reader: a step's attention masks
+# and row windows ([W, C] each, read by every layer's attention) were rebuilt in half the layers of
+# a 1038-slot whole step, ~8% of a W = 8 step (and ~7% of a 256-slot one elsewhere). Storing changes no
+# value: float32 is stored as computed, and half precision rounds every intermediate anyway
+# (cpu_config's emulate_precision_casts).
+INDUCTOR_CPU_CONFIG = {"size_asserts": False, "realize_reads_threshold": 0}
 
 
 def half_precision(module: nn.Module) -> bool:

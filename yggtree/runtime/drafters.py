@@ -214,12 +214,12 @@ class LMDrafter:
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
         zero = torch.zeros(1, dtype=torch.int64, device=root.device)
         anc = torch.ones(1, 1, dtype=torch.bool, device=root.device)
-        n_ctx = self.graphs.bucket(int(committed) + 1)
+        n_ctx = self.graphs.bucket(int(committed) + 1, 1)
         logits, _, _ = self.graphs.tree_step(root.reshape(1), zero, zero, anc, committed, (), n_ctx)
         return topk_logp(logits, k)
 
     def step(self, tokens, depth, node, parent, anc, committed, k: int) -> TopK:
-        n_ctx = self.graphs.bucket(int(committed) + anc.shape[1])
+        n_ctx = self.graphs.bucket(int(committed) + anc.shape[1], tokens.shape[0])
         logits, _, _ = self.graphs.tree_step(tokens, depth, node, anc, committed, (), n_ctx)
         return topk_logp(logits, k)
 
@@ -229,7 +229,7 @@ class LMDrafter:
     def ahead(self, tree, anc, bonus, feats, room, committed, k: int) -> TopK:
         ext, node, depth = ahead_layout(tree, anc, room)
         tokens = torch.cat([tree.token, bonus])
-        n_ctx = self.graphs.bucket(int(committed) + ext.shape[1])
+        n_ctx = self.graphs.bucket(int(committed) + ext.shape[1], tokens.shape[0])
         logits, _, _ = self.graphs.tree_step(tokens, depth, node, ext, committed, (), n_ctx)
         self.ahead_logits = logits[tree.token.shape[0]:]  # [W, V] the head rows' (in the graph)
 

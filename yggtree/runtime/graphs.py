@@ -191,14 +191,15 @@ class Graphs:
     def compiled(self) -> bool:
         return self.mode == "performance" and self.backend != "eager"
 
-    @property
-    def buckets(self) -> list[int]:
-        """Context buckets of the current cache: 256, 512, ... below S, then S itself."""
-        return context_buckets(self.model.cache_slots)
+    def buckets(self, width: int | None = None) -> list[int]:
+        """The context buckets of a call of ``width`` rows on the current cache
+        (:func:`call_buckets`; None: a call whose attention reads its bucket)."""
+        return call_buckets(self.model, width)
 
-    def bucket(self, need: int) -> int:
-        """The smallest context bucket holding ``need`` slots (host-side int, no sync)."""
-        return next(b for b in self.buckets if b >= need)
+    def bucket(self, need: int, width: int | None = None) -> int:
+        """The smallest context bucket holding ``need`` slots for a call of ``width`` rows
+        (host-side int, no sync)."""
+        return next(b for b in self.buckets(width) if b >= need)
 
     def warm_up(
         self, widths: list[int], capture: tuple[int, ...] = (), prefill: int | None = None,
@@ -225,13 +226,13 @@ class Graphs:
         def step(w: int) -> None:
             ar = torch.arange(w, device=dev)
             anc = ar[None, :] <= ar[:, None]
-            for n_ctx in self.buckets:
+            for n_ctx in self.buckets(w):
                 if n_ctx >= w:
                     self.tree_step(ar, ar, ar, anc, zero, capture, n_ctx)
 
         def chunk(w: int) -> None:
             tokens = torch.zeros(1, w, dtype=torch.int64, device=dev)
-            for n_ctx in self.buckets:  # attention over a 64-row chunk is not free: keep buckets
+            for n_ctx in self.buckets(w):  # attention over a 64-row chunk is not free: keep buckets
                 if n_ctx >= w:  # (one bucket for all: every chunk would attend over the longest context)
                     self.prefill_chunk(tokens, zero, zero + w, capture, n_ctx)
 
@@ -250,7 +251,7 @@ class Graphs:
         runners = self.model.layers[0].forward.runners  # every layer has the same kind
         have = sorted({w for w, _ in runners})
         for w in widths:
-            for c in self.buckets:
+            for c in self.buckets(w):
                 if c >= w and (w, c) not in runners:
                     raise YggError(
                         f"width {w} is not in the compiled set {have} (context {c}); add it to "
@@ -302,6 +303,20 @@ def at_threads(n: int):
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
+
+
+def call_buckets(model, width: int | None) -> list[int]:
+    """The context buckets a call of ``width`` rows of ``model`` runs at: :func:`context_buckets`
+    of its cache, or the whole cache alone where every attention layer computes such a call row
+    by row on the kernel library (``Attention.native_rows`` up to ``invariant_rows`` rows:
+    csrc/rows_attention.cpp reads only each row's visible slots, so a smaller bucket saves
+    nothing and each bucket would be one more graph to build). None: bucketed."""
+    from .model import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if width is not None and layers and all(m.native_rows and width <= m.invariant_rows for m in layers):
+        return [model.cache_slots]
+    return context_buckets(model.cache_slots)
 
 
 def context_buckets(n_slots: int, smallest: int = 256) -> list[int]:

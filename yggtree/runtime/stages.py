@@ -261,7 +261,7 @@ def verify(eng, req: Request, st: Step) -> tuple[torch.Tensor, torch.Tensor, tup
         tokens, depth, node, anc = st.root.reshape(1), zero, zero, torch.ones(1, 1, dtype=torch.bool)
     else:
         tokens, depth, node, anc = st.vtree.token, st.vtree.depth, torch.arange(st.wv), st.anc
-    bucket = eng.graphs.bucket(req.committed + st.wv)
+    bucket = eng.graphs.bucket(req.committed + st.wv, st.wv)
     out = eng.graphs.tree_step(tokens, depth, node, anc, st.L, layers, bucket)
     req.counters["verify_calls"] += 1
     return out
