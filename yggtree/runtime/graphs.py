@@ -87,6 +87,8 @@ class Graphs:
     scope: str = "step"  # performance mode: "step" (whole step functions) or "block" (regional)
     _fns: dict = field(default_factory=dict, repr=False)  # step scope: name -> compiled function
     _armed: bool = field(default=False, repr=False)  # the compiler wrappers are set (_arm)
+    # (cache slots, call width) -> call_buckets: a walk over the model's layers, not once a step
+    _buckets: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -137,6 +139,7 @@ class Graphs:
     def reset(self) -> None:
         """Forget every width built (the cache was reallocated: every shape must be built again)."""
         self.built.clear()
+        self._buckets.clear()
 
     def build(self, widths, run, threads: int | None = None, kind: str = "step") -> list[int]:
         """Call ``run(w)`` -- a call of width ``w`` that builds its graphs -- for every width of
@@ -193,8 +196,13 @@ class Graphs:
 
     def buckets(self, width: int | None = None) -> list[int]:
         """The context buckets of a call of ``width`` rows on the current cache
-        (:func:`call_buckets`; None: a call whose attention reads its bucket)."""
-        return call_buckets(self.model, width)
+        (:func:`call_buckets`; None: a call whose attention reads its bucket). Kept per cache size
+        and width: how the layers compute attention is set before any graph is built."""
+        key = (self.model.cache_slots, width)
+        got = self._buckets.get(key)
+        if got is None:
+            got = self._buckets[key] = call_buckets(self.model, width)
+        return got
 
     def bucket(self, need: int, width: int | None = None) -> int:
         """The smallest context bucket holding ``need`` slots for a call of ``width`` rows
