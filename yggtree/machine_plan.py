@@ -333,7 +333,10 @@ def machine_plan(device: dict, threads: int, weights: str | None = "auto", root:
 def build(mp: MachinePlan, say=None) -> Path:
     """Build ``mp`` (see the module docstring) under its lock; returns the compiled plan copy.
     YggError where a step fails (the directory then holds no ready.json)."""
-    say = say or (lambda line: print(f"yggtree machine plan: {line}", flush=True))
+    if say is None:  # the log's lines (build.log) say when each step ended
+        start = time.perf_counter()
+        say = lambda line: print(f"yggtree machine plan [{time.perf_counter() - start:3.0f} s]: {line}",  # noqa: E731
+                                 flush=True)
     mp.root.mkdir(parents=True, exist_ok=True)
     with open(mp.root / LOCK, "a") as lock:
         try:
