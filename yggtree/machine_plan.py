@@ -335,8 +335,9 @@ def build(mp: MachinePlan, say=None) -> Path:
     YggError where a step fails (the directory then holds no ready.json)."""
     if say is None:  # the log's lines (build.log) say when each step ended
         start = time.perf_counter()
-        say = lambda line: print(f"yggtree machine plan [{time.perf_counter() - start:3.0f} s]: {line}",  # noqa: E731
-                                 flush=True)
+
+        def say(line: str) -> None:
+            print(f"yggtree machine plan [{time.perf_counter() - start:3.0f} s]: {line}", flush=True)
     mp.root.mkdir(parents=True, exist_ok=True)
     with open(mp.root / LOCK, "a") as lock:
         try:

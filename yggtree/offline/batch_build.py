@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 from ..errors import YggError
-from ..runtime.attention_choice import native_attention
 from ..runtime.batch_packages import (
     SCOPE,
     BatchPackages,
@@ -26,6 +25,7 @@ from ..runtime.batch_packages import (
     example_inputs,
     package_root,
 )
+from ..runtime.graphs import reads_visible_slots
 from .compile_packages import BUILD_KEY, _compile_packages, _same_key, seed_packages
 
 
@@ -33,7 +33,8 @@ def engine_batch_shapes(engine, max_batch: int) -> list[tuple[int, int, int]]:
     """The (b, W, C) a decoder of ``max_batch`` rows calls on ``engine``: its plain step and
     verify widths, its prefill chunk, its cache."""
     widths = (1, *engine.envelope.verify_widths) if engine.cfg.tree is not None else (1,)
-    native = native_attention(engine.target) is not None  # the library's rows: bits independent of the context
+    # the library's row attention, which reads only the visible slots: steps at the whole cache alone
+    native = all(reads_visible_slots(engine.target, w) for w in widths)
     return batch_shapes(max_batch, widths, engine.cfg.prefill_chunk, engine.n_slots, native)
 
 

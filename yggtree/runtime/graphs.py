@@ -313,16 +313,22 @@ def at_threads(n: int):
             torch.set_num_threads(before)
 
 
-def call_buckets(model, width: int | None) -> list[int]:
-    """The context buckets a call of ``width`` rows of ``model`` runs at: :func:`context_buckets`
-    of its cache, or the whole cache alone where every attention layer computes such a call row
-    by row on the kernel library (``Attention.native_rows`` up to ``invariant_rows`` rows:
-    csrc/rows_attention.cpp reads only each row's visible slots, so a smaller bucket saves
-    nothing and each bucket would be one more graph to build). None: bucketed."""
+def reads_visible_slots(model, width: int) -> bool:
+    """Whether every attention layer of ``model`` computes a call of ``width`` rows row by row on
+    the kernel library (``Attention.native_rows``, up to ``invariant_rows`` rows): csrc/rows_attention.cpp
+    reads only each row's visible slots, so the call costs the same at any context bucket."""
     from .model import Attention
 
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if width is not None and layers and all(m.native_rows and width <= m.invariant_rows for m in layers):
+    return bool(layers) and all(m.native_rows and width <= m.invariant_rows for m in layers)
+
+
+def call_buckets(model, width: int | None) -> list[int]:
+    """The context buckets a call of ``width`` rows of ``model`` runs at: :func:`context_buckets`
+    of its cache, or the whole cache alone where the call reads only the visible slots
+    (:func:`reads_visible_slots`: a smaller bucket saves nothing, and each would be one more
+    graph to build). None: bucketed."""
+    if width is not None and reads_visible_slots(model, width):
         return [model.cache_slots]
     return context_buckets(model.cache_slots)
 
