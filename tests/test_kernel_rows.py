@@ -81,7 +81,7 @@ def test_the_q8_0_lm_head_rows_are_their_rows_alone():
 
 
 @settings(max_examples=15, deadline=None)
-@given(context=st.integers(1, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]), d=st.sampled_from([16, 64]),
+@given(context=st.integers(1, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]), d=st.sampled_from(kernels.HEAD_DIMS),
        seed=st.integers(0, 2**16))
 def test_every_attention_row_is_its_row_alone(context, heads, d, seed):
     """W tree rows (a chain) over ``context`` committed slots: each row's attention is its call alone."""
@@ -93,6 +93,19 @@ def test_every_attention_row_is_its_row_alone(context, heads, d, seed):
     one = torch.cat([op(q[:, i : i + 1], k, v, head[:, i : i + 1], window[:, i : i + 1]) for i in range(W)], 1)
     for w in range(1, W + 1):
         assert torch.equal(op(q[:, :w], k, v, head[:, :w], window[:, :w]), one[:, :w]), w
+
+
+def test_a_head_dim_without_kernels_is_torchs_and_refused_by_the_op():
+    """A head dim the library was not built for goes to torch's attention (runs_attention), and the op
+    called anyway refuses it naming the dim, never reading past its registers."""
+    kernels.load_library()
+    from yggtree.runtime.attention_choice import chain_inputs
+
+    assert kernels.runs_attention(64) and not kernels.runs_attention(48) and not kernels.runs_attention(512)
+    q, k, v, head, window = chain_inputs((3, 1, 48), 2, 5, torch.Generator().manual_seed(0))
+    for op in (torch.ops.yggtree.rows_attention, torch.ops.yggtree.tree_attention):
+        with pytest.raises(RuntimeError, match="no kernel for head dim 48"):
+            op(q, k, v, head, window)
 
 
 def tree_inputs(seed: int, width: int, context: int, heads: tuple, d: int, dtypes: tuple, masks: str, head_major: bool):
@@ -133,7 +146,7 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (tor
 
 @settings(max_examples=40, deadline=None)
 @given(width=st.integers(1, W), context=st.integers(0, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]),
-       d=st.sampled_from([16, 64]), dtypes=st.sampled_from(DTYPES),
+       d=st.sampled_from(kernels.HEAD_DIMS), dtypes=st.sampled_from(DTYPES),
        masks=st.sampled_from(["nested", "identical", "differing"]), head_major=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_tree_attention_is_rows_attention_bit_for_bit(width, context, heads, d, dtypes, masks, head_major, seed):

@@ -51,7 +51,7 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        best = quietest(measure, waits, "the product kernel")
+        best = quietest(measure, waits, "the product kernel", say)
     finally:
         torch.set_num_threads(before)
     padding, load_result = best["padding"], best["load"]

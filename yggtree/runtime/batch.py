@@ -52,7 +52,7 @@ from .batch_packages import BatchPackages
 from .drafters import Snapshot
 from .engine import Engine, check_prompt, step_record
 from .kv_cache import KVStore
-from .model import FUSED_PROJECTIONS, Transformer, _block, attention_rows, row_window
+from .model import FUSED_PROJECTIONS, Transformer, attention_rows, row_window, run_layer
 from .policy import FixedPolicy, StepChoice, StepPolicy
 from .schedule import StageTimer
 from .stages import Request, Step, choose_token, plan_step, settle_step, speculate_step
@@ -116,7 +116,7 @@ def batch_layers(model: Transformer, tokens, positions, slots, mask, capture=())
     slots = torch.cat([slots[..., None], window], -1)  # [B, W, 1 + T]
     captured = []
     for i, block in enumerate(model.layers):
-        x = _block(block, x, cos, sin, slots, mask)
+        x = run_layer(block, x, cos, sin, slots, mask)
         if i in capture:
             captured.append(x)
     return x, tuple(captured)

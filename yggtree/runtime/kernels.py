@@ -54,7 +54,10 @@ HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefe
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
 # on one thread); the build links the libgomp torch already loaded (same soname), so torch's
 # thread count governs it
-CFLAGS = ("-O3", "-fopenmp")
+# the attention kernels' head dims (csrc/rows_attention.cpp): each is compiled as its own set of
+# functions (a few seconds of the build each); a model of another head dim runs torch's attention
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+CFLAGS = ("-O3", "-fopenmp", f"-DYGGTREE_HEAD_CHUNKS={','.join(str(d // 16) for d in HEAD_DIMS)}")
 LDFLAGS = ("-fopenmp",)
 # the instruction sets the library is built for, best first: name -> (/proc/cpuinfo flags it needs,
 # the compiler's flags for them); csrc/simd.h implements each
@@ -261,9 +264,8 @@ def aoti_shims() -> dict:
 
 
 def runs_attention(head_dim: int) -> bool:
-    """Whether ``yggtree::rows_attention`` takes this head dim (csrc/rows_attention.cpp: a
-    multiple of 16, at most 256)."""
-    return head_dim % 16 == 0 and head_dim <= 256
+    """Whether ``yggtree::rows_attention`` takes this head dim (:data:`HEAD_DIMS`)."""
+    return head_dim in HEAD_DIMS
 
 
 def use_rows_attention(model, kernel: str | None = None) -> int:

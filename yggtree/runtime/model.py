@@ -371,6 +371,15 @@ def _run_block(block: Block, x, cos, sin, slots, mask) -> torch.Tensor:
 _block = torch.compiler.nested_compile_region(_run_block)
 
 
+def run_layer(block: Block, x, cos, sin, slots, mask) -> torch.Tensor:
+    """One decoder layer of a step: the nested region :data:`_block` inside torch.compile; a plain
+    call where the step is exported (AOTInductor packages), where dynamo would trace each layer's
+    region on its own (a third of a 30-layer step's compile) for the same generated code."""
+    if torch.compiler.is_exporting():
+        return block(x, cos, sin, slots, mask)
+    return _block(block, x, cos, sin, slots, mask)
+
+
 @dataclass(frozen=True)
 class ForwardOut:
     """What one forward call returns."""
@@ -453,7 +462,7 @@ class Transformer(nn.Module):
             slots = torch.cat([slots[..., None], window], -1)  # [B, W, 1 + T]
         captured = []
         for i, block in enumerate(self.layers):
-            x = _block(block, x, cos, sin, slots, mask)
+            x = run_layer(block, x, cos, sin, slots, mask)
             if i in capture:
                 captured.append(x)
         return x, tuple(captured)

@@ -16,7 +16,8 @@
 // slots, not to the context bucket. float32 or bfloat16 (q, K and V read as float32, every sum in
 // float32, the output rounded to bfloat16 at the end: _rows_attention's .float() and .to(dtype)),
 // or float32 q over a 16-bit cache (float16 or bfloat16 K and V, read as float32, exactly: a float32
-// model's 16-bit KV cache); D a multiple of 16, at most 256.
+// model's 16-bit KV cache); D one of the head dims the library is built for (16 x YGGTREE_HEAD_CHUNKS,
+// set by runtime/kernels.py's HEAD_DIMS).
 //
 // yggtree::tree_attention (below): the same op, the same bits, with the rows of a call sharing one pass
 // over each KV head's cache instead of one pass each.
@@ -72,7 +73,18 @@ inline F load16(const at::Half* p) { return load_half(p); }
 inline void store16(float* p, F v) { store(p, v); }
 inline void store16(at::BFloat16* p, F v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
 
-constexpr int MAX_CHUNKS = 16;  // D <= 256
+// The head dims D = 16 ND the kernels are compiled for (-DYGGTREE_HEAD_CHUNKS from runtime/kernels.py's
+// HEAD_DIMS, which also sends other dims to torch's attention): each holds a head's queries in registers
+// as its own set of functions, and each such set costs the library's build a few seconds
+using HeadChunks = std::integer_sequence<int, YGGTREE_HEAD_CHUNKS>;
+constexpr int HEAD_CHUNKS[] = {YGGTREE_HEAD_CHUNKS};
+
+// The index of D in HEAD_CHUNKS, -1 where the library has no kernel for it
+inline int chunk_index(int64_t D) {
+  for (int i = 0; i < static_cast<int>(std::size(HEAD_CHUNKS)); ++i)
+    if (16 * HEAD_CHUNKS[i] == D) return i;
+  return -1;
+}
 
 // One head's n > 0 scores (n1 of part 1, then part 2) to their exp(s_j - m) in place; returns their sum
 inline float softmax(float* sg, int64_t n, int64_t n1) {
@@ -162,9 +174,9 @@ constexpr std::array<GroupFn<E, K>, sizeof...(G)> group_fns(std::integer_sequenc
   return {&head_group<E, K, ND, G + 1>...};
 }
 
-template <typename E, typename K, int... I>
-constexpr std::array<std::array<GroupFn<E, K>, MAX_GROUP>, sizeof...(I)> all_fns(std::integer_sequence<int, I...>) {
-  return {group_fns<E, K, I + 1>(std::make_integer_sequence<int, MAX_GROUP>{})...};
+template <typename E, typename K, int... ND>
+constexpr std::array<std::array<GroupFn<E, K>, MAX_GROUP>, sizeof...(ND)> all_fns(std::integer_sequence<int, ND...>) {
+  return {group_fns<E, K, ND>(std::make_integer_sequence<int, MAX_GROUP>{})...};
 }
 
 template <typename E, typename K>
@@ -181,8 +193,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   E* op = out.data_ptr<E>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  static constexpr auto fns = all_fns<E, K>(std::make_integer_sequence<int, MAX_CHUNKS>{});
-  const auto& by_group = fns[D / 16 - 1];
+  static constexpr auto fns = all_fns<E, K>(HeadChunks{});
+  const auto& by_group = fns[chunk_index(D)];
   // Work items in (batch, KV head, row, query head of the group) order: a thread's share holds
   // whole KV heads where it can, so each reads its KV heads' K and V rows once from memory and
   // then from its cache for the other rows (in (row, head) order a W-row call had every thread
@@ -294,9 +306,9 @@ void few_scores(const float* q, const K* kb, int64_t ks1, const int64_t* slots, 
 }
 
 using ScoreFn = void (*)(const float*, const float*, int64_t, float, float*);
-template <int... I>
-constexpr std::array<ScoreFn, sizeof...(I)> score_fns(std::integer_sequence<int, I...>) {
-  return {&tile_scores<I + 1>...};
+template <int... ND>
+constexpr std::array<ScoreFn, sizeof...(ND)> score_fns(std::integer_sequence<int, ND...>) {
+  return {&tile_scores<ND>...};
 }
 
 // NB queries' weighted sums over V's chunks [c0, c0 + CB) (LANES floats each), for every c0 < nc: query i adds
@@ -363,14 +375,14 @@ void run_tree(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   E* op = out.data_ptr<E>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  static constexpr auto groups = all_fns<E, K>(std::make_integer_sequence<int, MAX_CHUNKS>{});
-  static constexpr auto scores = score_fns(std::make_integer_sequence<int, MAX_CHUNKS>{});
+  static constexpr auto groups = all_fns<E, K>(HeadChunks{});
+  static constexpr auto scores = score_fns(HeadChunks{});
   static constexpr std::array<std::array<WeighFn<K>, MAX_BLOCK>, 3> weighs = {
       weigh_fns<K, 1>(std::make_integer_sequence<int, MAX_BLOCK>{}),
       weigh_fns<K, 2>(std::make_integer_sequence<int, MAX_BLOCK>{}),
       weigh_fns<K, MAX_CB>(std::make_integer_sequence<int, MAX_BLOCK>{})};
-  const auto& by_group = groups[D / 16 - 1];
-  const ScoreFn score = scores[D / 16 - 1];
+  const auto& by_group = groups[chunk_index(D)];
+  const ScoreFn score = scores[chunk_index(D)];
   const int nc = static_cast<int>(D / LANES);
   const auto& by_block = weighs[nc % MAX_CB == 0 ? 2 : nc % 2 == 0 ? 1 : 0];
   std::vector<Shared> shared;
@@ -490,7 +502,7 @@ at::Tensor attention(const char* op, bool tree, const at::Tensor& q_in, const at
   const int64_t B = q_in.size(0), W = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
   const int64_t C = k.size(1), Hkv = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, op, ": q and k/v shapes differ");
-  TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 16 * MAX_CHUNKS, op, ": head dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(chunk_index(D) >= 0, op, ": the library has no kernel for head dim ", D);
   TORCH_CHECK(head_in.scalar_type() == at::kBool && head_in.dim() == 3 && head_in.size(0) == B && head_in.size(1) == W &&
               head_in.size(2) == C, op, ": head must be [B, W, C] bool");
   TORCH_CHECK(window_in.scalar_type() == at::kLong && window_in.dim() == 3 && window_in.size(0) == B &&
