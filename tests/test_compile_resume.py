@@ -28,7 +28,7 @@ def _cache(tmp_path, name, key, files):
 
 def test_a_build_of_the_same_key_resumes_and_drops_half_written_packages(tmp_path):
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2", "partial-block-x-w4-c256.pt2"])
-    assert seed_packages(out, KEY, ()) == 1
+    assert seed_packages(out, KEY) == 1
     assert sorted(p.name for p in out.glob("*.pt2")) == ["block-x-w1-c256.pt2"]
 
 
@@ -36,27 +36,14 @@ def test_a_damaged_or_unchecked_package_is_dropped_not_resumed(tmp_path):
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2", "block-x-w4-c256.pt2", "block-x-w8-c256.pt2"])
     (out / "block-x-w1-c256.pt2").write_bytes(b"block-x")  # truncated after it was finished
     (out / "block-x-w4-c256.sha256").unlink()  # renamed into place, its checksum never written
-    assert seed_packages(out, KEY, ()) == 1
+    assert seed_packages(out, KEY) == 1
     assert sorted(p.name for p in out.glob("*.pt2")) == ["block-x-w8-c256.pt2"]
 
 
 def test_another_key_starts_from_an_empty_cache(tmp_path):
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2"])
-    assert seed_packages(out, KEY | {"min_rows": 8}, ()) == 0
+    assert seed_packages(out, KEY | {"min_rows": 8}) == 0
     assert json.loads((out / BUILD_KEY).read_text())["min_rows"] == 8
-
-
-def test_packages_of_the_same_key_elsewhere_are_linked_not_others(tmp_path):
-    _cache(tmp_path, "blocks", KEY, ["block-x-w1-c256.pt2", "partial-block-x-w8-c256.pt2"])
-    _cache(tmp_path, "other", KEY | {"graph_hash": "def"}, ["block-x-w4-c256.pt2"])
-    bad = _cache(tmp_path, "damaged", KEY, ["block-x-w2-c256.pt2"])
-    (bad / "block-x-w2-c256.pt2").write_bytes(b"")
-    out = tmp_path / "whole" / CACHE_SUBDIR
-    assert seed_packages(out, KEY, (tmp_path / "blocks", tmp_path / "other", tmp_path / "damaged")) == 1
-    linked = out / "block-x-w1-c256.pt2"
-    assert linked.read_bytes() == b"block-x-w1-c256.pt2"
-    assert linked.stat().st_ino == (tmp_path / "blocks" / CACHE_SUBDIR / linked.name).stat().st_ino
-    assert (out / "block-x-w1-c256.sha256").is_file()  # still checked at the next resume
 
 
 def test_the_runtime_code_hash_sees_code_not_comments_or_docstrings():
@@ -91,10 +78,10 @@ def test_calls_whose_attention_reads_only_the_visible_slots_run_at_the_whole_cac
     assert call_buckets(model, 1) == every
 
 
-def test_the_block_phase_builds_the_drafter_calls_and_the_whole_phase_adds_the_steps(monkeypatch):
-    """A build without ``whole`` (the machine plan's first phase) has every block package and the
-    drafter's call packages (one layer each: seconds); ``whole`` adds the target's step packages
-    (every layer: the slow ones), at every context bucket a step width fits."""
+def test_the_build_has_the_steps_first_then_the_drafter_calls_then_the_blocks(monkeypatch):
+    """Every package of a build, the longest first: the target's step packages (every layer) at
+    every context bucket a step width fits, the drafter's call packages (one layer each), every
+    recorded block shape."""
     import types
 
     import yggtree.runtime.aoti as aoti
@@ -107,16 +94,14 @@ def test_the_block_phase_builds_the_drafter_calls_and_the_whole_phase_adds_the_s
     drafter = types.SimpleNamespace(calls=None, head_widths=(1, 2, 7))
     target = tiny_model()
     target.setup_cache(1, 512)
-    first = _package_jobs(plan, rec, target, drafter, (29,), 512, whole=False)
-    assert first == {("blk", 1, 256): "block", ("blk", 64, 512): "block", ("head", 1, 512): "head",
-                     ("head", 2, 512): "head", ("head", 7, 512): "head", ("draft", 1, 512): "draft",
-                     ("draft", 2, 512): "draft"}
-    whole = _package_jobs(plan, rec, target, drafter, (29,), 512, whole=True)
-    assert whole == first | {("step", w, c): "step" for w in (1, 4) for c in (256, 512)}
+    calls = [("head", 1, 512), ("head", 2, 512), ("head", 7, 512), ("draft", 1, 512), ("draft", 2, 512)]
+    jobs = _package_jobs(plan, rec, target, drafter, (29,), 512)
+    steps = [("step", w, c) for w in (1, 4) for c in (256, 512)]
+    assert list(jobs) == [*steps, *calls, *rec.examples]
+    assert set(jobs.values()) == {"step", "head", "draft", "block"} and jobs[("blk", 1, 256)] == "block"
     # steps whose attention runs row by row on the kernel library: the whole cache alone
     for m in target.modules():
         if hasattr(m, "native_rows"):
             m.native_rows, m.invariant_rows = "rows", 63
-    whole = _package_jobs(plan, rec, target, drafter, (29,), 512, whole=True)
-    assert whole == first | {("step", w, 512): "step" for w in (1, 4)}
-    assert _package_jobs(plan, rec, None, None, (), 512, whole=False) == {k: "block" for k in rec.examples}
+    jobs = _package_jobs(plan, rec, target, drafter, (29,), 512)
+    assert list(jobs) == [("step", 1, 512), ("step", 4, 512), *calls, *rec.examples]

@@ -166,23 +166,6 @@ def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
     assert args.plan.endswith("/compile/m/plan.yaml") and (args.machine_build, args.mode) == ("done", "performance")
 
 
-@pytest.mark.parametrize("building", [False, True])
-def test_a_run_on_the_block_packages_resumes_a_stopped_last_phase(monkeypatch, tmp_path, building):
-    """The build's first phase (block packages) is ready: a run takes it, and starts the last
-    phase (whole-step packages) again where no build runs (it was stopped), never twice."""
-    started = []
-    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
-    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (self.blocks_root / "m" / "plan.yaml", None))
-    monkeypatch.setattr(MachinePlan, "building", lambda self: building)
-    monkeypatch.setattr(MachinePlan, "start", lambda self: started.append(self) or "building")
-    args = _args()
-    run_cmd._pick_plan(args)
-    assert args.plan.endswith("/blocks/m/plan.yaml") and (args.machine_build, args.mode) == ("blocks", "performance")
-    assert len(started) == (0 if building else 1)
-
-
 def test_a_ready_record_pointing_outside_the_build_is_not_ready(tmp_path):
     mp = MachinePlan(tmp_path, "w4a8", 2)
     (tmp_path / READY).write_text(json.dumps({"plan": "../elsewhere/m/plan.yaml"}))
@@ -265,9 +248,10 @@ def test_a_profile_timed_while_the_machine_was_busy_is_timed_again(monkeypatch, 
     monkeypatch.setattr(profile_mod, "write_profile", lambda p, d, plot: written.append(p))
     monkeypatch.setattr(machine_plan.time, "sleep", waits.append)
     mp = MachinePlan(tmp_path, "w4a8", 2)
-    machine_plan._phase(mp, base, mp.blocks_root, "p", False, (), 0.0, lambda line: None)
+    monkeypatch.setattr("yggtree.offline.build_jobs.warm_compiler", lambda: None)
+    machine_plan._build_plan(mp, base, 0.0, lambda line: None)
     assert waits == list(machine_plan.QUIET_WAITS[:2]) and written[0]["load"]["other_cores"] == 0.1
-    assert json.loads((tmp_path / READY).read_text())["whole"] is False
+    assert json.loads((tmp_path / READY).read_text())["plan"].startswith("compile/")
 
 
 def _state(pid: int) -> str:
@@ -590,8 +574,8 @@ def test_a_run_on_a_plan_timed_while_busy_measures_it_again_in_the_background(mo
 
 def test_the_build_measures_a_busy_plan_again_and_forgets_a_busy_kernel_choice(monkeypatch, tmp_path):
     """A complete plan whose kernel choice was timed while busy: the build deletes that choice
-    (measured again before its packages are compiled: the same choice keeps them) and runs both
-    phases and the verdict again, counting the builds; a quiet plan is left as it is."""
+    (measured again before its packages are compiled: the same choice keeps them) and builds
+    the plan and measures the verdict again, counting the builds; a quiet plan is left as it is."""
     import yggtree.measure.kernel_choice as choice_mod
     import yggtree.quickstart as quick_mod
 
@@ -599,15 +583,14 @@ def test_the_build_measures_a_busy_plan_again_and_forgets_a_busy_kernel_choice(m
     (tmp_path / "calibration.json").write_text("{}")  # named, never read here
     monkeypatch.setattr(quick_mod, "shipped_calibration", lambda plan: tmp_path / "calibration.json")
     monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (path, None))
-    monkeypatch.setattr(MachinePlan, "complete", lambda self, p: True)
     forgot, phases, verdicts, said = [], [], [], []
     monkeypatch.setattr(choice_mod, "forget_choice", lambda plan: forgot.append(plan.name))
-    monkeypatch.setattr(machine_plan, "_phase", lambda mp_, plan, root, name, whole, *a: phases.append(name) or path)
+    monkeypatch.setattr(machine_plan, "_build_plan", lambda mp_, plan, *a: phases.append(plan.name) or path)
     monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: verdicts.append(copy))
     served = []
     monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: served.append(copy))
     assert machine_plan._build_locked(mp, said.append) == path
-    assert forgot == [mp.name] and phases == ["profile-blocks", "profile"] and verdicts == [path]
+    assert forgot == [mp.name] and phases == [mp.name] and verdicts == [path]
     assert served == [path]  # last: the server's batched graphs of the ready plan
     assert mp.remeasured() == 1 and "measuring again (1 of at most 3)" in said[0]
     monkeypatch.setattr(choice_mod, "choice_record", lambda plan: {"load": {"other_cores": 0.0, "steal_cores": 0.0}})

@@ -9,11 +9,12 @@ machine plan:
    own 4-bit weights as w4a8 where the kernel library runs, else float32), with the shipped
    acceptance calibration of the embedded pair;
 2. its AOTInductor packages (:func:`yggtree.offline.compile.compile_plan`, which builds the
-   kernel library and measures the product kernel first);
+   kernel library and measures the product kernel first): the target's whole steps, its prefill
+   blocks and the drafter's calls, one package per core at once, the longest first;
 3. a quick latency profile timed on those packages (the padding they were compiled with);
 4. the plan naming that profile, refreshed in its compiled copy, and last, written in one rename,
    ``ready.json`` pointing at it;
-5. (after the last phase) whether its latency objective decodes faster than its plain steps here,
+5. whether its latency objective decodes faster than its plain steps here,
    and with how many lookup nodes a step (``measure/speculation_choice.py``: 0, 4 and 8, each
    timed on held-out prompts), kept by profile in ``speculation.json``: runs take the fastest
    count (``--lookup N`` keeps N), and where no objective beat plain steps they decode the plan
@@ -126,17 +127,12 @@ class MachinePlan:
 
     @property
     def compile_root(self) -> Path:
-        """The packages a completed build runs: block, whole-step and drafter-call packages."""
+        """The packages a completed build runs: whole-step, block and drafter-call packages."""
         return self.root / "compile"
 
-    @property
-    def blocks_root(self) -> Path:
-        """The block and drafter-call packages, built first: what runs until the whole-step ones are built."""
-        return self.root / "blocks"
-
     def ready_plan(self) -> tuple[Path | None, str | None]:
-        """(the compiled plan copy to run, None) once the build's first phase (the block packages)
-        completed and its artifacts still serve this machine and code; else (None, why not)."""
+        """(the compiled plan copy to run, None) once the build's packages and profile are done
+        and its artifacts still serve this machine and code; else (None, why not)."""
         from .compiled import artifact_dir, check_artifacts
         from .plan import load_plan
 
@@ -145,7 +141,7 @@ class MachinePlan:
             return None, NOT_BUILT
         try:
             path = self.root / json.loads(marker.read_text())["plan"]
-            if path.parent.parent != self.compile_root and path.parent.parent != self.blocks_root:
+            if path.parent.parent != self.compile_root:
                 raise ValueError(f"{path} is not a plan of this build")
             plan = load_plan(path)
             reasons = check_artifacts(plan, artifact_dir(plan))
@@ -154,10 +150,6 @@ class MachinePlan:
         if reasons:
             return None, "; ".join(reasons)
         return path, None
-
-    def complete(self, path: Path) -> bool:
-        """Whether the ready plan ``path`` is the build's last phase (its whole-step packages)."""
-        return path.parent.parent == self.compile_root
 
     def building(self) -> bool:
         """Whether a build holds the lock now."""
@@ -391,7 +383,7 @@ def _build_locked(mp: MachinePlan, say) -> Path:
                    predictor=None, verify_widths=MACHINE_VERIFY_WIDTHS, draft_widths=MACHINE_DRAFT_WIDTHS)
     plan = validate_plan(plan.to_dict())
     ready, _ = mp.ready_plan()
-    if ready is not None and mp.complete(ready):
+    if ready is not None:
         busy = mp.unsettled(ready)
         if busy is None:
             if mp.speculates(profile_sha(ready)) is None:  # built before the verdict was measured
@@ -405,19 +397,15 @@ def _build_locked(mp: MachinePlan, say) -> Path:
             from .measure.kernel_choice import forget_choice
 
             forget_choice(plan)
-        ready = None
     else:
         (mp.root / REMEASURED).unlink(missing_ok=True)  # a build from scratch: its own count
-    # 1. the block packages (one decoder block per shape) and the drafter's call packages (one
-    # layer each): minutes, profiled, ready
-    blocks = ready or _phase(mp, plan, mp.blocks_root, "profile-blocks", False, (), t0, say)
-    # 2. the whole-step packages beside them (the rest linked, not rebuilt): the same bits, faster
-    # target steps; runs started meanwhile keep the block packages
-    copy = _phase(mp, plan, mp.compile_root, "profile", True, (blocks.parent,), t0, say)
-    # 3. whether its objective beats its plain steps here: runs decode plainly where it does not
+    # 1. the packages (the target's whole steps, the prefill and drafter blocks, the drafter's
+    # calls), profiled, ready
+    copy = _build_plan(mp, plan, t0, say)
+    # 2. whether its objective beats its plain steps here: runs decode plainly where it does not
     _measure_speculation(mp, copy, say)
     say(f"ready in {time.perf_counter() - t0:.0f} s: {copy}")
-    # 4. the batched graphs `yggtree serve` decodes its default batch with: its first start loads them
+    # 3. the batched graphs `yggtree serve` decodes its default batch with: its first start loads them
     _build_serving(copy, say)
     return copy
 
@@ -460,14 +448,16 @@ def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
         f"runs {'speculate' if record['speculate'] else 'decode plainly'}")
 
 
-def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, reuse: tuple[Path, ...],
-           t0: float, say) -> Path:
-    """Compile ``plan`` into ``root`` (its block and drafter-call packages; ``whole``: with the whole-step ones),
-    time its packages for a quick latency profile named ``profile_name``, and mark the plan
-    naming it ready. Returns its compiled copy."""
+def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
+    """Compile ``plan`` into the compile root (every package its engine runs, a package per core
+    at once, the longest first), time them for a quick latency profile, and mark the plan naming
+    it ready. Returns its compiled copy."""
+    import threading
+
     import torch
 
     from .compiled import artifact_dir
+    from .offline.build_jobs import warm_compiler
     from .offline.compile import compile_plan
     from .measure.kernel_choice import measure_plan
     from .offline.profile import measure_profile, write_profile
@@ -478,34 +468,39 @@ def _phase(mp: MachinePlan, plan, root: Path, profile_name: str, whole: bool, re
     from .runtime.padding import PADDING_KEY, cached_padding
 
     torch.set_num_threads(mp.threads)
-    what = "whole-step packages" if whole else "block and drafter-call packages"
-    say(f"compiling {plan.name}'s {what} ({mp.weights or 'float32'} weights) into {root}")
+    root = mp.compile_root
+    say(f"compiling {plan.name}'s packages ({mp.weights or 'float32'} weights) into {root}")
+    # the compiler's probes of this CPU beside the kernel library's build, whose last source keeps one core
+    warm = threading.Thread(target=warm_compiler, daemon=True)
+    warm.start()
     measure_plan(plan, say, QUIET_WAITS)  # the product kernel every package holds: timed on a quiet machine
-    compile_plan(plan, root, replace=True, whole=whole, reuse=reuse, workers=0)  # a package per core at once
+    warm.join()
+    compile_plan(plan, root, replace=True, workers=0)  # a package per core at once
     art = artifact_dir(plan, root)
-    say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the {what} for the latency profile")
+    say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the packages for the latency profile")
     padding = cached_padding(plan)
     engine, _ = build_plan_engine(plan, art, threads=mp.threads)
     widths = tuple(sorted({1, *plan.verify_widths}))
     grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths, stage_forms=False)
     # times taken while other processes ran would price every later step wrongly
-    profile = quietest(lambda: measure_profile(plan, profile_name, mp.threads, grid, "yggtree run (this machine's plan)",
+    profile = quietest(lambda: measure_profile(plan, "profile", mp.threads, grid, "yggtree run (this machine's plan)",
                                                engine=engine, padding=padding), QUIET_WAITS, "the profile", say)
     profile[PADDING_KEY] = profile.get(PADDING_KEY) or padding
     engine = None  # its memory, before the compile below
     write_profile(profile, mp.root, plot=False)
-    final = validate_plan(plan.to_dict() | {"profile": str(mp.root / f"{profile_name}.json")})
-    save_plan(final, mp.root / f"{profile_name}-plan.yaml")
-    compile_plan(final, root, replace=True, whole=whole)  # the graphs are the same: the copy is refreshed
+    final = validate_plan(plan.to_dict() | {"profile": str(mp.root / "profile.json")})
+    save_plan(final, mp.root / "profile-plan.yaml")
+    compile_plan(final, root, replace=True)  # the graphs are the same: the copy is refreshed
     copy = artifact_dir(final, root) / "plan.yaml"
-    write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)), "whole": whole,
+    write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)),
                                                    "build_s": round(time.perf_counter() - t0, 1)}) + "\n")
-    say(f"{what} ready at {time.perf_counter() - t0:.0f} s: {copy}")
+    say(f"packages and profile ready at {time.perf_counter() - t0:.0f} s: {copy}")
     return copy
 
 
-QUIET_WAITS = (30, 60, 120, 240)  # a measurement timed while other processes kept cores busy is timed
-# again after these waits (offline/timing.quietest), the quietest kept
+QUIET_WAITS = (5, 30, 60, 120, 240)  # a measurement timed while other processes kept cores busy is timed
+# again after these waits (offline/timing.quietest), the quietest kept: a short one first, for a
+# moment's work beside a short measurement (the product kernel's takes a second)
 
 
 def profile_sha(plan_path: Path) -> str | None:

@@ -186,7 +186,7 @@ def _learnt_feedback(args, mp, policy) -> str | None:
     """On this machine's plan, the objective's feedback continues from what earlier runs learnt
     on its profile; returns the profile's sha256 to keep this run's under (None: nothing kept)."""
     feedback = getattr(policy, "feedback", None)
-    if mp is None or feedback is None or getattr(args, "machine_build", None) not in ("done", "blocks"):
+    if mp is None or feedback is None or getattr(args, "machine_build", None) != "done":
         return None
     sha = args.profile_sha
     record = mp.learnt(sha) if sha else None
@@ -332,12 +332,11 @@ def _machine_plan(args, device: dict, waiting) -> bool:
     path, why = mp.ready_plan()
     args.no_default_note = None
     if path is not None:
-        whole = mp.complete(path)
         args.profile_sha = machine_plan.profile_sha(path)  # its feedback and verdict are kept under it
-        verdict = mp.speculates(args.profile_sha) if whole else None
-        busy = mp.unsettled(path) if whole and verdict is not None else None
-        # its last phase stopped (resumed), or a measurement taken while busy (taken again)
-        if (not whole or verdict is None or busy) and not mp.building():
+        verdict = mp.speculates(args.profile_sha)
+        busy = mp.unsettled(path) if verdict is not None else None
+        # its verdict not measured yet (measured), or a measurement taken while busy (taken again)
+        if (verdict is None or busy) and not mp.building():
             try:
                 mp.start()
             except OSError:
@@ -352,9 +351,8 @@ def _machine_plan(args, device: dict, waiting) -> bool:
             how += f", {verdict.lookup} lookup nodes a step" if verdict.lookup else ""
         sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled "
                          f"here, {how}"
-                         f"{'' if whole else '; its whole-step packages are being built in the background'}"
                          f"{f'; {busy.line}: measuring it again in the background' if busy else ''})\n")
-        args.plan, args.machine_build = str(path), "done" if whole else "blocks"
+        args.plan, args.machine_build = str(path), "done"
         return True
     args.machine_build = "failed" if mp.failed() is not None else "pending"
     try:
@@ -499,7 +497,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     if note and "aal" not in s:
         what += f" ({note})"
     build = {"pending": ", this machine's plan: building in the background",
-             "done": ", this machine's plan", "blocks": ", this machine's plan (its first phase: block and drafter-call packages)",
+             "done": ", this machine's plan",
              "unbuildable": ", this machine's plan: cannot be built here",
              "failed": ", this machine's plan: its build failed (see above)"}.get(ran.get("machine_build"), "")
     sys.stderr.write(

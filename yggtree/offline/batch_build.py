@@ -100,7 +100,7 @@ def build(target, root: Path, max_batch: int, n_slots: int, shapes: list[tuple[i
     key = batch_key(block, max_batch, n_slots)
     out = batch_dir(root, max_batch)
     try:
-        seed_packages(out, build_key(target, root, max_batch, n_slots), ())
+        seed_packages(out, build_key(target, root, max_batch, n_slots))
     except OSError as e:
         raise YggError(f"cannot build the batched graphs in {out}: {e.strerror or e}") from None
     jobs = {entry(key, s): SCOPE for s in shapes}

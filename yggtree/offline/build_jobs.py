@@ -92,12 +92,25 @@ def _child(build, key: Key, scope: str, out: Path, name: str, threads: int, pare
         os._exit(code)
 
 
+def warm_compiler() -> None:
+    """What every package build does first, done once in the process its builds fork from (the
+    children inherit it): import the compiler stack, and have inductor probe which vector
+    instruction sets its C++ compiler builds and this CPU runs (a test program compiled and run
+    per set: seconds, cached only in the process)."""
+    import torch._inductor.codegen.cpp_wrapper_cpu  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    valid_vec_isa_list()
+
+
 def run_in_children(jobs: list[Job], out: Path, build, progress, task, workers: int
                     ) -> Iterator[tuple[Key, str, float]]:
     """Build ``jobs`` in forked children, ``workers`` at a time; yields (key, name, seconds) as
     each finishes. YggError naming the package where one fails."""
     import torch
 
+    warm_compiler()
     threads, parent = torch.get_num_threads(), os.getpid()
     pending, running = list(jobs), {}  # pid -> (key, name, start)
     try:

@@ -208,8 +208,6 @@ def compile_plan(
     force: bool = False,
     console=None,
     replace: bool = False,
-    whole: bool = True,
-    reuse: tuple[Path, ...] = (),
     workers: int = 1,
 ) -> dict:
     """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
@@ -221,11 +219,7 @@ def compile_plan(
     A directory holding another plan's manifest is refused unless ``replace`` (keep the cache)
     or ``force`` (start from an empty cache).
 
-    ``whole=False`` builds the block and drafter-call packages alone (a run of them computes the
-    same bits, its target steps a little slower); a later ``whole`` build adds the whole-step
-    packages.
-    A build stopped halfway resumes: the packages it finished are kept (same build key). ``reuse``:
-    other artifact directories whose packages of the same key are linked instead of compiled.
+    A build stopped halfway resumes: the packages it finished are kept (same build key).
     ``workers``: packages built at once (each in a forked child; 0: one per usable core)."""
     from ..runtime.graphs import check_backend
 
@@ -236,8 +230,6 @@ def compile_plan(
     forced_loops()  # a bad YGGTREE_LOOPS is refused now, not after the build
     measure_plan(plan)  # a plan without a profile: its product kernel on this machine (cached)
     current = None if force else _up_to_date(plan, art)
-    if current is not None and whole and not current.get("whole", True):
-        current = None  # block packages alone: the whole ones are built below
     if current is not None:
         return {**current, "dir": str(art), "wall_s": time.perf_counter() - t_start}
     stale = _clear_for_rebuild(plan, art, force)
@@ -246,12 +238,10 @@ def compile_plan(
     min_rows = plan_min_rows(plan)  # the padding of packed products the packages hold
     records, info = [], {"load_s": 0.0, "n_slots": None, "threads": None}
     if plan.backend != "eager":
-        records, info = build_packages(plan, art, console, min_rows, whole, tuple(reuse),
-                                        workers or usable_cores())
+        records, info = build_packages(plan, art, console, min_rows, workers or usable_cores())
     built_rows = info.get("min_rows", min_rows)  # raised where the plan's is not batch-invariant here
     save_plan(plan, art / PLAN_COPY)
     manifest = _manifest(plan, art, prints, built_rows, records, info, stale, built_with)
-    manifest["whole"] = whole  # False: the block packages alone (compile_plan ``whole``)
     if built_rows != min_rows:  # check_artifacts accepts the plan's padding for the raised one
         manifest["packed_min_rows_raised_from"] = min_rows
     manifest["size_bytes"] = dir_size(art)  # the cache and the plan copy (not the manifest)

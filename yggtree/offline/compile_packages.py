@@ -4,13 +4,12 @@ plan's engine asks for, built into the plan's package cache, with their manifest
 The shapes are found by running the engine's own warm-up eagerly with a recorder on every block
 (``runtime.aoti.ShapeRecorder``), so the compiled set is exactly what a run asks for; a shape that
 serves several roles (say a W_v equal to the prefill chunk, or a self-drafter's step) is one
-package. With ``whole``, the target's tree steps and an EAGLE drafter's calls are also compiled
-whole (:func:`_package_jobs`).
+package; the target's tree steps and an EAGLE drafter's calls are also compiled whole
+(:func:`_package_jobs`).
 
 The package cache records the key its packages were built under (:data:`BUILD_KEY`: the plan's
 graph hash, the versions, the device, the padding, kernel and attention) and every finished
-package's sha256 beside it, so a stopped build resumes where it stopped and another directory's
-packages of the same key are linked instead of compiled (:func:`seed_packages`).
+package's sha256 beside it, so a stopped build resumes where it stopped (:func:`seed_packages`).
 """
 
 from __future__ import annotations
@@ -64,11 +63,10 @@ def _finished(pkg: Path) -> bool:
         return False
 
 
-def seed_packages(out: Path, key: dict, reuse: tuple[Path, ...]) -> int:
+def seed_packages(out: Path, key: dict) -> int:
     """Prepare the package cache ``out`` for a build under ``key``: kept if it holds packages of
     the same key (a stopped build resumes), else emptied, and a package that is not intact
-    (:func:`_finished`) dropped; then the intact packages of the artifact directories ``reuse``
-    built under the same key are linked in. Returns how many it holds."""
+    (:func:`_finished`) dropped. Returns how many it holds."""
     if not _same_key(out, key):
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,28 +76,15 @@ def seed_packages(out: Path, key: dict, reuse: tuple[Path, ...]) -> int:
         if not _finished(pkg):
             pkg.unlink()
     (out / BUILD_KEY).write_text(json.dumps(key) + "\n")
-    for art in reuse:
-        src = cache_dir(art)
-        if src.resolve() == out.resolve() or not _same_key(src, key):
-            continue
-        for pkg in src.glob("*.pt2"):
-            if pkg.name.startswith("partial-") or (out / pkg.name).exists() or not _finished(pkg):
-                continue
-            for f in (pkg, _checksum(pkg)):
-                try:
-                    os.link(f, out / f.name)
-                except OSError:
-                    shutil.copy2(f, out / f.name)
     return len(list(out.glob("*.pt2")))
 
 
 # ----------------------------------------------------------------------------- the build
 
 
-def build_packages(plan: Plan, art: Path, console, min_rows: int, whole: bool = True,
-                   reuse: tuple[Path, ...] = (), workers: int = 1) -> tuple[list[dict], dict]:
+def build_packages(plan: Plan, art: Path, console, min_rows: int, workers: int = 1) -> tuple[list[dict], dict]:
     """Every package of ``plan`` built into ``art``'s package cache (:func:`seed_packages` first:
-    what a stopped build or the directories ``reuse`` hold of the same key is kept), with a
+    what a stopped build of the same key finished is kept), with a
     progress bar on ``console``; returns the manifest records and load timings
     (:func:`_build_graphs`)."""
     from rich.console import Console
@@ -115,24 +100,23 @@ def build_packages(plan: Plan, art: Path, console, min_rows: int, whole: bool = 
         TimeElapsedColumn(),
     )
     out = cache_dir(art)
-    seed_packages(out, _build_key(plan, min_rows), reuse)
+    seed_packages(out, _build_key(plan, min_rows))
     # inductor's build files go to a scratch cache that is deleted afterwards: a package is
     # self-contained, and runs never read an inductor cache
     with tempfile.TemporaryDirectory(prefix="build-", dir=art) as scratch, inductor_cache(scratch), \
             Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("loading", total=None)
-        return _build_graphs(plan, progress, task, out, min_rows, whole, workers)
+        return _build_graphs(plan, progress, task, out, min_rows, workers)
 
 
-def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: bool = True,
+def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
                   workers: int = 1) -> tuple[list[dict], dict]:
     """Prepare the plan's models as its engine does (``runtime.prepare.prepare_models``: packed
     products padded to ``min_rows``, raised where a speculative plan's padding is not
     batch-invariant here), record every block shape the engine's warm-up asks for
     (:func:`_record_shapes`), and compile one AOTInductor package per distinct (block kind, W, C)
-    into ``out`` (and, with ``whole``, the whole-step and drafter-call packages:
-    :func:`_package_jobs`). A package already in ``out`` (a build of the same key stopped halfway,
-    or linked from another directory: :func:`seed_packages`) is kept. Returns one record per
+    into ``out``, and the whole-step and drafter-call packages (:func:`_package_jobs`). A package
+    already in ``out`` (a build of the same key stopped halfway: :func:`seed_packages`) is kept. Returns one record per
     (model, W, C) and load timings."""
     from dataclasses import replace
 
@@ -155,7 +139,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int, whole: b
     rec, uses = _record_shapes(plan, target, drafter, n_slots)
     # capturing the drafter's layers: the target's whole steps return them
     capture = tuple(drafter.target_layers) if drafter is not None else ()
-    jobs = _package_jobs(plan, rec, target, drafter, capture, n_slots, whole)
+    jobs = _package_jobs(plan, rec, target, drafter, capture, n_slots)
     # a plain plan whose products all run on the kernel library: its packages' own loops serial, so
     # that the library's may run on its pool (aoti.library_loops_only; measure/loops_choice.py measures it)
     serial_loops = drafter is None and library_loops_only(target)
@@ -236,32 +220,30 @@ def _roles_drafter(plan: Plan, w: int, heads: tuple[int, ...]) -> str:
     return "+".join(roles) or "warm-up"
 
 
-def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_slots: int,
-                  whole: bool) -> dict[tuple[str, int, int], str]:
-    """Every package of the build, (key, W, C) -> its scope, in build order: a block package per
-    recorded shape, an EAGLE drafter's head and draft calls (runtime.aoti, "Drafter-call
-    packages", for the plan's top-k and largest tree: one decoder layer each, seconds to build, and
-    a drafted step's calls run ~3x slower op by op around block packages); with ``whole``, the
-    target's whole tree steps (runtime.aoti, "Step packages": every step width at every context
-    bucket it runs at and fits, graphs.call_buckets: all layers each, the slow ones to build)."""
+def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_slots: int
+                  ) -> dict[tuple[str, int, int], str]:
+    """Every package of the build, (key, W, C) -> its scope, in build order, the longest first
+    (packages build side by side as cores free up, so the long ones started last would leave
+    cores idle at the end): the target's whole tree steps (runtime.aoti, "Step packages": every
+    step width at every context bucket it runs at and fits, graphs.call_buckets: all layers
+    each), an EAGLE drafter's head and draft calls (runtime.aoti, "Drafter-call packages", for
+    the plan's top-k and largest tree: one decoder layer each, and a drafted step's calls run ~3x
+    slower op by op around block packages), and a block package per recorded shape."""
     from ..runtime.aoti import drafter_call_key, step_key
     from ..runtime.graphs import call_buckets
 
-    jobs = {key: "block" for key in rec.examples}
+    skey = step_key(target, capture)
+    jobs = {(skey, w, c): "step" for w in plan.step_widths for c in call_buckets(target, w) if c >= w}
     if hasattr(drafter, "calls"):
         jobs |= {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
                  for kind, ws in (("head", drafter.head_widths), ("draft", plan.draft_widths)) for w in ws}
-    if not whole:
-        return jobs
-    skey = step_key(target, capture)
-    jobs |= {(skey, w, c): "step" for w in plan.step_widths for c in call_buckets(target, w) if c >= w}
-    return jobs
+    return jobs | {key: "block" for key in rec.examples}
 
 
 def _compile_packages(jobs: dict[tuple[str, int, int], str], out: Path, progress, task,
                       build, workers: int = 1) -> tuple[dict, dict]:
     """Each package of ``jobs`` written into ``out`` by ``build(key, scope, path)``, unless one is
-    there already (a stopped build's of the same key, or linked: kept); ``(seconds, sha256)`` by
+    there already (a stopped build's of the same key: kept); ``(seconds, sha256)`` by
     key (0 s for a kept one). Each is written under a partial name and renamed: a stopped
     compile leaves no package. ``workers`` > 1: that many built at once, each in a forked child
     (:mod:`yggtree.offline.build_jobs`)."""
