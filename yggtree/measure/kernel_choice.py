@@ -48,6 +48,7 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
             padding = model_padding(src, dtype, weights, tuple(widths), warmup=1, repeats=5)
         return {"padding": padding, "load": load.result}
 
+    _library_built()  # a first build of it is the compiler's work, not the measurement's: before its window
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -63,6 +64,19 @@ def measured_choice(src, dtype: str, weights: str | None, widths: tuple[int, ...
             f"product kernel measured for this CPU at {threads} thread(s): {padding_line(padding)}; cached in {path}"
             + (f" ({busy}: delete the file to measure again)" if busy else ""))
     return padding
+
+
+def _library_built() -> None:
+    """The kernel library built and loaded where this CPU runs it (a build that fails is left to the
+    measurement's own loading, which says so)."""
+    from ..errors import YggError
+    from ..runtime import kernels
+
+    if not kernels.library_missing():
+        try:
+            kernels.load_library()
+        except YggError:
+            pass
 
 
 def _choice_file(plan, root: Path | None) -> tuple[dict | None, Path | None]:
