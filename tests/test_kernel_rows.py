@@ -81,8 +81,8 @@ def test_the_q8_0_lm_head_rows_are_their_rows_alone():
 
 
 @settings(max_examples=15, deadline=None)
-@given(context=st.integers(1, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]), d=st.sampled_from(kernels.HEAD_DIMS),
-       seed=st.integers(0, 2**16))
+@given(context=st.integers(1, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]),
+       d=st.sampled_from(kernels.HEAD_DIMS), seed=st.integers(0, 2**16))
 def test_every_attention_row_is_its_row_alone(context, heads, d, seed):
     """W tree rows (a chain) over ``context`` committed slots: each row's attention is its call alone."""
     kernels.load_library()

@@ -15,7 +15,6 @@ package's sha256 beside it, so a stopped build resumes where it stopped (:func:`
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -84,9 +83,8 @@ def seed_packages(out: Path, key: dict) -> int:
 
 def build_packages(plan: Plan, art: Path, console, min_rows: int, workers: int = 1) -> tuple[list[dict], dict]:
     """Every package of ``plan`` built into ``art``'s package cache (:func:`seed_packages` first:
-    what a stopped build of the same key finished is kept), with a
-    progress bar on ``console``; returns the manifest records and load timings
-    (:func:`_build_graphs`)."""
+    what a stopped build of the same key finished is kept), with a progress bar on ``console``;
+    returns the manifest records and load timings (:func:`_build_graphs`)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -116,8 +114,8 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
     batch-invariant here), record every block shape the engine's warm-up asks for
     (:func:`_record_shapes`), and compile one AOTInductor package per distinct (block kind, W, C)
     into ``out``, and the whole-step and drafter-call packages (:func:`_package_jobs`). A package
-    already in ``out`` (a build of the same key stopped halfway: :func:`seed_packages`) is kept. Returns one record per
-    (model, W, C) and load timings."""
+    already in ``out`` (a build of the same key stopped halfway: :func:`seed_packages`) is kept.
+    Returns one record per (model, W, C) and load timings."""
     from dataclasses import replace
 
     import torch

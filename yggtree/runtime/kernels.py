@@ -51,12 +51,12 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / n
                 for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp", "prefetch.cpp"))
 # included by the sources: part of the build's key
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefetch.h", "simd.h"))
-# -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
-# on one thread); the build links the libgomp torch already loaded (same soname), so torch's
-# thread count governs it
 # the attention kernels' head dims (csrc/rows_attention.cpp): each is compiled as its own set of
 # functions (a few seconds of the build each); a model of another head dim runs torch's attention
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+# -fopenmp: at::parallel_for is an OpenMP loop compiled into the kernels (without it the loop runs
+# on one thread); the build links the libgomp torch already loaded (same soname), so torch's
+# thread count governs it
 CFLAGS = ("-O3", "-fopenmp", f"-DYGGTREE_HEAD_CHUNKS={','.join(str(d // 16) for d in HEAD_DIMS)}")
 LDFLAGS = ("-fopenmp",)
 # the instruction sets the library is built for, best first: name -> (/proc/cpuinfo flags it needs,
