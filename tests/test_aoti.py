@@ -201,13 +201,18 @@ def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
     proposals; the target decides every token), and the same feature rows written."""
     from torch._C._aoti import AOTIModelPackageLoader
 
+    from yggtree.runtime.graphs import inductor_cache
+
     target = tiny()
     drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=3)
     drafter.setup(N_SLOTS, [1, 2], CHUNK)
     k, nodes = 2, 1 + 3 * 2
-    loaders = {kind: AOTIModelPackageLoader(str(compile_drafter_call_package(
-        drafter, kind, w, k, nodes, tmp_path / f"{kind}.pt2")), "model", False, 1, -1)
-        for kind, w in (("head", 2), ("draft", 2))}
+    with inductor_cache(tmp_path / "inductor"):
+        loaders = {kind: AOTIModelPackageLoader(str(compile_drafter_call_package(
+            drafter, kind, w, k, nodes, tmp_path / f"{kind}.pt2")), "model", False, 1, -1)
+            for kind, w in (("head", 2), ("draft", 2))}
+    # both packages link the one runtime interface compiled for them (runtime/aoti_cxx.py)
+    assert len(list((tmp_path / "inductor" / "yggtree-aoti-interface").glob("*.o"))) == 1
     drafter.prefill(torch.arange(3, 14), (torch.randn(11, target.cfg.hidden_size),))
     state = [drafter.net.embed_weight, *(b.self_attn.cache.kv for b in drafter.net.layers),
              *(t for _, t in model_tensors(drafter.net))]

@@ -61,7 +61,6 @@ proposals: the target's verify decides every token, so speculation stays exact w
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +71,7 @@ from torch import nn
 from ..errors import YggError
 from . import packed as _packed  # registers yggtree::packed_linear, which packages call
 from . import quant as _quant  # noqa: F401  registers yggtree::int4_mm, which quantized blocks' packages call
+from .aoti_cxx import lean_build
 
 # inductor settings of CPU graphs, torch.compile'd and AOTInductor-packaged alike: no per-call
 # size/stride asserts (Python checks of every input and extern-kernel output; see graphs.compile_options)
@@ -279,46 +279,12 @@ def _export_and_package(fn: nn.Module, args: tuple, config: dict, path: Path) ->
             m._buffers[n] = torch.empty(0, dtype=b.dtype)
         with torch.no_grad():
             ep = torch.export.export(fn, args, strict=False)
-            with _no_input_checks():
+            with lean_build():
                 out = torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=config)
     finally:
         for m, n, b in opaque:
             m._buffers[n] = b
     return Path(out)
-
-
-@contextlib.contextmanager
-def _no_input_checks():
-    """AOTInductor's generated wrapper without its per-input checks while a package compiles.
-
-    It writes a function per graph input that checks the input's dtype, sizes, strides and
-    device, run only where ``AOTI_RUNTIME_CHECK_INPUTS`` is set: a whole step takes 218 inputs (the
-    layers' weights and caches), and their checks were 16,000 of its wrapper's 20,000 lines and half
-    of its C++ compile. Our runners pass what the package was compiled for (contiguous activations,
-    the model's own tensors). Where torch's code generator has no such method the compile is as torch's."""
-    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-
-    orig = getattr(CppWrapperCpu, "generate_input_output_runtime_checks", None)
-    if orig is None:
-        yield
-        return
-
-    def no_checks(self) -> None:  # the entry point calls these two: kept, empty
-        self.prefix.splice_aot("""
-            static bool _check_aoti_runtime_check_inputs_env() {
-                const static char* env_var_value = getenv("AOTI_RUNTIME_CHECK_INPUTS");
-                const static bool result = env_var_value != nullptr && env_var_value[0] != '0';
-                return result;
-            }
-
-            AOTI_NOINLINE static void __check_inputs_outputs(AtenTensorHandle*, AtenTensorHandle*) {}
-        """)
-
-    CppWrapperCpu.generate_input_output_runtime_checks = no_checks
-    try:
-        yield
-    finally:
-        CppWrapperCpu.generate_input_output_runtime_checks = orig
 
 
 # ----------------------------------------------------------------------------- compile side
