@@ -21,7 +21,8 @@
 //
 // yggtree::tree_attention (below): the same op, the same bits, with the rows of a call sharing one pass
 // over each KV head's cache instead of one pass each.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include "loops.h"
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>

@@ -39,7 +39,8 @@
 // Every step is per row and per output column in a fixed order, so a row's result does not depend on the
 // call's other rows nor on the thread count (tiles are split across threads whole): speculation verifying
 // W rows computes each row bitwise as a plain step does.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include "loops.h"
 #include "prefetch.h"

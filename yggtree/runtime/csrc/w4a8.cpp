@@ -17,7 +17,8 @@
 // contiguous stream (three tensors -- codes, d, m -- are three streams a thread, slower):
 //   4-bit, S = 320: byte (g, lane, i) = u[16t+lane][32b+4g+i] | u[16t+lane][32b+16+4g+i] << 4, then d, m
 //   8-bit, S = 576: byte (g, lane, i) = u[16t+lane][32b+4g+i] (g < 8), then d, m
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include "loops.h"
 #include "prefetch.h"
