@@ -211,7 +211,10 @@ def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
         loaders = {kind: AOTIModelPackageLoader(str(compile_drafter_call_package(
             drafter, kind, w, k, nodes, tmp_path / f"{kind}.pt2")), "model", False, 1, -1)
             for kind, w in (("head", 2), ("draft", 2))}
-    # both packages link the one runtime interface compiled for them (runtime/aoti_cxx.py)
+        # the same graph again: inductor reuses its wrapper file, which must still split
+        loaders["again"] = AOTIModelPackageLoader(str(compile_drafter_call_package(
+            drafter, "head", 2, k, nodes, tmp_path / "again.pt2")), "model", False, 1, -1)
+    # every package links the one runtime interface compiled for them (runtime/aoti_cxx.py)
     assert len(list((tmp_path / "inductor" / "yggtree-aoti-interface").glob("*.o"))) == 1
     drafter.prefill(torch.arange(3, 14), (torch.randn(11, target.cfg.hidden_size),))
     state = [drafter.net.embed_weight, *(b.self_attn.cache.kv for b in drafter.net.layers),

@@ -13,8 +13,9 @@ generated code is not as expected:
   ``AOTI_RUNTIME_CHECK_INPUTS``; a whole step's 218 inputs made 16,000 of its 20,000 lines).
 - :func:`_shared_interface`: the interface is compiled once per build (per compiler command,
   in inductor's cache directory) with the base class instantiated there, and linked into every
-  package; each wrapper keeps only the model's code, with that instantiation declared
-  ``extern``. Every package still holds the whole runtime (it is loaded on its own).
+  package; each package compiles only the model's code (from a file beside its wrapper, which
+  is left whole), with that instantiation declared ``extern``. Every package still holds the
+  whole runtime (it is loaded on its own).
 """
 
 from __future__ import annotations
@@ -116,15 +117,16 @@ def _shared_interface():
             srcs = [sources] if isinstance(sources, str) else list(sources)
             wrapper = (len(srcs) == 1 and srcs[0].endswith(".wrapper.cpp") and BuildOption.get_compile_only()
                        and not BuildOption.get_precompiling() and not BuildOption.get_preprocessing())
-            if not wrapper:
+            parts = split_wrapper(Path(srcs[0]).read_text(), interface) if wrapper else None
+            if parts is not None:  # the model's code compiled from a file of its own (the wrapper stays whole)
+                srcs = [_write_beside(Path(srcs[0]), parts[0])]
+            elif not wrapper:
                 srcs += [shared_of[s] for s in srcs if s in shared_of]
             super().__init__(name=name, sources=srcs if not isinstance(sources, str) else srcs[0],
                              BuildOption=BuildOption, output_dir=output_dir)
-            if wrapper:
-                obj = _split_and_build(srcs[0], interface, self, BuildOption, Path(cache_dir()) / _INTERFACE_DIR,
-                                       torch_builder)
-                if obj is not None:
-                    shared_of[self.get_target_file_path()] = obj
+            if parts is not None:
+                shared_of[self.get_target_file_path()] = _build_shared(
+                    parts[1], srcs[0], self, BuildOption, Path(cache_dir()) / _INTERFACE_DIR, torch_builder)
 
     codecache.CppBuilder = Builder
     try:
@@ -133,16 +135,22 @@ def _shared_interface():
         codecache.CppBuilder = torch_builder
 
 
-def _split_and_build(src: str, interface: str, wrapper, option, root: Path, torch_builder) -> str | None:
-    """Rewrite the wrapper ``src`` to its model's code and return the shared interface's object
-    (compiled now under a lock unless there), or None (the wrapper left as it was)."""
-    path = Path(src)
-    parts = split_wrapper(path.read_text(), interface)
-    if parts is None:
-        return None
-    model, shared = parts
+def _write_beside(wrapper: Path, model: str) -> str:
+    """The model's code written beside its wrapper (``<hash>.model.cpp``, replaced whole); the
+    wrapper itself is never rewritten: inductor reuses a wrapper file already on disk, so the next
+    compile of the same graph splits it again."""
+    path = wrapper.with_name(wrapper.name.removesuffix(".wrapper.cpp") + ".model.cpp")
+    part = path.with_name(f"{path.name}.{os.getpid()}")
+    part.write_text(model)
+    os.replace(part, path)
+    return str(path)
+
+
+def _build_shared(shared: str, src: str, wrapper, option, root: Path, torch_builder) -> str:
+    """The shared interface's object for the model compiled by ``wrapper`` from ``src`` (compiled
+    now, under a lock, unless there)."""
     # the interface's compile as the wrapper's: its command with the paths taken out
-    command = wrapper.get_command_line().replace(str(path), "SRC").replace(wrapper.get_target_file_path(), "OUT")
+    command = wrapper.get_command_line().replace(src, "SRC").replace(wrapper.get_target_file_path(), "OUT")
     command = re.sub(r"\s+", " ", command)
     key = hashlib.sha256((shared + "\0" + command).encode()).hexdigest()[:20]
     root.mkdir(parents=True, exist_ok=True)
@@ -157,5 +165,4 @@ def _split_and_build(src: str, interface: str, wrapper, option, root: Path, torc
                                  output_dir=str(root))
             part.build()  # raises on a compile error, as the wrapper's own would
             os.replace(part.get_target_file_path(), obj)
-    path.write_text(model)
     return str(obj)
