@@ -4,7 +4,7 @@ built this way are run in test_aoti.py and test_compile.py (slow)."""
 
 from __future__ import annotations
 
-from yggtree.runtime.aoti_cxx import split_wrapper
+from yggtree.runtime.aoti_cxx import restore_wrapper, split_wrapper
 
 INTERFACE = '#include <a/interface.h>\n#include <vector>\n\nextern "C" { int api() { return 1; } }\n'
 WRAPPER = "#include <dev/cpu.h>\n" + INTERFACE + "void run_impl() {}\n"
@@ -29,3 +29,13 @@ def test_the_shared_part_is_the_interface_with_the_base_class_instantiated():
 def test_a_wrapper_without_the_interface_or_with_it_twice_is_left_alone():
     assert split_wrapper("void run_impl() {}\n", INTERFACE) is None
     assert split_wrapper(WRAPPER + INTERFACE, INTERFACE) is None
+
+
+def test_a_wrapper_an_earlier_version_rewrote_in_place_splits_as_the_original():
+    """09321a5 wrote the model's code over the wrapper, and inductor reuses that file: restored,
+    it splits exactly as the wrapper inductor wrote (a left-alone wrapper links no interface)."""
+    model, shared = split_wrapper(WRAPPER, INTERFACE)
+    assert restore_wrapper(model, INTERFACE) == WRAPPER
+    assert split_wrapper(restore_wrapper(model, INTERFACE), INTERFACE) == (model, shared)
+    for text in (WRAPPER, "void run_impl() {}\n", model + model):
+        assert restore_wrapper(text, INTERFACE) == text

@@ -76,6 +76,24 @@ def _no_input_checks():
         CppWrapperCpu.generate_input_output_runtime_checks = orig
 
 
+def _declaration(interface: str) -> str:
+    """What replaces the interface in the model's code: its includes, and the base class's
+    instantiation declared extern."""
+    includes = "".join(ln + "\n" for ln in interface.splitlines() if ln.startswith("#include"))
+    return f"{includes}\nextern template class {_BASE};\n"
+
+
+def restore_wrapper(text: str, interface: str) -> str:
+    """A wrapper as inductor wrote it: an earlier yggtree (09321a5 to fef8ac8) rewrote wrappers in
+    place with the model's code alone, and inductor reuses a wrapper file already in its cache;
+    the interface goes back where its declaration stands (exactly the text it replaced). Any
+    other text is returned as it is."""
+    declared = _declaration(interface)
+    if interface in text or text.count(declared) != 1:
+        return text
+    return text.replace(declared, interface, 1)
+
+
 def split_wrapper(text: str, interface: str) -> tuple[str, str] | None:
     """``(model, shared)``: a wrapper's source without the runtime interface (its includes kept,
     the base class's instantiation declared extern), and the interface on its own (with what
@@ -85,8 +103,7 @@ def split_wrapper(text: str, interface: str) -> tuple[str, str] | None:
     if at < 0 or text.find(interface, at + 1) >= 0:
         return None
     end = at + len(interface)
-    includes = "".join(ln + "\n" for ln in interface.splitlines() if ln.startswith("#include"))
-    model = f"{text[:at]}{includes}\nextern template class {_BASE};\n{text[end:]}"
+    model = f"{text[:at]}{_declaration(interface)}{text[end:]}"
     shared = f"{text[:end]}\ntemplate class {_BASE};\n"
     return model, shared
 
@@ -117,7 +134,7 @@ def _shared_interface():
             srcs = [sources] if isinstance(sources, str) else list(sources)
             wrapper = (len(srcs) == 1 and srcs[0].endswith(".wrapper.cpp") and BuildOption.get_compile_only()
                        and not BuildOption.get_precompiling() and not BuildOption.get_preprocessing())
-            parts = split_wrapper(Path(srcs[0]).read_text(), interface) if wrapper else None
+            parts = split_wrapper(restore_wrapper(Path(srcs[0]).read_text(), interface), interface) if wrapper else None
             if parts is not None:  # the model's code compiled from a file of its own (the wrapper stays whole)
                 srcs = [_write_beside(Path(srcs[0]), parts[0])]
             elif not wrapper:
