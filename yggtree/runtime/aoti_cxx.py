@@ -132,12 +132,14 @@ def _shared_interface():
     class Builder(torch_builder):
         def __init__(self, name, sources, BuildOption, output_dir: str = "") -> None:
             srcs = [sources] if isinstance(sources, str) else list(sources)
-            wrapper = (len(srcs) == 1 and srcs[0].endswith(".wrapper.cpp") and BuildOption.get_compile_only()
-                       and not BuildOption.get_precompiling() and not BuildOption.get_preprocessing())
-            parts = split_wrapper(restore_wrapper(Path(srcs[0]).read_text(), interface), interface) if wrapper else None
+            is_wrapper = (len(srcs) == 1 and srcs[0].endswith(".wrapper.cpp") and BuildOption.get_compile_only()
+                          and not BuildOption.get_precompiling() and not BuildOption.get_preprocessing())
+            parts = None
+            if is_wrapper:
+                parts = split_wrapper(restore_wrapper(Path(srcs[0]).read_text(), interface), interface)
             if parts is not None:  # the model's code compiled from a file of its own (the wrapper stays whole)
                 srcs = [_write_beside(Path(srcs[0]), parts[0])]
-            elif not wrapper:
+            elif not is_wrapper:
                 srcs += [shared_of[s] for s in srcs if s in shared_of]
             super().__init__(name=name, sources=srcs if not isinstance(sources, str) else srcs[0],
                              BuildOption=BuildOption, output_dir=output_dir)
@@ -155,7 +157,8 @@ def _shared_interface():
 def _write_beside(wrapper: Path, model: str) -> str:
     """The model's code written beside its wrapper (``<hash>.model.cpp``, replaced whole); the
     wrapper itself is never rewritten: inductor reuses a wrapper file already on disk, so the next
-    compile of the same graph splits it again."""
+    compile of the same graph splits it again. Its temporary name holds the process id (not
+    files.write_text_atomic's one name): build children compiling identical graphs write the same file."""
     path = wrapper.with_name(wrapper.name.removesuffix(".wrapper.cpp") + ".model.cpp")
     part = path.with_name(f"{path.name}.{os.getpid()}")
     part.write_text(model)
