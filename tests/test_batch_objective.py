@@ -57,7 +57,8 @@ def test_one_request_is_the_single_request_objective(seed):
     aal = np.array([1.0 if r[2] == 1 else 1.0 + rng.uniform(0, 2.5) for r in rows])
     plain = fn(1) + rng.uniform(0, 0.5)
     g = TreeChoices(rows, np.array([r[0] for r in rows]), aal, own + vms, vms,
-                    np.array([r[2] for r in rows]), plain, {})
+                    np.array([r[2] for r in rows]), np.array([WIDTHS.index(r[2]) for r in rows]),
+                    plain, {})
     i, s = best_tree(g.aal, g.step_ms, g.plain_ms)
     want = g.rows[i] if i >= 0 and s > 1.0 else (0, g.rows[0][1], 1)
     m = menu_of(g, fn(1))

@@ -48,6 +48,7 @@ class TreeChoices:
     step_ms: np.ndarray  # [n] float64 the predicted step time
     verify_ms: np.ndarray  # [n] float64 its verify call's time
     verify_width: np.ndarray  # [n] int64 W_v of each row
+    width_index: np.ndarray  # [n] int64 each row's W_v as an index into (1, *verify_widths)
     plain_ms: float  # a plain step's predicted time
     costs: dict  # (D, W_d, W_v) -> (step ms, verify ms), every triple, calibrated or not
 
@@ -70,7 +71,8 @@ def tree_choices(cost: CostModel, calib: Calibration, d_max: int, draft_widths: 
                 vms.append(costs[dd, wd, wv][1])
     depth = np.array([r[0] for r in rows], dtype=np.int64)
     wvs = np.array([r[2] for r in rows], dtype=np.int64)
-    return TreeChoices(rows, depth, np.array(aal), np.array(ms), np.array(vms), wvs, cost.plain_ms(ctx), costs)
+    index = np.array([(1, *verify_widths).index(r[2]) for r in rows], dtype=np.int64)
+    return TreeChoices(rows, depth, np.array(aal), np.array(ms), np.array(vms), wvs, index, cost.plain_ms(ctx), costs)
 
 
 def best_tree(aal: np.ndarray, step_ms: np.ndarray, plain_ms: float, depth: np.ndarray | None = None,
@@ -236,7 +238,8 @@ class ObjectivePolicy(StepPolicy):
         plain_on = self._online_plain(g.plain_ms) + extra_ms
         aal = fb.aal(aal, g.depth) if fb and len(g.depth) else aal
         if self._lookup:  # the merged tree is worth at least the better of its two parts
-            aal = np.maximum(aal, [self._lookup_aal(int(w)) for w in g.verify_width])
+            per_width = np.array([self._lookup_aal(w) for w in (1, *self.verify_widths)])
+            aal = np.maximum(aal, per_width[g.width_index])
         step_on = self._online_step(g.step_ms, g.verify_ms, g.verify_width) + extra_ms
         i, s = best_tree(aal, step_on, plain_on, g.depth, d)
         best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if allow else -1.0
