@@ -300,11 +300,14 @@ def test_what_the_feedback_learnt_is_kept_for_the_same_profile_only(tmp_path):
 
     mp = MachinePlan(tmp_path, "w4a8", 2)
     assert mp.learnt("sha-a") is None
-    fb = Feedback(machine=1.25, spec_extra=1.4, catch_up=0.5, _width={4: 1.1}, _by_depth={3: (1.0, 2.5)},
-                  _planned=(0.8, 1.2))
+    fb = Feedback(machine=1.25, spec_extra=1.4, catch_up=0.5, probe_cost=6.5, probe_scale=0.25, _width={4: 1.1},
+                  _by_depth={3: (1.0, 2.5)}, _planned=(0.8, 1.2))
     mp.keep_learnt("sha-a", fb.learnt())
     again = Feedback().with_learnt(mp.learnt("sha-a"))
     assert again.learnt() == fb.learnt() and again.step_ms(10.0, 4.0, 4) == fb.step_ms(10.0, 4.0, 4)
+    assert (again.probe_cost, again.probe_scale) == (6.5, 0.25)  # the probes' price and share go on
+    old = {k: v for k, v in fb.learnt().items() if not k.startswith("probe_")}  # a record kept before them
+    assert (Feedback().with_learnt(old).probe_cost, Feedback().with_learnt(old).probe_scale) == (None, 1.0)
     assert mp.learnt("sha-b") is None
     (tmp_path / machine_plan.FEEDBACK).write_text("{not json")
     assert mp.learnt("sha-a") is None

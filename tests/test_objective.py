@@ -630,16 +630,19 @@ def test_feedback_falls_back_to_plain_and_probes():
     while not (c := pol.choose_draft(torch.zeros(8), 100)).draft_depth:  # up to the next probe
         pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
     pol.choose_verify(tree, c, 100)
+    assert pol._probe_share() < 100.0  # every probe before lost: the share shrank
     pol.observe(_record(c, 4, 1.0))  # this one wins: probes come every 4 plain steps again
-    assert pol._probe_gap == 4
+    assert pol._probe_gap == 4 and pol._probe_share() == 100.0  # and may take their full share
 
 
 def test_probes_cost_at_most_their_share_of_the_plain_steps_before_them():
     """A probe that costs as much as 8 plain steps (a fast target: the drafter's catch-up and a
-    wide verify against a 5 ms step) comes after 8 / probe_share plain steps, not probe_every:
-    the first one (its cost not yet measured) after probe_every, the next after 64 (losing, the
-    gap doubled to 8, x 8 / (0.25 x 4)), then 128. The measured cost is kept across requests
-    (it is the machine's and the plan's), the gap is not."""
+    wide verify against a 5 ms step) comes after 8 / share plain steps, not probe_every: the
+    first one (its cost not yet measured) after probe_every, the next after 128 (losing, the gap
+    doubled to 8, x 8 / (0.125 x 4): the share halved by the losing probe), the third not within
+    200 steps (16 / 4 x 8 / 0.0625). The measured cost and the share are kept across requests
+    (they are the machine's, the plan's and the text's), the gap is not; the share stops at its
+    floor, and a fresh policy starts from the full share."""
     from yggtree.runtime.feedback import Feedback
 
     cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1.05), (4, 8, 16, 32))
@@ -664,11 +667,17 @@ def test_probes_cost_at_most_their_share_of_the_plain_steps_before_them():
     steps = run(200)
     at = [i for i, d in enumerate(steps) if d]
     gaps = [b - a - 1 for a, b in zip([-1, *at], at)]
-    assert gaps[:3] == [4, 64, 128]  # after the first probe: 2 x 4 / 4 x (8 / 0.25) = 64, then doubled
-    assert pol._probe_cost == pytest.approx(8.0, rel=0.01)
-    pol.start_request()  # a new request: the gap starts again, the probe's measured cost stays
-    assert pol._probe_after() == 32  # 8 / 0.25 plain steps
-    assert pol.fresh()._probe_cost is None
+    assert gaps == [4, 128]  # after the first probe: 2 x 4 / 4 x (8 / 0.125) = 128; then 512
+    assert pol.feedback.probe_cost == pytest.approx(8.0, rel=0.01)
+    assert pol._probe_share() == pytest.approx(0.25 / 4)  # halved by each losing probe
+    pol.start_request()  # a new request: the gap starts again, the probe's cost and share stay
+    assert pol._probe_after() == 128  # 8 / 0.0625 plain steps
+    for _ in range(10):  # losing probes, each as soon as it may come: the share stops at its floor
+        pol._plain_run = 10_000
+        assert run(1)[0] > 0
+    assert pol._probe_share() == pytest.approx(0.25 / 16)  # probe_floor x probe_share
+    fresh = pol.fresh()
+    assert fresh.feedback.probe_cost is None and fresh._probe_share() == 0.25
 
 
 @pytest.mark.parametrize("seed", range(4))

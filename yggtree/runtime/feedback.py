@@ -73,6 +73,8 @@ class Feedback:
     machine: float = 1.0
     spec_extra: float = 1.0
     catch_up: float | None = None  # ms per call of the drafter's catch-up (None: none measured yet)
+    probe_cost: float | None = None  # a policy's probe's cost in plain steps (mean of the last ones; None: none yet)
+    probe_scale: float = 1.0  # the share of plain steps' time a policy's probes may take, over its full share
     _width: dict = field(default_factory=dict)  # W -> relative factor of width-W target calls
     _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
     _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
@@ -86,7 +88,7 @@ class Feedback:
         return {"machine": self.machine, "spec_extra": self.spec_extra, "catch_up_call": self.catch_up,
                 "width": {str(w): f for w, f in self._width.items()},
                 "by_depth": {str(d): list(v) for d, v in self._by_depth.items()},
-                "planned": list(self._planned)}
+                "planned": list(self._planned), "probe_cost": self.probe_cost, "probe_scale": self.probe_scale}
 
     def with_learnt(self, record) -> "Feedback":
         """This feedback continuing from ``record`` (a :meth:`learnt` dict); unchanged where the
@@ -98,10 +100,13 @@ class Feedback:
                 catch_up=None if record.get("catch_up_call") is None else float(record["catch_up_call"]),
                 _width={int(w): float(f) for w, f in record["width"].items()},
                 _by_depth={int(d): (float(a), float(e)) for d, (a, e) in record["by_depth"].items()},
-                _planned=tuple(float(x) for x in record["planned"][:2]))
+                _planned=tuple(float(x) for x in record["planned"][:2]),
+                # (records before probes were kept hold neither: a fresh probe state)
+                probe_cost=None if record.get("probe_cost") is None else float(record["probe_cost"]),
+                probe_scale=float(record.get("probe_scale", 1.0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return self
-        finite = [fields["machine"], fields["spec_extra"], *fields["_width"].values()]
+        finite = [fields["machine"], fields["spec_extra"], fields["probe_scale"], *fields["_width"].values()]
         if not all(np.isfinite(x) and x > 0 for x in finite) or len(fields["_planned"]) != 2:
             return self
         return replace(self, **fields)

@@ -134,8 +134,12 @@ class ObjectivePolicy(StepPolicy):
       put a quarter of the time into probes. A probe that loses (its tokens took longer than
       plain steps would have, the catch-up included) doubles the run before the next one, up to
       ``probe_max`` plain steps' worth; a probe that wins, or a tree chosen on its merits, resets
-      it, so on text where speculation never pays the probes cost a few percent
-      (docs/objective.md has the measured figures).
+      it. A losing probe also multiplies the share by ``probe_decay`` (down to ``probe_floor``
+      of ``probe_share``), and that share is kept across requests: the gap restarts with every
+      request, but on text where speculation keeps losing, every request's probes together cost
+      ever less of its plain steps (a request of 128 tokens has about one probe, ~3-5% of its time
+      on a fast target at the full share); a probe that wins, or a tree chosen on its merits,
+      restores the full share (docs/objective.md has the measured figures).
     - the drafter's catch-up (``see_catch_up``: after plain steps, and at a request's start,
       whose drafter prefill the engine defers to the first drafted step, the drafter must first
       absorb the tokens it lacks): a tree is chosen only where its saving over the tokens the
@@ -162,13 +166,14 @@ class ObjectivePolicy(StepPolicy):
     probe_every: int = 16
     probe_max: int = 256
     probe_share: float = 0.1  # a probe costs at most this share of the plain steps' time before it
+    probe_decay: float = 0.5  # the share's factor after a losing probe (1: a fixed share)
+    probe_floor: float = 1 / 16  # the lowest share, as a fraction of probe_share
     chunk: int = 1  # the drafter's prefill chunk: a catch-up costs a call a chunk (1: priced per token)
     log: list = field(default_factory=list)
     _grid: dict = field(default_factory=dict)  # bucket index -> TreeChoices
     _plain_run: int = 0  # plain steps in a row
     _probe_gap: int = 0  # plain steps before the next probe (0: probe_every)
     _probing: bool = False  # the step under way is a probe
-    _probe_cost: float | None = None  # a probe's measured cost in plain steps (mean of the last ones)
     _pending: Prediction | None = None  # the prediction of the step under way
     _scale: np.ndarray | None = None  # [d_max] the predictor's AAL factors of the step under way
     _lookup: tuple[float, ...] = ()  # path values of this step's lookup candidates, best first
@@ -293,7 +298,9 @@ class ObjectivePolicy(StepPolicy):
         else:
             choice, s = self.plan_choice(committed)
             if choice.draft_depth > 0:
-                self._probe_gap = self.probe_every  # speculation pays again
+                self._probe_gap = self.probe_every  # speculation pays again: probes at full share
+                if self.feedback is not None:
+                    self.feedback.probe_scale = 1.0
             elif (self.feedback is not None and self._plain_run >= self._probe_after()
                   and self._probe_affordable(committed)):
                 choice, s = self.plan_choice(committed, allow_plain=False)  # probe
@@ -357,16 +364,23 @@ class ObjectivePolicy(StepPolicy):
         catch-up for tokens that cannot repay it)."""
         cost = self.catch_up_ms(ctx)
         steps = self._plain_run if self._remaining is None else min(self._plain_run, self._remaining)
-        return cost <= self.probe_share * steps * self._online_plain(self.cost.plain_ms(ctx))
+        return cost <= self._probe_share() * steps * self._online_plain(self.cost.plain_ms(ctx))
+
+    def _probe_share(self) -> float:
+        """The share of plain steps' time the probes may take now: ``probe_share``, times
+        ``probe_decay`` for every probe lost since the last win (not below the floor; kept in the
+        feedback, as the probes' cost is, so later requests and runs start from it)."""
+        return self.probe_share * (self.feedback.probe_scale if self.feedback is not None else 1.0)
 
     def _probe_after(self) -> int:
         """Plain steps in a row before the next probe: the current gap (``probe_every``, doubled
         by every losing probe), scaled up where a probe costs more than ``probe_share`` of
         ``probe_every`` plain steps (its measured cost, once a probe has run)."""
         gap = self._probe_gap or self.probe_every
-        if self._probe_cost is None:
+        cost = self.feedback.probe_cost if self.feedback is not None else None
+        if cost is None:
             return gap
-        return max(gap, math.ceil(gap / self.probe_every * self._probe_cost / self.probe_share))
+        return max(gap, math.ceil(gap / self.probe_every * cost / self._probe_share()))
 
     def choose_verify(self, tree: Tree, choice: StepChoice, committed: int) -> int:
         d, wd = choice.draft_depth, choice.draft_width
@@ -404,7 +418,7 @@ class ObjectivePolicy(StepPolicy):
                        f.request_prior_tokens) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _lk_grid={}, _best_rate={}, _plain_run=0, _probe_gap=0, _probing=False,
-                       _probe_cost=None, _behind=0, _remaining=None, _step_calls=0, _planned=0.0,
+                       _behind=0, _remaining=None, _step_calls=0, _planned=0.0,
                        _pending=None, _scale=None, _lookup=(), **changes)
 
     def start_request(self) -> None:
@@ -438,9 +452,11 @@ class ObjectivePolicy(StepPolicy):
         if self._probing:  # did the probe beat the plain steps its tokens would have taken?
             won = (1 + rec.n_accepted) * plain_ms > step_ms
             cost = sum(rec.stage_ms.values()) / plain_ms  # in plain steps, the catch-up included
-            self._probe_cost = cost if self._probe_cost is None else (self._probe_cost + cost) / 2
+            fb = self.feedback
+            fb.probe_cost = cost if fb.probe_cost is None else (fb.probe_cost + cost) / 2
             gap = self._probe_gap or self.probe_every
             self._probe_gap = self.probe_every if won else min(2 * gap, self.probe_max)
+            fb.probe_scale = 1.0 if won else max(fb.probe_scale * self.probe_decay, self.probe_floor)
         if pred.draft_depth == 0 and pred.verify_width == 1:  # the target call and choosing its
             step_ms = rec.stage_ms.get("verify", step_ms) + rec.stage_ms.get("accept", 0.0)  # token
         self.feedback.update(pred, rec.n_accepted, step_ms, rec.stage_ms.get("verify"))
