@@ -77,6 +77,29 @@ def test_weak_lookup_keeps_plain_steps():
     assert pol.choose_verify(tree, StepChoice(0, 1), 100) == 1  # verifying them does not pay
 
 
+def test_a_lookup_only_tree_is_built_only_where_it_was_priced_above_a_plain_step():
+    pol = policy(CAL)
+    pol.see_lookup(chain([0.01, 0.01]), 100)
+    assert pol.choose_draft(torch.zeros(8), 100) == StepChoice(0, 1) and not pol.takes_lookup_only()
+    pol.see_lookup(chain([0.95] * 6), 100)
+    assert pol.choose_draft(torch.zeros(8), 100) == StepChoice(0, 1) and pol.takes_lookup_only()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0.0, 0.99), min_size=1, max_size=12), st.sampled_from([40, 100, 300, 700]))
+def test_a_lookup_only_step_priced_below_plain_verifies_the_root_alone(values, ctx):
+    """Where ``choose_draft`` priced the best lookup-only step at or below a plain one (the
+    engine then builds no lookup tree), ``choose_verify`` on that tree would have chosen W_v = 1:
+    skipping it changes no choice."""
+    pol = policy(CAL)
+    prop = chain(values)
+    pol.see_lookup(prop, ctx)
+    if pol.choose_draft(torch.zeros(8), ctx).draft_depth or pol.takes_lookup_only():
+        return
+    tree, _ = merge_lookup(root_tree(torch.tensor(5)), prop, [pol.lookup_logq(p) for p in prop.edge], 12)
+    assert pol.choose_verify(tree, StepChoice(0, 1), ctx) == 1
+
+
 def test_lookup_raises_a_drafter_tree_to_at_least_its_own_value():
     good = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1.3), (4, 8, 16, 32))
     pol = policy(good)

@@ -85,6 +85,12 @@ class StepPolicy:
         """This step's lookup candidates (a :class:`~yggtree.runtime.lookup.Proposal`), before
         ``choose_draft``."""
 
+    def takes_lookup_only(self) -> bool:
+        """Whether a step ``choose_draft`` made plain (D = 0) is worth building a lookup-only tree
+        for (its candidates hung from the root, ``choose_verify`` then picking W_v); by default
+        always."""
+        return True
+
     def lookup_logq(self, p: float) -> float:
         """A lookup edge's acceptance ``p`` on the drafter's log-probability scale (by default
         the drafter's probability is taken as its acceptance)."""
