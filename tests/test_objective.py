@@ -24,6 +24,7 @@ from yggtree.runtime.calibration import Calibration, aal_by_width, path_values
 from yggtree.runtime.cost import CostModel, Curve
 from yggtree.runtime.objective import ObjectivePolicy, best_verify
 from yggtree.runtime.policy import StepChoice
+from yggtree.runtime.lookup import Proposal
 from yggtree.runtime.prune import prune_dp, prune_topk
 from yggtree.runtime.tree import Tree
 
@@ -682,8 +683,9 @@ def test_probes_cost_at_most_their_share_of_the_plain_steps_before_them():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
-    """``_surely_plain`` (a plain step's choice from the cached best tree rate) makes the same
-    choices as pricing every tree each step, over random steps whose measured times and
+    """``_surely_plain`` (a plain step's choice from the cached best tree rate), and its bound
+    where lookup candidates join (plain or lookup-only wherever every drafted tree loses), make
+    the same choices as pricing every tree each step (with and without lookup candidates), over random steps whose measured times and
     acceptance move the feedback both ways (machine slower and faster, widths drifting, trees
     accepting more or less than expected, new requests), across context buckets, with the
     drafter's catch-up growing over plain steps, emptied by drafted ones and learnt from them."""
@@ -702,6 +704,16 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
     fast, full = make(), make()
     behind, remaining = 0, 10_000
     monkeypatch.setattr(full, "_surely_plain", lambda ctx: False, raising=False)
+    monkeypatch.setattr(full, "_best_tree_speedup", lambda ctx: None, raising=False)
+    bounded = []  # steps with lookup candidates that the bound decided (every drafted tree losing)
+    best_of = fast._best_tree_speedup
+
+    def spy(ctx):
+        best = best_of(ctx)
+        bounded.append(bool(fast._lookup) and best is not None and best < 1.0 - 1e-6)
+        return best
+
+    monkeypatch.setattr(fast, "_best_tree_speedup", spy, raising=False)
     rng = random.Random(seed)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
     kinds = set()
@@ -711,8 +723,12 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
             fast.start_request(), full.start_request()
             behind, remaining = rng.choice((0, 40, 400)), rng.choice((16, 64, 10_000))
         fast.see_catch_up(behind, remaining), full.see_catch_up(behind, remaining)
+        prop = lookup_chain([rng.uniform(0.0, 0.99) for _ in range(rng.randrange(1, 9))]) if rng.random() < 0.5 else None
+        for pol in (fast, full):
+            pol.see_lookup(prop if prop is not None else Proposal(), ctx)
         a, b = fast.choose_draft(torch.zeros(8), ctx), full.choose_draft(torch.zeros(8), ctx)
         assert a == b, step
+        assert fast.takes_lookup_only() == full.takes_lookup_only(), step
         kinds.add(a.draft_depth > 0)
         slow = rng.choice((0.6, 1.0, 1.7))
         if a.draft_depth:
@@ -726,7 +742,18 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
         remaining = max(remaining - 1, 1)
         fast.observe(rec), full.observe(rec)
     assert kinds == {False, True}  # both kinds of step were chosen
-    assert fast._best_rate  # and plain steps took the shortcut
+    assert fast._best_rate and any(bounded)  # and plain steps took the shortcut, with candidates too
+
+
+def lookup_chain(values: list[float]):
+    """A lookup chain whose edges are accepted with ``values`` (tokens 10, 11, ...)."""
+    path, v = [], 1.0
+    for p in values:
+        v *= p
+        path.append(v)
+    n = len(values)
+    return Proposal(tuple(range(10, 10 + n)), tuple(range(n)), tuple(range(1, n + 1)), (1.0,) * n, tuple(values),
+                    tuple(path), 3)
 
 
 def catch_up_model(per_token: float) -> CostModel:

@@ -208,6 +208,13 @@ class ObjectivePolicy(StepPolicy):
         step's choice is one multiplication. A policy that fell back to plain steps makes this
         choice every step, after a verify has pushed its code and arrays out of the caches.
         Near-ties are left to :meth:`plan_choice`."""
+        best = self._best_tree_speedup(ctx)
+        return best is not None and (best < 1.0 - 1e-6 or not self._catch_up_pays(best * (1.0 + 1e-6), ctx))
+
+    def _best_tree_speedup(self, ctx: int) -> float | None:
+        """The best drafted tree's speed-up over a plain step at ``ctx`` as the feedback stands
+        (lookup candidates aside), from the rate kept per context bucket and feedback state
+        (see :meth:`_surely_plain`); None where the plan has no tree."""
         key = self.cost.verify.bucket(ctx + max(self.verify_widths))
         fb = self.feedback
         state = fb.state if fb else 0
@@ -215,13 +222,12 @@ class ObjectivePolicy(StepPolicy):
         g = self._choices(ctx)
         if hit is None or hit[0] != state:
             if not len(g.rows):
-                return False
+                return None
             a = fb.aal(g.aal, g.depth) if fb else g.aal
             t = self._online_step(g.step_ms, g.verify_ms, g.verify_width) / (fb.machine if fb else 1.0)
             hit = (state, best_tree(a, t, 1.0)[1])  # the best tree's AAL per ms
             self._best_rate[key] = hit
-        best = hit[1] * (fb.width_factor(1) if fb else 1.0) * g.plain_ms  # the best tree's speed-up
-        return best < 1.0 - 1e-6 or not self._catch_up_pays(best * (1.0 + 1e-6), ctx)
+        return hit[1] * (fb.width_factor(1) if fb else 1.0) * g.plain_ms
 
     def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None,
                     scale: np.ndarray | None = None, extra_ms: float = 0.0) -> tuple[StepChoice, float]:
@@ -232,8 +238,18 @@ class ObjectivePolicy(StepPolicy):
         after). Where a plain step is allowed, a tree must also repay the drafter's catch-up
         (:meth:`_catch_up_pays`)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
-        if allow and d is None and scale is None and not extra_ms and not self._lookup and self._surely_plain(ctx):
-            return StepChoice(0, self.draft_widths[0]), 1.0
+        if allow and d is None and scale is None and not extra_ms:
+            if not self._lookup and self._surely_plain(ctx):
+                return StepChoice(0, self.draft_widths[0]), 1.0
+            if self._lookup:
+                # A drafted step of W_v nodes costs at least the lookup-only step of W_v (the same
+                # verify call and stages, plus the drafter's), so a merged tree is worth at most the
+                # better of its drafted tree and the lookup-only step: where every drafted tree
+                # loses to a plain step, the choice is plain or lookup-only, without pricing them.
+                best = self._best_tree_speedup(ctx)
+                if best is not None and best < 1.0 - 1e-6:
+                    self._lookup_s = self._lookup_best(ctx)[1]
+                    return StepChoice(0, self.draft_widths[0]), max(1.0, self._lookup_s)
         g = self._choices(ctx)
         fb = self.feedback
         aal = g.aal
