@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_objective import cost_model, policy, table
+from test_objective import cost_model, lookup_chain as chain, policy, table
 from yggtree.runtime.lookup import Proposal
 from yggtree.runtime.merge import merge_lookup, root_tree
 from yggtree.runtime.calibration import Calibration
@@ -29,17 +29,6 @@ def test_drafter_logq_inverts_the_map(p):
     q = math.exp(CAL.drafter_logq(p))
     assert 0 < q <= 1
     assert float(CAL.edge_prob(torch.tensor(q))) == pytest.approx(p, abs=1e-5)
-
-
-def chain(values: list[float]) -> Proposal:
-    """A lookup chain whose edges are accepted with ``values`` (tokens 10, 11, ...)."""
-    n = len(values)
-    path, v = [], 1.0
-    for p in values:
-        v *= p
-        path.append(v)
-    return Proposal(tuple(range(10, 10 + n)), tuple(range(n)), tuple(range(1, n + 1)), (1.0,) * n, tuple(values),
-                    tuple(path), 3)
 
 
 def brute_lookup_only(pol: ObjectivePolicy, prop: Proposal, ctx: int) -> float:

@@ -723,9 +723,8 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
             fast.start_request(), full.start_request()
             behind, remaining = rng.choice((0, 40, 400)), rng.choice((16, 64, 10_000))
         fast.see_catch_up(behind, remaining), full.see_catch_up(behind, remaining)
-        prop = lookup_chain([rng.uniform(0.0, 0.99) for _ in range(rng.randrange(1, 9))]) if rng.random() < 0.5 else None
-        for pol in (fast, full):
-            pol.see_lookup(prop if prop is not None else Proposal(), ctx)
+        prop = lookup_chain([rng.uniform(0.0, 0.99) for _ in range(rng.randrange(1, 9))]) if rng.random() < 0.5 else Proposal()
+        fast.see_lookup(prop, ctx), full.see_lookup(prop, ctx)
         a, b = fast.choose_draft(torch.zeros(8), ctx), full.choose_draft(torch.zeros(8), ctx)
         assert a == b, step
         assert fast.takes_lookup_only() == full.takes_lookup_only(), step

@@ -238,18 +238,22 @@ class ObjectivePolicy(StepPolicy):
         after). Where a plain step is allowed, a tree must also repay the drafter's catch-up
         (:meth:`_catch_up_pays`)."""
         allow = self.allow_plain if allow_plain is None else allow_plain
+        plain = StepChoice(0, self.draft_widths[0])
+        lookup_only = bool(self._lookup) and allow and d is None  # a lookup-only step (no drafter call)
+        if lookup_only:
+            self._lookup_s = self._lookup_best(ctx, extra_ms)[1]
         if allow and d is None and scale is None and not extra_ms:
-            if not self._lookup and self._surely_plain(ctx):
-                return StepChoice(0, self.draft_widths[0]), 1.0
-            if self._lookup:
+            if not self._lookup:
+                if self._surely_plain(ctx):
+                    return plain, 1.0
+            else:
                 # A drafted step of W_v nodes costs at least the lookup-only step of W_v (the same
                 # verify call and stages, plus the drafter's), so a merged tree is worth at most the
                 # better of its drafted tree and the lookup-only step: where every drafted tree
                 # loses to a plain step, the choice is plain or lookup-only, without pricing them.
                 best = self._best_tree_speedup(ctx)
                 if best is not None and best < 1.0 - 1e-6:
-                    self._lookup_s = self._lookup_best(ctx)[1]
-                    return StepChoice(0, self.draft_widths[0]), max(1.0, self._lookup_s)
+                    return plain, max(1.0, self._lookup_s)
         g = self._choices(ctx)
         fb = self.feedback
         aal = g.aal
@@ -264,9 +268,8 @@ class ObjectivePolicy(StepPolicy):
             aal = np.maximum(aal, per_width[g.width_index])
         step_on = self._online_step(g.step_ms, g.verify_ms, g.verify_width) + extra_ms
         i, s = best_tree(aal, step_on, plain_on, g.depth, d)
-        best, best_s = StepChoice(0, self.draft_widths[0]), 1.0 if allow else -1.0
-        if self._lookup and allow and d is None:  # a lookup-only step (no drafter call)
-            self._lookup_s = self._lookup_best(ctx, extra_ms)[1]
+        best, best_s = plain, 1.0 if allow else -1.0
+        if lookup_only:
             best_s = max(best_s, self._lookup_s)
         if i >= 0 and s > best_s and (not allow or self._catch_up_pays(s, ctx)):
             best, best_s = StepChoice(g.rows[i][0], g.rows[i][1]), s

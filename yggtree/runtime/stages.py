@@ -140,9 +140,8 @@ def plan_step(eng, req: Request, st: Step, clock: StageTimer) -> None:
             st.d, st.wd = refine(eng, req, st)
         with clock("draft"):  # EGT, D levels of W_d nodes: N = 1 + D W_d slots, token [N] int64
             st.tree = draft(eng, req, st, spec)
-    if len(st.prop) and not st.drafted and req.policy is not None and not req.policy.takes_lookup_only():
-        st.prop = Proposal()  # the policy priced a lookup-only step below a plain one: none is built
-    if len(st.prop):
+    # a lookup-only tree is built only where the policy priced it above a plain step
+    if len(st.prop) and (st.drafted or req.policy.takes_lookup_only()):
         with clock("lookup"):  # the lookup chains join the tree (lookup-only: hang from the root)
             logq = [req.policy.lookup_logq(p) for p in st.prop.edge]
             tree = st.tree if st.drafted else root_tree(st.root)
