@@ -162,6 +162,31 @@ def test_packages_of_library_only_blocks_compile_serial_loops():
     assert package_config(q.layers[0], serial_loops=True)["cpp.threads"] == 1
 
 
+def test_a_plan_compiles_serial_loops_where_the_library_runs_every_product_of_both_models(tmp_path):
+    """aoti.loops_serial: a plain plan of a library-only target, and a speculative one whose drafter's
+    products are the library's too; not where either model keeps a product on torch's kernels. The
+    manifest records the choice and a batch build reads it there (one source of truth)."""
+    import json
+
+    from helpers import tiny_model
+    from yggtree.offline.batch_build import _serial_loops
+    from yggtree.runtime.aoti import loops_serial
+    from yggtree.runtime.quant import quantize_linears
+
+    target, drafter = tiny_model(), tiny_model()
+    quantize_linears(target, "w4a8")
+    assert loops_serial(target, None) and not loops_serial(drafter, None)
+    assert not loops_serial(target, drafter)  # a float drafter's products run on torch's kernels
+    quantize_linears(drafter, "w4a8")
+    assert loops_serial(target, drafter) and not loops_serial(tiny_model(), drafter)
+    art = tmp_path / "plan"
+    (art / "graphs").mkdir(parents=True)
+    assert not _serial_loops(art / "graphs")  # no manifest: inductor's loops parallel
+    for serial in (True, False):
+        (art / "manifest.json").write_text(json.dumps({"serial_loops": serial}))
+        assert _serial_loops(art / "graphs") is serial
+
+
 def test_the_pool_is_chosen_when_it_wins_most_prompts():
     from yggtree.measure.loops_choice import decide
     from yggtree.runtime.build import loops_on_pool

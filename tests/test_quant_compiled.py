@@ -76,7 +76,7 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path, monkeypatc
     # int4@32 divides every input width; w4a8: head dim 16, which its attention kernel takes
     save_tiny_checkpoint(tmp_path / "model", intermediate=64, **({"heads": 2, "kv_heads": 1} if fmt == "w4a8" else {}))
     (tmp_path / "plan.yaml").write_text(TINY_PLAN.replace("name: tiny\n", f"name: tiny-q\nweights: {fmt}\n"))
-    monkeypatch.setenv("YGGTREE_LOOPS", "pool")  # a plain w4a8 plan would take the pool; not this one
+    monkeypatch.setenv("YGGTREE_LOOPS", "pool")  # where its loops are serial, the plan takes the pool
     torch.set_num_threads(2)  # the pool is for 2+ threads (the fixture restores the count)
     code, stdout = run_main([tmp_path / "plan.yaml", "--out", tmp_path / "compile"])
     assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["graphs"] == 4, stdout  # two widths, as blocks and whole
@@ -90,9 +90,13 @@ def test_compiled_plan_runs_quantized_packages_exactly(fmt, tmp_path, monkeypatc
             assert "aoti_torch_cpu_w4a8_mm(" in src and "proxy_executor_call_function" not in src, pt2
             assert "aoti_torch_cpu_rows_attention(" in src, pt2
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
-    # a speculative plan keeps OpenMP's loops and inductor's own parallel ones (aoti.library_loops_only)
+    # inductor's loops serial where the library runs every product, the self-drafter's too (aoti.loops_serial:
+    # w4a8; int4 where this machine's kernel choice is the tiled one), and then the loops where YGGTREE_LOOPS
+    # put them; elsewhere OpenMP's loops and inductor's own parallel ones
     manifest = json.loads((tmp_path / "compile" / "tiny-q" / "manifest.json").read_text())
-    assert "loops" not in manifest and not engine.cfg.loop_pool
+    serial = manifest["serial_loops"]
+    assert serial == (fmt == "w4a8" or manifest["packed_kernel"] == "tiled")
+    assert ("loops" in manifest) == serial and engine.cfg.loop_pool == serial
     assert isinstance(static_blocks(engine.target), PackageSet)
     assert step_packages(engine.target).runners.keys() == {(1, engine.n_slots), (2, engine.n_slots)}  # steps whole
     assert isinstance(engine.target.layers[0].mlp.down_proj, KINDS[fmt])

@@ -4,10 +4,11 @@ pool: a two-thread OpenMP region costs microseconds to start where the CPUs sit 
 a w4a8 step). Measured once per compile by ``yggtree compile`` and recorded in the manifest
 (``loops``), which ``build_plan_engine`` reads.
 
-Only for a plain plan (no drafter) whose every product runs on the library (``aoti.library_loops_only``:
-the w4a8 format, any format on the tiled kernel), whose packages are compiled with inductor's own loops serial so that the library's
-are the step's only parallel regions, and at 2+ threads. The compiled plan's plain
-decoding (as ``yggtree run --plan P --no-speculate`` runs it) decodes a few calibration chat prompts
+Only for a plan whose every product, the target's and its drafter's, runs on the library
+(``aoti.loops_serial``: the w4a8 format, any format on the tiled kernel), whose packages are compiled
+with inductor's own loops serial so that the library's are the step's only parallel regions, and at
+2+ threads. The compiled plan's plain decoding (as ``yggtree run --plan P --no-speculate`` runs it;
+a speculative plan's tree steps run the same packages and kernels) decodes a few calibration chat prompts
 (never evaluation prompts) with the loops on OpenMP and on the pool in turn, the order alternating by
 prompt, over a few rounds; the pool is chosen when its median per-prompt speed-up is above 1 and it
 was faster on more than half of the prompts. ``YGGTREE_LOOPS=openmp`` (or ``pool``) records that

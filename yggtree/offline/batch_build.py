@@ -53,18 +53,17 @@ def batch_packages(engine, max_batch: int, say=None) -> BatchPackages:
     say = say or (lambda line: sys.stderr.write(f"yggtree: {line}\n"))
     say(f"building the compiled graphs of {max_batch} requests at once ({len(shapes)} packages, "
         f"minutes; once for this plan, in {out})")
-    build(target, root, max_batch, engine.n_slots, shapes, _serial_loops(root, target))
+    build(target, root, max_batch, engine.n_slots, shapes, _serial_loops(root))
     return BatchPackages.load(out, target, shapes, max_batch, engine.n_slots)
 
 
-def _serial_loops(root: Path, target) -> bool:
-    """Whether the plan's packages were compiled with inductor's loops serial
-    (offline/compile_packages.py: a plain plan whose products all run on the kernel library)."""
-    from ..runtime.aoti import library_loops_only
+def _serial_loops(root: Path) -> bool:
+    """Whether the plan's packages were compiled with inductor's loops serial (their manifest's
+    ``serial_loops``, aoti.loops_serial): its batch packages are compiled alike, since the engine
+    runs the kernel library's loops where the plan's measurement put them (OpenMP or the pool)."""
     from ..runtime.artifacts import read_manifest
 
-    plan = (read_manifest(root.parent) or {}).get("plan") or {}
-    return plan.get("drafter") is None and library_loops_only(target)
+    return bool((read_manifest(root.parent) or {}).get("serial_loops"))
 
 
 def build_key(target, root: Path, max_batch: int, n_slots: int) -> dict:

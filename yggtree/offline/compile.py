@@ -179,6 +179,9 @@ def _manifest(plan: Plan, art: Path, prints: list[dict], min_rows: int, records:
         "attention_kernel": info.get("attention_kernel"),
         # inductor's CPU kernels are built for the thread count of the compiling process
         "threads": info["threads"],
+        # inductor's own loops serial (aoti.loops_serial): the kernel library's may run on its pool
+        # (``loops`` below), and a batch package built later for these is compiled alike
+        "serial_loops": bool(info.get("serial_loops")),
         "packed_min_rows": min_rows,  # compared with the plan's profile by check_artifacts
         "packed_kernel": plan_kernel(plan),  # likewise
         # the library's prefetch setting measured with the kernel (a record: no package holds it;

@@ -120,7 +120,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
 
     import torch
 
-    from ..runtime.aoti import compile_drafter_call_package, compile_package, compile_step_package, library_loops_only
+    from ..runtime.aoti import compile_drafter_call_package, compile_package, compile_step_package, loops_serial
     from ..runtime.build import EngineSpec, plan_slots
     from ..runtime.attention_choice import native_attention
     from ..runtime.prepare import prepare_models
@@ -138,9 +138,9 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
     # capturing the drafter's layers: the target's whole steps return them
     capture = tuple(drafter.target_layers) if drafter is not None else ()
     jobs = _package_jobs(plan, rec, target, drafter, capture, n_slots)
-    # a plain plan whose products all run on the kernel library: its packages' own loops serial, so
-    # that the library's may run on its pool (aoti.library_loops_only; measure/loops_choice.py measures it)
-    serial_loops = drafter is None and library_loops_only(target)
+    # inductor's own loops serial where the library runs every product (aoti.loops_serial; its loops may
+    # then run on its pool: measure/loops_choice.py measures it)
+    serial_loops = loops_serial(target, drafter.graphs.model if drafter is not None else None)
 
     def build(key: tuple[str, int, int], scope: str, path: Path) -> None:
         kind, w, c = key
@@ -149,7 +149,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
         elif scope == "step":
             compile_step_package(target, w, c, capture, path, serial_loops=serial_loops)
         else:
-            compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, path)
+            compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, path, serial_loops)
 
     secs, sums = _compile_packages(jobs, out, progress, task, build, workers)
     records = [*_block_records(plan, rec, uses, secs, sums)]

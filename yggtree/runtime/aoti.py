@@ -207,7 +207,7 @@ def package_config(block: nn.Module, serial_loops: bool = False) -> dict:
     packages' step bitwise in half precision too); and where it calls our kernel library (w4a8
     weights, tiled products) the kernels' C shims (a direct call; AOTInductor's proxy executor
     would box every call's arguments, a cost paid at every product); ``serial_loops``: inductor's own loops
-    serial (see :func:`library_loops_only`)."""
+    serial (see :func:`loops_serial`)."""
     from .kernels import aoti_shims
     from .w4a8 import W4A8Linear
 
@@ -221,14 +221,8 @@ def package_config(block: nn.Module, serial_loops: bool = False) -> dict:
 
 def library_loops_only(block: nn.Module) -> bool:
     """Whether every product of ``block`` runs on our kernel library: the w4a8 format, or the
-    tiled kernel's float, int8 and 4-bit layers. A plain plan (no drafter) of such a model is
-    compiled with inductor's own loops serial (a package's OpenMP regions have their thread count
-    compiled in), so that the library's loops may run on its thread pool (kernels.loop_pool), which
-    must not meet an OpenMP team: what inductor computes in its steps is elementwise and small
-    (the SiLU-mul of one row: serial, it costs a plain step nothing), the attention the
-    library's too (kernels.use_rows_attention). Not a speculative plan's: its drafter's calls and
-    the verify's vocabulary-wide work are large enough for inductor's own parallel loops, and
-    the pool gains a tree step nothing."""
+    tiled kernel's float, int8 and 4-bit layers (:func:`loops_serial` decides a plan's packages
+    from it)."""
     from .model import FUSED_PROJECTIONS
     from .packed import PackedConcat
     from .quant import Int4Linear, Int8Linear
@@ -241,6 +235,18 @@ def library_loops_only(block: nn.Module) -> bool:
     products = [m for m in mods if id(m) not in fused
                 and isinstance(m, (nn.Linear, PackedConcat, Int8Linear, Int4Linear, W4A8Linear))]
     return bool(products) and all(isinstance(m, W4A8Linear) or getattr(m, "kernel", None) == "tiled" for m in products)
+
+
+def loops_serial(target: nn.Module, drafter_model: nn.Module | None) -> bool:
+    """Whether a plan's packages are compiled with inductor's own loops serial (:func:`package_config`):
+    where every product of the target and of the drafter's model (None: a plain plan) runs on the
+    kernel library (:func:`library_loops_only`), so that the library's loops may run on its thread
+    pool (kernels.loop_pool), which must not meet an OpenMP team (a package's OpenMP regions have
+    their thread count compiled in). What inductor computes in such a step is elementwise and small:
+    the SiLU-mul, the norms and rotary embedding of a few rows, a drafter's top-k over its draft
+    vocabulary; serial, it costs a step nothing. Whether the pool then runs the loops is measured
+    per machine (measure/loops_choice.py). Pure."""
+    return library_loops_only(target) and (drafter_model is None or library_loops_only(drafter_model))
 
 
 def compile_package(block: nn.Module, example: tuple[torch.Tensor, ...], path: Path,
@@ -489,7 +495,8 @@ class _DrafterCallFn(nn.Module):
         return torch.func.functional_call(self.call, state, acts)
 
 
-def compile_drafter_call_package(drafter, kind: str, width: int, k: int, nodes: int, path: Path) -> Path:
+def compile_drafter_call_package(drafter, kind: str, width: int, k: int, nodes: int, path: Path,
+                                 serial_loops: bool = False) -> Path:
     """Export an EAGLE drafter's ``kind`` call (head: ``width`` pending rows; draft: W_d inputs)
     with top-``k`` over trees of up to ``nodes`` nodes and compile it into the AOTInductor package
     ``path``. The drafter must be set up and its blocks run their own forward."""
@@ -508,7 +515,7 @@ def compile_drafter_call_package(drafter, kind: str, width: int, k: int, nodes: 
     args = (*acts, drafter.node_feat[:nodes].clone(), *embed, *(b.self_attn.cache.kv.clone() for b in net.layers),
             *(t.detach() for _, t in model_tensors(net)))
     fn = _DrafterCallFn(net, drafter.call_fns[kind], kind, k)
-    return _export_and_package(fn, args, package_config(net.layers[0]), path)
+    return _export_and_package(fn, args, package_config(net.layers[0], serial_loops), path)
 
 
 class DrafterCalls:

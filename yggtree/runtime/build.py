@@ -266,7 +266,7 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
 def loops_on_pool(manifest: dict) -> bool:
     """Whether a plan's packages run the kernel library's loops on its pool: ``yggtree compile``
     measured it faster on this machine (the manifest's ``loops``), which it measures only where
-    every package's own loops are serial (aoti.library_loops_only)."""
+    every package's own loops are serial (aoti.loops_serial)."""
     return (manifest.get("loops") or {}).get("choice") == "pool"
 
 

@@ -221,7 +221,7 @@ def loop_pool(threads: int):
     calling thread at one OpenMP thread (restored after). A pool's worker spins between tasks, and
     a spinning OpenMP worker on the same core would take its time slices: use it only where the
     kernels' loops are the step's only parallel regions (packages compiled with inductor's loops
-    serial: aoti.library_loops_only). ``threads`` <= 1 changes nothing. Loads the library."""
+    serial: aoti.loops_serial). ``threads`` <= 1 changes nothing. Loads the library."""
     if threads <= 1:
         yield
         return
