@@ -149,7 +149,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
         elif scope == "step":
             compile_step_package(target, w, c, capture, path, serial_loops=serial_loops)
         else:
-            compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, path, serial_loops)
+            compile_drafter_call_package(drafter, scope, w, plan.top_k, plan.max_tree, path, serial_loops=serial_loops)
 
     secs, sums = _compile_packages(jobs, out, progress, task, build, workers)
     records = [*_block_records(plan, rec, uses, secs, sums)]

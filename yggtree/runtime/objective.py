@@ -242,18 +242,17 @@ class ObjectivePolicy(StepPolicy):
         lookup_only = bool(self._lookup) and allow and d is None  # a lookup-only step (no drafter call)
         if lookup_only:
             self._lookup_s = self._lookup_best(ctx, extra_ms)[1]
-        if allow and d is None and scale is None and not extra_ms:
-            if not self._lookup:
-                if self._surely_plain(ctx):
-                    return plain, 1.0
-            else:
-                # A drafted step of W_v nodes costs at least the lookup-only step of W_v (the same
-                # verify call and stages, plus the drafter's), so a merged tree is worth at most the
-                # better of its drafted tree and the lookup-only step: where every drafted tree
-                # loses to a plain step, the choice is plain or lookup-only, without pricing them.
-                best = self._best_tree_speedup(ctx)
-                if best is not None and best < 1.0 - 1e-6:
-                    return plain, max(1.0, self._lookup_s)
+        unpriced = allow and d is None and scale is None and not extra_ms  # the shortcuts' case
+        if unpriced and not self._lookup and self._surely_plain(ctx):
+            return plain, 1.0
+        # A drafted step of W_v nodes costs at least the lookup-only step of W_v (the same verify
+        # call and stages, plus the drafter's), so a merged tree is worth at most the better of its
+        # drafted tree and the lookup-only step: where every drafted tree loses to a plain step, the
+        # choice is plain or lookup-only, without pricing them.
+        if unpriced and self._lookup:
+            best = self._best_tree_speedup(ctx)
+            if best is not None and best < 1.0 - 1e-6:
+                return plain, max(1.0, self._lookup_s)
         g = self._choices(ctx)
         fb = self.feedback
         aal = g.aal
@@ -283,10 +282,9 @@ class ObjectivePolicy(StepPolicy):
     def takes_lookup_only(self) -> bool:
         """A plain step's lookup candidates become a tree only where ``choose_draft`` priced the
         best lookup-only step above a plain one (``_lookup_best``, from the candidates' path
-        values): where it did not, ``choose_verify`` on that tree chose W_v = 1 every time
-        (1089 of 1089 such steps, w4a8 machine plan, 20 + 20 held-out prompts), and building the
-        tree and pricing it again cost ~0.15 ms. Unpriced steps (a depth predictor, a fixed
-        depth) build it."""
+        values): where it did not, ``choose_verify`` on that tree chooses W_v = 1 (docs/objective.md
+        gives the measurement; a property test checks it), so building and pricing it is skipped.
+        Unpriced steps (a depth predictor, a fixed depth) build it."""
         return self._lookup_s > 1.0
 
     def lookup_logq(self, p: float) -> float:
