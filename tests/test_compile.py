@@ -261,11 +261,13 @@ def compiled_plain(tmp_path_factory):
     return root
 
 
-def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
-    """A plain plan's whole-step package computes the step its block packages do, bitwise: the
-    same logits, hidden state and cache writes (it ends before the final norm, which both paths
-    then run eagerly; fused in, the norm would reduce in another order). A speculative plan's
-    verify steps are whole too (test_bfloat16_whole_step... checks a two-node step)."""
+def test_whole_step_package_computes_the_block_packages_step(compiled, compiled_plain):
+    """A whole-step package computes the step its block packages do, bitwise: the same logits,
+    hidden state and cache writes (it ends before the final norm, which both paths then run
+    eagerly; fused in, the norm would reduce in another order). The self-drafted plan's one-row
+    blocks are built for its drafter; a plain plan builds no block package for a step a whole-step
+    package runs (only its prefill chunk's). A speculative plan's verify steps are whole too
+    (test_bfloat16_whole_step... checks a two-node step)."""
     import torch
 
     from yggtree.compiled import artifact_dir
@@ -273,10 +275,10 @@ def test_whole_step_package_computes_the_block_packages_step(compiled_plain):
     from yggtree.runtime.build import build_plan_engine
     from yggtree.runtime.engine import SamplingParams
 
-    root = compiled_plain
+    m = json.loads((compiled_plain / "compile" / "tiny" / MANIFEST).read_text())
+    assert [(g["scope"], g["width"]) for g in m["graphs"]] == [("block", 2), ("step", 1)]  # prefill chunk, step
+    root = compiled[0]
     plan = load_plan(root / "compile" / "tiny" / "plan.yaml")
-    m = json.loads((root / "compile" / "tiny" / MANIFEST).read_text())
-    assert [g["width"] for g in m["graphs"] if g["scope"] == "step"] == [1]
     engine, _ = build_plan_engine(plan, artifact_dir(plan))
     engine.generate(list(range(10, 23)), SamplingParams(max_new_tokens=4))  # a real cache
     model, graphs = engine.target, engine.graphs
@@ -348,33 +350,38 @@ def test_packages_of_a_variant_padding_are_refused(compiled, monkeypatch):
 def test_interrupted_compile_is_refused_then_rebuilt(compiled_plain, monkeypatch):
     """Chaos: a forced recompile stopped (Ctrl-C) while writing its second package leaves no
     manifest and a half-written package under a temporary name: a run refuses the directory in
-    one line, and --compile-missing rebuilds it whole. (The plain plan: two packages to rebuild.)"""
+    one line, and --compile-missing rebuilds it whole. (The plain plan: two packages to rebuild,
+    its whole one-row step first, then its prefill chunk's block.)"""
     import yggtree.runtime.aoti as aoti
     from yggtree.offline.compile import compile_plan
 
     root = compiled_plain
     plan_path = root / "plan.yaml"
     art = root / "compile" / "tiny"
-    real, calls = aoti.compile_package, []
+    real, real_step, calls = aoti.compile_package, aoti.compile_step_package, []
+
+    def step(model, width, context, capture, path, **kw):
+        calls.append(path.name)
+        return real_step(model, width, context, capture, path, **kw)
 
     def stopped(block, example, path, **kw):
         calls.append(path.name)
-        if len(calls) == 2:
-            path.write_bytes(b"half a package")
-            raise KeyboardInterrupt
-        return real(block, example, path, **kw)
+        path.write_bytes(b"half a package")
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(aoti, "compile_package", stopped)
+    monkeypatch.setattr(aoti, "compile_step_package", step)
     with pytest.raises(KeyboardInterrupt):
         compile_plan(load_plan(plan_path), root / "compile", force=True)
     monkeypatch.undo()
-    assert calls[1].startswith("partial-") and (art / CACHE_SUBDIR / calls[1]).exists()
+    assert len(calls) == 2 and calls[1].startswith("partial-") and (art / CACHE_SUBDIR / calls[1]).exists()
     assert not (art / MANIFEST).exists() and not list(art.glob("build-*"))
     with pytest.raises(YggError, match=r"not usable: no compiled artifacts: .*manifest.json is missing"):
         prepare_run(plan_path, compile_missing=False, compile_root=root / "compile")
     again = []
     monkeypatch.setattr(aoti, "compile_package", lambda block, example, path, **kw: again.append(path.name)
                         or real(block, example, path, **kw))
+    monkeypatch.setattr(aoti, "compile_step_package", lambda *a, **kw: again.append(a[4].name) or real_step(*a, **kw))
     plan = prepare_run(plan_path, compile_missing=True, compile_root=root / "compile")
     assert check_artifacts(plan, art) == []
     assert not list((art / CACHE_SUBDIR).glob("partial-*"))
@@ -472,7 +479,8 @@ def test_bfloat16_whole_step_rounds_as_its_blocks_and_speculation_is_exact(tmp_p
     for prompt in ([5, 9, 17, 3], list(range(20, 31)), [7] * 6):
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
     # the same step, whole and over the blocks, on the cache of the last request: a plain step,
-    # and a verify step of two nodes (a root and its child)
+    # and a verify step of two nodes (a root and its child; the self-drafter's plan builds their
+    # blocks for its drafter, which runs them)
     for engine, w in ((plain, 1), (spec, 2)):
         model, graphs = engine.target, engine.graphs
         whole, before = step_packages(model), model.kv.kv.clone()
@@ -494,8 +502,8 @@ def test_a_padding_not_invariant_here_is_raised_in_the_packages(tmp_path, monkey
     """A speculative plan whose padding (forced, measured, or another machine's profile) is not
     batch-invariant on this CPU: the compile raises it as the engine will (prepare.invariant_padding;
     standing in here for a CPU whose one-row product rounds otherwise), the packages hold the
-    raised padding, the manifest says from what, the artifacts stay current, and the engine runs
-    them (plain decoding's tokens)."""
+    raised padding (the self-drafter's too), the manifest says from what, the artifacts stay
+    current, and the engine runs them (plain decoding's tokens)."""
     import yggtree.runtime.prepare as prepare
     from yggtree.compiled import artifact_dir
     from yggtree.runtime.build import build_plan_engine
@@ -515,6 +523,10 @@ def test_a_padding_not_invariant_here_is_raised_in_the_packages(tmp_path, monkey
     art = tmp_path / "compile" / "tiny"
     m = json.loads((art / MANIFEST).read_text())
     assert (m["packed_min_rows"], m["packed_min_rows_raised_from"]) == (2, 1)
+    # the self-drafter's products at the raised padding too, as the engine packs them: its blocks
+    # run the target's packages (the one-row one included, which only the drafter calls)
+    blocks = [(g["model"], g["width"], g["key"], g["cache"]) for g in m["graphs"] if g["scope"] == "block"]
+    assert len({key for _, _, key, _ in blocks}) == 1 and ("drafter", 1) in {b[:2] for b in blocks}
     plan = load_plan(tmp_path / "plan.yaml")
     assert check_artifacts(plan, art) == []
     spec, _ = build_plan_engine(plan, artifact_dir(plan, tmp_path / "compile"))

@@ -89,19 +89,55 @@ def test_the_build_has_the_steps_first_then_the_drafter_calls_then_the_blocks(mo
 
     monkeypatch.setattr(aoti, "step_key", lambda target, capture: "step")
     monkeypatch.setattr(aoti, "drafter_call_key", lambda drafter, kind, k, nodes: kind)
-    plan = types.SimpleNamespace(top_k=4, max_tree=13, draft_widths=(1, 2), step_widths=(1, 4))
+    plan = types.SimpleNamespace(top_k=4, max_tree=13, draft_widths=(1, 2), step_widths=(1, 4), prefill_chunk=64,
+                                 speculative=True, stages="sequential")
     rec = types.SimpleNamespace(examples={("blk", 1, 256): None, ("blk", 64, 512): None})
+    uses = [("target", "prefill", ("blk", 64, 512)), ("drafter", "warm-up", ("blk", 1, 256))]
     drafter = types.SimpleNamespace(calls=None, head_widths=(1, 2, 7))
     target = tiny_model()
     target.setup_cache(1, 512)
     calls = [("head", 1, 512), ("head", 2, 512), ("head", 7, 512), ("draft", 1, 512), ("draft", 2, 512)]
-    jobs = _package_jobs(plan, rec, target, drafter, (29,), 512)
+    jobs, kept = _package_jobs(plan, rec, uses, target, drafter, (29,), 512)
     steps = [("step", w, c) for w in (1, 4) for c in (256, 512)]
-    assert list(jobs) == [*steps, *calls, *rec.examples]
-    assert set(jobs.values()) == {"step", "head", "draft", "block"} and jobs[("blk", 1, 256)] == "block"
+    # the drafter's one-row block: its head and draft calls of one row run their whole-call packages
+    assert list(jobs) == [*steps, *calls, ("blk", 64, 512)] and kept == uses[:1]
+    assert set(jobs.values()) == {"step", "head", "draft", "block"} and jobs[("blk", 64, 512)] == "block"
     # steps whose attention runs row by row on the kernel library: the whole cache alone
     for m in target.modules():
         if hasattr(m, "native_rows"):
             m.native_rows, m.invariant_rows = "rows", 63
-    jobs = _package_jobs(plan, rec, target, drafter, (29,), 512)
-    assert list(jobs) == [("step", 1, 512), ("step", 4, 512), *calls, *rec.examples]
+    jobs, _ = _package_jobs(plan, rec, uses, target, drafter, (29,), 512)
+    assert list(jobs) == [("step", 1, 512), ("step", 4, 512), *calls, ("blk", 64, 512)]
+
+
+def test_a_block_package_is_built_only_where_a_run_calls_the_block():
+    """A target's tree step that a whole-step package runs and an EAGLE drafter's call that a
+    whole-call package runs need no block package: the prefill chunk always does, and so does
+    every shape a use without a whole package shares (a self-drafter's steps; a draft width
+    whose call has no package)."""
+    import types
+
+    from yggtree.offline.compile_packages import _block_uses
+    from yggtree.runtime.eagle import block_widths
+
+    assert block_widths([1, 2, 64], (1, 2, 4, 7), 64, set()) == [1, 2, 4, 7, 64]
+    served = {("head", 1), ("head", 2), ("head", 4), ("head", 7), ("draft", 1), ("draft", 2)}
+    assert block_widths([1, 2, 64], (1, 2, 4, 7), 64, served) == [64]
+    # a width both a head and a draft call: served only when both calls are
+    assert block_widths([1, 2, 64], (1, 2, 4, 7), 64, served - {("draft", 2)}) == [2, 64]
+    assert block_widths([1, 8, 64], (1, 2, 4, 7), 64, served) == [8, 64]  # an ahead call's width
+    assert block_widths([1, 64], (1, 64), 64, {("head", 64)}) == [1, 64]  # the chunk: its prefill
+
+    plan = types.SimpleNamespace(draft_widths=(1, 2), prefill_chunk=64, speculative=True, stages="sequential")
+    jobs = {("s", 1, 512): "step", ("s", 4, 512): "step", **{("h", w, 512): "head" for w in (1, 2, 4, 7)},
+            **{("d", w, 512): "draft" for w in (1, 2)}}
+    uses = [("target", "plain", ("b", 1, 512)), ("target", "verify", ("b", 4, 512)),
+            ("target", "verify", ("b", 4, 256)),  # a bucket with no whole step
+            ("target", "prefill", ("b", 64, 256)), ("target", "prefill+verify", ("b", 4, 512)),
+            ("drafter", "prefill+head", ("b", 64, 512)), ("drafter", "head+draft", ("b", 2, 512)),
+            ("drafter", "head", ("b", 7, 512))]
+    eagle = types.SimpleNamespace(head_widths=(1, 2, 4, 7))
+    assert _block_uses(plan, uses, jobs, eagle) == [uses[2], uses[3], uses[4], uses[5]]
+    # without whole-call packages (a self-drafter, a standalone LM) every drafter use runs its blocks
+    no_calls = {k: v for k, v in jobs.items() if v == "step"}
+    assert _block_uses(plan, uses, no_calls, eagle) == [uses[2], uses[3], uses[4], *uses[5:]]

@@ -137,7 +137,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
     rec, uses = _record_shapes(plan, target, drafter, n_slots)
     # capturing the drafter's layers: the target's whole steps return them
     capture = tuple(drafter.target_layers) if drafter is not None else ()
-    jobs = _package_jobs(plan, rec, target, drafter, capture, n_slots)
+    jobs, uses = _package_jobs(plan, rec, uses, target, drafter, capture, n_slots)
     # inductor's own loops serial where the library runs every product (aoti.loops_serial; its loops may
     # then run on its pool: measure/loops_choice.py measures it)
     serial_loops = loops_serial(target, drafter.graphs.model if drafter is not None else None)
@@ -218,15 +218,16 @@ def _roles_drafter(plan: Plan, w: int, heads: tuple[int, ...]) -> str:
     return "+".join(roles) or "warm-up"
 
 
-def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_slots: int
-                  ) -> dict[tuple[str, int, int], str]:
-    """Every package of the build, (key, W, C) -> its scope, in build order, the longest first
-    (packages build side by side as cores free up, so the long ones started last would leave
-    cores idle at the end): the target's whole tree steps (runtime.aoti, "Step packages": every
-    step width at every context bucket it runs at and fits, graphs.call_buckets: all layers
-    each), an EAGLE drafter's head and draft calls (runtime.aoti, "Drafter-call packages", for
-    the plan's top-k and largest tree: one decoder layer each, and a drafted step's calls run ~3x
-    slower op by op around block packages), and a block package per recorded shape."""
+def _package_jobs(plan: Plan, rec, uses: list, target, drafter, capture: tuple[int, ...], n_slots: int
+                  ) -> tuple[dict[tuple[str, int, int], str], list]:
+    """``(jobs, uses)``: every package of the build, (key, W, C) -> its scope, in build order, the
+    longest first (packages build side by side as cores free up, so the long ones started last
+    would leave cores idle at the end): the target's whole tree steps (runtime.aoti, "Step
+    packages": every step width at every context bucket it runs at and fits, graphs.call_buckets:
+    all layers each), an EAGLE drafter's head and draft calls (runtime.aoti, "Drafter-call
+    packages", for the plan's top-k and largest tree: one decoder layer each, and a drafted step's
+    calls run ~3x slower op by op around block packages), and a block package per recorded shape
+    that a run calls (:func:`_block_uses`); and the recorded ``uses`` of those shapes."""
     from ..runtime.aoti import drafter_call_key, step_key
     from ..runtime.graphs import call_buckets
 
@@ -235,7 +236,26 @@ def _package_jobs(plan: Plan, rec, target, drafter, capture: tuple[int, ...], n_
     if hasattr(drafter, "calls"):
         jobs |= {(drafter_call_key(drafter, kind, plan.top_k, plan.max_tree), w, n_slots): kind
                  for kind, ws in (("head", drafter.head_widths), ("draft", plan.draft_widths)) for w in ws}
-    return jobs | {key: "block" for key in rec.examples}
+    needed = {key for _, _, key in _block_uses(plan, uses, jobs, drafter)}
+    return (jobs | {key: "block" for key in rec.examples if key in needed},
+            [use for use in uses if use[2] in needed])
+
+
+def _block_uses(plan: Plan, uses: list, jobs: dict, drafter) -> list:
+    """The recorded block uses a run makes (pure): a target's tree step that a whole-step package
+    runs (runtime.graphs.Graphs.tree_step; never the prefill chunk) and a drafter's call that a
+    whole-call package runs (runtime.eagle.block_widths) call no block package, so none is built
+    for them (the runtime's warm-up skips them alike)."""
+    from ..runtime.build import drafter_widths
+    from ..runtime.eagle import block_widths
+
+    steps = {(w, c) for (_, w, c), scope in jobs.items() if scope == "step"}
+    calls = {(scope, w) for (_, w, _), scope in jobs.items() if scope in ("head", "draft")}
+    heads = getattr(drafter, "head_widths", (1,))
+    drafted = set(block_widths([*drafter_widths(plan), plan.prefill_chunk], heads, plan.prefill_chunk, calls))
+    return [(model, roles, key) for model, roles, key in uses
+            if (model == "target" and ("prefill" in roles.split("+") or key[1:] not in steps))
+            or (model == "drafter" and key[1] in drafted)]
 
 
 def _compile_packages(jobs: dict[tuple[str, int, int], str], out: Path, progress, task,

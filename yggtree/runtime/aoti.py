@@ -539,6 +539,11 @@ class DrafterCalls:
                                   if kk == key and c == net.cache_slots}
         self._store, self._nodes, self._inputs = net.kv, d.node_feat, _drafter_state(net)
 
+    def served(self) -> set[tuple[str, int]]:
+        """The (kind, W) calls a package runs (at the plan's top-k and trees up to ``nodes``)."""
+        self._refresh()
+        return set(self._runners)
+
     def runner(self, kind: str, width: int, k: int, tree: int = 1):
         """A function ``(activations, node_feat) -> (ids, logp)`` running the package of this
         call (``tree``: the draft call's tree nodes, its ancestor rows' width), or None (no

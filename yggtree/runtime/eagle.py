@@ -206,6 +206,20 @@ def head_widths(max_depth: int) -> tuple[int, ...]:
     return tuple(sorted({w for w in (1, 2, 4) if w <= max_depth} | {max_depth + 1}))
 
 
+def block_widths(widths, heads, chunk: int, served) -> list[int]:
+    """The widths among ``widths`` (the prefill ``chunk`` and the draft calls') and ``heads`` (the
+    head calls') whose calls run the drafter's block graphs (pure): the prefill chunk, and every
+    head or draft width whose call has no whole-call package (``served``: the (kind, W) pairs that
+    have one). ``yggtree compile`` builds block packages for these widths only, and the warm-up
+    calls only these."""
+    need = set()
+    for w in set(widths) | set(heads):
+        roles = ({"head"} if w in heads else set()) | ({"draft"} if w in widths and w != chunk else set())
+        if w == chunk or any((r, w) not in served for r in roles):
+            need.add(w)
+    return sorted(need)
+
+
 def head_call(
     net: EagleNet,
     root: torch.Tensor,  # [] int64 the root token t_L
@@ -368,9 +382,10 @@ class EagleDrafter:
         self.warm_up([*widths, prefill_chunk], threads)
 
     def warm_up(self, widths: list[int], threads: int | None = None) -> None:
-        """Build the block graphs of ``widths`` and of the head (``D_max + 1``) at ``threads``
-        intra-op threads (None: the calling thread's count), each with one call into the
-        scratch slot."""
+        """Build the block graphs of ``widths`` and of the head calls (:attr:`head_widths`) at
+        ``threads`` intra-op threads (None: the calling thread's count), each with one call into
+        the scratch slot; a width whose calls all run whole-call packages (:func:`block_widths`)
+        needs none."""
         if self.chunk == 0:
             raise YggError("EagleDrafter.setup() must be called before warm_up()")
         dev, s = self._state_dev, self.net.cache_slots
@@ -383,7 +398,8 @@ class EagleDrafter:
             mask = (torch.arange(s, device=dev)[None, :] == s - 1).repeat(w, 1)
             self.net(ar, feat, ar, scratch, mask)
 
-        self.graphs.build(sorted(set(widths) | set(self.head_widths)), run, threads)
+        served = self.calls.served() if self.calls is not None else set()
+        self.graphs.build(block_widths(widths, self.head_widths, self.chunk, served), run, threads)
 
     def prefill(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int = 0) -> None:
         """Pairs (t_{i+1}, f_i), i = 0..n-2, at slots 1..n-1 in chunks of ``C``; f_{n-1} pends.

@@ -226,7 +226,9 @@ class Graphs:
             self.built.setdefault(("step", 0), set()).update(widths)
             return
         if isinstance(static_blocks(self.model), PackageSet):  # loaded packages: check only
-            self.build(widths, lambda w: self._require_packages([w]), threads)
+            whole = step_packages(self.model)
+            served = set(whole.runners) if whole is not None else set()  # (W, C) a whole-step package runs
+            self.build(widths, lambda w: self._require_packages([w], set() if w == prefill else served), threads)
             return
         dev = self.model.embed_tokens.weight.device
         zero = torch.zeros((), dtype=torch.int64, device=dev)
@@ -248,8 +250,10 @@ class Graphs:
         if prefill is not None and step_scope:
             self.build([prefill], chunk, threads, kind="prefill")
 
-    def _require_packages(self, widths: list[int]) -> None:
-        """YggError unless every (width, bucket) of ``widths`` has a loaded package."""
+    def _require_packages(self, widths: list[int], served: set[tuple[int, int]] = frozenset()) -> None:
+        """YggError unless every (width, bucket) of ``widths`` has a loaded block package or is
+        in ``served`` (the tree steps a whole-step package runs: no block package is built for
+        them)."""
         packages = static_blocks(self.model)
         if self.model.cache_slots != packages.n_slots:
             raise YggError(
@@ -260,7 +264,7 @@ class Graphs:
         have = sorted({w for w, _ in runners})
         for w in widths:
             for c in self.buckets(w):
-                if c >= w and (w, c) not in runners:
+                if c >= w and (w, c) not in runners and (w, c) not in served:
                     raise YggError(
                         f"width {w} is not in the compiled set {have} (context {c}); add it to "
                         "the plan and recompile (yggtree compile --force if the plan lists it)"

@@ -64,10 +64,15 @@ def prepare_models(spec, tokenizer: bool = True) -> Prepared:
         pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter, spec.kernel)
     else:
         quantize_models(target, drafter, spec.weights, src, spec.drafter, spec.kernel)
-    from .packed import min_rows_of
+    from .packed import min_rows_of, packed_layers
 
     verifies = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
     rows = engine_padding(spec, target) if verifies else min_rows_of(target)
+    if drafter is not None and rows is not None and min_rows_of(drafter.graphs.model) not in (None, rows):
+        # the drafter's products at the target's padding, as pack_models pads both in an engine
+        # built with it (a compiled plan's: its packages hold the padding, their keys name it)
+        for layer in packed_layers(drafter.graphs.model):
+            layer.min_rows = rows
     set_invariant_rows(target, attention_rows(spec.prefill_chunk))
     if drafter is not None:
         drafter_rows(drafter.graphs.model, spec.prefill_chunk)
