@@ -11,6 +11,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from helpers import need_kernel_library
@@ -198,6 +200,22 @@ def test_the_pool_is_chosen_when_it_wins_most_prompts():
     assert stats["pairs"] == 2 and stats["won"] == 0.5 and choice == "openmp"
     assert loops_on_pool({"loops": {"choice": "pool"}}) and not loops_on_pool({"loops": {"choice": "openmp"}})
     assert not loops_on_pool({})  # a manifest from before the measurement: OpenMP
+
+
+@given(st.lists(st.tuples(st.sampled_from([3.0, 4.0, 5.0]), st.sampled_from([3.0, 4.0, 5.0])), min_size=1,
+                max_size=18))
+def test_the_measurement_stops_only_where_the_rest_cannot_change_the_choice(pairs):
+    """Wherever ``settled`` stops the measurement after a prefix of the pairs, every completion
+    decides as the prefix says (the pool having won more than half of them, or not)."""
+    from yggtree.measure.loops_choice import decide, settled
+
+    n = len(pairs)
+    for k in range(n + 1):
+        if settled(pairs[:k], n):
+            won = sum(a > b for a, b in pairs[:k])
+            assert decide(pairs)[0] == ("pool" if 2 * won > n else "openmp")
+    assert settled(pairs, n)  # all pairs in: settled
+    assert not settled([], 2) and settled([(4.0, 3.0), (4.0, 3.0)], 3) and settled([(3.0, 4.0)], 2)
 
 
 def spy_on(monkeypatch, name: str) -> list:

@@ -10,8 +10,9 @@ with inductor's own loops serial so that the library's are the step's only paral
 2+ threads. The compiled plan's plain decoding (as ``yggtree run --plan P --no-speculate`` runs it;
 a speculative plan's tree steps run the same packages and kernels) decodes a few calibration chat prompts
 (never evaluation prompts) with the loops on OpenMP and on the pool in turn, the order alternating by
-prompt, over a few rounds; the pool is chosen when its median per-prompt speed-up is above 1 and it
-was faster on more than half of the prompts. ``YGGTREE_LOOPS=openmp`` (or ``pool``) records that
+prompt, over a few rounds (ended as soon as the remaining pairs cannot change the choice); the pool is
+chosen when its median per-prompt speed-up is above 1 and it was faster on more than half of the
+prompts. ``YGGTREE_LOOPS=openmp`` (or ``pool``) records that
 choice without measuring; ``auto``, the default, measures.
 """
 
@@ -37,6 +38,15 @@ def decide(pairs: list[tuple[float, float]]) -> tuple[str, dict]:
     stats = {"speedup": statistics.median(ratios), "won": sum(r > 1 for r in ratios) / len(ratios),
              "pairs": len(ratios)}
     return ("pool" if stats["speedup"] > 1 and stats["won"] > 0.5 else "openmp"), stats
+
+
+def settled(pairs: list[tuple[float, float]], total: int) -> bool:
+    """Whether :func:`decide` over ``total`` pairs is already known from the first ``pairs``
+    (pure): the pool won more than half of ``total`` (then more than half of the ratios are above 1,
+    and so is their median), or lost at least half (it cannot win more than half). The
+    measurement stops there: what it decides is what all ``total`` pairs would."""
+    won = sum(a / b > 1 for a, b in pairs)
+    return 2 * won > total or 2 * (len(pairs) - won) >= total
 
 
 def forced() -> str | None:
@@ -66,15 +76,16 @@ def measure_compiled(plan, art: str | Path, say=None) -> dict:
 
     try:
         run(prompts[0], False), run(prompts[0], True)  # warm-up
-        pairs = []
-        for rnd in range(ROUNDS):
-            for i, ids in enumerate(prompts[1:]):
-                if (i + rnd) % 2:
-                    b = run(ids, True); a = run(ids, False)
-                else:
-                    a = run(ids, False); b = run(ids, True)
-                if a is not None and b is not None:
-                    pairs.append((a, b))
+        pairs, order = [], [(rnd, i, ids) for rnd in range(ROUNDS) for i, ids in enumerate(prompts[1:])]
+        for n, (rnd, i, ids) in enumerate(order):
+            if settled(pairs, len(pairs) + len(order) - n):  # the rest cannot change the choice
+                break
+            if (i + rnd) % 2:
+                b = run(ids, True); a = run(ids, False)
+            else:
+                a = run(ids, False); b = run(ids, True)
+            if a is not None and b is not None:
+                pairs.append((a, b))
     finally:
         engine.cfg = base
     if not pairs:
