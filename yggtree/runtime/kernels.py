@@ -47,10 +47,12 @@ from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: 
 __all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "load_library", "aoti_shims", "runs_attention",
            "use_rows_attention", "loop_pool", "prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
+# the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
+# then ops.cpp, the one source that parses torch's headers (csrc/kernels.h)
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
-                for n in ("w4a8.cpp", "rows_attention.cpp", "tiled_mm.cpp", "loops.cpp", "prefetch.cpp"))
+                for n in ("rows_attention.cpp", "ops.cpp", "tiled_mm.cpp", "w4a8.cpp", "loops.cpp", "prefetch.cpp"))
 # included by the sources: part of the build's key
-HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("loops.h", "prefetch.h", "simd.h"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("kernels.h", "loops.h", "prefetch.h", "simd.h"))
 # the attention kernels' head dims (csrc/rows_attention.cpp): each is compiled as its own set of
 # functions (a few seconds of the build each); a model of another head dim runs torch's attention
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)

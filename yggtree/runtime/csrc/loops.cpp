@@ -15,12 +15,13 @@
 // off leaves the other's loops serial: correct, slower.
 #include "loops.h"
 
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sys/syscall.h>
-#include <torch/library.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -133,7 +134,7 @@ std::shared_ptr<Pool> in_use() { return std::atomic_load_explicit(&current, std:
 
 // loop_pool(n): the loops on a pool of n threads (the caller and n - 1 workers); n <= 1: on OpenMP. Returns the
 // previous setting (0: OpenMP), so a caller can restore it.
-int64_t loop_pool(int64_t n) {
+int64_t set_pool(int64_t n) {
   // a forked child has none of the pool's workers: it forgets the pool without joining them (leaked, not
   // destroyed) and its loops run on OpenMP
   static std::once_flag at_fork;
@@ -159,6 +160,8 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const Body& body) {
   if (!pool->run(begin, end, grain, body)) body(begin, end);
 }
 
+int64_t loop_pool(int64_t n) { return set_pool(n); }
+
 int64_t pool_threads() {
   auto pool = in_use();
   return pool ? pool->threads() : 0;
@@ -166,4 +169,3 @@ int64_t pool_threads() {
 
 }  // namespace yggtree
 
-TORCH_LIBRARY_FRAGMENT(yggtree, lib) { lib.def("loop_pool(int threads) -> int", &yggtree::loop_pool); }

@@ -11,5 +11,6 @@ namespace yggtree {
 struct Prefetch {
   int64_t near, far;  // bytes ahead; far 0: no second-level prefetch
 };
-Prefetch prefetch_distances();  // read once per product
+Prefetch prefetch_distances();            // read once per product
+void set_prefetch_distances(Prefetch to);  // from now on
 }  // namespace yggtree

@@ -21,13 +21,8 @@
 //
 // yggtree::tree_attention (below): the same op, the same bits, with the rows of a call sharing one pass
 // over each KV head's cache instead of one pass each.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
+#include "kernels.h"
 #include "loops.h"
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/inductor/aoti_torch/utils.h>
-#include <torch/library.h>
 #include "simd.h"
 #include <algorithm>
 #include <array>
@@ -39,6 +34,8 @@
 namespace {
 
 using namespace yggtree::simd;
+using yggtree::BF16;
+using yggtree::F16;
 
 // e^x for LANES floats <= 0 (the scores minus their maximum): 2^n e^r with n = round(x log2 e) and
 // r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf polynomial; below -104 the result is 0.
@@ -69,10 +66,10 @@ inline float sum_of(const float* x, int64_t n) {
 // LANES values of q, K or V as float32, and LANES results stored in the model's dtype: bfloat16 is the
 // high half of a float32; the store rounds to nearest even, as a tensor's .to(torch.bfloat16)
 inline F load16(const float* p) { return load(p); }
-inline F load16(const at::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
-inline F load16(const at::Half* p) { return load_half(p); }
+inline F load16(const BF16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
+inline F load16(const F16* p) { return load_half(p); }
 inline void store16(float* p, F v) { store(p, v); }
-inline void store16(at::BFloat16* p, F v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
+inline void store16(BF16* p, F v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
 
 // The head dims D = 16 ND the kernels are compiled for (-DYGGTREE_HEAD_CHUNKS from runtime/kernels.py's
 // HEAD_DIMS, which also sends other dims to torch's attention): each holds a head's queries in registers
@@ -181,19 +178,16 @@ constexpr std::array<std::array<GroupFn<E, K>, MAX_GROUP>, sizeof...(ND)> all_fn
 }
 
 template <typename E, typename K>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head, const at::Tensor& window,
-         at::Tensor& out) {
-  const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t C = k.size(1), Hkv = k.size(2), T = window.size(2), G = H / Hkv;
+void run(const yggtree::AttentionCall& a) {
+  const int64_t B = a.B, W = a.W, H = a.H, D = a.D, C = a.C, Hkv = a.Hkv, T = a.T, G = H / Hkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const E* qp = q.data_ptr<E>();
-  const K* kp = k.data_ptr<K>();
-  const K* vp = v.data_ptr<K>();
-  const bool* hp = head.data_ptr<bool>();
-  const int64_t* wp = window.data_ptr<int64_t>();
-  E* op = out.data_ptr<E>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const E* qp = static_cast<const E*>(a.q);
+  const K* kp = static_cast<const K*>(a.k);
+  const K* vp = static_cast<const K*>(a.v);
+  const bool* hp = a.head;
+  const int64_t* wp = a.window;
+  E* op = static_cast<E*>(a.out);
+  const int64_t ks0 = a.ks0, ks1 = a.ks1, ks2 = a.ks2, vs0 = a.vs0, vs1 = a.vs1, vs2 = a.vs2;
   static constexpr auto fns = all_fns<E, K>(HeadChunks{});
   const auto& by_group = fns[chunk_index(D)];
   // Work items in (batch, KV head, row, query head of the group) order: a thread's share holds
@@ -363,19 +357,16 @@ struct TreeScratch {
 };
 
 template <typename E, typename K>
-void run_tree(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head,
-              const at::Tensor& window, at::Tensor& out) {
-  const int64_t B = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t C = k.size(1), Hkv = k.size(2), T = window.size(2), G = H / Hkv;
+void run_tree(const yggtree::AttentionCall& a) {
+  const int64_t B = a.B, W = a.W, H = a.H, D = a.D, C = a.C, Hkv = a.Hkv, T = a.T, G = H / Hkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const E* qp = q.data_ptr<E>();
-  const K* kp = k.data_ptr<K>();
-  const K* vp = v.data_ptr<K>();
-  const bool* hp = head.data_ptr<bool>();
-  const int64_t* wp = window.data_ptr<int64_t>();
-  E* op = out.data_ptr<E>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const E* qp = static_cast<const E*>(a.q);
+  const K* kp = static_cast<const K*>(a.k);
+  const K* vp = static_cast<const K*>(a.v);
+  const bool* hp = a.head;
+  const int64_t* wp = a.window;
+  E* op = static_cast<E*>(a.out);
+  const int64_t ks0 = a.ks0, ks1 = a.ks1, ks2 = a.ks2, vs0 = a.vs0, vs1 = a.vs1, vs2 = a.vs2;
   static constexpr auto groups = all_fns<E, K>(HeadChunks{});
   static constexpr auto scores = score_fns(HeadChunks{});
   static constexpr std::array<std::array<WeighFn<K>, MAX_BLOCK>, 3> weighs = {
@@ -490,80 +481,21 @@ void run_tree(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   });
 }
 
-// Both ops' checks, then the kernel for the dtypes
-at::Tensor attention(const char* op, bool tree, const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& head_in, const at::Tensor& window_in) {
-  const auto dt = q_in.scalar_type();
-  TORCH_CHECK(q_in.dim() == 4 && (dt == at::kFloat || dt == at::kBFloat16), op,
-              ": q must be [B, W, H, D] float32 or bfloat16");
-  const auto kt = k.scalar_type();
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && v.scalar_type() == kt && k.stride(3) == 1 && v.stride(3) == 1 &&
-              (kt == dt || (dt == at::kFloat && (kt == at::kHalf || kt == at::kBFloat16))),
-              op, ": k and v must be [B, C, Hkv, D], D contiguous, in q's dtype (or 16-bit under float32 q)");
-  const int64_t B = q_in.size(0), W = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
-  const int64_t C = k.size(1), Hkv = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0, op, ": q and k/v shapes differ");
-  TORCH_CHECK(chunk_index(D) >= 0, op, ": the library has no kernel for head dim ", D);
-  TORCH_CHECK(head_in.scalar_type() == at::kBool && head_in.dim() == 3 && head_in.size(0) == B && head_in.size(1) == W &&
-              head_in.size(2) == C, op, ": head must be [B, W, C] bool");
-  TORCH_CHECK(window_in.scalar_type() == at::kLong && window_in.dim() == 3 && window_in.size(0) == B &&
-              window_in.size(1) == W, op, ": window must be [B, W, T] int64");
-  const at::Tensor q = q_in.contiguous(), head = head_in.contiguous(), window = window_in.contiguous();
-  auto out = at::empty({B, W, H * D}, q.options());
-  tree = tree && W > 1;  // one row has nothing to share: rows_attention's loop (the same bits) costs less
-  if (dt == at::kBFloat16)
-    (tree ? run_tree<at::BFloat16, at::BFloat16> : run<at::BFloat16, at::BFloat16>)(q, k, v, head, window, out);
-  else if (kt == at::kHalf)
-    (tree ? run_tree<float, at::Half> : run<float, at::Half>)(q, k, v, head, window, out);
-  else if (kt == at::kBFloat16)
-    (tree ? run_tree<float, at::BFloat16> : run<float, at::BFloat16>)(q, k, v, head, window, out);
-  else
-    (tree ? run_tree<float, float> : run<float, float>)(q, k, v, head, window, out);
-  return out;
-}
-
-at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head,
-                          const at::Tensor& window) {
-  return attention("rows_attention", false, q, k, v, head, window);
-}
-
-at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head,
-                          const at::Tensor& window) {
-  return attention("tree_attention", true, q, k, v, head, window);
-}
-
 }  // namespace
 
-// The ops' C shims, for AOTInductor packages (see aoti_torch_cpu_w4a8_mm in w4a8.cpp)
-template <at::Tensor (*Op)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
-AOTITorchError shim(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle head,
-                    AtenTensorHandle window, AtenTensorHandle* ret0) {
-  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor out = Op(*tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k),
-                        *tensor_handle_to_tensor_pointer(v), *tensor_handle_to_tensor_pointer(head),
-                        *tensor_handle_to_tensor_pointer(window));
-    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
-  });
-}
+bool yggtree::attention_head_dim(int64_t D) { return chunk_index(D) >= 0; }
 
-extern "C" AOTITorchError aoti_torch_cpu_rows_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
-                                                        AtenTensorHandle head, AtenTensorHandle window,
-                                                        AtenTensorHandle* ret0) {
-  return shim<rows_attention>(q, k, v, head, window, ret0);
-}
-
-extern "C" AOTITorchError aoti_torch_cpu_tree_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
-                                                        AtenTensorHandle head, AtenTensorHandle window,
-                                                        AtenTensorHandle* ret0) {
-  return shim<tree_attention>(q, k, v, head, window, ret0);
-}
-
-TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
-  lib.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor head, Tensor window) -> Tensor");
-  lib.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor head, Tensor window) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
-  lib.impl("rows_attention", &rows_attention);
-  lib.impl("tree_attention", &tree_attention);
+// The kernel for the call's dtypes (ops.cpp checked them); a one-row call has nothing to share: rows_attention's
+// loop (the same bits) costs less
+void yggtree::attention(const AttentionCall& a, bool tree) {
+  using yggtree::Dtype;
+  tree = tree && a.W > 1;
+  if (a.q_dtype == Dtype::BF16)
+    (tree ? run_tree<BF16, BF16> : run<BF16, BF16>)(a);
+  else if (a.kv_dtype == Dtype::F16)
+    (tree ? run_tree<float, F16> : run<float, F16>)(a);
+  else if (a.kv_dtype == Dtype::BF16)
+    (tree ? run_tree<float, BF16> : run<float, BF16>)(a);
+  else
+    (tree ? run_tree<float, float> : run<float, float>)(a);
 }

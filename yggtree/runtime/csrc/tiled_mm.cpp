@@ -39,15 +39,10 @@
 // Every step is per row and per output column in a fixed order, so a row's result does not depend on the
 // call's other rows nor on the thread count (tiles are split across threads whole): speculation verifying
 // W rows computes each row bitwise as a plain step does.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
+#include "kernels.h"
 #include "loops.h"
 #include "prefetch.h"
 #include "simd.h"
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/inductor/aoti_torch/utils.h>
-#include <torch/library.h>
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -55,13 +50,15 @@
 namespace {
 
 using namespace yggtree::simd;
+using yggtree::BF16;
+using yggtree::F16;
 
 // rows a tile computes together (each keeps its own accumulators in registers)
 constexpr int WIDE = 8 * REGISTERS / 32;  // float and int8 tiles
 constexpr int WIDE_Q4 = 4 * REGISTERS / 32;  // 4-bit tiles (two sums a row)
 
 inline F widen(const float* p) { return load(p); }
-inline F widen(const at::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
+inline F widen(const BF16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
 
 // One prefetch per 64-byte line of the weight stream at `at`: into the first-level cache `ahead.near` bytes
 // ahead, into the second `ahead.far` bytes ahead (0: none; csrc/prefetch.h)
@@ -237,39 +234,8 @@ void run_i8(const int8_t* wp, const float* sp, int64_t B, const float* x, int64_
   });
 }
 
-// x [M, K] float32; w: float32 | bfloat16 [T, K, 16] with scale [T, 16] or empty, or int8 [T, K2 / 2, 32]
-// with scale [T, 16] or [T, B, 16] float32 (B dividing K2 into even groups) -> [M, 16 T] float32
-at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_mm: x must be [M, K] float32");
-  const bool int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == (int8 ? 32 : 16) && w.is_contiguous(),
-              "tiled_mm: w must be a contiguous [T, K, 16] (float32, bfloat16) or [T, K / 2, 32] (int8)");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t T = w.size(0), M = x.size(0), K = x.size(1), K2 = int8 ? 2 * w.size(1) : w.size(1);
-  TORCH_CHECK(int8 ? (K2 == K || K2 == K + 1) : K2 == K, "tiled_mm: x has ", K, " columns, the weight ", K2);
-  const bool scaled = scale.numel() > 0;
-  const int64_t B = scaled && scale.dim() == 3 ? scale.size(1) : 1;
-  TORCH_CHECK(!scaled || (scale.scalar_type() == at::kFloat && scale.is_contiguous() && B > 0 && K2 % B == 0 &&
-                          (K2 / B) % 2 == 0 && (scale.sizes() == at::IntArrayRef({T, 16}) ||
-                                                (int8 && scale.sizes() == at::IntArrayRef({T, B, 16})))),
-              "tiled_mm: scale must be [T, 16], or [T, B, 16] float32 with B dividing int8 weights' inputs into "
-              "even groups, or empty");
-  TORCH_CHECK(scaled || !int8, "tiled_mm: int8 weights need a scale");
-  auto out = at::empty({M, 16 * T}, x.options());
-  const float* sp = scaled ? scale.data_ptr<float>() : nullptr;
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (w.scalar_type()) {
-    case at::kFloat: run(w.data_ptr<float>(), sp, xp, M, K, T, op); break;
-    case at::kBFloat16: run(w.data_ptr<at::BFloat16>(), sp, xp, M, K, T, op); break;
-    case at::kChar: run_i8(w.data_ptr<int8_t>(), sp, B, xp, M, K, K2, T, op); break;
-    default: TORCH_CHECK(false, "tiled_mm: w must be float32, bfloat16 or int8, got ", w.scalar_type());
-  }
-  return out;
-}
-
 inline F scales(const float* p) { return load(p); }
-inline F scales(const at::Half* p) { return load_half(p); }
+inline F scales(const F16* p) { return load_half(p); }
 
 // hi, lo of n 16-bit activations (see the header)
 void split_bytes(const int16_t* qa, int64_t n, int8_t* hi, uint8_t* lo) {
@@ -358,64 +324,39 @@ void run_q4(const uint8_t* bp, int64_t S, const Rows16& rows, int64_t M, int64_t
   });
 }
 
-// x [M, K] float32; blocks [T, K / G, 8 G + 32 e] uint8 (see the header) -> [M, 16 T] float32
-at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "tiled_q4_mm: x must be [M, K] float32");
-  const int64_t S = blocks.dim() == 3 ? blocks.size(2) : 0, e = S % 256 / 32;
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(1) > 0 &&
-              (e == 2 || e == 4) && S > 32 * e && S - 32 * e <= 8 * 4096,
-              "tiled_q4_mm: blocks must be a contiguous [T, K / G, 8 G + 32 e] uint8 (G a multiple of 32 up to 4096, "
-              "e 2 or 4: float16 or float32 scales)");
-  const int64_t T = blocks.size(0), B = blocks.size(1), G = (S - 32 * e) / 8, K = B * G;
-  const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.size(1) == K, "tiled_q4_mm: x has ", x.size(1), " columns, the weight ", K);
-  const int64_t M = x.size(0);
-  auto out = at::empty({M, 16 * T}, x.options());
-  const float* xp = x.data_ptr<float>();
+}  // namespace
+
+// The products for the weights' dtypes (kernels.h; ops.cpp checks the shapes)
+void yggtree::tiled_mm_f32(const float* w, const float* scale, const float* x, int64_t M, int64_t K, int64_t T,
+                           float* out) {
+  run(w, scale, x, M, K, T, out);
+}
+
+void yggtree::tiled_mm_bf16(const BF16* w, const float* scale, const float* x, int64_t M, int64_t K, int64_t T,
+                            float* out) {
+  run(w, scale, x, M, K, T, out);
+}
+
+void yggtree::tiled_mm_i8(const int8_t* w, const float* scale, int64_t B, const float* x, int64_t M, int64_t K,
+                          int64_t K2, int64_t T, float* out) {
+  run_i8(w, scale, B, x, M, K, K2, T, out);
+}
+
+// x [M, K] float32; blocks [T, K / G, S = 8 G + 32 e] uint8 (see the header) -> out [M, 16 T] float32
+void yggtree::tiled_q4_mm(const uint8_t* blocks, int64_t S, bool f16_scales, const float* x, int64_t M, int64_t K,
+                          int64_t G, int64_t T, float* out) {
+  const int64_t B = K / G;
   const Rows16 rows = scratch(M, K, B);
-  quantize16(xp, M, K, K, rows.qa, rows.da);
+  quantize16(x, M, K, K, rows.qa, rows.da);
   split_bytes(rows.qa, M * K, rows.hi, rows.lo);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < B; ++g) {
       F acc = zero();
-      for (int64_t k = g * G; k < (g + 1) * G; k += LANES) acc = add(acc, load(xp + r * K + k));
+      for (int64_t k = g * G; k < (g + 1) * G; k += LANES) acc = add(acc, load(x + r * K + k));
       rows.xs[r * B + g] = reduce_add(acc);
     }
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  if (e == 2)
-    run_q4<at::Half>(bp, S, rows, M, K, G, T, out.data_ptr<float>());
+  if (f16_scales)
+    run_q4<F16>(blocks, S, rows, M, K, G, T, out);
   else
-    run_q4<float>(bp, S, rows, M, K, G, T, out.data_ptr<float>());
-  return out;
-}
-
-}  // namespace
-
-// The op's C shim (see csrc/w4a8.cpp): AOTInductor packages call the kernel here directly
-extern "C" AOTITorchError aoti_torch_cpu_tiled_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle scale,
-                                                  AtenTensorHandle* ret0) {
-  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor out = tiled_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w),
-                              *tensor_handle_to_tensor_pointer(scale));
-    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
-  });
-}
-
-extern "C" AOTITorchError aoti_torch_cpu_tiled_q4_mm(AtenTensorHandle x, AtenTensorHandle blocks,
-                                                     AtenTensorHandle* ret0) {
-  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor out = tiled_q4_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(blocks));
-    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
-  });
-}
-
-TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
-  lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  lib.def("tiled_q4_mm(Tensor x, Tensor blocks) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
-  lib.impl("tiled_mm", &tiled_mm);
-  lib.impl("tiled_q4_mm", &tiled_q4_mm);
+    run_q4<float>(blocks, S, rows, M, K, G, T, out);
 }

@@ -17,19 +17,11 @@
 // contiguous stream (three tensors -- codes, d, m -- are three streams a thread, slower):
 //   4-bit, S = 320: byte (g, lane, i) = u[16t+lane][32b+4g+i] | u[16t+lane][32b+16+4g+i] << 4, then d, m
 //   8-bit, S = 576: byte (g, lane, i) = u[16t+lane][32b+4g+i] (g < 8), then d, m
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
+#include "kernels.h"
 #include "loops.h"
 #include "prefetch.h"
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/inductor/aoti_torch/utils.h>
-#include <torch/library.h>
 #include "simd.h"
 #include <atomic>
-#include <mutex>
-#include <set>
-#include <thread>
 #include <cstring>
 #include <vector>
 
@@ -67,6 +59,7 @@ template <int BITS>
 constexpr int CODES = BITS == 4 ? 256 : 512;  // bytes of a block's codes in a tile
 template <int BITS>
 constexpr int STRIDE = CODES<BITS> + 64;  // bytes of a block in a tile: codes, 16 d, 16 m
+static_assert(STRIDE<4> == yggtree::W4A8_STRIDE4 && STRIDE<8> == yggtree::W4A8_STRIDE8, "csrc/kernels.h's strides");
 constexpr int WIDE = 8 * REGISTERS / 32;  // rows a tile computes together (each keeps its own accumulators in registers)
 
 // R rows of one 16-column tile, all blocks. With one or two rows the 4-bit codes' low and high
@@ -254,17 +247,12 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
   });
 }
 
-// x [M, K] float32; blocks [T, B, 320 | 576] uint8 (see the header) -> [M, 16 T] float32
-at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "w4a8_mm: x must be [M, K] float32");
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              (blocks.size(2) == STRIDE<4> || blocks.size(2) == STRIDE<8>),
-              "w4a8_mm: blocks must be [T, B, 320 | 576] uint8");
-  const int64_t T = blocks.size(0), B = blocks.size(1);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K == 32 * B, "w4a8_mm: x has ", K, " columns, the weight ", 32 * B);
-  auto out = at::empty({M, 16 * T}, x.options());
+}  // namespace
+
+// x [M, K] float32; blocks [T, K / 32, 320 | 576] uint8 (see the header) -> out [M, 16 T] float32 (ops.cpp checks)
+void yggtree::w4a8_mm(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t T, int64_t stride,
+                      float* out) {
+  const int64_t B = K / 32;
   // the quantized activations live in the calling thread's scratch (no allocation per product;
   // the parallel tiles only read them)
   static thread_local std::vector<int8_t> qa_buf;
@@ -275,48 +263,9 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   int8_t* qa = qa_buf.data();
   float *da = da_buf.data(), *sa = sa_buf.data();
   int32_t* qsum = qsum_buf.data();
-  quantize_rows(x.data_ptr<float>(), M, K, qa, da, sa, qsum);
-  const auto* bp = blocks.data_ptr<uint8_t>();
-  if (blocks.size(2) == STRIDE<4>)
-    run<4>(bp, qa, da, sa, qsum, M, K, T, B, out.data_ptr<float>());
+  quantize_rows(x, M, K, qa, da, sa, qsum);
+  if (stride == STRIDE<4>)
+    run<4>(blocks, qa, da, sa, qsum, M, K, T, B, out);
   else
-    run<8>(bp, qa, da, sa, qsum, M, K, T, B, out.data_ptr<float>());
-  return out;
-}
-
-// The threads the kernel's parallel loop runs on: the calling thread's intra-op count on OpenMP (1 if the build
-// lacked OpenMP: at::parallel_for then runs serially), the pool's while it is on (csrc/loops.cpp); the
-// argument only selects the CPU kernel
-int64_t w4a8_threads(const at::Tensor&) {
-  std::mutex held;
-  std::set<std::thread::id> seen;
-  yggtree::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
-    std::lock_guard<std::mutex> lock(held);
-    seen.insert(std::this_thread::get_id());
-  });
-  return static_cast<int64_t>(seen.size());
-}
-
-}  // namespace
-
-// The op's C shim: AOTInductor packages compiled with it (runtime/aoti.py) call the kernel here
-// directly instead of through the proxy executor, which boxes every call's arguments into a
-// dispatcher stack at every call, and a decode step makes one call per product. The name
-// is AOTInductor's for the op's schema name (aoti_torch_<device>_<op>); runtime/w4a8.py loads
-// this library with global symbols so a package's reference resolves to it.
-extern "C" AOTITorchError aoti_torch_cpu_w4a8_mm(AtenTensorHandle x, AtenTensorHandle blocks, AtenTensorHandle* ret0) {
-  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor out = w4a8_mm(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(blocks));
-    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
-  });
-}
-
-TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
-  lib.def("w4a8_mm(Tensor x, Tensor blocks) -> Tensor");
-  lib.def("w4a8_threads(Tensor any) -> int");
-}
-TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
-  lib.impl("w4a8_mm", &w4a8_mm);
-  lib.impl("w4a8_threads", &w4a8_threads);
+    run<8>(blocks, qa, da, sa, qsum, M, K, T, B, out);
 }
