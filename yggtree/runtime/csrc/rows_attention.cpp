@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -177,16 +178,19 @@ constexpr std::array<std::array<GroupFn<E, K>, MAX_GROUP>, sizeof...(ND)> all_fn
   return {group_fns<E, K, ND>(std::make_integer_sequence<int, MAX_GROUP>{})...};
 }
 
+// q, k, v and out of a call in its dtypes (E: q's and out's, K: the cache's)
+template <typename E, typename K>
+std::tuple<const E*, const K*, const K*, E*> pointers(const yggtree::AttentionCall& a) {
+  return {static_cast<const E*>(a.q), static_cast<const K*>(a.k), static_cast<const K*>(a.v), static_cast<E*>(a.out)};
+}
+
 template <typename E, typename K>
 void run(const yggtree::AttentionCall& a) {
   const int64_t B = a.B, W = a.W, H = a.H, D = a.D, C = a.C, Hkv = a.Hkv, T = a.T, G = H / Hkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const E* qp = static_cast<const E*>(a.q);
-  const K* kp = static_cast<const K*>(a.k);
-  const K* vp = static_cast<const K*>(a.v);
+  const auto [qp, kp, vp, op] = pointers<E, K>(a);
   const bool* hp = a.head;
   const int64_t* wp = a.window;
-  E* op = static_cast<E*>(a.out);
   const int64_t ks0 = a.ks0, ks1 = a.ks1, ks2 = a.ks2, vs0 = a.vs0, vs1 = a.vs1, vs2 = a.vs2;
   static constexpr auto fns = all_fns<E, K>(HeadChunks{});
   const auto& by_group = fns[chunk_index(D)];
@@ -360,12 +364,9 @@ template <typename E, typename K>
 void run_tree(const yggtree::AttentionCall& a) {
   const int64_t B = a.B, W = a.W, H = a.H, D = a.D, C = a.C, Hkv = a.Hkv, T = a.T, G = H / Hkv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const E* qp = static_cast<const E*>(a.q);
-  const K* kp = static_cast<const K*>(a.k);
-  const K* vp = static_cast<const K*>(a.v);
+  const auto [qp, kp, vp, op] = pointers<E, K>(a);
   const bool* hp = a.head;
   const int64_t* wp = a.window;
-  E* op = static_cast<E*>(a.out);
   const int64_t ks0 = a.ks0, ks1 = a.ks1, ks2 = a.ks2, vs0 = a.vs0, vs1 = a.vs1, vs2 = a.vs2;
   static constexpr auto groups = all_fns<E, K>(HeadChunks{});
   static constexpr auto scores = score_fns(HeadChunks{});
