@@ -31,6 +31,33 @@ def converted() -> Path:
     return loading._cache_dir("tokenizers", src.path)
 
 
+def test_the_shipped_tokenizer_is_transformers_conversion_of_the_embedded_gguf(tmp_path, monkeypatch):
+    """The package's copy of the embedded model's tokenizer (loading.SHIPPED_TOKENIZERS, which a new
+    machine's first run copies instead of converting) holds what transformers converts from the
+    GGUF now, file for file; and a first load with an empty cache takes the copy."""
+    from transformers import AutoTokenizer
+
+    from yggtree.files import file_sha256
+
+    src = loading.resolve_model("default")
+    shipped = loading.SHIPPED_TOKENIZERS / file_sha256(src.path)[:16]
+    fresh = tmp_path / "fresh"
+    AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name).save_pretrained(str(fresh))
+    assert sorted(f.name for f in fresh.iterdir()) == sorted(f.name for f in shipped.iterdir())
+    for f in fresh.iterdir():
+        if f.suffix == ".json":
+            assert json.loads(f.read_text()) == json.loads((shipped / f.name).read_text()), f.name
+        else:
+            assert f.read_text() == (shipped / f.name).read_text(), f.name
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    seeded, real_seed = [], loading._seed_tokenizer
+    monkeypatch.setattr(loading, "_seed_tokenizer", lambda a, b: seeded.append(a) or real_seed(a, b))
+    tok = loading.load_tokenizer(src)
+    assert seeded == [shipped] and isinstance(tok, LightTokenizer)
+    kept = loading._cache_dir("tokenizers", src.path)
+    assert all((kept / f.name).read_bytes() == f.read_bytes() for f in shipped.iterdir())
+
+
 @pytest.fixture(scope="module")
 def pair(converted):
     light = LightTokenizer.load(converted)

@@ -7,13 +7,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import YggError
-from ..files import cache_root, read_json
+from ..files import cache_root, file_sha256, read_json
 from .model import ModelConfig, RopeScaling, Transformer
 from .tokenizer import LightTokenizer
 
@@ -383,6 +384,12 @@ def load_model(src: ModelSource, dtype: str = "float32") -> Transformer:
     return model.to(DTYPES[dtype]).eval().requires_grad_(False)
 
 
+# transformers' conversions of GGUF files' tokenizers shipped in the package, one directory per file
+# (the first 16 hex digits of its sha256; tests/test_tokenizer.py checks the embedded model's against
+# a fresh conversion)
+SHIPPED_TOKENIZERS = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
+
+
 def _cache_dir(kind: str, path: Path) -> Path:
     """Per-file cache directory keyed by the file's path, size and mtime (GGUF conversions)."""
     st = path.stat()
@@ -428,6 +435,9 @@ def load_tokenizer(src: ModelSource):
     """The model's tokenizer. A GGUF file's is converted by transformers once and kept on disk;
     every load reads the kept copy as a :class:`~.tokenizer.LightTokenizer` (no transformers import,
     seconds of every start) where that reads it exactly as transformers does, else with transformers.
+    The embedded default model's conversion ships in the package (:data:`SHIPPED_TOKENIZERS`, by
+    the file's sha256): a new machine's first run copies it instead of converting (~4 s of parsing
+    the GGUF's vocabulary in Python before its first token).
     A HF directory's is read by transformers' AutoTokenizer (whose choice of class the light
     tokenizer does not reproduce)."""
     if src.kind == "hf":
@@ -438,6 +448,15 @@ def load_tokenizer(src: ModelSource):
     cached = _cached_tokenizer(cache)
     if cached is not None:
         return cached
+    shipped = SHIPPED_TOKENIZERS / file_sha256(src.path)[:16]
+    if (shipped / "tokenizer_config.json").is_file():  # the embedded model's, converted when it shipped
+        try:
+            _seed_tokenizer(shipped, cache)
+        except OSError:
+            return _cached_tokenizer(shipped)  # a read-only home reads the package's copy
+        cached = _cached_tokenizer(cache)
+        if cached is not None:
+            return cached
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
@@ -447,6 +466,17 @@ def load_tokenizer(src: ModelSource):
     except OSError:
         return tok  # a read-only home only costs the conversion time next run
     return LightTokenizer.load(cache) or tok  # the class every later run reads
+
+
+def _seed_tokenizer(shipped: Path, cache: Path) -> None:
+    """The package's copy of a conversion into the cache, its ``tokenizer_config.json`` (what marks
+    a conversion kept) last: a copy stopped halfway is no kept conversion."""
+    cache.mkdir(parents=True, exist_ok=True)
+    files = sorted(shipped.iterdir(), key=lambda f: f.name == "tokenizer_config.json")
+    for f in files:
+        part = cache / f"{f.name}.{os.getpid()}"
+        shutil.copyfile(f, part)
+        os.replace(part, cache / f.name)
 
 
 def _cached_tokenizer(cache: Path):
