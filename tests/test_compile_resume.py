@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
+
+import pytest
 
 from helpers import tiny_model
 
@@ -44,6 +47,26 @@ def test_another_key_starts_from_an_empty_cache(tmp_path):
     out = _cache(tmp_path, "a", KEY, ["block-x-w1-c256.pt2"])
     assert seed_packages(out, KEY | {"min_rows": 8}) == 0
     assert json.loads((out / BUILD_KEY).read_text())["min_rows"] == 8
+
+
+def test_the_runtime_code_hash_is_kept_by_the_sources_bytes(tmp_path, monkeypatch):
+    """The hash of the runtime's code, kept in the user cache after one parse: the same as parsed
+    now, read back from the cache, and parsed again where the cache cannot be written."""
+    from yggtree.runtime import artifacts
+
+    want = hashlib.sha256()
+    for name in artifacts.GRAPH_SOURCES:
+        want.update(name.encode() + b"\0" + artifacts.code_of((Path(artifacts.__file__).parent / name).read_text()).encode())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert artifacts.runtime_code_hash() == want.hexdigest()[:16]
+    kept = list((tmp_path / "cache" / "yggtree" / "code").iterdir())
+    assert len(kept) == 1 and kept[0].read_text() == want.hexdigest()[:16]
+    monkeypatch.setattr(artifacts, "code_of", lambda text: pytest.fail("parsed again"))
+    assert artifacts.runtime_code_hash() == want.hexdigest()[:16]  # from the cache
+    monkeypatch.undo()
+    (tmp_path / "ro").write_text("")  # a file where the cache directory would be
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
+    assert artifacts.runtime_code_hash() == want.hexdigest()[:16]
 
 
 def test_the_runtime_code_hash_sees_code_not_comments_or_docstrings():

@@ -207,12 +207,32 @@ def runtime_code_hash() -> str:
     """sha256 (16 hex digits) of the code of the runtime sources the compiled graphs are traced
     from: of their syntax trees without docstrings, so that an edit of comments or docstrings
     alone leaves every compiled package valid (the Python version, which the trees' form depends
-    on, is a version of its own: :func:`versions`)."""
+    on, is a version of its own: :func:`versions`). Parsing them is a tenth of a second of every
+    run's start, so the result is kept in the user cache by the sources' bytes and the Python
+    version (``code/<sha256>``; an unwritable cache only costs the parse)."""
+    from ..files import cache_root, write_text_atomic
+
+    texts = [(Path(__file__).parent / name).read_text() for name in GRAPH_SOURCES]
+    raw = hashlib.sha256(platform.python_version().encode())
+    for name, text in zip(GRAPH_SOURCES, texts):
+        raw.update(name.encode() + b"\0" + text.encode() + b"\0")
+    kept = cache_root() / "code" / raw.hexdigest()[:32]
+    try:
+        got = kept.read_text()
+        if len(got) == 16:
+            return got
+    except OSError:
+        pass
     h = hashlib.sha256()
-    for name in GRAPH_SOURCES:
-        f = Path(__file__).parent / name
-        h.update(f.name.encode() + b"\0" + code_of(f.read_text()).encode())
-    return h.hexdigest()[:16]
+    for name, text in zip(GRAPH_SOURCES, texts):
+        h.update(name.encode() + b"\0" + code_of(text).encode())
+    code = h.hexdigest()[:16]
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(kept, code)
+    except OSError:
+        pass
+    return code
 
 
 def code_of(source: str) -> str:
