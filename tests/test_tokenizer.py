@@ -40,7 +40,8 @@ def test_the_shipped_tokenizer_is_transformers_conversion_of_the_embedded_gguf(t
     from yggtree.files import file_sha256
 
     src = loading.resolve_model("default")
-    shipped = loading.SHIPPED_TOKENIZERS / file_sha256(src.path)[:16]
+    shipped = loading.SHIPPED_TOKENIZERS / f"{src.path.stat().st_size}-{file_sha256(src.path)[:16]}"
+    assert loading._shipped_tokenizer(src.path) == shipped
     fresh = tmp_path / "fresh"
     AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name).save_pretrained(str(fresh))
     assert sorted(f.name for f in fresh.iterdir()) == sorted(f.name for f in shipped.iterdir())
@@ -56,6 +57,15 @@ def test_the_shipped_tokenizer_is_transformers_conversion_of_the_embedded_gguf(t
     assert seeded == [shipped] and isinstance(tok, LightTokenizer)
     kept = loading._cache_dir("tokenizers", src.path)
     assert all((kept / f.name).read_bytes() == f.read_bytes() for f in shipped.iterdir())
+
+
+def test_a_gguf_of_no_shipped_size_is_not_hashed(tmp_path, monkeypatch):
+    """Looking for a shipped conversion reads no file whose size no shipped one has (a large
+    model's sha256 would cost seconds of its first run)."""
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + bytes(1000))
+    monkeypatch.setattr(loading, "file_sha256", lambda p: pytest.fail("hashed"))
+    assert loading._shipped_tokenizer(other) is None
 
 
 @pytest.fixture(scope="module")

@@ -385,8 +385,8 @@ def load_model(src: ModelSource, dtype: str = "float32") -> Transformer:
 
 
 # transformers' conversions of GGUF files' tokenizers shipped in the package, one directory per file
-# (the first 16 hex digits of its sha256; tests/test_tokenizer.py checks the embedded model's against
-# a fresh conversion)
+# (``<size>-<the first 16 hex digits of its sha256>``; tests/test_tokenizer.py checks the embedded
+# model's against a fresh conversion)
 SHIPPED_TOKENIZERS = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
 
 
@@ -448,8 +448,8 @@ def load_tokenizer(src: ModelSource):
     cached = _cached_tokenizer(cache)
     if cached is not None:
         return cached
-    shipped = SHIPPED_TOKENIZERS / file_sha256(src.path)[:16]
-    if (shipped / "tokenizer_config.json").is_file():  # the embedded model's, converted when it shipped
+    shipped = _shipped_tokenizer(src.path)
+    if shipped is not None:  # the embedded model's, converted when it shipped
         try:
             _seed_tokenizer(shipped, cache)
         except OSError:
@@ -466,6 +466,21 @@ def load_tokenizer(src: ModelSource):
     except OSError:
         return tok  # a read-only home only costs the conversion time next run
     return LightTokenizer.load(cache) or tok  # the class every later run reads
+
+
+def _shipped_tokenizer(path: Path) -> Path | None:
+    """The package's conversion of the GGUF file ``path``'s tokenizer, or None: a directory named
+    by the file's size and the first 16 hex digits of its sha256 (a file of no shipped size is
+    not read: a large model's hash would cost seconds)."""
+    size = path.stat().st_size
+    if not any(d.name.startswith(f"{size}-") for d in _listed(SHIPPED_TOKENIZERS)):
+        return None
+    shipped = SHIPPED_TOKENIZERS / f"{size}-{file_sha256(path)[:16]}"
+    return shipped if (shipped / "tokenizer_config.json").is_file() else None
+
+
+def _listed(d: Path) -> list[Path]:
+    return list(d.iterdir()) if d.is_dir() else []
 
 
 def _seed_tokenizer(shipped: Path, cache: Path) -> None:
