@@ -436,8 +436,8 @@ def load_tokenizer(src: ModelSource):
     every load reads the kept copy as a :class:`~.tokenizer.LightTokenizer` (no transformers import,
     seconds of every start) where that reads it exactly as transformers does, else with transformers.
     The embedded default model's conversion ships in the package (:data:`SHIPPED_TOKENIZERS`, by
-    the file's sha256): a new machine's first run copies it instead of converting (~4 s of parsing
-    the GGUF's vocabulary in Python before its first token).
+    the file's size and sha256): a new machine's first run copies it instead of converting (seconds
+    of parsing the GGUF's vocabulary in Python before its first token).
     A HF directory's is read by transformers' AutoTokenizer (whose choice of class the light
     tokenizer does not reproduce)."""
     if src.kind == "hf":
