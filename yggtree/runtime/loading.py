@@ -473,14 +473,10 @@ def _shipped_tokenizer(path: Path) -> Path | None:
     by the file's size and the first 16 hex digits of its sha256 (a file of no shipped size is
     not read: a large model's hash would cost seconds)."""
     size = path.stat().st_size
-    if not any(d.name.startswith(f"{size}-") for d in _listed(SHIPPED_TOKENIZERS)):
+    if not SHIPPED_TOKENIZERS.is_dir() or not any(d.name.startswith(f"{size}-") for d in SHIPPED_TOKENIZERS.iterdir()):
         return None
     shipped = SHIPPED_TOKENIZERS / f"{size}-{file_sha256(path)[:16]}"
     return shipped if (shipped / "tokenizer_config.json").is_file() else None
-
-
-def _listed(d: Path) -> list[Path]:
-    return list(d.iterdir()) if d.is_dir() else []
 
 
 def _seed_tokenizer(shipped: Path, cache: Path) -> None:

@@ -132,9 +132,11 @@ std::mutex switching;
 
 std::shared_ptr<Pool> in_use() { return std::atomic_load_explicit(&current, std::memory_order_acquire); }
 
+}  // namespace
+
 // loop_pool(n): the loops on a pool of n threads (the caller and n - 1 workers); n <= 1: on OpenMP. Returns the
 // previous setting (0: OpenMP), so a caller can restore it.
-int64_t set_pool(int64_t n) {
+int64_t loop_pool(int64_t n) {
   // a forked child has none of the pool's workers: it forgets the pool without joining them (leaked, not
   // destroyed) and its loops run on OpenMP
   static std::once_flag at_fork;
@@ -148,8 +150,6 @@ int64_t set_pool(int64_t n) {
   return was;
 }
 
-}  // namespace
-
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const Body& body) {
   if (begin >= end) return;
   auto pool = in_use();
@@ -159,8 +159,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const Body& body) {
   }
   if (!pool->run(begin, end, grain, body)) body(begin, end);
 }
-
-int64_t loop_pool(int64_t n) { return set_pool(n); }
 
 int64_t pool_threads() {
   auto pool = in_use();

@@ -161,8 +161,6 @@ std::vector<int64_t> prefetch(int64_t near, int64_t far) {
   return {was.near, was.far};
 }
 
-int64_t loop_pool(int64_t threads) { return yggtree::loop_pool(threads); }
-
 }  // namespace
 
 // The ops' C shims: AOTInductor packages compiled with them (runtime/aoti.py) call the kernels here directly
@@ -223,7 +221,7 @@ TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
   lib.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor head, Tensor window) -> Tensor");
   lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor");
   lib.def("tiled_q4_mm(Tensor x, Tensor blocks) -> Tensor");
-  lib.def("loop_pool(int threads) -> int", &loop_pool);
+  lib.def("loop_pool(int threads) -> int", &yggtree::loop_pool);
   lib.def("prefetch(int near, int far) -> int[]", &prefetch);
 }
 TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
