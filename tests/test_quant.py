@@ -323,21 +323,3 @@ def test_speculation_with_quantized_weights_is_plain_decoding(tmp_path, capsys):
         want = plain.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
         got = fast.generate(prompt, SamplingParams(max_new_tokens=24))
         assert got.token_ids == want and got.stats["verify_calls"] < len(want), prompt  # trees verified
-
-
-
-
-@pytest.mark.slow
-def test_gguf_blocks_are_parsed_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    """The embedded GGUF's blocks, parsed by gguf's reader on the first load, come bit for bit
-    from the user cache afterwards (gguf's reader is never called again)."""
-    from yggtree.runtime import loading
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    src = loading.resolve_model("default")
-    cfg = loading.load_config(src)
-    first = loading.gguf_raw_weights(src, cfg)
-    monkeypatch.setattr(loading, "_open_gguf", lambda path: pytest.fail("the GGUF was parsed again"))
-    again = loading.gguf_raw_weights(src, cfg)
-    assert first.keys() == again.keys() and len(first) > 0
-    assert all(first[k][0] == again[k][0] and torch.equal(first[k][1], again[k][1]) for k in first)

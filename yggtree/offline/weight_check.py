@@ -43,12 +43,12 @@ def _gguf_problem(base, kernel: str = "the int4 kernel runs", need_gguf: bool = 
     src = resolve_model(base.target)
     if src.kind != "gguf":
         return f"the target {src.path.name} is not a GGUF file" if need_gguf else None
-    import gguf
+    from ..runtime.gguf_file import read_gguf
 
     try:
-        kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(src.path)).tensors if len(t.shape) == 2}
-    except Exception as e:  # noqa: BLE001 - the reader raises bare ValueError/struct errors
-        return f"cannot read {src.path.name}: {e}"
+        kinds = {t.kind.name for t in read_gguf(src.path).tensors if len(t.shape) == 2}
+    except YggError as e:
+        return str(e)
     other = sorted(kinds - set(GGUF_NATIVE_TYPES))
     return f"the target stores {', '.join(other)} blocks ({kernel} Q4_0, Q4_1, Q8_0)" if other else None
 
