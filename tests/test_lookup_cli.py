@@ -53,6 +53,9 @@ def test_run_with_lookup_equals_plain(plan_dir, capsys):
     (["--lookup", "5", "PLAN"], "--lookup 5 exceeds the verify width (4)", 1),
     (["--lookup", "17", "--drafter", "none"], "--lookup 17 exceeds the verify width (16)", 1),
     (["--drafter", "none", "PLAN"], "--drafter none and --plan exclude each other", 1),
+    (["--draft-depth", "3", "--verify-width", "4"],
+     "--draft-depth and --verify-width shape a speculative tree, but nothing drafts it", 1),
+    (["--draft-width", "2", "--drafter", "none"], "--draft-width shapes a speculative tree", 1),
 ])
 def test_bad_lookup_flags_get_one_line(plan_dir, capsys, extra, msg, code):
     from yggtree.cli import main

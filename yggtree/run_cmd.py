@@ -245,6 +245,12 @@ def flags_plan(args) -> Plan:
 
     drafter = None if args.no_speculate else args.drafter or None
     lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
+    tree_flags = [f"--{f.replace('_', '-')}" for f in ("draft_width", "draft_depth", "verify_width")
+                  if getattr(args, f) is not None]
+    if tree_flags and not args.no_speculate and drafter is None and not lookup:
+        verb = "shape" if len(tree_flags) > 1 else "shapes"
+        raise YggError(f"{' and '.join(tree_flags)} {verb} a speculative tree, but nothing drafts it: add "
+                       "--drafter default (the shipped EAGLE head) or another drafter, or --lookup N")
     # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
     wv = args.verify_width or (min(lookup + 1, DEFAULT_VERIFY_WIDTH) if lookup and not drafter
                                else DEFAULT_VERIFY_WIDTH)
