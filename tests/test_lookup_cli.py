@@ -53,14 +53,15 @@ def test_run_with_lookup_equals_plain(plan_dir, capsys):
     (["--lookup", "5", "PLAN"], "--lookup 5 exceeds the verify width (4)", 1),
     (["--lookup", "17", "--drafter", "none"], "--lookup 17 exceeds the verify width (16)", 1),
     (["--drafter", "none", "PLAN"], "--drafter none and --plan exclude each other", 1),
-    (["--draft-depth", "3", "--verify-width", "4"],
+    (["--draft-depth", "3", "--verify-width", "4", "--model", "MODEL"],
      "--draft-depth and --verify-width shape a speculative tree, but nothing drafts it", 1),
     (["--draft-width", "2", "--drafter", "none"], "--draft-width shapes a speculative tree", 1),
 ])
 def test_bad_lookup_flags_get_one_line(plan_dir, capsys, extra, msg, code):
     from yggtree.cli import main
 
-    extra = [x for x in extra if x != "PLAN"] + (["--plan", str(plan_dir / "plan.yaml")] if "PLAN" in extra else [])
+    plan = ["--plan", str(plan_dir / "plan.yaml")] if "PLAN" in extra else []
+    extra = [str(plan_dir / "model") if x == "MODEL" else x for x in extra if x != "PLAN"] + plan
     with pytest.raises(SystemExit) if code == 2 else _nothing():
         got = main(["run", "--raw", "--prompt", PROMPT, "--json", *extra])
         assert got == code

@@ -607,3 +607,28 @@ def test_the_servers_batched_graphs_that_fail_to_build_are_one_line(monkeypatch,
     said = []
     machine_plan._build_serving(tmp_path / "missing-plan.yaml", said.append)
     assert len(said) == 1 and "its first start builds them" in said[0] and "\n" not in said[0]
+
+
+def test_tree_flags_run_one_fixed_tree_on_the_built_plan_where_it_compiles_it(monkeypatch, tmp_path, capsys):
+    """A default run with tree flags (and --drafter default or none named) runs that tree on this machine's
+    plan where the plan compiles its widths, whatever the verdict; a tree it does not compile, or no plan
+    built yet, leaves the flags' own plan to run (nothing set), with one line where the plan is built."""
+    from yggtree.plan import validate_plan
+
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(False, 0.95, 8))
+    plan = validate_plan({"name": "m", "target": "default", "drafter": "default", "draft_widths": [1, 2],
+                          "verify_widths": [4, 8], "d_max": 6})
+    monkeypatch.setattr("yggtree.plan.load_plan", lambda path: plan)
+    for drafter in (None, "default"):
+        args = _args(draft_depth=3, draft_width=1, verify_width=4, drafter=drafter)
+        run_cmd._pick_plan(args)
+        assert args.plan.endswith("/compile/m/plan.yaml") and not args.no_speculate and args.lookup is None
+        assert "one fixed tree" in capsys.readouterr().err
+    args = _args(verify_width=16)
+    run_cmd._pick_plan(args)
+    err = capsys.readouterr().err
+    assert args.plan is None and err.count("\n") == 1 and "does not compile this tree" in err
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (None, machine_plan.NOT_BUILT))
+    args = _args(draft_depth=3)
+    run_cmd._pick_plan(args)
+    assert args.plan is None and getattr(args, "quick", None) is None and capsys.readouterr().err == ""

@@ -248,9 +248,11 @@ def flags_plan(args) -> Plan:
     tree_flags = [f"--{f.replace('_', '-')}" for f in ("draft_width", "draft_depth", "verify_width")
                   if getattr(args, f) is not None]
     if tree_flags and not args.no_speculate and drafter is None and not lookup:
-        verb = "shape" if len(tree_flags) > 1 else "shapes"
-        raise YggError(f"{' and '.join(tree_flags)} {verb} a speculative tree, but nothing drafts it: add "
-                       "--drafter default (the shipped EAGLE head) or another drafter, or --lookup N")
+        if args.model != "default" or getattr(args, "drafter_none", False):
+            verb = "shape" if len(tree_flags) > 1 else "shapes"
+            raise YggError(f"{' and '.join(tree_flags)} {verb} a speculative tree, but nothing drafts it: "
+                           "add --drafter (an EAGLE head, self, a model) or --lookup N")
+        drafter = "default"  # the embedded model's shipped EAGLE head
     # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
     wv = args.verify_width or (min(lookup + 1, DEFAULT_VERIFY_WIDTH) if lookup and not drafter
                                else DEFAULT_VERIFY_WIDTH)
@@ -287,14 +289,14 @@ def _pick_plan(args) -> None:
     from .tuned import find_tuned_plan
 
     base = default_plan()
-    shaped = (args.max_context, args.prefill_chunk, args.top_k, args.draft_width, args.draft_depth,
-              args.verify_width) != (None,) * 6  # flags a plan would otherwise decide
+    shaped = (args.max_context, args.prefill_chunk, args.top_k) != (None,) * 3  # flags a plan would otherwise decide
+    tree = (args.draft_width, args.draft_depth, args.verify_width) != (None,) * 3  # one fixed tree
     for flag, value in (("dtype", base.dtype), ("max_context", base.max_context),
                         ("prefill_chunk", base.prefill_chunk), ("top_k", base.top_k)):
         if getattr(args, flag) is None:
             setattr(args, flag, value)
     # --no-speculate keeps what the default would run (its plan's graphs, plainly): compared like for like
-    only_defaults = (args.model == "default" and args.drafter is None
+    only_defaults = (args.model == "default" and args.drafter in (None, "default")
                      and args.mode == "performance" and not shaped and args.weights is None
                      and args.kv_cache is None
                      and not getattr(args, "drafter_none", False))
@@ -307,6 +309,9 @@ def _pick_plan(args) -> None:
         sys.stderr.write(f"yggtree: plan {ready} (tuned for this {device['kind']}, {args.dtype})\n")
         args.plan = str(ready)
         args.no_default_note = None
+        return
+    if tree:  # a fixed tree: this machine's plan where it is built and compiles the tree, else the flags' plan
+        _machine_tree_plan(args, device)
         return
     if _machine_plan(args, device, waiting):
         return
@@ -321,6 +326,33 @@ def _pick_plan(args) -> None:
     args.no_default_note = (f"plan {waiting} is tuned for this {device['kind']} but not compiled: "
                             f"{compile_hint}" if waiting is not None else
                             why and f"no tuned plan for this {device['kind']} in {args.dtype}: {why}")
+
+
+def _machine_tree_plan(args, device: dict) -> None:
+    """The tree flags' fixed tree on this machine's plan where it is built and compiles the
+    tree's widths (``args.plan`` set); else nothing is set and the flags' own plan runs, with one
+    line saying why where the plan is built but compiles other widths."""
+    import torch
+
+    from . import machine_plan
+    from .plan import load_plan
+
+    if not machine_plan.enabled():
+        return
+    mp = machine_plan.machine_plan(device, args.threads or torch.get_num_threads())
+    path, _ = mp.ready_plan()
+    if path is None:
+        return
+    plan = load_plan(path)
+    try:
+        plan.tree_params(args.draft_width, args.verify_width, args.draft_depth)
+    except YggError as e:
+        sys.stderr.write(f"yggtree: this machine's plan {path} does not compile this tree ({e}): "
+                         "the flags' own plan runs, float32 and compiled now\n")
+        return
+    sys.stderr.write(f"yggtree: this machine's plan {path} ({mp.weights or 'float32'} weights, compiled here), "
+                     "one fixed tree\n")
+    args.plan, args.machine_build = str(path), "done"
 
 
 def _machine_plan(args, device: dict, waiting) -> bool:
