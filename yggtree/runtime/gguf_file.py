@@ -26,10 +26,13 @@ import numpy as np
 
 from ..errors import YggError
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-# the numpy dtype of a tensor stored unquantized, by GGML type (the rest are rows of blocks, read as bytes)
-_PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+# struct formats of the scalar value types, by gguf.GGUFValueType name
+_SCALARS = {"UINT8": "<B", "INT8": "<b", "UINT16": "<H", "INT16": "<h", "UINT32": "<I", "INT32": "<i",
+            "FLOAT32": "<f", "BOOL": "<?", "UINT64": "<Q", "INT64": "<q", "FLOAT64": "<d"}
+# the numpy dtype of a tensor stored unquantized, by gguf.GGMLQuantizationType name (the rest, BF16
+# among them, are rows of bytes: blocks)
+_PLAIN = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+          "F64": np.float64}
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,11 @@ class GGUFFile:
 
 class _Cursor:
     def __init__(self, buf: memoryview) -> None:
+        from gguf import GGUFValueType as V
+
         self.buf, self.at = buf, 0
+        self.scalars = {int(V[name]): fmt for name, fmt in _SCALARS.items()}
+        self.STRING, self.ARRAY = int(V.STRING), int(V.ARRAY)
 
     def unpack(self, fmt: str):
         v = struct.unpack_from(fmt, self.buf, self.at)[0]
@@ -76,19 +83,19 @@ class _Cursor:
         return s
 
     def value(self, kind: int):
-        if kind == _STRING:
+        if kind == self.STRING:
             return self.string()
-        if kind in _SCALARS:
-            return self.unpack(_SCALARS[kind])
-        if kind != _ARRAY:
+        if kind in self.scalars:
+            return self.unpack(self.scalars[kind])
+        if kind != self.ARRAY:
             raise ValueError(f"unknown metadata value type {kind}")
         elem, n = self.unpack("<I"), self.unpack("<Q")
-        if elem == _STRING:  # stepped over, length by length
+        if elem == self.STRING:  # stepped over, length by length
             for _ in range(n):
                 self.at += 8 + struct.unpack_from("<Q", self.buf, self.at)[0]
             return Strings(n)
-        if elem in _SCALARS:
-            fmt = _SCALARS[elem]
+        if elem in self.scalars:
+            fmt = self.scalars[elem]
             size = struct.calcsize(fmt)
             out = list(struct.unpack_from(f"<{n}{fmt[1]}", self.buf, self.at))
             self.at += n * size
@@ -138,7 +145,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
             if at + nbytes > mm.shape[0] or dims[0] % block:
                 raise ValueError(f"tensor {name} runs past the end of the file or splits a block")
             raw = mm[at : at + nbytes]
-            data = raw.view(_PLAIN[kind]) if kind in _PLAIN else raw
+            data = raw.view(_PLAIN[qtype.name]) if qtype.name in _PLAIN else raw
             tensors.append(GGUFTensor(name, dims, qtype, data.reshape(rows, -1)))
         return GGUFFile(fields, tuple(tensors))
     except (ValueError, KeyError, TypeError, OverflowError, struct.error) as e:
