@@ -51,13 +51,22 @@ def test_a_tree_and_a_weight_format(plan_of):
 
 def test_plain_runs_hold_no_tree(plan_of):
     plan = plan_of("--weights", "int4", "--max-context", "64", "--dtype", "bfloat16", "--kv-cache", "bfloat16",
-                   "--draft-depth", "1000")  # a tree flag without a drafter is not used (nor checked)
+                   "--draft-depth", "1000", "--no-speculate")  # a tree flag of a plain run is not used (nor checked)
     assert (plan.drafter, plan.weights, plan.dtype, plan.kv_cache, plan.max_context) == (
         None, "int4@32", "bfloat16", None, 64)
     assert not plan.verifies and plan.sampling.max_new_tokens == 63  # a valid plan at any context
     assert engine_config(plan).tree is None
     plain = plan_of("--drafter", "self", "--no-speculate", "--lookup", "2", "--draft-width", "2")
     assert (plain.drafter, plain.lookup, plain.verifies) == (None, 0, False)
+
+
+def test_tree_flags_on_the_embedded_model_draft_with_its_shipped_head(plan_of):
+    """Tree flags name no drafter: on the embedded model its shipped head drafts the tree; on another
+    model they are one error line (tests/test_lookup_cli.py)."""
+    plan = plan_of("--weights", "int4", "--draft-depth", "2", "--verify-width", "4")
+    assert (plan.drafter, plan.d_max, plan.verify_widths) == ("default", 2, (4,))
+    with pytest.raises(YggError, match="draft-depth 1000 exceeds the limit"):  # checked, as any tree
+        plan_of("--weights", "int4", "--draft-depth", "1000")
 
 
 def test_lookup_only(plan_of):
