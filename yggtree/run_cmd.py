@@ -281,10 +281,11 @@ def flags_plan(args) -> Plan:
 
 def _pick_plan(args) -> None:
     """Without --plan: the default plan's settings fill the flags left unset, and when the run
-    asks for nothing but the embedded default (no model, drafter, tree or context flags), a compiled plan
-    tuned for this device and dtype (``yggtree.tuned.find_tuned_plan``) is used instead: it
-    speculates by its measured latency objective. With none, decoding is plain: on a device
-    without a latency profile nothing says that speculation would pay."""
+    asks for nothing but the embedded default (no model, format, cache or context flags; no
+    drafter but the default), a compiled plan tuned for this device and dtype
+    (``yggtree.tuned.find_tuned_plan``) is used instead, else this machine's own plan: they
+    speculate by their measured latency objective, or with tree flags by that one fixed tree
+    (:func:`_machine_tree_plan`). With neither, the quick start times the default plan here."""
     from .plan import default_plan
     from .tuned import find_tuned_plan
 
