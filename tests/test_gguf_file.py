@@ -84,15 +84,16 @@ def test_the_embedded_model_reads_and_dequantizes_as_gguf_does():
     _dequantized_as_gguf(default_model_path())
 
 
-@pytest.mark.parametrize("damage", ["empty", "magic", "version", "truncated"])
-def test_a_damaged_file_is_one_error_naming_it(tmp_path, damage):
+@pytest.mark.parametrize("damage,why", [("empty", "empty"), ("magic", "no GGUF magic"), ("version", "GGUF version 1"),
+                                        ("big-endian", "big-endian"), ("truncated", "")])
+def test_a_damaged_file_is_one_error_naming_it(tmp_path, damage, why):
     good = tmp_path / "good.gguf"
     _write_sample(good)
     data = good.read_bytes()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes({"empty": b"", "magic": b"GGML" + data[4:], "version": data[:4] + b"\x01\0\0\0" + data[8:],
-                     "truncated": data[: len(data) // 2]}[damage])
-    with pytest.raises(YggError, match="cannot read GGUF file .*bad.gguf") as e:
+                     "big-endian": data[:4] + b"\0\0\0\x03" + data[8:], "truncated": data[: len(data) // 2]}[damage])
+    with pytest.raises(YggError, match=f"cannot read GGUF file .*bad.gguf: .*{why}") as e:
         read_gguf(bad)
     assert "\n" not in str(e.value)
 

@@ -119,6 +119,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if bytes(mm[:4]) != b"GGUF":
             raise ValueError("not a GGUF file (no GGUF magic)")
         version = c.unpack("<4xI")
+        if version in (2 << 24, 3 << 24):
+            raise ValueError("a big-endian GGUF file (read: little-endian)")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (read: 2 and 3, little-endian)")
         n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
