@@ -150,5 +150,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
             data = raw.view(_PLAIN[qtype.name]) if qtype.name in _PLAIN else raw
             tensors.append(GGUFTensor(name, dims, qtype, data.reshape(rows, -1)))
         return GGUFFile(fields, tuple(tensors))
-    except (ValueError, KeyError, TypeError, OverflowError, struct.error) as e:
+    except struct.error:
+        raise YggError(f"cannot read GGUF file {path}: it ends inside its header (a truncated file?)") from None
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise YggError(f"cannot read GGUF file {path}: {e}") from None
