@@ -161,6 +161,27 @@ def test_tree_attention_is_rows_attention_bit_for_bit(width, context, heads, d, 
         assert torch.equal(got[:, r : r + 1], one), r
 
 
+def test_tree_attention_after_calls_with_other_masks_of_the_same_shape():
+    """A step's layers pass the step's masks, whose shared part 1 the kernel computes once and keeps; a call
+    whose masks or windows differ in any byte (the same tensors changed in place, or others of the same
+    shape) gets its own: rows_attention's bits every time."""
+    kernels.load_library()
+    q, k, v, head, window = tree_inputs(5, 8, 120, (9, 3), 64, DTYPES[0], "nested", True)
+    head, window = head.contiguous().clone(), window.contiguous().clone()
+    g = torch.Generator().manual_seed(1)
+    for change in range(8):
+        got = torch.ops.yggtree.tree_attention(q, k, v, head, window)
+        assert torch.equal(got, torch.ops.yggtree.rows_attention(q, k, v, head, window)), change
+        assert torch.equal(torch.ops.yggtree.tree_attention(q, k, v, head, window), got), change
+        r = int(torch.randint(0, 8, (1,), generator=g))
+        if change % 2 == 0:  # a prefix slot of one row, in place
+            s = int(torch.randint(0, 120, (1,), generator=g))
+            head[0, r, s] = ~head[0, r, s]
+        else:  # one window entry, in a new tensor
+            window = window.clone()
+            window[0, r, int(torch.randint(0, window.shape[2], (1,), generator=g))] = -1
+
+
 def test_tree_attention_of_rows_that_see_nothing_or_only_a_window():
     """Edge rows: nothing visible (zeros, as rows_attention), only a window, only part 1; and a fake
     (meta) call gives the output's shape without running the kernel."""
