@@ -180,6 +180,13 @@ def test_tree_attention_after_calls_with_other_masks_of_the_same_shape():
         else:  # one window entry, in a new tensor
             window = window.clone()
             window[0, r, int(torch.randint(0, window.shape[2], (1,), generator=g))] = -1
+    # other shapes whose masks and windows hold the same bytes (rows that see nothing) are other calls too
+    for width, slots, t in ((4, 60, 8), (8, 30, 4), (2, 120, 16)):
+        q = torch.randn(1, width, 9, 64, generator=g)
+        k, v = (torch.randn(1, 3, slots, 64, generator=g).transpose(1, 2) for _ in range(2))
+        head, window = torch.zeros(1, width, slots, dtype=torch.bool), torch.full((1, width, t), -1)
+        got = torch.ops.yggtree.tree_attention(q, k, v, head, window)
+        assert torch.equal(got, torch.ops.yggtree.rows_attention(q, k, v, head, window)) and not got.any()
 
 
 def test_tree_attention_of_rows_that_see_nothing_or_only_a_window():

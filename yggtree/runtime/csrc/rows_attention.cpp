@@ -275,20 +275,23 @@ Shared share(const bool* hm, const int64_t* wp, int64_t W, int64_t C, int64_t T)
 // calling thread; the same inputs give the same Shared, so reuse changes no bit.
 const std::vector<Shared>& shared_parts(const bool* hm, const int64_t* wp, int64_t B, int64_t W, int64_t C, int64_t T) {
   struct Memo {
-    std::vector<char> mask;  // the masks' bytes
+    std::array<int64_t, 4> shape{-1, -1, -1, -1};  // B, W, C, T
+    std::vector<char> mask;                      // the masks' bytes
     std::vector<int64_t> window;
     std::vector<Shared> shared;
   };
   static thread_local Memo memo;
+  const std::array<int64_t, 4> shape{B, W, C, T};
   const size_t nm = static_cast<size_t>(B * W * C), nw = static_cast<size_t>(B * W * T);
-  const bool same = memo.mask.size() == nm && memo.window.size() == nw && memo.shared.size() == static_cast<size_t>(B) &&
-                    std::memcmp(memo.mask.data(), hm, nm) == 0 &&
-                    std::memcmp(memo.window.data(), wp, nw * sizeof(int64_t)) == 0;
+  const bool same = memo.shape == shape && (nm == 0 || std::memcmp(memo.mask.data(), hm, nm) == 0) &&
+                    (nw == 0 || std::memcmp(memo.window.data(), wp, nw * sizeof(int64_t)) == 0);
   if (!same) {
+    memo.shape = {-1, -1, -1, -1};  // matches nothing until the whole memo is written (a throw leaves it so)
     memo.mask.assign(reinterpret_cast<const char*>(hm), reinterpret_cast<const char*>(hm) + nm);
     memo.window.assign(wp, wp + nw);
     memo.shared.clear();
     for (int64_t b = 0; b < B; ++b) memo.shared.push_back(share(hm + b * W * C, wp + b * W * T, W, C, T));
+    memo.shape = shape;
   }
   return memo.shared;
 }
