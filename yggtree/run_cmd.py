@@ -245,8 +245,7 @@ def flags_plan(args) -> Plan:
 
     drafter = None if args.no_speculate else args.drafter or None
     lookup = 0 if args.no_speculate or args.lookup is None else args.lookup
-    tree_flags = [f"--{f.replace('_', '-')}" for f in ("draft_width", "draft_depth", "verify_width")
-                  if getattr(args, f) is not None]
+    tree_flags = _tree_flags(args)
     if tree_flags and not args.no_speculate and drafter is None and not lookup:
         if args.model != "default" or getattr(args, "drafter_none", False):
             verb = "shape" if len(tree_flags) > 1 else "shapes"
@@ -279,6 +278,12 @@ def flags_plan(args) -> Plan:
     return validate_plan(raw, origin="the run's flags", lookup_only=True)
 
 
+def _tree_flags(args) -> list[str]:
+    """The tree flags the run names (``--draft-width``, ``--draft-depth``, ``--verify-width``): one fixed tree."""
+    return [f"--{f.replace('_', '-')}" for f in ("draft_width", "draft_depth", "verify_width")
+            if getattr(args, f) is not None]
+
+
 def _pick_plan(args) -> None:
     """Without --plan: the default plan's settings fill the flags left unset, and when the run
     asks for nothing but the embedded default (no model, format, cache or context flags; no
@@ -291,7 +296,7 @@ def _pick_plan(args) -> None:
 
     base = default_plan()
     shaped = (args.max_context, args.prefill_chunk, args.top_k) != (None,) * 3  # flags a plan would otherwise decide
-    tree = (args.draft_width, args.draft_depth, args.verify_width) != (None,) * 3  # one fixed tree
+    tree = bool(_tree_flags(args))  # one fixed tree
     for flag, value in (("dtype", base.dtype), ("max_context", base.max_context),
                         ("prefill_chunk", base.prefill_chunk), ("top_k", base.top_k)):
         if getattr(args, flag) is None:
@@ -416,7 +421,7 @@ def _plan_engine(args, plan: Plan, art=None, flags: bool = False):
     from .runtime.objective import plan_policy
 
     mode = "reference" if args.mode == "reference" else None
-    fixed = (args.draft_width, args.verify_width, args.draft_depth) != (None, None, None)
+    fixed = bool(_tree_flags(args))
     depth = _depth_flag(args.depth, plan)
     policy = (None if fixed or args.no_speculate  # checked before loading
               else plan_policy(plan, feedback=not args.no_feedback))

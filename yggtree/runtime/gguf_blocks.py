@@ -36,3 +36,17 @@ def read_blocks(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         return d, None, b[..., 2:].contiguous().view(torch.int8).to(torch.int16).reshape(n, -1)
     q = nibbles(b[..., 4 if kind == "Q4_1" else 2 :]).reshape(n, -1)
     return d, (f16_at(b, 2) if kind == "Q4_1" else None), q
+
+
+def dequantize(kind: str, raw: torch.Tensor) -> torch.Tensor | None:
+    """The float32 weights [N, K] of ``raw`` [N, bytes per row] uint8 of GGML type ``kind``, each
+    d (q - 8), d q + m or d q (Q4_0, Q4_1, Q8_0) in float32 as gguf.quants computes it (the same
+    bits, several times faster); None for another type."""
+    fields = read_blocks(kind, raw)
+    if fields is None:
+        return None
+    d, m, q = fields
+    q = q.reshape(*d.shape, 32).float()  # [N, K / 32, 32]
+    w = (q - 8 if kind == "Q4_0" else q) * d[..., None]
+    return (w if m is None else w + m[..., None]).reshape(raw.shape[0], -1)
+

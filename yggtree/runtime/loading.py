@@ -254,21 +254,16 @@ def _gguf_rows_unpermuted(w: torch.Tensor, gguf_name: str, cfg: ModelConfig) -> 
 
 
 def _dequantize(t) -> torch.Tensor:
-    """A GGUF tensor (gguf_file.GGUFTensor) as float32 [prod(shape[1:]), shape[0]]: the 32-weight
-    blocks the runtime reads (Q4_0, Q4_1, Q8_0) with torch's ops (several times faster than numpy
-    on the embedded model), each weight d q (+ m) as gguf.quants computes it, the same bits
-    (tests/test_gguf_file.py); other types by gguf.quants."""
-    from .gguf_blocks import read_blocks
+    """A GGUF tensor (gguf_file.GGUFTensor) as float32 [prod(shape[1:]), shape[0]]: the block types
+    the runtime reads by torch's ops (gguf_blocks.dequantize, gguf.quants' bits), others by
+    gguf.quants (tests/test_gguf_file.py)."""
+    from .gguf_blocks import BLOCK_BYTES, dequantize
 
-    if t.kind.name in ("Q4_0", "Q4_1", "Q8_0"):
-        raw = torch.from_numpy(t.data.copy())  # [rows, bytes a row] uint8
-        d, m, q = read_blocks(t.kind.name, raw)
-        q = q.reshape(*d.shape, 32).float()  # [rows, K / 32, 32]
-        w = (q - 8 if t.kind.name == "Q4_0" else q) * d[..., None]
-        return (w if m is None else w + m[..., None]).reshape(raw.shape[0], -1)
-    from gguf.quants import dequantize
+    if t.kind.name in BLOCK_BYTES:
+        return dequantize(t.kind.name, torch.from_numpy(t.data.copy()))
+    from gguf.quants import dequantize as gguf_dequantize
 
-    return torch.from_numpy(dequantize(t.data, t.kind).copy()).float()
+    return torch.from_numpy(gguf_dequantize(t.data, t.kind).copy()).float()
 
 
 def _load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
