@@ -601,6 +601,28 @@ def test_the_build_measures_a_busy_plan_again_and_forgets_a_busy_kernel_choice(m
     assert machine_plan._build_locked(mp, said.append) == path and phases == []  # quiet now: nothing to do
 
 
+def test_the_plan_keeps_its_own_copy_of_the_shipped_calibration(monkeypatch, tmp_path):
+    """The plan a build compiles names a copy of the package's acceptance calibration in the machine
+    plan's directory, not the package's file: the checkout or environment that built it may be gone
+    when another install of the same code loads the plan."""
+    import yggtree.quickstart as quick_mod
+
+    mp = MachinePlan(tmp_path / "machine", "w4a8", 2)
+    mp.root.mkdir(parents=True)
+    shipped = tmp_path / "checkout" / "calibration.json"
+    shipped.parent.mkdir()
+    shipped.write_text('{"shipped": 1}')
+    monkeypatch.setattr(quick_mod, "shipped_calibration", lambda plan: shipped)
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (None, machine_plan.NOT_BUILT))
+    built = []
+    monkeypatch.setattr(machine_plan, "_build_plan", lambda mp_, plan, *a: built.append(plan) or tmp_path / "p.yaml")
+    monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: None)
+    monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: None)
+    machine_plan._build_locked(mp, lambda line: None)
+    copy = mp.root / machine_plan.CALIBRATION
+    assert built[0].calibration == str(copy) and copy.read_text() == '{"shipped": 1}'
+
+
 def test_the_servers_batched_graphs_that_fail_to_build_are_one_line(monkeypatch, tmp_path):
     """The build's last phase (the batched graphs of ``yggtree serve``): a plan that cannot load
     or a package that cannot be built is one line, and the build still ends ready."""

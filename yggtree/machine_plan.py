@@ -78,6 +78,7 @@ PID = "build.pid"  # the running build's process id (and its session's: it start
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
 FAILED = "failed.json"  # the error a build stopped on, with the code it ran: not retried until that changes
 REMEASURED = "remeasured.json"  # how many later builds measured a plan timed while busy again
+CALIBRATION = "calibration.json"  # the plan's copy of the acceptance calibration the package ships
 REMEASURES = 3  # at most this many: a machine that is never quiet keeps what it measured
 MACHINE_VERIFY_WIDTHS = (4, 8)  # W_v the machine plan compiles
 MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
@@ -359,11 +360,12 @@ def code_key() -> str:
 
 @functools.cache
 def _sources_sha() -> str:
-    """sha256 of every source file of the package (Python, the kernel library's C++), read once a process."""
+    """sha256 of every source file of the package (Python, the kernel library's C++) and its JSON
+    assets (the acceptance calibration a build copies), read once a process."""
     h = hashlib.sha256()
     package = Path(__file__).resolve().parent
     for f in sorted(package.rglob("*")):
-        if f.suffix in (".py", ".cpp", ".h") and f.is_file():
+        if f.suffix in (".py", ".cpp", ".h", ".json") and f.is_file():
             h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
@@ -374,9 +376,13 @@ def _build_locked(mp: MachinePlan, say) -> Path:
 
     t0 = time.perf_counter()
     base = default_plan()
-    calibration = shipped_calibration(base)
-    if calibration is None:
+    shipped = shipped_calibration(base)
+    if shipped is None:
         raise YggError("the package ships no acceptance calibration for the default pair")
+    # the plan's own copy: a plan naming the package's file would go stale with the checkout or
+    # environment that built it (the same code elsewhere shares this directory)
+    calibration = mp.root / CALIBRATION
+    write_text_atomic(calibration, shipped.read_text())
     # the widths a CPU's objective takes (wider trees cost more rows than they return there): half
     # the default plan's packages, so the build ends in minutes
     plan = replace(base, name=mp.name, weights=mp.weights, calibration=str(calibration), profile=None,
