@@ -44,6 +44,28 @@ def test_moving_keeps_values_ties_and_shared_storage():
     assert target.layers[1].self_attn.cache.kv.data_ptr() == target.kv.kv[1].data_ptr()
 
 
+def test_a_storage_held_only_by_a_skipped_module_stays_and_a_shared_one_moves_with_its_tie():
+    """An untied embedding table (read one row a token) stays where it is; a table tied to the LM
+    head moves, and the embedding follows it: one Parameter still."""
+    tied = tiny_model(layers=1)
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    old = tied.embed_tokens.weight.data_ptr()
+    move_to_huge_pages([tied], skip=(KVCache, torch.nn.Embedding))
+    assert tied.embed_tokens.weight.data_ptr() != old and tied.lm_head.weight is tied.embed_tokens.weight
+    def untied():
+        m = tiny_model(layers=1)
+        m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())
+        return m
+
+    m = untied()
+    old, head = m.embed_tokens.weight.data_ptr(), m.lm_head.weight.data_ptr()
+    before = m.embed_tokens.weight.clone()
+    n = move_to_huge_pages([m], skip=(KVCache, torch.nn.Embedding))
+    assert m.embed_tokens.weight.data_ptr() == old and torch.equal(m.embed_tokens.weight, before)
+    assert m.lm_head.weight.data_ptr() != head
+    assert move_to_huge_pages([untied()], skip=(KVCache,)) - n == before.numel() * before.element_size()
+
+
 @pytest.mark.parametrize("mode", ["reference", pytest.param("performance", marks=pytest.mark.slow)])
 def test_engine_on_moved_weights_decodes_the_same_tokens(mode):
     """Eager, and compiled step graphs (whose nested layer regions refuse aliased inputs)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from torch import nn
+
 from ..errors import YggError
 from ..shapes import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_CHUNK, Envelope, TreeParams, measured_prefetch
 from .artifacts import cache_dir, read_manifest
@@ -126,9 +128,9 @@ def build_engine(spec: EngineSpec, prepare=None):
                        "plans): a cuda or npu plan can be compiled, not run")
     models = prepare_models(spec)
     target, drafter, tokenizer = models.target, models.drafter, models.tokenizer
-    # every weight in one arena of 2 MiB pages (runtime/hugepages.py), before anything keeps
-    # references to them (the packages' input lists)
-    move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache,))
+    # every weight the steps stream in one arena of 2 MiB pages (runtime/hugepages.py), before
+    # anything keeps references to them (the packages' input lists)
+    move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache, nn.Embedding))
     if prepare is not None:
         prepare(target, drafter)
     if spec.verifies:  # quantized kernels must be batch-invariant for speculation to be exact

@@ -68,23 +68,29 @@ def _movable(t: torch.Tensor | None) -> bool:
 
 
 def move_to_huge_pages(modules: list[nn.Module], skip: tuple[type, ...] = ()) -> int:
-    """Move every dense CPU parameter and buffer of ``modules`` (not those of modules of a type
-    in ``skip``) into one huge-page arena, storage by storage: each storage becomes a storage of
-    its own over a region of the arena, so tensors that shared one (tied weights, views, a
-    self-drafter's copy of the target) still share it and others do not, and a Parameter held by
-    several modules is one Parameter after. Call it before anything keeps
-    references to the weights (compiled packages' input lists). Returns the bytes moved."""
+    """Move every dense CPU parameter and buffer of ``modules`` into one huge-page arena, storage
+    by storage: each storage becomes a storage of its own over a region of the arena, so tensors
+    that shared one (tied weights, views, a self-drafter's copy of the target) still share it and
+    others do not, and a Parameter held by several modules is one Parameter after. A storage held
+    only by modules of a type in ``skip`` stays where it is (a KV cache, on huge pages of its own;
+    an embedding table, read one row a token, which gains nothing from them and is the largest
+    copy); one also held elsewhere moves, and its holders in ``skip`` follow it (a tied LM head
+    and embedding stay one Parameter). Call it before anything keeps references to the weights
+    (compiled packages' input lists). Returns the bytes moved."""
     holders = []  # (module, "_parameters" | "_buffers", name, tensor)
+    wanted: set[int] = set()  # storages some holder outside ``skip`` holds
     for root in modules:
         for m in root.modules():
-            if isinstance(m, skip):
-                continue
             for kind in ("_parameters", "_buffers"):
-                holders += [(m, kind, n, t) for n, t in getattr(m, kind).items() if _movable(t)]
+                held = [(m, kind, n, t) for n, t in getattr(m, kind).items() if _movable(t)]
+                holders += held
+                if not isinstance(m, skip):
+                    wanted.update(t.untyped_storage().data_ptr() for *_, t in held)
     storages: dict[int, torch.UntypedStorage] = {}
     for *_, t in holders:
-        if t.untyped_storage().nbytes():
-            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in wanted and t.untyped_storage().nbytes():
+            storages.setdefault(ptr, t.untyped_storage())
     offsets, total = {}, 0
     for ptr, s in storages.items():
         offsets[ptr] = total
