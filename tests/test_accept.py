@@ -204,6 +204,82 @@ def test_sample_tokens_inverts_the_cdf() -> None:
     assert torch.bincount(got, minlength=5).tolist() == [512, 0, 1536, 1024, 1024]
 
 
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p mask as filter_probs defines it: each row's full stable descending sort."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+    keep_sorted[..., 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([3, 50, 3000]), st.floats(0.01, 0.9999), st.sampled_from([0.3, 1.0, 2.5]),
+       st.sampled_from(["randn", "rounded", "ties", "tail"]), st.integers(0, 2**31 - 1))
+def test_the_nucleus_from_the_largest_probabilities_is_the_full_sorts(rows, v, top_p, temperature, kind, seed) -> None:
+    """The host path's top-p mask (the entries above a threshold, sorted among themselves) is the full
+    stable sort's wherever it settles, and filter_probs returns the same bits either way: rounded
+    logits (ties), a block of equal logits, a zero-probability tail."""
+    from yggtree.runtime.accept import _nucleus_of_top
+
+    lg = torch.randn(rows, v, generator=torch.Generator().manual_seed(seed)) * 4
+    if kind == "rounded":
+        lg = lg.round()
+    elif kind == "ties":
+        lg[:, : v // 2] = lg[:, :1]
+    elif kind == "tail":
+        lg[:, 2:] = -1e4
+    probs = torch.softmax(lg / temperature, dim=-1)
+    want = _nucleus_by_full_sort(probs, top_p)
+    got = _nucleus_of_top(probs, top_p)
+    assert got is None or torch.equal(got, want)
+    kept = torch.where(want, probs, 0.0)
+    assert torch.equal(filter_probs(lg, temperature, top_p), kept / kept.sum(dim=-1, keepdim=True))
+
+
+def test_a_peaked_distribution_takes_its_nucleus_without_sorting_the_vocabulary(monkeypatch) -> None:
+    """A language model's row (a few likely tokens over a long tail) never sorts its vocabulary."""
+    lg = torch.randn(3, 49152, generator=torch.Generator().manual_seed(1)) * 2
+    lg[:, :20] += 12
+    want = filter_probs(lg, 0.7, 0.9)
+
+    def no_sort(*a, **k):
+        raise AssertionError("sorted the whole vocabulary")
+
+    monkeypatch.setattr(torch, "sort", no_sort)
+    assert torch.equal(filter_probs(lg, 0.7, 0.9), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(2, 40), st.integers(0, 2**31 - 1))
+def test_the_host_draw_is_the_branchless_draw(rows, v, seed) -> None:
+    """sample_tokens on the host skips the last-positive scan unless a draw rounds past the top end:
+    the same token as the device path's for every row, zero-probability entries and u near 1 included."""
+    import yggtree.runtime.accept as accept
+
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(rows, v, generator=g) * (torch.rand(rows, v, generator=g) > 0.4)
+    probs[:, 0] += 1e-3  # every row has mass
+    u = torch.rand(rows, generator=g)
+    u[0] = 0.99999994  # the largest float32 below 1
+    host = sample_tokens(probs, u)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accept, "_host", lambda t: False)
+        assert torch.equal(host, sample_tokens(probs, u))
+    assert bool((probs.gather(-1, host[:, None]) > 0).all())
+
+
+def test_a_plain_draw_follows_the_filtered_distribution() -> None:
+    """choose_token (a plain step's draw: one uniform, the inverse CDF) against the exact law."""
+    from yggtree.runtime.stages import choose_token
+    from yggtree.shapes import SamplingParams
+
+    lg = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 2
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    gen = torch.Generator().manual_seed(4)
+    counts = np.bincount([choose_token(lg, params, gen) for _ in range(N_DRAWS)], minlength=V)
+    assert chi2_pvalue(counts, filter_probs(lg, 0.8, 0.9).double().numpy()) > ALPHA
+
+
 def test_sample_accept_uses_only_the_given_generator() -> None:
     tree = build_tree([0, 0, 0, 1], [9, 3, 4, 5])
     lg = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))

@@ -90,13 +90,52 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torc
     probs = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
     if top_p >= 1:
         return probs
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    keep_sorted = before < top_p
-    keep_sorted[..., 0] = True  # the most likely token always (a top_p below float32's range is 0)
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    keep = _nucleus_of_top(probs, top_p) if _host(probs) else None
+    if keep is None:  # every row's descending order, in full
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = before < top_p
+        keep_sorted[..., 0] = True  # the most likely token always (a top_p below float32's range is 0)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = torch.where(keep, probs, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on the CPU outside a graph being traced (host paths may branch on values)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _nucleus_of_top(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """:func:`filter_probs`' top-p mask [..., V] bool from each row's largest probabilities alone,
+    or None where a row's nucleus could not be settled so (the caller sorts in full). A
+    vocabulary's stable descending sort costs milliseconds on a CPU; a nucleus is mostly a few
+    dozen tokens.
+
+    The same mask as the full sort's: a row's entries above any threshold are the first entries of
+    its full stable order (ties never straddle a threshold), in token order they sort stably into
+    that order's prefix, and their cumulative sums are the prefix of the full scan's (a sequential
+    scan). Where the prefix's mass reaches ``top_p`` the mask ends inside it. The thresholds: a
+    thousandth of the row's largest value, then one below which the whole vocabulary holds less
+    than ``1 - top_p`` (the rest of a softmax row's unit mass is then above it)."""
+    v = probs.shape[-1]
+    rows = probs.detach().reshape(-1, v).numpy()
+    keep = np.zeros(rows.shape, dtype=np.bool_)
+    for r, row in enumerate(rows):
+        for t in (float(row.max()) * 1e-3, (1.0 - top_p) / (2 * v)):
+            idx = np.flatnonzero(row > t)  # ascending token ids
+            top = row[idx]
+            order = np.argsort(-top, kind="stable")  # descending, ties by token id
+            sorted_p = torch.from_numpy(top[order])
+            mass = torch.cumsum(sorted_p, dim=-1)  # the full path's scan (numpy's would differ)
+            if mass.numel() and float(mass[-1]) >= top_p:
+                keep_sorted = ((mass - sorted_p) < top_p).numpy()
+                keep_sorted[0] = True
+                keep[r, idx[order[keep_sorted]]] = True
+                break
+        else:
+            return None
+    return torch.from_numpy(keep).reshape(probs.shape)
 
 
 def sample_tokens(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -118,6 +157,10 @@ def sample_tokens(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     x = (uniform.to(torch.float32) * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
     idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)  # [...]
     v = probs.shape[-1]
+    # a draw lands on a positive probability below the top end (a flat stretch of the CDF is never
+    # its first value above x): only idx = V, a rounding at the top, needs the last positive one
+    if _host(probs) and not bool((idx == v).any()):
+        return idx
     last_pos = (v - 1) - torch.argmax((probs.flip(-1) > 0).to(torch.int32), dim=-1)  # [...]
     return torch.minimum(idx, last_pos)
 
