@@ -80,7 +80,7 @@ def test_a_running_build_is_not_started_twice_and_a_killed_one_frees_its_lock(tm
 def _args(**kw):
     base = dict(model="default", drafter=None, no_speculate=False, speculate=False, mode="performance", max_context=None,
                 prefill_chunk=None, top_k=None, draft_width=None, draft_depth=None, verify_width=None,
-                weights=None, kv_cache=None, dtype=None, plan=None, threads=0, lookup=None)
+                weights=None, kv_cache=None, dtype=None, plan=None, threads=0, lookup=None, temperature=0.0)
     return argparse.Namespace(**(base | kw))
 
 
@@ -155,7 +155,7 @@ def test_the_code_key_follows_the_code_and_the_compilers(monkeypatch):
 
 
 def test_a_default_run_takes_the_built_plan(monkeypatch, tmp_path):
-    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0))  # its verdict measured
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0, 1.1, True))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -197,7 +197,7 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
 
 def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
     """``--no-speculate`` alone decodes plainly on the machine plan's graphs (like for like)."""
-    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0))  # its verdict measured
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0, 1.1, True))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -213,7 +213,7 @@ def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
 
 def test_the_plan_is_the_one_of_the_threads_asked(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0))  # its verdict measured
+    monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0, 1.1, True))  # its verdict measured
     monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
@@ -364,7 +364,7 @@ def _built(monkeypatch, tmp_path, verdict, started=None):
 def test_where_plain_steps_measured_faster_the_default_decodes_plainly(monkeypatch, tmp_path, capsys):
     """The build measured the objective slower than plain steps here: a default run decodes the
     plan plainly and says so in its one line; --speculate keeps the objective."""
-    _built(monkeypatch, tmp_path, machine_plan.Verdict(False, 0.954, 0))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(False, 0.954, 0, 0.954, False))
     args = _args()
     run_cmd._pick_plan(args)
     err = capsys.readouterr().err
@@ -376,8 +376,25 @@ def test_where_plain_steps_measured_faster_the_default_decodes_plainly(monkeypat
     assert not args.no_speculate and "latency objective on its own profile" in capsys.readouterr().err
 
 
+def test_a_sampled_run_takes_the_verdict_timed_on_sampled_requests(monkeypatch, tmp_path, capsys):
+    """The objective paid on greedy requests and not on sampled ones: a run that samples decodes
+    plainly and says why in its one line (--speculate keeps the objective); a greedy run speculates."""
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.2, 4, 0.96, False))
+    args = _args(temperature=0.7)
+    run_cmd._pick_plan(args)
+    err = capsys.readouterr().err
+    assert args.no_speculate and err.count("\n") == 1
+    assert "plain steps: its latency objective decoded sampled requests at 0.96x their speed here" in err
+    args = _args(temperature=0.7, speculate=True)
+    run_cmd._pick_plan(args)
+    assert not args.no_speculate and args.lookup == 4
+    args = _args()
+    run_cmd._pick_plan(args)
+    assert not args.no_speculate and args.lookup == 4 and "4 lookup nodes a step" in capsys.readouterr().err
+
+
 def test_where_the_objective_measured_faster_the_default_speculates(monkeypatch, tmp_path, capsys):
-    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0, 1.08, True))
     args = _args()
     run_cmd._pick_plan(args)
     assert not args.no_speculate and args.lookup == 0
@@ -386,7 +403,7 @@ def test_where_the_objective_measured_faster_the_default_speculates(monkeypatch,
 
 def test_the_default_runs_the_lookup_count_its_objective_was_fastest_with(monkeypatch, tmp_path, capsys):
     """The verdict's lookup count becomes the run's (its one line says so); --lookup N keeps N."""
-    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.25, 4))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.25, 4, 1.25, True))
     args = _args()
     run_cmd._pick_plan(args)
     assert args.lookup == 4 and "latency objective on its own profile, 4 lookup nodes a step" in capsys.readouterr().err
@@ -401,7 +418,7 @@ def test_the_default_runs_the_lookup_count_its_objective_was_fastest_with(monkey
 def test_a_namesake_devices_tuned_plan_is_not_mentioned_where_the_machine_plan_runs(monkeypatch, tmp_path, capsys):
     """Another CPU of the same name tuned a plan: where this machine's own plan runs, the run's one
     line names it alone; the passed-over plan is said only where the quick start runs instead."""
-    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0, 1.08, True))
 
     def namesake(*a, say=None, **k):
         say("not using tuned plan profiles/other.yaml: it records another cpu")
@@ -446,8 +463,12 @@ def test_the_verdict_is_kept_for_its_profile_only(tmp_path):
         {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4, "version": 1}))
     assert mp.speculates("abc") is None  # another measurement's verdict: measured again
     (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
-        {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4, "version": VERSION}))
-    assert mp.speculates("abc") == machine_plan.Verdict(False, 0.95, 4) and mp.speculates("def") is None
+        {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4, "version": 2}))
+    assert mp.speculates("abc") is None  # measured before sampled requests were: measured again
+    (tmp_path / machine_plan.SPECULATION).write_text(json.dumps(
+        {"profile": "abc", "ratio": 0.95, "speculate": False, "lookup": 4, "version": VERSION,
+         "sampling_ratio": 1.02, "speculate_sampling": True}))
+    assert mp.speculates("abc") == machine_plan.Verdict(False, 0.95, 4, 1.02, True) and mp.speculates("def") is None
     (tmp_path / machine_plan.SPECULATION).write_text("{not json")
     assert mp.speculates("abc") is None
 
@@ -464,7 +485,7 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
     def measure(plan, art, threads):
         load, ratio = next(busy)
         return {"ratio": ratio, "lookup": 0, "ratios": {"0": ratio, "4": ratio - 0.01}, "prompts": 6,
-                "load": {"other_cores": load}, "version": choice_mod.VERSION}
+                "sampling_ratio": ratio - 0.1, "load": {"other_cores": load}, "version": choice_mod.VERSION}
 
     waits, said = [], []
     monkeypatch.setattr(choice_mod, "measure_speculation", measure)
@@ -474,9 +495,11 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
     monkeypatch.setattr(machine_plan.time, "sleep", waits.append)
     mp = MachinePlan(tmp_path, "w4a8", 2)
     machine_plan._measure_speculation(mp, tmp_path / "plan.yaml", said.append)
-    assert waits == [machine_plan.QUIET_WAITS[0]] and mp.speculates("sha") == machine_plan.Verdict(False, 0.97, 0)
+    assert waits == [machine_plan.QUIET_WAITS[0]]
+    assert mp.speculates("sha") == machine_plan.Verdict(False, 0.97, 0, 0.87, False)
     assert said[-1] == ("the latency objective decodes at 0.970x plain steps here with 0 lookup nodes a step "
-                        "(0.960x with 4), 6 held-out prompts: runs decode plainly")
+                        "(0.960x with 4), 0.870x on sampled requests, 6 held-out prompts: runs decode plainly, "
+                        "sampled ones decode plainly")
 
 
 def test_the_verdict_takes_turns_between_chat_prompts_and_open_questions(monkeypatch):
@@ -565,7 +588,7 @@ def test_a_profile_timing_other_stage_calls_is_measured_again(monkeypatch, tmp_p
 
 def test_a_run_on_a_plan_timed_while_busy_measures_it_again_in_the_background(monkeypatch, tmp_path, capsys):
     started = []
-    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0), started)
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(True, 1.08, 0, 1.08, True), started)
     monkeypatch.setattr(MachinePlan, "unsettled", lambda self, path: machine_plan.Unsettled(
         "the profile: while timing, other processes kept 0.80 cores busy"))
     args = _args()
@@ -637,7 +660,7 @@ def test_tree_flags_run_one_fixed_tree_on_the_built_plan_where_it_compiles_it(mo
     built yet, leaves the flags' own plan to run (nothing set), with one line where the plan is built."""
     from yggtree.plan import validate_plan
 
-    _built(monkeypatch, tmp_path, machine_plan.Verdict(False, 0.95, 8))
+    _built(monkeypatch, tmp_path, machine_plan.Verdict(False, 0.95, 8, 0.95, False))
     plan = validate_plan({"name": "m", "target": "default", "drafter": "default", "draft_widths": [1, 2],
                           "verify_widths": [4, 8], "d_max": 6})
     monkeypatch.setattr("yggtree.plan.load_plan", lambda path: plan)

@@ -112,6 +112,8 @@ class Verdict:
     speculate: bool  # its objective decoded faster than its plain steps
     ratio: float  # the fastest objective's speed over plain steps
     lookup: int  # lookup nodes a step of that objective
+    sampling_ratio: float  # that objective's speed over plain steps on sampled requests
+    speculate_sampling: bool  # faster there too: runs that sample speculate
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,8 @@ class MachinePlan:
             record = json.loads((self.root / SPECULATION).read_text())
             if record.get("profile") != profile_sha or record.get("version") != VERSION:
                 return None
-            return Verdict(bool(record["speculate"]), float(record["ratio"]), int(record["lookup"]))
+            return Verdict(bool(record["speculate"]), float(record["ratio"]), int(record["lookup"]),
+                           float(record["sampling_ratio"]), bool(record["speculate_sampling"]))
         except (OSError, ValueError, AttributeError, KeyError, TypeError):
             return None
 
@@ -446,12 +449,14 @@ def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
 
     plan = load_plan(copy)
     best = quietest(lambda: measure_speculation(plan, artifact_dir(plan), mp.threads), QUIET_WAITS, "speculation", say)
-    record = {"profile": profile_sha(copy), **best, "speculate": best["ratio"] >= 1.0}
+    record = {"profile": profile_sha(copy), **best, "speculate": best["ratio"] >= 1.0,
+              "speculate_sampling": best["sampling_ratio"] >= 1.0}
     write_text_atomic(mp.root / SPECULATION, json.dumps(record) + "\n")
     others = ", ".join(f"{r:.3f}x with {n}" for n, r in best.get("ratios", {}).items() if int(n) != best["lookup"])
     say(f"the latency objective decodes at {best['ratio']:.3f}x plain steps here with {best['lookup']} lookup "
-        f"nodes a step{f' ({others})' if others else ''}, {best['prompts']} held-out prompts: "
-        f"runs {'speculate' if record['speculate'] else 'decode plainly'}")
+        f"nodes a step{f' ({others})' if others else ''}, {best['sampling_ratio']:.3f}x on sampled requests, "
+        f"{best['prompts']} held-out prompts: runs {'speculate' if record['speculate'] else 'decode plainly'}, "
+        f"sampled ones {'speculate' if record['speculate_sampling'] else 'decode plainly'}")
 
 
 def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:

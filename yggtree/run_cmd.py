@@ -386,10 +386,13 @@ def _machine_plan(args, device: dict, waiting) -> bool:
             except OSError:
                 pass
         how = "latency objective on its own profile"
-        if verdict is not None and not verdict.speculate and not (args.speculate or args.no_speculate):
+        sampled = args.temperature > 0
+        pays, ratio = ((verdict.speculate_sampling, verdict.sampling_ratio) if sampled else
+                       (verdict.speculate, verdict.ratio)) if verdict is not None else (True, 0.0)
+        if not pays and not (args.speculate or args.no_speculate):
             args.no_speculate = True  # measured: plain steps are faster here than keeping the objective's option
-            how = (f"plain steps: its latency objective decoded at {verdict.ratio:.2f}x their speed here; "
-                   "--speculate to use it")
+            how = (f"plain steps: its latency objective decoded {'sampled requests ' if sampled else ''}at "
+                   f"{ratio:.2f}x their speed here; --speculate to use it")
         elif verdict is not None and not args.no_speculate and args.lookup is None:
             args.lookup = verdict.lookup  # the lookup count its objective was fastest with here
             how += f", {verdict.lookup} lookup nodes a step" if verdict.lookup else ""

@@ -13,18 +13,25 @@ prompts, whose answers quote the snippet they embed, which lookup continues; hal
 with nothing to quote, ``data.open_questions``), in an order rotated per prompt, after one warm-up
 prompt each; a system's ratio is the geometric mean over prompts of plain ms per token over its
 own (above 1: faster than plain steps), and the verdict the best system's.
+
+Sampling is timed apart: a drafted token is accepted with the target's probability of it, not
+whenever it is the target's argmax, so a tree that pays for greedy requests may not for sampled
+ones. The fastest system is timed once more against plain steps with every request sampled at
+:data:`SAMPLING` (``sampling_ratio``); runs that sample take that verdict.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .probe_prompts import decode_ms_per_token, probe_requests
 
 PROMPTS = 10  # held-out requests timed (after one warm-up prompt): :func:`verdict_requests`
 NEW_TOKENS = 128  # each: whole answers, as a run decodes them (a short probe's openings draft better)
 LOOKUPS = (0, 4, 8)  # lookup nodes a step the objective is timed with (those the verify widths hold)
-VERSION = 2  # of what a verdict measures (2: lookup counts, half open questions); another is measured again
+SAMPLING = {"temperature": 0.7, "top_p": 1.0}  # how sampled requests are timed (a common chat setting)
+VERSION = 3  # of what a verdict measures (2: lookup counts, half open questions; 3: sampling); another is measured again
 
 
 def speed_ratio(plain_ms: list[float], objective_ms: list[float]) -> float:
@@ -74,26 +81,39 @@ def measure_speculation(plan, art, threads: int) -> dict:
     systems |= {n: (n, plan_policy(plan)) for n in lookup_counts(plan.verify_widths)}
     names = list(systems)
 
-    def decode(prompt, name) -> float | None:
+    def decode(prompt, name, how=params) -> float | None:
         n, policy = systems[name]
         engine.set_lookup(n)
-        return decode_ms_per_token(engine.generate(prompt, params, policy=policy))
+        return decode_ms_per_token(engine.generate(prompt, how, policy=policy))
 
-    for name in names:  # warm-up
-        decode(ids[0], name)
-    times = {name: [] for name in names}
-    with LoadMeter() as load:
+    def timed(names: list, how) -> dict:
+        for name in names:  # warm-up
+            decode(ids[0], name, how)
+        times = {name: [] for name in names}
         for i, prompt in enumerate(ids[1:]):
             for name in names[i % len(names):] + names[: i % len(names)]:
-                times[name].append(decode(prompt, name))
+                times[name].append(decode(prompt, name, how))
+        return times
+
+    sampled = replace(params, **SAMPLING)
+    with LoadMeter() as load:
+        times = timed(names, params)
+        ratios, counts = {}, []
+        for name in names[1:]:
+            ratios[name], n = paired_ratio(times["plain"], times[name])
+            counts.append(n)
+        best = best_system(ratios)
+        times = timed(["plain", best], sampled)
+        sampling, n = paired_ratio(times["plain"], times[best])
     engine.set_lookup(plan.lookup)
-    ratios, counts = {}, []
-    for name in names[1:]:
-        pairs = [(p, o) for p, o in zip(times["plain"], times[name]) if p and o]
-        if not pairs:
-            raise ValueError("no held-out request decoded more than one token")
-        ratios[name] = round(speed_ratio([p for p, _ in pairs], [o for _, o in pairs]), 4)
-        counts.append(len(pairs))
-    best = best_system(ratios)
     return {"ratio": ratios[best], "lookup": best, "ratios": {str(n): r for n, r in ratios.items()},
-            "prompts": min(counts), "load": load.result, "version": VERSION}
+            "sampling_ratio": sampling, "prompts": min(*counts, n), "load": load.result, "version": VERSION}
+
+
+def paired_ratio(plain_ms: list, objective_ms: list) -> tuple[float, int]:
+    """:func:`speed_ratio` over the prompts both decoded more than one token of (None: fewer),
+    rounded, and how many those were (pure)."""
+    pairs = [(p, o) for p, o in zip(plain_ms, objective_ms) if p and o]
+    if not pairs:
+        raise ValueError("no held-out request decoded more than one token")
+    return round(speed_ratio([p for p, _ in pairs], [o for _, o in pairs]), 4), len(pairs)
