@@ -111,8 +111,8 @@ def measure_speculation(plan, art, threads: int) -> dict:
 
 
 def paired_ratio(plain_ms: list, objective_ms: list) -> tuple[float, int]:
-    """:func:`speed_ratio` over the prompts both decoded more than one token of (None: fewer),
-    rounded, and how many those were (pure)."""
+    """:func:`speed_ratio` over the prompts both systems decoded more than one token of (a time,
+    not None), rounded, and how many those were; ValueError where there are none (pure)."""
     pairs = [(p, o) for p, o in zip(plain_ms, objective_ms) if p and o]
     if not pairs:
         raise ValueError("no held-out request decoded more than one token")
