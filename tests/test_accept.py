@@ -213,7 +213,8 @@ def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 4), st.sampled_from([3, 50, 3000]), st.floats(0.01, 0.9999), st.sampled_from([0.3, 1.0, 2.5]),
+@given(st.integers(1, 4), st.sampled_from([3, 50, 3000]), st.floats(0.01, 0.9999) | st.sampled_from([1 - 1e-7, 1 - 3e-7]),
+       st.sampled_from([0.3, 1.0, 2.5]),
        st.sampled_from(["randn", "rounded", "ties", "tail"]), st.integers(0, 2**31 - 1))
 def test_the_nucleus_from_the_largest_probabilities_is_the_full_sorts(rows, v, top_p, temperature, kind, seed) -> None:
     """The host path's top-p mask (the entries above a threshold, sorted among themselves) is the full
@@ -234,6 +235,22 @@ def test_the_nucleus_from_the_largest_probabilities_is_the_full_sorts(rows, v, t
     assert got is None or torch.equal(got, want)
     kept = torch.where(want, probs, 0.0)
     assert torch.equal(filter_probs(lg, temperature, top_p), kept / kept.sum(dim=-1, keepdim=True))
+
+
+def test_an_entry_past_the_prefix_is_kept_where_the_scans_rounding_says_so(monkeypatch) -> None:
+    """A scan's mass before an entry is its scan value less itself in float32, which can sit below the
+    prefix's mass: here the prefix of three reaches top_p = 1 - 1e-7 (in float32), yet the fourth entry's
+    mass before it (1.0 - 1.6e-7) is below it and the full sort keeps it. The host path must not stop."""
+    import yggtree.runtime.accept as accept
+
+    probs = torch.tensor([[0.5504314303398132, 0.41355395317077637, 0.03601449355483055, 1.5697916921908472e-07]
+                          + [3.3e-10] * 12])
+    want = _nucleus_by_full_sort(probs, 1 - 1e-7)
+    assert int(want.sum()) == 4
+    got = accept._nucleus_of_top(probs, 1 - 1e-7)
+    assert got is None or torch.equal(got, want)
+    monkeypatch.setattr(accept, "SCAN_ROUNDING", 0.0)  # the check has teeth: without the margin it stops early
+    assert not torch.equal(accept._nucleus_of_top(probs, 1 - 1e-7), want)
 
 
 def test_a_peaked_distribution_takes_its_nucleus_without_sorting_the_vocabulary(monkeypatch) -> None:

@@ -106,6 +106,9 @@ def _host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+SCAN_ROUNDING = 3e-7  # > two float32 ulps at masses below 2: how far a scan's "mass before" may sit below the prefix's
+
+
 def _nucleus_of_top(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
     """:func:`filter_probs`' top-p mask [..., V] bool from each row's largest probabilities alone,
     or None where a row's nucleus could not be settled so (the caller sorts in full). A
@@ -115,12 +118,17 @@ def _nucleus_of_top(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
     The same mask as the full sort's: a row's entries above any threshold are the first entries of
     its full stable order (ties never straddle a threshold), in token order they sort stably into
     that order's prefix, and their cumulative sums are the prefix of the full scan's (a sequential
-    scan). Where the prefix's mass reaches ``top_p`` the mask ends inside it. The thresholds: a
+    scan). Where the prefix's mass clears ``top_p`` by more than the scan's rounding the mask ends
+    inside it (an entry's mass before it is its scan value less itself, in float32). The thresholds: a
     thousandth of the row's largest value, then one below which the whole vocabulary holds less
     than ``1 - top_p`` (the rest of a softmax row's unit mass is then above it)."""
     v = probs.shape[-1]
     rows = probs.detach().reshape(-1, v).numpy()
     keep = np.zeros(rows.shape, dtype=np.bool_)
+    # a prefix settles the mask where the entries left out cannot be kept: each one's mass before it
+    # (its scan value less itself, as the full path computes it) is at least the prefix's mass less
+    # two float32 ulps of rounding, so the prefix must clear top_p by that much
+    need = float(np.float32(top_p)) + SCAN_ROUNDING
     for r, row in enumerate(rows):
         for t in (float(row.max()) * 1e-3, (1.0 - top_p) / (2 * v)):
             idx = np.flatnonzero(row > t)  # ascending token ids
@@ -128,7 +136,7 @@ def _nucleus_of_top(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
             order = np.argsort(-top, kind="stable")  # descending, ties by token id
             sorted_p = torch.from_numpy(top[order])
             mass = torch.cumsum(sorted_p, dim=-1)  # the full path's scan (numpy's would differ)
-            if mass.numel() and float(mass[-1]) >= top_p:
+            if mass.numel() and float(mass[-1]) >= need:
                 keep_sorted = ((mass - sorted_p) < top_p).numpy()
                 keep_sorted[0] = True
                 keep[r, idx[order[keep_sorted]]] = True
