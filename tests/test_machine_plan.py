@@ -391,6 +391,10 @@ def test_a_sampled_run_takes_the_verdict_timed_on_sampled_requests(monkeypatch, 
     args = _args()
     run_cmd._pick_plan(args)
     assert not args.no_speculate and args.lookup == 4 and "4 lookup nodes a step" in capsys.readouterr().err
+    args = _args()
+    del args.temperature  # `yggtree serve`'s flags: each request brings its own sampling
+    run_cmd._pick_plan(args)
+    assert not args.no_speculate and args.lookup == 4
 
 
 def test_where_the_objective_measured_faster_the_default_speculates(monkeypatch, tmp_path, capsys):

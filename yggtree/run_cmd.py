@@ -386,7 +386,8 @@ def _machine_plan(args, device: dict, waiting) -> bool:
             except OSError:
                 pass
         how = "latency objective on its own profile"
-        sampled = args.temperature > 0
+        # `yggtree serve`'s flags carry no sampling (each request brings its own): the greedy verdict
+        sampled = getattr(args, "temperature", 0.0) > 0
         pays, ratio = ((verdict.speculate_sampling, verdict.sampling_ratio) if sampled else
                        (verdict.speculate, verdict.ratio)) if verdict is not None else (True, 0.0)
         if not pays and not (args.speculate or args.no_speculate):
