@@ -2,7 +2,7 @@
 """A concurrency sweep of an OpenAI-compatible server (one run): total tokens/s and per-request
 p50/p95 time to first token and time per output token, at each concurrency.
 
-Each cell streams greedy chat completions of ``--max-tokens`` tokens over ``--prompts`` prompts
+Each cell streams chat completions of ``--max-tokens`` tokens over ``--prompts`` prompts
 (half MT-Bench first turns, half HumanEval), ``C`` requests in flight at a time, after one
 uncounted warm-up request per setting. For yggtree the
 sweep runs with speculation (``"speculative": true``) and without (``false``) on one server;
@@ -39,10 +39,11 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one(client, model: str, text: str, max_tokens: int, speculative: bool | None) -> dict:
+async def one(client, model: str, text: str, max_tokens: int, speculative: bool | None,
+              temperature: float = 0.0) -> dict:
     """One streamed chat completion: its time to first token, end, and completion tokens."""
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     if speculative is not None:
         body["speculative"] = speculative
     t0 = time.perf_counter()
@@ -65,7 +66,7 @@ async def one(client, model: str, text: str, max_tokens: int, speculative: bool 
 
 
 async def cell(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-               speculative: bool | None) -> dict:
+               speculative: bool | None, temperature: float = 0.0) -> dict:
     """Every prompt once, ``concurrency`` in flight: the cell's totals and percentiles."""
     import httpx
 
@@ -73,7 +74,7 @@ async def cell(url: str, model: str, prompts: list[str], concurrency: int, max_t
 
     async def run(c, p):
         async with sem:
-            return await one(c, model, p, max_tokens, speculative)
+            return await one(c, model, p, max_tokens, speculative, temperature)
 
     # a connection per request: a server may close a kept-alive connection as the next request
     # goes out on it (llama-server after a few requests), which no client can tell from a failure
@@ -160,6 +161,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,2,4,8", help="requests in flight, comma-separated")
     ap.add_argument("--prompts", type=int, default=40, help="prompts per cell: half MT-Bench, half HumanEval")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's (0: greedy; 1.0 is the OpenAI API's default)")
     ap.add_argument("--speculative", choices=["both", "on", "off", "none"], default="both",
                     help="the request field: both settings, one, or none sent (another server)")
     return ap.parse_args()
@@ -188,13 +191,13 @@ def run(args: argparse.Namespace) -> int:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         rows = []
         for spec in settings:
-            asyncio.run(cell(url, model, prompts[:1], 1, args.max_tokens, spec))  # warm-up, not counted
+            asyncio.run(cell(url, model, prompts[:1], 1, args.max_tokens, spec, args.temperature))  # warm-up, not counted
         # the settings alternate at each concurrency: a host whose speed drifts over the run
         # shifts both alike
         for c in levels:
             for spec in settings:
                 before = metrics_of(url)
-                r = asyncio.run(cell(url, model, prompts, c, args.max_tokens, spec))
+                r = asyncio.run(cell(url, model, prompts, c, args.max_tokens, spec, args.temperature))
                 r |= drafted_share(before, metrics_of(url))
                 rows.append(r)
                 drafted = (f"  drafted {100 * r['drafted_share']:.0f}% of steps, {r['accepted_per_draft']:.2f} "
@@ -206,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    print(json.dumps({"startup_s": startup, "max_tokens": args.max_tokens, "prompts": len(prompts), "cells": rows}))
+    print(json.dumps({"startup_s": startup, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                      "prompts": len(prompts), "cells": rows}))
     return 0
 
 

@@ -231,6 +231,44 @@ def test_a_product_that_is_not_row_invariant_is_refused():
         check_rows_invariant(model, 4)
 
 
+def test_the_decoding_settings_are_held_while_requests_run_and_restored_when_the_batch_empties(monkeypatch):
+    """The engine's thread count and library settings are taken at a step and kept across steps
+    (not entered and left every step: the library's loop pool is a thread made and joined), and
+    restored once the last request leaves, by finishing or by removal."""
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def library(self, threads):
+        entered.append(threads)
+        yield
+
+    monkeypatch.setattr(Engine, "library", library)
+    eng = engine("spec")
+    eng.use_plan("sequential", threads=2)  # decodes at 2 threads, the caller at 1
+    dec = BatchDecoder(eng, 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dec.add("a", [5, 6, 7], SamplingParams(6))
+        dec.add("b", [8, 9], SamplingParams(30))
+        steps = 0
+        while any(s.key == "a" for s in dec.slots):
+            dec.step()
+            steps += 1
+            assert torch.get_num_threads() == 2  # held between steps
+        assert steps > 1 and entered == [2]  # entered once for all of them
+        dec.remove("b")  # the last request leaves: restored
+        assert torch.get_num_threads() == 1 and dec._held is None
+        dec.add("c", [5, 6], SamplingParams(2))
+        while dec.running:
+            dec.step()
+        assert torch.get_num_threads() == 1 and len(entered) == 2  # finished: restored, taken again next time
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_failing_request_leaves_the_others_running():
     eng = engine("spec")
     dec = BatchDecoder(eng, 2)

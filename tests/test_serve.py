@@ -217,6 +217,34 @@ def error_of(r, status: int) -> str:
 # ----------------------------------------------------------------------------- text
 
 
+def test_a_step_waits_for_the_http_side_to_run_what_it_handed_over():
+    """Scheduler._drain returns once each loop has run the callbacks a step scheduled on it (and
+    what they scheduled in turn), at once for a closed loop, and within DRAIN_WAIT for a stuck one."""
+    import time
+
+    from yggtree.serve.scheduler import DRAIN_WAIT, Scheduler
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    ran = []
+    try:
+        loop.call_soon_threadsafe(lambda: loop.call_soon(ran.append, "sent"))  # a token event and its write
+        Scheduler._drain({loop})
+        assert ran == ["sent"]
+        stuck = threading.Event()
+        loop.call_soon_threadsafe(stuck.wait, 1.0)  # the loop busy for a second
+        t0 = time.perf_counter()
+        Scheduler._drain({loop})
+        assert time.perf_counter() - t0 < DRAIN_WAIT + 0.5
+        stuck.set()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    Scheduler._drain({loop})  # closed: nothing to wait for
+
+
 def test_stop_matcher_never_emits_a_stop_string_wherever_the_chunks_split():
     rng = random.Random(0)
     alphabet = "ab c\n"

@@ -30,6 +30,7 @@ from ..runtime.engine import SamplingParams
 from ..streaming import IncrementalDecoder
 from .text import StopMatcher
 
+DRAIN_WAIT = 0.005  # seconds a step waits at most for the HTTP side to send its tokens (Scheduler._drain)
 
 class ServeError(Exception):
     """An error answered to one request: HTTP status, one-line message, OpenAI error type."""
@@ -329,6 +330,21 @@ class Scheduler:
                 continue
             for ev in events:
                 self._event(ev)
+            self._drain({job.loop for job in self.running} | {ev.key.loop for ev in events})
+
+    @staticmethod
+    def _drain(loops) -> None:
+        """Let the HTTP side send this step's tokens before the next step starts: work on its
+        thread during a step takes a core from the step's parallel loops, whose threads then wait
+        for it at every product. Waits until each loop has run what the step handed it, at most
+        DRAIN_WAIT seconds a loop."""
+        for loop in loops:
+            done = threading.Event()
+            try:
+                loop.call_soon_threadsafe(lambda: loop.call_soon(done.set))
+            except RuntimeError:  # the loop is closed
+                continue
+            done.wait(DRAIN_WAIT)
 
     def _admit(self, job: Job) -> None:
         """Start ``job`` (into ``running``), or answer it now: cancelled while queued, timed out,
