@@ -115,6 +115,10 @@ class Verdict:
     sampling_ratio: float  # that objective's speed over plain steps on sampled requests
     speculate_sampling: bool  # faster there too: runs that sample speculate
 
+    def for_requests(self, sampled: bool) -> tuple[bool, float]:
+        """(whether runs speculate, the measured speed over plain steps) for greedy or sampled runs."""
+        return (self.speculate_sampling, self.sampling_ratio) if sampled else (self.speculate, self.ratio)
+
 
 @dataclass(frozen=True)
 class MachinePlan:

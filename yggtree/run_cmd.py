@@ -388,8 +388,7 @@ def _machine_plan(args, device: dict, waiting) -> bool:
         how = "latency objective on its own profile"
         # `yggtree serve`'s flags carry no sampling (each request brings its own): the greedy verdict
         sampled = getattr(args, "temperature", 0.0) > 0
-        pays, ratio = ((verdict.speculate_sampling, verdict.sampling_ratio) if sampled else
-                       (verdict.speculate, verdict.ratio)) if verdict is not None else (True, 0.0)
+        pays, ratio = verdict.for_requests(sampled) if verdict is not None else (True, 0.0)
         if not pays and not (args.speculate or args.no_speculate):
             args.no_speculate = True  # measured: plain steps are faster here than keeping the objective's option
             how = (f"plain steps: its latency objective decoded {'sampled requests ' if sampled else ''}at "

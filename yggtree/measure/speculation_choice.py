@@ -81,7 +81,7 @@ def measure_speculation(plan, art, threads: int) -> dict:
     systems |= {n: (n, plan_policy(plan)) for n in lookup_counts(plan.verify_widths)}
     names = list(systems)
 
-    def decode(prompt, name, how=params) -> float | None:
+    def decode(prompt, name, how) -> float | None:
         n, policy = systems[name]
         engine.set_lookup(n)
         return decode_ms_per_token(engine.generate(prompt, how, policy=policy))

@@ -297,8 +297,8 @@ class BatchDecoder:
     def _hold_settings(self) -> None:
         """The engine's decoding thread count and kernel-library settings (Engine.library), held
         from a step until the batch empties rather than taken and restored every step: entering
-        them starts the library's loop pool and leaving joins it, a thread started and stopped
-        every step (~0.25 ms of a 3-4 ms step)."""
+        them starts the library's loop pool and leaving joins it: a thread started and stopped
+        every step otherwise."""
         if self._held is not None:
             return
         eng = self.engine

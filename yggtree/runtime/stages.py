@@ -97,8 +97,8 @@ class Step:
 
 
 def choose_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """The target's next token from logits [V]: argmax, or one draw (one uniform, the inverse of
-    the CDF, as a verified node's; torch.multinomial took ~0.9 ms over a vocabulary on a CPU)."""
+    """The target's next token from logits [V]: argmax, or one draw (one uniform through the
+    inverse of the CDF, as a verified node's: torch.multinomial is far slower over a vocabulary)."""
     if params.temperature == 0:
         return int(argmax(logits))
     probs = filter_probs(logits, params.temperature, params.top_p)

@@ -340,8 +340,8 @@ class Scheduler:
         DRAIN_WAIT seconds a loop."""
         for loop in loops:
             done = threading.Event()
-            try:
-                loop.call_soon_threadsafe(lambda: loop.call_soon(done.set))
+            try:  # in the loop's thread, after what is queued there: queue the mark behind what that runs
+                loop.call_soon_threadsafe(loop.call_soon, done.set)
             except RuntimeError:  # the loop is closed
                 continue
             done.wait(DRAIN_WAIT)
