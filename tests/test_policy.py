@@ -126,10 +126,13 @@ def test_changing_policy_keeps_greedy_output(target, plain, kind):
         assert res.stats["resyncs"] >= 1
         # before each step the policy hears the drafter's lag (its prefill is deferred to the first
         # drafted step; a drafted step leaves it in step, a plain one behind) and the tokens left
+        # (none where its head call takes the lag in: a resume of at most ``absorbs`` tokens)
         told = [a[1:] for a in pol.asked if a[0] == "catch_up"]
         lag, synced, sync_from, emitted = [], False, 0, 1
         for rec in records:  # a resync redoes the drafter from the last drafted step's root
-            lag.append((0 if synced else rec.committed - sync_from, NEW - emitted))
+            behind = rec.committed - sync_from
+            deferred = 0 < sync_from and behind <= drafter.absorbs
+            lag.append((0 if synced or deferred else behind, NEW - emitted))
             synced = rec.choice.draft_depth > 0
             sync_from = rec.committed if synced else sync_from
             emitted += 1 + rec.n_accepted
@@ -305,6 +308,79 @@ def test_resync_after_plain_steps_keeps_the_self_drafter_exact(target, plain):
             if d:  # whole chain accepted, unless the token budget cut it short
                 assert rec.n_accepted == min(d, left - 1), (i, rec.committed, d, rec.n_accepted)
             left -= 1 + rec.n_accepted
+
+
+def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target):
+    """After a few plain steps the EAGLE drafter's catch-up rides on its next head call (Drafter.defer:
+    the pairs it lacks pend beside the root's) instead of a prefill chunk's call, which costs a 4-bit
+    target's plain step however few of its rows are new; a longer lag still goes through the prefill.
+    Output stays the plain decoding's, and every committed drafter cache entry equals a causal run of
+    the head over the committed sequence with the target's true features."""
+    from test_eagle import tiny as eagle_tiny, true_features
+
+    tgt = eagle_tiny()
+    ref = Engine(tgt, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
+    drafter = bigram_head(tgt, max_depth=D_MAX)
+    assert drafter.absorbs == D_MAX
+    eng = make_engine(tgt, drafter)
+    # lags of 1 + accepted + plain-run tokens: 2..5 fit the head (D_MAX = 4 pairs besides the root's), 8+ do not
+    pattern = [(2, 1, 2), (0, 1, 1), (1, 2, 4), (0, 1, 1), (0, 1, 1), (2, 2, 4), (0, 1, 1), (0, 1, 1), (0, 1, 1),
+               (0, 1, 1), (0, 1, 1), (0, 1, 1), (0, 1, 1), (1, 1, 2)]
+    calls = {"prefill": [], "defer": []}
+    for name in calls:
+        def spy(*a, _orig=getattr(drafter, name), _name=name):
+            calls[_name].append(int(a[2]) if len(a) > 2 else 0)
+            return _orig(*a)
+        setattr(drafter, name, spy)
+    heads: list[int] = []
+    orig_head = drafter.head
+
+    def head(root, committed, k):
+        heads.append(int(committed))
+        return orig_head(root, committed, k)
+
+    drafter.head = head
+
+    class Pattern(StepPolicy):
+        i = 0
+
+        def choose_draft(self, h_root, committed):
+            return StepChoice(*pattern[self.i % len(pattern)][:2])
+
+        def choose_verify(self, tree, choice, committed):
+            return pattern[self.i % len(pattern)][2]
+
+    prompt = PROMPTS[1]
+    pol = Pattern()
+    res = eng.generate(prompt, SamplingParams(max_new_tokens=40), policy=pol,
+                       on_step=lambda rec: setattr(pol, "i", pol.i + 1))
+    assert res.token_ids == ref.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
+    assert calls["defer"] and len(calls["prefill"]) >= 2, calls  # the prompt's, and a lag of 8+ tokens
+    assert calls["prefill"][0] == 0 and all(s > 0 for s in calls["prefill"][1:] + calls["defer"])
+
+    L = heads[-1]  # the root of the last head call: the drafter holds slots 1..L
+    seq = torch.tensor(prompt + res.token_ids)
+    feat = drafter.net.fuse_target((true_features(tgt, seq[:L], eng.n_slots),))  # [L, H]
+    fresh = bigram_head(tgt, max_depth=D_MAX)
+    fresh.setup(eng.n_slots, [8, 1], 8)
+    slot = torch.arange(1, L + 1)
+    cols = torch.arange(eng.n_slots)
+    fresh.net(seq[1 : L + 1], feat, slot - 1, slot, (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]))
+    live = slice(1, L + 1)
+    for got, want in zip(drafter.net.caches(), fresh.net.caches(), strict=True):
+        torch.testing.assert_close(got.k[:, live], want.k[:, live], atol=1e-5, rtol=1e-4)  # [B, S, H, D]
+        torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
+
+
+def test_a_deferred_catch_up_is_refused_beyond_what_the_head_holds(target):
+    drafter = EagleDrafter.random(target, "reference", max_depth=D_MAX)
+    drafter.setup(64, [1], 8)
+    seq, feats = torch.arange(3, 23), (torch.zeros(20, target.cfg.hidden_size),)
+    drafter.defer(seq, feats, 20 - D_MAX)  # D_MAX pairs: the head's width holds them and the root
+    assert int(drafter.pend_n) == D_MAX and torch.equal(drafter.pend_tok[:D_MAX], seq[-D_MAX:])
+    for start in (20 - D_MAX - 1, 0):
+        with pytest.raises(YggError, match="deferred catch-up"):
+            drafter.defer(seq, feats, start)
 
 
 class AfterHead(Cycling):

@@ -43,6 +43,8 @@ class Drafter(Protocol):
     # feeds the last level too; False: the last level's feed is skipped, its proposals (the
     # children of the last level) are never picked, so a D-deep tree costs the head + D - 1 steps
     feeds_leaves: bool
+    # the most tokens a resumed catch-up may leave to the next head call (``defer``; 0: none)
+    absorbs: int
 
     def setup(self, n_slots: int, widths: list[int], prefill_chunk: int, threads: int | None = None) -> None:
         """Allocate state for ``n_slots`` cache slots and build graphs for these input widths
@@ -60,6 +62,10 @@ class Drafter(Protocol):
         ``start`` > 0 resumes: the drafter already holds ``prompt[:start]`` from an earlier
         prefill or drafted step (the engine passes the root position of its last drafted step
         when it re-syncs after plain steps); implementations may redo some positions before it."""
+
+    def defer(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int) -> None:
+        """``prefill(prompt, feats, start)``'s catch-up left to the next :meth:`head` call, which
+        takes the ``n - start`` (<= ``absorbs``) tokens in with the root; only where ``absorbs`` > 0."""
 
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
         """Feed the root (last emitted token, [] int64) at position ``committed``: [1, k]."""
@@ -178,6 +184,7 @@ class LMDrafter:
 
     target_layers: tuple[int, ...] = ()
     feeds_leaves = True  # commit moves the accepted nodes' KV entries, the last level's included
+    absorbs = 0  # its head call takes in no catch-up (Drafter.defer)
 
     def __init__(self, model: Transformer, mode: str) -> None:
         self.model = model

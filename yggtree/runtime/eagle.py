@@ -435,6 +435,28 @@ class EagleDrafter:
         self.pend_n.zero_()
 
     @property
+    def absorbs(self) -> int:
+        """The most tokens a catch-up may leave to the next head call (:meth:`defer`): D_max, the
+        pairs its static width holds besides the root's."""
+        return self.max_depth
+
+    def defer(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int) -> None:
+        """The catch-up :meth:`prefill` ``(prompt, feats, start)`` would do, left to the next head
+        call: the pairs (t_j, f_{j-1}) of slots ``start``..n-1 pend (at most :attr:`absorbs` of
+        them, ``start`` >= 1), so that call writes them with the root's, as it writes the tokens a
+        drafted step accepted, instead of a prefill chunk's call (a chunk's rows cost the same
+        however few are new: ~a plain step of a 4-bit target)."""
+        n = prompt.shape[0]
+        m = n - start
+        if not 1 <= start <= n or m > self.absorbs:
+            raise YggError(f"a deferred catch-up takes 0..{self.absorbs} tokens from slot >= 1, "
+                           f"got {m} from slot {start}")
+        f = self.net.fuse_target(tuple(x[start - 1 : n].to(self.pend_feat.dtype) for x in feats))  # [m + 1, H]
+        self.pend_tok[:m] = prompt[start:n].to(self.pend_tok.device)
+        self.pend_feat[: m + 1] = f
+        self.pend_n.fill_(m)
+
+    @property
     def head_widths(self) -> tuple[int, ...]:
         return head_widths(self.max_depth)
 

@@ -179,19 +179,37 @@ def settle_step(eng, req: Request, st: Step, clock: StageTimer, pending=None) ->
 
 def choose(eng, req: Request, prop: Proposal) -> tuple[int, int]:
     """The policy's (D, W_d) before drafting (it sees the lookup candidates first)."""
-    behind = 0 if req.synced or eng.drafter is None else req.committed - req.sync_from
-    req.policy.see_catch_up(behind, req.params.max_new_tokens - len(req.out))
+    req.policy.see_catch_up(catch_up_behind(eng, req), req.params.max_new_tokens - len(req.out))
     req.policy.see_lookup(prop, req.committed)
     c = req.policy.choose_draft(req.h_root, req.committed)
     eng.envelope.check_draft(c.draft_depth, c.draft_width)
     return c.draft_depth, c.draft_width
 
 
+def deferred(eng, req: Request) -> bool:
+    """Whether the drafter's catch-up before the coming drafted step is left to its head call
+    (a resume of at most ``absorbs`` tokens: Drafter.defer)."""
+    return 0 < req.sync_from and req.committed - req.sync_from <= eng.drafter.absorbs
+
+
+def catch_up_behind(eng, req: Request) -> int:
+    """Tokens the drafter's catch-up calls must absorb before the coming drafted step (0: it is
+    in step, or its head call takes them in): what the policy prices."""
+    if req.synced or eng.drafter is None or deferred(eng, req):
+        return 0
+    return req.committed - req.sync_from
+
+
 def resync(eng, req: Request) -> None:
     """Absorb into the drafter the committed sequence from ``sync_from`` (it holds what is
-    below), when plain or lookup-only steps left it behind."""
+    below), when plain or lookup-only steps left it behind: in prefill chunks, or, a few tokens
+    behind, in its next head call."""
     seq = torch.tensor(list(req.prompt_ids) + req.out[:-1], dtype=torch.int64)
-    eng.drafter.prefill(seq, tuple(buf[: req.committed] for buf in eng.feat_buf), req.sync_from)
+    feats = tuple(buf[: req.committed] for buf in eng.feat_buf)
+    if deferred(eng, req):
+        eng.drafter.defer(seq, feats, req.sync_from)
+    else:
+        eng.drafter.prefill(seq, feats, req.sync_from)
     req.counters["resyncs"] += 1
     req.synced, req.ahead_head = True, None
 
