@@ -34,6 +34,19 @@ def make_engine(target, drafter, tree=TREE) -> Engine:
     return Engine(target, cfg, drafter)
 
 
+class Scripted(StepPolicy):
+    """(D, W_d, W_v) from ``pattern`` in turn; the test's on_step advances ``i``."""
+
+    def __init__(self, pattern: list[tuple[int, int, int]]) -> None:
+        self.pattern, self.i = pattern, 0
+
+    def choose_draft(self, h_root, committed):
+        return StepChoice(*self.pattern[self.i % len(self.pattern)][:2])
+
+    def choose_verify(self, tree, choice, committed):
+        return self.pattern[self.i % len(self.pattern)][2]
+
+
 class Cycling(StepPolicy):
     """A different (D, W_d, W_v) every step, with plain steps (D = 0) and W_v = 1 mixed in."""
 
@@ -283,17 +296,8 @@ def test_resync_after_plain_steps_keeps_the_self_drafter_exact(target, plain):
                                                                    verify_width=8, top_k=1))
     pattern = [(0, 1, 1), (1, 1, 2), (0, 1, 1), (0, 1, 1), (0, 1, 1), (3, 1, 4), (1, 1, 2), (0, 1, 1)]
 
-    class Alternating(StepPolicy):
-        i = 0
-
-        def choose_draft(self, h_root, committed):
-            return StepChoice(*pattern[self.i % len(pattern)][:2])
-
-        def choose_verify(self, tree, choice, committed):
-            return pattern[self.i % len(pattern)][2]
-
     for i, p in enumerate(PROMPTS):
-        pol, records = Alternating(), []
+        pol, records = Scripted(pattern), []
 
         def on_step(rec):
             records.append(rec)
@@ -341,17 +345,8 @@ def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target):
 
     drafter.head = head
 
-    class Pattern(StepPolicy):
-        i = 0
-
-        def choose_draft(self, h_root, committed):
-            return StepChoice(*pattern[self.i % len(pattern)][:2])
-
-        def choose_verify(self, tree, choice, committed):
-            return pattern[self.i % len(pattern)][2]
-
     prompt = PROMPTS[1]
-    pol = Pattern()
+    pol = Scripted(pattern)
     res = eng.generate(prompt, SamplingParams(max_new_tokens=40), policy=pol,
                        on_step=lambda rec: setattr(pol, "i", pol.i + 1))
     assert res.token_ids == ref.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
