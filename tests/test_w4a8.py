@@ -179,6 +179,51 @@ def test_w4a8_engine_speculates_exactly():
         assert spec.generate(prompt, SamplingParams(max_new_tokens=32)).token_ids == want, prompt
 
 
+def test_a_prefill_chunk_attends_row_by_row_where_the_library_does():
+    """Where the layers run the library's row attention, an engine's prefill chunks take it too (it
+    reads each row's visible slots, in parallel, where inductor's grouped products read the whole
+    context bucket on one thread): invariant rows up to the chunk, one context bucket for the chunk,
+    and the chunk's logits and hidden states those of the grouped products to float tolerance;
+    plain steps and verify widths stay row by row as before. Without the library kernel the
+    chunk keeps the grouped products."""
+    from yggtree.runtime import steps
+    from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
+    from yggtree.runtime.model import Attention
+
+    target = gguf_like(0)
+    assert target.layers[0].self_attn.native_rows
+    eng = Engine(target, EngineConfig(mode="reference", max_context=80, prefill_chunk=8))
+    assert {m.invariant_rows for m in target.modules() if isinstance(m, Attention)} == {8}
+    assert eng.graphs.buckets(8) == [eng.n_slots] and len(eng.graphs.buckets(None)) >= 1
+    prompt = torch.tensor([(7 * i) % 90 + 3 for i in range(13)])
+
+    def prefill(model):
+        model.setup_cache(1, eng.n_slots)
+        out = []
+        for start in (0, 8):
+            part = prompt[start : start + 8]
+            buf = torch.zeros(1, 8, dtype=torch.int64)
+            buf[0, : part.shape[0]] = part
+            logits, hidden, _ = steps.prefill_chunk(model, buf, torch.tensor(start), torch.tensor(part.shape[0]))
+            out.append((logits, hidden[:, : part.shape[0]]))
+        return out
+
+    rows = prefill(target)
+    layers = [m for m in target.modules() if isinstance(m, Attention)]
+    for m in layers:
+        m.invariant_rows = 7  # the chunk on the grouped products, as before
+    grouped = prefill(target)
+    for m in layers:
+        m.invariant_rows = 8
+    for (lr, hr), (lg, hg) in zip(rows, grouped, strict=True):
+        torch.testing.assert_close(lr, lg, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hr, hg, rtol=1e-4, atol=1e-4)
+    assert len(eng.generate(prompt.tolist(), SamplingParams(max_new_tokens=4)).token_ids) == 4
+    plain_attention = tiny(0)
+    Engine(plain_attention, EngineConfig(mode="reference", max_context=80, prefill_chunk=8))
+    assert {m.invariant_rows for m in plain_attention.modules() if isinstance(m, Attention)} == {7}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_rows_attention_is_the_reference_and_each_row_its_own(dtype):
     """yggtree::rows_attention (csrc/rows_attention.cpp) against runtime/model.py's

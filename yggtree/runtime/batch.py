@@ -446,7 +446,7 @@ class BatchDecoder:
             buf[: part.shape[0]] = part
             logits, hidden, caps = eng.graphs.prefill_chunk(
                 buf[None], torch.tensor(start), torch.tensor(part.shape[0]), self.layers,
-                eng.graphs.bucket(start + chunk))
+                eng.graphs.bucket(start + chunk, chunk))
             for f, x in zip(s.feats, caps):
                 f.append(x[0, : part.shape[0]])
             s.done += part.shape[0]

@@ -215,7 +215,7 @@ class LMDrafter:
                 torch.tensor(start),
                 torch.tensor(part.shape[0]),
                 (),
-                self.graphs.bucket(start + chunk),
+                self.graphs.bucket(start + chunk, chunk),
             )
 
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:

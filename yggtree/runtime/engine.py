@@ -27,6 +27,7 @@ from ..shapes import (  # noqa: F401  (re-exported: the engine's public names)
     TreeParams, check_sizes, int_value,
 )
 from .accept import argmax as greedy, truncate
+from .attention_choice import native_attention
 from .drafters import Drafter
 from .graphs import Graphs
 from .lookup import LookupCalibration, LookupIndex
@@ -146,7 +147,7 @@ def prefill(graphs: Graphs, prompt: torch.Tensor, chunk: int, layers: tuple[int,
         buf[: part.shape[0]] = part
         logits, hidden, caps = graphs.prefill_chunk(
             buf[None], torch.tensor(start), torch.tensor(part.shape[0]), layers,
-            graphs.bucket(start + chunk),
+            graphs.bucket(start + chunk, chunk),
         )
         for f, x in zip(feats, caps):
             f.append(x[0, : part.shape[0]])
@@ -243,7 +244,7 @@ class Engine:
         # one attention formulation for plain steps and every verify width narrower than a prefill
         # chunk: row by row, so a verified node's logits are bitwise a plain step's (before any graph;
         # runtime/prepare.py sets it already for the models it prepares, compiled packages' included)
-        set_invariant_rows(target, attention_rows(cfg.prefill_chunk))
+        set_invariant_rows(target, attention_rows(cfg.prefill_chunk, native_attention(target) is not None))
         self.target, self.drafter, self.eos_ids = target, drafter, tuple(eos_ids)
         self.envelope = Envelope.of(cfg.tree, cfg.draft_widths, cfg.verify_widths, cfg.d_max)
         self.plan = resolve_plan(cfg.stages, cfg.tree is not None, threads=cfg.threads)

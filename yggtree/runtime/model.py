@@ -277,24 +277,29 @@ def _rows_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(bsz, w, h * d).to(q.dtype)
 
 
-def attention_rows(prefill_chunk: int) -> int:
+def attention_rows(prefill_chunk: int, native: bool = False) -> int:
     """How many query rows an engine's target computes row by row (``Attention.invariant_rows``):
     every call narrower than a prefill chunk, so plain steps (W = 1) and each verify width below
-    the chunk round alike, while prefill chunks keep the grouped matmuls. A function of the
-    prefill chunk only: every engine of one plan, plain or speculative, computes the same prefill
-    and the same steps; ``Engine`` sets it on its target and ``yggtree compile`` on the target
-    whose packages it exports.
+    the chunk round alike; the prefill chunk too where the layers run the library's row attention
+    (``native``: ``Attention.native_rows``), which reads only each row's visible slots, in parallel
+    (a 64-row chunk over a 1038-slot cache: 3.4-4.5 ms a layer on inductor's grouped code, whose
+    attention runs on one thread, against ~1.4 ms; docs/results.md section 12), elsewhere the
+    grouped matmuls. Every engine of one plan on one machine, plain or speculative, computes the
+    same prefill and the same steps; ``Engine`` sets it on its target and ``yggtree compile`` on the
+    target whose packages it exports.
 
     With :func:`_rows_attention`'s logical window, a verified node's logits are bitwise those of
     the plain step at its position: tests/test_attention_invariance.py, and the real model in
     every weight format (``scripts/check_equivalence.py``). Rows cost more than the grouped matmuls at
     wide verify steps (the per-format profile prices it)."""
-    return max(1, prefill_chunk - 1)
+    return max(1, prefill_chunk if native else prefill_chunk - 1)
 
 
 def attention_formulation(prefill_chunk: int) -> dict:
     """How an engine with ``prefill_chunk`` computes attention, as compiled packages record it
-    (their manifest's ``attention``; compiled.check_artifacts refuses packages built otherwise)."""
+    (their manifest's ``attention``; compiled.check_artifacts refuses packages built otherwise):
+    the rows every engine computes row by row (whether a prefill chunk does too follows from the
+    layers' kernel, which the packages' device, format and code already pin)."""
     return {"rows_up_to": attention_rows(prefill_chunk), "logical_window": LOGICAL_WINDOW}
 
 
