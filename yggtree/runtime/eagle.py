@@ -444,8 +444,8 @@ class EagleDrafter:
         """The catch-up :meth:`prefill` ``(prompt, feats, start)`` would do, left to the next head
         call: the pairs (t_j, f_{j-1}) of slots ``start``..n-1 pend (at most :attr:`absorbs` of
         them, ``start`` >= 1), so that call writes them with the root's, as it writes the tokens a
-        drafted step accepted, instead of a prefill chunk's call (a chunk's rows cost the same
-        however few are new: ~a plain step of a 4-bit target)."""
+        drafted step accepted, instead of a prefill chunk's call (whose static rows cost the same
+        however few are new)."""
         n = prompt.shape[0]
         m = n - start
         if not 1 <= start <= n or m > self.absorbs:

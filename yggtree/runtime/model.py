@@ -281,10 +281,9 @@ def attention_rows(prefill_chunk: int, native: bool = False) -> int:
     """How many query rows an engine's target computes row by row (``Attention.invariant_rows``):
     every call narrower than a prefill chunk, so plain steps (W = 1) and each verify width below
     the chunk round alike; the prefill chunk too where the layers run the library's row attention
-    (``native``: ``Attention.native_rows``), which reads only each row's visible slots, in parallel
-    (a 64-row chunk over a 1038-slot cache: 3.4-4.5 ms a layer on inductor's grouped code, whose
-    attention runs on one thread, against ~1.4 ms; docs/results.md section 18), elsewhere the
-    grouped matmuls. Every engine of one plan on one machine, plain or speculative, computes the
+    (``native``: ``Attention.native_rows``), which reads only each row's visible slots, on every
+    thread, where inductor's grouped code reads the whole context bucket on one (docs/results.md
+    section 18), elsewhere the grouped matmuls. Every engine of one plan on one machine, plain or speculative, computes the
     same prefill and the same steps; ``Engine`` sets it on its target and ``yggtree compile`` on the
     target whose packages it exports.
 

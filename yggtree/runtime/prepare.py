@@ -84,8 +84,7 @@ def drafter_rows(model, prefill_chunk: int) -> None:
     """A drafter's calls up to a prefill chunk compute attention row by row, as the target's do,
     where its layers run the library's row attention (``native_rows``): that kernel reads only
     each row's visible slots, where the grouped products read the whole context bucket (a draft
-    call of 2 rows, or the head's D_max + 1, ~1.6x faster at ~150 tokens; a 64-row catch-up
-    chunk 4.0 -> 2.7 ms a call on the 2-core Xeon). A
+    call of 2 rows, the head's D_max + 1, a catch-up's prefill chunk: docs/results.md section 18). A
     drafter's rows need no invariance (its proposals are verified): elsewhere the grouped products
     stay, faster there."""
     if native_attention(model) is not None:
