@@ -27,11 +27,10 @@ from ..shapes import (  # noqa: F401  (re-exported: the engine's public names)
     TreeParams, check_sizes, int_value,
 )
 from .accept import argmax as greedy, truncate
-from .attention_choice import native_attention
 from .drafters import Drafter
 from .graphs import Graphs
 from .lookup import LookupCalibration, LookupIndex
-from .model import Transformer, attention_rows, set_invariant_rows
+from .model import Transformer, set_attention_rows
 from .overlap import make_worker
 from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 from .schedule import ExecutionPlan, StageTimer, resolve_plan
@@ -244,7 +243,7 @@ class Engine:
         # one attention formulation for plain steps and every verify width narrower than a prefill
         # chunk: row by row, so a verified node's logits are bitwise a plain step's (before any graph;
         # runtime/prepare.py sets it already for the models it prepares, compiled packages' included)
-        set_invariant_rows(target, attention_rows(cfg.prefill_chunk, native_attention(target) is not None))
+        set_attention_rows(target, cfg.prefill_chunk)
         self.target, self.drafter, self.eos_ids = target, drafter, tuple(eos_ids)
         self.envelope = Envelope.of(cfg.tree, cfg.draft_widths, cfg.verify_widths, cfg.d_max)
         self.plan = resolve_plan(cfg.stages, cfg.tree is not None, threads=cfg.threads)

@@ -311,6 +311,13 @@ def set_kv_dtype(model: "Transformer", kv_cache: str | None) -> None:
     model.kv_dtype = None if kv_cache is None else getattr(torch, kv_cache)
 
 
+def set_attention_rows(model: nn.Module, prefill_chunk: int) -> None:
+    """Every attention layer of ``model`` computes :func:`attention_rows` of ``prefill_chunk`` row by
+    row: the prefill chunk too where its layers run the library's row attention (``native_rows``)."""
+    native = any(isinstance(m, Attention) and m.native_rows for m in model.modules())
+    set_invariant_rows(model, attention_rows(prefill_chunk, native))
+
+
 def set_invariant_rows(model: nn.Module, rows: int) -> None:
     """Every attention layer of ``model`` computes calls of at most ``rows`` query rows row by
     row (:func:`_rows_attention`). Set before any graph is built: compiled graphs keep it."""

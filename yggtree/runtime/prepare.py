@@ -11,7 +11,7 @@ it decided (packed weights, padding, attention formulation, KV cache dtype) as c
 4. the weight format (runtime/quant.py), then packed weights for the product kernel for what stays
    float (runtime/packed.py), short products padded to ``min_rows`` rows;
 5. for an engine verifying trees, that padding raised where it is not batch-invariant here;
-6. the attention formulation (``set_invariant_rows``) the engine computes with, the drafter's too.
+6. the attention formulation (``set_attention_rows``) the engine computes with, the drafter's too.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .artifacts import DEFAULT_DRAFTER_DIR
 from .attention_choice import native_attention
 from .drafters import Drafter, LMDrafter, check_pair
 from .loading import load_model, load_tokenizer, resolve_model
-from .model import Transformer, attention_rows, set_invariant_rows, set_kv_dtype
+from .model import Transformer, set_attention_rows, set_kv_dtype
 from .packed import pack_linears
 from .schedule import resolve_plan
 
@@ -74,7 +74,7 @@ def prepare_models(spec, tokenizer: bool = True) -> Prepared:
         # built with it (a compiled plan's: its packages hold the padding, their keys name it)
         for layer in packed_layers(drafter.graphs.model):
             layer.min_rows = rows
-    set_invariant_rows(target, attention_rows(spec.prefill_chunk, native_attention(target) is not None))
+    set_attention_rows(target, spec.prefill_chunk)
     if drafter is not None:
         drafter_rows(drafter.graphs.model, spec.prefill_chunk)
     return Prepared(target, drafter, tok, rows)
@@ -88,7 +88,7 @@ def drafter_rows(model, prefill_chunk: int) -> None:
     drafter's rows need no invariance (its proposals are verified): elsewhere the grouped products
     stay, faster there."""
     if native_attention(model) is not None:
-        set_invariant_rows(model, attention_rows(prefill_chunk, native=True))
+        set_attention_rows(model, prefill_chunk)
 
 
 def check_spec(spec) -> str:
