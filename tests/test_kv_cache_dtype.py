@@ -6,6 +6,8 @@ bad settings are refused in one line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -128,7 +130,7 @@ def test_settings_parse_and_bad_ones_are_refused():
 
 def test_plan_field():
     from yggtree.plan import validate_plan
-    from yggtree.runtime.artifacts import timing_identity
+    from yggtree.runtime.artifacts import pair_identity, timing_identity
 
     base = {"name": "q", "target": "default", "drafter": "self"}
     plain = validate_plan(base)
@@ -139,6 +141,7 @@ def test_plan_field():
     assert half.kv_cache == "float16" and half.to_dict()["kv_cache"] == "float16"
     assert half.graph_hash() not in (plain.graph_hash(), validate_plan({**base, "kv_cache": "bfloat16"}).graph_hash())
     assert timing_identity(half)["kv_cache"] == "float16"  # a float32-cache profile does not price it
+    assert pair_identity(half) == pair_identity(plain)  # an acceptance calibration serves either cache
     with pytest.raises(YggError, match="key 'kv_cache': KV cache dtype must be one of"):
         validate_plan({**base, "kv_cache": 16})
     with pytest.raises(YggError, match="key 'kv_cache': KV cache float16 with dtype bfloat16"):
@@ -160,6 +163,13 @@ def test_engine_spec_builds_the_cache(tmp_path, capsys):
     with pytest.raises(YggError, match="KV cache float16 with dtype bfloat16"):
         build_engine(EngineSpec(model=str(tmp_path / "model"), dtype="bfloat16", kv_cache="float16"))
     capsys.readouterr()
+    run = ["run", "--model", str(tmp_path / "model"), "--mode", "reference", "--max-context", "64",
+           "--prefill-chunk", "8", "--raw", "--prompt", "t3 t4 t5", "--max-new-tokens", "3", "--drafter", "none"]
+    for kv, said in (("float16", "float16"), (None, None)):  # what ran, in the stats and the summary
+        assert main(run + ["--json"] + (["--kv-cache", kv] if kv else [])) == 0
+        assert json.loads(capsys.readouterr().out)["stats"]["kv_cache"] == said
+        assert main(run + (["--kv-cache", kv] if kv else [])) == 0
+        assert ("float16 KV cache" in capsys.readouterr().err) == (kv is not None)
     assert main(["run", "--prompt", "hi", "--plan", str(tmp_path / "none.yaml"), "--kv-cache", "float16"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kv-cache and --plan exclude each other" in err[0], err

@@ -650,6 +650,26 @@ def test_the_plan_keeps_its_own_copy_of_the_shipped_calibration(monkeypatch, tmp
     assert built[0].calibration == str(copy) and copy.read_text() == '{"shipped": 1}'
 
 
+@pytest.mark.parametrize("weights, kv_cache", [("w4a8", "float16"), (None, None)])
+def test_a_quantized_plan_keeps_its_kv_cache_in_float16(monkeypatch, tmp_path, weights, kv_cache):
+    """The plan a build compiles: in a quantized format, a float16 KV cache (as llama.cpp runs a
+    GGUF); in float32, the float model's own cache."""
+    import yggtree.quickstart as quick_mod
+
+    mp = MachinePlan(tmp_path / "machine", weights, 2)
+    mp.root.mkdir(parents=True)
+    shipped = tmp_path / "calibration.json"
+    shipped.write_text("{}")
+    monkeypatch.setattr(quick_mod, "shipped_calibration", lambda plan: shipped)
+    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (None, machine_plan.NOT_BUILT))
+    built = []
+    monkeypatch.setattr(machine_plan, "_build_plan", lambda mp_, plan, *a: built.append(plan) or tmp_path / "p.yaml")
+    monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: None)
+    monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: None)
+    machine_plan._build_locked(mp, lambda line: None)
+    assert built[0].kv_cache == kv_cache and built[0].weights == weights
+
+
 def test_the_servers_batched_graphs_that_fail_to_build_are_one_line(monkeypatch, tmp_path):
     """The build's last phase (the batched graphs of ``yggtree serve``): a plan that cannot load
     or a package that cannot be built is one line, and the build still ends ready."""

@@ -6,8 +6,9 @@ that runs only on CPU time nothing else wants (the idle scheduling class), the b
 machine plan:
 
 1. the default plan (at the verify and draft widths a CPU's objective takes) in the fastest lossless format the CPU runs (``machine_weights``: the GGUF's
-   own 4-bit weights as w4a8 where the kernel library runs, else float32), with the shipped
-   acceptance calibration of the embedded pair;
+   own 4-bit weights as w4a8 where the kernel library runs, over a float16 KV cache as llama.cpp
+   runs a GGUF: ``machine_kv_cache``; else float32), with the shipped acceptance calibration of the
+   embedded pair;
 2. its AOTInductor packages (:func:`yggtree.offline.compile.compile_plan`, which builds the
    kernel library and measures the product kernel first): the target's whole steps, its prefill
    blocks and the drafter's calls, one package per core at once, the longest first;
@@ -86,6 +87,15 @@ MACHINE_DRAFT_WIDTHS = (1, 2)  # W_d
 
 def enabled() -> bool:
     return os.environ.get(BUILD_ENV, "1") != "0"
+
+
+def machine_kv_cache(weights: str | None) -> str | None:
+    """The KV cache dtype of a machine plan in ``weights`` (None: float32, the float model's own).
+    A quantized plan keeps keys and values in float16, as llama.cpp runs a GGUF (its weights'
+    blocks, 8-bit activations, a float16 cache): half the bytes a step's attention reads, and the
+    greedy text no further from float32's than the format's own (docs/results.md section 11). A
+    float32 plan keeps float32's cache: its output is the float model's, exactly."""
+    return None if weights is None else "float16"
 
 
 def machine_weights(flags: set[str] | None = None) -> str | None:
@@ -392,7 +402,8 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     write_text_atomic(calibration, shipped.read_text())
     # the widths a CPU's objective takes (wider trees cost more rows than they return there): half
     # the default plan's packages, so the build ends in minutes
-    plan = replace(base, name=mp.name, weights=mp.weights, calibration=str(calibration), profile=None,
+    plan = replace(base, name=mp.name, weights=mp.weights, kv_cache=machine_kv_cache(mp.weights),
+                   calibration=str(calibration), profile=None,
                    predictor=None, verify_widths=MACHINE_VERIFY_WIDTHS, draft_widths=MACHINE_DRAFT_WIDTHS)
     plan = validate_plan(plan.to_dict())
     ready, _ = mp.ready_plan()

@@ -506,8 +506,10 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
         steps[key] = steps.get(key, 0) + 1
 
     kw = {"policy": policy, "on_step": on_step} if policy is not None else {}
+    kv = getattr(engine.target, "kv_dtype", None)  # None: the activations' dtype
     ran = {"weights": getattr(args, "ran_weights", None), "speculative": engine.drafter is not None,
-           "lookup": engine.cfg.lookup}  # lookup nodes a step (0: none)
+           "lookup": engine.cfg.lookup,  # lookup nodes a step (0: none)
+           "kv_cache": str(kv).removeprefix("torch.") if kv is not None else None}
     if getattr(args, "machine_build", None):
         ran["machine_build"] = args.machine_build  # this machine's plan: pending (building) | blocks | done | unbuildable | failed
     if args.json:
@@ -538,6 +540,7 @@ def _generate(args, engine, tok, ids, params, trace, policy=None) -> int:
     stream.close()
     s = res.stats
     what = f"{ran['weights']}, " if ran["weights"] else ""
+    what += f"{ran['kv_cache']} KV cache, " if ran["kv_cache"] else ""
     what += f"speculative, aal {s['aal']:.2f}" if "aal" in s else "plain"
     what += f", lookup {ran['lookup']}" if ran["lookup"] and "aal" in s else ""
     note = getattr(args, "no_default_note", None)

@@ -143,8 +143,11 @@ def timing_identity(plan) -> dict:
 
 
 def pair_identity(plan) -> dict:
-    """What acceptance depends on: the timing identity plus the drafter's weights (sha256)."""
+    """What acceptance depends on: the timing identity plus the drafter's weights (sha256), without
+    the KV cache's dtype (as without the weight format: a 16-bit cache moves the target's logits by
+    its rounding, which the calibration's acceptance statistics do not resolve)."""
     ident = timing_identity(plan)
+    ident.pop("kv_cache", None)
     weights = []
     for f in _entries(plan, "drafter"):
         p = Path(f["path"])
