@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from yggtree import machine_plan, run_cmd
@@ -171,6 +172,25 @@ def test_a_ready_record_pointing_outside_the_build_is_not_ready(tmp_path):
     (tmp_path / READY).write_text(json.dumps({"plan": "../elsewhere/m/plan.yaml"}))
     path, why = mp.ready_plan()
     assert path is None and "not a plan of this build" in why
+
+
+def test_a_plan_built_with_other_fields_than_this_code_builds_is_not_ready(monkeypatch, tmp_path):
+    """A package update that changes what the build makes (here the KV cache) rebuilds the plan, with
+    the difference named; the same fields go on to the artifact checks."""
+    import yggtree.compiled as compiled_mod
+    from yggtree.plan import load_plan
+
+    mp = MachinePlan(tmp_path, "w4a8", 2)
+    plan_dir = mp.compile_root / mp.name
+    plan_dir.mkdir(parents=True)
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in mp.shape.items()}
+    (tmp_path / READY).write_text(json.dumps({"plan": f"compile/{mp.name}/plan.yaml"}))
+    monkeypatch.setattr(compiled_mod, "check_artifacts", lambda plan, art: ["checked"])
+    for kv, why in ((None, "built with kv_cache None, this code builds float16"), ("float16", "checked")):
+        doc = {"name": mp.name, "target": "default", "drafter": "default", **fields, "kv_cache": kv}
+        (plan_dir / "plan.yaml").write_text(yaml.safe_dump({k: v for k, v in doc.items() if v is not None}))
+        assert load_plan(plan_dir / "plan.yaml").kv_cache == kv
+        assert mp.ready_plan() == (None, why)
 
 
 def test_turned_off_the_quick_start_runs(monkeypatch):

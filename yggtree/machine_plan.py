@@ -147,6 +147,13 @@ class MachinePlan:
         """The packages a completed build runs: whole-step, block and drafter-call packages."""
         return self.root / "compile"
 
+    @property
+    def shape(self) -> dict:
+        """The plan fields this code builds the machine plan with (beyond the default plan's): a
+        ready plan built with others is built again."""
+        return {"weights": self.weights, "kv_cache": machine_kv_cache(self.weights),
+                "verify_widths": MACHINE_VERIFY_WIDTHS, "draft_widths": MACHINE_DRAFT_WIDTHS}
+
     def ready_plan(self) -> tuple[Path | None, str | None]:
         """(the compiled plan copy to run, None) once the build's packages and profile are done
         and its artifacts still serve this machine and code; else (None, why not)."""
@@ -161,7 +168,9 @@ class MachinePlan:
             if path.parent.parent != self.compile_root:
                 raise ValueError(f"{path} is not a plan of this build")
             plan = load_plan(path)
-            reasons = check_artifacts(plan, artifact_dir(plan))
+            reasons = [f"built with {k} {getattr(plan, k)}, this code builds {v}"
+                       for k, v in self.shape.items() if getattr(plan, k) != v]
+            reasons = reasons or check_artifacts(plan, artifact_dir(plan))
         except (YggError, OSError, ValueError, KeyError, TypeError) as e:
             return None, f"its record is unreadable ({e})"
         if reasons:
@@ -402,9 +411,7 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     write_text_atomic(calibration, shipped.read_text())
     # the widths a CPU's objective takes (wider trees cost more rows than they return there): half
     # the default plan's packages, so the build ends in minutes
-    plan = replace(base, name=mp.name, weights=mp.weights, kv_cache=machine_kv_cache(mp.weights),
-                   calibration=str(calibration), profile=None,
-                   predictor=None, verify_widths=MACHINE_VERIFY_WIDTHS, draft_widths=MACHINE_DRAFT_WIDTHS)
+    plan = replace(base, name=mp.name, calibration=str(calibration), profile=None, predictor=None, **mp.shape)
     plan = validate_plan(plan.to_dict())
     ready, _ = mp.ready_plan()
     if ready is not None:
