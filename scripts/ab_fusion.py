@@ -64,4 +64,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("ab_fusion", lambda _: main(), None))

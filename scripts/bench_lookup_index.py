@@ -80,4 +80,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("bench_lookup_index", lambda _: main(), None))

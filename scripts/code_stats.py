@@ -84,4 +84,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from yggtree.errors import run_reporting
+
+    sys.exit(run_reporting("code_stats", main, sys.argv[1:]))

@@ -166,4 +166,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("feature_memory", lambda _: main(), None))

@@ -137,4 +137,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("fit_lookup", lambda _: main(), None))

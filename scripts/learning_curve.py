@@ -131,4 +131,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("learning_curve", lambda _: main(), None))

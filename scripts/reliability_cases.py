@@ -774,4 +774,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("reliability_cases", lambda _: main(), None))

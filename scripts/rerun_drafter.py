@@ -275,4 +275,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("rerun_drafter", lambda _: main(), None))

@@ -82,4 +82,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("spec_stages", lambda _: main(), None))

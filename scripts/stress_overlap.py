@@ -69,4 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from yggtree.errors import run_reporting
+
+    raise SystemExit(run_reporting("stress_overlap", lambda _: main(), None))

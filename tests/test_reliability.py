@@ -300,3 +300,26 @@ def test_script_output_into_a_closed_pipe_ends_quietly(tmp_path):
            "| head -c 1; exit ${PIPESTATUS[0]}")
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stderr) == (0, ""), r.stderr
+
+
+def test_every_script_reports_through_run_reporting():
+    """A script's bad input is one line, as a command's (errors.run_reporting): every script's entry
+    point goes through it (train_drafter through ``yggtree distill``'s)."""
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    missing = [p.name for p in sorted(scripts.glob("*.py"))
+               if "run_reporting(" not in p.read_text() and "offline.distill import main" not in p.read_text()]
+    assert missing == []
+
+
+def test_a_script_given_a_missing_plan_says_so_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "spec_stages.py"
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "none.yaml"), "2", "8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("spec_stages: error:") and "none.yaml" in r.stderr
