@@ -148,14 +148,17 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (tor
 @given(width=st.integers(1, W), context=st.integers(0, 300), heads=st.sampled_from([(3, 1), (9, 3), (4, 4)]),
        d=st.sampled_from(kernels.HEAD_DIMS), dtypes=st.sampled_from(DTYPES),
        masks=st.sampled_from(["nested", "identical", "differing"]), head_major=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_tree_attention_is_rows_attention_bit_for_bit(width, context, heads, d, dtypes, masks, head_major, seed):
+       ahead=st.sampled_from([0, 1, 16]), seed=st.integers(0, 2**16))
+def test_tree_attention_is_rows_attention_bit_for_bit(width, context, heads, d, dtypes, masks, head_major, ahead, seed):
     """yggtree::tree_attention (one pass over the cache for all the rows) returns rows_attention's bits,
-    and each of its rows is that row's one-row call."""
+    and each of its rows is that row's one-row call; how far ahead either fetches the cache's rows
+    changes no bit."""
     kernels.load_library()
     q, k, v, head, window = tree_inputs(seed, width, context, heads, d, dtypes, masks, head_major)
-    got = torch.ops.yggtree.tree_attention(q, k, v, head, window)
-    assert torch.equal(got, torch.ops.yggtree.rows_attention(q, k, v, head, window))
+    with kernels.attention_prefetch(ahead):
+        got = torch.ops.yggtree.tree_attention(q, k, v, head, window)
+        fetched = torch.ops.yggtree.rows_attention(q, k, v, head, window)
+    assert torch.equal(got, torch.ops.yggtree.rows_attention(q, k, v, head, window)) and torch.equal(fetched, got)
     for r in range(width):
         one = torch.ops.yggtree.tree_attention(q[:, r : r + 1], k, v, head[:, r : r + 1], window[:, r : r + 1])
         assert torch.equal(got[:, r : r + 1], one), r
@@ -235,7 +238,9 @@ def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tm
     heads, where = (4, 2, 32), tmp_path
     first = kernels.attention_kernel(heads, 1, where)
     assert first["kernel"] in kernels.ATTENTION_KERNELS and set(first["best_ms"]) == {
-        f"{k}@{c}" for k in kernels.ATTENTION_KERNELS for c in kernels.ATTENTION_SHAPE[1]}
+        f"{k}@{c}" for k in kernels.ATTENTION_KERNELS for c in kernels.ATTENTION_SHAPE[1]} | {
+        f"ahead{a}@{kernels.AHEAD_SHAPE[0]}" for a in kernels.ATTENTION_AHEAD}
+    assert first["ahead"] in kernels.ATTENTION_AHEAD
     kept = list(tmp_path.glob("attention-*.json"))
     if kept:  # a clear answer is kept and read back
         monkeypatch.setattr(kernels, "attention_call", lambda *a: pytest.fail("measured twice"))
@@ -252,6 +257,35 @@ def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tm
     monkeypatch.setenv(kernels.ATTENTION_ENV, "fast")
     with pytest.raises(YggError, match="YGGTREE_ATTENTION=fast is not one of rows, tree"):
         kernels.attention_kernel(heads, 1, where)
+
+
+def test_the_attention_fetches_ahead_where_that_is_clearly_faster_here(monkeypatch, tmp_path):
+    """The fetch ahead is this machine's choice beside the kernel's: the distance timed fastest where
+    it beats none by ATTENTION_MARGIN, else none; an engine decodes with it set, restored after, and a
+    model without the library's attention sets nothing."""
+    from yggtree.runtime import attention_choice as choice
+
+    monkeypatch.delenv(choice.ATTENTION_ENV, raising=False)
+    for i, (timed, want) in enumerate([({0: 1.0, 16: 0.9}, 16), ({0: 1.0, 16: 0.97}, 0), ({0: 0.9, 16: 1.0}, 0)]):
+        monkeypatch.setattr(choice, "time_ahead", lambda heads, threads, timed=timed: timed)
+        (tmp_path / str(i)).mkdir()
+        assert choice.attention_kernel((4, 2, 32), 1, tmp_path / str(i))["ahead"] == want
+
+
+def test_an_engine_decodes_with_the_attention_fetch_of_this_machine(monkeypatch):
+    from test_w4a8 import gguf_like
+    from yggtree.runtime import attention_choice as choice
+    from yggtree.runtime.engine import Engine, EngineConfig
+
+    target = gguf_like(0)
+    kernels.use_rows_attention(target, "rows")
+    monkeypatch.setattr(choice, "attention_kernel", lambda *a: {"kernel": "rows", "ahead": 16})
+    eng = Engine(target, EngineConfig(mode="reference", max_context=32, prefill_chunk=4))
+    before = torch.ops.yggtree.attention_prefetch(-1)
+    with eng.library(1):
+        assert torch.ops.yggtree.attention_prefetch(-1) == 16 != before
+    assert torch.ops.yggtree.attention_prefetch(-1) == before
+    assert choice.attention_ahead(torch.nn.Linear(2, 2), 1) is None
 
 
 @pytest.mark.parametrize("kernel", ["rows", "tree"])

@@ -1,10 +1,12 @@
-"""Which of the kernel library's two attentions runs a call of several tree rows on this machine.
+"""Which of the kernel library's two attentions runs a call of several tree rows on this machine, and
+how far ahead they fetch the cache's rows.
 
 ``yggtree::rows_attention`` computes a call's rows one by one; ``yggtree::tree_attention`` the same
 bits from one pass over each KV head's cache for all of them (``runtime/csrc/rows_attention.cpp``).
-The shared pass wins where the query vectors fit the registers and loses where they spill, so the
-choice is timed per machine, thread count and head shape, and kept beside the library build it
-timed. Apart from the library (runtime/kernels.py), so that how it is measured can change without
+The shared pass wins where the query vectors fit the registers and loses where they spill; fetching
+a step's cold cache rows ahead of the reads wins where one core's stream of them stalls on its misses
+and loses where the hardware prefetchers already keep up. So both are timed per machine, thread count
+and head shape, and kept beside the library build they timed. Apart from the library (runtime/kernels.py), so that how it is measured can change without
 making compiled packages stale.
 """
 
@@ -23,7 +25,10 @@ from ..files import write_text_atomic
 ATTENTION_KERNELS = ("rows", "tree")  # the library's attentions of a call's rows: one by one, or one pass
 ATTENTION_ENV = "YGGTREE_ATTENTION"  # one of ATTENTION_KERNELS: no measurement
 ATTENTION_SHAPE = (8, (256, 1024))  # what the choice is timed on: tree rows, contexts
-ATTENTION_MARGIN = 0.05  # the shared pass must beat the rows by this share to be chosen
+ATTENTION_MARGIN = 0.05  # the shared pass must beat the rows by this share to be chosen (and a fetch ahead none)
+ATTENTION_AHEAD = (0, 16)  # slots ahead the attentions may fetch K and V rows (csrc/prefetch.h), timed per machine
+AHEAD_SHAPE = (1024, 30)  # what the fetch is timed on: one row over this many slots of as many layers' own caches
+AHEAD_EVICT = 128 << 20  # bytes written before each timed pass: a step's weight stream, which evicts the caches
 
 
 def chain_inputs(heads: tuple[int, int, int], width: int, context: int, gen: torch.Generator) -> tuple:
@@ -85,13 +90,57 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> 
     best = {f"{k}@{c}": round(1e3 * min(v), 4) for (k, c), v in times.items()}
     total = {k: sum(best[f"{k}@{c}"] for c in contexts) for k in ATTENTION_KERNELS}
     wins = total["tree"] < (1 - ATTENTION_MARGIN) * total["rows"]
-    choice = {"kernel": "tree" if wins else "rows", "best_ms": best, "width": width, "threads": threads}
+    ahead = time_ahead(heads, threads)
+    best |= {f"ahead{a}@{AHEAD_SHAPE[0]}": round(ms, 4) for a, ms in ahead.items()}
+    fetch = min(ahead, key=ahead.get)
+    choice = {"kernel": "tree" if wins else "rows", "best_ms": best, "width": width, "threads": threads,
+              "ahead": fetch if ahead[fetch] < (1 - ATTENTION_MARGIN) * ahead[0] else 0}
     if wins or total["rows"] < (1 - ATTENTION_MARGIN) * total["tree"]:  # a clear answer: kept
         try:
             write_text_atomic(path, json.dumps(choice) + "\n")
         except OSError:
             pass  # an unwritable cache: measured again next time
     return choice
+
+
+def time_ahead(heads: tuple[int, int, int], threads: int) -> dict[int, float]:
+    """The best ms of a decode step's one-row attention (:data:`AHEAD_SHAPE`: every layer its own cache,
+    read after :data:`AHEAD_EVICT` bytes of other writes, as in a step) at each :data:`ATTENTION_AHEAD`,
+    alternating, at ``threads``."""
+    context, layers = AHEAD_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    calls = [chain_inputs(heads, 1, context, gen) for _ in range(layers)]
+    evict = torch.zeros(AHEAD_EVICT // 4)
+    times: dict = {a: [] for a in ATTENTION_AHEAD}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    was = torch.ops.yggtree.attention_prefetch(-1)
+    try:
+        for _ in range(7):
+            for a in ATTENTION_AHEAD:
+                torch.ops.yggtree.attention_prefetch(a)
+                evict.add_(1.0)
+                t = time.perf_counter()
+                for args in calls:
+                    torch.ops.yggtree.rows_attention(*args)
+                times[a].append(time.perf_counter() - t)
+    finally:
+        torch.ops.yggtree.attention_prefetch(was)
+        torch.set_num_threads(before)
+    return {a: 1e3 * min(v) for a, v in times.items()}
+
+
+def attention_ahead(model, threads: int) -> int | None:
+    """The slots ahead this machine's choice (:func:`attention_kernel`) has the library's attentions
+    fetch for ``model`` at ``threads`` threads; None where its layers run none of them."""
+    from .kernels import library_dir
+    from .model import Attention
+
+    layer = next((m for m in model.modules() if isinstance(m, Attention) and m.native_rows), None)
+    if layer is None:
+        return None
+    c = layer.cfg
+    return int(attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), threads, library_dir()).get("ahead", 0))
 
 
 def native_attention(model) -> str | None:

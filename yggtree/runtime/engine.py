@@ -249,6 +249,7 @@ class Engine:
         self.plan = resolve_plan(cfg.stages, cfg.tree is not None, threads=cfg.threads)
         self.worker = None  # the drafter's worker (overlap plans), made once the drafter is set
         self._lock = threading.Lock()  # one generate at a time: caches and graphs are shared state
+        self._ahead: dict[int, int | None] = {}  # threads -> this machine's attention fetch (attention_choice)
         self.graphs = Graphs(target, cfg.mode)
         need = self.envelope.slots(cfg.max_context)
         if cfg.n_slots and cfg.n_slots < need:
@@ -279,11 +280,15 @@ class Engine:
         prefetch setting (``cfg.prefetch``; kernels.prefetch), and its parallel loops on its own
         thread pool (kernels.loop_pool) where ``cfg.loop_pool`` and the plan is sequential (an
         overlap plan's drafter worker calls kernels beside the decoding thread, on its own OpenMP
-        threads), else on OpenMP. Both restored after."""
-        from .kernels import loop_pool, prefetch
+        threads), else on OpenMP; where its target runs the library's attention, how far ahead that
+        fetches the cache's rows (this machine's choice, attention_choice.attention_ahead). All restored after."""
+        from .attention_choice import attention_ahead
+        from .kernels import attention_prefetch, loop_pool, prefetch
 
-        with prefetch(self.cfg.prefetch), (loop_pool(threads) if self.cfg.loop_pool and self.worker is None
-                                           else contextlib.nullcontext()):
+        if threads not in self._ahead:
+            self._ahead[threads] = attention_ahead(self.target, threads)
+        with prefetch(self.cfg.prefetch), attention_prefetch(self._ahead[threads]), \
+                (loop_pool(threads) if self.cfg.loop_pool and self.worker is None else contextlib.nullcontext()):
             yield
 
     def _build(self, plan: ExecutionPlan) -> None:

@@ -45,7 +45,7 @@ from ..errors import YggError
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
 __all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention", "loop_pool", "prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
+           "use_rows_attention", "loop_pool", "prefetch", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 # the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
 # then ops.cpp, the one source that parses torch's headers (csrc/kernels.h)
@@ -254,6 +254,21 @@ def prefetch(setting):
         yield
     finally:
         torch.ops.yggtree.prefetch(*was)
+
+
+@contextlib.contextmanager
+def attention_prefetch(slots: int | None):
+    """The library's attentions fetch K and V rows ``slots`` ahead inside the block (csrc/prefetch.h;
+    0: none), the setting before restored after; None changes nothing. Loads the library."""
+    if slots is None:
+        yield
+        return
+    load_library()
+    was = torch.ops.yggtree.attention_prefetch(slots)
+    try:
+        yield
+    finally:
+        torch.ops.yggtree.attention_prefetch(was)
 
 
 def aoti_shims() -> dict:

@@ -1,5 +1,5 @@
 // The kernel library's ops (yggtree::w4a8_mm, rows_attention, tree_attention, tiled_mm, tiled_q4_mm, loop_pool,
-// prefetch, w4a8_threads): each checks its tensors, allocates its result and calls its kernel (csrc/kernels.h),
+// prefetch, attention_prefetch, w4a8_threads): each checks its tensors, allocates its result and calls its kernel (csrc/kernels.h),
 // registered with torch, and the AOTInductor C shims of the products and attentions. The one source of the
 // library that includes torch's headers (parsing them is most of a source's compile).
 #include "kernels.h"
@@ -142,6 +142,7 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
 }
 
 constexpr int64_t MAX_DISTANCE = 1 << 20;
+constexpr int64_t MAX_AHEAD_SLOTS = 1024;
 
 void check_distance(int64_t bytes, const char* which) {
   TORCH_CHECK(bytes >= 0 && bytes <= MAX_DISTANCE && bytes % 64 == 0, "prefetch: the ", which,
@@ -159,6 +160,17 @@ std::vector<int64_t> prefetch(int64_t near, int64_t far) {
     yggtree::set_prefetch_distances({near, far});
   }
   return {was.near, was.far};
+}
+
+// attention_prefetch(slots): the attentions fetch K and V rows `slots` ahead from now on (0: not at all); slots < 0
+// changes nothing (a query). Returns the setting before the call (csrc/prefetch.h)
+int64_t attention_prefetch(int64_t slots) {
+  const int64_t was = yggtree::attention_ahead();
+  if (slots >= 0) {
+    TORCH_CHECK(slots <= MAX_AHEAD_SLOTS, "attention_prefetch: at most ", MAX_AHEAD_SLOTS, " slots ahead, got ", slots);
+    yggtree::set_attention_ahead(slots);
+  }
+  return was;
 }
 
 }  // namespace
@@ -223,6 +235,7 @@ TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
   lib.def("tiled_q4_mm(Tensor x, Tensor blocks) -> Tensor");
   lib.def("loop_pool(int threads) -> int", &yggtree::loop_pool);
   lib.def("prefetch(int near, int far) -> int[]", &prefetch);
+  lib.def("attention_prefetch(int slots) -> int", &attention_prefetch);
 }
 TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
   lib.impl("w4a8_mm", &w4a8_mm);

@@ -13,4 +13,11 @@ struct Prefetch {
 };
 Prefetch prefetch_distances();            // read once per product
 void set_prefetch_distances(Prefetch to);  // from now on
+
+// The library's attentions fetch the K and V rows of the slots this many ahead of the one they read into the
+// first-level cache (0: none, the hardware prefetchers alone). A step's layers each read their own cache once,
+// cold after the products' weight stream, where one core's stream of 64- or 128-byte rows stalls on its misses;
+// where fetching ahead pays is measured per machine (runtime/attention_choice.py) and set while an engine decodes.
+int64_t attention_ahead();                 // read once per call
+void set_attention_ahead(int64_t slots);   // from now on
 }  // namespace yggtree

@@ -23,6 +23,7 @@
 // over each KV head's cache instead of one pass each.
 #include "kernels.h"
 #include "loops.h"
+#include "prefetch.h"
 #include "simd.h"
 #include <algorithm>
 #include <array>
@@ -38,6 +39,13 @@ namespace {
 using namespace yggtree::simd;
 using yggtree::BF16;
 using yggtree::F16;
+
+// Fetch one K or V row (D values) into the first-level cache (yggtree::attention_ahead's slots ahead of a read)
+template <typename K>
+inline void fetch_row(const K* row, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(K)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
 
 // e^x for LANES floats <= 0 (the scores minus their maximum): 2^n e^r with n = round(x log2 e) and
 // r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf polynomial; below -104 the result is 0.
@@ -130,11 +138,14 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
     for (int g = 0; g < NG; ++g) sc[g * cap + j] = reduce_add(acc[g]) * scale;
   };
   // K and V rows are read in slot order, each KV head's slots one contiguous run (the cache is
-  // head-major): the hardware prefetchers stream them (a software prefetch was slower on this
-  // layout)
+  // head-major); the rows `ahead` slots on are fetched first where that is this machine's choice
+  const int64_t ahead = yggtree::attention_ahead();
   int64_t n = 0;
   for (int64_t s = 0; s < C; ++s)
-    if (hm[s]) slot[n] = s, score(s, n++);
+    if (hm[s]) {
+      if (ahead) fetch_row(kb + std::min(s + ahead, C - 1) * ks1, ND * 16);
+      slot[n] = s, score(s, n++);
+    }
   const int64_t n1 = n;
   for (int64_t t = 0; t < T; ++t)
     if (win[t] >= 0) slot[n] = win[t], score(win[t], n++);
@@ -155,7 +166,10 @@ void head_group(const E* qh, int64_t qs, const K* kb, const K* vb, int64_t ks1, 
       for (int g = 0; g < NG; ++g) a[g][c] = fmadd(set1(sc[g * cap + jj]), vc, a[g][c]);
     }
   };
-  for (int64_t jj = 0; jj < n1; ++jj) weigh(a1, jj);
+  for (int64_t jj = 0; jj < n1; ++jj) {
+    if (ahead) fetch_row(vb + slot[std::min(jj + ahead, n1 - 1)] * vs1, ND * 16);
+    weigh(a1, jj);
+  }
   for (int64_t jj = n1; jj < n; ++jj) weigh(a2, jj);
   for (int g = 0; g < NG; ++g) {
     const F tv = set1(total[g]);
@@ -346,11 +360,13 @@ void weigh(const K* vb, int64_t vs1, const int64_t* slots, const float* const* p
            int nc) {
   int64_t common = n[0];
   for (int i = 1; i < NB; ++i) common = std::min(common, n[i]);
+  const int64_t ahead = yggtree::attention_ahead();
   for (int c0 = 0; c0 < nc; c0 += CB) {
     F a[NB][CB];
     for (int i = 0; i < NB; ++i)
       for (int c = 0; c < CB; ++c) a[i][c] = zero();
     for (int64_t u = 0; u < common; ++u) {
+      if (ahead && c0 == 0) fetch_row(vb + slots[std::min(u + ahead, common - 1)] * vs1, int64_t(nc) * LANES);
       const K* vr = vb + slots[u] * vs1 + LANES * c0;
       F vc[CB];
       for (int c = 0; c < CB; ++c) vc[c] = load16(vr + LANES * c);
@@ -456,9 +472,13 @@ void run_tree(const yggtree::AttentionCall& a) {
         if (reads(i)) score(qf + i * D, tile, stride, scale, sc + at(i));
     };
     // part 1: each tile of U's K rows loaded once, scored against every query that reads it
-    for (int64_t u0 = 0; u0 < n1max; u0 += LANES)
+    const int64_t ahead = yggtree::attention_ahead();
+    for (int64_t u0 = 0; u0 < n1max; u0 += LANES) {
+      for (int64_t u = u0 + ahead; ahead && u < std::min<int64_t>(u0 + ahead + LANES, n1max); ++u)
+        fetch_row(kb + sh.slots[u] * ks1, D);
       score_tile(sh.slots.data() + u0, std::min<int64_t>(LANES, n1max - u0), 0, nq,
                  [&](int64_t i) { return sh.n1[row[i]] > u0; }, [&](int64_t i) { return i * stride + u0; });
+    }
     // part 2: each row's window against its heads, after its part 1
     for (int64_t i = 0, j; i < nq; i = j) {
       const int64_t r = row[i], n1 = sh.n1[r], n2 = sh.n2[r];
