@@ -652,13 +652,21 @@ def test_the_plan_keeps_its_own_copy_of_the_shipped_calibration(monkeypatch, tmp
     """The plan a build compiles names a copy of the package's acceptance calibration in the machine
     plan's directory, not the package's file: the checkout or environment that built it may be gone
     when another install of the same code loads the plan."""
+    mp = MachinePlan(tmp_path / "machine", "w4a8", 2)
+    built = _plans_built(monkeypatch, tmp_path, mp, '{"shipped": 1}')
+    copy = mp.root / machine_plan.CALIBRATION
+    assert built[0].calibration == str(copy) and copy.read_text() == '{"shipped": 1}'
+
+
+def _plans_built(monkeypatch, tmp_path, mp: MachinePlan, calibration: str) -> list:
+    """The plans a build of ``mp`` (not built yet) compiles, the package shipping ``calibration``;
+    nothing compiled or measured."""
     import yggtree.quickstart as quick_mod
 
-    mp = MachinePlan(tmp_path / "machine", "w4a8", 2)
     mp.root.mkdir(parents=True)
     shipped = tmp_path / "checkout" / "calibration.json"
     shipped.parent.mkdir()
-    shipped.write_text('{"shipped": 1}')
+    shipped.write_text(calibration)
     monkeypatch.setattr(quick_mod, "shipped_calibration", lambda plan: shipped)
     monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (None, machine_plan.NOT_BUILT))
     built = []
@@ -666,27 +674,14 @@ def test_the_plan_keeps_its_own_copy_of_the_shipped_calibration(monkeypatch, tmp
     monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: None)
     monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: None)
     machine_plan._build_locked(mp, lambda line: None)
-    copy = mp.root / machine_plan.CALIBRATION
-    assert built[0].calibration == str(copy) and copy.read_text() == '{"shipped": 1}'
+    return built
 
 
 @pytest.mark.parametrize("weights, kv_cache", [("w4a8", "float16"), (None, None)])
 def test_a_quantized_plan_keeps_its_kv_cache_in_float16(monkeypatch, tmp_path, weights, kv_cache):
     """The plan a build compiles: in a quantized format, a float16 KV cache (as llama.cpp runs a
     GGUF); in float32, the float model's own cache."""
-    import yggtree.quickstart as quick_mod
-
-    mp = MachinePlan(tmp_path / "machine", weights, 2)
-    mp.root.mkdir(parents=True)
-    shipped = tmp_path / "calibration.json"
-    shipped.write_text("{}")
-    monkeypatch.setattr(quick_mod, "shipped_calibration", lambda plan: shipped)
-    monkeypatch.setattr(MachinePlan, "ready_plan", lambda self: (None, machine_plan.NOT_BUILT))
-    built = []
-    monkeypatch.setattr(machine_plan, "_build_plan", lambda mp_, plan, *a: built.append(plan) or tmp_path / "p.yaml")
-    monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: None)
-    monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: None)
-    machine_plan._build_locked(mp, lambda line: None)
+    built = _plans_built(monkeypatch, tmp_path, MachinePlan(tmp_path / "machine", weights, 2), "{}")
     assert built[0].kv_cache == kv_cache and built[0].weights == weights
 
 
