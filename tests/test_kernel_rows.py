@@ -285,7 +285,7 @@ def test_an_engine_decodes_with_the_attention_fetch_of_this_machine(monkeypatch)
     with eng.library(1):
         assert torch.ops.yggtree.attention_prefetch(-1) == 16 != before
     assert torch.ops.yggtree.attention_prefetch(-1) == before
-    assert choice.attention_ahead(torch.nn.Linear(2, 2), 1) is None
+    assert kernels.attention_ahead(torch.nn.Linear(2, 2), 1) is None
 
 
 @pytest.mark.parametrize("kernel", ["rows", "tree"])

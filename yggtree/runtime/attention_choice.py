@@ -130,19 +130,6 @@ def time_ahead(heads: tuple[int, int, int], threads: int) -> dict[int, float]:
     return {a: 1e3 * min(v) for a, v in times.items()}
 
 
-def attention_ahead(model, threads: int) -> int | None:
-    """The slots ahead this machine's choice (:func:`attention_kernel`) has the library's attentions
-    fetch for ``model`` at ``threads`` threads; None where its layers run none of them."""
-    from .kernels import library_dir
-    from .model import Attention
-
-    layer = next((m for m in model.modules() if isinstance(m, Attention) and m.native_rows), None)
-    if layer is None:
-        return None
-    c = layer.cfg
-    return int(attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), threads, library_dir()).get("ahead", 0))
-
-
 def native_attention(model) -> str | None:
     """The library attention ``model``'s layers run for tree rows (``rows``, ``tree``), or None."""
     from .model import Attention

@@ -281,9 +281,8 @@ class Engine:
         thread pool (kernels.loop_pool) where ``cfg.loop_pool`` and the plan is sequential (an
         overlap plan's drafter worker calls kernels beside the decoding thread, on its own OpenMP
         threads), else on OpenMP; where its target runs the library's attention, how far ahead that
-        fetches the cache's rows (this machine's choice, attention_choice.attention_ahead). All restored after."""
-        from .attention_choice import attention_ahead
-        from .kernels import attention_prefetch, loop_pool, prefetch
+        fetches the cache's rows (this machine's choice, kernels.attention_ahead). All restored after."""
+        from .kernels import attention_ahead, attention_prefetch, loop_pool, prefetch
 
         if threads not in self._ahead:
             self._ahead[threads] = attention_ahead(self.target, threads)

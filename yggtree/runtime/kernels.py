@@ -45,7 +45,7 @@ from ..errors import YggError
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
 __all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention", "loop_pool", "prefetch", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
+           "use_rows_attention", "attention_ahead", "loop_pool", "prefetch", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 # the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
 # then ops.cpp, the one source that parses torch's headers (csrc/kernels.h)
@@ -310,6 +310,19 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
     for m in layers:
         m.native_rows = kernel
     return len(layers)
+
+
+def attention_ahead(model, threads: int) -> int | None:
+    """The slots ahead this machine's choice (``attention_choice.attention_kernel``) has the library's
+    attentions fetch for ``model`` at ``threads`` threads; None where its layers run none of them."""
+    from .attention_choice import attention_kernel
+    from .model import Attention
+
+    layer = next((m for m in model.modules() if isinstance(m, Attention) and m.native_rows), None)
+    if layer is None:
+        return None
+    c = layer.cfg
+    return int(attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), threads, library_dir()).get("ahead", 0))
 
 
 def _w4a8_mm_fake(x, blocks):
