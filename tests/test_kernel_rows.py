@@ -267,7 +267,7 @@ def test_the_attention_fetches_ahead_where_that_is_clearly_faster_here(monkeypat
 
     monkeypatch.delenv(choice.ATTENTION_ENV, raising=False)
     for i, (timed, want) in enumerate([({0: 1.0, 16: 0.9}, 16), ({0: 1.0, 16: 0.97}, 0), ({0: 0.9, 16: 1.0}, 0)]):
-        monkeypatch.setattr(choice, "time_ahead", lambda heads, threads, timed=timed: timed)
+        monkeypatch.setattr(choice, "time_ahead", lambda heads, timed=timed: timed)
         (tmp_path / str(i)).mkdir()
         assert choice.attention_kernel((4, 2, 32), 1, tmp_path / str(i))["ahead"] == want
 

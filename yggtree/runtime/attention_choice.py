@@ -21,6 +21,7 @@ import torch
 
 from ..errors import YggError
 from ..files import write_text_atomic
+from .model import Attention, native_attention  # noqa: F401  (native_attention: its users import it from here too)
 
 ATTENTION_KERNELS = ("rows", "tree")  # the library's attentions of a call's rows: one by one, or one pass
 ATTENTION_ENV = "YGGTREE_ATTENTION"  # one of ATTENTION_KERNELS: no measurement
@@ -85,12 +86,12 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> 
                 t = time.perf_counter()
                 call()
                 times[key].append(time.perf_counter() - t)
+        ahead = time_ahead(heads)
     finally:
         torch.set_num_threads(before)
     best = {f"{k}@{c}": round(1e3 * min(v), 4) for (k, c), v in times.items()}
     total = {k: sum(best[f"{k}@{c}"] for c in contexts) for k in ATTENTION_KERNELS}
     wins = total["tree"] < (1 - ATTENTION_MARGIN) * total["rows"]
-    ahead = time_ahead(heads, threads)
     best |= {f"ahead{a}@{AHEAD_SHAPE[0]}": round(ms, 4) for a, ms in ahead.items()}
     fetch = min(ahead, key=ahead.get)
     choice = {"kernel": "tree" if wins else "rows", "best_ms": best, "width": width, "threads": threads,
@@ -103,17 +104,15 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> 
     return choice
 
 
-def time_ahead(heads: tuple[int, int, int], threads: int) -> dict[int, float]:
+def time_ahead(heads: tuple[int, int, int]) -> dict[int, float]:
     """The best ms of a decode step's one-row attention (:data:`AHEAD_SHAPE`: every layer its own cache,
     read after :data:`AHEAD_EVICT` bytes of other writes, as in a step) at each :data:`ATTENTION_AHEAD`,
-    alternating, at ``threads``."""
+    alternating, at the calling thread's thread count."""
     context, layers = AHEAD_SHAPE
     gen = torch.Generator().manual_seed(0)
     calls = [chain_inputs(heads, 1, context, gen) for _ in range(layers)]
     evict = torch.zeros(AHEAD_EVICT // 4)
     times: dict = {a: [] for a in ATTENTION_AHEAD}
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     was = torch.ops.yggtree.attention_prefetch(-1)
     try:
         for _ in range(7):
@@ -126,22 +125,12 @@ def time_ahead(heads: tuple[int, int, int], threads: int) -> dict[int, float]:
                 times[a].append(time.perf_counter() - t)
     finally:
         torch.ops.yggtree.attention_prefetch(was)
-        torch.set_num_threads(before)
     return {a: 1e3 * min(v) for a, v in times.items()}
-
-
-def native_attention(model) -> str | None:
-    """The library attention ``model``'s layers run for tree rows (``rows``, ``tree``), or None."""
-    from .model import Attention
-
-    return next((m.native_rows for m in model.modules() if isinstance(m, Attention) and m.native_rows), None)
 
 
 def set_native_attention(models, kernel: str | None) -> None:
     """Have the layers of ``models`` that run the library's attention run ``kernel`` for tree rows
     (compiled packages call the one they were built with: their names hold it); None leaves them."""
-    from .model import Attention
-
     if kernel is None:
         return
     if kernel not in ATTENTION_KERNELS:

@@ -316,12 +316,11 @@ def attention_ahead(model, threads: int) -> int | None:
     """The slots ahead this machine's choice (``attention_choice.attention_kernel``) has the library's
     attentions fetch for ``model`` at ``threads`` threads; None where its layers run none of them."""
     from .attention_choice import attention_kernel
-    from .model import Attention
+    from .model import native_attention
 
-    layer = next((m for m in model.modules() if isinstance(m, Attention) and m.native_rows), None)
-    if layer is None:
+    if native_attention(model) is None:
         return None
-    c = layer.cfg
+    c = model.cfg
     return int(attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), threads, library_dir()).get("ahead", 0))
 
 

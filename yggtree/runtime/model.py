@@ -311,11 +311,16 @@ def set_kv_dtype(model: "Transformer", kv_cache: str | None) -> None:
     model.kv_dtype = None if kv_cache is None else getattr(torch, kv_cache)
 
 
+def native_attention(model: nn.Module) -> str | None:
+    """The library attention ``model``'s layers run for tree rows (``rows``, ``tree``:
+    ``Attention.native_rows``), or None."""
+    return next((m.native_rows for m in model.modules() if isinstance(m, Attention) and m.native_rows), None)
+
+
 def set_attention_rows(model: nn.Module, prefill_chunk: int) -> None:
     """Every attention layer of ``model`` computes :func:`attention_rows` of ``prefill_chunk`` row by
     row: the prefill chunk too where its layers run the library's row attention (``native_rows``)."""
-    native = any(isinstance(m, Attention) and m.native_rows for m in model.modules())
-    set_invariant_rows(model, attention_rows(prefill_chunk, native))
+    set_invariant_rows(model, attention_rows(prefill_chunk, native_attention(model) is not None))
 
 
 def set_invariant_rows(model: nn.Module, rows: int) -> None:
