@@ -53,11 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, reserve=None) -> int:
+    """Run the command ``argv`` names; ``reserve`` (runtime/reserve.py: the weights' memory,
+    faulted in since the process started) goes to the engine a ``run`` builds."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv[1:]  # the subcommand's own arguments, which manifests record
+    args.reserve = reserve
     try:
         if args.command in OFFLINE_COMMANDS:
             check_offline_extra(args.command)

@@ -1,6 +1,7 @@
 """The ``yggtree`` command's entry point: the allocator first (``runtime/allocator.py``: a process
 restarts itself on the allocator measured fastest on this machine before anything heavy loads),
-then the command line (``yggtree.cli``)."""
+for ``run`` the weights' memory faulting in beside torch's import (``runtime/reserve.py``), then
+the command line (``yggtree.cli``)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,18 @@ def main(argv: list[str] | None = None) -> int:
     except YggError as e:
         sys.stderr.write(f"yggtree: error: {e}\n")
         return 1
+    reserve = None
+    if args[:1] == ["run"]:
+        from .files import cache_root
+        from .runtime.reserve import Reserve
+
+        reserve = Reserve.open(cache_root() / RUN_HINT)
     from .cli import main as cli_main
 
-    return cli_main(args)
+    return cli_main(args, reserve)
+
+
+RUN_HINT = "run-arena.json"  # the bytes of the last run's weights arena (runtime/reserve.py)
 
 
 if __name__ == "__main__":

@@ -445,7 +445,8 @@ def _plan_engine(args, plan: Plan, art=None, flags: bool = False):
         products = {"kernel": "torch", "min_rows": 1,
                     "measure": measured_spec if args.mode == "performance" else None}
     engine, tok = build_plan_engine(plan, art, mode, stages=args.stages, threads=args.threads,
-                                    speculate=not args.no_speculate, **products)
+                                    speculate=not args.no_speculate, reserve=getattr(args, "reserve", None),
+                                    **products)
     if engine.drafter is not None:
         engine.set_lookup(lookup)
     if policy is not None:

@@ -116,12 +116,13 @@ class EngineSpec:
 _SPEC_FIELDS = frozenset(f.name for f in fields(EngineSpec))
 
 
-def build_engine(spec: EngineSpec, prepare=None):
+def build_engine(spec: EngineSpec, prepare=None, reserve=None):
     """Load and prepare the target, its tokenizer and the drafter (:func:`prepare_models`); build
     and warm up the engine.
 
     ``prepare(target, drafter)``, when given, runs after the models are prepared and before the
-    engine is built (``build_plan_engine`` installs the plan's compiled graphs there). A
+    engine is built (``build_plan_engine`` installs the plan's compiled graphs there); ``reserve``
+    (runtime/reserve.py) is the weights' arena faulted in ahead, where it fits. A
     speculative engine's quantized products are checked batch-invariant after it."""
     if spec.device != "cpu":
         raise YggError(f"the engine does not run models on {spec.device} yet (only inductor-cpu and eager "
@@ -130,7 +131,8 @@ def build_engine(spec: EngineSpec, prepare=None):
     target, drafter, tokenizer = models.target, models.drafter, models.tokenizer
     # every weight the steps stream in one arena of 2 MiB pages (runtime/hugepages.py), before
     # anything keeps references to them (the packages' input lists)
-    move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache, nn.Embedding))
+    move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache, nn.Embedding),
+                       reserve=reserve)
     if prepare is not None:
         prepare(target, drafter)
     if spec.verifies:  # quantized kernels must be batch-invariant for speculation to be exact
@@ -216,7 +218,8 @@ def manifest_prefetch(manifest: dict, artifacts) -> tuple[int, int] | None:
 
 def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | None = None,
                       stages: str = "auto", threads: int = 0, min_rows: int | None = None, kernel: str | None = None,
-                      speculate: bool = True, prefetch: tuple[int, int] | None = None, measure=None):
+                      speculate: bool = True, prefetch: tuple[int, int] | None = None, measure=None,
+                      reserve=None):
     """Engine and tokenizer for ``plan`` with every plan width built: the one way from a plan (a
     plan file's, the quick start's, or the one a run's flags make in memory) to an engine. With ``artifacts`` (the
     plan's artifact directory, see ``yggtree.compiled.artifact_dir``; check it first with
@@ -237,7 +240,8 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
 
     ``measure(spec)``, when given, has the last say on the spec's product kernel and padding
     before the models load (a run's flags: ``yggtree.measure.kernel_choice.measured_spec``
-    measures them for this engine's threads and widths on this machine)."""
+    measures them for this engine's threads and widths on this machine). ``reserve``: see
+    :func:`build_engine`."""
     if stages == "auto" and plan.stages == "auto" and artifacts is not None:
         stages = searched_stages(artifacts)
     if artifacts is not None and plan.profile is None and plan.backend == "inductor-cpu":
@@ -260,7 +264,7 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     prepare = None
     if artifacts is not None and spec.mode == "performance" and plan.backend == "inductor-cpu":
         prepare = _package_installer(Path(artifacts))
-    engine, tokenizer = build_engine(spec, prepare)
+    engine, tokenizer = build_engine(spec, prepare, reserve)
     warm_plan(engine, plan)
     return engine, tokenizer
 

@@ -67,7 +67,7 @@ def _movable(t: torch.Tensor | None) -> bool:
     return t is not None and t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
 
 
-def move_to_huge_pages(modules: list[nn.Module], skip: tuple[type, ...] = ()) -> int:
+def move_to_huge_pages(modules: list[nn.Module], skip: tuple[type, ...] = (), reserve=None) -> int:
     """Move every dense CPU parameter and buffer of ``modules`` into one huge-page arena, storage
     by storage: each storage becomes a storage of its own over a region of the arena, so tensors
     that shared one (tied weights, views, a self-drafter's copy of the target) still share it and
@@ -76,7 +76,8 @@ def move_to_huge_pages(modules: list[nn.Module], skip: tuple[type, ...] = ()) ->
     an embedding table, read one row a token, which gains nothing from them and is the largest
     copy); one also held elsewhere moves, and its holders in ``skip`` follow it (a tied LM head
     and embedding stay one Parameter). Call it before anything keeps references to the weights
-    (compiled packages' input lists). Returns the bytes moved."""
+    (compiled packages' input lists). ``reserve`` (runtime/reserve.py), when given, is taken as
+    the arena where it fits (its pages faulted in already). Returns the bytes moved."""
     holders = []  # (module, "_parameters" | "_buffers", name, tensor)
     wanted: set[int] = set()  # storages some holder outside ``skip`` holds
     for root in modules:
@@ -97,7 +98,9 @@ def move_to_huge_pages(modules: list[nn.Module], skip: tuple[type, ...] = ()) ->
         total += (s.nbytes() + ALIGN - 1) // ALIGN * ALIGN
     if total == 0:
         return 0
-    arena = huge_empty(total)
+    arena = reserve.take(total) if reserve is not None else None
+    if arena is None:
+        arena = huge_empty(total)
     regions = {ptr: _region(arena, offsets[ptr], s.nbytes()) for ptr, s in storages.items()}
     for ptr, s in storages.items():
         regions[ptr].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
