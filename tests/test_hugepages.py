@@ -102,3 +102,22 @@ def test_huge_page_bytes_reads_anon_huge_pages_or_says_unknown(monkeypatch, tmp_
 
     monkeypatch.setattr(hp, "open", missing, raising=False)
     assert huge_page_bytes() is None
+
+
+def test_only_a_performance_engine_moves_its_weights(tmp_path, monkeypatch):
+    """A reference engine (eager, checks on: a run's stopgap while its machine's plan builds)
+    decodes its weights as loaded; a performance engine moves them into the arena, taking the
+    run's reserve (runtime/reserve.py) along."""
+    pytest.importorskip("transformers")
+    from test_compile import save_tiny_checkpoint
+    from yggtree.runtime import build
+
+    save_tiny_checkpoint(tmp_path / "model", intermediate=64)
+    moved = []
+    monkeypatch.setattr(build, "move_to_huge_pages", lambda models, skip=(), reserve=None: moved.append(reserve) or 0)
+    monkeypatch.setattr(build, "Engine", lambda *args: None)  # the move comes first; no graphs are built here
+    for mode, calls in (("reference", []), ("performance", ["the reserve"])):
+        moved.clear()
+        spec = build.EngineSpec(model=str(tmp_path / "model"), mode=mode, max_context=64, prefill_chunk=8)
+        build.build_engine(spec, reserve="the reserve")
+        assert moved == calls, mode

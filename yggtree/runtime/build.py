@@ -130,9 +130,12 @@ def build_engine(spec: EngineSpec, prepare=None, reserve=None):
     models = prepare_models(spec)
     target, drafter, tokenizer = models.target, models.drafter, models.tokenizer
     # every weight the steps stream in one arena of 2 MiB pages (runtime/hugepages.py), before
-    # anything keeps references to them (the packages' input lists)
-    move_to_huge_pages([target, *([drafter.graphs.model] if drafter is not None else [])], skip=(KVCache, nn.Embedding),
-                       reserve=reserve)
+    # anything keeps references to them (the packages' input lists); a reference engine (eager,
+    # checks on: a run's stopgap while its machine's plan builds, traces) decodes the weights as
+    # loaded: faulting a float32 model's arena into fresh memory took seconds of a first run
+    if spec.mode == "performance":
+        models_moved = [target, *([drafter.graphs.model] if drafter is not None else [])]
+        move_to_huge_pages(models_moved, skip=(KVCache, nn.Embedding), reserve=reserve)
     if prepare is not None:
         prepare(target, drafter)
     if spec.verifies:  # quantized kernels must be batch-invariant for speculation to be exact
