@@ -18,6 +18,7 @@ import torch
 
 from yggtree import machine_plan, run_cmd
 from yggtree.machine_plan import LOCK, READY, MachinePlan
+from yggtree.runtime.reserve import run_hint
 from yggtree.offline.profile_grid import STAGE_CALLS
 
 @pytest.fixture(autouse=True)
@@ -506,12 +507,14 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
 
     busy = iter([(1.2, 1.3), (0.1, 0.97), (0.0, 2.0)])
 
-    def measure(plan, art, threads):
+    def measure(plan, art, threads, reserve=None):
+        assert reserve.nbytes == 0 and reserve.take(12345) is None  # the engine's arena: recorded only
         load, ratio = next(busy)
         return {"ratio": ratio, "lookup": 0, "ratios": {"0": ratio, "4": ratio - 0.01}, "prompts": 6,
                 "sampling_ratio": ratio - 0.1, "load": {"other_cores": load}, "version": choice_mod.VERSION}
 
     waits, said = [], []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(choice_mod, "measure_speculation", measure)
     monkeypatch.setattr(plan_mod, "load_plan", lambda path: object())
     monkeypatch.setattr(compiled_mod, "artifact_dir", lambda plan: tmp_path)
@@ -520,6 +523,7 @@ def test_the_verdict_is_timed_again_while_the_machine_is_busy(monkeypatch, tmp_p
     mp = MachinePlan(tmp_path, "w4a8", 2)
     machine_plan._measure_speculation(mp, tmp_path / "plan.yaml", said.append)
     assert waits == [machine_plan.QUIET_WAITS[0]]
+    assert json.loads(run_hint().read_text()) == {"bytes": 12345}  # for the run after the build
     assert mp.speculates("sha") == machine_plan.Verdict(False, 0.97, 0, 0.87, False)
     assert said[-1] == ("the latency objective decodes at 0.970x plain steps here with 0 lookup nodes a step "
                         "(0.960x with 4), 0.870x on sampled requests, 6 held-out prompts: runs decode plainly, "

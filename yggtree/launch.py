@@ -20,16 +20,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     reserve = None
     if args[:1] == ["run"]:
-        from .files import cache_root
-        from .runtime.reserve import Reserve
+        from .runtime.reserve import Reserve, run_hint
 
-        reserve = Reserve.open(cache_root() / RUN_HINT)
+        reserve = Reserve.open(run_hint())
     from .cli import main as cli_main
 
     return cli_main(args, reserve)
-
-
-RUN_HINT = "run-arena.json"  # the bytes of the last run's weights arena (runtime/reserve.py)
 
 
 if __name__ == "__main__":

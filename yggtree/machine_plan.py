@@ -462,15 +462,21 @@ def _build_serving(copy: Path, say) -> None:
 def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
     """Time the ready plan ``copy``'s objective against its plain steps on held-out prompts
     (measure/speculation_choice.py), again after waits while other processes keep the cores
-    busy (the quietest kept), and record the verdict under its profile's sha256."""
+    busy (the quietest kept), and record the verdict under its profile's sha256 (and the size of
+    its engine's weights for the next run's reserve)."""
     from .compiled import artifact_dir
     from .measure.speculation_choice import measure_speculation
     from .plan import load_plan
 
     from .offline.timing import quietest
 
+    from .runtime.reserve import Reserve, run_hint
+
     plan = load_plan(copy)
-    best = quietest(lambda: measure_speculation(plan, artifact_dir(plan), mp.threads), QUIET_WAITS, "speculation", say)
+    # its engine is the next run's: an empty reserve records the size of its weights' arena, which
+    # that run then faults in while torch imports (runtime/reserve.py)
+    best = quietest(lambda: measure_speculation(plan, artifact_dir(plan), mp.threads, Reserve(run_hint(), 0)),
+                    QUIET_WAITS, "speculation", say)
     record = {"profile": profile_sha(copy), **best, "speculate": best["ratio"] >= 1.0,
               "speculate_sampling": best["sampling_ratio"] >= 1.0}
     write_text_atomic(mp.root / SPECULATION, json.dumps(record) + "\n")

@@ -64,17 +64,18 @@ def verdict_requests(tok, max_context: int):
     return [ids[0], *(x for pair in zip(ids[1:], opens) for x in pair)], params
 
 
-def measure_speculation(plan, art, threads: int) -> dict:
+def measure_speculation(plan, art, threads: int, reserve=None) -> dict:
     """``{"ratio", "lookup", "ratios", "prompts", "load"}`` of ``plan`` (a speculative plan with a
     profile and calibration, its compiled artifacts ``art``) at ``threads`` threads: the decode
     speed over plain steps' of its objective with each count of lookup nodes the plan holds
-    (``ratios``), on :func:`verdict_requests`; ``lookup`` the fastest count, ``ratio`` its speed."""
+    (``ratios``), on :func:`verdict_requests`; ``lookup`` the fastest count, ``ratio`` its speed.
+    ``reserve`` goes to the engine's build (runtime/reserve.py: it records the arena's size)."""
     from ..offline.timing import LoadMeter
     from ..runtime.build import build_plan_engine
     from ..runtime.objective import plan_policy
     from ..runtime.policy import FixedPolicy, StepChoice
 
-    engine, tok = build_plan_engine(plan, art, threads=threads)
+    engine, tok = build_plan_engine(plan, art, threads=threads, reserve=reserve)
     ids, params = verdict_requests(tok, plan.max_context)
     # name -> (lookup nodes, policy); an objective is named by its lookup count and learns its own feedback
     systems = {"plain": (0, FixedPolicy(StepChoice(0, min(plan.draft_widths)), 1))}

@@ -3,8 +3,8 @@
 An engine moves its weights into one arena of huge pages (runtime/hugepages.py). Faulting fresh
 huge pages in costs 0.05-0.9 s per 100 MB on a virtual machine (the host backs the guest's
 memory on first touch; the same process's second arena takes ~25 ms), on the path to a run's
-first token. A :class:`Reserve` maps the arena the last run of the command needed (``hint``, a
-small JSON file) at process start and faults it in on a thread of its own: ``memset`` through
+first token. A :class:`Reserve` maps the arena the last run needed (:func:`run_hint`, a small
+JSON file; the build of this machine's plan writes it for the run after it) at process start and faults it in on a thread of its own: ``memset`` through
 ctypes releases the interpreter lock, so the fault runs beside torch's import (~1 s of Python on
 the other core). The engine then takes it (:meth:`Reserve.take`) where it fits, and records what
 it needed for the next run; where nothing was recorded, the need grew, or the platform has no
@@ -20,6 +20,15 @@ import threading
 from pathlib import Path
 
 PAGE = 2 << 20  # bytes of one huge page (runtime/hugepages.py's)
+RUN_HINT = "run-arena.json"  # in the user cache: the bytes the next `yggtree run`'s arena needs
+
+
+def run_hint() -> Path:
+    """Where `yggtree run` reads its reserve's size (written by the last run, or by the build of
+    this machine's plan, whose engine the next run is)."""
+    from ..files import cache_root
+
+    return cache_root() / RUN_HINT
 
 
 class Reserve:
