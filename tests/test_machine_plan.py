@@ -720,3 +720,34 @@ def test_tree_flags_run_one_fixed_tree_on_the_built_plan_where_it_compiles_it(mo
     args = _args(draft_depth=3)
     run_cmd._pick_plan(args)
     assert args.plan is None and getattr(args, "quick", None) is None and capsys.readouterr().err == ""
+
+
+def test_a_run_beside_the_build_says_where_it_is_and_about_how_long_is_left(monkeypatch, tmp_path):
+    """The build writes its last log line and start (status.json) as it goes, and how long it took
+    once complete (took.json); a run that finds it building quotes the step, the time it has run
+    and, where a build here finished before, about what is left at that pace."""
+    mp = MachinePlan(tmp_path / "machine", "w4a8", 2)
+    monkeypatch.setattr(machine_plan, "_build_locked", lambda mp_, say: say("compiling machine-w4a8's packages "
+                                                                            "(w4a8 weights) into /x") or tmp_path)
+    monkeypatch.setattr(machine_plan.time, "time", lambda: 1000.0)
+    assert machine_plan.build(mp) == tmp_path
+    status = json.loads((mp.root / machine_plan.STATUS).read_text())
+    assert status == {"line": "compiling machine-w4a8's packages (w4a8 weights) into /x", "started": 1000.0}
+    assert mp.progress(now=1047.0) == "47 s in, last: compiling machine-w4a8's packages"
+    (mp.root / machine_plan.TOOK).write_text('{"build_s": 137.2}')
+    assert mp.progress(now=1047.0) == ("47 s in, last: compiling machine-w4a8's packages; about 90 s left, "
+                                       "as the last build here took 137 s")
+    assert mp.progress(now=1200.0) == "200 s in, last: compiling machine-w4a8's packages"  # past the estimate
+    (mp.root / machine_plan.STATUS).write_text("{")
+    assert mp.progress() is None
+    monkeypatch.setattr(MachinePlan, "building", lambda self: True)
+    (mp.root / machine_plan.STATUS).write_text('{"line": "started", "started": 990}')
+    monkeypatch.setattr(machine_plan.time, "time", lambda: 1000.0)
+    assert mp.start().startswith("this machine's plan is being built in the background (10 s in, last: started; "
+                                 "about 127 s left")
+
+
+def test_a_complete_build_records_how_long_it_took(monkeypatch, tmp_path):
+    mp = MachinePlan(tmp_path / "machine", "w4a8", 2)
+    _plans_built(monkeypatch, tmp_path, mp, "{}")
+    assert json.loads((mp.root / machine_plan.TOOK).read_text())["build_s"] >= 0

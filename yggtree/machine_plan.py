@@ -39,7 +39,9 @@ records it (``failed.json``, with :func:`code_key`): the same code would stop on
 say so in one line and do not start it until the code, torch or the compilers on the PATH change.
 The build holds an exclusive lock on ``build.lock`` while it runs (released by the kernel when the
 process dies), so two runs never build at once. Its output goes to ``build.log`` in the machine
-plan's directory.
+plan's directory, its last step to ``status.json`` and, once complete, how long it took to
+``took.json``: a run that finds it building says where it is and about how long is left
+(:meth:`MachinePlan.progress`).
 
 A ``yggtree run`` that decodes while the build runs pauses it (SIGSTOP to every process of the
 build's session, SIGCONT when the run ends: :meth:`MachinePlan.paused`): even in the idle class, a build
@@ -59,6 +61,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +79,8 @@ LOG = "build.log"
 FEEDBACK = "feedback.json"  # what the objective's feedback learnt in earlier runs, by profile
 SPECULATION = "speculation.json"  # whether the objective decoded faster than plain steps here, by profile
 PID = "build.pid"  # the running build's process id (and its session's: it starts one of its own)
+STATUS = "status.json"  # the running build's last step and when it started (MachinePlan.progress)
+TOOK = "took.json"  # how long the last complete build here took: the next one's estimate
 NOT_BUILT = "not built yet"  # MachinePlan.ready_plan's reason before the first build
 FAILED = "failed.json"  # the error a build stopped on, with the code it ran: not retried until that changes
 REMEASURED = "remeasured.json"  # how many later builds measured a plan timed while busy again
@@ -207,7 +212,9 @@ class MachinePlan:
             return (f"this machine's plan failed to build with this code ({error}; log: {self.root / LOG}); "
                     f"it is built again once the code changes, or after `rm {self.root / FAILED}`")
         if self.building():
-            return f"this machine's plan is being built in the background (log: {self.root / LOG})"
+            where = self.progress()
+            return (f"this machine's plan is being built in the background ({f'{where}; ' if where else ''}"
+                    f"log: {self.root / LOG})")
         log = open(self.root / LOG, "a")
         cmd = [sys.executable, "-m", "yggtree.machine_plan", str(self.root), "--threads", str(self.threads),
                "--weights", self.weights or "float32"]
@@ -216,6 +223,24 @@ class MachinePlan:
         (self.root / PID).write_text(f"{pid}\n")
         return (f"building this machine's plan ({self.weights or 'float32'} weights, compiled, with a latency "
                 f"profile) in the background, once (log: {self.root / LOG}); later runs load it")
+
+    def progress(self, now: float | None = None) -> str | None:
+        """Where the running build is, in a few words: how long it has run, its last step (the
+        first clause of the log's last line) and, where a build here finished before, about how
+        long is left at that build's pace; None where it recorded nothing readable."""
+        try:
+            status = json.loads((self.root / STATUS).read_text())
+            elapsed = (time.time() if now is None else now) - float(status["started"])
+            step = re.split(r": | \(", str(status["line"]), maxsplit=1)[0]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        said = f"{elapsed:.0f} s in, last: {step}"
+        try:
+            took = float(json.loads((self.root / TOOK).read_text())["build_s"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return said
+        left = took - elapsed
+        return f"{said}; about {left:.0f} s left, as the last build here took {took:.0f} s" if left > 0 else said
 
 
     def speculates(self, profile_sha: str) -> Verdict | None:
@@ -352,11 +377,15 @@ def machine_plan(device: dict, threads: int, weights: str | None = "auto", root:
 def build(mp: MachinePlan, say=None) -> Path:
     """Build ``mp`` (see the module docstring) under its lock; returns the compiled plan copy.
     YggError where a step fails (the directory then holds no ready.json)."""
-    if say is None:  # the log's lines (build.log) say when each step ended
-        start = time.perf_counter()
+    if say is None:  # the log's lines (build.log) say when each step ended; status.json the last (runs quote it)
+        start, started = time.perf_counter(), time.time()
 
         def say(line: str) -> None:
             print(f"yggtree machine plan [{time.perf_counter() - start:3.0f} s]: {line}", flush=True)
+            try:
+                write_text_atomic(mp.root / STATUS, json.dumps({"line": line, "started": started}) + "\n")
+            except OSError:
+                pass  # only a run's progress line goes without it
     mp.root.mkdir(parents=True, exist_ok=True)
     with open(mp.root / LOCK, "a") as lock:
         try:
@@ -364,6 +393,7 @@ def build(mp: MachinePlan, say=None) -> Path:
         except BlockingIOError:
             raise YggError(f"another process is building {mp.root}") from None
         try:
+            say("started")
             path = _build_locked(mp, say)
         except YggError as e:  # the same code would stop on it again: runs stop starting it (MachinePlan.failed)
             write_text_atomic(mp.root / FAILED, json.dumps({"error": str(e), "code": code_key()}) + "\n")
@@ -435,7 +465,9 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     copy = _build_plan(mp, plan, t0, say)
     # 2. whether its objective beats its plain steps here: runs decode plainly where it does not
     _measure_speculation(mp, copy, say)
-    say(f"ready in {time.perf_counter() - t0:.0f} s: {copy}")
+    took = time.perf_counter() - t0
+    write_text_atomic(mp.root / TOOK, json.dumps({"build_s": round(took, 1)}) + "\n")  # the next build's estimate
+    say(f"ready in {took:.0f} s: {copy}")
     # 3. the batched graphs `yggtree serve` decodes its default batch with: its first start loads them
     _build_serving(copy, say)
     return copy
