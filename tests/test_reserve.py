@@ -47,7 +47,8 @@ def test_a_larger_need_or_no_hint_makes_its_own_arena(tmp_path):
     assert small.take(2 * PAGE) is None and hint_of(hint) == 2 * PAGE
 
 
-@pytest.mark.parametrize("text", ["", "{", '{"bytes": "x"}', "[1]", '{"other": 1}'])
+@pytest.mark.parametrize("text", ["", "{", '{"bytes": "x"}', "[1]", '{"other": 1}', '{"bytes": -5}',
+                                  '{"bytes": 1000000000000000}'])
 def test_a_corrupt_hint_is_no_reserve(tmp_path, text):
     hint = tmp_path / "arena.json"
     hint.write_text(text)

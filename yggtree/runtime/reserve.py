@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
+import os
 import threading
 from pathlib import Path
 
@@ -58,12 +59,13 @@ class Reserve:
     @classmethod
     def open(cls, hint: Path) -> "Reserve":
         """The reserve ``hint`` asks for (its ``{"bytes": N}``), faulting in already; an empty one
-        where the hint is missing or unreadable."""
+        where the hint is missing or unreadable, or asks for more than half the memory free now
+        (a damaged hint must not fault in the machine's memory)."""
         try:
             n = int(json.loads(hint.read_text())["bytes"])
         except (OSError, ValueError, KeyError, TypeError):
             n = 0
-        return cls(hint, max(n, 0))
+        return cls(hint, n if 0 < n <= _free_bytes() // 2 else 0)
 
     def take(self, nbytes: int):
         """A [nbytes] uint8 tensor over the reserve, starting on a 2 MiB boundary, once its fault
@@ -98,3 +100,11 @@ class Reserve:
             self._thread.join()
             self._map.close()
             self._map = None
+
+
+def _free_bytes() -> int:
+    """Physical memory free now (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
