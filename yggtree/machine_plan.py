@@ -505,6 +505,7 @@ def _measure_speculation(mp: MachinePlan, copy: Path, say) -> None:
     from .runtime.reserve import Reserve, run_hint
 
     plan = load_plan(copy)
+    say("timing the latency objective against plain steps on held-out prompts")
     # its engine is the next run's: an empty reserve records the size of its weights' arena, which
     # that run then faults in while torch imports (runtime/reserve.py)
     best = quietest(lambda: measure_speculation(plan, artifact_dir(plan), mp.threads, Reserve(run_hint(), 0)),
@@ -546,6 +547,7 @@ def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
     warm.start()
     measure_plan(plan, say, QUIET_WAITS)  # the product kernel every package holds: timed on a quiet machine
     warm.join()
+    say("compiling the packages")
     compile_plan(plan, root, replace=True, workers=0)  # a package per core at once
     art = artifact_dir(plan, root)
     say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the packages for the latency profile")
