@@ -4,11 +4,12 @@ An engine moves its weights into one arena of huge pages (runtime/hugepages.py).
 huge pages in costs 0.05-0.9 s per 100 MB on a virtual machine (the host backs the guest's
 memory on first touch; the same process's second arena takes ~25 ms), on the path to a run's
 first token. A :class:`Reserve` maps the arena the last run needed (:func:`run_hint`, a small
-JSON file; the build of this machine's plan writes it for the run after it) at process start and faults it in on a thread of its own: ``memset`` through
-ctypes releases the interpreter lock, so the fault runs beside torch's import (~1 s of Python on
-the other core). The engine then takes it (:meth:`Reserve.take`) where it fits, and records what
-it needed for the next run; where nothing was recorded, the need grew, or the platform has no
-huge pages, the engine makes its arena as before. Nothing here imports torch.
+JSON file; the build of this machine's plan writes it for the run after it) at process start
+and faults it in on a thread of its own: ``memset`` through ctypes releases the interpreter
+lock, so the fault runs beside torch's import (~1 s of Python on the other core). The engine
+then takes it (:meth:`Reserve.take`) where it fits, and records what it needed for the next
+run; where nothing was recorded, the need grew, or the platform has no huge pages, the engine
+makes its arena as before. Nothing here imports torch until the engine takes the reserve.
 """
 
 from __future__ import annotations
