@@ -21,7 +21,10 @@ machine plan:
    count (``--lookup N`` keeps N), and where no objective beat plain steps they decode the plan
    plainly (``--speculate`` keeps the objective); a plan whose verdict is missing or of another
    ``VERSION`` has it measured by the next build.
-6. last, the batched graphs ``yggtree serve`` decodes ``SERVE_BATCH`` requests at once with
+6. the memory allocator runs restart on (``measure/allocator_choice.py``: the system's against
+   each one installed, jemalloc or tcmalloc, timed on the ready plan once per machine and set of
+   libraries: ~47 s with one installed), after the verdict: runs need not wait for it;
+7. last, the batched graphs ``yggtree serve`` decodes ``SERVE_BATCH`` requests at once with
    (runtime/batch_packages.py, built where missing), so that a server's first start loads them.
 
 Every measurement waits for a quiet machine (``QUIET_WAITS``); one that could not (the product
@@ -471,9 +474,23 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     except OSError:
         pass
     say(f"ready in {took:.0f} s: {copy}")
-    # 3. the batched graphs `yggtree serve` decodes its default batch with: its first start loads them
+    # 3. the memory allocator later runs restart on (the system's, or one installed, measured on this plan)
+    _measure_allocator(mp, copy, say)
+    # 4. the batched graphs `yggtree serve` decodes its default batch with: its first start loads them
     _build_serving(copy, say)
     return copy
+
+
+def _measure_allocator(mp: MachinePlan, copy: Path, say) -> None:
+    """This machine's allocator (measure/allocator_choice.py), timed on the ready plan ``copy``
+    where no choice is cached for the allocators installed; runs started after it restart on the
+    faster one. A failure is one line: runs keep the system's."""
+    from .measure.allocator_choice import measure_compiled
+
+    try:
+        measure_compiled(copy, mp.compile_root, say=say)
+    except (YggError, OSError) as e:
+        say(f"the memory allocator was not measured ({e}): runs keep the system's")
 
 
 def _build_serving(copy: Path, say) -> None:
@@ -551,7 +568,8 @@ def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
     measure_plan(plan, say, QUIET_WAITS)  # the product kernel every package holds: timed on a quiet machine
     warm.join()
     say("compiling the packages")
-    compile_plan(plan, root, replace=True, workers=0)  # a package per core at once
+    compile_plan(plan, root, replace=True, workers=0, allocator=False)  # a package per core at once; the
+    # allocator is measured once the plan is ready (_measure_allocator: runs need not wait for it)
     art = artifact_dir(plan, root)
     say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the packages for the latency profile")
     padding = cached_padding(plan)
@@ -566,7 +584,7 @@ def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
     write_profile(profile, mp.root, plot=False)
     final = validate_plan(plan.to_dict() | {"profile": str(mp.root / "profile.json")})
     save_plan(final, mp.root / "profile-plan.yaml")
-    compile_plan(final, root, replace=True)  # the graphs are the same: the copy is refreshed
+    compile_plan(final, root, replace=True, allocator=False)  # the graphs are the same: the copy is refreshed
     copy = artifact_dir(final, root) / "plan.yaml"
     write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)),
                                                    "build_s": round(time.perf_counter() - t0, 1)}) + "\n")

@@ -212,9 +212,12 @@ def compile_plan(
     console=None,
     replace: bool = False,
     workers: int = 1,
+    allocator: bool = True,
 ) -> dict:
     """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
     ``status`` = ``compiled`` | ``up-to-date`` | ``plan-updated``, ``dir`` and ``wall_s``).
+    ``allocator``: measure this machine's allocator on the compiled plan where not cached yet
+    (measure/allocator_choice.py; its caller may measure it later instead).
 
     Up to date (manifest matches: same plan hash, torch/python versions, model files) and not
     ``force``: returns at once without loading anything. Stale artifacts of the same plan are
@@ -256,7 +259,7 @@ def compile_plan(
 
         say = lambda line: sys.stderr.write(f"yggtree: {line}\n")  # noqa: E731
         try:
-            record = measure_compiled(art / PLAN_COPY, out_root, say=say)
+            record = measure_compiled(art / PLAN_COPY, out_root, say=say) if allocator else None
         except YggError as e:  # the packages are built: a run only misses the faster allocator
             say(f"the memory allocator was not measured: {e}")
             record = None
