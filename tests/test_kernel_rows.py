@@ -316,8 +316,8 @@ def test_an_engine_on_packages_runs_the_attention_they_were_built_with():
     manifest records on every library-attention layer, whatever this machine measures now."""
     from test_w4a8 import gguf_like
 
-    from yggtree.runtime.attention_choice import native_attention, set_native_attention
-    from yggtree.runtime.model import Attention
+    from yggtree.runtime.attention_choice import set_native_attention
+    from yggtree.runtime.model import Attention, native_attention
 
     m = gguf_like(0)
     kernels.use_rows_attention(m, "rows")

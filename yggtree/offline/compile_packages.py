@@ -122,7 +122,7 @@ def _build_graphs(plan: Plan, progress, task, out: Path, min_rows: int,
 
     from ..runtime.aoti import compile_drafter_call_package, compile_package, compile_step_package, loops_serial
     from ..runtime.build import EngineSpec, plan_slots
-    from ..runtime.attention_choice import native_attention
+    from ..runtime.model import native_attention
     from ..runtime.prepare import prepare_models
 
     t0 = time.perf_counter()

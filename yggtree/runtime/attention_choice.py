@@ -21,7 +21,7 @@ import torch
 
 from ..errors import YggError
 from ..files import write_text_atomic
-from .model import Attention, native_attention  # noqa: F401  (native_attention: its users import it from here too)
+from .model import Attention
 
 ATTENTION_KERNELS = ("rows", "tree")  # the library's attentions of a call's rows: one by one, or one pass
 ATTENTION_ENV = "YGGTREE_ATTENTION"  # one of ATTENTION_KERNELS: no measurement

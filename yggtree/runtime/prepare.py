@@ -23,10 +23,9 @@ from pathlib import Path
 from ..errors import YggError
 from ..shapes import check_sizes, kv_cache_dtype, weight_format
 from .artifacts import DEFAULT_DRAFTER_DIR
-from .attention_choice import native_attention
 from .drafters import Drafter, LMDrafter, check_pair
 from .loading import load_model, load_tokenizer, resolve_model
-from .model import Transformer, set_attention_rows, set_kv_dtype
+from .model import Transformer, native_attention, set_attention_rows, set_kv_dtype
 from .packed import pack_linears
 from .schedule import resolve_plan
 
