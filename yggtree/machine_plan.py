@@ -23,7 +23,7 @@ machine plan:
    ``VERSION`` has it measured by the next build.
 6. the memory allocator runs restart on (``measure/allocator_choice.py``: the system's against
    each one installed, jemalloc or tcmalloc, timed on the ready plan once per machine and set of
-   libraries: ~47 s with one installed), after the verdict: runs need not wait for it;
+   libraries: child processes decoding it), after the verdict: runs need not wait for it;
 7. last, the batched graphs ``yggtree serve`` decodes ``SERVE_BATCH`` requests at once with
    (runtime/batch_packages.py, built where missing), so that a server's first start loads them.
 

@@ -1,9 +1,8 @@
 """Memory for a run's weights, faulted in on 2 MiB pages while torch imports.
 
 An engine moves its weights into one arena of huge pages (runtime/hugepages.py). Faulting fresh
-huge pages in costs 0.05-0.9 s per 100 MB on a virtual machine (the host backs the guest's
-memory on first touch; the same process's second arena takes ~25 ms), on the path to a run's
-first token. A :class:`Reserve` maps the arena the last run needed (:func:`run_hint`, a small
+huge pages in can cost a virtual machine most of a second per 100 MB (the host backs the
+guest's memory on first touch; docs/results.md section 12), on the path to a run's first token. A :class:`Reserve` maps the arena the last run needed (:func:`run_hint`, a small
 JSON file; the build of this machine's plan writes it for the run after it) at process start
 and faults it in on a thread of its own: ``memset`` through ctypes releases the interpreter
 lock, so the fault runs beside torch's import (~1 s of Python on the other core). The engine
