@@ -30,7 +30,8 @@ namespace {
 
 using namespace yggtree::simd;
 
-// qa [M, K] int8, da and sa [M, B] float32 (see the header), qsum [M, B] int32: each block's sum of qa
+// Block-major, so that a tile's rows of one block sit at fixed offsets (one address register for all of them):
+// qa [B, M, 32] int8, da and sa [B, M] float32 (see the header), qsum [B, M] int32: each block's sum of qa
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa, int32_t* qsum) {
   const int64_t B = K / 32;
   for (int64_t r = 0; r < M; ++r) {
@@ -45,12 +46,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, 
       I qs = zero_i();
       for (int i = 0; i < V; ++i) {
         const I q = to_int(mul(a[i], inv));  // nearest even (default rounding mode)
-        store_i8(qa + r * K + b * 32 + i * LANES, q);
+        store_i8(qa + (b * M + r) * 32 + i * LANES, q);
         qs = add(qs, q);
       }
-      qsum[r * B + b] = reduce_add(qs);
-      da[r * B + b] = d;
-      sa[r * B + b] = d * static_cast<float>(qsum[r * B + b]);
+      qsum[b * M + r] = reduce_add(qs);
+      da[b * M + r] = d;
+      sa[b * M + r] = d * static_cast<float>(qsum[b * M + r]);
     }
   }
 }
@@ -67,7 +68,7 @@ constexpr int WIDE = 8 * REGISTERS / 32;  // rows a tile computes together (each
 // are exact, so the result is the same)
 template <int R, int BITS>
 inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum,
-                 int64_t K, int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
+                 int64_t M, int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   constexpr bool SPLIT = R <= 2;
   for (int h = 0; h < 16; h += LANES) {  // the tile's columns, LANES at a time (4 h bytes into each code line)
   F acc[R];
@@ -90,7 +91,7 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
           const I v = load_i(cb + g * 64 + 4 * h);
           const I lo = low_nibbles(v), hi = high_nibbles(v);
           for (int r = 0; r < R; ++r) {
-            const int8_t* a = qa + r * K + b * 32 + 4 * g;
+            const int8_t* a = qa + (b * M + r) * 32 + 4 * g;
             isum[r] = dpbusd(isum[r], lo, bytes4(a));
             if constexpr (SPLIT)
               isum2[r] = dpbusd(isum2[r], hi, bytes4(a + 16));
@@ -104,7 +105,7 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
           const I v = load_i(cb + g * 64 + 4 * h);
           const I lo = low_nibbles(v), hi = high_nibbles(v);
           for (int r = 0; r < R; ++r) {
-            const int8_t* a = qa + r * K + b * 32 + 4 * g;
+            const int8_t* a = qa + (b * M + r) * 32 + 4 * g;
             const I both = add16(pairs16(lo, bytes4(a)), pairs16(hi, bytes4(a + 16)));
             p[r] = g == 0 ? both : add16(p[r], both);
           }
@@ -121,16 +122,16 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
           const I v = load_i(cb + g * 64 + 4 * h);
           for (int r = 0; r < R; ++r) {
             if (SPLIT && (g & 1))
-              isum2[r] = dpbusd(isum2[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
+              isum2[r] = dpbusd(isum2[r], v, bytes4(qa + (b * M + r) * 32 + 4 * g));
             else
-              isum[r] = dpbusd(isum[r], v, bytes4(qa + r * K + b * 32 + 4 * g));
+              isum[r] = dpbusd(isum[r], v, bytes4(qa + (b * M + r) * 32 + 4 * g));
           }
         }
       } else {  // sum (u - 128) qa by the sign trick (simd.h), then + 128 sum qa: the same int32
         for (int g = 0; g < 8; ++g) {
           const I c = centered(load_i(cb + g * 64 + 4 * h)), mag = magnitude(c);
           for (int r = 0; r < R; ++r) {
-            const I a = bytes4(qa + r * K + b * 32 + 4 * g);
+            const I a = bytes4(qa + (b * M + r) * 32 + 4 * g);
             if (SPLIT && (g & 1))
               isum2[r] = dot_centered(isum2[r], mag, c, a);
             else
@@ -138,7 +139,7 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
           }
         }
         for (int r = 0; r < R; ++r) {
-          const int32_t offset = 128 * qsum[r * B + b];
+          const int32_t offset = 128 * qsum[b * M + r];
           isum[r] = add(isum[r], bytes4(&offset));
         }
       }
@@ -147,9 +148,9 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
       for (int r = 0; r < R; ++r) isum[r] = add(isum[r], isum2[r]);
     const F d = load_half(cb + CODES<BITS> + 2 * h), m = load_half(cb + CODES<BITS> + 32 + 2 * h);
     for (int r = 0; r < R; ++r) {
-      const F s = mul(d, set1(da[r * B + b]));
+      const F s = mul(d, set1(da[b * M + r]));
       acc[r] = fmadd(s, to_float(isum[r]), acc[r]);
-      acc[r] = fmadd(m, set1(sa[r * B + b]), acc[r]);
+      acc[r] = fmadd(m, set1(sa[b * M + r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) store(out + r * ldo + h, acc[r]);
@@ -162,7 +163,7 @@ inline void tile(const uint8_t* blocks, const int8_t* qa, const float* da, const
 // float steps in the same order as `tile`: the same bits.
 template <int R, int BITS>
 inline void tile_halves(const uint8_t* blocks, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum,
-                        int64_t K, int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
+                        int64_t M, int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   static_assert(R > 0 && LANES == 8 && !NATIVE_DOT, "the AVX2 path without VNNI");  // R: checked where instantiated
   F acc0[R], acc1[R];  // columns 0-7, 8-15
   for (int r = 0; r < R; ++r) acc0[r] = zero(), acc1[r] = zero();
@@ -178,7 +179,7 @@ inline void tile_halves(const uint8_t* blocks, const int8_t* qa, const float* da
         const I v0 = load_i(cb + g * 64), v1 = load_i(cb + g * 64 + 32);
         const I lo0 = low_nibbles(v0), hi0 = high_nibbles(v0), lo1 = low_nibbles(v1), hi1 = high_nibbles(v1);
         for (int r = 0; r < R; ++r) {
-          const int8_t* a = qa + r * K + b * 32 + 4 * g;
+          const int8_t* a = qa + (b * M + r) * 32 + 4 * g;
           const I al = bytes4(a), ah = bytes4(a + 16);
           const I t0 = add16(pairs16(lo0, al), pairs16(hi0, ah)), t1 = add16(pairs16(lo1, al), pairs16(hi1, ah));
           s0[r] = g == 0 ? t0 : add16(s0[r], t0);
@@ -192,21 +193,21 @@ inline void tile_halves(const uint8_t* blocks, const int8_t* qa, const float* da
         const I c0 = centered(load_i(cb + g * 64)), c1 = centered(load_i(cb + g * 64 + 32));
         const I mag0 = magnitude(c0), mag1 = magnitude(c1);
         for (int r = 0; r < R; ++r) {
-          const I a = bytes4(qa + r * K + b * 32 + 4 * g);
+          const I a = bytes4(qa + (b * M + r) * 32 + 4 * g);
           s0[r] = dot_centered(g == 0 ? zero_i() : s0[r], mag0, c0, a);
           s1[r] = dot_centered(g == 0 ? zero_i() : s1[r], mag1, c1, a);
           keep(s0[r]), keep(s1[r]);
         }
       }
       for (int r = 0; r < R; ++r) {
-        const int32_t offset = 128 * qsum[r * B + b];
+        const int32_t offset = 128 * qsum[b * M + r];
         s0[r] = add(s0[r], bytes4(&offset)), s1[r] = add(s1[r], bytes4(&offset));
       }
     }
     const F d0 = load_half(cb + CODES<BITS>), d1 = load_half(cb + CODES<BITS> + 16);
     const F m0 = load_half(cb + CODES<BITS> + 32), m1 = load_half(cb + CODES<BITS> + 48);
     for (int r = 0; r < R; ++r) {
-      const F dr = set1(da[r * B + b]), sr = set1(sa[r * B + b]);
+      const F dr = set1(da[b * M + r]), sr = set1(sa[b * M + r]);
       acc0[r] = fmadd(m0, sr, fmadd(mul(d0, dr), to_float(s0[r]), acc0[r]));
       acc1[r] = fmadd(m1, sr, fmadd(mul(d1, dr), to_float(s1[r]), acc1[r]));
     }
@@ -216,12 +217,12 @@ inline void tile_halves(const uint8_t* blocks, const int8_t* qa, const float* da
 
 // R rows of one tile: `tile_halves` where it applies, else `tile`
 template <int R, int BITS>
-inline void rows(const uint8_t* c, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum, int64_t K,
+inline void rows(const uint8_t* c, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum, int64_t M,
                  int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   if constexpr (LANES == 8 && !NATIVE_DOT)
-    tile_halves<R, BITS>(c, qa, da, sa, qsum, K, B, out, ldo, ahead);
+    tile_halves<R, BITS>(c, qa, da, sa, qsum, M, B, out, ldo, ahead);
   else
-    tile<R, BITS>(c, qa, da, sa, qsum, K, B, out, ldo, ahead);
+    tile<R, BITS>(c, qa, da, sa, qsum, M, B, out, ldo, ahead);
 }
 
 template <int BITS>
@@ -236,13 +237,13 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
       int64_t r = 0;
       if constexpr (WIDE >= 8)
         for (; r + 8 <= M; r += 8)
-          rows<8, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+          rows<8, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
       for (; r + 4 <= M; r += 4)
-        rows<4, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+        rows<4, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
       for (; r + 2 <= M; r += 2)
-        rows<2, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+        rows<2, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
       for (; r < M; ++r)
-        rows<1, BITS>(c, q + r * K, dap + r * B, sap + r * B, qsp + r * B, K, B, op + r * N + 16 * t, N, pf);
+        rows<1, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
     }
   });
 }
