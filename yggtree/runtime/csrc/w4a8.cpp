@@ -215,7 +215,8 @@ inline void tile_halves(const uint8_t* blocks, const int8_t* qa, const float* da
   for (int r = 0; r < R; ++r) store(out + r * ldo, acc0[r]), store(out + r * ldo + 8, acc1[r]);
 }
 
-// R rows of one tile: `tile_halves` where it applies, else `tile`
+// R rows of one tile: `tile_halves` where it applies, else `tile` (M: the call's rows, the stride of quantize_rows'
+// block-major activations and scales)
 template <int R, int BITS>
 inline void rows(const uint8_t* c, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum, int64_t M,
                  int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
