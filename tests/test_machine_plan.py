@@ -194,6 +194,31 @@ def test_a_plan_built_with_other_fields_than_this_code_builds_is_not_ready(monke
         assert mp.ready_plan() == (None, why)
 
 
+def test_a_plan_whose_kernel_library_is_not_built_for_this_code_is_not_ready(monkeypatch, tmp_path):
+    """The kernel sources changed since the build (its packages, which call the ops, still valid): the
+    plan is not ready until the build has compiled the library (a run would compile it before its
+    first token), the reason named; a float32 plan needs no library."""
+    import yggtree.compiled as compiled_mod
+    from yggtree.runtime import kernels
+
+    built = []
+    monkeypatch.setattr(kernels, "library_built", lambda: bool(built))
+    monkeypatch.setattr(compiled_mod, "check_artifacts", lambda plan, art: [])
+    for weights in ("w4a8", None):
+        mp = MachinePlan(tmp_path / str(weights), weights, 2)
+        plan_dir = mp.compile_root / mp.name
+        plan_dir.mkdir(parents=True)
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in mp.shape.items()}
+        doc = {"name": mp.name, "target": "default", "drafter": "default", **fields}
+        (plan_dir / "plan.yaml").write_text(yaml.safe_dump({k: v for k, v in doc.items() if v is not None}))
+        (mp.root / READY).write_text(json.dumps({"plan": f"compile/{mp.name}/plan.yaml"}))
+        built.clear()
+        want = (None, "the kernel library is not built for this code") if weights else (plan_dir / "plan.yaml", None)
+        assert mp.ready_plan() == want
+        built.append(True)
+        assert mp.ready_plan() == (plan_dir / "plan.yaml", None)
+
+
 def test_turned_off_the_quick_start_runs(monkeypatch):
     monkeypatch.setenv(machine_plan.BUILD_ENV, "0")
     monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))

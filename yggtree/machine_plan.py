@@ -40,6 +40,9 @@ killed leaves no ``ready.json``: the next run starts it again (the compile pipel
 manifest last and checks it, so nothing half-written is loaded). A build that stops on an error
 records it (``failed.json``, with :func:`code_key`): the same code would stop on it again, so runs
 say so in one line and do not start it until the code, torch or the compilers on the PATH change.
+A plan whose kernel library is not built for the running code (its C++ sources changed; the packages,
+which call its ops, stay valid) is not ready either: the build compiles the library and times the
+plan on it again, and no run compiles it before its first token.
 The build holds an exclusive lock on ``build.lock`` while it runs (released by the kernel when the
 process dies), so two runs never build at once. Its output goes to ``build.log`` in the machine
 plan's directory, its last step to ``status.json`` and, once complete, how long it took to
@@ -104,6 +107,17 @@ def machine_kv_cache(weights: str | None) -> str | None:
     greedy text no further from float32's than the format's own (docs/results.md section 11). A
     float32 plan keeps float32's cache: its output is the float model's, exactly."""
     return None if weights is None else "float16"
+
+
+def _library_built() -> bool:
+    """Whether the kernel library of this code is built here (runtime/kernels.py); False where it
+    cannot be (its instruction set refused)."""
+    from .runtime import kernels
+
+    try:
+        return kernels.library_built()
+    except YggError:
+        return False
 
 
 def machine_weights(flags: set[str] | None = None) -> str | None:
@@ -181,6 +195,11 @@ class MachinePlan:
             reasons = reasons or check_artifacts(plan, artifact_dir(plan))
         except (YggError, OSError, ValueError, KeyError, TypeError) as e:
             return None, f"its record is unreadable ({e})"
+        if not reasons and self.weights and not _library_built():
+            # the kernel sources changed since the build (the packages call the ops, so they stay valid):
+            # a run would compile the library before its first token; the build does, and times the plan
+            # on it again
+            reasons = ["the kernel library is not built for this code"]
         if reasons:
             return None, "; ".join(reasons)
         return path, None

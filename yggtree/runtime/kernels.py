@@ -44,7 +44,7 @@ import torch
 from ..errors import YggError
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
-__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "load_library", "aoti_shims", "runs_attention",
+__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "library_built", "load_library", "aoti_shims", "runs_attention",
            "use_rows_attention", "attention_ahead", "loop_pool", "prefetch", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 # the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
@@ -155,6 +155,12 @@ def library_dir() -> Path:
     key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)
                          + " ".join(cflags + LDFLAGS).encode() + str(SOURCES[0].parent).encode()).hexdigest()[:12]
     return cache_root() / "kernels" / f"yggtree-{chosen}-{key}-torch{torch.__version__}"
+
+
+def library_built() -> bool:
+    """Whether the library of these sources is built for this CPU's instruction set (a load then
+    compiles nothing)."""
+    return (library_dir() / "yggtree_kernels.so").is_file()
 
 
 @functools.cache
