@@ -2,11 +2,11 @@
 
 An engine moves its weights into one arena of huge pages (runtime/hugepages.py). Faulting fresh
 huge pages in can cost a virtual machine most of a second per 100 MB (the host backs the
-guest's memory on first touch; docs/results.md section 12), on the path to a run's first token. A :class:`Reserve` maps the arena the last run needed (:func:`run_hint`, a small
-JSON file; the build of this machine's plan writes it for the run after it) at process start
-and faults it in on a thread of its own: ``memset`` through ctypes releases the interpreter
-lock, so the fault runs beside torch's import (~1 s of Python on the other core). The engine
-then takes it (:meth:`Reserve.take`) where it fits, and records what it needed for the next
+guest's memory on first touch; docs/results.md section 12), on the path to a run's first token.
+A :class:`Reserve` maps the arena the last run needed (:func:`run_hint`, a small JSON file; the
+build of this machine's plan writes it for the run after it) at process start and faults it in
+on a thread of its own: ``memset`` through ctypes releases the interpreter lock, so the fault
+runs beside torch's import (~1 s of Python on the other core). The engine then takes it (:meth:`Reserve.take`) where it fits, and records what it needed for the next
 run; where nothing was recorded, the need grew, or the platform has no huge pages, the engine
 makes its arena as before. Nothing here imports torch until the engine takes the reserve.
 """

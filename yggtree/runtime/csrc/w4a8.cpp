@@ -221,15 +221,14 @@ template <int R, int BITS>
 inline void rows(const uint8_t* c, const int8_t* qa, const float* da, const float* sa, const int32_t* qsum, int64_t M,
                  int64_t B, float* out, int64_t ldo, yggtree::Prefetch ahead) {
   // a one-row call (every plain step) with its stride a constant: the block loop's addressing as simple as
-  // a row-major layout's (a runtime stride cost a one-row product ~5% on one CPU)
-  const int64_t m = R == 1 && M == 1 ? 1 : M;
+  // a row-major layout's (a runtime stride slowed one-row products: docs/results.md section 14)
   if constexpr (LANES == 8 && !NATIVE_DOT) {
-    if (m == 1)
+    if (M == 1)
       tile_halves<R, BITS>(c, qa, da, sa, qsum, 1, B, out, ldo, ahead);
     else
       tile_halves<R, BITS>(c, qa, da, sa, qsum, M, B, out, ldo, ahead);
   } else {
-    if (m == 1)
+    if (M == 1)
       tile<R, BITS>(c, qa, da, sa, qsum, 1, B, out, ldo, ahead);
     else
       tile<R, BITS>(c, qa, da, sa, qsum, M, B, out, ldo, ahead);
