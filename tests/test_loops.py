@@ -5,6 +5,7 @@ choice's rule, and engines decoding on the pool emitting plain decoding's tokens
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -168,8 +169,6 @@ def test_a_plan_compiles_serial_loops_where_the_library_runs_every_product_of_bo
     """aoti.loops_serial: a plain plan of a library-only target, and a speculative one whose drafter's
     products are the library's too; not where either model keeps a product on torch's kernels. The
     manifest records the choice and a batch build reads it there (one source of truth)."""
-    import json
-
     from helpers import tiny_model
     from yggtree.offline.batch_build import _serial_loops
     from yggtree.runtime.aoti import loops_serial
@@ -200,6 +199,40 @@ def test_the_pool_is_chosen_when_it_wins_most_prompts():
     assert stats["pairs"] == 2 and stats["won"] == 0.5 and choice == "openmp"
     assert loops_on_pool({"loops": {"choice": "pool"}}) and not loops_on_pool({"loops": {"choice": "openmp"}})
     assert not loops_on_pool({})  # a manifest from before the measurement: OpenMP
+
+
+def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(monkeypatch, tmp_path):
+    """offline/compile.record_loops: the measurement recorded in the packages' manifest, its other
+    fields kept; nothing measured without a manifest, for packages with inductor's own parallel loops
+    or at one thread; a failed measurement is one line and OpenMP's loops (no record)."""
+    import yggtree.measure.loops_choice as loops_mod
+    from yggtree.errors import YggError
+    from yggtree.offline.compile import record_loops
+
+    measured, said = [], []
+    monkeypatch.setattr(loops_mod, "measure_compiled",
+                        lambda plan, art, say=None: measured.append(art) or {"choice": "pool", "threads": 2})
+    art = tmp_path / "plan"
+    art.mkdir()
+    assert record_loops("plan", art, said.append) is None  # no manifest
+    for other in ({"serial_loops": False, "threads": 2}, {"serial_loops": True, "threads": 1}):
+        (art / "manifest.json").write_text(json.dumps(other))
+        assert record_loops("plan", art, said.append) is None
+        assert json.loads((art / "manifest.json").read_text()) == other
+    assert measured == [] and said == []
+    (art / "manifest.json").write_text(json.dumps({"serial_loops": True, "threads": 2, "n_slots": 7}))
+    got = record_loops("plan", art, said.append)
+    assert measured == [art] and got["loops"] == {"choice": "pool", "threads": 2}
+    assert json.loads((art / "manifest.json").read_text()) == got and got["n_slots"] == 7
+
+    def fails(plan, art, say=None):
+        raise YggError("the loops measurement decoded no tokens")
+
+    monkeypatch.setattr(loops_mod, "measure_compiled", fails)
+    (art / "manifest.json").write_text(json.dumps({"serial_loops": True, "threads": 2}))
+    assert "loops" not in record_loops("plan", art, said.append)
+    assert said == ["the kernel loops were not measured: the loops measurement decoded no tokens"]
+    assert "loops" not in json.loads((art / "manifest.json").read_text())
 
 
 @given(st.lists(st.tuples(st.sampled_from([3.0, 4.0, 5.0]), st.sampled_from([3.0, 4.0, 5.0])), min_size=1,

@@ -213,11 +213,13 @@ def compile_plan(
     replace: bool = False,
     workers: int = 1,
     allocator: bool = True,
+    loops: bool = True,
 ) -> dict:
     """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
     ``status`` = ``compiled`` | ``up-to-date`` | ``plan-updated``, ``dir`` and ``wall_s``).
     ``allocator``: measure this machine's allocator on the compiled plan where not cached yet
-    (measure/allocator_choice.py; its caller may measure it later instead).
+    (measure/allocator_choice.py); ``loops``: where the kernel library's loops run in the new
+    packages (:func:`record_loops`). Its caller may measure either later instead.
 
     Up to date (manifest matches: same plan hash, torch/python versions, model files) and not
     ``force``: returns at once without loading anything. Stale artifacts of the same plan are
@@ -266,17 +268,29 @@ def compile_plan(
         if record is not None:
             manifest["allocator"] = {k: record.get(k) for k in ("choice", "library", "stats")}
             _write_manifest(art, manifest)
-        # where the kernel library's loops run (measure/loops_choice.py): only where they are the step's only
-        # parallel regions, at 2+ threads
-        if info.get("serial_loops") and (info.get("threads") or 1) > 1:
-            from ..measure.loops_choice import measure_compiled as measure_loops
-
-            try:
-                manifest["loops"] = measure_loops(plan, art, say=say)
-            except YggError as e:  # the packages are built: a run keeps OpenMP's loops
-                say(f"the kernel loops were not measured: {e}")
-            _write_manifest(art, manifest)
+        if loops:
+            manifest = record_loops(plan, art, say) or manifest
     return {**manifest, "status": "compiled", "dir": str(art), "wall_s": time.perf_counter() - t_start}
+
+
+def record_loops(plan: Plan, art: Path, say) -> dict | None:
+    """Measure where the kernel library's loops run in ``plan``'s packages compiled in ``art``
+    (measure/loops_choice.py) and record it in their manifest (``loops``, which engines built from
+    them read); returns the manifest, None where there is nothing to measure: no manifest, packages
+    with inductor's own parallel loops (the library's are not the step's only parallel regions), or
+    one thread. A failed measurement is one ``say`` line: runs keep OpenMP's loops."""
+    from ..measure.loops_choice import measure_compiled as measure_loops
+
+    manifest = read_manifest(art)
+    if manifest is None or not manifest.get("serial_loops") or (manifest.get("threads") or 1) <= 1:
+        return None
+    try:
+        manifest["loops"] = measure_loops(plan, art, say=say)
+    except YggError as e:  # the packages are built: a run keeps OpenMP's loops
+        say(f"the kernel loops were not measured: {e}")
+        return manifest
+    _write_manifest(art, manifest)
+    return manifest
 
 
 def graph_table(summary: dict):
