@@ -234,6 +234,16 @@ def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(
     assert said == ["the kernel loops were not measured: the loops measurement decoded no tokens"]
     assert "loops" not in json.loads((art / "manifest.json").read_text())
 
+    def unwritable(art, manifest):
+        raise OSError(28, "No space left on device")
+
+    import yggtree.offline.compile as compile_mod
+
+    monkeypatch.setattr(loops_mod, "measure_compiled", lambda plan, art, say=None: {"choice": "pool"})
+    monkeypatch.setattr(compile_mod, "_write_manifest", unwritable)
+    assert "loops" not in record_loops("plan", art, said.append)  # a full disk: one line, OpenMP's loops
+    assert said[-1] == "the kernel loops were not measured: [Errno 28] No space left on device"
+
 
 @given(st.lists(st.tuples(st.sampled_from([3.0, 4.0, 5.0]), st.sampled_from([3.0, 4.0, 5.0])), min_size=1,
                 max_size=18))

@@ -278,19 +278,20 @@ def record_loops(plan: Plan, art: Path, say) -> dict | None:
     (measure/loops_choice.py) and record it in their manifest (``loops``, which engines built from
     them read); returns the manifest, None where there is nothing to measure: no manifest, packages
     with inductor's own parallel loops (the library's are not the step's only parallel regions), or
-    one thread. A failed measurement is one ``say`` line: runs keep OpenMP's loops."""
+    one thread. A measurement that fails, or whose record cannot be written, is one ``say`` line:
+    runs keep OpenMP's loops."""
     from ..measure.loops_choice import measure_compiled as measure_loops
 
     manifest = read_manifest(art)
     if manifest is None or not manifest.get("serial_loops") or (manifest.get("threads") or 1) <= 1:
         return None
     try:
-        manifest["loops"] = measure_loops(plan, art, say=say)
-    except YggError as e:  # the packages are built: a run keeps OpenMP's loops
+        loops = measure_loops(plan, art, say=say)
+        _write_manifest(art, manifest | {"loops": loops})
+    except (YggError, OSError) as e:  # the packages are built: a run keeps OpenMP's loops
         say(f"the kernel loops were not measured: {e}")
         return manifest
-    _write_manifest(art, manifest)
-    return manifest
+    return manifest | {"loops": loops}
 
 
 def graph_table(summary: dict):
