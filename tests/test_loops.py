@@ -204,8 +204,9 @@ def test_the_pool_is_chosen_when_it_wins_most_prompts():
 def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(monkeypatch, tmp_path):
     """offline/compile.record_loops: the measurement recorded in the packages' manifest, its other
     fields kept; nothing measured without a manifest, for packages with inductor's own parallel loops
-    or at one thread; a failed measurement is one line and OpenMP's loops (no record)."""
+    or at one thread; a failed measurement or an unwritable manifest is one line and OpenMP's loops (no record)."""
     import yggtree.measure.loops_choice as loops_mod
+    import yggtree.offline.compile as compile_mod
     from yggtree.errors import YggError
     from yggtree.offline.compile import record_loops
 
@@ -236,8 +237,6 @@ def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(
 
     def unwritable(art, manifest):
         raise OSError(28, "No space left on device")
-
-    import yggtree.offline.compile as compile_mod
 
     monkeypatch.setattr(loops_mod, "measure_compiled", lambda plan, art, say=None: {"choice": "pool"})
     monkeypatch.setattr(compile_mod, "_write_manifest", unwritable)
