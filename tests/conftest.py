@@ -95,6 +95,15 @@ def openmp_loops():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def measured_prefetch():
+    """No test compile confirms its products' prefetch by decoding (yggtree/measure/prefetch_choice.py:
+    seconds per plan): they keep the measured setting unless a test sets ``YGGTREE_PREFETCH`` itself."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YGGTREE_PREFETCH", "measured")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def system_allocator():
     """Every test process and the commands tests start run on the system allocator: no test
     compile measures allocators (runtime/allocator.py, seconds per plan), none restarts itself

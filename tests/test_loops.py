@@ -249,7 +249,8 @@ def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(
 def test_the_measurement_stops_only_where_the_rest_cannot_change_the_choice(pairs):
     """Wherever ``settled`` stops the measurement after a prefix of the pairs, every completion
     decides as the prefix says (the pool having won more than half of them, or not)."""
-    from yggtree.measure.loops_choice import decide, settled
+    from yggtree.measure.loops_choice import decide
+    from yggtree.measure.paired_decode import settled
 
     n = len(pairs)
     for k in range(n + 1):
@@ -305,6 +306,9 @@ def test_an_engine_decodes_at_its_prefetch_setting(monkeypatch):
     tokens = [e.generate([5, 6, 7], SamplingParams(max_new_tokens=8)).token_ids for e in engines]
     assert seen == list(settings) and all(t == tokens[0] for t in tokens)
     assert torch.ops.yggtree.prefetch(-1, 0) == before
+    with kernels.prefetch((2048, 8192)):  # kernels.prefetch_now: the setting now, unchanged by asking
+        assert kernels.prefetch_now() == (2048, 8192) == kernels.prefetch_now()
+    assert kernels.prefetch_now() == tuple(before)
 
 
 def test_a_bad_loops_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):

@@ -667,13 +667,13 @@ def test_the_build_measures_a_busy_plan_again_and_forgets_a_busy_kernel_choice(m
     monkeypatch.setattr(machine_plan, "_build_plan", lambda mp_, plan, *a: phases.append(plan.name) or path)
     monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: verdicts.append(copy))
     after = []  # what ran after the verdict, in order
-    monkeypatch.setattr(machine_plan, "_measure_loops", lambda copy, say: after.append(("loops", copy, len(verdicts))))
+    monkeypatch.setattr(machine_plan, "_measure_decoding", lambda copy, say: after.append(("decoding", copy, len(verdicts))))
     monkeypatch.setattr(machine_plan, "_measure_allocator", lambda mp_, copy, say: after.append(("allocator", copy)))
     monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: after.append(("serving", copy)))
     assert machine_plan._build_locked(mp, said.append) == path
     assert forgot == [mp.name] and phases == [mp.name] and verdicts == [path]
-    # after the verdict where the library's loops run, then the allocator, last the server's batched graphs
-    assert after == [("loops", path, 1), ("allocator", path), ("serving", path)]
+    # after the verdict the settings measured by decoding (prefetch, loops), then the allocator, last the server's batched graphs
+    assert after == [("decoding", path, 1), ("allocator", path), ("serving", path)]
     assert mp.remeasured() == 1 and "measuring again (1 of at most 3)" in said[0]
     monkeypatch.setattr(choice_mod, "choice_record", lambda plan: {"load": {"other_cores": 0.0, "steal_cores": 0.0}})
     phases.clear()
@@ -706,7 +706,7 @@ def _plans_built(monkeypatch, tmp_path, mp: MachinePlan, calibration: str) -> li
     monkeypatch.setattr(machine_plan, "_measure_speculation", lambda mp_, copy, say: None)
     monkeypatch.setattr(machine_plan, "_build_serving", lambda copy, say: None)
     monkeypatch.setattr(machine_plan, "_measure_allocator", lambda mp_, copy, say: None)
-    monkeypatch.setattr(machine_plan, "_measure_loops", lambda copy, say: None)
+    monkeypatch.setattr(machine_plan, "_measure_decoding", lambda copy, say: None)
     machine_plan._build_locked(mp, lambda line: None)
     return built
 

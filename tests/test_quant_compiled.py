@@ -160,11 +160,28 @@ def test_a_plain_library_plan_decodes_on_the_pool_exactly(fmt, tmp_path, monkeyp
     assert [engine.generate(p, SamplingParams(max_new_tokens=8)).token_ids for p in ([3, 4, 5], list(range(10, 23)))] == pooled
     # measured (as `yggtree compile` does unforced): both loops decode the calibration prompts
     import yggtree.measure.loops_choice as loops_choice
+    import yggtree.measure.paired_decode as paired_decode
 
     monkeypatch.setenv("YGGTREE_LOOPS", "auto")
-    monkeypatch.setattr(loops_choice, "ROUNDS", 1)
+    monkeypatch.setattr(paired_decode, "ROUNDS", 1)
     lines = []
     record = loops_choice.measure_compiled(plan, art, say=lines.append)
     assert record["choice"] in ("openmp", "pool") and record["threads"] == 2
     assert 1 <= len(record["ms_per_token"]) <= 6 and min(min(p) for p in record["ms_per_token"]) > 0
     assert lines and "kernel loops measured" in lines[0]
+    # the products' prefetch confirmed by decoding (a setting of the packages' manifest here: the
+    # tests measure no product kernel): both settings decode the calibration prompts; a record
+    # choosing the library's default for the engine's very setting gives it the default, a record of
+    # another setting changes nothing
+    import yggtree.measure.prefetch_choice as prefetch_choice
+
+    monkeypatch.setenv("YGGTREE_PREFETCH", "auto")
+    manifest = json.loads((art / "manifest.json").read_text()) | {"packed_prefetch": [2048, 8192]}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    assert build_plan_engine(plan, artifact_dir(plan))[0].cfg.prefetch == (2048, 8192)
+    record = prefetch_choice.measure_compiled(plan, art, say=lines.append)
+    assert record["choice"] in ("measured", "default") and record["setting"] == [2048, 8192]
+    assert 1 <= len(record["ms_per_token"]) <= 6 and "prefetch measured by decoding" in lines[-1]
+    for recorded, runs in (([2048, 8192], None), ([64, 64], (2048, 8192))):
+        (art / "manifest.json").write_text(json.dumps(manifest | {"prefetch": {"choice": "default", "setting": recorded}}))
+        assert build_plan_engine(plan, artifact_dir(plan))[0].cfg.prefetch == runs

@@ -493,8 +493,8 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     except OSError:
         pass
     say(f"ready in {took:.0f} s: {copy}")
-    # 3. where the kernel library's loops run in later runs (OpenMP's until then)
-    _measure_loops(copy, say)
+    # 3. the products' prefetch and where the kernel library's loops run in later runs, by decoding
+    _measure_decoding(copy, say)
     # 4. the memory allocator later runs restart on (the system's, or one installed, measured on this plan)
     _measure_allocator(mp, copy, say)
     # 5. the batched graphs `yggtree serve` decodes its default batch with: its first start loads them
@@ -502,19 +502,20 @@ def _build_locked(mp: MachinePlan, say) -> Path:
     return copy
 
 
-def _measure_loops(copy: Path, say) -> None:
-    """Where the kernel library's loops run on the ready plan ``copy`` (offline/compile.py
-    ``record_loops``: OpenMP or the library's pool, recorded in its manifest for the runs started
-    after it), measured after the verdict, off the way to a ready plan: the profile and the
-    verdict are timed on OpenMP's loops, and the pool, where it wins, makes every step a few
-    percent faster than that (docs/results.md section 10). A build stopped before it leaves
-    OpenMP's loops until the next build."""
+def _measure_decoding(copy: Path, say) -> None:
+    """The settings measured by decoding on the ready plan ``copy`` (offline/compile.py
+    ``record_decoding``: its products' prefetch, then where the kernel library's loops run,
+    recorded in its manifest for the runs started after it), measured after the verdict, off the
+    way to a ready plan: the profile and the verdict are timed at the product kernel's measured
+    prefetch on OpenMP's loops, and the runs after it decode a few percent faster where decoding
+    chose otherwise (docs/results.md section 10). A build stopped before it leaves those until the
+    next build."""
     from .compiled import artifact_dir
-    from .offline.compile import record_loops
+    from .offline.compile import record_decoding
     from .plan import load_plan
 
     plan = load_plan(copy)
-    record_loops(plan, artifact_dir(plan), say)
+    record_decoding(plan, artifact_dir(plan), say)
 
 
 def _measure_allocator(mp: MachinePlan, copy: Path, say) -> None:
@@ -604,9 +605,9 @@ def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
     measure_plan(plan, say, QUIET_WAITS)  # the product kernel every package holds: timed on a quiet machine
     warm.join()
     say("compiling the packages")
-    compile_plan(plan, root, replace=True, workers=0, allocator=False, loops=False)  # a package per core at
-    # once; where the library's loops run and the allocator are measured once the plan is ready
-    # (_measure_loops, _measure_allocator: runs need not wait for them)
+    compile_plan(plan, root, replace=True, workers=0, allocator=False, decoding=False)  # a package per core
+    # at once; the settings measured by decoding and the allocator are measured once the plan is ready
+    # (_measure_decoding, _measure_allocator: runs need not wait for them)
     art = artifact_dir(plan, root)
     say(f"compiled at {time.perf_counter() - t0:.0f} s; timing the packages for the latency profile")
     padding = cached_padding(plan)
@@ -621,7 +622,7 @@ def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
     write_profile(profile, mp.root, plot=False)
     final = validate_plan(plan.to_dict() | {"profile": str(mp.root / "profile.json")})
     save_plan(final, mp.root / "profile-plan.yaml")
-    compile_plan(final, root, replace=True, allocator=False, loops=False)  # the same graphs: the copy is refreshed
+    compile_plan(final, root, replace=True, allocator=False, decoding=False)  # the same graphs: the copy is refreshed
     copy = artifact_dir(final, root) / "plan.yaml"
     write_text_atomic(mp.root / READY, json.dumps({"plan": str(copy.relative_to(mp.root)),
                                                    "build_s": round(time.perf_counter() - t0, 1)}) + "\n")

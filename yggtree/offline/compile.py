@@ -49,6 +49,7 @@ from ..errors import YggError, module_main
 from ..files import manifest_path
 from ..measure.kernel_choice import measure_plan
 from ..measure.loops_choice import forced as forced_loops
+from ..measure.prefetch_choice import forced as forced_prefetch
 from ..plan import Plan, graph_hash_of, load_plan, save_plan
 from ..runtime.artifacts import (
     CACHE_SUBDIR,
@@ -213,13 +214,14 @@ def compile_plan(
     replace: bool = False,
     workers: int = 1,
     allocator: bool = True,
-    loops: bool = True,
+    decoding: bool = True,
 ) -> dict:
     """Compile ``plan`` into its artifact directory; returns the summary (the manifest plus
     ``status`` = ``compiled`` | ``up-to-date`` | ``plan-updated``, ``dir`` and ``wall_s``).
     ``allocator``: measure this machine's allocator on the compiled plan where not cached yet
-    (measure/allocator_choice.py); ``loops``: where the kernel library's loops run in the new
-    packages (:func:`record_loops`). Its caller may measure either later instead.
+    (measure/allocator_choice.py); ``decoding``: the settings measured by decoding on the new
+    packages (:func:`record_decoding`: the products' prefetch, where the kernel library's loops run).
+    Its caller may measure either later instead.
 
     Up to date (manifest matches: same plan hash, torch/python versions, model files) and not
     ``force``: returns at once without loading anything. Stale artifacts of the same plan are
@@ -235,7 +237,7 @@ def compile_plan(
     check_backend(plan.backend)
     art = artifact_dir(plan, out_root)
     _check_destination(plan, art, force or replace)
-    forced_loops()  # a bad YGGTREE_LOOPS is refused now, not after the build
+    forced_loops(), forced_prefetch()  # a bad YGGTREE_LOOPS or YGGTREE_PREFETCH is refused now, not after the build
     measure_plan(plan)  # a plan without a profile: its product kernel on this machine (cached)
     current = None if force else _up_to_date(plan, art)
     if current is not None:
@@ -268,9 +270,40 @@ def compile_plan(
         if record is not None:
             manifest["allocator"] = {k: record.get(k) for k in ("choice", "library", "stats")}
             _write_manifest(art, manifest)
-        if loops:
-            manifest = record_loops(plan, art, say) or manifest
+        if decoding:
+            manifest = record_decoding(plan, art, say) or manifest
     return {**manifest, "status": "compiled", "dir": str(art), "wall_s": time.perf_counter() - t_start}
+
+
+def record_decoding(plan: Plan, art: Path, say) -> dict | None:
+    """The settings measured by decoding on ``plan``'s packages compiled in ``art``, recorded in
+    their manifest for the engines built from them: the products' prefetch (:func:`record_prefetch`),
+    then, at that prefetch, where the library's loops run (:func:`record_loops`). Returns the
+    manifest (None: nothing measured)."""
+    prefetched = record_prefetch(plan, art, say)
+    return record_loops(plan, art, say) or prefetched
+
+
+def record_prefetch(plan: Plan, art: Path, say) -> dict | None:
+    """Confirm by decoding the prefetch setting the products of ``plan``'s packages compiled in
+    ``art`` run at (measure/prefetch_choice.py) and record it in their manifest (``prefetch``);
+    returns the manifest, None where there is nothing to measure: no manifest, or an engine at the
+    library's default already. A measurement that fails, or whose record cannot be written, is one
+    ``say`` line: runs keep the measured setting."""
+    from ..measure.prefetch_choice import measure_compiled as measure_prefetch
+
+    manifest = read_manifest(art)
+    if manifest is None:
+        return None
+    try:
+        record = measure_prefetch(plan, art, say=say)
+        if record is None:
+            return None
+        _write_manifest(art, manifest | {"prefetch": record})
+    except (YggError, OSError) as e:  # the packages are built: a run keeps the measured setting
+        say(f"the products' prefetch was not measured by decoding: {e}")
+        return manifest
+    return manifest | {"prefetch": record}
 
 
 def record_loops(plan: Plan, art: Path, say) -> dict | None:

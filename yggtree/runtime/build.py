@@ -231,7 +231,10 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     Without ``artifacts`` a performance engine compiles its graphs with dynamo (slow start).
     ``min_rows`` and ``kernel`` override the padding of short packed products and their kernel
     the plan's profile measured; ``prefetch`` goes with ``kernel`` (EngineSpec.from_plan); a plan
-    without a profile takes all three from its packages' manifest.
+    without a profile takes all three from its packages' manifest. A performance engine on
+    ``artifacts`` takes what decoding measured on them (their manifest): where the library's loops
+    run (:func:`loops_on_pool`), and the library's default prefetch where its measured one decoded
+    slower (:func:`confirmed_prefetch`).
     A speculative engine raises a padding that is not batch-invariant on this CPU
     (:func:`invariant_padding`); packages hold the padding they were compiled with, so with
     ``artifacts`` an engine padding otherwise (raised or overridden) is refused in one line
@@ -257,8 +260,9 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
                                 prefetch=prefetch)
     if measure is not None:
         spec = measure(spec)
-    if artifacts is not None and spec.mode == "performance" and loops_on_pool(read_manifest(Path(artifacts)) or {}):
-        spec = replace(spec, loop_pool=True)
+    if artifacts is not None and spec.mode == "performance":  # what decoding measured on the packages
+        m = read_manifest(Path(artifacts)) or {}
+        spec = replace(spec, loop_pool=loops_on_pool(m), prefetch=confirmed_prefetch(m, spec.prefetch))
     if not speculate:
         rows = spec.min_rows
         if artifacts is not None and min_rows is None:  # the packages' own padding
@@ -277,6 +281,17 @@ def loops_on_pool(manifest: dict) -> bool:
     measured it faster on this machine (the manifest's ``loops``), which it measures only where
     every package's own loops are serial (aoti.loops_serial)."""
     return (manifest.get("loops") or {}).get("choice") == "pool"
+
+
+def confirmed_prefetch(manifest: dict, setting: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The prefetch setting an engine about to take ``setting`` (its plan's measurement) runs at
+    on packages with ``manifest``: the library's default (None) where decoding judged this very
+    setting slower than the default (the manifest's ``prefetch``, measure/prefetch_choice.py),
+    else ``setting`` (pure)."""
+    record = manifest.get("prefetch")
+    if setting is None or not isinstance(record, dict) or record.get("choice") != "default":
+        return setting
+    return None if list(record.get("setting") or ()) == list(setting) else setting
 
 
 def searched_stages(art: str | Path) -> str:

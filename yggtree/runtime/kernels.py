@@ -45,7 +45,7 @@ from ..errors import YggError
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
 __all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "library_built", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention", "attention_ahead", "loop_pool", "prefetch", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
+           "use_rows_attention", "attention_ahead", "loop_pool", "prefetch", "prefetch_now", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 # the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
 # then ops.cpp, the one source that parses torch's headers (csrc/kernels.h)
@@ -242,6 +242,14 @@ def loop_pool(threads: int):
     finally:
         torch.set_num_threads(before)
         torch.ops.yggtree.loop_pool(was)
+
+
+def prefetch_now() -> tuple[int, int]:
+    """The library's products' prefetch setting now, ``(near, far)`` bytes: its default outside
+    any :func:`prefetch` block. Loads the library."""
+    load_library()
+    near, far = torch.ops.yggtree.prefetch(-1, 0)  # near < 0: a query
+    return int(near), int(far)
 
 
 @contextlib.contextmanager

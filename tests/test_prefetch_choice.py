@@ -1,0 +1,101 @@
+"""The products' prefetch confirmed by decoding (yggtree/measure/prefetch_choice.py): which setting an
+engine takes from its packages' record, and how ``yggtree compile`` records it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from yggtree.errors import YggError
+
+
+def test_a_record_gives_the_library_default_only_for_the_setting_it_judged():
+    from yggtree.runtime.build import confirmed_prefetch
+
+    def confirmed(record, setting):
+        return confirmed_prefetch({} if record is None else {"prefetch": record}, setting)
+
+    judged = {"choice": "default", "setting": [2048, 8192]}
+    assert confirmed(judged, (2048, 8192)) is None  # decoded slower than the default: the default
+    assert confirmed(judged, (2048, 0)) == (2048, 0)  # measured again since: not what it judged
+    assert confirmed({"choice": "measured", "setting": [2048, 8192]}, (2048, 8192)) == (2048, 8192)
+    assert confirmed(None, (512, 0)) == (512, 0) and confirmed({}, (512, 0)) == (512, 0)  # never judged
+    assert confirmed(judged, None) is None  # the default already
+    assert confirmed({"choice": "default", "forced": "YGGTREE_PREFETCH", "setting": [512, 0]}, (512, 0)) is None
+
+
+def test_the_prefetch_is_recorded_beside_the_manifests_other_fields(monkeypatch, tmp_path):
+    """offline/compile.record_prefetch: the measurement recorded in the packages' manifest, its other
+    fields kept; nothing recorded without a manifest or where the engine takes the library's default;
+    a failed measurement or an unwritable manifest is one line and no record (runs keep the measured
+    setting)."""
+    import yggtree.measure.prefetch_choice as prefetch_mod
+    import yggtree.offline.compile as compile_mod
+    from yggtree.offline.compile import record_prefetch
+
+    measured, said = [], []
+    record = {"choice": "default", "setting": [2048, 8192], "stats": {"speedup": 0.93}}
+    monkeypatch.setattr(prefetch_mod, "measure_compiled", lambda plan, art, say=None: measured.append(art) or record)
+    art = tmp_path / "plan"
+    art.mkdir()
+    assert record_prefetch("plan", art, said.append) is None and measured == []  # no manifest
+    (art / "manifest.json").write_text(json.dumps({"threads": 2, "n_slots": 7}))
+    got = record_prefetch("plan", art, said.append)
+    assert measured == [art] and got["prefetch"] == record and got["n_slots"] == 7
+    assert json.loads((art / "manifest.json").read_text()) == got and said == []
+
+    monkeypatch.setattr(prefetch_mod, "measure_compiled", lambda plan, art, say=None: None)  # the default already
+    (art / "manifest.json").write_text(json.dumps({"threads": 2}))
+    assert record_prefetch("plan", art, said.append) is None
+    assert json.loads((art / "manifest.json").read_text()) == {"threads": 2}
+
+    def fails(plan, art, say=None):
+        raise YggError("the measurement decoded no tokens")
+
+    monkeypatch.setattr(prefetch_mod, "measure_compiled", fails)
+    assert "prefetch" not in record_prefetch("plan", art, said.append)
+    assert said == ["the products' prefetch was not measured by decoding: the measurement decoded no tokens"]
+
+    def unwritable(art, manifest):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prefetch_mod, "measure_compiled", lambda plan, art, say=None: record)
+    monkeypatch.setattr(compile_mod, "_write_manifest", unwritable)
+    assert "prefetch" not in record_prefetch("plan", art, said.append)  # a full disk: one line
+    assert said[-1] == "the products' prefetch was not measured by decoding: [Errno 28] No space left on device"
+
+
+def test_the_decoding_settings_are_measured_prefetch_first(monkeypatch, tmp_path):
+    """offline/compile.record_decoding: the prefetch, then the loops at it (the loops' engine is built
+    from the manifest the prefetch's record is written to); the manifest of the last record."""
+    import yggtree.offline.compile as compile_mod
+
+    order = []
+    monkeypatch.setattr(compile_mod, "record_prefetch", lambda plan, art, say: order.append("prefetch") or {"p": 1})
+    monkeypatch.setattr(compile_mod, "record_loops", lambda plan, art, say: order.append("loops") or {"l": 1})
+    assert compile_mod.record_decoding("plan", tmp_path, print) == {"l": 1} and order == ["prefetch", "loops"]
+    monkeypatch.setattr(compile_mod, "record_loops", lambda plan, art, say: None)  # no loops to measure
+    assert compile_mod.record_decoding("plan", tmp_path, print) == {"p": 1}
+
+
+@pytest.mark.parametrize("value, forced", [("auto", None), ("", None), ("measured", "measured"), ("default", "default")])
+def test_the_prefetch_setting_of_the_environment(monkeypatch, value, forced):
+    from yggtree.measure.prefetch_choice import forced as forced_choice
+
+    monkeypatch.setenv("YGGTREE_PREFETCH", value)
+    assert forced_choice() == forced
+
+
+def test_a_bad_prefetch_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):
+    """``YGGTREE_PREFETCH`` other than auto, measured or default: one line naming it, a non-zero exit,
+    before anything is built."""
+    from yggtree.cli import main
+
+    monkeypatch.setenv("YGGTREE_PREFETCH", "fast")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("name: p\ntarget: default\nbackend: eager\n")
+    assert main(["compile", str(plan), "--out", str(tmp_path / "c")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "YGGTREE_PREFETCH='fast'" in err[0] and "auto, measured or default" in err[0]
+    assert not (tmp_path / "c").exists()
