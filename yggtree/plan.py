@@ -36,6 +36,13 @@ weights        str | absent     (dtype)        float32 | bfloat16 | int8 | int4 
                                                and LM heads' format (runtime/quant.py,
                                                runtime/w4a8.py); absent: float
                                                weights in dtype (yggtree.shapes.weight_format)
+drafter_weights str | absent    (weights)      the drafter's weight format, any ``weights``
+                                               value (float32 or bfloat16: float weights):
+                                               a float target with a 4-bit drafter drafts at
+                                               a fraction of its float cost and verifies at
+                                               full precision (output unchanged: it is the
+                                               target's); absent: the target's format. Not
+                                               with ``drafter: self`` (one model's weights)
 kv_cache       str | absent     (dtype)        float16 | bfloat16: the target's KV cache in 16
                                                bits under float32 activations (half the reads
                                                of attention at long contexts; changes output
@@ -130,6 +137,7 @@ class Plan:
     drafter: str | None = None
     dtype: str = "float32"
     weights: str | None = None  # a quantized format (int8, int4@G, gguf-native, w4a8); None: float in dtype
+    drafter_weights: str | None = None  # the drafter's format (a float dtype included); None: as ``weights``
     kv_cache: str | None = None  # the target's KV cache dtype (float16, bfloat16); None: dtype
     backend: str = "inductor-cpu"
     max_context: int = DEFAULT_MAX_CONTEXT
@@ -247,7 +255,7 @@ class Plan:
 # only where set (plans without them keep the hash they had before the field existed)
 GRAPH_FIELDS = ("version", "name", "target", "drafter", "dtype", "backend", "max_context",
                 "prefill_chunk", "draft_widths", "d_max", "top_k", "verify_widths")
-OPTIONAL_GRAPH_FIELDS = ("weights", "kv_cache")
+OPTIONAL_GRAPH_FIELDS = ("weights", "drafter_weights", "kv_cache")
 
 
 def graph_hash_of(plan_dict: Any) -> str | None:
@@ -402,6 +410,31 @@ def _weights(v: Any, dtype: str, target: str, origin: str) -> str | None:
     return f"{fmt}@{group}" if fmt == "int4" else fmt
 
 
+def _drafter_weights(v: Any, dtype: str, drafter: str | None, weights: str | None, origin: str) -> str | None:
+    """A plan's ``drafter_weights`` in canonical form: None where absent or the target's own format
+    (the default), else the format (``int4@G`` spelled out; a float dtype named as such);
+    refused without a drafter, with ``drafter: self`` (the target's own weights) and where the
+    drafter has no GGUF blocks for gguf-native."""
+    if v is None:
+        return None
+    where = _where("drafter_weights", origin)
+    if drafter is None:
+        raise YggError(f"{where}: the plan has no drafter")
+    try:
+        fmt, group = weight_format(v, dtype)
+    except YggError as e:
+        raise YggError(f"{where}: {e}") from None
+    canonical = f"{fmt}@{group}" if fmt == "int4" else fmt
+    if canonical == (weights or dtype):
+        return None
+    if drafter == "self":
+        raise YggError(f"{where}: drafter 'self' is the target's own weights, in the target's format "
+                       f"({weights or dtype})")
+    if fmt == "gguf-native" and not drafter.lower().endswith(".gguf"):
+        raise YggError(f"{where}: gguf-native needs a GGUF drafter, {drafter} is not one (use w4a8, int8 or int4)")
+    return canonical
+
+
 def _models(f: _Fields, base: Path) -> dict[str, Any]:
     """``name``, ``target`` and ``drafter`` (a keyword or an existing path, relative to ``base``)."""
     name = f.string("name", None)
@@ -486,13 +519,15 @@ def validate_plan(raw: Any, base: str | Path = ".", origin: str = "plan", unwrit
     models = _models(f, base)
     dtype = f.string("dtype", "float32", DTYPES)
     weights = _weights(raw.get("weights"), dtype, models["target"], origin)
+    drafter_weights = _drafter_weights(raw.get("drafter_weights"), dtype, models["drafter"], weights, origin)
     try:
         kv_cache = kv_cache_dtype(raw.get("kv_cache"), dtype)
     except YggError as e:
         raise YggError(f"{_where('kv_cache', origin)}: {e}") from None
     backend = f.string("backend", "inductor-cpu", BACKENDS)
     shapes = _shapes(f, models["drafter"] is not None, lookup_only)
-    return Plan(**models, dtype=dtype, weights=weights, kv_cache=kv_cache, backend=backend, **shapes,
+    return Plan(**models, dtype=dtype, weights=weights, drafter_weights=drafter_weights, kv_cache=kv_cache,
+                backend=backend, **shapes,
                 sampling=_sampling(raw, origin, shapes["max_context"]),
                 **{k: f.path(k, base, must_exist=k not in unwritten) for k in PATH_KEYS},
                 stages=_stages(f.string("stages", "sequential"), origin), version=version)

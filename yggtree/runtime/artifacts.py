@@ -139,15 +139,19 @@ def timing_identity(plan) -> dict:
         out["drafter"] = "self"
     if plan.kv_cache is not None:  # a 16-bit KV cache (absent: in dtype, as before the field)
         out["kv_cache"] = plan.kv_cache
+    if plan.drafter_weights is not None:  # the drafter in a format of its own
+        out["drafter_weights"] = plan.drafter_weights
     return out
 
 
 def pair_identity(plan) -> dict:
     """What acceptance depends on: the timing identity plus the drafter's weights (sha256), without
-    the KV cache's dtype (as without the weight format: a 16-bit cache moves the target's logits by
-    its rounding, which the calibration's acceptance statistics do not resolve)."""
+    the KV cache's dtype and the drafter's own weight format (as without the target's: a 16-bit
+    cache or quantized weights move the logits by their rounding, which the calibration's
+    acceptance statistics do not resolve)."""
     ident = timing_identity(plan)
     ident.pop("kv_cache", None)
+    ident.pop("drafter_weights", None)  # as the target's format: not resolved by the statistics
     weights = []
     for f in _entries(plan, "drafter"):
         p = Path(f["path"])

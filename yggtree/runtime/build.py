@@ -52,6 +52,7 @@ class EngineSpec:
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
     loop_pool: bool = False  # the kernel library's loops on its own pool while decoding (EngineConfig.loop_pool)
     weights: str | None = None  # weight format (runtime/quant.py); None: float weights in dtype
+    drafter_weights: str | None = None  # the drafter's weight format (Plan.drafter_weights); None: ``weights``
     kv_cache: str | None = None  # the target's KV cache dtype (yggtree.shapes.kv_cache_dtype); None: dtype
     n_slots: int = 0  # KV cache slots (EngineConfig.n_slots; 0: derived)
     # the torch device of the models (a plan's backend's: graphs.backend_device); engines run on
@@ -95,6 +96,7 @@ class EngineSpec:
             prefetch=plan_prefetch(plan) if kernel is None else prefetch,
             padding_checked=profile_invariance(plan.profile) if min_rows is None and plan.profile else None,
             weights=plan.weights,
+            drafter_weights=plan.drafter_weights,
             kv_cache=plan.kv_cache,
             device=backend_device(plan.backend),
         )

@@ -61,9 +61,9 @@ def prepare_models(spec, tokenizer: bool = True) -> Prepared:
     tok = load_tokenizer(src) if tokenizer or spec.drafter not in (None, "self") else None
     drafter = load_drafter(spec, target, tok) if spec.drafter else None
     if spec.pack:  # oneDNN- or tiled-packed block weights on a CPU (runtime/packed.py)
-        pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter, spec.kernel)
+        pack_models(target, drafter, spec.min_rows, spec.weights, src, spec.drafter, spec.kernel, spec.drafter_weights)
     else:
-        quantize_models(target, drafter, spec.weights, src, spec.drafter, spec.kernel)
+        quantize_models(target, drafter, spec.weights, src, spec.drafter, spec.kernel, spec.drafter_weights)
     from .packed import min_rows_of, packed_layers
 
     verifies = drafter is not None or spec.lookup > 0  # a tree to verify: drafted or looked up
@@ -96,6 +96,10 @@ def check_spec(spec) -> str:
     check_sizes(spec.max_context, spec.prefill_chunk, spec.tree if spec.drafter else None)
     kv_cache_dtype(spec.kv_cache, spec.dtype)
     fmt, _ = weight_format(spec.weights, spec.dtype)
+    if spec.drafter_weights is not None and spec.drafter:
+        dfmt, _ = weight_format(spec.drafter_weights, spec.dtype)
+        if spec.drafter == "self" and dfmt != fmt:
+            raise YggError(f"drafter 'self' is the target's own weights: it cannot run in {dfmt} beside a {fmt} target")
     return fmt
 
 
@@ -161,40 +165,45 @@ def load_drafter(spec, target, tokenizer):
 
 
 def quantize_models(target, drafter, weights: str | None, src, drafter_name: str | None = None,
-                    kernel: str = "torch") -> None:
+                    kernel: str = "torch", drafter_weights: str | None = None) -> None:
     """The weight format ``weights`` (runtime/quant.py; None: float, nothing to do) for the
-    target (loaded from ``src``) and the drafter's model. Under ``gguf-native`` a drafter gets
-    its GGUF's own blocks (``self``: the target's; a standalone GGUF model: its file's); an EAGLE
-    head or an HF drafter has none and keeps float weights. Under ``w4a8`` every model's linears
-    become blocks: a GGUF's own where it has them, Q4_1 from float otherwise (an EAGLE head).
-    ``kernel``: the int8 layers' product kernel (runtime/quant.py ``Int8Linear``)."""
+    target (loaded from ``src``), and ``drafter_weights`` (None: ``weights``) for the drafter's
+    model. Under ``gguf-native`` a drafter gets its GGUF's own blocks (``self``: the target's; a
+    standalone GGUF model: its file's); an EAGLE head or an HF drafter has none and keeps float
+    weights. Under ``w4a8`` every model's linears become blocks: a GGUF's own where it has them,
+    Q4_1 from float otherwise (an EAGLE head). ``kernel``: the int8 layers' product kernel
+    (runtime/quant.py ``Int8Linear``)."""
     from .loading import cached_w4a8_layers, gguf_raw_weights
     from .quant import quantize_linears
 
-    fmt, group = weight_format(weights, str(target.embed_tokens.weight.dtype).removeprefix("torch."))
-    if fmt in FLOAT_FORMATS:
-        return
-    gguf = fmt in ("gguf-native", "w4a8")  # formats that run a GGUF's own blocks
+    dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
+    fmt, group = weight_format(weights, dtype)
     raw, layers = None, None
-    if fmt == "w4a8" and src.kind == "gguf":  # the file's blocks in the kernel's layout, packed once per machine
-        from .w4a8 import packed_of
+    if fmt not in FLOAT_FORMATS:
+        if fmt == "w4a8" and src.kind == "gguf":  # the file's blocks in the kernel's layout, packed once per machine
+            from .w4a8 import packed_of
 
-        def build() -> dict:
-            nonlocal raw
-            raw = gguf_raw_weights(src, target.cfg)
+            def build() -> dict:
+                nonlocal raw
+                raw = gguf_raw_weights(src, target.cfg)
+                quantize_linears(target, fmt, group, raw, kernel)
+                return packed_of(target)
+
+            layers = cached_w4a8_layers(src, build)
+            if raw is None:  # read from the cache
+                quantize_linears(target, fmt, group, kernel=kernel, packed=layers)
+        else:
+            raw = gguf_raw_weights(src, target.cfg) if fmt in ("gguf-native", "w4a8") and (
+                fmt == "gguf-native" or src.kind == "gguf") else None
             quantize_linears(target, fmt, group, raw, kernel)
-            return packed_of(target)
-
-        layers = cached_w4a8_layers(src, build)
-        if raw is None:  # read from the cache
-            quantize_linears(target, fmt, group, kernel=kernel, packed=layers)
-    else:
-        raw = gguf_raw_weights(src, target.cfg) if fmt == "gguf-native" or (gguf and src.kind == "gguf") else None
-        quantize_linears(target, fmt, group, raw, kernel)
     if drafter is None:
         return
+    if drafter_weights is not None:
+        fmt, group = weight_format(drafter_weights, dtype)
+    if fmt in FLOAT_FORMATS:
+        return
     model = drafter.graphs.model
-    if not gguf:
+    if fmt not in ("gguf-native", "w4a8"):  # formats quantized from float weights
         quantize_linears(model, fmt, group, kernel=kernel)
         return
     if drafter_name == "self" and layers is not None:  # the target's own packed layers
@@ -210,11 +219,12 @@ def quantize_models(target, drafter, weights: str | None, src, drafter_name: str
 
 
 def pack_models(target, drafter=None, min_rows: int = 1, weights: str | None = None, src=None,
-                drafter_name: str | None = None, kernel: str = "torch") -> None:
-    """The weight format ``weights`` (:func:`quantize_models`), then packed weights for the
-    product kernel ``kernel`` (runtime/packed.py) for what stays float, for a target and its
-    drafter's model; packed products of fewer than ``min_rows`` rows run padded to that many."""
-    quantize_models(target, drafter, weights, src, drafter_name, kernel)
+                drafter_name: str | None = None, kernel: str = "torch", drafter_weights: str | None = None) -> None:
+    """The weight formats ``weights`` and ``drafter_weights`` (:func:`quantize_models`), then packed
+    weights for the product kernel ``kernel`` (runtime/packed.py) for what stays float, for a
+    target and its drafter's model; packed products of fewer than ``min_rows`` rows run padded to
+    that many."""
+    quantize_models(target, drafter, weights, src, drafter_name, kernel, drafter_weights)
     pack_linears(target, min_rows=min_rows, kernel=kernel)
     if drafter is not None:
         pack_linears(drafter.graphs.model, min_rows=min_rows, kernel=kernel)
