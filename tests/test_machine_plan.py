@@ -35,6 +35,15 @@ def test_the_format_is_the_ggufs_own_where_the_kernel_library_runs():
     assert machine_plan.machine_weights({"sse2", "avx"}) is None  # float32
 
 
+def test_a_float32_plans_drafter_runs_on_the_kernel_library_where_it_runs():
+    """A float32 machine plan drafts in w4a8 where the library runs (the target's output unchanged);
+    a w4a8 plan's drafter is the target's format, as is a float32 plan's where the library does not run."""
+    lib, none = {"avx2", "fma", "f16c", "sse2"}, {"sse2", "avx"}
+    assert machine_plan.machine_drafter_weights(None, lib) == "w4a8"
+    assert machine_plan.machine_drafter_weights(None, none) is None
+    assert machine_plan.machine_drafter_weights("w4a8", lib) is None
+
+
 def test_one_directory_per_device_identity_threads_and_format(tmp_path):
     a = machine_plan.machine_plan(DEVICE, 2, "w4a8", root=tmp_path)
     other = dict(DEVICE, identity=dict(DEVICE["identity"], model=3))  # same name, another CPU
@@ -197,15 +206,17 @@ def test_a_plan_built_with_other_fields_than_this_code_builds_is_not_ready(monke
 def test_a_plan_whose_kernel_library_is_not_built_for_this_code_is_not_ready(monkeypatch, tmp_path):
     """The kernel sources changed since the build (its packages, which call the ops, still valid): the
     plan is not ready until the build has compiled the library (a run would compile it before its
-    first token), the reason named; a float32 plan needs no library."""
+    first token), the reason named; a float32 plan needs no library where its drafter is float32
+    too (a CPU the library does not run on), and needs it where its drafter runs w4a8."""
     import yggtree.compiled as compiled_mod
     from yggtree.runtime import kernels
 
     built = []
     monkeypatch.setattr(kernels, "library_built", lambda: bool(built))
     monkeypatch.setattr(compiled_mod, "check_artifacts", lambda plan, art: [])
-    for weights in ("w4a8", None):
-        mp = MachinePlan(tmp_path / str(weights), weights, 2)
+    for weights, flags in (("w4a8", {"avx2", "fma", "f16c"}), (None, {"avx2", "fma", "f16c"}), (None, {"sse2"})):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: flags)
+        mp = MachinePlan(tmp_path / f"{weights}-{len(flags)}", weights, 2)
         plan_dir = mp.compile_root / mp.name
         plan_dir.mkdir(parents=True)
         fields = {k: list(v) if isinstance(v, tuple) else v for k, v in mp.shape.items()}
@@ -213,7 +224,8 @@ def test_a_plan_whose_kernel_library_is_not_built_for_this_code_is_not_ready(mon
         (plan_dir / "plan.yaml").write_text(yaml.safe_dump({k: v for k, v in doc.items() if v is not None}))
         (mp.root / READY).write_text(json.dumps({"plan": f"compile/{mp.name}/plan.yaml"}))
         built.clear()
-        want = (None, "the kernel library is not built for this code") if weights else (plan_dir / "plan.yaml", None)
+        needs = weights or mp.shape["drafter_weights"]
+        want = (None, "the kernel library is not built for this code") if needs else (plan_dir / "plan.yaml", None)
         assert mp.ready_plan() == want
         built.append(True)
         assert mp.ready_plan() == (plan_dir / "plan.yaml", None)

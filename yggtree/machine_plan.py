@@ -109,6 +109,14 @@ def machine_kv_cache(weights: str | None) -> str | None:
     return None if weights is None else "float16"
 
 
+def machine_drafter_weights(weights: str | None, flags: set[str] | None = None) -> str | None:
+    """The drafter's weight format in a machine plan whose target runs ``weights``: a float32
+    plan's drafter in ``w4a8`` where the kernel library runs here (its calls read a fifth of the
+    bytes and stay cached across a step's calls; what is emitted is the float target's), else the
+    target's own (None)."""
+    return "w4a8" if weights is None and machine_weights(flags) == "w4a8" else None
+
+
 def _library_built() -> bool:
     """Whether the kernel library of this code is built here (runtime/kernels.py); False where it
     cannot be (its instruction set refused)."""
@@ -173,7 +181,8 @@ class MachinePlan:
     def shape(self) -> dict:
         """The plan fields this code builds the machine plan with (beyond the default plan's): a
         ready plan built with others is built again."""
-        return {"weights": self.weights, "kv_cache": machine_kv_cache(self.weights),
+        return {"weights": self.weights, "drafter_weights": machine_drafter_weights(self.weights),
+                "kv_cache": machine_kv_cache(self.weights),
                 "verify_widths": MACHINE_VERIFY_WIDTHS, "draft_widths": MACHINE_DRAFT_WIDTHS}
 
     def ready_plan(self) -> tuple[Path | None, str | None]:
@@ -195,7 +204,7 @@ class MachinePlan:
             reasons = reasons or check_artifacts(plan, artifact_dir(plan))
         except (YggError, OSError, ValueError, KeyError, TypeError) as e:
             return None, f"its record is unreadable ({e})"
-        if not reasons and self.weights and not _library_built():
+        if not reasons and (self.weights or plan.drafter_weights) and not _library_built():
             # the kernel sources changed since the build (the packages call the ops, so they stay valid):
             # a run would compile the library before its first token; the build does, and times the plan
             # on it again
