@@ -79,3 +79,28 @@ def test_the_drafter_self_keeps_the_targets_format():
     with pytest.raises(YggError, match="drafter 'self' is the target's own weights"):
         check_spec(EngineSpec(drafter="self", drafter_weights="w4a8"))
     assert check_spec(EngineSpec(drafter="self", weights="w4a8", drafter_weights="w4a8")) == "w4a8"
+
+
+def test_run_drafts_in_the_format_its_flag_names(tmp_path, capsys):
+    """``yggtree run --drafter-weights FMT``: the flags' plan drafts in FMT, the output the float
+    target's plain one; with ``--plan`` (which names its own) or a format that cannot be, one line."""
+    import json
+
+    from test_compile import save_tiny_checkpoint
+    from yggtree.cli import main
+
+    save_tiny_checkpoint(tmp_path / "target", intermediate=64)
+    save_tiny_checkpoint(tmp_path / "drafter", intermediate=64)
+    run = ["run", "--model", str(tmp_path / "target"), "--mode", "reference", "--max-context", "64",
+           "--prefill-chunk", "8", "--raw", "--prompt", "t3 t4 t5", "--max-new-tokens", "6", "--json"]
+    assert main(run + ["--no-speculate"]) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(run + ["--drafter", str(tmp_path / "drafter"), "--drafter-weights", "int8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == want and out["stats"]["speculative"]
+    for extra, words in ((["--plan", str(tmp_path / "none.yaml")], "--drafter-weights and --plan exclude each other"),
+                         (["--drafter", str(tmp_path / "drafter")], "drafter_weights")):
+        flag = ["--drafter-weights", "int8" if "--plan" in extra else "w5"]
+        assert main(["run", "--prompt", "hi", *extra, *flag] if "--plan" in extra else run + extra + flag) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err

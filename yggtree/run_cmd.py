@@ -78,6 +78,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="float32 | bfloat16 | int8 | int4 | int4@G | gguf-native | w4a8: the format of "
                    "the block linears and LM heads (default: float in --dtype; runtime/quant.py, "
                    "runtime/w4a8.py)")
+    p.add_argument("--drafter-weights", default=None,
+                   help="the drafter's own weight format (any --weights value; default: the target's): "
+                   "a float target verifies what a quantized drafter proposes, its output unchanged")
     p.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default=None,
                    help="the target's KV cache dtype: float16 or bfloat16 under float32 activations "
                    "halves attention's reads at long contexts (an approximation, as a weight format is); "
@@ -213,6 +216,9 @@ def build_from_args(args):
         args.drafter, args.drafter_none = None, True
     if args.weights is not None and args.plan:
         raise YggError("--weights and --plan exclude each other (a plan names its format: its 'weights' key)")
+    if args.drafter_weights is not None and args.plan:
+        raise YggError("--drafter-weights and --plan exclude each other (a plan names its drafter's format: "
+                       "its 'drafter_weights' key)")
     if args.kv_cache is not None and args.plan:
         raise YggError("--kv-cache and --plan exclude each other (a plan names its cache: its 'kv_cache' key)")
     if args.speculate and args.no_speculate:
@@ -268,7 +274,8 @@ def flags_plan(args) -> Plan:
     if drafter not in (None, *NON_PATH_MODELS["drafter"]) and not Path(drafter).expanduser().exists():
         raise YggError(f"model path does not exist: {Path(drafter).expanduser()}")
     raw = {"name": "flags", "target": args.model, "drafter": drafter, "dtype": args.dtype,
-           "weights": args.weights, "kv_cache": args.kv_cache, "max_context": args.max_context,
+           "weights": args.weights, "drafter_weights": args.drafter_weights if drafter else None,
+           "kv_cache": args.kv_cache, "max_context": args.max_context,
            "prefill_chunk": args.prefill_chunk,
            # a plan's sampling defaults, valid at any context (a run samples by its own flags)
            "sampling": {"max_new_tokens": min(Sampling.max_new_tokens, args.max_context - 1)}}
@@ -304,6 +311,7 @@ def _pick_plan(args) -> None:
     # --no-speculate keeps what the default would run (its plan's graphs, plainly): compared like for like
     only_defaults = (args.model == "default" and args.drafter in (None, "default")
                      and args.mode == "performance" and not shaped and args.weights is None
+                     and args.drafter_weights is None
                      and args.kv_cache is None
                      and not getattr(args, "drafter_none", False))
     if not only_defaults:
