@@ -91,7 +91,8 @@ def test_a_running_build_is_not_started_twice_and_a_killed_one_frees_its_lock(tm
 def _args(**kw):
     base = dict(model="default", drafter=None, no_speculate=False, speculate=False, mode="performance", max_context=None,
                 prefill_chunk=None, top_k=None, draft_width=None, draft_depth=None, verify_width=None,
-                weights=None, kv_cache=None, dtype=None, plan=None, threads=0, lookup=None, temperature=0.0)
+                weights=None, drafter_weights=None, kv_cache=None, dtype=None, plan=None, threads=0, lookup=None,
+                temperature=0.0)
     return argparse.Namespace(**(base | kw))
 
 
