@@ -22,7 +22,9 @@ def test_a_record_gives_the_library_default_only_for_the_setting_it_judged():
     assert confirmed({"choice": "measured", "setting": [2048, 8192]}, (2048, 8192)) == (2048, 8192)
     assert confirmed(None, (512, 0)) == (512, 0) and confirmed({}, (512, 0)) == (512, 0)  # never judged
     assert confirmed(judged, None) is None  # the default already
-    assert confirmed({"choice": "default", "forced": "YGGTREE_PREFETCH", "setting": [512, 0]}, (512, 0)) is None
+    forced = {"choice": "default", "forced": "YGGTREE_PREFETCH"}  # told at the compile: any setting
+    assert confirmed(forced, (512, 0)) is None and confirmed(forced, (2048, 8192)) is None
+    assert confirmed({"choice": "measured", "forced": "YGGTREE_PREFETCH"}, (512, 0)) == (512, 0)
 
 
 def test_the_prefetch_is_recorded_beside_the_manifests_other_fields(monkeypatch, tmp_path):
@@ -81,10 +83,16 @@ def test_the_decoding_settings_are_measured_prefetch_first(monkeypatch, tmp_path
 
 @pytest.mark.parametrize("value, forced", [("auto", None), ("", None), ("measured", "measured"), ("default", "default")])
 def test_the_prefetch_setting_of_the_environment(monkeypatch, value, forced):
+    """``YGGTREE_PREFETCH`` forces the record without building an engine or decoding."""
+    import yggtree.runtime.build as build_mod
     from yggtree.measure.prefetch_choice import forced as forced_choice
+    from yggtree.measure.prefetch_choice import measure_compiled
 
     monkeypatch.setenv("YGGTREE_PREFETCH", value)
     assert forced_choice() == forced
+    if forced is not None:
+        monkeypatch.setattr(build_mod, "build_plan_engine", lambda *a, **k: pytest.fail("an engine was built"))
+        assert measure_compiled("plan", "art") == {"choice": forced, "forced": "YGGTREE_PREFETCH"}
 
 
 def test_a_bad_prefetch_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):

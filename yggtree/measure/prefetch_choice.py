@@ -15,7 +15,7 @@ this machine's plan after its verdict) and recorded in the manifest (``prefetch`
 one an engine would take and which says ``default`` gives that engine the library's default instead).
 
 ``YGGTREE_PREFETCH=measured`` keeps the measured setting without decoding, ``default`` takes the
-library's; ``auto``, the default, measures.
+library's (whatever setting was measured); ``auto``, the default, measures.
 """
 
 from __future__ import annotations
@@ -40,18 +40,17 @@ def measure_compiled(plan, art: str | Path, say=None) -> dict | None:
     ``prefetch``), measured now on its plain engine (or forced by ``YGGTREE_PREFETCH``); None
     where its engine takes the library's default already (nothing to confirm). ``say(line)``
     hears the result."""
+    choice = forced()
+    if choice is not None:  # for whatever setting the plan's engines take
+        return {"choice": choice, "forced": PREFETCH_ENV}
     from ..runtime.build import build_plan_engine
-    from ..shapes import prefetch_name
-
     from ..runtime.kernels import prefetch_now
+    from ..shapes import prefetch_name
 
     engine, tok = build_plan_engine(plan, art, speculate=False)
     setting = engine.cfg.prefetch
     if setting is None or tuple(setting) == prefetch_now():  # the library's default: nothing to confirm
         return None
-    choice = forced()
-    if choice is not None:
-        return {"choice": choice, "setting": list(setting), "forced": PREFETCH_ENV}
     pairs = paired_decode.measure_pair(engine, tok, plan.max_context, {"prefetch": None}, {"prefetch": setting})
     kept, stats = paired_decode.decide(pairs)
     if say is not None:

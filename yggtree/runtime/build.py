@@ -288,12 +288,14 @@ def loops_on_pool(manifest: dict) -> bool:
 def confirmed_prefetch(manifest: dict, setting: tuple[int, int] | None) -> tuple[int, int] | None:
     """The prefetch setting an engine about to take ``setting`` (its plan's measurement) runs at
     on packages with ``manifest``: the library's default (None) where decoding judged this very
-    setting slower than the default (the manifest's ``prefetch``, measure/prefetch_choice.py),
-    else ``setting`` (pure)."""
+    setting slower than the default (the manifest's ``prefetch``, measure/prefetch_choice.py) or
+    the compile was told to take it (``YGGTREE_PREFETCH=default``), else ``setting`` (pure)."""
     record = manifest.get("prefetch")
     if setting is None or not isinstance(record, dict) or record.get("choice") != "default":
         return setting
-    return None if list(record.get("setting") or ()) == list(setting) else setting
+    if "setting" not in record:  # YGGTREE_PREFETCH=default at the compile: whatever was measured
+        return None
+    return None if list(record["setting"] or ()) == list(setting) else setting
 
 
 def searched_stages(art: str | Path) -> str:
