@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from test_quant_compiled import _w4a8_problem
 
 from yggtree.errors import YggError
 from yggtree.plan import validate_plan
@@ -33,16 +34,6 @@ def test_a_plan_names_its_drafters_format_apart_from_the_targets():
 def test_a_drafter_format_that_cannot_be_is_one_line(raw, words):
     with pytest.raises(YggError, match=words):
         validate_plan(raw)
-
-
-def _w4a8_problem() -> str | None:
-    from yggtree.runtime.w4a8 import load_kernel
-
-    try:
-        load_kernel()
-    except YggError as e:  # pragma: no cover - a CPU without AVX2, or no compiler
-        return str(e)
-    return None
 
 
 @pytest.mark.parametrize("fmt", ["int8", pytest.param("w4a8", marks=pytest.mark.skipif(

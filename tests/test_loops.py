@@ -311,15 +311,17 @@ def test_an_engine_decodes_at_its_prefetch_setting(monkeypatch):
     assert kernels.prefetch_now() == tuple(before)
 
 
-def test_a_bad_loops_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):
-    """``YGGTREE_LOOPS`` other than auto, openmp or pool: one line naming it, a non-zero exit,
-    before anything is built."""
+@pytest.mark.parametrize("name, choices", [("YGGTREE_LOOPS", "auto, openmp or pool"),
+                                           ("YGGTREE_PREFETCH", "auto, measured or default")])
+def test_a_bad_decoding_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys, name, choices):
+    """``YGGTREE_LOOPS`` or ``YGGTREE_PREFETCH`` (the settings measured by decoding a compiled plan)
+    other than its choices: one line naming it, a non-zero exit, before anything is built."""
     from yggtree.cli import main
 
-    monkeypatch.setenv("YGGTREE_LOOPS", "fast")
+    monkeypatch.setenv(name, "fast")
     plan = tmp_path / "plan.yaml"
     plan.write_text("name: p\ntarget: default\nbackend: eager\n")
     assert main(["compile", str(plan), "--out", str(tmp_path / "c")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "YGGTREE_LOOPS='fast'" in err[0] and "auto, openmp or pool" in err[0]
+    assert len(err) == 1 and f"{name}='fast'" in err[0] and choices in err[0]
     assert not (tmp_path / "c").exists()

@@ -93,17 +93,3 @@ def test_the_prefetch_setting_of_the_environment(monkeypatch, value, forced):
     if forced is not None:
         monkeypatch.setattr(build_mod, "build_plan_engine", lambda *a, **k: pytest.fail("an engine was built"))
         assert measure_compiled("plan", "art") == {"choice": forced, "forced": "YGGTREE_PREFETCH"}
-
-
-def test_a_bad_prefetch_setting_is_refused_before_compiling(monkeypatch, tmp_path, capsys):
-    """``YGGTREE_PREFETCH`` other than auto, measured or default: one line naming it, a non-zero exit,
-    before anything is built."""
-    from yggtree.cli import main
-
-    monkeypatch.setenv("YGGTREE_PREFETCH", "fast")
-    plan = tmp_path / "plan.yaml"
-    plan.write_text("name: p\ntarget: default\nbackend: eager\n")
-    assert main(["compile", str(plan), "--out", str(tmp_path / "c")]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "YGGTREE_PREFETCH='fast'" in err[0] and "auto, measured or default" in err[0]
-    assert not (tmp_path / "c").exists()
