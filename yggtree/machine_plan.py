@@ -111,7 +111,7 @@ def machine_kv_cache(weights: str | None) -> str | None:
 
 def machine_drafter_weights(weights: str | None, flags: set[str] | None = None) -> str | None:
     """The drafter's weight format in a machine plan whose target runs ``weights``: a float32
-    plan's drafter in ``w4a8`` where the kernel library runs here (its calls read a fifth of the
+    plan's drafter in ``w4a8`` where the kernel library runs here (its calls read a sixth of the
     bytes and stay cached across a step's calls; what is emitted is the float target's), else the
     target's own (None)."""
     return "w4a8" if weights is None and machine_weights(flags) == "w4a8" else None
