@@ -89,9 +89,17 @@ def test_run_drafts_in_the_format_its_flag_names(tmp_path, capsys):
     assert main(run + ["--drafter", str(tmp_path / "drafter"), "--drafter-weights", "int8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == want and out["stats"]["speculative"]
-    for extra, words in ((["--plan", str(tmp_path / "none.yaml")], "--drafter-weights and --plan exclude each other"),
-                         (["--drafter", str(tmp_path / "drafter")], "drafter_weights")):
-        flag = ["--drafter-weights", "int8" if "--plan" in extra else "w5"]
-        assert main(["run", "--prompt", "hi", *extra, *flag] if "--plan" in extra else run + extra + flag) == 1
+    # refused in one line: with a plan (it names its own), a format that cannot be (with or without a
+    # drafter named), a drafter's format where nothing drafts (a model without a shipped drafter)
+    for argv, words in (
+        (["run", "--prompt", "hi", "--plan", str(tmp_path / "none.yaml"), "--drafter-weights", "int8"],
+         "--drafter-weights and --plan exclude each other"),
+        (run + ["--drafter", str(tmp_path / "drafter"), "--drafter-weights", "w5"], "--drafter-weights: "),
+        (run + ["--drafter-weights", "w5"], "--drafter-weights: "),
+        (run + ["--drafter-weights", "int8"], "--drafter-weights names the drafter's format, but nothing drafts"),
+    ):
+        assert main(argv) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
+    assert main(run + ["--drafter-weights", "int8", "--no-speculate"]) == 0  # plain: no drafter to format
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want

@@ -258,6 +258,16 @@ def flags_plan(args) -> Plan:
             raise YggError(f"{' and '.join(tree_flags)} {verb} a speculative tree, but nothing drafts it: "
                            "add --drafter (an EAGLE head, self, a model) or --lookup N")
         drafter = "default"  # the embedded model's shipped EAGLE head
+    if args.drafter_weights is not None:
+        try:
+            weight_format(args.drafter_weights, args.dtype)
+        except YggError as e:
+            raise YggError(f"--drafter-weights: {e}") from None
+        if not args.no_speculate and drafter is None:  # a drafter's format asks for a drafter, as a tree does
+            if args.model != "default" or getattr(args, "drafter_none", False):
+                raise YggError("--drafter-weights names the drafter's format, but nothing drafts: "
+                               "add --drafter (an EAGLE head or a model)")
+            drafter = "default"
     # lookup-only: by default the verify width holds the root and the N lookup nodes, no more
     wv = args.verify_width or (min(lookup + 1, DEFAULT_VERIFY_WIDTH) if lookup and not drafter
                                else DEFAULT_VERIFY_WIDTH)
