@@ -88,3 +88,40 @@ def test_weights_move_into_the_reserve_unchanged(tmp_path, monkeypatch):
     assert hint_of(hint) == need
     ptrs = [p.data_ptr() for p in target.parameters()]
     assert max(ptrs) - min(ptrs) < need  # one arena: the reserve (no other was made)
+
+
+def test_a_reserve_closed_early_stops_its_fault_and_a_taken_one_stays(tmp_path):
+    """``close`` stops the fault within a chunk and gives the mapping back (a command that fails
+    before its engine); the reserve is then no longer taken. A taken reserve's tensor outlives it."""
+    import time
+
+    hint = tmp_path / "arena.json"
+    hint.write_text(json.dumps({"bytes": 256 * PAGE}))  # 512 MiB: longer to fault than a close takes
+    r = Reserve.open(hint)
+    t0 = time.perf_counter()
+    r.close()
+    assert time.perf_counter() - t0 < 5.0 and r.take(PAGE) is None
+    r.close()  # twice: nothing left to do
+    hint.write_text(json.dumps({"bytes": PAGE}))
+    kept = Reserve.open(hint)
+    t = kept.take(PAGE)
+    kept.close()
+    t.fill_(1)
+    assert int(t.sum()) == PAGE
+
+
+def test_a_run_refused_before_its_engine_exits_with_its_line(tmp_path):
+    """``yggtree run`` with a bad flag while its reserve still faults in (a large hint in the user
+    cache): one line, exit status 1, every time (the process's exit once unmapped the reserve under
+    the fault thread: a segmentation fault after the line)."""
+    import subprocess
+
+    cache = tmp_path / "cache"
+    (cache / "yggtree").mkdir(parents=True)
+    (cache / "yggtree" / "run-arena.json").write_text(json.dumps({"bytes": 512 * PAGE}))
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), YGGTREE_ALLOCATOR="system")
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-m", "yggtree.launch", "run", "--prompt", "hi", "--weights", "w5"],
+                             capture_output=True, text=True, env=env, cwd=tmp_path)
+        err = run.stderr.strip().splitlines()
+        assert run.returncode == 1 and len(err) == 1 and "unknown weight format 'w5'" in err[0], run

@@ -18,14 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     except YggError as e:
         sys.stderr.write(f"yggtree: error: {e}\n")
         return 1
-    reserve = None
-    if args[:1] == ["run"]:
-        from .runtime.reserve import Reserve, run_hint
+    if args[:1] != ["run"]:
+        from .cli import main as cli_main
 
-        reserve = Reserve.open(run_hint())
-    from .cli import main as cli_main
+        return cli_main(args)
+    from .runtime.reserve import Reserve, run_hint
 
-    return cli_main(args, reserve)
+    reserve = Reserve.open(run_hint())
+    try:
+        from .cli import main as cli_main
+
+        return cli_main(args, reserve)
+    finally:
+        reserve.close()  # not taken (an early error): its fault stopped before the exit unmaps it
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ class Reserve:
                 self._map.madvise(mmap.MADV_HUGEPAGE, self._offset, nbytes)
             except OSError:
                 pass  # ordinary pages: faulted in all the same
-            self._thread = threading.Thread(target=ctypes.memset, args=(base + self._offset, 0, nbytes), daemon=True)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=_fault, args=(base + self._offset, nbytes, self._stop), daemon=True)
             self._thread.start()
 
     @classmethod
@@ -95,11 +96,31 @@ class Reserve:
         except OSError:
             pass
 
+    def close(self) -> None:
+        """Stop faulting the reserve in and give it back, unless the engine took it: a command
+        that ends early (a bad flag, an error before its engine) must not leave the process's exit
+        unmapping memory the fault thread still writes."""
+        if self._map is not None:
+            self._stop.set()
+            self._release()
+
     def _release(self) -> None:
         if self._map is not None:
             self._thread.join()
             self._map.close()
             self._map = None
+
+
+FAULT_CHUNK = 32 << 20  # bytes the fault writes between looks at its stop flag (milliseconds each)
+
+
+def _fault(addr: int, nbytes: int, stop: threading.Event) -> None:
+    """Write zeros over [addr, addr + nbytes) chunk by chunk (``ctypes.memset`` releases the
+    interpreter lock), until done or ``stop`` is set."""
+    for at in range(0, nbytes, FAULT_CHUNK):
+        if stop.is_set():
+            return
+        ctypes.memset(addr + at, 0, min(FAULT_CHUNK, nbytes - at))
 
 
 def _free_bytes() -> int:
