@@ -295,15 +295,8 @@ def record_prefetch(plan: Plan, art: Path, say) -> dict | None:
     manifest = read_manifest(art)
     if manifest is None:
         return None
-    try:
-        record = measure_prefetch(plan, art, say=say)
-        if record is None:
-            return None
-        _write_manifest(art, manifest | {"prefetch": record})
-    except (YggError, OSError) as e:  # the packages are built: a run keeps the measured setting
-        say(f"the products' prefetch was not measured by decoding: {e}")
-        return manifest
-    return manifest | {"prefetch": record}
+    return _record(art, manifest, "prefetch", lambda: measure_prefetch(plan, art, say=say), say,
+                   "the products' prefetch was not measured by decoding")
 
 
 def record_loops(plan: Plan, art: Path, say) -> dict | None:
@@ -318,13 +311,24 @@ def record_loops(plan: Plan, art: Path, say) -> dict | None:
     manifest = read_manifest(art)
     if manifest is None or not manifest.get("serial_loops") or (manifest.get("threads") or 1) <= 1:
         return None
+    return _record(art, manifest, "loops", lambda: measure_loops(plan, art, say=say), say,
+                   "the kernel loops were not measured")
+
+
+def _record(art: Path, manifest: dict, key: str, measure, say, failed: str) -> dict | None:
+    """``manifest`` with ``measure()``'s record under ``key``, written to ``art``'s manifest;
+    None where the measurement had nothing to record; ``manifest`` unchanged, said in one line
+    (``failed: why``), where it failed or the record could not be written (the packages are built:
+    runs keep what they had)."""
     try:
-        loops = measure_loops(plan, art, say=say)
-        _write_manifest(art, manifest | {"loops": loops})
-    except (YggError, OSError) as e:  # the packages are built: a run keeps OpenMP's loops
-        say(f"the kernel loops were not measured: {e}")
+        record = measure()
+        if record is None:
+            return None
+        _write_manifest(art, manifest | {key: record})
+    except (YggError, OSError) as e:
+        say(f"{failed}: {e}")
         return manifest
-    return manifest | {"loops": loops}
+    return manifest | {key: record}
 
 
 def graph_table(summary: dict):

@@ -250,11 +250,11 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     before the models load (a run's flags: ``yggtree.measure.kernel_choice.measured_spec``
     measures them for this engine's threads and widths on this machine). ``reserve``: see
     :func:`build_engine`."""
+    m = (read_manifest(Path(artifacts)) or {}) if artifacts is not None else {}  # the packages' records, read once
     if stages == "auto" and plan.stages == "auto" and artifacts is not None:
         stages = searched_stages(artifacts)
     if artifacts is not None and plan.profile is None and plan.backend == "inductor-cpu":
         # no profile: the packages hold the kernel and padding measured when they were compiled
-        m = read_manifest(Path(artifacts)) or {}
         if kernel is None:
             kernel, prefetch = m.get("packed_kernel", "torch"), manifest_prefetch(m, artifacts)
         min_rows = m.get("packed_min_rows", 1) if min_rows is None else min_rows
@@ -263,12 +263,11 @@ def build_plan_engine(plan, artifacts: str | Path | None = None, mode: str | Non
     if measure is not None:
         spec = measure(spec)
     if artifacts is not None and spec.mode == "performance":  # what decoding measured on the packages
-        m = read_manifest(Path(artifacts)) or {}
         spec = replace(spec, loop_pool=loops_on_pool(m), prefetch=confirmed_prefetch(m, spec.prefetch))
     if not speculate:
         rows = spec.min_rows
         if artifacts is not None and min_rows is None:  # the packages' own padding
-            rows = (read_manifest(Path(artifacts)) or {}).get("packed_min_rows") or rows
+            rows = m.get("packed_min_rows") or rows
         spec = replace(spec, drafter=None, lookup=0, min_rows=rows, n_slots=plan_slots(plan))
     prepare = None
     if artifacts is not None and spec.mode == "performance" and plan.backend == "inductor-cpu":
