@@ -111,7 +111,7 @@ class Reserve:
             self._map = None
 
 
-FAULT_CHUNK = 32 << 20  # bytes the fault writes between looks at its stop flag (milliseconds each)
+FAULT_CHUNK = 32 << 20  # bytes the fault writes between looks at its stop flag
 
 
 def _fault(addr: int, nbytes: int, stop: threading.Event) -> None:
