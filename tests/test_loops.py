@@ -212,7 +212,7 @@ def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(
 
     measured, said = [], []
     monkeypatch.setattr(loops_mod, "measure_compiled",
-                        lambda plan, art, say=None: measured.append(art) or {"choice": "pool", "threads": 2})
+                        lambda plan, art, say=None, engine=None: measured.append(art) or {"choice": "pool", "threads": 2})
     art = tmp_path / "plan"
     art.mkdir()
     assert record_loops("plan", art, said.append) is None  # no manifest
@@ -226,7 +226,7 @@ def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(
     assert measured == [art] and got["loops"] == {"choice": "pool", "threads": 2}
     assert json.loads((art / "manifest.json").read_text()) == got and got["n_slots"] == 7
 
-    def fails(plan, art, say=None):
+    def fails(plan, art, say=None, engine=None):
         raise YggError("the loops measurement decoded no tokens")
 
     monkeypatch.setattr(loops_mod, "measure_compiled", fails)
@@ -238,7 +238,7 @@ def test_the_loops_are_recorded_only_where_the_library_runs_every_parallel_loop(
     def unwritable(art, manifest):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(loops_mod, "measure_compiled", lambda plan, art, say=None: {"choice": "pool"})
+    monkeypatch.setattr(loops_mod, "measure_compiled", lambda plan, art, say=None, engine=None: {"choice": "pool"})
     monkeypatch.setattr(compile_mod, "_write_manifest", unwritable)
     assert "loops" not in record_loops("plan", art, said.append)  # a full disk: one line, OpenMP's loops
     assert said[-1] == "the kernel loops were not measured: [Errno 28] No space left on device"

@@ -40,16 +40,17 @@ def forced() -> str | None:
     return env_choice(LOOPS_ENV, CHOICES)
 
 
-def measure_compiled(plan, art: str | Path, say=None) -> dict:
+def measure_compiled(plan, art: str | Path, say=None, engine=None) -> dict:
     """The loops' record of ``plan`` (a Plan) compiled in ``art`` (its manifest's ``loops``),
     measured now on its plain engine (or forced by ``YGGTREE_LOOPS``). ``say(line)`` hears the
-    result."""
+    result. ``engine``: a callable returning that engine and its tokenizer
+    (``build_plan_engine``'s pair), shared with another measurement; None: built here."""
     choice = forced()
     if choice is not None:
         return {"choice": choice, "forced": LOOPS_ENV}
     from ..runtime.build import build_plan_engine
 
-    engine, tok = build_plan_engine(plan, art, speculate=False)
+    engine, tok = engine() if engine is not None else build_plan_engine(plan, art, speculate=False)
     threads = engine.plan_threads(engine.plan)
     pairs = paired_decode.measure_pair(engine, tok, plan.max_context, {"loop_pool": False}, {"loop_pool": True})
     choice, stats = decide(pairs)

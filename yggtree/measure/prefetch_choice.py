@@ -35,11 +35,12 @@ def forced() -> str | None:
     return env_choice(PREFETCH_ENV, CHOICES)
 
 
-def measure_compiled(plan, art: str | Path, say=None) -> dict | None:
+def measure_compiled(plan, art: str | Path, say=None, engine=None) -> dict | None:
     """The prefetch record of ``plan`` (a Plan) compiled in ``art`` (its manifest's
     ``prefetch``), measured now on its plain engine (or forced by ``YGGTREE_PREFETCH``); None
     where its engine takes the library's default already (nothing to confirm). ``say(line)``
-    hears the result."""
+    hears the result. ``engine``: a callable returning that engine and its tokenizer
+    (``build_plan_engine``'s pair), shared with another measurement; None: built here."""
     choice = forced()
     if choice is not None:  # for whatever setting the plan's engines take
         return {"choice": choice, "forced": PREFETCH_ENV}
@@ -47,7 +48,7 @@ def measure_compiled(plan, art: str | Path, say=None) -> dict | None:
     from ..runtime.kernels import prefetch_now
     from ..shapes import prefetch_name
 
-    engine, tok = build_plan_engine(plan, art, speculate=False)
+    engine, tok = engine() if engine is not None else build_plan_engine(plan, art, speculate=False)
     setting = engine.cfg.prefetch
     if setting is None or tuple(setting) == prefetch_now():  # the library's default: nothing to confirm
         return None

@@ -37,6 +37,8 @@ Helper graphs (EGT selection, acceptance, commit) run as eager ops today and are
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import shutil
 import sys
@@ -279,39 +281,48 @@ def record_decoding(plan: Plan, art: Path, say) -> dict | None:
     """The settings measured by decoding on ``plan``'s packages compiled in ``art``, recorded in
     their manifest for the engines built from them: the products' prefetch (:func:`record_prefetch`),
     then, at that prefetch, where the library's loops run (:func:`record_loops`). Returns the
-    manifest (None: nothing measured)."""
-    prefetched = record_prefetch(plan, art, say)
-    return record_loops(plan, art, say) or prefetched
+    manifest (None: nothing measured). Both decode on one plain engine, built on first use."""
+    from ..runtime.build import build_plan_engine, confirmed_prefetch
+
+    @functools.cache
+    def engine():
+        return build_plan_engine(plan, art, speculate=False)
+
+    prefetched = record_prefetch(plan, art, say, engine)
+    if prefetched is not None and engine.cache_info().currsize:  # the loops decode at the prefetch runs take
+        eng, _ = engine()
+        eng.cfg = dataclasses.replace(eng.cfg, prefetch=confirmed_prefetch(prefetched, eng.cfg.prefetch))
+    return record_loops(plan, art, say, engine) or prefetched
 
 
-def record_prefetch(plan: Plan, art: Path, say) -> dict | None:
+def record_prefetch(plan: Plan, art: Path, say, engine=None) -> dict | None:
     """Confirm by decoding the prefetch setting the products of ``plan``'s packages compiled in
     ``art`` run at (measure/prefetch_choice.py) and record it in their manifest (``prefetch``);
     returns the manifest, None where there is nothing to measure: no manifest, or an engine at the
     library's default already. A measurement that fails, or whose record cannot be written, is one
-    ``say`` line: runs keep the measured setting."""
+    ``say`` line: runs keep the measured setting. ``engine``: as measure_compiled takes it."""
     from ..measure.prefetch_choice import measure_compiled as measure_prefetch
 
     manifest = read_manifest(art)
     if manifest is None:
         return None
-    return _record(art, manifest, "prefetch", lambda: measure_prefetch(plan, art, say=say), say,
+    return _record(art, manifest, "prefetch", lambda: measure_prefetch(plan, art, say=say, engine=engine), say,
                    "the products' prefetch was not measured by decoding")
 
 
-def record_loops(plan: Plan, art: Path, say) -> dict | None:
+def record_loops(plan: Plan, art: Path, say, engine=None) -> dict | None:
     """Measure where the kernel library's loops run in ``plan``'s packages compiled in ``art``
     (measure/loops_choice.py) and record it in their manifest (``loops``, which engines built from
     them read); returns the manifest, None where there is nothing to measure: no manifest, packages
     with inductor's own parallel loops (the library's are not the step's only parallel regions), or
     one thread. A measurement that fails, or whose record cannot be written, is one ``say`` line:
-    runs keep OpenMP's loops."""
+    runs keep OpenMP's loops. ``engine``: as measure_compiled takes it."""
     from ..measure.loops_choice import measure_compiled as measure_loops
 
     manifest = read_manifest(art)
     if manifest is None or not manifest.get("serial_loops") or (manifest.get("threads") or 1) <= 1:
         return None
-    return _record(art, manifest, "loops", lambda: measure_loops(plan, art, say=say), say,
+    return _record(art, manifest, "loops", lambda: measure_loops(plan, art, say=say, engine=engine), say,
                    "the kernel loops were not measured")
 
 
