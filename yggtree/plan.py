@@ -542,7 +542,8 @@ def load_plan(path: str | Path, unwritten: tuple[str, ...] = ()) -> Plan:
     if not p.is_file():
         raise YggError(f"plan file not found: {p}")
     try:
-        raw = yaml.safe_load(p.read_text())
+        # libyaml's parser where PyYAML has it (the same documents; a run reads a dozen plans on its way)
+        raw = yaml.load(p.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, UnicodeDecodeError) as e:
         raise YggError(f"cannot read plan {p}: {e}") from None
     except yaml.YAMLError as e:
