@@ -453,14 +453,15 @@ _OPEN_TEMPLATES = (
 )
 
 
-def open_questions(n: int, seed: int = 0) -> list[Prompt]:
+def open_questions(n: int | None, seed: int = 0) -> list[Prompt]:
     """``n`` open-ended chat requests with no text to quote (never evaluation prompts): a topic of
     the Python reference (the title of a pydoc topic, e.g. "Mutable Sequence Types") in one of our
-    templates, the pairs in a seeded shuffle. Ids are ``open/<i>``."""
+    templates, the pairs in a seeded shuffle (None: all of them). Ids are ``open/<i>``."""
     from pydoc_data.topics import topics  # stdlib data module, imported only when needed
 
     titles = sorted({topics[k].strip().splitlines()[0].strip() for k in topics})
     pairs = [(t, title) for t in _OPEN_TEMPLATES for title in titles]
+    n = len(pairs) if n is None else n
     if not 0 <= n <= len(pairs):
         raise YggError(f"there are {len(pairs)} open questions; asked for {n}")
     random.Random(f"open/{seed}").shuffle(pairs)

@@ -48,6 +48,7 @@ class EngineSpec:
     # (threads, widths) at which the plan's profile found min_rows batch-invariant (None: unchecked)
     padding_checked: tuple[int, tuple[int, ...]] | None = None
     lookup: int = 0  # lookup nodes per step (EngineConfig.lookup); > 0 without a drafter: lookup-only
+    static_lookup: str | None = None  # the target's n-gram table (EngineConfig.static_lookup)
     stages: str = "sequential"  # execution plan (EngineConfig.stages)
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
     loop_pool: bool = False  # the kernel library's loops on its own pool while decoding (EngineConfig.loop_pool)
@@ -89,6 +90,7 @@ class EngineSpec:
             draft_widths=tuple(plan.draft_widths) if verifies else (),
             verify_widths=tuple(plan.verify_widths) if verifies else (),
             lookup=plan.lookup,
+            static_lookup=shipped_table(plan.target),
             stages=plan.stages if stages == "auto" else stages,
             threads=threads,
             min_rows=plan_min_rows(plan) if min_rows is None else min_rows,
@@ -153,6 +155,15 @@ def build_engine(spec: EngineSpec, prepare=None, reserve=None):
 
 # ----------------------------------------------------------------------------- plans
 # (added for plans / ``yggtree compile``: an engine with every width of a plan built)
+
+
+def shipped_table(target: str) -> str | None:
+    """The static lookup table an engine of ``target`` takes (runtime/static_lookup.py): the one
+    shipped, built from the embedded model's own answers, for the embedded model (``default``)
+    where it is installed; None for any other model (its token ids are another vocabulary's)."""
+    from .static_lookup import DEFAULT_TABLE
+
+    return str(DEFAULT_TABLE) if target == "default" and DEFAULT_TABLE.is_file() else None
 
 
 def plan_slots(plan) -> int:

@@ -35,6 +35,7 @@ from .overlap import make_worker
 from .policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 from .schedule import ExecutionPlan, StageTimer, resolve_plan
 from .stages import Request, Step, choose_token, speculate_step
+from .static_lookup import StaticTable
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class EngineConfig:
     # nodes join each step's tree (0: none); with no drafter, every step is lookup-only or plain
     lookup: int = 0
     lookup_calibration: str | None = None  # lookup calibration JSON (None: the shipped one)
+    # where the request's own text offers no lookup candidates, continuations from a table of the
+    # target's own writing (runtime/static_lookup.py; None: none; only a table built from this target)
+    static_lookup: str | None = None
     stages: str = "sequential"  # execution plan (runtime/schedule.py): sequential | ahead | overlap
     threads: int = 0  # intra-op threads while decoding (0: the process setting)
     # the kernel library's loops on its own thread pool of ``threads`` while a sequential plan
@@ -256,7 +260,7 @@ class Engine:
             raise YggError(f"{cfg.n_slots} cache slots cannot hold max-context {cfg.max_context} and this tree "
                            f"({need} needed)")
         self.n_slots = cfg.n_slots or need
-        self.cfg, self.lookup_calib = cfg, None
+        self.cfg, self.lookup_calib, self.static_table = cfg, None, None
         self.set_lookup(cfg.lookup)
         target.setup_cache(1, self.n_slots)
         self.feat_buf: tuple[torch.Tensor, ...] = ()  # per drafter layer [n_slots, H]
@@ -322,6 +326,8 @@ class Engine:
         if n > 0 and self.lookup_calib is None:
             path = self.cfg.lookup_calibration
             self.lookup_calib = LookupCalibration.load(path) if path else LookupCalibration.load()
+        if n > 0 and self.cfg.static_lookup and self.static_table is None:
+            self.static_table = StaticTable.load(self.cfg.static_lookup)
         self.cfg = replace(self.cfg, lookup=n)
 
     @property

@@ -28,6 +28,7 @@ from .overlap import Speculation, fits, guess_path, speculate
 from .policy import StepChoice, StepPolicy
 from .prune import prune_for_verify
 from .schedule import StageTimer
+from .static_lookup import propose_static
 from .tree import Tree, check_invariants
 
 
@@ -127,6 +128,8 @@ def plan_step(eng, req: Request, st: Step, clock: StageTimer) -> None:
     if req.index is not None:
         with clock("lookup"):  # model-free candidates from the request's own text
             st.prop = propose(req.index, eng.lookup_calib, eng.cfg.lookup, eng.lookup_depth)
+            if not len(st.prop) and eng.static_table is not None:  # nothing to continue in the text
+                st.prop = propose_static(eng.static_table, req.index.tokens, eng.cfg.lookup, eng.lookup_depth)
     if req.policy is not None:  # a speculative engine: D drafter calls of width W_d (D = 0: none)
         with clock("policy"):
             st.d, st.wd = choose(eng, req, st.prop)
