@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Build the static lookup table (yggtree/runtime/static_lookup.py) from the embedded target's own
-answers to our open questions (``yggtree.data.open_questions``; never evaluation prompts, and not
-the ones the machine plan's verdict times), greedy, plain steps of a compiled plan of the embedded
-model; a share of the answers is held out of the table to measure its acceptance.
+answers to our open questions and general questions (``yggtree.data.open_questions``,
+``general_questions``; never evaluation prompts, and neither the open questions the machine plan's
+verdict times nor the first ``HELD`` general questions, kept for comparisons), greedy, plain steps of a
+compiled plan of the embedded model; a share of the answers is held out of the table to measure its
+acceptance.
 
     python scripts/build_lookup_table.py --plan <machine plan dir>/compile/machine-w4a8/plan.yaml \\
         --root <machine plan dir>/compile --out yggtree/assets/lookup_table.json
@@ -19,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+HELD = 20  # general questions never in the table (held-out comparisons: general_questions(HELD))
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from yggtree.bench import plan_runner
-    from yggtree.data import open_questions
+    from yggtree.data import general_questions, open_questions
     from yggtree.errors import YggError
     from yggtree.files import write_text_atomic
     from yggtree.measure.speculation_choice import PROMPTS
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         raise YggError(f"plan {args.plan} is not of the embedded model (target {plan.target!r})")
     engine, tok, policy = make()
     timed = {p.text for p in open_questions(PROMPTS // 2)}  # the verdict's open questions stay unseen
-    questions = [q for q in open_questions(None) if q.text not in timed]
+    questions = [q for q in open_questions(None) if q.text not in timed] + general_questions(None)[HELD:]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     plain = FixedPolicy(StepChoice(0, 1), 1) if policy is not None else None
     pairs, t0 = [], time.perf_counter()

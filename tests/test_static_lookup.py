@@ -94,3 +94,15 @@ def test_greedy_with_a_table_equals_plain(tmp_path, drafter):
             assert res.token_ids == want
             accepted[table_path] += res.stats["accepted_by_source"]["lookup"] + res.stats["accepted_by_source"]["both"]
     assert accepted[str(path)] > accepted[None]  # the table's candidates were accepted
+
+
+def test_the_tables_questions_are_none_of_the_evaluation_prompts():
+    """The shipped table is built from our open and general questions: distinct, none of them inside an
+    evaluation prompt and no evaluation prompt inside one of them; the comparisons' held-out general
+    questions are not among those the table is built from."""
+    from yggtree.data import evaluation_texts, general_questions, open_questions
+
+    ours = [p.text for p in open_questions(None)] + [p.text for p in general_questions(None)]
+    assert len(set(ours)) == len(ours) > 900
+    assert not any(q in e or e in q for q in ours for e in evaluation_texts())
+    assert general_questions(3) == general_questions(None)[:3] != general_questions(3, seed=1)

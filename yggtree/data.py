@@ -468,6 +468,46 @@ def open_questions(n: int | None, seed: int = 0) -> list[Prompt]:
     return [Prompt(id=f"open/{i}", text=t.format(topic=_in_sentence(title))) for i, (t, title) in enumerate(pairs[:n])]
 
 
+# everyday requests on general subjects, with nothing to quote: our own topics and instructions (none
+# taken from an evaluation set), for text of the model's own beyond Python (runtime/static_lookup.py)
+_GENERAL_TEMPLATES = (
+    "Explain {topic} in one short paragraph.",
+    "Describe {topic} to a ten-year-old.",
+    "Give three practical tips about {topic}, as a numbered list.",
+    "Write a short story that involves {topic}.",
+    "What are the main advantages and disadvantages of {topic}?",
+    "Write a persuasive paragraph about why {topic} matters.",
+)
+_GENERAL_TOPICS = (
+    "photosynthesis", "the water cycle", "volcanoes", "black holes", "the human immune system", "vaccines",
+    "climate change", "renewable energy", "electric cars", "the printing press", "the Roman Empire",
+    "the Industrial Revolution", "democracy", "inflation", "saving money", "starting a small business",
+    "job interviews", "learning a new language", "public speaking", "time management", "healthy sleep",
+    "regular exercise", "a balanced diet", "meditation", "team sports", "chess", "playing the piano",
+    "baking bread", "growing tomatoes", "keeping a pet dog", "adopting a cat", "birdwatching", "camping",
+    "traveling by train", "city parks", "recycling", "ocean pollution", "coral reefs", "honeybees",
+    "the moon landing", "the internet", "social media", "smartphones", "online privacy", "video games",
+    "artificial intelligence", "robots in factories", "self-driving cars", "space exploration", "Mars",
+    "earthquakes", "hurricanes", "the history of writing", "libraries", "reading novels", "poetry",
+    "museums", "photography", "film making", "friendship", "teamwork", "leadership", "volunteering",
+    "moving to a new city", "remote work", "commuting by bicycle", "fast fashion", "the stock market",
+    "credit cards", "the scientific method", "prime numbers", "probability", "the Pythagorean theorem",
+    "the periodic table", "gravity", "electricity", "magnets", "the human brain", "dreams",
+)
+
+
+def general_questions(n: int | None, seed: int = 0) -> list[Prompt]:
+    """``n`` everyday chat requests on general subjects with no text to quote (never evaluation
+    prompts): one of our topics in one of our templates, the pairs in a seeded shuffle (None: all of
+    them). Ids are ``general/<i>``."""
+    pairs = [(t, topic) for t in _GENERAL_TEMPLATES for topic in _GENERAL_TOPICS]
+    n = len(pairs) if n is None else n
+    if not 0 <= n <= len(pairs):
+        raise YggError(f"there are {len(pairs)} general questions; asked for {n}")
+    random.Random(f"general/{seed}").shuffle(pairs)
+    return [Prompt(id=f"general/{i}", text=t.format(topic=topic)) for i, (t, topic) in enumerate(pairs[:n])]
+
+
 def _in_sentence(title: str) -> str:
     """A heading as words inside a sentence: its first letter lowered unless it starts an acronym."""
     return title[0].lower() + title[1:] if title[1:2].islower() else title

@@ -17,8 +17,8 @@ candidates' are, so the latency objective prices a step of them like any lookup 
 the target's own: a table records the model it was built from, and an engine takes it only for
 that model (``runtime/build.py``). Candidates never change the output: the target verifies them.
 
-Built by ``scripts/build_lookup_table.py`` (the embedded target's answers to our open questions
-and calibration chats); shipped as ``yggtree/assets/lookup_table.json``.
+Built by ``scripts/build_lookup_table.py`` (the embedded target's answers to our open and general
+questions, ``yggtree.data``); shipped as ``yggtree/assets/lookup_table.json``.
 """
 
 from __future__ import annotations
