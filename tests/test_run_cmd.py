@@ -10,7 +10,7 @@ import yggtree.run_cmd as run_cmd
 from yggtree.cli import build_parser, main
 from yggtree.errors import YggError
 from yggtree.plan import validate_plan
-from yggtree.runtime.build import EngineSpec
+from yggtree.runtime.build import EngineSpec, shipped_table
 from yggtree.runtime.engine import EngineConfig
 from yggtree.shapes import TreeParams
 
@@ -46,7 +46,8 @@ def test_a_tree_and_a_weight_format(plan_of):
     # the default plan's dtype, context and prefill chunk where no flag names them
     assert (plan.dtype, plan.max_context, plan.prefill_chunk, plan.stages) == ("float32", 1024, 64, "sequential")
     assert engine_config(plan) == EngineConfig(mode="performance", max_context=1024, prefill_chunk=64,
-                                               tree=TreeParams(1, 3, 4, 4), draft_widths=(1,), verify_widths=(4,))
+                                               tree=TreeParams(1, 3, 4, 4), draft_widths=(1,), verify_widths=(4,),
+                                               static_lookup=shipped_table("default"))  # the embedded model's
 
 
 def test_plain_runs_hold_no_tree(plan_of):
