@@ -42,6 +42,19 @@ def read_json(path: str | Path, what: str = "") -> Any:
         raise YggError(f"cannot read {name}: not valid JSON: {e}") from None
 
 
+def read_record(path: str | Path, what: str, kind: str, make: str) -> dict:
+    """The version-1 JSON record of ``kind`` at ``path`` (``what`` names it in messages); YggError in
+    one line where it does not exist (``make``: what makes one), is not JSON, or is another kind or
+    version."""
+    p = Path(path)
+    if not p.is_file():
+        raise YggError(f"{what} {p} does not exist (make one with {make})")
+    d = read_json(p, what)
+    if not isinstance(d, dict) or d.get("kind") != kind or d.get("version") != 1:
+        raise YggError(f"{what} {p} is malformed: not a version-1 {what}")
+    return d
+
+
 def write_text_atomic(dst: str | Path, text: str) -> Path:
     """``dst.write_text(text)`` through :func:`atomic_path`."""
     with atomic_path(dst) as tmp:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import YggError
-from ..files import read_json
+from ..files import read_record
 
 __all__ = ["LookupIndex", "LookupCalibration", "Proposal", "propose", "DEFAULT_CALIBRATION",
            "LOOKUP_CALIBRATION_KIND"]
@@ -100,12 +100,8 @@ class LookupCalibration:
     @classmethod
     def load(cls, path: str | Path = DEFAULT_CALIBRATION) -> "LookupCalibration":
         p = Path(path)
-        if not p.is_file():
-            raise YggError(f"lookup calibration {p} does not exist (make one with scripts/fit_lookup.py)")
-        d = read_json(p, "lookup calibration")
+        d = read_record(p, "lookup calibration", LOOKUP_CALIBRATION_KIND, "scripts/fit_lookup.py")
         try:
-            if d.get("kind") != LOOKUP_CALIBRATION_KIND or d.get("version") != 1:
-                raise ValueError("not a version-1 lookup calibration")
             c = cls(tuple(int(x) for x in d["lengths"]), tuple(float(x) for x in d["shares"]),
                     tuple(tuple(float(v) for v in r) for r in d["table"]),
                     tuple(tuple(int(v) for v in r) for r in d.get("counts", ())), str(p))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import YggError
-from ..files import read_json
+from ..files import read_record
 from .lookup import Proposal
 
 __all__ = ["StaticTable", "build_table", "propose_static", "DEFAULT_TABLE", "STATIC_LOOKUP_KIND"]
@@ -73,12 +73,10 @@ class StaticTable:
     @classmethod
     def load(cls, path: str | Path = DEFAULT_TABLE) -> "StaticTable":
         p = Path(path)
-        if not p.is_file():
-            raise YggError(f"lookup table {p} does not exist (make one with scripts/build_lookup_table.py)")
-        d = read_json(p, "lookup table")
+        d = read_record(p, "lookup table", STATIC_LOOKUP_KIND, "scripts/build_lookup_table.py")
         try:
-            if d.get("kind") != STATIC_LOOKUP_KIND or d.get("version") != 1 or d["shares"] != list(SHARES):
-                raise ValueError("not a version-1 lookup table")
+            if d["shares"] != list(SHARES):
+                raise ValueError(f"share buckets {d['shares']}, this code's {list(SHARES)}")
             nxt = {n: {tuple(int(x) for x in row[:n]): (int(row[n]), float(row[n + 1])) for row in d["next"][str(n)]}
                    for n in ORDERS}
             accept = {n: tuple(float(x) for x in d["accept"][str(n)]) for n in ORDERS}
