@@ -460,12 +460,7 @@ def open_questions(n: int | None, seed: int = 0) -> list[Prompt]:
     from pydoc_data.topics import topics  # stdlib data module, imported only when needed
 
     titles = sorted({topics[k].strip().splitlines()[0].strip() for k in topics})
-    pairs = [(t, title) for t in _OPEN_TEMPLATES for title in titles]
-    n = len(pairs) if n is None else n
-    if not 0 <= n <= len(pairs):
-        raise YggError(f"there are {len(pairs)} open questions; asked for {n}")
-    random.Random(f"open/{seed}").shuffle(pairs)
-    return [Prompt(id=f"open/{i}", text=t.format(topic=_in_sentence(title))) for i, (t, title) in enumerate(pairs[:n])]
+    return _questions("open", _OPEN_TEMPLATES, [_in_sentence(t) for t in titles], n, seed)
 
 
 # everyday requests on general subjects, with nothing to quote: our own topics and instructions (none
@@ -500,12 +495,18 @@ def general_questions(n: int | None, seed: int = 0) -> list[Prompt]:
     """``n`` everyday chat requests on general subjects with no text to quote (never evaluation
     prompts): one of our topics in one of our templates, the pairs in a seeded shuffle (None: all of
     them). Ids are ``general/<i>``."""
-    pairs = [(t, topic) for t in _GENERAL_TEMPLATES for topic in _GENERAL_TOPICS]
+    return _questions("general", _GENERAL_TEMPLATES, _GENERAL_TOPICS, n, seed)
+
+
+def _questions(kind: str, templates, topics, n: int | None, seed: int) -> list[Prompt]:
+    """``n`` of every template filled with every topic (None: all), in the shuffle seeded by
+    ``kind/seed``; ids ``kind/<i>``. YggError where there are fewer."""
+    pairs = [(t, topic) for t in templates for topic in topics]
     n = len(pairs) if n is None else n
     if not 0 <= n <= len(pairs):
-        raise YggError(f"there are {len(pairs)} general questions; asked for {n}")
-    random.Random(f"general/{seed}").shuffle(pairs)
-    return [Prompt(id=f"general/{i}", text=t.format(topic=topic)) for i, (t, topic) in enumerate(pairs[:n])]
+        raise YggError(f"there are {len(pairs)} {kind} questions; asked for {n}")
+    random.Random(f"{kind}/{seed}").shuffle(pairs)
+    return [Prompt(id=f"{kind}/{i}", text=t.format(topic=topic)) for i, (t, topic) in enumerate(pairs[:n])]
 
 
 def _in_sentence(title: str) -> str:

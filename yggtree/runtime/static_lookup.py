@@ -14,8 +14,8 @@ makes at least ``MIN_SHARE`` of what followed it. Each edge's acceptance probabi
 table's continuations scored on answers held out of it, by the context's order and the
 continuation's share (:func:`build_table`); a chain's path values are their products, as lookup
 candidates' are, so the latency objective prices a step of them like any lookup step. Token ids are
-the target's own: a table records the model it was built from, and an engine takes it only for
-that model (``runtime/build.py``). Candidates never change the output: the target verifies them.
+the target's own: the shipped table, built from the embedded model (its file is named in the table's
+``target``), is taken by that model's engines only (``runtime/build.shipped_table``). Candidates never change the output: the target verifies them.
 
 Built by ``scripts/build_lookup_table.py`` (the embedded target's answers to our open and general
 questions, ``yggtree.data``); shipped as ``yggtree/assets/lookup_table.json``.
@@ -48,7 +48,7 @@ class StaticTable:
 
     next: dict  # order -> {tuple of order token ids: (next token id, share)}
     accept: dict  # order -> tuple[len(SHARES)] P(the target writes the table's token), held out
-    target: dict  # the model's file name and size the table was built from
+    target: dict  # the model's file name and size the table was built from (a record for the reader)
     source: str = ""
 
     def continuation(self, tokens: list[int]) -> tuple[int, int, float] | None:
@@ -61,7 +61,7 @@ class StaticTable:
         return None
 
     def edge(self, order: int, share: float) -> float:
-        return self.accept[order][max(bisect.bisect_right(SHARES, share) - 1, 0)]
+        return self.accept[order][_bucket(share)]
 
     def to_json(self) -> dict:
         return {"kind": STATIC_LOOKUP_KIND, "version": 1, "target": self.target,
@@ -85,6 +85,11 @@ class StaticTable:
             return cls(nxt, accept, dict(d["target"]), str(p))
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise YggError(f"lookup table {p} is malformed: {e}") from None
+
+
+def _bucket(share: float) -> int:
+    """The share bucket (index into SHARES) ``share`` falls in."""
+    return max(bisect.bisect_right(SHARES, share) - 1, 0)
 
 
 def _contexts(seqs: list[list[int]]) -> dict:
@@ -117,7 +122,7 @@ def build_table(answers: list[list[int]], held_out: list[tuple[list[int], list[i
             got = table.continuation(text)
             if got is not None:
                 n, token, share = got
-                cell = hits[n][max(bisect.bisect_right(SHARES, share) - 1, 0)]
+                cell = hits[n][_bucket(share)]
                 cell[0] += token == t
                 cell[1] += 1
             text.append(t)
