@@ -114,3 +114,60 @@ def test_a_variant_that_does_not_compile_names_its_source_and_first_error(monkey
         kernel_check.check_sources("avx2")
     with pytest.raises(YggError, match=r"^no instruction set 'neon'"):
         kernel_check.check_sources("neon")
+
+
+def _fake_build(monkeypatch, tmp_path):
+    """cpp_extension.load and torch.ops.load_library recorded instead of run: a build writes the
+    library file (its bytes then those of ``content``), a load records the path."""
+    import torch
+    from torch.utils import cpp_extension
+
+    calls = []
+    content = {"bytes": b"\x7fELF a library"}
+
+    def build(**kw):
+        calls.append("build")
+        (tmp_path / "yggtree_kernels.so").write_bytes(content["bytes"])
+
+    def load(path):
+        calls.append("load")
+        if (tmp_path / "yggtree_kernels.so").read_bytes() != content["bytes"]:
+            raise OSError(f"{path}: invalid ELF header")
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(torch.ops, "load_library", load)
+    monkeypatch.setattr(kernels, "isa", lambda: "avx2")
+    return calls, content
+
+
+def test_a_library_a_build_loaded_whole_is_loaded_again_without_the_build_system(monkeypatch, tmp_path):
+    """Each run used to ask torch's cpp_extension (importing setuptools) and ninja whether the library
+    was up to date (0.1-0.4 s of its start): now the file a build loaded whole is loaded directly."""
+    calls, _ = _fake_build(monkeypatch, tmp_path)
+    assert kernels._load_or_build(tmp_path) is False and calls == ["build"]  # built and loaded by the build
+    assert (tmp_path / kernels.LOADED).is_file()
+    calls.clear()
+    assert kernels._load_or_build(tmp_path) is True and calls == ["load"]  # directly
+
+
+def test_a_library_file_that_changed_or_no_longer_loads_goes_through_the_build(monkeypatch, tmp_path):
+    import os
+
+    calls, content = _fake_build(monkeypatch, tmp_path)
+    kernels._load_or_build(tmp_path)
+    so = tmp_path / "yggtree_kernels.so"
+    so.write_bytes(b"\x7fELF another library, half written")  # not the file that loaded
+    calls.clear()
+    assert kernels._load_or_build(tmp_path) is False and calls == ["build"]
+    st = so.stat()
+    so.write_bytes(b"\x7fELF a damaged")  # the same size and time as the file that loaded, other bytes
+    os.utime(so, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert len(b"\x7fELF a damaged") == len(content["bytes"]) == st.st_size
+    calls.clear()
+    assert kernels._load_or_build(tmp_path) is False and calls == ["load", "build"]  # removed, built again
+    assert so.read_bytes() == content["bytes"]
+    calls.clear()
+    assert kernels._load_or_build(tmp_path) is True and calls == ["load"]
+    (tmp_path / kernels.LOADED).write_text("garbage")
+    calls.clear()
+    assert kernels._load_or_build(tmp_path) is False and calls == ["build"]

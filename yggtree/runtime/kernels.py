@@ -19,7 +19,8 @@
   gguf-native layers on the tiled kernel).
 
 ``torch.utils.cpp_extension`` builds them into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use
-(a directory per source hash, instruction set, flags and torch version) and registers the ops;
+(a directory per source hash, instruction set, flags and torch version) and registers the ops; later
+processes load the file a build of theirs loaded whole without asking the build system again;
 AOTInductor packages call their C shims directly (:func:`aoti_shims`). Every source is written on
 ``csrc/simd.h``'s 16-lane vectors and compiled for one instruction set, the best this CPU runs
 (:data:`ISAS`, in order: AVX-512 with VNNI, AVX-512, AVX2 with AVX-VNNI, AVX2; each with FMA and
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ..errors import YggError
+from ..files import write_text_atomic
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
 __all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "library_built", "load_library", "aoti_shims", "runs_attention",
@@ -184,16 +186,54 @@ def load_library() -> None:
     _build_and_load(build)
 
 
-def _build_and_load(build: Path) -> None:
-    """Build the library for this CPU's instruction set in ``build`` (unless built there) and load it."""
+LOADED = "loaded"  # in a build directory: the library's size and mtime when a build of ours last loaded it whole
+
+
+def _stamp(so: Path) -> str:
+    st = so.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def _load_stamped(build: Path, so: Path) -> bool:
+    """Load the library built in ``build`` without asking the build system (torch's cpp_extension and a
+    ninja run: ~0.1-0.4 s of every run's start) where a build of ours loaded this very file whole; False
+    where it must go through the build (none yet, or the file differs from the one that loaded). A file that
+    matches but does not load (damaged since) is removed, so the build makes it again."""
+    try:
+        if (build / LOADED).read_text() != _stamp(so):
+            return False
+    except OSError:
+        return False
+    try:
+        torch.ops.load_library(str(so))
+    except OSError:
+        so.unlink(missing_ok=True)
+        (build / LOADED).unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _load_or_build(build: Path) -> bool:
+    """Load the library of ``build`` (its lock held), built there first where it is not; True where the
+    file a build of ours loaded whole was loaded directly."""
+    so = build / "yggtree_kernels.so"
+    if _load_stamped(build, so):
+        return True
     from torch.utils import cpp_extension
 
-    cflags = CFLAGS + ISAS[isa()][1]
+    (build / LOADED).unlink(missing_ok=True)
+    cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS + ISAS[isa()][1]),
+                       extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
+    with contextlib.suppress(OSError):  # loaded: without the record the next run asks the build again
+        write_text_atomic(build / LOADED, _stamp(so))
+    return False
+
+
+def _build_and_load(build: Path) -> None:
+    """Build the library for this CPU's instruction set in ``build`` (unless built there) and load it."""
     try:
         with build_lock(build):
-            cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(cflags),
-                               extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False,
-                               verbose=False)
+            _load_or_build(build)
     except (RuntimeError, OSError, ImportError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         first = next((ln for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)

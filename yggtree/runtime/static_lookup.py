@@ -77,14 +77,20 @@ class StaticTable:
         try:
             if d["shares"] != list(SHARES):
                 raise ValueError(f"share buckets {d['shares']}, this code's {list(SHARES)}")
-            nxt = {n: {tuple(int(x) for x in row[:n]): (int(row[n]), float(row[n + 1])) for row in d["next"][str(n)]}
-                   for n in ORDERS}
+            nxt = {n: _contexts_of(d["next"][str(n)], n) for n in ORDERS}
             accept = {n: tuple(float(x) for x in d["accept"][str(n)]) for n in ORDERS}
             if any(len(a) != len(SHARES) or not all(0 <= x <= 1 for x in a) for a in accept.values()):
                 raise ValueError("acceptance table shape or values")
             return cls(nxt, accept, dict(d["target"]), str(p))
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise YggError(f"lookup table {p} is malformed: {e}") from None
+
+
+def _contexts_of(rows: list, n: int) -> dict:
+    """{context: (next token, share)} of a table file's ``rows`` (``n`` context ids, the next id, its share)."""
+    if not all(type(x) is int for row in rows for x in row[:n + 1]) or any(len(row) != n + 2 for row in rows):
+        raise ValueError(f"a row of order {n} is not {n + 1} token ids and a share")
+    return dict(zip(map(tuple, (row[:n] for row in rows)), ((row[n], float(row[n + 1])) for row in rows)))
 
 
 def _bucket(share: float) -> int:
