@@ -238,3 +238,72 @@ def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
     want = drafter.step(tok, depth, node, parent, anc[:, :3], L, k)
     assert torch.equal(got[0], want.token) and torch.allclose(got[1], want.logp, atol=1e-5)
     assert torch.allclose(rows, drafter.node_feat[1:3], atol=1e-5)
+
+
+def test_packages_extract_under_the_cache_per_process_and_dead_processes_dirs_are_removed(monkeypatch, tmp_path):
+    """AOTInductor extracts each loaded package under $TMPDIR and removes it when the loader is freed, so a
+    killed run or build left 2-3 MB a package in /tmp for good: loads extract to this process's directory under
+    the cache instead, and the directories of processes no longer alive are removed by the next load."""
+    import os
+    import subprocess
+    import sys
+
+    from yggtree.runtime.aoti import EXTRACT_DIR, extracting_here
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", "/somewhere")
+    root = tmp_path / "yggtree" / EXTRACT_DIR
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = root / gone.stdout.strip()  # a process that has ended
+    live = root / str(os.getppid())
+    for d in (dead / "aotinductor_x", live / "aotinductor_y", root / "notes"):
+        d.mkdir(parents=True)
+    with extracting_here():
+        assert os.environ["TMPDIR"] == str(root / str(os.getpid()))
+        assert (root / str(os.getpid())).is_dir()
+    assert os.environ["TMPDIR"] == "/somewhere"
+    assert not dead.exists() and (live / "aotinductor_y").is_dir() and (root / "notes").is_dir()
+    monkeypatch.delenv("TMPDIR")
+    with extracting_here():
+        assert "TMPDIR" in os.environ
+    assert "TMPDIR" not in os.environ
+
+
+def test_a_killed_loaders_directory_goes_with_the_next_load(monkeypatch, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from yggtree.runtime.aoti import extracting_here
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code = ("import os, time, tempfile\nfrom yggtree.runtime.aoti import extracting_here\n"
+            "with extracting_here():\n"
+            "    d = tempfile.mkdtemp(prefix='aotinductor_', dir=os.environ['TMPDIR'])\n"  # as the loader does
+            "    print(d, flush=True)\n    time.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    try:
+        extracted = child.stdout.readline().strip()
+        assert extracted.startswith(str(tmp_path)) and os.path.isdir(extracted)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert os.path.isdir(extracted)  # killed: left behind
+    with extracting_here():
+        pass
+    assert not os.path.exists(os.path.dirname(extracted))
+
+
+def test_an_unwritable_cache_leaves_the_extraction_where_it_was(monkeypatch, tmp_path):
+    import os
+
+    from yggtree.runtime.aoti import extracting_here
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setenv("TMPDIR", "/somewhere")
+    with extracting_here():
+        assert os.environ["TMPDIR"] == "/somewhere"

@@ -61,7 +61,10 @@ proposals: the target's verify decides every token, so speculation stays exact w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,6 +330,49 @@ class ShapeRecorder:
 # ----------------------------------------------------------------------------- run side
 
 
+EXTRACT_DIR = "extract"  # under the cache: a directory per process for AOTInductor's extracted packages
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def extracting_here():
+    """AOTInductor extracts every package it loads into a directory of its own under ``$TMPDIR`` and removes it
+    when the loader is freed; a process killed before then leaves it behind (2-3 MB a package, in /tmp, for
+    good). Inside this block ``$TMPDIR`` is this process's directory under the cache (``<cache>/extract/<pid>``)
+    and the directories of processes no longer alive are removed first. Where the cache cannot be written,
+    nothing changes (the packages extract to the system's temporary directory)."""
+    from ..files import cache_root
+
+    root = cache_root() / EXTRACT_DIR
+    mine = root / str(os.getpid())
+    try:
+        mine.mkdir(parents=True, exist_ok=True)
+        for d in root.iterdir():
+            if d.name.isdigit() and d != mine and not _alive(int(d.name)):
+                shutil.rmtree(d, ignore_errors=True)
+    except OSError:
+        yield
+        return
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(mine)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+
+
 @dataclass(frozen=True)
 class PackageSet:
     """Loaded packages: (block key, W, C) -> AOTI model runner, all for a cache of ``n_slots``."""
@@ -345,19 +391,20 @@ class PackageSet:
         from ..files import file_sha256
 
         runners = {}
-        for key, w, c, *scope in entries:
-            scope = scope[0] if scope else "block"
-            path = Path(root) / package_name(key, w, c, scope)
-            if not path.is_file():
-                raise YggError(f"compiled graph {path} is missing: recompile the plan (yggtree compile --force)")
-            if sha256 is not None and file_sha256(path) != sha256.get(path.name):
-                raise YggError(f"compiled graph {path} is corrupted (its sha256 differs from the "
-                               "manifest's): recompile the plan (yggtree compile, or run --compile-missing)")
-            try:
-                runners[(key, w, c)] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            except RuntimeError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise YggError(f"cannot load compiled graph {path}: {first}") from None
+        with extracting_here():
+            for key, w, c, *scope in entries:
+                scope = scope[0] if scope else "block"
+                path = Path(root) / package_name(key, w, c, scope)
+                if not path.is_file():
+                    raise YggError(f"compiled graph {path} is missing: recompile the plan (yggtree compile --force)")
+                if sha256 is not None and file_sha256(path) != sha256.get(path.name):
+                    raise YggError(f"compiled graph {path} is corrupted (its sha256 differs from the "
+                                   "manifest's): recompile the plan (yggtree compile, or run --compile-missing)")
+                try:
+                    runners[(key, w, c)] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+                except RuntimeError as e:
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise YggError(f"cannot load compiled graph {path}: {first}") from None
         return cls(runners, n_slots)
 
     def shapes(self, key: str) -> list[tuple[int, int]]:

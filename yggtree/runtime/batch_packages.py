@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import YggError
-from .aoti import block_key, block_tensors, package_name, static_blocks
+from .aoti import block_key, block_tensors, extracting_here, package_name, static_blocks
 
 SCOPE = "batch"
 
@@ -123,22 +123,23 @@ class BatchPackages:
 
         key = batch_key(target.layers[0], max_batch, n_slots)
         runners = {}
-        for shape in shapes:
-            path = Path(root) / file_name(key, shape)
-            if not path.is_file():
-                raise YggError(f"the batched graph {path.name} is not built (in {root})")
-            try:
-                ok = path.with_suffix(".sha256").read_text().strip() == file_sha256(path)
-            except OSError:
-                ok = False
-            if not ok:
-                raise YggError(f"the batched graph {path} is damaged (its sha256 differs from the one written "
-                               "when it was built)")
-            try:
-                runners[shape] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            except RuntimeError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise YggError(f"cannot load the batched graph {path}: {first}") from None
+        with extracting_here():
+            for shape in shapes:
+                path = Path(root) / file_name(key, shape)
+                if not path.is_file():
+                    raise YggError(f"the batched graph {path.name} is not built (in {root})")
+                try:
+                    ok = path.with_suffix(".sha256").read_text().strip() == file_sha256(path)
+                except OSError:
+                    ok = False
+                if not ok:
+                    raise YggError(f"the batched graph {path} is damaged (its sha256 differs from the one written "
+                                   "when it was built)")
+                try:
+                    runners[shape] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+                except RuntimeError as e:
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise YggError(f"cannot load the batched graph {path}: {first}") from None
         contexts = sorted({c for b, w, c in shapes if w == 1})
         return cls(runners, max_batch, n_slots, tuple(contexts))
 
