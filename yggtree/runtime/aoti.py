@@ -373,6 +373,18 @@ def extracting_here():
             os.environ["TMPDIR"] = before
 
 
+def load_runner(path: Path, what: str):
+    """AOTInductor's runner of the package at ``path`` (inside :func:`extracting_here`); YggError in one
+    line naming ``what`` where it does not load."""
+    from torch._C._aoti import AOTIModelPackageLoader
+
+    try:
+        return AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise YggError(f"cannot load {what} {path}: {first}") from None
+
+
 @dataclass(frozen=True)
 class PackageSet:
     """Loaded packages: (block key, W, C) -> AOTI model runner, all for a cache of ``n_slots``."""
@@ -386,8 +398,6 @@ class PackageSet:
         """Load the packages of ``entries``, each (key, W, C) for a block package or (key, W, C,
         scope); with ``sha256`` (file name -> the manifest's checksum) a package whose bytes
         differ is refused before AOTInductor reads it."""
-        from torch._C._aoti import AOTIModelPackageLoader
-
         from ..files import file_sha256
 
         runners = {}
@@ -400,11 +410,7 @@ class PackageSet:
                 if sha256 is not None and file_sha256(path) != sha256.get(path.name):
                     raise YggError(f"compiled graph {path} is corrupted (its sha256 differs from the "
                                    "manifest's): recompile the plan (yggtree compile, or run --compile-missing)")
-                try:
-                    runners[(key, w, c)] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-                except RuntimeError as e:
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise YggError(f"cannot load compiled graph {path}: {first}") from None
+                runners[(key, w, c)] = load_runner(path, "compiled graph")
         return cls(runners, n_slots)
 
     def shapes(self, key: str) -> list[tuple[int, int]]:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import YggError
-from .aoti import block_key, block_tensors, extracting_here, package_name, static_blocks
+from .aoti import block_key, block_tensors, extracting_here, load_runner, package_name, static_blocks
 
 SCOPE = "batch"
 
@@ -117,8 +117,6 @@ class BatchPackages:
              n_slots: int) -> BatchPackages:
         """The packages of ``shapes`` from ``root`` (:func:`batch_dir`); YggError naming the first
         one missing or damaged."""
-        from torch._C._aoti import AOTIModelPackageLoader
-
         from ..files import file_sha256
 
         key = batch_key(target.layers[0], max_batch, n_slots)
@@ -135,11 +133,7 @@ class BatchPackages:
                 if not ok:
                     raise YggError(f"the batched graph {path} is damaged (its sha256 differs from the one written "
                                    "when it was built)")
-                try:
-                    runners[shape] = AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-                except RuntimeError as e:
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise YggError(f"cannot load the batched graph {path}: {first}") from None
+                runners[shape] = load_runner(path, "the batched graph")
         contexts = sorted({c for b, w, c in shapes if w == 1})
         return cls(runners, max_batch, n_slots, tuple(contexts))
 
