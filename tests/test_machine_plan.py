@@ -254,6 +254,24 @@ def test_an_unwritable_data_directory_decodes_plainly_with_one_line(monkeypatch,
     assert args.machine_build == "unbuildable"  # the summary does not say it is being built
 
 
+
+def test_a_full_data_directory_decodes_plainly_with_one_line(monkeypatch, tmp_path, capsys):
+    """A disk with no space left (the build's first write fails with ENOSPC): one line, uncompiled decoding."""
+    import errno
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv(machine_plan.BUILD_ENV, "1")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr("yggtree.tuned.find_tuned_plan", lambda *a, **k: (None, None))
+    monkeypatch.setattr(machine_plan.MachinePlan, "start", full)
+    args = _args()
+    run_cmd._pick_plan(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be built" in err[0] and "No space left on device" in err[0]
+    assert args.mode == "reference" and args.machine_build == "unbuildable"
+
 def test_no_speculate_keeps_the_format_the_default_chose(monkeypatch, tmp_path):
     """``--no-speculate`` alone decodes plainly on the machine plan's graphs (like for like)."""
     monkeypatch.setattr(MachinePlan, "speculates", lambda self, sha: machine_plan.Verdict(True, 1.1, 0, 1.1, True))  # its verdict measured
