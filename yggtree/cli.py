@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None, reserve=None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv[1:]  # the subcommand's own arguments, which manifests record
     args.reserve = reserve
-    # what the imports so far made lives as long as the process: full collections no longer walk it (each
-    # walked ~200,000 objects, 0.1 s at a time, while a run built its engine)
+    # what the imports so far made lives as long as the process: full collections no longer walk it (they
+    # walked every import-time object while a run built its engine)
     gc.freeze()
     try:
         if args.command in OFFLINE_COMMANDS:

@@ -195,10 +195,10 @@ def _stamp(so: Path) -> str:
 
 
 def _load_stamped(build: Path, so: Path) -> bool:
-    """Load the library built in ``build`` without asking the build system (torch's cpp_extension and a
-    ninja run: ~0.1-0.4 s of every run's start) where a build of ours loaded this very file whole; False
-    where it must go through the build (none yet, or the file differs from the one that loaded). A file that
-    matches but does not load (damaged since) is removed, so the build makes it again."""
+    """Load the library built in ``build`` without asking the build system (importing torch's cpp_extension,
+    which imports setuptools, and a ninja run, at every run's start) where a build of ours loaded this very
+    file whole; False where it must go through the build (none yet, or the file differs from the one that
+    loaded). A file that matches but does not load (damaged since) is removed, so the build makes it again."""
     try:
         if (build / LOADED).read_text() != _stamp(so):
             return False
@@ -222,8 +222,9 @@ def _load_or_build(build: Path) -> bool:
     from torch.utils import cpp_extension
 
     (build / LOADED).unlink(missing_ok=True)
-    cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS + ISAS[isa()][1]),
-                       extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
+    cpp_extension.load(name="yggtree_kernels", sources=[str(f) for f in SOURCES],
+                       extra_cflags=list(CFLAGS + ISAS[isa()][1]), extra_ldflags=list(LDFLAGS),
+                       build_directory=str(build), is_python_module=False, verbose=False)
     with contextlib.suppress(OSError):  # loaded: without the record the next run asks the build again
         write_text_atomic(build / LOADED, _stamp(so))
     return False
