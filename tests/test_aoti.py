@@ -46,7 +46,7 @@ class FakeRunner:
     def run(self, args):
         assert args[0].shape[1] == self.w and args[4].shape[-1] == self.c
         assert all(a.is_contiguous() for a in args[:5])
-        signature = [tuple(a.shape) for a in args[:5]]
+        signature = [(tuple(a.shape), a.dtype) for a in args[:6]]  # activations, slots, mask, cache
         assert self.signature in (None, signature), (self.signature, signature)
         self.signature = signature
         self.calls += 1

@@ -15,6 +15,7 @@ from helpers import need_kernel_library, sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams
+from yggtree.runtime.aoti import block_key
 from yggtree.runtime.model import _rows_attention, row_window, set_kv_dtype
 from yggtree.shapes import TreeParams, kv_cache_dtype
 
@@ -173,3 +174,19 @@ def test_engine_spec_builds_the_cache(tmp_path, capsys):
     assert main(["run", "--prompt", "hi", "--plan", str(tmp_path / "none.yaml"), "--kv-cache", "float16"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kv-cache and --plan exclude each other" in err[0], err
+
+
+def test_a_compiled_block_is_keyed_by_its_cache_dtype():
+    """A compiled block reads and writes its cache input as the dtype it was compiled for, unchecked: a target
+    over a float16 cache and a model of the same shapes over a float32 cache (an EAGLE head's block) must not
+    share packages. They did: the head's prompt prefill ran the target's package on its float32 cache and
+    filled it with values in the thousands (acceptance fell by a quarter; the output, verified, stayed exact).
+    A self-drafter's twin keeps the target's cache dtype, and so its packages."""
+    target, head = tiny(), tiny(seed=1)
+    assert block_key(target.layers[0]) == block_key(head.layers[0])
+    set_kv_dtype(target, "float16")
+    assert block_key(target.layers[0]) != block_key(head.layers[0])
+    twin = target.shared_copy()
+    assert block_key(twin.layers[0]) == block_key(target.layers[0])
+    twin.setup_cache(1, 16)
+    assert twin.kv.kv.dtype == torch.float16

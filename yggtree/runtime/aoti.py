@@ -111,12 +111,15 @@ def block_key(block: nn.Module) -> str:
     """12 hex digits naming a block's kind: class, heads, weight shapes and dtypes, how its
     attention computes (``invariant_rows``: which widths run row by row, and so whether a call's
     slots carry the row window, :func:`yggtree.runtime.model.row_window`), and the padding of its
-    packed products (``min_rows``) and their kernel; the last three are constants of the compiled graph. A target's
-    blocks and an EAGLE head's block of the same shapes thus get packages of their own. The cache
-    size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
-    cfg = block.self_attn.cfg
+    packed products (``min_rows``) and their kernel, and its KV cache's dtype; the last four are constants
+    of the compiled graph (a package reads and writes its cache input as the dtype it was compiled for,
+    unchecked). A target's blocks and an EAGLE head's block of the same shapes thus get packages of their
+    own, also where only their caches differ (a float16 target cache beside the head's float32 one). The
+    cache size S is not part of it: a package set is built for one S (:attr:`PackageSet.n_slots`)."""
+    att = block.self_attn
+    cfg = att.cfg
     parts = [type(block).__qualname__, f"heads{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}",
-             f"rows{block.self_attn.invariant_rows}{block.self_attn.native_rows or ''}"]
+             f"rows{att.invariant_rows}{att.native_rows or ''}", f"kv{att.kv_dtype or 'weights'}"]
     parts += [f"{n}{tuple(p.shape)}{p.dtype}" for n, p in block_tensors(block)]
     min_rows = _packed.min_rows_of(block)
     if min_rows is not None:

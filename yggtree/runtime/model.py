@@ -157,6 +157,9 @@ class Attention(nn.Module):
         # float32 and bfloat16 models whose products run on the library set it
         # (runtime/kernels.py use_rows_attention)
         self.native_rows: str | None = None
+        # the dtype its cache holds (set_kv_dtype; None: the weights'): a constant of a compiled
+        # block, which takes the cache as an input of that dtype (aoti.block_key)
+        self.kv_dtype: torch.dtype | None = None
 
     def forward(
         self,
@@ -309,6 +312,9 @@ def set_kv_dtype(model: "Transformer", kv_cache: str | None) -> None:
     are stored, and attention reads them back as float32 (an approximation of the float32 model
     that halves attention's reads; plain and speculative steps read the same stored values)."""
     model.kv_dtype = None if kv_cache is None else getattr(torch, kv_cache)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.kv_dtype = model.kv_dtype
 
 
 def native_attention(model: nn.Module) -> str | None:
@@ -436,13 +442,15 @@ class Transformer(nn.Module):
         store.attach(self.layers)
 
     def shared_copy(self) -> "Transformer":
-        """A second model over the same weight tensors with its own (unallocated) cache."""
+        """A second model over the same weight tensors with its own (unallocated) cache, of the
+        same dtype."""
         with torch.device("meta"):
             twin = Transformer(self.cfg)
         twin.load_state_dict(self.state_dict(), strict=False, assign=True)
         if self.cfg.tie_word_embeddings:
             twin.lm_head.weight = twin.embed_tokens.weight
         twin.rope = torch.zeros(0, self.cfg.head_dim // 2, 2, device=self.embed_tokens.weight.device)
+        set_kv_dtype(twin, None if self.kv_dtype is None else str(self.kv_dtype).removeprefix("torch."))
         return twin.eval().requires_grad_(False)
 
     def caches(self) -> list[KVCache]:
