@@ -18,7 +18,7 @@ from yggtree.runtime.drafters import LMDrafter
 from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.kv_cache import KVCache
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
-from yggtree.runtime.model import Transformer, attention_rows, set_invariant_rows
+from yggtree.runtime.model import Transformer, attention_rows, set_invariant_rows, set_kv_dtype
 
 TREE = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
 CHUNK, MAX_CTX = 8, 60
@@ -67,8 +67,9 @@ def fake_packages(blocks, shapes) -> PackageSet:
     return PackageSet(runners, N_SLOTS)
 
 
-def make(mode, drafter_kind, packages_for=None, tree=TREE):
+def make(mode, drafter_kind, packages_for=None, tree=TREE, kv_cache=None, head_rows=False):
     target = tiny()
+    set_kv_dtype(target, kv_cache)
     if drafter_kind == "self":
         drafter = LMDrafter(target.shared_copy(), mode)
     else:
@@ -77,6 +78,8 @@ def make(mode, drafter_kind, packages_for=None, tree=TREE):
     if packages_for is not None:  # installed as build_engine installs a plan's packages
         set_invariant_rows(target, attention_rows(CHUNK))
         dmodel = drafter.graphs.model
+        if head_rows:  # the drafter's calls row by row up to the target's width (a plan's row kernel on both)
+            set_invariant_rows(dmodel, attention_rows(CHUNK))
         pset = fake_packages([target.layers[0], dmodel.layers[0]], packages_for)
         install_packages(target, pset)
         install_packages(dmodel, pset)
@@ -99,6 +102,25 @@ def test_packaged_engine_equals_reference_without_dynamo(drafter_kind):
     assert counters["frames"]["total"] == frames  # dynamo never ran
     runners = eng.target.layers[0].forward.runners
     assert sum(r.calls for r in runners.values()) > 0
+
+
+@pytest.mark.parametrize("drafter_kind", ["self", "eagle"])
+def test_a_16_bit_target_cache_and_its_drafter_run_the_packages_of_their_caches(drafter_kind):
+    """A package takes the cache as an input of the dtype it was compiled for (unchecked in a real
+    one). A target over a float16 cache and an EAGLE head of its shapes (a float32 cache) shared
+    the prefill chunk's package where both compute its rows alike, which filled the head's cache
+    with garbage: the fake runners' signature (dtypes included) refuses a second dtype. A self-drafter's twin keeps the target's
+    cache, so it shares the target's packages rightly. Tokens as reference mode's."""
+    widths = {CHUNK, 1, TREE.verify_width, TREE.draft_width, TREE.draft_depth + 1}
+    eng = make("performance", drafter_kind, packages_for=[(w, N_SLOTS) for w in widths], kv_cache="float16",
+               head_rows=True)
+    ref = make("reference", drafter_kind, kv_cache="float16")
+    assert eng.drafter.graphs.model.kv.kv.dtype == (torch.float16 if drafter_kind == "self" else torch.float32)
+    for p in PROMPTS:
+        params = SamplingParams(max_new_tokens=12)
+        assert eng.generate(p, params).token_ids == ref.generate(p, params).token_ids
+    for model in (eng.target, eng.drafter.graphs.model):
+        assert sum(r.calls for r in model.layers[0].forward.runners.values()) > 0
 
 
 def test_an_eagle_head_shaped_like_the_target_runs_packages_of_its_own():
