@@ -109,13 +109,14 @@ def test_a_16_bit_target_cache_and_its_drafter_run_the_packages_of_their_caches(
     """A package takes the cache as an input of the dtype it was compiled for (unchecked in a real
     one). A target over a float16 cache and an EAGLE head of its shapes (a float32 cache) shared
     the prefill chunk's package where both compute its rows alike, which filled the head's cache
-    with garbage: the fake runners' signature (dtypes included) refuses a second dtype. A self-drafter's twin keeps the target's
-    cache, so it shares the target's packages rightly. Tokens as reference mode's."""
+    with garbage: the fake runners' signature (dtypes included) refuses a second dtype. A
+    self-drafter's twin keeps its cache in the weights' dtype, and so packages of its own. Tokens
+    as reference mode's."""
     widths = {CHUNK, 1, TREE.verify_width, TREE.draft_width, TREE.draft_depth + 1}
     eng = make("performance", drafter_kind, packages_for=[(w, N_SLOTS) for w in widths], kv_cache="float16",
                head_rows=True)
     ref = make("reference", drafter_kind, kv_cache="float16")
-    assert eng.drafter.graphs.model.kv.kv.dtype == (torch.float16 if drafter_kind == "self" else torch.float32)
+    assert eng.drafter.graphs.model.kv.kv.dtype == torch.float32
     for p in PROMPTS:
         params = SamplingParams(max_new_tokens=12)
         assert eng.generate(p, params).token_ids == ref.generate(p, params).token_ids

@@ -181,12 +181,12 @@ def test_a_compiled_block_is_keyed_by_its_cache_dtype():
     over a float16 cache and a model of the same shapes over a float32 cache (an EAGLE head's block) must not
     share packages. They did: the head's prompt prefill ran the target's package on its float32 cache and
     filled it with values in the thousands (acceptance fell by a quarter; the output, verified, stayed exact).
-    A self-drafter's twin keeps the target's cache dtype, and so its packages."""
+    A self-drafter's twin keeps its cache in the weights' dtype, and so packages of its own."""
     target, head = tiny(), tiny(seed=1)
     assert block_key(target.layers[0]) == block_key(head.layers[0])
     set_kv_dtype(target, "float16")
     assert block_key(target.layers[0]) != block_key(head.layers[0])
     twin = target.shared_copy()
-    assert block_key(twin.layers[0]) == block_key(target.layers[0])
+    assert block_key(twin.layers[0]) == block_key(head.layers[0])
     twin.setup_cache(1, 16)
-    assert twin.kv.kv.dtype == torch.float16
+    assert twin.kv.kv.dtype == torch.float32

@@ -442,15 +442,13 @@ class Transformer(nn.Module):
         store.attach(self.layers)
 
     def shared_copy(self) -> "Transformer":
-        """A second model over the same weight tensors with its own (unallocated) cache, of the
-        same dtype."""
+        """A second model over the same weight tensors with its own (unallocated) cache."""
         with torch.device("meta"):
             twin = Transformer(self.cfg)
         twin.load_state_dict(self.state_dict(), strict=False, assign=True)
         if self.cfg.tie_word_embeddings:
             twin.lm_head.weight = twin.embed_tokens.weight
         twin.rope = torch.zeros(0, self.cfg.head_dim // 2, 2, device=self.embed_tokens.weight.device)
-        set_kv_dtype(twin, None if self.kv_dtype is None else str(self.kv_dtype).removeprefix("torch."))
         return twin.eval().requires_grad_(False)
 
     def caches(self) -> list[KVCache]:
