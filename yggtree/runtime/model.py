@@ -311,10 +311,10 @@ def set_kv_dtype(model: "Transformer", kv_cache: str | None) -> None:
     ``setup_cache``: the cache is allocated in it, keys and values are rounded to it once as they
     are stored, and attention reads them back as float32 (an approximation of the float32 model
     that halves attention's reads; plain and speculative steps read the same stored values)."""
-    model.kv_dtype = None if kv_cache is None else getattr(torch, kv_cache)
+    dtype = None if kv_cache is None else getattr(torch, kv_cache)
     for m in model.modules():
         if isinstance(m, Attention):
-            m.kv_dtype = model.kv_dtype
+            m.kv_dtype = dtype
 
 
 def native_attention(model: nn.Module) -> str | None:
@@ -424,7 +424,11 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope", torch.zeros(0, cfg.head_dim // 2, 2), persistent=False)
         self.cache_slots = 0  # S; the rope table [S, D/2, 2] float32 covers positions 0..S-1
-        self.kv_dtype: torch.dtype | None = None  # the KV cache's dtype (set_kv_dtype; None: the weights')
+
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """The KV cache's dtype (set_kv_dtype, on its layers; None: the weights')."""
+        return self.layers[0].self_attn.kv_dtype
 
     def setup_cache(self, batch_size: int, n_slots: int) -> None:
         """Allocate (or reallocate) the static KV cache: ``n_slots`` slots per layer, every
