@@ -15,7 +15,7 @@ from yggtree.runtime.aoti import (DRAFTER_CALLS, PackageSet, _BlockFn, _DrafterC
                                   compile_drafter_call_package, drafter_call_key, install_drafter_calls,
                                   install_packages, model_tensors, static_blocks)
 from yggtree.runtime.drafters import LMDrafter
-from yggtree.runtime.eagle import EagleDrafter, head_widths
+from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.kv_cache import KVCache
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.model import Transformer, attention_rows, set_invariant_rows, set_kv_dtype
@@ -91,7 +91,7 @@ def make(mode, drafter_kind, packages_for=None, tree=TREE, kv_cache=None, head_r
 def test_packaged_engine_equals_reference_without_dynamo(drafter_kind):
     from torch._dynamo.utils import counters
 
-    widths = {CHUNK, 1, TREE.verify_width, TREE.draft_width, *head_widths(TREE.draft_depth)}
+    widths = {CHUNK, 1, TREE.verify_width, TREE.draft_width, TREE.draft_depth + 1}
     eng = make("performance", drafter_kind, packages_for=[(w, N_SLOTS) for w in widths])
     assert isinstance(static_blocks(eng.target), PackageSet)
     ref = make("reference", drafter_kind)
@@ -112,7 +112,7 @@ def test_a_16_bit_target_cache_and_its_drafter_run_the_packages_of_their_caches(
     with garbage: the fake runners' signature (dtypes included) refuses a second dtype. A
     self-drafter's twin keeps its cache in the weights' dtype, and so packages of its own. Tokens
     as reference mode's."""
-    widths = {CHUNK, 1, TREE.verify_width, TREE.draft_width, *head_widths(TREE.draft_depth)}
+    widths = {CHUNK, 1, TREE.verify_width, TREE.draft_width, TREE.draft_depth + 1}
     eng = make("performance", drafter_kind, packages_for=[(w, N_SLOTS) for w in widths], kv_cache="float16",
                head_rows=True)
     ref = make("reference", drafter_kind, kv_cache="float16")
@@ -130,7 +130,7 @@ def test_an_eagle_head_shaped_like_the_target_runs_packages_of_its_own():
     target verifies 4 rows and the head is called with 4 (D_max + 1): sharing the (kind, 4, S)
     package ran the head on the target's signature (an index out of bounds in a real package)."""
     tree = TreeParams(draft_width=2, draft_depth=3, verify_width=4, top_k=2)
-    widths = {CHUNK, 1, tree.verify_width, tree.draft_width, *head_widths(tree.draft_depth)}
+    widths = {CHUNK, 1, tree.verify_width, tree.draft_width, tree.draft_depth + 1}
     eng = make("performance", "eagle", packages_for=[(w, N_SLOTS) for w in widths], tree=tree)
     head = eng.drafter.graphs.model.layers[0]
     assert block_key(head) != block_key(eng.target.layers[0])

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from helpers import sweep, tiny_model
 from yggtree.errors import YggError
 from yggtree.runtime import steps
-from yggtree.runtime.eagle import EagleDrafter, head_widths, load_eagle, save_eagle
+from yggtree.runtime.eagle import EagleDrafter, load_eagle, save_eagle
 from yggtree.runtime.eagle_config import is_eagle_dir
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.kv_cache import KVCache
@@ -51,7 +51,7 @@ def true_features(target: Transformer, prompt: torch.Tensor, n_slots: int) -> to
 
 def bigram_head(
     target: Transformer, draft_vocab=None, mode="reference", max_depth=MAX_DEPTH, target_layers=None,
-    num_layers=1, catch_up=None,
+    num_layers=1,
 ) -> EagleDrafter:
     """A random head bent towards the target's bigram prediction, so drafts are often accepted.
 
@@ -62,7 +62,7 @@ def bigram_head(
     """
     d = EagleDrafter.random(
         target, mode, max_depth, draft_vocab=draft_vocab, seed=1, target_layers=target_layers,
-        num_layers=num_layers, **({} if catch_up is None else {"catch_up": catch_up}),
+        num_layers=num_layers,
     )
     net, h = d.net, target.cfg.hidden_size
     net.fc.weight[:, :h] = torch.eye(h)
@@ -96,20 +96,6 @@ def plain(target) -> dict[int, list[int]]:
 
 
 # ---------------------------------------------------------------- exactness under the engine loop
-
-
-@pytest.mark.parametrize("max_depth", [1, 2, 4, 6, 8, 15])
-@pytest.mark.parametrize("catch_up", [1, 7, 16, 32, 33])
-def test_head_widths_hold_every_accepted_count_and_catch_up(max_depth, catch_up):
-    """Every pending count a (an accepted count up to D_max, or a deferred catch-up below the widest
-    width) has a head width above it: D_max + 1 up to D_max, past it one of a few times a's rows."""
-    ws = head_widths(max_depth, catch_up)
-    assert list(ws) == sorted(set(ws)) and ws[0] == 1 and max_depth + 1 in ws
-    assert max(ws) == max(catch_up, max_depth + 1)
-    for a in range(max(ws)):
-        w = next(w for w in ws if w > a)
-        assert w <= (max_depth + 1 if a <= max_depth else 4 * (a + 1)), (a, ws)
-        assert a < 2 * (max_depth + 1) or w <= 2 * a + 1, (a, ws)  # past the first catch-up width: halvings
 
 
 @pytest.mark.parametrize("tree,kind", sweep(

@@ -11,7 +11,7 @@ from test_eagle import bigram_head
 from test_engine import tiny
 from yggtree.errors import YggError
 from yggtree.runtime.drafters import LMDrafter
-from yggtree.runtime.eagle import CATCH_UP_ROWS, EagleDrafter
+from yggtree.runtime.eagle import EagleDrafter
 from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
 from yggtree.runtime.policy import FixedPolicy, StepChoice, StepPolicy, StepRecord
 
@@ -314,31 +314,26 @@ def test_resync_after_plain_steps_keeps_the_self_drafter_exact(target, plain):
             left -= 1 + rec.n_accepted
 
 
-@pytest.mark.parametrize("catch_up", [D_MAX + 1, 8])
-def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target, catch_up):
+def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target):
     """After a few plain steps the EAGLE drafter's catch-up rides on its next head call (Drafter.defer:
     the pairs it lacks pend beside the root's) instead of a prefill chunk's call, which costs a 4-bit
     target's plain step however few of its rows are new; a longer lag still goes through the prefill.
     Output stays the plain decoding's, and every committed drafter cache entry equals a causal run of
-    the head over the committed sequence with the target's true features. ``catch_up``: the widest
-    head call's rows (D_MAX + 1: the draft's own widths only; 8: a wider call for lags of 6 and 7)."""
+    the head over the committed sequence with the target's true features."""
     from test_eagle import tiny as eagle_tiny, true_features
 
     tgt = eagle_tiny()
     ref = Engine(tgt, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
-    drafter = bigram_head(tgt, max_depth=D_MAX, catch_up=catch_up)
-    assert drafter.absorbs == catch_up - 1
+    drafter = bigram_head(tgt, max_depth=D_MAX)
+    assert drafter.absorbs == D_MAX
     eng = make_engine(tgt, drafter)
-    # lags of 1 + accepted + plain-run tokens: 2..catch_up - 1 fit the head (D_MAX = 4 pairs besides the root's,
-    # or 7 in the wider call), 8+ do not
-    pattern = [(2, 1, 2), (0, 1, 1), (1, 2, 4), (0, 1, 1), (0, 1, 1), (2, 2, 4), *[(0, 1, 1)] * 5, (1, 1, 2),
-               *[(0, 1, 1)] * 7, (1, 1, 2)]
+    # lags of 1 + accepted + plain-run tokens: 2..5 fit the head (D_MAX = 4 pairs besides the root's), 8+ do not
+    pattern = [(2, 1, 2), (0, 1, 1), (1, 2, 4), (0, 1, 1), (0, 1, 1), (2, 2, 4), (0, 1, 1), (0, 1, 1), (0, 1, 1),
+               (0, 1, 1), (0, 1, 1), (0, 1, 1), (0, 1, 1), (1, 1, 2)]
     calls = {"prefill": [], "defer": []}
-    lags = {"prefill": [], "defer": []}  # the tokens each catch-up absorbs
     for name in calls:
         def spy(*a, _orig=getattr(drafter, name), _name=name):
             calls[_name].append(int(a[2]) if len(a) > 2 else 0)
-            lags[_name].append(a[0].shape[0] - calls[_name][-1])
             return _orig(*a)
         setattr(drafter, name, spy)
     heads: list[int] = []
@@ -357,9 +352,6 @@ def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target, catch_up):
     assert res.token_ids == ref.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
     assert calls["defer"] and len(calls["prefill"]) >= 2, calls  # the prompt's, and a lag of 8+ tokens
     assert calls["prefill"][0] == 0 and all(s > 0 for s in calls["prefill"][1:] + calls["defer"])
-    assert max(lags["defer"]) < catch_up and min(lags["prefill"][1:]) >= catch_up, lags
-    if catch_up > D_MAX + 1:  # the wider call took a lag the draft's own widths could not
-        assert max(lags["defer"]) > D_MAX, lags
 
     L = heads[-1]  # the root of the last head call: the drafter holds slots 1..L
     seq = torch.tensor(prompt + res.token_ids)
@@ -375,17 +367,13 @@ def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target, catch_up):
         torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("catch_up", [None, D_MAX + 1, 11])
-def test_a_deferred_catch_up_is_refused_beyond_what_the_head_holds(target, catch_up):
-    drafter = EagleDrafter.random(target, "reference", max_depth=D_MAX,
-                                  **({} if catch_up is None else {"catch_up": catch_up}))
-    n = drafter.absorbs  # the pairs the widest head call holds besides the root's
-    assert n == max(drafter.head_widths) - 1 == (catch_up or CATCH_UP_ROWS) - 1
+def test_a_deferred_catch_up_is_refused_beyond_what_the_head_holds(target):
+    drafter = EagleDrafter.random(target, "reference", max_depth=D_MAX)
     drafter.setup(64, [1], 8)
-    seq, feats = torch.arange(3, 43), (torch.zeros(40, target.cfg.hidden_size),)
-    drafter.defer(seq, feats, 40 - n)
-    assert int(drafter.pend_n) == n and torch.equal(drafter.pend_tok[:n], seq[-n:])
-    for start in (40 - n - 1, 0):
+    seq, feats = torch.arange(3, 23), (torch.zeros(20, target.cfg.hidden_size),)
+    drafter.defer(seq, feats, 20 - D_MAX)  # D_MAX pairs: the head's width holds them and the root
+    assert int(drafter.pend_n) == D_MAX and torch.equal(drafter.pend_tok[:D_MAX], seq[-D_MAX:])
+    for start in (20 - D_MAX - 1, 0):
         with pytest.raises(YggError, match="deferred catch-up"):
             drafter.defer(seq, feats, start)
 

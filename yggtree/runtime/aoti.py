@@ -46,11 +46,11 @@ matrix is not square (a drafter step of a self-drafter) cannot run a whole step.
 Drafter-call packages. An EAGLE drafter's head and draft calls (:func:`yggtree.runtime.eagle.head_call`,
 :func:`~yggtree.runtime.eagle.step_call`: mask, embedding, fc, its layers, norm, LM head, top-k)
 are compiled whole too, one package per call kind and width at the cache's size
-(``head-<key>-w<W>-c<S>.pt2`` for every head width W, ``draft-<key>-w<W_d>-c<S>.pt2``; the top-k is compiled in).
+(``head-<key>-w<D+1>-c<S>.pt2``, ``draft-<key>-w<W_d>-c<S>.pt2``; the top-k is compiled in).
 Eagerly those calls ran ~20 small ops around the block package. Their numerics only shape the
 proposals: the target's verify decides every token, so speculation stays exact whatever they round.
 
-    head inputs    root [] i64, committed [] i64, pend_tok [W] i64, pend_feat [W, H],
+    head inputs    root [] i64, committed [] i64, pend_tok [D+1] i64, pend_feat [D+1, H],
                    pend_n [] i64, then node_feat [N, H] (row 0 written)
     draft inputs   tokens, depth, node, parent [W] i64, anc [W, N] bool, committed [] i64,
                    then node_feat [N, H] (the fed rows written)

@@ -28,12 +28,12 @@ features. After acceptance of ``a`` draft tokens at root position ``L`` the true
 ``f_L .. f_{L+a}`` are known (the verify pass captured them), so :meth:`EagleDrafter.commit`
 stores the pending pairs ``(t_{L+i+1}, f_{L+i})`` for ``i = 0..a``; the last token is the bonus,
 which arrives as the next root. The next :meth:`EagleDrafter.head` feeds all of them in one call
-of the narrowest head width that holds them (padded rows go to the scratch slot and see only it), overwriting
+of fixed width ``D_max + 1`` (padded rows go to the scratch slot and see only it), overwriting
 slots ``L+1 .. L+a+1`` with entries computed from true features. Hence commit moves no KV at all:
 every accepted slot is rewritten, and the drafted entries beyond are unreachable by the mask.
 
-Static shapes: a head call has one of :func:`head_widths` (``D_max + 1``, and wider ones that
-take a catch-up in), a step has width ``W_d``, prefill the chunk width ``C``; the accepted count is a tensor and only ever used through masks and gathers (no host sync).
+Static shapes: head has width ``D_max + 1``, a step has width ``W_d``, prefill the chunk width
+``C``; the accepted count is a tensor and only ever used through masks and gathers (no host sync).
 
 Whole calls. A head or draft call is a function of tensors (:func:`head_call`, :func:`step_call`:
 mask, embedding, fc, the layers, norm, LM head, top-k). A compiled plan holds each as one
@@ -199,21 +199,11 @@ def prefill_first(start: int, n: int, chunk: int) -> int:
     return min(1 + ((max(start, 1) - 1) // chunk) * chunk, max(n - 1, 1))
 
 
-CATCH_UP_ROWS = 32  # the widest head call: a catch-up of up to 31 tokens rides on it (EagleDrafter.defer)
-
-
-def head_widths(max_depth: int, catch_up: int = CATCH_UP_ROWS) -> tuple[int, ...]:
+def head_widths(max_depth: int) -> tuple[int, ...]:
     """The widths a head call runs at (each a static shape) for a drafter of depth ``max_depth``:
     a call takes the fewest of these rows that hold its a + 1 pending pairs (a: the tokens
-    accepted at the last step, at most D_max, or a catch-up's, at most ``catch_up`` - 1).
-    Besides D_max + 1, the catch-up widths ``catch_up``, ``catch_up // 2``, ... while at least
-    twice D_max + 1: a lag of more than D_max tokens costs one head call of a few times its rows
-    at most, against a prefill chunk's call, whose static rows cost the same however few are new."""
-    wide, w = {max(catch_up, max_depth + 1)}, catch_up // 2
-    while w >= 2 * (max_depth + 1):
-        wide.add(w)
-        w //= 2
-    return tuple(sorted({w for w in (1, 2, 4) if w <= max_depth} | {max_depth + 1} | wide))
+    accepted at the last step, at most D_max)."""
+    return tuple(sorted({w for w in (1, 2, 4) if w <= max_depth} | {max_depth + 1}))
 
 
 def block_widths(widths, heads, chunk: int, served) -> list[int]:
@@ -234,22 +224,22 @@ def head_call(
     net: EagleNet,
     root: torch.Tensor,  # [] int64 the root token t_L
     committed: torch.Tensor,  # [] int64 L
-    pend_tok: torch.Tensor,  # [w] int64 the pending tokens t_{L-a..L-1} (first a rows; w a head width)
-    pend_feat: torch.Tensor,  # [w, H] the pending true features f_{L-a-1..L-1}
-    pend_n: torch.Tensor,  # [] int64 a < w, the tokens accepted at the last step (or a catch-up's)
+    pend_tok: torch.Tensor,  # [D+1] int64 the pending tokens t_{L-a..L-1} (first a rows)
+    pend_feat: torch.Tensor,  # [D+1, H] the pending true features f_{L-a-1..L-1}
+    pend_n: torch.Tensor,  # [] int64 a, the tokens accepted at the last step
     node_feat: torch.Tensor,  # [N, H] per-node f̂ (row 0, the root's, is written)
     k: int,
     embed: torch.Tensor | None = None,  # [V, H] the shared embedding (None: the net's own)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`EagleDrafter.head` as a function of its tensors (what a head package computes): feed
-    the pending pairs at slots L-a..L in one call of its width, a head width (padded rows to the scratch slot,
+    the pending pairs at slots L-a..L in one call of width D+1 (padded rows to the scratch slot,
     seeing only it), keep the root's f̂ in ``node_feat[0]``; the top-k at the root [1, k]."""
     s = net.cache_slots
     i = torch.arange(pend_tok.shape[0], device=pend_tok.device)
     valid = i <= pend_n
     tok = torch.where(i < pend_n, pend_tok, root)
     tok = torch.where(valid, tok, 0)
-    slot = committed - pend_n + i  # [w]; row a is the root at slot L
+    slot = committed - pend_n + i  # [D+1]; row a is the root at slot L
     slots = torch.where(valid, slot, s - 1)
     pos = torch.where(valid, slot - 1, 0)
     cols = torch.arange(s, device=pend_tok.device)
@@ -258,7 +248,7 @@ def head_call(
         (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]),
         cols[None, :] == s - 1,
     )
-    out = net(tok, pend_feat, pos, slots, mask, embed)  # [w, H]
+    out = net(tok, pend_feat, pos, slots, mask, embed)  # [D+1, H]
     root_h = out.index_select(0, pend_n.reshape(1))  # [1, H] f̂_L
     node_feat.index_copy_(0, torch.zeros(1, dtype=torch.int64, device=node_feat.device), root_h)
     return topk_of(net, net.logits(root_h), k)
@@ -294,15 +284,14 @@ class EagleDrafter:
     """EAGLE-style feature-conditioned drafter implementing the :class:`Drafter` protocol.
 
     Build one with :meth:`random` (random weights, for tests) or :func:`load_eagle`. ``max_depth``
-    (D_max) bounds the engine's draft depth; ``catch_up``, the widest head call's rows (:func:`head_widths`).
+    (D_max) bounds the engine's draft depth: the head call has the static width ``D_max + 1``.
     """
 
     feeds_leaves = False  # commit rewrites accepted slots from the target's true features
     # each call as a function of tensors, which yggtree compile packages (runtime/aoti.py)
     call_fns = {"head": head_call, "draft": step_call}
 
-    def __init__(self, net: EagleNet, target: Transformer, mode: str, max_depth: int = 8,
-                 catch_up: int = CATCH_UP_ROWS) -> None:
+    def __init__(self, net: EagleNet, target: Transformer, mode: str, max_depth: int = 8) -> None:
         if max_depth < 1:
             raise YggError(f"EAGLE max_depth must be >= 1, got {max_depth}")
         net.cfg.check_target(target.cfg, Path("<EAGLE drafter>"))
@@ -311,7 +300,6 @@ class EagleDrafter:
         self.vocab_size = target.cfg.vocab_size
         self.target_layers = tuple(net.cfg.target_layers)
         self.max_depth = max_depth
-        self.catch_up = max(catch_up, max_depth + 1)  # the widest head call's rows (head_widths)
         self.mode = mode
         self.graphs = Graphs(net, mode, scope="block")  # regional compile of the blocks in performance mode
         self.chunk = 0
@@ -335,7 +323,6 @@ class EagleDrafter:
         intermediate_size: int | None = None,
         input_norm: bool = False,
         num_layers: int = 1,
-        catch_up: int = CATCH_UP_ROWS,
     ) -> "EagleDrafter":
         """A head of ``num_layers`` decoder layers with random weights shaped for ``target`` (layer
         shapes copied from it)."""
@@ -370,13 +357,13 @@ class EagleDrafter:
         if draft_vocab is not None:
             check_vocab_map(draft_vocab, v_d, tc.vocab_size, Path("<draft_vocab argument>"))
             net.draft_vocab.copy_(draft_vocab.to(torch.int64))
-        return cls(net, target, mode, max_depth, catch_up)
+        return cls(net, target, mode, max_depth)
 
     # ---------------------------------------------------------------- Drafter protocol
 
     def setup(self, n_slots: int, widths: list[int], prefill_chunk: int, threads: int | None = None) -> None:
         """Allocate the cache (``n_slots`` slots, as the target) and build the graphs used:
-        prefill chunk ``C``, the head widths, and the draft width(s) in ``widths``, at
+        prefill chunk ``C``, head ``D_max + 1``, and the draft width(s) in ``widths``, at
         ``threads`` intra-op threads (None: the calling thread's count)."""
         net = self.net
         if net.cache_slots != n_slots:
@@ -385,11 +372,11 @@ class EagleDrafter:
         self.chunk = prefill_chunk
         dev, h = self._state_dev, self.cfg.hidden_size
         dtype = net.norm.weight.dtype
-        d1 = max(self.head_widths)
+        d1 = self.max_depth + 1
         self.n_tree = 1 + self.max_depth * max(max(widths), 1)  # largest tree node count handled
         # pending pairs for the next head call: tokens t_{L+i+1} (i < a), features f_{L+i} (i <= a)
-        self.pend_tok = torch.zeros(d1, dtype=torch.int64, device=dev)  # [widest head call]
-        self.pend_feat = torch.zeros(d1, h, dtype=dtype, device=dev)  # [widest head call, H]
+        self.pend_tok = torch.zeros(d1, dtype=torch.int64, device=dev)  # [D_max+1]
+        self.pend_feat = torch.zeros(d1, h, dtype=dtype, device=dev)  # [D_max+1, H]
         self.pend_n = torch.zeros((), dtype=torch.int64, device=dev)  # [] a = accepted count
         self.node_feat = torch.zeros(self.n_tree, h, dtype=dtype, device=dev)  # [N, H] f̂ per node
         self.warm_up([*widths, prefill_chunk], threads)
@@ -449,9 +436,9 @@ class EagleDrafter:
 
     @property
     def absorbs(self) -> int:
-        """The most tokens a catch-up may leave to the next head call (:meth:`defer`): the pairs
-        the widest head call holds besides the root's."""
-        return max(self.head_widths) - 1
+        """The most tokens a catch-up may leave to the next head call (:meth:`defer`): D_max, the
+        pairs its static width holds besides the root's."""
+        return self.max_depth
 
     def defer(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int) -> None:
         """The catch-up :meth:`prefill` ``(prompt, feats, start)`` would do, left to the next head
@@ -471,7 +458,7 @@ class EagleDrafter:
 
     @property
     def head_widths(self) -> tuple[int, ...]:
-        return head_widths(self.max_depth, self.catch_up)
+        return head_widths(self.max_depth)
 
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
         """Feed the pending pairs, the last of which is (root, f_{L-1}) at slot L, in a call of
@@ -508,7 +495,7 @@ class EagleDrafter:
             raise YggError(
                 f"draft depth {d} exceeds the EAGLE drafter's max_depth {self.max_depth}"
             )
-        f = self.net.fuse_target(tuple(x.to(self.pend_feat.dtype) for x in feats))  # [d + 1, H]
+        f = self.net.fuse_target(tuple(x.to(self.pend_feat.dtype) for x in feats))  # [D+1, H]
         self.pend_tok[:d] = path_tokens[1:]
         self.pend_feat[: d + 1] = f
         self.pend_n.copy_(n_accepted)
@@ -558,8 +545,8 @@ class EagleDrafter:
 
     def speculate(self, tokens, nodes, n: int, committed, k: int) -> TopK:
         """The target's features of the guessed path do not exist yet (it is verifying), so the
-        path's pairs take the drafter's own predictions f̂ at its nodes: one head call (at most
-        D_max + 1 rows) over slots L+1..L+n gives the leaf's f̂ and top-k; the leaf's f̂ then pends
+        path's pairs take the drafter's own predictions f̂ at its nodes: one head call (width
+        D_max + 1) over slots L+1..L+n gives the leaf's f̂ and top-k; the leaf's f̂ then pends
         for the next head. (On a used guess these rows keep predicted features where a sequential
         commit would rewrite them from true ones: other proposals later, the same output.)"""
         self._check_k(k)
