@@ -362,7 +362,7 @@ def commit(eng, req: Request, st: Step) -> None:
     elif st.reason is None:
         path = st.acc.path[1:]  # [dw] int64 verified-tree nodes of the accepted tokens (padded)
         dst = st.L + torch.arange(1, st.dw + 1)  # [dw] int64 their contiguous slots
-        move_accepted(eng.target, st.L + path[: st.n_acc], dst[: st.n_acc])
+        steps.commit(eng.target, st.L + path[: st.n_acc], dst[: st.n_acc])  # the accepted tokens'
         feats = tuple(x[st.acc.path] for x in st.caps)  # each [dw + 1, H]
         commit_drafter(eng, req, st, path, dst, feats)
         if req.keep_feats:
@@ -373,16 +373,6 @@ def commit(eng, req: Request, st: Step) -> None:
         req.ahead_head = None  # the drafter fell behind: its next head runs as a call
     req.h_root = st.hidden[st.acc.path[st.n_acc]] if st.acc is not None else st.hidden[0]
     req.committed += 1 + st.n_acc
-
-
-def move_accepted(model, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """The accepted tokens' cache slots ``src`` [n] to their contiguous slots ``dst`` [n]
-    (:func:`steps.commit`), those already in place left alone: on most paths, down the verified
-    tree's first nodes, nothing moves (a move is a scattered read and write in every layer:
-    0.1-0.16 ms right after a verify call, whose weight stream left the caches cold)."""
-    moved = src != dst  # [n] bool
-    if bool(moved.any()):
-        steps.commit(model, src[moved], dst[moved])
 
 
 def commit_drafter(eng, req: Request, st: Step, path: torch.Tensor, dst: torch.Tensor,
