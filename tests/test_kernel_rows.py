@@ -1,5 +1,5 @@
-"""Every product and the two row attentions of the kernel library, on the instruction set it was
-built for here: each row of a W-row call (W = 1..16) is bitwise the same row computed alone, over
+"""Every product, the two row attentions and the final norm of the kernel library, on the
+instruction set it was built for here: each row of a W-row call (W = 1..16) is bitwise the same row computed alone, over
 random shapes (hypothesis), and the tree attention is bitwise the row attention; every other
 instruction set this CPU runs is built and checked the same way in a process of its own (slow)."""
 
@@ -78,6 +78,40 @@ def test_the_q8_0_lm_head_rows_are_their_rows_alone():
     d = (torch.rand(64, 3, generator=g) / 50).half()
     blocks = Blocks(u, d, (-128 * d.float()).half(), 8)
     rows_alone(W4A8Linear(blocks, None, torch.float32), torch.randn(W, 96, generator=g))
+
+
+@settings(max_examples=30, deadline=None)
+@given(width=st.integers(1, 800), scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+def test_every_norm_row_is_its_row_alone_and_torchs_up_to_rounding(width, scale, seed):
+    """The library's final norm (yggtree::rms_norm): each row of W = 1..16 is bitwise the row alone,
+    and every row is torch's eager RMSNorm to float32 rounding (a sum in another order)."""
+    from yggtree.runtime.model import RMSNorm
+
+    kernels.load_library()
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(width, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=g))
+    x = torch.randn(W, width, generator=g) * scale
+    ref = norm(x)
+    norm.native = True
+    rows_alone(norm, x)
+    torch.testing.assert_close(norm(x), ref, rtol=1e-5, atol=1e-6)
+    assert norm(x[None]).shape == (1, W, width)  # [B, W, H] as a step passes it
+
+
+def test_the_norm_refuses_what_it_cannot_take_and_traces():
+    kernels.load_library()
+    op = torch.ops.yggtree.rms_norm
+    with pytest.raises(RuntimeError, match="weight must be"):
+        op(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8), 1e-5)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = op(mode.from_tensor(torch.randn(1, 3, 8)), mode.from_tensor(torch.randn(8)), 1e-5)
+    assert fake.shape == (1, 3, 8) and fake.dtype == torch.float32
 
 
 @settings(max_examples=15, deadline=None)

@@ -128,6 +128,8 @@ def test_a_model_packed_for_the_tiled_kernel(dtype):
     assert pack_linears(m, kernel="tiled") == 7 * len(m.layers) + 1
     assert kernel_of(m) == "tiled" and all(p.kernel == "tiled" for p in packed_layers(m))
     assert isinstance(m.layers[0].self_attn.qkv, PackedConcat) and m.lm_head.weight is m.embed_tokens.weight
+    assert m.norm.native == (dtype == torch.float32)  # the final norm on the library too (float32 only)
+    assert not any(b.input_layernorm.native for b in m.layers)  # the blocks' norms stay in their graphs
     assert set(m.state_dict()) == keys
     assert padding_is_invariant(m, 1, (1, 3, 12))
     x = torch.tensor([[3, 5, 7, 11]])

@@ -622,7 +622,7 @@ def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
     padding = cached_padding(plan)
     engine, _ = build_plan_engine(plan, art, threads=mp.threads)
     widths = tuple(sorted({1, *plan.verify_widths}))
-    grid = ProfileGrid(warmup=1, repeats=3, quick=True, widths=widths, stage_forms=False)
+    grid = ProfileGrid(warmup=1, repeats=PROFILE_ROUNDS, quick=True, widths=widths, stage_forms=False)
     # times taken while other processes ran would price every later step wrongly
     profile = quietest(lambda: measure_profile(plan, "profile", mp.threads, grid, "yggtree run (this machine's plan)",
                                                engine=engine, padding=padding), QUIET_WAITS, "the profile", say)
@@ -639,6 +639,9 @@ def _build_plan(mp: MachinePlan, plan, t0: float, say) -> Path:
     return copy
 
 
+PROFILE_ROUNDS = 15  # rounds of the profile's calls (a second or two of timing): whether the objective drafts
+# at all turns on one ratio, a verify step's time over a plain step's, and with 3 rounds the same plan's
+# profile put it anywhere from 1.1x to 1.9x on a shared machine (15 rounds: within a few percent)
 QUIET_WAITS = (5, 30, 60, 120, 240)  # a measurement timed while other processes kept cores busy is timed
 # again after these waits (offline/timing.quietest), the quietest kept: a short one first, for a
 # moment's work beside a short measurement (the product kernel's takes a second)

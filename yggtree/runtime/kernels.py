@@ -17,6 +17,8 @@
   output columns, each row computed on its own (runtime/packed.py's ``tiled`` product kernel);
   ``yggtree::tiled_q4_mm`` the same for 4-bit group-wise codes (runtime/quant.py's int4 and
   gguf-native layers on the tiled kernel).
+- ``yggtree::rms_norm`` (``csrc/rms_norm.cpp``): a model's final RMS norm in one call, each row on its
+  own (runtime/model.py's ``RMSNorm.native``: :func:`use_library_norm`).
 
 ``torch.utils.cpp_extension`` builds them into ``$XDG_CACHE_HOME/yggtree/kernels`` on first use
 (a directory per source hash, instruction set, flags and torch version) and registers the ops; later
@@ -47,12 +49,13 @@ from ..files import write_text_atomic
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
 __all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "library_built", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention", "attention_ahead", "loop_pool", "prefetch", "prefetch_now", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
+           "use_rows_attention", "use_library_norm", "attention_ahead", "loop_pool", "prefetch", "prefetch_now", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 # the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
 # then ops.cpp, the one source that parses torch's headers (csrc/kernels.h)
 SOURCES = tuple(Path(__file__).with_name("csrc") / n
-                for n in ("rows_attention.cpp", "ops.cpp", "tiled_mm.cpp", "w4a8.cpp", "loops.cpp", "prefetch.cpp"))
+                for n in ("rows_attention.cpp", "ops.cpp", "tiled_mm.cpp", "w4a8.cpp", "loops.cpp", "prefetch.cpp",
+                          "rms_norm.cpp"))
 # included by the sources: part of the build's key
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("kernels.h", "loops.h", "prefetch.h", "simd.h"))
 # the attention kernels' head dims (csrc/rows_attention.cpp): each is compiled as its own set of
@@ -248,6 +251,7 @@ def _build_and_load(build: Path) -> None:
     torch.library.register_fake("yggtree::tree_attention")(_rows_attention_fake)
     torch.library.register_fake("yggtree::tiled_mm")(_tiled_mm_fake)
     torch.library.register_fake("yggtree::tiled_q4_mm")(_tiled_q4_mm_fake)
+    torch.library.register_fake("yggtree::rms_norm")(_rms_norm_fake)
 
 
 @functools.cache
@@ -367,6 +371,21 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
     return len(layers)
 
 
+def use_library_norm(model) -> bool:
+    """Have a float32 :class:`~yggtree.runtime.model.Transformer`'s final norm (the one eager op of a step after its compiled layers,
+    before the LM head) run as the library's one call (``RMSNorm.native``) instead of torch's
+    five. Every path of the model's steps then computes it alike, row by row (speculation stays
+    exact). Loads the library; False (nothing set) for another dtype or a model without one."""
+    from .model import RMSNorm, Transformer
+
+    norm = getattr(model, "norm", None)  # (an EAGLE head's final norm runs inside its call packages)
+    if not isinstance(model, Transformer) or not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32:
+        return False
+    load_library()
+    norm.native = True
+    return True
+
+
 def attention_ahead(model, threads: int) -> int | None:
     """The slots ahead this machine's choice (``attention_choice.attention_kernel``) has the library's
     attentions fetch for ``model`` at ``threads`` threads; None where its layers run none of them."""
@@ -393,3 +412,7 @@ def _tiled_mm_fake(x, w, scale):
 
 def _tiled_q4_mm_fake(x, blocks):
     return x.new_empty((x.shape[0], blocks.shape[0] * TILE))
+
+
+def _rms_norm_fake(x, weight, eps):
+    return x.new_empty(x.shape)

@@ -243,10 +243,11 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel:
     _check_min_rows(min_rows)
     if not can_pack(model, kernel):
         return 0
-    if kernel == "tiled":  # our library's products, and its row-by-row attention
-        from .kernels import use_rows_attention
+    if kernel == "tiled":  # our library's products, and its row-by-row attention and norm
+        from .kernels import use_library_norm, use_rows_attention
 
         use_rows_attention(model)
+        use_library_norm(model)
     n, fused_parts = 0, set()
     for block in model.layers:
         for mod_name, attr, names in FUSED_PROJECTIONS:

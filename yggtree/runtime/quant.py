@@ -505,10 +505,11 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
     # and cold after each verify, as a quarter of the bytes); the others, the blocks' and the LM
     # head (input widths a group size may not divide stay float there)
     n = _replace_linears(model, make, None if fmt == "w4a8" else ("lm_head",))
-    if fmt == "w4a8" or kernel == "tiled":  # products on our library: its row-by-row attention too
-        from .kernels import use_rows_attention
+    if fmt == "w4a8" or kernel == "tiled":  # products on our library: its row-by-row attention and norm too
+        from .kernels import use_library_norm, use_rows_attention
 
         use_rows_attention(model)
+        use_library_norm(model)
     return n
 
 

@@ -50,6 +50,9 @@ void tiled_mm_i8(const int8_t* w, const float* scale, int64_t B, const float* x,
 void tiled_q4_mm(const uint8_t* blocks, int64_t S, bool f16_scales, const float* x, int64_t M, int64_t K, int64_t G,
                  int64_t T, float* out);
 
+// rms_norm (csrc/rms_norm.cpp): x [M, K] float32 contiguous, weight [K] float32, out [M, K] float32
+void rms_norm(const float* x, int64_t M, int64_t K, const float* weight, float eps, float* out);
+
 // loop_pool (csrc/loops.cpp): the loops on a pool of n threads (n <= 1: on OpenMP); returns the previous setting
 int64_t loop_pool(int64_t n);
 

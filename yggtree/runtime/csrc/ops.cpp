@@ -1,4 +1,4 @@
-// The kernel library's ops (yggtree::w4a8_mm, rows_attention, tree_attention, tiled_mm, tiled_q4_mm, loop_pool,
+// The kernel library's ops (yggtree::w4a8_mm, rows_attention, tree_attention, tiled_mm, tiled_q4_mm, rms_norm, loop_pool,
 // prefetch, attention_prefetch, w4a8_threads): each checks its tensors, allocates its result and calls its kernel (csrc/kernels.h),
 // registered with torch, and the AOTInductor C shims of the products and attentions. The one source of the
 // library that includes torch's headers (parsing them is most of a source's compile).
@@ -141,6 +141,19 @@ at::Tensor tiled_q4_mm(const at::Tensor& x_in, const at::Tensor& blocks) {
   return out;
 }
 
+// x [..., K] float32, weight [K] float32 -> [..., K] float32: every row RMS-normalised and scaled (csrc/rms_norm.cpp)
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat, "rms_norm: x must be [..., K] float32");
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(weight_in.dim() == 1 && weight_in.size(0) == K && weight_in.scalar_type() == at::kFloat,
+              "rms_norm: weight must be [K] float32 with K = ", K);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  auto out = at::empty(x.sizes(), x.options());
+  yggtree::rms_norm(x.data_ptr<float>(), K ? x.numel() / K : 0, K, weight.data_ptr<float>(), static_cast<float>(eps),
+                    out.data_ptr<float>());
+  return out;
+}
+
 constexpr int64_t MAX_DISTANCE = 1 << 20;
 constexpr int64_t MAX_AHEAD_SLOTS = 1024;
 
@@ -233,6 +246,7 @@ TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
   lib.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor head, Tensor window) -> Tensor");
   lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor");
   lib.def("tiled_q4_mm(Tensor x, Tensor blocks) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("loop_pool(int threads) -> int", &yggtree::loop_pool);
   lib.def("prefetch(int near, int far) -> int[]", &prefetch);
   lib.def("attention_prefetch(int slots) -> int", &attention_prefetch);
@@ -244,4 +258,5 @@ TORCH_LIBRARY_IMPL(yggtree, CPU, lib) {
   lib.impl("tree_attention", &tree_attention);
   lib.impl("tiled_mm", &tiled_mm);
   lib.impl("tiled_q4_mm", &tiled_q4_mm);
+  lib.impl("rms_norm", &rms_norm);
 }
