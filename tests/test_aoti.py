@@ -227,7 +227,8 @@ def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
     from yggtree.runtime.graphs import inductor_cache
 
     target = tiny()
-    drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=3)
+    # two target layers, normed and reduced: the head call fuses the target's features itself
+    drafter = EagleDrafter.random(target, "reference", max_depth=3, seed=3, target_layers=(0, 1), input_norm=True)
     drafter.setup(N_SLOTS, [1, 2], CHUNK)
     k, nodes = 2, 1 + 3 * 2
     with inductor_cache(tmp_path / "inductor"):
@@ -239,16 +240,18 @@ def test_a_compiled_drafter_call_computes_the_eager_call(tmp_path):
             drafter, "head", 2, k, nodes, tmp_path / "again.pt2")), "model", False, 1, -1)
     # every package links the one runtime interface compiled for them (runtime/aoti_cxx.py)
     assert len(list((tmp_path / "inductor" / "yggtree-aoti-interface").glob("*.o"))) == 1
-    drafter.prefill(torch.arange(3, 14), (torch.randn(11, target.cfg.hidden_size),))
+    drafter.prefill(torch.arange(3, 14), tuple(torch.randn(11, target.cfg.hidden_size) for _ in range(2)))
     state = [drafter.net.embed_weight, *(b.self_attn.cache.kv for b in drafter.net.layers),
              *(t for _, t in model_tensors(drafter.net))]
     L = torch.tensor(11)
     nf = drafter.node_feat[:nodes]
-    drafter.pend_tok[0] = 9  # one pending pair beside the root's: a head call of 2 rows
-    drafter.pend_feat[1] = drafter.pend_feat[0] + 1
+    drafter.pend_tok[0] = 9  # one pending pair beside the root's: a head call of 2 rows, the first
+    # row's feature fused at the prefill, the second the target's, fused in the call
+    drafter._pend_true_features(tuple(torch.randn(2, target.cfg.hidden_size) for _ in range(2)))
+    drafter.pend_true[0] = False
     drafter.pend_n.fill_(1)
-    got = loaders["head"].run([torch.tensor(5), L + 1, drafter.pend_tok[:2], drafter.pend_feat[:2], drafter.pend_n,
-                               nf, *state])
+    got = loaders["head"].run([torch.tensor(5), L + 1, drafter.pend_tok[:2], drafter.pend_feat[:2],
+                               drafter.pend_raw[:2], drafter.pend_true[:2], drafter.pend_n, nf, *state])
     row0 = drafter.node_feat[0].clone()
     want = drafter.head(torch.tensor(5), L + 1, k)
     assert torch.equal(got[0], want.token) and torch.allclose(got[1], want.logp, atol=1e-5)

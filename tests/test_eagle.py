@@ -178,6 +178,29 @@ def test_refuses_top_k_beyond_draft_vocabulary(target):
 # ---------------------------------------------------------------- feature alignment
 
 
+def test_the_head_call_fuses_the_targets_pending_features_as_the_eager_fusion_does(target):
+    """Pending rows holding the target's features side by side (a commit's, a deferred catch-up's)
+    are fused inside the head call: the same call as with the features fused eagerly before it."""
+    drafter = EagleDrafter.random(target, "reference", 3, seed=2, target_layers=(0, 1), input_norm=True)
+    drafter.setup(64, [1], 8)
+    g = torch.Generator().manual_seed(4)
+    h = target.cfg.hidden_size
+    drafter.prefill(torch.arange(3, 14), tuple(torch.randn(11, h, generator=g) for _ in range(2)))
+    feats = tuple(torch.randn(3, h, generator=g) for _ in range(2))  # the root's and two accepted tokens'
+    drafter.pend_tok[:2] = torch.tensor([7, 9])
+    drafter.pend_n.fill_(2)
+    root, L = torch.tensor(5), torch.tensor(13)
+
+    drafter.pend_feat[:3] = drafter.net.fuse_target(feats)  # fused eagerly, as commits did
+    want, want_f = drafter.head(root, L, 4), drafter.node_feat[0].clone()
+    drafter.pend_feat.zero_()
+    drafter._pend_true_features(feats)  # fused in the call
+    got = drafter.head(root, L, 4)
+    assert torch.equal(got.token, want.token)
+    torch.testing.assert_close(got.logp, want.logp)
+    torch.testing.assert_close(drafter.node_feat[0], want_f)
+
+
 @pytest.mark.parametrize("layers,blocks", [(None, 1), ((0, 1), 1), (None, 2)])
 def test_committed_cache_equals_causal_recompute(target, layers, blocks):
     """After several speculation steps, every committed drafter cache entry (slots 1..L, L = root

@@ -51,7 +51,8 @@ Eagerly those calls ran ~20 small ops around the block package. Their numerics o
 proposals: the target's verify decides every token, so speculation stays exact whatever they round.
 
     head inputs    root [] i64, committed [] i64, pend_tok [D+1] i64, pend_feat [D+1, H],
-                   pend_n [] i64, then node_feat [N, H] (row 0 written)
+                   pend_raw [D+1, n H_t], pend_true [D+1] bool, pend_n [] i64, then node_feat [N, H]
+                   (row 0 written)
     draft inputs   tokens, depth, node, parent [W] i64, anc [W, N] bool, committed [] i64,
                    then node_feat [N, H] (the fed rows written)
     both, then     the shared embedding [V, H] (when the head shares the target's), the layers'
@@ -494,7 +495,7 @@ class StepPackages:
         return logits, hidden, tuple(layers) if capture else ()
 
 
-DRAFTER_CALLS = {"head": 5, "draft": 6}  # call kind -> its activation inputs (before node_feat)
+DRAFTER_CALLS = {"head": 7, "draft": 6}  # call kind -> its activation inputs (before node_feat)
 
 
 def drafter_call_key(drafter, kind: str, k: int, nodes: int) -> str:
@@ -560,7 +561,8 @@ def compile_drafter_call_package(drafter, kind: str, width: int, k: int, nodes: 
     i64 = dict(dtype=torch.int64)
     if kind == "head":  # the first ``width`` pending rows (EagleDrafter.head_widths)
         acts = (torch.tensor(1, **i64), torch.tensor(2, **i64), drafter.pend_tok[:width].clone(),
-                drafter.pend_feat[:width].clone(), torch.tensor(0, **i64))
+                drafter.pend_feat[:width].clone(), drafter.pend_raw[:width].clone(), drafter.pend_true[:width].clone(),
+                torch.tensor(0, **i64))
     else:
         ar = torch.arange(width)
         anc = torch.zeros(width, nodes, dtype=torch.bool)

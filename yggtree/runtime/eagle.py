@@ -133,11 +133,15 @@ class EagleNet(nn.Module):
             raise YggError(
                 f"EAGLE drafter reads {len(self.cfg.target_layers)} target layers, got {len(feats)}"
             )
-        if len(feats) == 1:
-            return feats[0]
-        x = torch.cat(feats, dim=-1)  # [..., n H_t]
+        return self.fuse_joined(feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1))
+
+    def fuse_joined(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`fuse_target` of the target layers' features side by side, x [..., n H_t] -> [..., H]."""
+        n = len(self.cfg.target_layers)
+        if n == 1:
+            return x
         if self.cfg.input_norm:  # parameter-free per-layer RMS scaling before the reduction
-            per = x.view(*x.shape[:-1], len(feats), -1)  # [..., n, H_t]: each layer's own scale, in one pass
+            per = x.view(*x.shape[:-1], n, -1)  # [..., n, H_t]: each layer's own scale, in one pass
             x = (per * torch.rsqrt(per.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)).view(x.shape)
         return self.reduce(x)
 
@@ -225,7 +229,9 @@ def head_call(
     root: torch.Tensor,  # [] int64 the root token t_L
     committed: torch.Tensor,  # [] int64 L
     pend_tok: torch.Tensor,  # [D+1] int64 the pending tokens t_{L-a..L-1} (first a rows)
-    pend_feat: torch.Tensor,  # [D+1, H] the pending true features f_{L-a-1..L-1}
+    pend_feat: torch.Tensor,  # [D+1, H] the pending features f_{L-a-1..L-1}, where not pend_true
+    pend_raw: torch.Tensor,  # [D+1, n H_t] the target layers' features side by side, where pend_true
+    pend_true: torch.Tensor,  # [D+1] bool the row's feature is the target's (fused here from pend_raw)
     pend_n: torch.Tensor,  # [] int64 a, the tokens accepted at the last step
     node_feat: torch.Tensor,  # [N, H] per-node f̂ (row 0, the root's, is written)
     k: int,
@@ -233,7 +239,10 @@ def head_call(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`EagleDrafter.head` as a function of its tensors (what a head package computes): feed
     the pending pairs at slots L-a..L in one call of width D+1 (padded rows to the scratch slot,
-    seeing only it), keep the root's f̂ in ``node_feat[0]``; the top-k at the root [1, k]."""
+    seeing only it), keep the root's f̂ in ``node_feat[0]``; the top-k at the root [1, k]. The
+    target's features of the tokens the last step accepted are fused here, inside the call, rather
+    than eagerly at the commit, where each of their eager ops ran right after the verify's weight
+    stream had left the caches cold."""
     s = net.cache_slots
     i = torch.arange(pend_tok.shape[0], device=pend_tok.device)
     valid = i <= pend_n
@@ -248,7 +257,8 @@ def head_call(
         (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]),
         cols[None, :] == s - 1,
     )
-    out = net(tok, pend_feat, pos, slots, mask, embed)  # [D+1, H]
+    feat = torch.where(pend_true[:, None], net.fuse_joined(pend_raw).to(pend_feat.dtype), pend_feat)  # [D+1, H]
+    out = net(tok, feat, pos, slots, mask, embed)  # [D+1, H]
     root_h = out.index_select(0, pend_n.reshape(1))  # [1, H] f̂_L
     node_feat.index_copy_(0, torch.zeros(1, dtype=torch.int64, device=node_feat.device), root_h)
     return topk_of(net, net.logits(root_h), k)
@@ -376,7 +386,11 @@ class EagleDrafter:
         self.n_tree = 1 + self.max_depth * max(max(widths), 1)  # largest tree node count handled
         # pending pairs for the next head call: tokens t_{L+i+1} (i < a), features f_{L+i} (i <= a)
         self.pend_tok = torch.zeros(d1, dtype=torch.int64, device=dev)  # [D_max+1]
-        self.pend_feat = torch.zeros(d1, h, dtype=dtype, device=dev)  # [D_max+1, H]
+        self.pend_feat = torch.zeros(d1, h, dtype=dtype, device=dev)  # [D_max+1, H] where not pend_true
+        # ... or the target layers' features side by side, fused in the head call (head_call)
+        joined = len(self.cfg.target_layers) * self.cfg.target_hidden_size
+        self.pend_raw = torch.zeros(d1, joined, dtype=dtype, device=dev)  # [D_max+1, n H_t]
+        self.pend_true = torch.zeros(d1, dtype=torch.bool, device=dev)  # [D_max+1] the row's is pend_raw's
         self.pend_n = torch.zeros((), dtype=torch.int64, device=dev)  # [] a = accepted count
         self.node_feat = torch.zeros(self.n_tree, h, dtype=dtype, device=dev)  # [N, H] f̂ per node
         self.warm_up([*widths, prefill_chunk], threads)
@@ -432,6 +446,7 @@ class EagleDrafter:
             )
             net(tok, feat, pos, slots, mask)
         self.pend_feat[0] = f[n - 1 - base]
+        self.pend_true[0] = False
         self.pend_n.zero_()
 
     @property
@@ -451,9 +466,8 @@ class EagleDrafter:
         if not 1 <= start <= n or m > self.absorbs:
             raise YggError(f"a deferred catch-up takes 0..{self.absorbs} tokens from slot >= 1, "
                            f"got {m} from slot {start}")
-        f = self.net.fuse_target(tuple(x[start - 1 : n].to(self.pend_feat.dtype) for x in feats))  # [m + 1, H]
         self.pend_tok[:m] = prompt[start:n].to(self.pend_tok.device)
-        self.pend_feat[: m + 1] = f
+        self._pend_true_features(tuple(x[start - 1 : n] for x in feats))  # [m + 1, H_t] each
         self.pend_n.fill_(m)
 
     @property
@@ -466,7 +480,8 @@ class EagleDrafter:
         self._check_k(k)
         a = int(self.pend_n)
         w = next(w for w in self.head_widths if w > a)
-        acts = (root.to(torch.int64), committed, self.pend_tok[:w], self.pend_feat[:w], self.pend_n)
+        acts = (root.to(torch.int64), committed, self.pend_tok[:w], self.pend_feat[:w], self.pend_raw[:w],
+                self.pend_true[:w], self.pend_n)
         run = self.calls.runner("head", w, k) if self.calls is not None else None
         if run is not None:
             return TopK(*run(acts, self.node_feat))
@@ -486,7 +501,8 @@ class EagleDrafter:
         return TopK(*step_call(self.net, tokens, depth, node, parent, anc, committed, self.node_feat, k))
 
     def commit(self, src, dst, path_tokens, n_accepted, feats) -> None:
-        """Store the accepted tokens and the true features f_L..f_{L+a} for the next head call.
+        """Store the accepted tokens and the true features f_L..f_{L+a} for the next head call
+        (which fuses them: head_call).
 
         No KV moves (``src``/``dst`` are unused): the next head rewrites every accepted slot from
         true features, and the drafted entries beyond it are outside the committed prefix."""
@@ -495,10 +511,18 @@ class EagleDrafter:
             raise YggError(
                 f"draft depth {d} exceeds the EAGLE drafter's max_depth {self.max_depth}"
             )
-        f = self.net.fuse_target(tuple(x.to(self.pend_feat.dtype) for x in feats))  # [D+1, H]
         self.pend_tok[:d] = path_tokens[1:]
-        self.pend_feat[: d + 1] = f
+        self._pend_true_features(feats)
         self.pend_n.copy_(n_accepted)
+
+    def _pend_true_features(self, feats: tuple[torch.Tensor, ...]) -> None:
+        """The target's features of the first pending rows (one [r, H_t] per target layer), side by
+        side, for the head call to fuse."""
+        r = feats[0].shape[0]
+        if len(feats) != len(self.cfg.target_layers):
+            raise YggError(f"EAGLE drafter reads {len(self.cfg.target_layers)} target layers, got {len(feats)}")
+        torch.cat([x.to(self.pend_raw.dtype) for x in feats], dim=-1, out=self.pend_raw[:r])
+        self.pend_true[:r] = True
 
     def ahead(self, tree, anc, bonus, feats, room, committed, k: int) -> None:
         """One call of width 2W: the tail row of node v pairs its token with its parent's true
@@ -531,11 +555,12 @@ class EagleDrafter:
         root_h = self.ahead_h.index_select(0, leaf)  # [1, H]
         self.node_feat[0] = root_h[0]
         self.pend_feat[0] = self.ahead_f.index_select(0, leaf)[0]
+        self.pend_true[0] = False
         self.pend_n.zero_()
         return self._topk(self.net.logits(root_h), k)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
-        return (self.pend_tok, self.pend_feat, self.pend_n, self.node_feat)
+        return (self.pend_tok, self.pend_feat, self.pend_raw, self.pend_true, self.pend_n, self.node_feat)
 
     def snapshot(self, lo: int, hi: int) -> Snapshot:
         return take_snapshot(self.net.kv, lo, hi, self._state())
@@ -553,10 +578,12 @@ class EagleDrafter:
         if n:  # (n = 0: the root's entry and f̂ exist from this step's head)
             self.pend_tok[: n - 1] = tokens[1:n]
             self.pend_feat[:n] = self.node_feat.index_select(0, nodes[:n])
+            self.pend_true[:n] = False
             self.pend_n.fill_(n - 1)
             self.head(tokens[n], committed + n, k)  # sets node_feat[0] = the leaf's f̂
         leaf_h = self.node_feat[:1].clone()
         self.pend_feat[0] = leaf_h[0]
+        self.pend_true[0] = False
         self.pend_n.zero_()
         return self._topk(self.net.logits(leaf_h), k)
 
