@@ -683,8 +683,8 @@ def test_probes_cost_at_most_their_share_of_the_plain_steps_before_them():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
-    """``_surely_plain`` (a plain step's choice from the cached best tree rate), and its bound
-    where lookup candidates join (plain or lookup-only wherever every drafted tree loses), make
+    """``_best_tree`` (a step's choice from the best tree and rate kept per feedback state), and its
+    bound where lookup candidates join (plain or lookup-only wherever every drafted tree loses), make
     the same choices as pricing every tree each step (with and without lookup candidates), over random steps whose measured times and
     acceptance move the feedback both ways (machine slower and faster, widths drifting, trees
     accepting more or less than expected, new requests), across context buckets, with the
@@ -703,17 +703,19 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
 
     fast, full = make(), make()
     behind, remaining = 0, 10_000
-    monkeypatch.setattr(full, "_surely_plain", lambda ctx: False, raising=False)
-    monkeypatch.setattr(full, "_best_tree_speedup", lambda ctx: None, raising=False)
+    monkeypatch.setattr(full, "_best_tree", lambda ctx: None, raising=False)
     bounded = []  # steps with lookup candidates that the bound decided (every drafted tree losing)
-    best_of = fast._best_tree_speedup
+    kept = []  # steps without candidates that the kept best tree decided, and whether it drafted
+    best_of = fast._best_tree
 
     def spy(ctx):
         best = best_of(ctx)
-        bounded.append(bool(fast._lookup) and best is not None and best < 1.0 - 1e-6)
+        bounded.append(bool(fast._lookup) and best is not None and best[1] < 1.0 - 1e-6)
+        if best is not None and not fast._lookup:
+            kept.append(best[1] > 1.0)
         return best
 
-    monkeypatch.setattr(fast, "_best_tree_speedup", spy, raising=False)
+    monkeypatch.setattr(fast, "_best_tree", spy, raising=False)
     rng = random.Random(seed)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
     kinds = set()
@@ -742,6 +744,7 @@ def test_plain_steps_shortcut_chooses_as_full_pricing(seed, monkeypatch):
         fast.observe(rec), full.observe(rec)
     assert kinds == {False, True}  # both kinds of step were chosen
     assert fast._best_rate and any(bounded)  # and plain steps took the shortcut, with candidates too
+    assert set(kept) == {False, True}  # the kept tree decided plain and drafted steps alike
 
 
 def lookup_chain(values: list[float]):

@@ -179,7 +179,7 @@ class ObjectivePolicy(StepPolicy):
     _lookup: tuple[float, ...] = ()  # path values of this step's lookup candidates, best first
     _lookup_s: float = math.inf  # this step's best lookup-only speed-up as choose_draft priced it (inf: not priced)
     _lk_grid: dict = field(default_factory=dict)  # bucket index -> {W_v: (lookup-only step ms, verify ms)}
-    _best_rate: dict = field(default_factory=dict)  # bucket index -> (feedback state, best tree's AAL / step ms)
+    _best_rate: dict = field(default_factory=dict)  # bucket index -> (feedback state, best row, its AAL / step ms)
     _behind: int = 0  # tokens the drafter lacks before the coming step (see_catch_up)
     _remaining: int | None = None  # tokens the request may still emit (None: not told)
     _step_calls: int = 0  # the catch-up of the drafted step under way (its calls)
@@ -199,22 +199,15 @@ class ObjectivePolicy(StepPolicy):
     def _online_step(self, step_ms, verify_ms, wv):
         return self.feedback.step_ms(step_ms, verify_ms, wv) if self.feedback else step_ms
 
-    def _surely_plain(self, ctx: int) -> bool:
-        """True when no tree beats a plain step at ``ctx`` by a margin, or none repays the
-        drafter's catch-up, known without pricing every tree again. Between drafted steps the
-        feedback moves only its machine factor, which scales plain and tree steps alike, and the
-        plain width's factor; so the best tree's corrected AAL over its corrected step time (the
-        machine factor taken out) is kept per context bucket and feedback state, and a plain
-        step's choice is one multiplication. A policy that fell back to plain steps makes this
-        choice every step, after a verify has pushed its code and arrays out of the caches.
-        Near-ties are left to :meth:`plan_choice`."""
-        best = self._best_tree_speedup(ctx)
-        return best is not None and (best < 1.0 - 1e-6 or not self._catch_up_pays(best * (1.0 + 1e-6), ctx))
-
-    def _best_tree_speedup(self, ctx: int) -> float | None:
-        """The best drafted tree's speed-up over a plain step at ``ctx`` as the feedback stands
-        (lookup candidates aside), from the rate kept per context bucket and feedback state
-        (see :meth:`_surely_plain`); None where the plan has no tree."""
+    def _best_tree(self, ctx: int) -> tuple[int, float] | None:
+        """The best drafted tree at ``ctx`` as the feedback stands (lookup candidates aside): its
+        row and its speed-up over a plain step; None where the plan has no tree. Between drafted
+        steps the feedback moves only its machine factor, which scales plain and tree steps alike,
+        and the plain width's factor; so the best row and its corrected AAL over its corrected step
+        time (the machine factor taken out) are kept per context bucket and feedback state, and a
+        plain step's choice is one multiplication. A drafted step's report moves the rest, and the
+        next step prices every tree once, for its choice and this bound alike. A policy makes this
+        choice every step, after a verify has pushed its code and arrays out of the caches."""
         key = self.cost.verify.bucket(ctx + max(self.verify_widths))
         fb = self.feedback
         state = fb.state if fb else 0
@@ -225,9 +218,9 @@ class ObjectivePolicy(StepPolicy):
                 return None
             a = fb.aal(g.aal, g.depth) if fb else g.aal
             t = self._online_step(g.step_ms, g.verify_ms, g.verify_width) / (fb.machine if fb else 1.0)
-            hit = (state, best_tree(a, t, 1.0)[1])  # the best tree's AAL per ms
+            hit = (state, *best_tree(a, t, 1.0))  # the best row and its AAL per ms
             self._best_rate[key] = hit
-        return hit[1] * (fb.width_factor(1) if fb else 1.0) * g.plain_ms
+        return hit[1], hit[2] * (fb.width_factor(1) if fb else 1.0) * g.plain_ms
 
     def plan_choice(self, ctx: int, d: int | None = None, allow_plain: bool | None = None,
                     scale: np.ndarray | None = None, extra_ms: float = 0.0) -> tuple[StepChoice, float]:
@@ -243,16 +236,19 @@ class ObjectivePolicy(StepPolicy):
         if lookup_only:
             self._lookup_s = self._lookup_best(ctx, extra_ms)[1]
         unpriced = allow and d is None and scale is None and not extra_ms  # the shortcuts' case
-        if unpriced and not self._lookup and self._surely_plain(ctx):
+        best = self._best_tree(ctx) if unpriced else None
+        if best is not None and not self._lookup:  # the kept best tree, or a plain step
+            i, s = best
+            if s > 1.0 and self._catch_up_pays(s, ctx):
+                g = self._choices(ctx)
+                return StepChoice(g.rows[i][0], g.rows[i][1]), s
             return plain, 1.0
         # A drafted step of W_v nodes costs at least the lookup-only step of W_v (the same verify
         # call and stages, plus the drafter's), so a merged tree is worth at most the better of its
         # drafted tree and the lookup-only step: where every drafted tree loses to a plain step, the
         # choice is plain or lookup-only, without pricing them.
-        if unpriced and self._lookup:
-            best = self._best_tree_speedup(ctx)
-            if best is not None and best < 1.0 - 1e-6:
-                return plain, max(1.0, self._lookup_s)
+        if best is not None and best[1] < 1.0 - 1e-6:
+            return plain, max(1.0, self._lookup_s)
         g = self._choices(ctx)
         fb = self.feedback
         aal = g.aal
