@@ -33,9 +33,13 @@ def pytest_runtest_protocol(item, nextitem):
     before is restored after it), as the modules using ``one_thread`` already did: tiny models
     gain nothing from a second thread, and on a shared 2-core machine two OpenMP threads per op
     made the unit run several times slower. A test about threads sets its own count; slow tests
-    keep the process's."""
+    keep the process's, except in a ``one_thread`` module: its module fixtures were built on one
+    thread (during its first test), and its later tests must run as they were built (a machine's
+    measured attention kernel, part of a compiled block's key, may differ between 1 and 2
+    threads: the restore after the first test once left the second on two threads, and its
+    blocks matched no package)."""
     n = torch.get_num_threads()
-    if not item.get_closest_marker("slow"):
+    if not item.get_closest_marker("slow") or "one_thread" in item.fixturenames:
         torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)

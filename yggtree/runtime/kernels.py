@@ -372,10 +372,11 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
 
 
 def use_library_norm(model) -> bool:
-    """Have a float32 :class:`~yggtree.runtime.model.Transformer`'s final norm (the one eager op of a step after its compiled layers,
-    before the LM head) run as the library's one call (``RMSNorm.native``) instead of torch's
-    five. Every path of the model's steps then computes it alike, row by row (speculation stays
-    exact). Loads the library; False (nothing set) for another dtype or a model without one."""
+    """Have a float32 :class:`~yggtree.runtime.model.Transformer`'s final norm (the one eager op of
+    a step after its compiled layers, before the LM head) run as the library's one call
+    (``RMSNorm.native``) instead of torch's five. Every path of the model's steps then computes it
+    alike, row by row (speculation stays exact). Loads the library; False (nothing set) for another
+    dtype or a model without one."""
     from .model import RMSNorm, Transformer
 
     norm = getattr(model, "norm", None)  # (an EAGLE head's final norm runs inside its call packages)
