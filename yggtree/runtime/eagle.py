@@ -129,11 +129,15 @@ class EagleNet(nn.Module):
 
     def fuse_target(self, feats: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Target features (one [..., H_t] per target layer) -> the head's features [..., H]."""
+        self.check_features(feats)
+        return self.fuse_joined(feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1))
+
+    def check_features(self, feats: tuple[torch.Tensor, ...]) -> None:
+        """YggError unless ``feats`` holds one tensor per target layer the head reads."""
         if len(feats) != len(self.cfg.target_layers):
             raise YggError(
                 f"EAGLE drafter reads {len(self.cfg.target_layers)} target layers, got {len(feats)}"
             )
-        return self.fuse_joined(feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1))
 
     def fuse_joined(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`fuse_target` of the target layers' features side by side, x [..., n H_t] -> [..., H]."""
@@ -518,9 +522,8 @@ class EagleDrafter:
     def _pend_true_features(self, feats: tuple[torch.Tensor, ...]) -> None:
         """The target's features of the first pending rows (one [r, H_t] per target layer), side by
         side, for the head call to fuse."""
+        self.net.check_features(feats)
         r = feats[0].shape[0]
-        if len(feats) != len(self.cfg.target_layers):
-            raise YggError(f"EAGLE drafter reads {len(self.cfg.target_layers)} target layers, got {len(feats)}")
         torch.cat([x.to(self.pend_raw.dtype) for x in feats], dim=-1, out=self.pend_raw[:r])
         self.pend_true[:r] = True
 

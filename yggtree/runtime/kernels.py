@@ -49,7 +49,7 @@ from ..files import write_text_atomic
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
 __all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "library_built", "load_library", "aoti_shims", "runs_attention",
-           "use_rows_attention", "use_library_norm", "attention_ahead", "loop_pool", "prefetch", "prefetch_now", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
+           "use_library", "use_rows_attention", "use_library_norm", "attention_ahead", "loop_pool", "prefetch", "prefetch_now", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 # the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
 # then ops.cpp, the one source that parses torch's headers (csrc/kernels.h)
@@ -369,6 +369,13 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
     for m in layers:
         m.native_rows = kernel
     return len(layers)
+
+
+def use_library(model) -> None:
+    """A model whose products run on the library (the w4a8 format, the tiled kernel) computes its
+    attention (:func:`use_rows_attention`) and its final norm (:func:`use_library_norm`) there too."""
+    use_rows_attention(model)
+    use_library_norm(model)
 
 
 def use_library_norm(model) -> bool:

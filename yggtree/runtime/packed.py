@@ -244,10 +244,9 @@ def pack_linears(model: nn.Module, fuse: bool = True, min_rows: int = 1, kernel:
     if not can_pack(model, kernel):
         return 0
     if kernel == "tiled":  # our library's products, and its row-by-row attention and norm
-        from .kernels import use_library_norm, use_rows_attention
+        from .kernels import use_library
 
-        use_rows_attention(model)
-        use_library_norm(model)
+        use_library(model)
     n, fused_parts = 0, set()
     for block in model.layers:
         for mod_name, attr, names in FUSED_PROJECTIONS:

@@ -506,10 +506,9 @@ def quantize_linears(model: nn.Module, fmt: str, group: int | None = None,
     # head (input widths a group size may not divide stay float there)
     n = _replace_linears(model, make, None if fmt == "w4a8" else ("lm_head",))
     if fmt == "w4a8" or kernel == "tiled":  # products on our library: its row-by-row attention and norm too
-        from .kernels import use_library_norm, use_rows_attention
+        from .kernels import use_library
 
-        use_rows_attention(model)
-        use_library_norm(model)
+        use_library(model)
     return n
 
 

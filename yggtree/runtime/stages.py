@@ -362,7 +362,7 @@ def commit(eng, req: Request, st: Step) -> None:
     elif st.reason is None:
         path = st.acc.path[1:]  # [dw] int64 verified-tree nodes of the accepted tokens (padded)
         dst = st.L + torch.arange(1, st.dw + 1)  # [dw] int64 their contiguous slots
-        steps.commit(eng.target, st.L + path[: st.n_acc], dst[: st.n_acc])  # the accepted tokens'
+        steps.commit(eng.target, st.L + path[: st.n_acc], dst[: st.n_acc])
         feats = tuple(x[st.acc.path] for x in st.caps)  # each [dw + 1, H]
         commit_drafter(eng, req, st, path, dst, feats)
         if req.keep_feats:
