@@ -16,6 +16,7 @@ envelope), greedy:
 - ``predictor`` / ``baseline`` (when the plan names a depth predictor): the objective with D
   chosen every step by the MLP depth predictor / its scikit-learn (logistic) baseline;
 - ``depth=N`` (``--depths N,M,...``): the objective with D fixed to N (W_d, W_v still chosen);
+  ``depth=N+lookup`` the same with the lookup nodes merged into its trees;
 - ``chain=N`` (``--chain-depths N,M,...``): chains of length N (W_d = 1, the smallest verify
   width holding N + 1 nodes), so "a chain of the best fixed length" is measured, not predicted;
 - ``lookup``: lookup-only speculation (issue 22): up to ``--lookup`` continuations of the
@@ -257,6 +258,10 @@ def run(args) -> int:
     for dd in args.depths:  # the objective with one fixed depth
         policies[f"depth={dd}"] = objective.fresh(depth_fn=lambda h_root, c, dd=dd: dd)
         settings[f"depth={dd}"] = f"objective, D={dd}"
+        if args.lookup:  # and with the lookup nodes merged into its trees, as objective+lookup's
+            policies[f"depth={dd}+lookup"] = objective.fresh(depth_fn=lambda h_root, c, dd=dd: dd)
+            settings[f"depth={dd}+lookup"] = f"objective, D={dd} + <= {args.lookup} lookup nodes"
+            lookups[f"depth={dd}+lookup"] = args.lookup
     unknown = [n for n in args.systems if n not in policies]
     if unknown:
         raise YggError(f"--systems: unknown {', '.join(unknown)} (have {', '.join(policies)})")

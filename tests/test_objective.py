@@ -497,7 +497,7 @@ def test_feedback_depth_not_run_inherits_the_shallower_scale():
     from yggtree.runtime.feedback import Feedback
     from yggtree.runtime.prediction import Prediction
 
-    fb = Feedback(accept_alpha=0.02, prior_tokens=2.0)
+    fb = Feedback(accept_alpha=0.02, prior_tokens=2.0, age_alpha=0.0)  # (aging: its own test)
     one = Prediction(100, 1, 4, aal=1.5, step_ms=35.0, plain_ms=30.0)
     for _ in range(500):
         fb.update(one, n_accepted=0.2, step_ms=35.0)  # expected 0.5
@@ -552,6 +552,83 @@ def test_feedback_without_per_request_acceptance_keeps_the_all_requests_scale():
     assert [fb.accept_scale_at(d) for d in range(4)] == g
 
 
+def test_feedback_acceptance_evidence_ages_with_the_steps_that_add_nothing_to_it():
+    """Plain steps age every depth's acceptance sums by ``age_alpha`` a step, applied
+    ``age_every`` steps at a time (the feedback's state moves then, not before); a drafted step
+    ages the depths it does not draft by one step more than the pending ones, its own depth by
+    ``accept_alpha`` as it adds to it. Over enough plain steps the estimate returns to the prior;
+    ``age_alpha=0`` keeps it for good (the old lock-in)."""
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
+
+    fb = Feedback(accept_alpha=0.02, prior_tokens=2.0, age_alpha=0.01, age_every=16)
+    one = Prediction(100, 1, 4, aal=1.5, step_ms=35.0, plain_ms=30.0)
+    two = Prediction(100, 2, 8, aal=2.0, step_ms=45.0, plain_ms=30.0)
+    plain = Prediction(100, 0, 1, aal=1.0, step_ms=30.0, plain_ms=30.0)
+    for _ in range(100):
+        fb.update(one, n_accepted=0.1, step_ms=35.0)  # expected 0.5: a fifth
+    fb.update(two, n_accepted=0.2, step_ms=45.0)  # ages depth 1 by one step
+    (a1, e1), (a2, e2) = fb._by_depth[1], fb._by_depth[2]
+    state, s1 = fb.state, fb.global_scale_at(1)
+    assert s1 < 0.3
+    for _ in range(15):
+        fb.update(plain, 0, 30.0)
+    assert fb.state == state and fb.global_scale_at(1) == s1  # pending: no repricing yet
+    fb.update(plain, 0, 30.0)
+    f = 0.99**16
+    assert fb.state == state + 1 and fb._by_depth[1] == pytest.approx((f * a1, f * e1), rel=1e-12)
+    assert fb.global_scale_at(1) == pytest.approx((f * a1 + 2) / (f * e1 + 2), rel=1e-12)
+    for _ in range(5):
+        fb.update(plain, 0, 30.0)
+    fb.update(two, n_accepted=1.0, step_ms=45.0)  # 5 pending steps and its own
+    g = 0.99**5
+    assert fb._by_depth[1] == pytest.approx((f * g * 0.99 * a1, f * g * 0.99 * e1), rel=1e-12)
+    assert fb._by_depth[2] == pytest.approx((f * g * 0.98 * a2 + 1.0, f * g * 0.98 * e2 + 1.0), rel=1e-12)
+    for _ in range(2000):
+        fb.update(plain, 0, 30.0)
+    assert fb.global_scale_at(1) == pytest.approx(1.0, abs=1e-3)  # back at the offline model
+    kept = Feedback(accept_alpha=0.02, prior_tokens=2.0, age_alpha=0.0)
+    for _ in range(100):
+        kept.update(one, n_accepted=0.1, step_ms=35.0)
+    s = kept.global_scale_at(1)
+    for _ in range(2000):
+        kept.update(plain, 0, 30.0)
+    assert kept.global_scale_at(1) == s
+    learnt = Feedback().with_learnt(fb.learnt())  # the pending aging is part of what a run keeps
+    assert learnt._by_depth == fb._by_depth and fb._aging == 0
+
+
+def test_a_policy_that_fell_back_to_plain_steps_drafts_again_as_its_evidence_ages():
+    """A stretch of text the drafter does badly on turns the policy to plain steps; with no
+    probe (``probe_every`` beyond the run) it drafts again on its own merit once the aged
+    estimate prices a tree above a plain step, where without aging it never would."""
+    from yggtree.runtime.feedback import Feedback
+
+    def aal(wd, d, wv):
+        return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
+    tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
+    firsts = {}
+    for age in (0.0, 0.02):
+        pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
+                              feedback=Feedback(accept_alpha=0.2, age_alpha=age), probe_every=10**6)
+        choices = []
+        for i in range(600):
+            c = pol.choose_draft(torch.zeros(8), 100)
+            choices.append(c.draft_depth)
+            if c.draft_depth:
+                pol.choose_verify(tree, c, 100)
+                pol.observe(_record(c, 0 if i < 50 else 4, 60.0, 40.0))  # bad text, then good
+            else:
+                pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
+        first_plain = choices.index(0)
+        assert first_plain < 50
+        firsts[age] = next((i for i in range(first_plain, 600) if choices[i]), None)
+    assert firsts[0.0] is None  # locked into plain steps for good
+    assert firsts[0.02] is not None and firsts[0.02] < 400
+
+
 def test_feedback_machine_factor_follows_the_verify_calls_of_drafted_steps():
     """With no plain step at all, the plain-time estimate still follows the machine: drafted
     steps' verify calls run 1.3x slower than profiled, so plain steps would too; the rest of the
@@ -601,7 +678,7 @@ def test_feedback_falls_back_to_plain_and_probes():
 
     cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
     pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
-                          feedback=Feedback(alpha=0.5, accept_alpha=0.5), probe_every=4, probe_max=16,
+                          feedback=Feedback(alpha=0.5, accept_alpha=0.5, age_alpha=0.0), probe_every=4, probe_max=16,
                           probe_share=100.0)  # the probes' cost does not stretch the gaps here (see below)
     offline = policy(cal)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])

@@ -38,6 +38,16 @@ class Feedback:
       D - 1 (1 for D = 1): a depth not run yet inherits what the shallower trees showed, as a
       deeper tree multiplies more over-rated edges, instead of the offline model's optimism
       (which made the policy try every depth in turn on text the drafter does badly on);
+      Evidence also ages with the steps that do not add to it (``age_alpha`` per step of any
+      kind, the depth the step drafted excepted): acceptance is the text's, and the text moves
+      on. Without it a policy that fell back to plain steps on a stretch of text the drafter
+      does badly on (an answer's prose) kept that stretch's estimate for good, plain steps
+      teaching nothing: on a stream of prose requests and then code requests it stayed on plain
+      steps through every code request after, where a fixed tree gained 1.2-1.3x. With it the
+      estimate returns toward the prior (the offline calibration) within a few hundred plain
+      steps, the policy drafts again, and the text's own steps decide anew. (Aging is applied
+      ``age_every`` plain steps at a time, as one multiplication: a policy reprices its trees
+      only when the feedback changes.)
     - optionally per request (``request_prior_tokens``, default None: off): the same sums over
       this request's steps alone, with that many pseudo-tokens at the all-requests scale. It was
       on (3) until measured to lock requests into plain steps: a request's first trees, at the
@@ -70,6 +80,8 @@ class Feedback:
     slow_alpha: float = 0.02
     prior_tokens: float = 2.0
     request_prior_tokens: float | None = None  # None: no per-request acceptance
+    age_alpha: float = 0.01  # acceptance evidence's fading per step that does not add to it (0: none)
+    age_every: int = 16  # plain steps whose aging is applied at once
     machine: float = 1.0
     spec_extra: float = 1.0
     catch_up: float | None = None  # ms per call of the drafter's catch-up (None: none measured yet)
@@ -79,12 +91,14 @@ class Feedback:
     _by_depth: dict = field(default_factory=dict)  # D -> [discounted accepted, discounted expected]
     _request: dict = field(default_factory=dict)  # D -> [accepted, expected] in this request
     _planned: tuple = (0.0, 0.0)  # discounted sums of (realised, planned) speed-ups of drafted steps
+    _aging: int = 0  # plain steps whose aging of the acceptance sums is not applied yet
     state: int = 0  # counts the changes of everything but ``machine`` and the plain width's factor
 
     def learnt(self) -> dict:
         """What the steps so far taught, JSON-ready (the settings and this request's own sums
         left out): a later process of the same machine and plan starts from it
         (:meth:`with_learnt`) instead of from the offline model's optimism."""
+        self._age(self._aging)
         return {"machine": self.machine, "spec_extra": self.spec_extra, "catch_up_call": self.catch_up,
                 "width": {str(w): f for w, f in self._width.items()},
                 "by_depth": {str(d): list(v) for d, v in self._by_depth.items()},
@@ -210,7 +224,11 @@ class Feedback:
             self.machine = toward(self.machine, v_ms / (self.width_factor(w) * v_pred), self.alpha)
             self._width[int(w)] = toward(self.width_factor(w), v_ms / (self.machine * v_pred), self.slow_alpha)
         if plain:
+            self._aging += 1
+            if self._aging >= self.age_every:
+                self._age(self._aging)
             return
+        self._age(self._aging + 1, but=pred.draft_depth)
         self.state += 1
         rest, rest_pred = step_ms - (v_ms or 0.0), pred.step_ms - v_pred
         if rest_pred > 0:
@@ -220,6 +238,18 @@ class Feedback:
         self._by_depth[pred.draft_depth] = ((1 - b) * acc + n_accepted, (1 - b) * exp + pred.aal - 1.0)
         acc, exp = self._request.get(pred.draft_depth, (0.0, 0.0))
         self._request[pred.draft_depth] = (acc + n_accepted, exp + pred.aal - 1.0)
+
+    def _age(self, steps: int, but: int | None = None) -> None:
+        """Age every depth's acceptance sums by ``steps`` steps (depth ``but`` by one step fewer:
+        the step under way ages it by ``accept_alpha`` as it adds to it); the pending aging is
+        then applied."""
+        self._aging = 0
+        if steps <= 0 or not self.age_alpha:
+            return
+        for d, (acc, exp) in self._by_depth.items():
+            f = (1.0 - self.age_alpha) ** (steps - (d == but))
+            self._by_depth[d] = (f * acc, f * exp)
+        self.state += 1
 
 
 def _toward(est: float, ratio: float, a: float, clip: float) -> float:

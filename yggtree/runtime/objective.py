@@ -439,7 +439,7 @@ class ObjectivePolicy(StepPolicy):
         """A copy with ``changes`` applied and no state carried over (log, feedback, caches)."""
         f = self.feedback
         fb = (Feedback(f.alpha, f.clip, f.accept_alpha, f.slow_alpha, f.prior_tokens,
-                       f.request_prior_tokens) if f is not None else None)
+                       f.request_prior_tokens, f.age_alpha, f.age_every) if f is not None else None)
         changes = {"feedback": fb} | changes
         return replace(self, log=[], _grid={}, _lk_grid={}, _best_rate={}, _plain_run=0, _probe_gap=0, _probing=False,
                        _behind=0, _remaining=None, _step_calls=0, _planned=0.0,
