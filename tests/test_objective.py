@@ -629,6 +629,28 @@ def test_a_policy_that_fell_back_to_plain_steps_drafts_again_as_its_evidence_age
     assert firsts[0.02] is not None and firsts[0.02] < 400
 
 
+def test_lookup_only_steps_learn_their_own_overhead_factor():
+    """A lookup-only step (D = 0, W_v > 1) whose non-verify part runs 3x its price moves
+    ``lookup_extra``, not the drafted steps' ``spec_extra``: drafted trees stay priced at what
+    drafted steps showed. Both are kept across runs (``learnt``); an older record has none."""
+    from yggtree.runtime.feedback import Feedback
+    from yggtree.runtime.prediction import Prediction
+
+    fb = Feedback(alpha=0.5)
+    lk = Prediction(100, 0, 4, aal=1.5, step_ms=32.0, plain_ms=30.0, verify_ms=31.0)
+    spec = Prediction(100, 2, 4, aal=2.0, step_ms=40.0, plain_ms=30.0, verify_ms=31.0)
+    for _ in range(20):
+        fb.update(lk, 1, step_ms=34.0, verify_ms=31.0)  # rest 3 ms against 1
+        fb.update(spec, 1, step_ms=40.0, verify_ms=31.0)  # as priced
+    assert fb.lookup_extra == pytest.approx(3.0, rel=1e-3) and fb.spec_extra == pytest.approx(1.0)
+    assert fb.step_ms(32.0, 31.0, 4, lookup=True) == pytest.approx(34.0, rel=1e-3)
+    assert fb.step_ms(40.0, 31.0, 4) == pytest.approx(40.0)
+    again = Feedback().with_learnt(fb.learnt())
+    assert again.lookup_extra == fb.lookup_extra and again.spec_extra == fb.spec_extra
+    old = {k: v for k, v in fb.learnt().items() if k != "lookup_extra"}
+    assert Feedback().with_learnt(old).lookup_extra == 1.0
+
+
 def test_feedback_machine_factor_follows_the_verify_calls_of_drafted_steps():
     """With no plain step at all, the plain-time estimate still follows the machine: drafted
     steps' verify calls run 1.3x slower than profiled, so plain steps would too; the rest of the
@@ -839,6 +861,40 @@ def catch_up_model(per_token: float) -> CostModel:
     """:func:`cost_model` with a profiled drafter catch-up of ``per_token`` ms a token."""
     c = cost_model()
     return replace(c, stage_ms=c.stage_ms | {"resync": {"256": 256 * per_token}})
+
+
+def test_the_catch_up_runs_the_cheaper_way_chunks_or_head_calls():
+    """A drafter whose head takes in ``absorbs`` tokens: a catch-up of n tokens costs a chunk's
+    call per chunk of the prefill grid it redoes, or ceil((n - absorbs) / (absorbs + 1)) head
+    calls at the profile's head price (times the machine factor); the policy asks for head calls
+    where they cost less, prices the catch-up at the cheaper way, and learns a chunk call's cost
+    only from catch-ups that ran in chunks."""
+    from yggtree.runtime.cost import catch_up_calls, catch_up_heads
+    from yggtree.runtime.feedback import Feedback
+
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(lambda wd, d, wv: 1 + min(d, 3) * 0.3), (4, 8, 16, 32))
+    chunked = replace(catch_up_model(0.5), absorbs=0)  # 64-token chunks: 32 ms a call here
+    pol = ObjectivePolicy(chunked, cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, chunk=64, feedback=Feedback())
+    assert not pol.catch_up_by_heads(40, 200) and pol._catch_up_ways(40, 200)[1] == math.inf
+    heads = ObjectivePolicy(replace(chunked, absorbs=6), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6, chunk=64,
+                            feedback=Feedback())
+    head = heads.cost.head_ms(200)  # cost_model's: the draft call's 2 ms
+    for behind in (7, 13, 20, 60, 190):
+        by_chunks = catch_up_calls(behind, 200, 64) * 32.0
+        by_heads = catch_up_heads(behind, 6) * head
+        assert heads._catch_up_ways(behind, 200) == pytest.approx((by_chunks, by_heads))
+        assert heads.catch_up_by_heads(behind, 200) == (by_heads < by_chunks)
+        heads.see_catch_up(behind, 100)
+        assert heads.catch_up_ms(200) == pytest.approx(min(by_chunks, by_heads))
+    heads.feedback.machine = 2.0  # a slower machine: head calls priced at its pace
+    assert heads._catch_up_ways(190, 200)[1] == pytest.approx(2.0 * catch_up_heads(190, 6) * head)
+    heads.see_catch_up(13, 100)  # by heads: no chunk call's cost to learn from this step
+    c = heads.choose_draft(torch.zeros(8), 200)
+    assert c.draft_depth > 0 and heads._step_calls == 0
+    heads.feedback.machine = 20.0  # head calls now dearer than the chunks: a chunked catch-up, learnt from
+    heads.see_catch_up(190, 10_000)
+    assert not heads.catch_up_by_heads(190, 200)
+    assert heads.choose_draft(torch.zeros(8), 200).draft_depth > 0 and heads._step_calls == catch_up_calls(190, 200, 64)
 
 
 def test_a_tree_starts_only_where_it_repays_the_drafters_catch_up():

@@ -367,6 +367,78 @@ def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target):
         torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
 
 
+class ByHeads(Scripted):
+    """Scripted, catching the drafter up in head calls whenever it is asked."""
+
+    def __init__(self, pattern) -> None:
+        super().__init__(pattern)
+        self.asked: list[tuple[int, int]] = []
+
+    def catch_up_by_heads(self, behind, committed):
+        self.asked.append((behind, committed))
+        return True
+
+
+def test_a_long_catch_up_in_head_calls_holds_what_a_prefill_would(target):
+    """A policy may have the EAGLE drafter catch up a lag longer than its head call holds in head
+    calls of D_MAX + 1 new tokens each (Drafter.absorb) instead of prefill chunks: asked only for
+    such lags, the output stays the plain decoding's, and every committed drafter cache entry
+    equals a causal run of the head over the committed sequence with the target's true features."""
+    from test_eagle import tiny as eagle_tiny, true_features
+
+    tgt = eagle_tiny()
+    ref = Engine(tgt, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
+    drafter = bigram_head(tgt, max_depth=D_MAX)
+    eng = make_engine(tgt, drafter)
+    # lags: 2..5 fit the head (D_MAX = 4 pairs besides the root's); 8 and 13 take 1 and 2 head calls
+    pattern = [(2, 1, 2), (0, 1, 1), (1, 2, 4), *[(0, 1, 1)] * 7, (2, 2, 4), *[(0, 1, 1)] * 12, (1, 1, 2)]
+    calls = {"prefill": [], "absorb": [], "head": []}
+    for name in calls:
+        def spy(*a, _orig=getattr(drafter, name), _name=name):
+            calls[_name].append(int(a[2]) if _name != "head" else int(a[1]))
+            return _orig(*a)
+        setattr(drafter, name, spy)
+    prompt = PROMPTS[1]
+    pol = ByHeads(pattern)
+    res = eng.generate(prompt, SamplingParams(max_new_tokens=60), policy=pol,
+                       on_step=lambda rec: setattr(pol, "i", pol.i + 1))
+    assert res.token_ids == ref.generate(prompt, SamplingParams(max_new_tokens=60)).token_ids
+    assert not calls["prefill"] and calls["absorb"][0] == 0  # the prompt's (deferred to the first tree) too
+    assert pol.asked and all(behind > D_MAX for behind, _ in pol.asked)
+    assert len(calls["absorb"]) == len(pol.asked) >= 3
+    L = calls["head"][-1]  # the root of the last head call: the drafter holds slots 1..L
+    seq = torch.tensor(prompt + res.token_ids)
+    feat = drafter.net.fuse_target((true_features(tgt, seq[:L], eng.n_slots),))  # [L, H]
+    fresh = bigram_head(tgt, max_depth=D_MAX)
+    fresh.setup(eng.n_slots, [8, 1], 8)
+    slot = torch.arange(1, L + 1)
+    cols = torch.arange(eng.n_slots)
+    fresh.net(seq[1 : L + 1], feat, slot - 1, slot, (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]))
+    live = slice(1, L + 1)
+    for got, want in zip(drafter.net.caches(), fresh.net.caches(), strict=True):
+        torch.testing.assert_close(got.k[:, live], want.k[:, live], atol=1e-5, rtol=1e-4)  # [B, S, H, D]
+        torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
+
+
+def test_a_catch_up_in_head_calls_takes_absorbs_plus_one_tokens_a_call(target):
+    """Drafter.absorb of m tokens behind: ceil((m - D_MAX) / (D_MAX + 1)) head calls at the
+    roots a prefill's grid would not need, the last D_MAX or fewer pending (cost.catch_up_heads
+    counts the same calls)."""
+    from yggtree.runtime.cost import catch_up_heads
+
+    drafter = EagleDrafter.random(target, "reference", max_depth=D_MAX)
+    drafter.setup(64, [1], 8)
+    seq, feats = torch.arange(3, 33), (torch.zeros(30, target.cfg.hidden_size),)
+    for start, roots in ((30 - D_MAX, []), (30 - D_MAX - 1, [30 - 1]), (12, [16, 21, 26]), (0, [5, 10, 15, 20, 25])):
+        heads = []
+        drafter.head = lambda root, committed, k, _h=heads: _h.append(int(committed))
+        drafter.absorb(seq, feats, start, 3)
+        assert heads == roots and catch_up_heads(30 - max(start, 1), D_MAX) == len(roots)
+        pend = 30 - (roots[-1] + 1 if roots else max(start, 1))
+        assert int(drafter.pend_n) == pend and torch.equal(drafter.pend_tok[:pend], seq[30 - pend:])
+    assert catch_up_heads(9, 0) == 0 and catch_up_heads(4, 4) == 0 and catch_up_heads(5, 4) == 1
+
+
 def test_a_deferred_catch_up_is_refused_beyond_what_the_head_holds(target):
     drafter = EagleDrafter.random(target, "reference", max_depth=D_MAX)
     drafter.setup(64, [1], 8)

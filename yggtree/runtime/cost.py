@@ -83,6 +83,7 @@ class CostModel:
     stage_ms: dict = field(default_factory=dict)  # non-model stages, see step_ms
     name: str = ""
     feeds_leaves: bool = True  # the drafter's Drafter.feeds_leaves: D or D - 1 steps after the head
+    absorbs: int = 0  # the drafter's Drafter.absorbs: tokens behind its head call takes in (0: none)
 
     def t_verify(self, w: int, ctx: int) -> float:
         return self.verify.predict(w, ctx)
@@ -108,10 +109,14 @@ class CostModel:
         """Predicted wall time of one speculation step; d = 0 is a plain step."""
         if d == 0:
             return self.plain_ms(ctx)
-        head = self.head.predict(self.head.xs[0][0], ctx)
+        head = self.head_ms(ctx)
         calls = d if self.feeds_leaves else d - 1
         return (head + calls * self.t_draft(wd, ctx) + self.t_verify(wv, ctx)
                 + self.overhead_ms(d, wd, wv))
+
+    def head_ms(self, ctx: int) -> float:
+        """The drafter's head call at context ``ctx``."""
+        return self.head.predict(self.head.xs[0][0], ctx)
 
     def lookup_ms(self, wv: int, ctx: int) -> float:
         """A lookup-only step (no drafter call): the target over ``wv`` nodes and the non-model
@@ -145,7 +150,7 @@ class CostModel:
     def from_profile(cls, path: str | Path, plan) -> "CostModel":
         """Load ``path`` for ``plan``; YggError if missing, malformed, or measured for other
         models / another dtype, backend or weight format (:func:`profile_weights`) than the
-        plan's. The plan's drafter sets ``feeds_leaves``."""
+        plan's. The plan's drafter sets ``feeds_leaves`` and ``absorbs``."""
         d = read_artifact(path, "profile", PROFILE_KIND)
         where = f"profile {path}"
         ident = d.get("identity")
@@ -171,9 +176,10 @@ class CostModel:
                     f"{where} is not of this machine: {differs}; profile this machine with `yggtree "
                     "profile --hw NAME --plan ...` (latency curves do not transfer between devices)"
                 )
-        from .prepare import drafter_feeds_leaves  # here: prepare imports the models, loading, torch
+        from .prepare import drafter_absorbs, drafter_feeds_leaves  # here: prepare imports the models, loading, torch
 
-        return replace(cls.from_profile_dict(d, where), feeds_leaves=drafter_feeds_leaves(plan))
+        return replace(cls.from_profile_dict(d, where), feeds_leaves=drafter_feeds_leaves(plan),
+                       absorbs=drafter_absorbs(plan))
 
     @classmethod
     def from_profile_dict(cls, d: dict, where: str = "profile") -> "CostModel":
@@ -194,6 +200,15 @@ class CostModel:
             stages,
             str(d.get("name", "")),
         )
+
+
+def catch_up_heads(behind: int, absorbs: int) -> int:
+    """Head calls of a drafter's catch-up of ``behind`` tokens in head calls (Drafter.absorb:
+    ``absorbs`` + 1 tokens a call, the last ``absorbs`` or fewer left to the step's own head call);
+    0 where its head takes in none (``absorbs`` 0)."""
+    if absorbs <= 0 or behind <= absorbs:
+        return 0
+    return -(-(behind - absorbs) // (absorbs + 1))
 
 
 def catch_up_calls(behind: int, committed: int, chunk: int) -> int:

@@ -67,6 +67,11 @@ class Drafter(Protocol):
         """``prefill(prompt, feats, start)``'s catch-up left to the next :meth:`head` call, which
         takes the ``n - start`` (<= ``absorbs``) tokens in with the root; only where ``absorbs`` > 0."""
 
+    def absorb(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int, k: int) -> None:
+        """``prefill(prompt, feats, start)``'s catch-up in head calls of ``absorbs`` + 1 tokens
+        each (top-k ``k``, unused), the rest left to the next :meth:`head` call as :meth:`defer`
+        leaves it; only where ``absorbs`` > 0."""
+
     def head(self, root: torch.Tensor, committed: torch.Tensor, k: int) -> TopK:
         """Feed the root (last emitted token, [] int64) at position ``committed``: [1, k]."""
 

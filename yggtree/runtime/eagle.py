@@ -474,6 +474,21 @@ class EagleDrafter:
         self._pend_true_features(tuple(x[start - 1 : n] for x in feats))  # [m + 1, H_t] each
         self.pend_n.fill_(m)
 
+    def absorb(self, prompt: torch.Tensor, feats: tuple[torch.Tensor, ...], start: int, k: int) -> None:
+        """:meth:`prefill` ``(prompt, feats, start)``'s catch-up in head calls instead of prefill
+        chunks: each takes :attr:`absorbs` pending pairs and a root (the head's widest static call,
+        every row of it new; its top-k unused), and the last :attr:`absorbs` tokens or fewer pend
+        for the step's own head call (:meth:`defer`). Its calls grow with the tokens behind, not
+        with the chunk grid's rows a resumed prefill redoes."""
+        n, a = prompt.shape[0], self.absorbs
+        start = max(start, 1)  # (slot 0 holds no pair)
+        while n - start > a:
+            end = start + a  # the pairs of slots start..end - 1 pend; the root's is slot end's
+            self.defer(prompt[:end], tuple(x[:end] for x in feats), start)
+            self.head(prompt[end].to(torch.int64), torch.tensor(end, dtype=torch.int64), k)
+            start = end + 1
+        self.defer(prompt, feats, start)
+
     @property
     def head_widths(self) -> tuple[int, ...]:
         return head_widths(self.max_depth)

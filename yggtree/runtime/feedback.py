@@ -31,7 +31,11 @@ class Feedback:
       that error into the drafted step's overhead and bias the choice between plain and tree steps;
     - ``spec_extra`` (fast): measured / (``machine`` x predicted) time of the drafted step's
       non-verify part (drafter head and steps, tree building, pruning, acceptance, commit, the
-      policy), the part the profile times stage by stage;
+      policy), the part the profile times stage by stage; ``lookup_extra`` the same of lookup-only
+      steps (no drafter call), kept apart: their few stages (the lookup, the policy's pricing, the
+      commit) run over or under the profile by other factors than a drafted step's, and where
+      they shared one factor the lookup-only steps, most of the steps on text lookup continues,
+      priced every drafted tree at up to 1.9x its non-verify time;
     - acceptance per draft depth D: realised / expected drafted tokens accepted (AAL - 1) over
       D-deep steps, as discounted sums (weight ``1 - accept_alpha`` per step of that depth: per
       step acceptance is a coin toss) with ``prior_tokens`` pseudo-tokens at the scale of depth
@@ -70,7 +74,8 @@ class Feedback:
       weighed against the speed-up such choices realise (see ``ObjectivePolicy``).
 
     Corrected: AAL' = 1 + (AAL - 1) x scale(D); T_plain' = machine x rel(1) x T_plain;
-    T_step' = machine x (rel(W_v) x T_v(W_v) + spec_extra x (T_step - T_v(W_v))).
+    T_step' = machine x (rel(W_v) x T_v(W_v) + spec_extra x (T_step - T_v(W_v))) (lookup_extra for
+    a lookup-only step).
     A ratio enters clipped to within ``clip`` x the current estimate, so one outlier step (a page
     fault, another process) moves an estimate by at most ``alpha * (clip - 1)``."""
 
@@ -84,6 +89,7 @@ class Feedback:
     age_every: int = 16  # plain steps whose aging is applied at once
     machine: float = 1.0
     spec_extra: float = 1.0
+    lookup_extra: float = 1.0
     catch_up: float | None = None  # ms per call of the drafter's catch-up (None: none measured yet)
     probe_cost: float | None = None  # a policy's probe's cost in plain steps (mean of the last ones; None: none yet)
     probe_scale: float = 1.0  # the share of plain steps' time a policy's probes may take, over its full share
@@ -99,7 +105,8 @@ class Feedback:
         left out): a later process of the same machine and plan starts from it
         (:meth:`with_learnt`) instead of from the offline model's optimism."""
         self._age(self._aging)
-        return {"machine": self.machine, "spec_extra": self.spec_extra, "catch_up_call": self.catch_up,
+        return {"machine": self.machine, "spec_extra": self.spec_extra, "lookup_extra": self.lookup_extra,
+                "catch_up_call": self.catch_up,
                 "width": {str(w): f for w, f in self._width.items()},
                 "by_depth": {str(d): list(v) for d, v in self._by_depth.items()},
                 "planned": list(self._planned), "probe_cost": self.probe_cost, "probe_scale": self.probe_scale}
@@ -110,6 +117,7 @@ class Feedback:
         try:
             fields = dict(
                 machine=float(record["machine"]), spec_extra=float(record["spec_extra"]),
+                lookup_extra=float(record.get("lookup_extra", 1.0)),  # (absent from older records)
                 # (records before it was priced per call held "catch_up", ms per token: not read)
                 catch_up=None if record.get("catch_up_call") is None else float(record["catch_up_call"]),
                 _width={int(w): float(f) for w, f in record["width"].items()},
@@ -120,7 +128,8 @@ class Feedback:
                 probe_scale=float(record.get("probe_scale", 1.0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return self
-        finite = [fields["machine"], fields["spec_extra"], fields["probe_scale"], *fields["_width"].values()]
+        finite = [fields["machine"], fields["spec_extra"], fields["lookup_extra"], fields["probe_scale"],
+                  *fields["_width"].values()]
         if not all(np.isfinite(x) and x > 0 for x in finite) or len(fields["_planned"]) != 2:
             return self
         return replace(self, **fields)
@@ -137,9 +146,9 @@ class Feedback:
         """Corrected time of a plain step predicted at ``plain_ms``."""
         return self.machine * self.width_factor(1) * plain_ms
 
-    def step_ms(self, step_ms, verify_ms, wv):
-        """Corrected time of drafted steps predicted at ``step_ms`` with ``verify_ms`` of it in the
-        verify call at width ``wv`` (floats, or numpy arrays alike)."""
+    def step_ms(self, step_ms, verify_ms, wv, lookup: bool = False):
+        """Corrected time of drafted steps (``lookup``: lookup-only steps) predicted at ``step_ms``
+        with ``verify_ms`` of it in the verify call at width ``wv`` (floats, or numpy arrays alike)."""
         if np.ndim(wv):  # every row's width factor from a table over the widths (the policy
             wv = np.asarray(wv)  # prices ~100 rows a step)
             table = np.ones(int(wv.max()) + 1 if wv.size else 1)
@@ -149,7 +158,8 @@ class Feedback:
             rel = table[wv]
         else:
             rel = self.width_factor(wv)
-        return self.machine * (rel * verify_ms + self.spec_extra * (step_ms - verify_ms))
+        extra = self.lookup_extra if lookup else self.spec_extra
+        return self.machine * (rel * verify_ms + extra * (step_ms - verify_ms))
 
     def _global_scales(self, d_max: int) -> list[float]:
         """Acceptance scales of depths 0..d_max over all requests, each with the depth above's as
@@ -231,7 +241,9 @@ class Feedback:
         self._age(self._aging + 1, but=pred.draft_depth)
         self.state += 1
         rest, rest_pred = step_ms - (v_ms or 0.0), pred.step_ms - v_pred
-        if rest_pred > 0:
+        if rest_pred > 0 and pred.draft_depth == 0:  # a lookup-only step
+            self.lookup_extra = toward(self.lookup_extra, rest / (self.machine * rest_pred), self.alpha)
+        elif rest_pred > 0:
             self.spec_extra = toward(self.spec_extra, rest / (self.machine * rest_pred), self.alpha)
         b = self.accept_alpha
         acc, exp = self._by_depth.get(pred.draft_depth, (0.0, 0.0))

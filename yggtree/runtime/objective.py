@@ -24,7 +24,7 @@ import torch
 
 from ..errors import YggError
 from .calibration import Calibration, tree_aal_by_width
-from .cost import CostModel, catch_up_calls
+from .cost import CostModel, catch_up_calls, catch_up_heads
 from .feedback import Feedback
 from .policy import StepChoice, StepPolicy
 from .prediction import Prediction
@@ -196,8 +196,8 @@ class ObjectivePolicy(StepPolicy):
     def _online_plain(self, plain_ms: float) -> float:
         return self.feedback.plain_ms(plain_ms) if self.feedback else plain_ms
 
-    def _online_step(self, step_ms, verify_ms, wv):
-        return self.feedback.step_ms(step_ms, verify_ms, wv) if self.feedback else step_ms
+    def _online_step(self, step_ms, verify_ms, wv, lookup: bool = False):
+        return self.feedback.step_ms(step_ms, verify_ms, wv, lookup) if self.feedback else step_ms
 
     def _best_tree(self, ctx: int) -> tuple[int, float] | None:
         """The best drafted tree at ``ctx`` as the feedback stands (lookup candidates aside): its
@@ -308,7 +308,7 @@ class ObjectivePolicy(StepPolicy):
         plain_on = self._online_plain(costs[1][0]) + extra_ms
         ws = list(self.verify_widths)
         return best_verify([self._lookup_aal(w) for w in ws], ws,
-                           [self._online_step(*costs[w], w) + extra_ms for w in ws], plain_on)
+                           [self._online_step(*costs[w], w, lookup=True) + extra_ms for w in ws], plain_on)
 
     def choose_draft(self, h_root: torch.Tensor, committed: int) -> StepChoice:
         self._scale, self._probing, self._lookup_s = None, False, math.inf
@@ -329,7 +329,8 @@ class ObjectivePolicy(StepPolicy):
                   and self._probe_affordable(committed)):
                 choice, s = self.plan_choice(committed, allow_plain=False)  # probe
                 self._probing = True
-        self._step_calls = self._catch_up_calls(committed) if choice.draft_depth > 0 else 0
+        by_heads = self._by_heads(self._behind, committed)  # (a catch-up in head calls teaches no chunk call's cost)
+        self._step_calls = self._catch_up_calls(committed) if choice.draft_depth > 0 and not by_heads else 0
         self._planned = s if choice.draft_depth > 0 else 0.0
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
             self._plain_run += 1
@@ -360,13 +361,34 @@ class ObjectivePolicy(StepPolicy):
 
     def catch_up_ms(self, ctx: int) -> float:
         """Predicted time of the drafter's catch-up before a drafted step at context ``ctx`` now
-        (0: in step, or no price known yet): a call per prefill chunk it redoes."""
-        calls = self._catch_up_calls(ctx)
-        if calls <= 0:
-            return 0.0
+        (0: in step, or no price known yet): the cheaper of its two ways (:meth:`_catch_up_ways`)."""
+        return min(self._catch_up_ways(self._behind, ctx))
+
+    def _catch_up_ways(self, behind: int, ctx: int) -> tuple[float, float]:
+        """(in prefill chunks, in head calls) ms of a catch-up of ``behind`` tokens at ``ctx``: a
+        call per prefill chunk it redoes, at the feedback's measured ms per call, else the
+        profile's (0 where neither is known); a head call per ``absorbs`` + 1 tokens beyond what
+        the step's own head call takes in, at the profile's head call times the machine factor
+        (inf where the drafter's head takes in none)."""
+        calls = catch_up_calls(behind, ctx, self.chunk)
         prior = self.cost.resync_per_call(self.chunk)
         per = self.feedback.catch_up_per_call(prior) if self.feedback else prior
-        return calls * per if per else 0.0
+        chunks = calls * per if calls > 0 and per else 0.0
+        heads = catch_up_heads(behind, self.cost.absorbs)
+        if not self.cost.absorbs:
+            return chunks, math.inf
+        return chunks, heads * self.cost.head_ms(ctx) * (self.feedback.machine if self.feedback else 1.0)
+
+    def _by_heads(self, behind: int, ctx: int) -> bool:
+        chunks, heads = self._catch_up_ways(behind, ctx)
+        return heads < chunks
+
+    def catch_up_by_heads(self, behind: int, committed: int) -> bool:
+        """The drafter's catch-up in head calls where the profile prices them below its prefill
+        chunks: a chunk's call costs the same however few of its rows are new, and a resumed
+        prefill redoes the chunk holding the first token behind, where every row of a head call
+        (``absorbs`` + 1 of them) is new; which costs less is the machine's (its profile's)."""
+        return self._by_heads(int(behind), int(committed))
 
     def _catch_up_pays(self, speedup: float, ctx: int) -> bool:
         """Whether a tree at ``speedup`` over plain steps repays the drafter's catch-up within
@@ -425,7 +447,7 @@ class ObjectivePolicy(StepPolicy):
             extra = self.predictor.overhead_ms
         fb = self.feedback
         aal_on = [fb.aal(a, d) for a in aal] if fb else aal
-        steps_on = [(self._online_plain(t) if d == 0 and w == 1 else self._online_step(t, v, w)) + extra
+        steps_on = [(self._online_plain(t) if d == 0 and w == 1 else self._online_step(t, v, w, d == 0)) + extra
                     for t, v, w in zip(steps, vms, widths)]
         plain_on = self._online_plain(g.plain_ms)
         wv, _ = best_verify(aal_on, widths, steps_on, plain_on + extra)

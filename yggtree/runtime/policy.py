@@ -4,6 +4,7 @@ Every policy subclasses :class:`StepPolicy` (one interface; the engine refuses a
 Each speculation step the engine asks it (stages.speculate_step: its "policy" stages)::
 
     policy.see_catch_up(behind, remaining)                the drafter's lag, the tokens left
+    policy.catch_up_by_heads(behind, committed)           (a lag to catch up) head calls or chunks
     policy.see_lookup(prop, committed)                    this step's lookup candidates
     choice = policy.choose_draft(h_root, committed)       before drafting: D and W_d
     choice = policy.after_head(h_root, head_logp, choice, committed)
@@ -80,6 +81,12 @@ class StepPolicy:
         steps, or a request whose drafter prefill was deferred; 0: it is in step), which the next
         drafted step first absorbs (the ``resync`` stage), and the request may emit at most
         ``remaining`` more tokens."""
+
+    def catch_up_by_heads(self, behind: int, committed: int) -> bool:
+        """Whether the drafter's catch-up of ``behind`` tokens below ``committed`` (more than its
+        head call holds) runs in head calls (Drafter.absorb) rather than in prefill chunks; by
+        default the chunks."""
+        return False
 
     def see_lookup(self, prop, committed: int) -> None:
         """This step's lookup candidates (a :class:`~yggtree.runtime.lookup.Proposal`), before

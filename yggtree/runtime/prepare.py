@@ -128,6 +128,14 @@ def drafter_feeds_leaves(plan) -> bool:
     return EagleDrafter.feeds_leaves
 
 
+def drafter_absorbs(plan) -> int:
+    """``Drafter.absorbs`` of the drafter ``plan`` names, without loading it: an EAGLE head's
+    D_max (the plan's ``d_max``), else 0."""
+    if plan.drafter is None or eagle_head_dir(plan.drafter) is None:
+        return LMDrafter.absorbs
+    return int(plan.d_max)
+
+
 def load_drafter(spec, target, tokenizer):
     """The drafter named by ``spec.drafter`` for ``target``; refuses mismatched vocabularies."""
     name = spec.drafter

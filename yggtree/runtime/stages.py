@@ -205,12 +205,14 @@ def catch_up_behind(eng, req: Request) -> int:
 
 def resync(eng, req: Request) -> None:
     """Absorb into the drafter the committed sequence from ``sync_from`` (it holds what is
-    below), when plain or lookup-only steps left it behind: in prefill chunks, or, a few tokens
-    behind, in its next head call."""
+    below), when plain or lookup-only steps left it behind: a few tokens behind, in its next head
+    call; else in prefill chunks, or in head calls where the policy prices those lower."""
     seq = torch.tensor(list(req.prompt_ids) + req.out[:-1], dtype=torch.int64)
     feats = tuple(buf[: req.committed] for buf in eng.feat_buf)
     if deferred(eng, req):
         eng.drafter.defer(seq, feats, req.sync_from)
+    elif eng.drafter.absorbs and req.policy.catch_up_by_heads(req.committed - req.sync_from, req.committed):
+        eng.drafter.absorb(seq, feats, req.sync_from, eng.envelope.top_k)
     else:
         eng.drafter.prefill(seq, feats, req.sync_from)
     req.counters["resyncs"] += 1
