@@ -314,13 +314,31 @@ def test_resync_after_plain_steps_keeps_the_self_drafter_exact(target, plain):
             left -= 1 + rec.n_accepted
 
 
+def assert_holds_causal_run(drafter, tgt, tokens: list[int], L: int, n_slots: int) -> None:
+    """Every drafter cache entry of slots 1..L equals a causal run of the head over ``tokens`` with
+    the target's true features."""
+    from test_eagle import true_features
+
+    seq = torch.tensor(tokens)
+    feat = drafter.net.fuse_target((true_features(tgt, seq[:L], n_slots),))  # [L, H]
+    fresh = bigram_head(tgt, max_depth=D_MAX)
+    fresh.setup(n_slots, [8, 1], 8)
+    slot = torch.arange(1, L + 1)
+    cols = torch.arange(n_slots)
+    fresh.net(seq[1 : L + 1], feat, slot - 1, slot, (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]))
+    live = slice(1, L + 1)
+    for got, want in zip(drafter.net.caches(), fresh.net.caches(), strict=True):
+        torch.testing.assert_close(got.k[:, live], want.k[:, live], atol=1e-5, rtol=1e-4)  # [B, S, H, D]
+        torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
+
+
 def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target):
     """After a few plain steps the EAGLE drafter's catch-up rides on its next head call (Drafter.defer:
     the pairs it lacks pend beside the root's) instead of a prefill chunk's call, which costs a 4-bit
     target's plain step however few of its rows are new; a longer lag still goes through the prefill.
     Output stays the plain decoding's, and every committed drafter cache entry equals a causal run of
     the head over the committed sequence with the target's true features."""
-    from test_eagle import tiny as eagle_tiny, true_features
+    from test_eagle import tiny as eagle_tiny
 
     tgt = eagle_tiny()
     ref = Engine(tgt, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
@@ -354,17 +372,7 @@ def test_a_short_catch_up_is_left_to_the_eagle_heads_call(target):
     assert calls["prefill"][0] == 0 and all(s > 0 for s in calls["prefill"][1:] + calls["defer"])
 
     L = heads[-1]  # the root of the last head call: the drafter holds slots 1..L
-    seq = torch.tensor(prompt + res.token_ids)
-    feat = drafter.net.fuse_target((true_features(tgt, seq[:L], eng.n_slots),))  # [L, H]
-    fresh = bigram_head(tgt, max_depth=D_MAX)
-    fresh.setup(eng.n_slots, [8, 1], 8)
-    slot = torch.arange(1, L + 1)
-    cols = torch.arange(eng.n_slots)
-    fresh.net(seq[1 : L + 1], feat, slot - 1, slot, (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]))
-    live = slice(1, L + 1)
-    for got, want in zip(drafter.net.caches(), fresh.net.caches(), strict=True):
-        torch.testing.assert_close(got.k[:, live], want.k[:, live], atol=1e-5, rtol=1e-4)  # [B, S, H, D]
-        torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
+    assert_holds_causal_run(drafter, tgt, prompt + res.token_ids, L, eng.n_slots)
 
 
 class ByHeads(Scripted):
@@ -384,7 +392,7 @@ def test_a_long_catch_up_in_head_calls_holds_what_a_prefill_would(target):
     calls of D_MAX + 1 new tokens each (Drafter.absorb) instead of prefill chunks: asked only for
     such lags, the output stays the plain decoding's, and every committed drafter cache entry
     equals a causal run of the head over the committed sequence with the target's true features."""
-    from test_eagle import tiny as eagle_tiny, true_features
+    from test_eagle import tiny as eagle_tiny
 
     tgt = eagle_tiny()
     ref = Engine(tgt, EngineConfig(mode="reference", max_context=160, prefill_chunk=8))
@@ -407,17 +415,7 @@ def test_a_long_catch_up_in_head_calls_holds_what_a_prefill_would(target):
     assert pol.asked and all(behind > D_MAX for behind, _ in pol.asked)
     assert len(calls["absorb"]) == len(pol.asked) >= 3
     L = calls["head"][-1]  # the root of the last head call: the drafter holds slots 1..L
-    seq = torch.tensor(prompt + res.token_ids)
-    feat = drafter.net.fuse_target((true_features(tgt, seq[:L], eng.n_slots),))  # [L, H]
-    fresh = bigram_head(tgt, max_depth=D_MAX)
-    fresh.setup(eng.n_slots, [8, 1], 8)
-    slot = torch.arange(1, L + 1)
-    cols = torch.arange(eng.n_slots)
-    fresh.net(seq[1 : L + 1], feat, slot - 1, slot, (cols[None, :] >= 1) & (cols[None, :] <= slot[:, None]))
-    live = slice(1, L + 1)
-    for got, want in zip(drafter.net.caches(), fresh.net.caches(), strict=True):
-        torch.testing.assert_close(got.k[:, live], want.k[:, live], atol=1e-5, rtol=1e-4)  # [B, S, H, D]
-        torch.testing.assert_close(got.v[:, live], want.v[:, live], atol=1e-5, rtol=1e-4)
+    assert_holds_causal_run(drafter, tgt, prompt + res.token_ids, L, eng.n_slots)
 
 
 def test_a_catch_up_in_head_calls_takes_absorbs_plus_one_tokens_a_call(target):
