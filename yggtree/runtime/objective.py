@@ -329,8 +329,9 @@ class ObjectivePolicy(StepPolicy):
                   and self._probe_affordable(committed)):
                 choice, s = self.plan_choice(committed, allow_plain=False)  # probe
                 self._probing = True
-        by_heads = self._by_heads(self._behind, committed)  # (a catch-up in head calls teaches no chunk call's cost)
-        self._step_calls = self._catch_up_calls(committed) if choice.draft_depth > 0 and not by_heads else 0
+        # (a catch-up in head calls teaches no chunk call's cost)
+        chunked = choice.draft_depth > 0 and self._behind > 0 and not self._by_heads(self._behind, committed)
+        self._step_calls = self._catch_up_calls(committed) if chunked else 0
         self._planned = s if choice.draft_depth > 0 else 0.0
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
             self._plain_run += 1
@@ -370,6 +371,8 @@ class ObjectivePolicy(StepPolicy):
         profile's (0 where neither is known); a head call per ``absorbs`` + 1 tokens beyond what
         the step's own head call takes in, at the profile's head call times the machine factor
         (inf where the drafter's head takes in none)."""
+        if behind <= 0:
+            return 0.0, 0.0
         calls = catch_up_calls(behind, ctx, self.chunk)
         prior = self.cost.resync_per_call(self.chunk)
         per = self.feedback.catch_up_per_call(prior) if self.feedback else prior
@@ -446,7 +449,8 @@ class ObjectivePolicy(StepPolicy):
             aal = [1.0 + (a - 1.0) * float(self._scale[d - 1]) for a in aal]
             extra = self.predictor.overhead_ms
         fb = self.feedback
-        aal_on = [fb.aal(a, d) for a in aal] if fb else aal
+        scale = fb.accept_scale_at(d) if fb else 1.0  # fb.aal's, once for every width
+        aal_on = [1.0 + (a - 1.0) * scale for a in aal] if fb else aal
         steps_on = [(self._online_plain(t) if d == 0 and w == 1 else self._online_step(t, v, w, d == 0)) + extra
                     for t, v, w in zip(steps, vms, widths)]
         plain_on = self._online_plain(g.plain_ms)
