@@ -36,6 +36,7 @@ same steps on the host, in numpy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -223,42 +224,47 @@ def _draft_tree_device(drafter, root: torch.Tensor, head: TopK, d: int, wd: int,
 
 def _draft_tree_host(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L: torch.Tensor, k: int
                      ) -> tuple[Tree, int]:
-    """:func:`draft_tree` with the EGT state in numpy arrays: the same picks (a stable sort of
-    the float32 pool scores, descending), the same float32 path scores, the same drafter inputs
-    (tests/test_egt.py checks every one against the tensor functions)."""
-    n, p = 1 + d * wd, (1 + d * wd) * k
-    token = np.zeros(n, np.int64)  # the Tree's fields, as in egt_init
-    parent = np.zeros(n, np.int64)
-    depth = np.zeros(n, np.int64)
-    valid = np.zeros(n, np.bool_)
-    logp = np.full(n, -np.inf, np.float32)
+    """:func:`draft_tree` with the EGT state in Python lists: the same picks (a stable sort of the
+    pool's scores, descending), the same float32 path scores (each sum of two float32 values taken
+    in float64, then rounded to float32: exactly float32's sum, as float64 holds more than twice
+    float32's digits), the same drafter inputs (tests/test_egt.py checks every one against the
+    tensor functions). A level's few dozen values cost less as Python scalars than as numpy
+    operations, each paying its dispatch."""
+    n, inf = 1 + d * wd, math.inf
+    token, parent, depth = [0] * n, [0] * n, [0] * n  # the Tree's fields, as in egt_init
+    valid, logp = [False] * n, [-inf] * n  # logp: float32 values
     token[0], valid[0], logp[0] = int(root), True, 0.0
     anc = np.eye(n, dtype=np.bool_)  # [N, N] ancestor-or-self rows (an invalid node: itself only)
-    cand_token = np.zeros(p, np.int64)
-    cand_score = np.full(p, -np.inf, np.float32)
-    cand_token[:k] = head.token[0].numpy()
-    cand_score[:k] = head.logp[0].float().numpy()
-    children = np.arange(k)
+    cand_token, cand_score = [0] * (n * k), [-inf] * (n * k)  # the pool: scores are float32 values
+    cand_token[:k] = head.token[0].tolist()
+    cand_score[:k] = head.logp[0].float().tolist()
     for s in range(d):
-        pick = np.argsort(-cand_score, kind="stable")[:wd]  # egt_select
-        score = cand_score[pick]
-        ok = score > -np.inf
-        fed = np.arange(1 + s * wd, 1 + (s + 1) * wd)
-        up = np.where(ok, pick // k, 0)
-        token[fed] = np.where(ok, cand_token[pick], 0)
-        parent[fed] = up
-        depth[fed] = np.where(ok, depth[up] + 1, 0)
-        valid[fed] = ok
-        logp[fed] = np.where(ok, score, -np.inf)
-        anc[fed] |= anc[up] & ok[:, None]
-        cand_score[pick] = -np.inf
+        # egt_select over the slots filled so far: beyond them every score is -inf, and a pick
+        # of a -inf slot makes an invalid node whichever slot it is
+        filled = (1 + s * wd) * k
+        pick = sorted(range(filled), key=lambda i: -cand_score[i])[:wd]
+        pick += [filled] * (wd - len(pick))  # (fewer slots than picks: invalid nodes)
+        fed = range(1 + s * wd, 1 + (s + 1) * wd)
+        for node, i in zip(fed, pick):
+            score = cand_score[i] if i < filled else -inf
+            if score > -inf:
+                up = i // k
+                token[node], parent[node], depth[node] = cand_token[i], up, depth[up] + 1
+                valid[node], logp[node] = True, score
+                anc[node] |= anc[up]
+            if i < filled:
+                cand_score[i] = -inf
         if s == d - 1 and not drafter.feeds_leaves:
             break
-        t = torch.from_numpy
-        top = drafter.step(t(token[fed]), t(depth[fed]), t(fed), t(parent[fed]), t(anc[fed]), L, k)
-        child = logp[fed][:, None] + top.logp.float().numpy()  # egt_expand: [W_d, k] in float32
-        slots = (fed[:, None] * k + children).reshape(-1)
-        cand_token[slots] = top.token.numpy().reshape(-1)
-        cand_score[slots] = np.where(valid[fed][:, None], child, -np.inf).reshape(-1)
-    tree = Tree(*(torch.from_numpy(a) for a in (token, parent, depth, valid, logp)))
+        lo, hi = fed.start, fed.stop
+        ins = torch.tensor([token[lo:hi], depth[lo:hi], list(fed), parent[lo:hi]], dtype=torch.int64)  # one tensor: [4, W_d]
+        top = drafter.step(ins[0], ins[1], ins[2], ins[3], torch.from_numpy(anc[lo:hi]), L, k)
+        tops, lps = top.token.tolist(), top.logp.float().tolist()  # [W_d][k] each
+        for j, node in enumerate(fed):  # egt_expand: the children's path scores in float32
+            for c in range(k):
+                cand_token[node * k + c] = tops[j][c]
+                cand_score[node * k + c] = float(np.float32(logp[node] + lps[j][c])) if valid[node] else -inf
+    fields = torch.tensor([token, parent, depth], dtype=torch.int64)  # [3, N]
+    tree = Tree(fields[0], fields[1], fields[2], torch.tensor(valid, dtype=torch.bool),
+                torch.tensor(logp, dtype=torch.float32))
     return tree, d - 1 + int(drafter.feeds_leaves)
