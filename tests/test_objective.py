@@ -195,6 +195,26 @@ def policy(calib, draft_ms=2.0) -> ObjectivePolicy:
     return ObjectivePolicy(cost_model(draft_ms), calib, (1, 2, 4, 8), (4, 8, 16, 32), 6)
 
 
+def saturating_aal(wd: int, d: int, wv: int) -> float:
+    """A calibration's AAL that grows with depth and width, saturating."""
+    return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9
+
+
+def run_steps(pol: ObjectivePolicy, tree: Tree, n: int, drafted) -> list[int]:
+    """``n`` steps of ``pol`` at context 100, each reported as it ran: a drafted step with the
+    record ``drafted(i, choice)`` gives, a plain step at its predicted time. The depth of each."""
+    out = []
+    for i in range(n):
+        c = pol.choose_draft(torch.zeros(8), 100)
+        out.append(c.draft_depth)
+        if c.draft_depth:
+            pol.choose_verify(tree, c, 100)
+            pol.observe(drafted(i, c))
+        else:
+            pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
+    return out
+
+
 def brute_plan(pol: ObjectivePolicy, ctx: int) -> tuple[StepChoice, float]:
     plain = pol.cost.plain_ms(ctx)
     best = (StepChoice(0, 1), 1.0)
@@ -217,10 +237,7 @@ def test_weak_drafter_means_plain_steps():
 
 @pytest.mark.parametrize("draft_ms", [0.5, 2.0, 8.0])
 def test_draft_choice_equals_brute_force(draft_ms):
-    def aal(wd, d, wv):  # grows with depth and width, saturating
-        return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9
-
-    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(saturating_aal), (4, 8, 16, 32))
     pol = policy(cal, draft_ms)
     for ctx in (100, 600):
         want, s = brute_plan(pol, ctx)
@@ -604,24 +621,13 @@ def test_a_policy_that_fell_back_to_plain_steps_drafts_again_as_its_evidence_age
     estimate prices a tree above a plain step, where without aging it never would."""
     from yggtree.runtime.feedback import Feedback
 
-    def aal(wd, d, wv):
-        return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9
-
-    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(saturating_aal), (4, 8, 16, 32))
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
     firsts = {}
     for age in (0.0, 0.02):
         pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
                               feedback=Feedback(accept_alpha=0.2, age_alpha=age), probe_every=10**6)
-        choices = []
-        for i in range(600):
-            c = pol.choose_draft(torch.zeros(8), 100)
-            choices.append(c.draft_depth)
-            if c.draft_depth:
-                pol.choose_verify(tree, c, 100)
-                pol.observe(_record(c, 0 if i < 50 else 4, 60.0, 40.0))  # bad text, then good
-            else:
-                pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
+        choices = run_steps(pol, tree, 600, lambda i, c: _record(c, 0 if i < 50 else 4, 60.0, 40.0))  # bad text, then good
         first_plain = choices.index(0)
         assert first_plain < 50
         firsts[age] = next((i for i in range(first_plain, 600) if choices[i]), None)
@@ -695,24 +701,14 @@ def test_feedback_falls_back_to_plain_and_probes():
     from yggtree.runtime.feedback import Feedback
     from yggtree.runtime.prediction import predicted_speedup
 
-    def aal(wd, d, wv):
-        return 1 + min(d, 1 + wv // 4) * (1 - 0.5 ** wd) * 0.9
-
-    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(aal), (4, 8, 16, 32))
+    cal = Calibration((0.0, 1.0), (0.0, 0.9), table(saturating_aal), (4, 8, 16, 32))
     pol = ObjectivePolicy(cost_model(), cal, (1, 2, 4, 8), (4, 8, 16, 32), 6,
                           feedback=Feedback(alpha=0.5, accept_alpha=0.5, age_alpha=0.0), probe_every=4, probe_max=16,
                           probe_share=100.0)  # the probes' cost does not stretch the gaps here (see below)
     offline = policy(cal)
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
-    choices = []
-    for _ in range(80):
-        c = pol.choose_draft(torch.zeros(8), 100)
-        choices.append(c.draft_depth)
-        if c.draft_depth:
-            pol.choose_verify(tree, c, 100)
-            pol.observe(_record(c, 0, 500.0, 40.0))  # nothing accepted, drafting 10x slower than predicted
-        else:
-            pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
+    # nothing accepted, drafting 10x slower than predicted
+    choices = run_steps(pol, tree, 80, lambda i, c: _record(c, 0, 500.0, 40.0))
     assert offline.choose_draft(torch.zeros(8), 100).draft_depth > 0  # offline: speculate
     first = choices.index(0)
     assert 1 <= first <= 6  # a few bad steps suffice (alpha 0.5, time ratios clipped to 1.5x; each
@@ -752,17 +748,7 @@ def test_probes_cost_at_most_their_share_of_the_plain_steps_before_them():
     tree = topo_tree([0, 0, 1, 2, 3], [0.0, -0.1, -0.1, -0.1, -0.1])
 
     def run(n):  # n steps: the depth of each; probes cost 8 plain steps and accept nothing
-        out = []
-        for _ in range(n):
-            c = pol.choose_draft(torch.zeros(8), 100)
-            out.append(c.draft_depth)
-            plain = pol.feedback.plain_ms(pol.cost.plain_ms(100))
-            if c.draft_depth:
-                pol.choose_verify(tree, c, 100)
-                pol.observe(_record(c, 0, 8 * plain))
-            else:
-                pol.observe(_record(c, 0, pol.cost.plain_ms(100)))
-        return out
+        return run_steps(pol, tree, n, lambda i, c: _record(c, 0, 8 * pol.feedback.plain_ms(pol.cost.plain_ms(100))))
 
     steps = run(200)
     at = [i for i, d in enumerate(steps) if d]

@@ -240,20 +240,18 @@ def _draft_tree_host(drafter, root: torch.Tensor, head: TopK, d: int, wd: int, L
     cand_score[:k] = head.logp[0].float().tolist()
     for s in range(d):
         # egt_select over the slots filled so far: beyond them every score is -inf, and a pick
-        # of a -inf slot makes an invalid node whichever slot it is
+        # of a -inf slot makes an invalid node whichever slot it is (slot `filled` stands for them)
         filled = (1 + s * wd) * k
         pick = sorted(range(filled), key=lambda i: -cand_score[i])[:wd]
-        pick += [filled] * (wd - len(pick))  # (fewer slots than picks: invalid nodes)
+        pick += [filled] * (wd - len(pick))
         fed = range(1 + s * wd, 1 + (s + 1) * wd)
         for node, i in zip(fed, pick):
-            score = cand_score[i] if i < filled else -inf
-            if score > -inf:
+            if cand_score[i] > -inf:
                 up = i // k
                 token[node], parent[node], depth[node] = cand_token[i], up, depth[up] + 1
-                valid[node], logp[node] = True, score
+                valid[node], logp[node] = True, cand_score[i]
                 anc[node] |= anc[up]
-            if i < filled:
-                cand_score[i] = -inf
+            cand_score[i] = -inf
         if s == d - 1 and not drafter.feeds_leaves:
             break
         lo, hi = fed.start, fed.stop

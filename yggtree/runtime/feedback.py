@@ -253,8 +253,8 @@ class Feedback:
 
     def _age(self, steps: int, but: int | None = None) -> None:
         """Age every depth's acceptance sums by ``steps`` steps (depth ``but`` by one step fewer:
-        the step under way ages it by ``accept_alpha`` as it adds to it); the pending aging is
-        then applied."""
+        the step under way ages it by ``accept_alpha`` as it adds to it), the pending plain
+        steps' aging included; none is pending after."""
         self._aging = 0
         if steps <= 0 or not self.age_alpha:
             return

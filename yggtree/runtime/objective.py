@@ -330,7 +330,7 @@ class ObjectivePolicy(StepPolicy):
                 choice, s = self.plan_choice(committed, allow_plain=False)  # probe
                 self._probing = True
         # (a catch-up in head calls teaches no chunk call's cost)
-        chunked = choice.draft_depth > 0 and self._behind > 0 and not self._by_heads(self._behind, committed)
+        chunked = choice.draft_depth > 0 and self._behind > 0 and not self.catch_up_by_heads(self._behind, committed)
         self._step_calls = self._catch_up_calls(committed) if chunked else 0
         self._planned = s if choice.draft_depth > 0 else 0.0
         if choice.draft_depth == 0:  # the engine asks no W_v for a plain step
@@ -377,21 +377,18 @@ class ObjectivePolicy(StepPolicy):
         prior = self.cost.resync_per_call(self.chunk)
         per = self.feedback.catch_up_per_call(prior) if self.feedback else prior
         chunks = calls * per if calls > 0 and per else 0.0
-        heads = catch_up_heads(behind, self.cost.absorbs)
         if not self.cost.absorbs:
             return chunks, math.inf
+        heads = catch_up_heads(behind, self.cost.absorbs)
         return chunks, heads * self.cost.head_ms(ctx) * (self.feedback.machine if self.feedback else 1.0)
-
-    def _by_heads(self, behind: int, ctx: int) -> bool:
-        chunks, heads = self._catch_up_ways(behind, ctx)
-        return heads < chunks
 
     def catch_up_by_heads(self, behind: int, committed: int) -> bool:
         """The drafter's catch-up in head calls where the profile prices them below its prefill
         chunks: a chunk's call costs the same however few of its rows are new, and a resumed
         prefill redoes the chunk holding the first token behind, where every row of a head call
         (``absorbs`` + 1 of them) is new; which costs less is the machine's (its profile's)."""
-        return self._by_heads(int(behind), int(committed))
+        chunks, heads = self._catch_up_ways(int(behind), int(committed))
+        return heads < chunks
 
     def _catch_up_pays(self, speedup: float, ctx: int) -> bool:
         """Whether a tree at ``speedup`` over plain steps repays the drafter's catch-up within
