@@ -35,7 +35,7 @@ class Feedback:
       steps (no drafter call), kept apart: their few stages (the lookup, the policy's pricing, the
       commit) run over or under the profile by other factors than a drafted step's, and where
       they shared one factor the lookup-only steps, most of the steps on text lookup continues,
-      priced every drafted tree at up to 1.9x its non-verify time;
+      priced every drafted tree out (docs/objective.md);
     - acceptance per draft depth D: realised / expected drafted tokens accepted (AAL - 1) over
       D-deep steps, as discounted sums (weight ``1 - accept_alpha`` per step of that depth: per
       step acceptance is a coin toss) with ``prior_tokens`` pseudo-tokens at the scale of depth
@@ -47,7 +47,7 @@ class Feedback:
       on. Without it a policy that fell back to plain steps on a stretch of text the drafter
       does badly on (an answer's prose) kept that stretch's estimate for good, plain steps
       teaching nothing: on a stream of prose requests and then code requests it stayed on plain
-      steps through every code request after, where a fixed tree gained 1.2-1.3x. With it the
+      steps through every code request after, where a fixed tree paid (docs/objective.md). With it the
       estimate returns toward the prior (the offline calibration) within a few hundred plain
       steps, the policy drafts again, and the text's own steps decide anew. (Aging is applied
       ``age_every`` plain steps at a time, as one multiplication: a policy reprices its trees
