@@ -319,19 +319,26 @@ void load_tile(const K* kb, int64_t ks1, const int64_t* slots, int64_t n, int64_
   }
 }
 
-// One query's scores against LANES K rows (D = 16 ND floats each, `stride` apart), each summed as head_group's
-// score sums it: out[0, LANES)
+// One query's scores against nt tiles of LANES K rows (tile t's rows D = 16 ND floats each, strides[t] apart),
+// each summed as head_group's score sums it: out[LANES t, LANES t + LANES). The query is read chunk by chunk,
+// every slot's sum advancing one chunk at a time (each sum still runs over the chunks in order), so only the
+// LANES sums and one chunk take registers (16 registers hold no more) and the query's loads serve a whole tile
 template <int ND>
-void tile_scores(const float* q, const float* k, int64_t stride, float scale, float* out) {
+void tile_scores(const float* q, const float* const* tiles, const int64_t* strides, int nt, float scale, float* out) {
   constexpr int NC = ND * 16 / LANES;
-  F qv[NC];
-  for (int c = 0; c < NC; ++c) qv[c] = load(q + LANES * c);
-  F acc[LANES];
-  for (int s = 0; s < LANES; ++s, k += stride) {
-    acc[s] = mul(qv[0], load(k));
-    for (int c = 1; c < NC; ++c) acc[s] = fmadd(qv[c], load(k + LANES * c), acc[s]);
+  const F sv = set1(scale);
+  for (int t = 0; t < nt; ++t) {
+    const float* k = tiles[t];
+    const int64_t stride = strides[t];
+    F acc[LANES];
+    const F q0 = load(q);
+    for (int s = 0; s < LANES; ++s) acc[s] = mul(q0, load(k + s * stride));
+    for (int c = 1; c < NC; ++c) {
+      const F qc = load(q + LANES * c);
+      for (int s = 0; s < LANES; ++s) acc[s] = fmadd(qc, load(k + s * stride + LANES * c), acc[s]);
+    }
+    store(out + LANES * t, mul(reduce_add_each(acc), sv));
   }
-  store(out, mul(reduce_add_each(acc), set1(scale)));
 }
 
 // The same for a few rows (slots[0, n)), one at a time: where most of a tile would be padding
@@ -346,7 +353,7 @@ void few_scores(const float* q, const K* kb, int64_t ks1, const int64_t* slots, 
   }
 }
 
-using ScoreFn = void (*)(const float*, const float*, int64_t, float, float*);
+using ScoreFn = void (*)(const float*, const float* const*, const int64_t*, int, float, float*);
 template <int... ND>
 constexpr std::array<ScoreFn, sizeof...(ND)> score_fns(std::integer_sequence<int, ND...>) {
   return {&tile_scores<ND>...};
@@ -386,6 +393,7 @@ void weigh(const K* vb, int64_t vs1, const int64_t* slots, const float* const* p
   }
 }
 
+constexpr int BLOCK_TILES = 64 / LANES;  // K tiles scored a block at a time: 64 slots (16 KB as float32 at D = 64)
 constexpr int MAX_BLOCK = 6;  // queries a weigh call serves: NB x CB <= 24 sums (12 on 16 registers)
 constexpr int MAX_CB = REGISTERS >= 32 ? 4 : 2;
 
@@ -398,7 +406,8 @@ constexpr std::array<WeighFn<K>, sizeof...(NB)> weigh_fns(std::integer_sequence<
 }
 
 // A thread's scratch (reused across calls): scores then probabilities [queries, stride]; queries as float32
-// and their two parts' weighted sums [queries, D]; a K tile [LANES, D]; each query's row, head and sum
+// and their two parts' weighted sums [queries, D]; a block of K tiles [BLOCK_TILES, LANES, D]; each query's row,
+// head and sum
 struct TreeScratch {
   std::vector<float> sc, qf, a1, a2, kt, total;
   std::vector<int64_t> row, head;
@@ -450,42 +459,65 @@ void run_tree(const yggtree::AttentionCall& a) {
     const int64_t stride = round_up(n1max) + round_up(T);  // a tile's store may pass a row's n1
     if (static_cast<int64_t>(buf.sc.size()) < nq * stride) buf.sc.resize(nq * stride);
     if (static_cast<int64_t>(buf.qf.size()) < nq * D) buf.qf.resize(nq * D), buf.a1.resize(nq * D), buf.a2.resize(nq * D);
-    buf.kt.resize(LANES * D), buf.total.resize(nq);
+    buf.kt.resize(BLOCK_TILES * LANES * D), buf.total.resize(nq);
     float *sc = buf.sc.data(), *qf = buf.qf.data(), *a1 = buf.a1.data(), *a2 = buf.a2.data(), *kt = buf.kt.data();
     for (int64_t i = 0; i < nq; ++i)
       for (int64_t c = 0; c < D; c += LANES) store(qf + i * D + c, load16(qp + ((b * W + row[i]) * H + buf.head[i]) * D + c));
-    // the scores of queries [i, j) that read them (sc + at(i)) against n <= LANES K rows, slots sl[0, n): a full
-    // run of float32 rows read in place, other tiles converted once into kt, a few rows one at a time
-    auto score_tile = [&](const int64_t* sl, int64_t n, int64_t i, int64_t j, auto reads, auto at) {
-      if (2 * n < LANES) {
-        for (; i < j; ++i)
-          if (reads(i)) few_scores(qf + i * D, kb, ks1, sl, n, D, scale, sc + at(i));
-        return;
-      }
-      const float* tile = kt;
-      int64_t stride = D;
-      if constexpr (std::is_same_v<K, float>) {
-        if (n == LANES && sl[LANES - 1] - sl[0] == LANES - 1) tile = kb + sl[0] * ks1, stride = ks1;
-      }
-      if (tile == kt) load_tile(kb, ks1, sl, n, D, kt);
-      for (; i < j; ++i)
-        if (reads(i)) score(qf + i * D, tile, stride, scale, sc + at(i));
-    };
-    // part 1: each tile of U's K rows loaded once, scored against every query that reads it
+    // Up to BLOCK_TILES tiles of K rows from the slots sl[u0, n), LANES a tile: tp and ts get each tile's rows and
+    // row stride (a full run of float32 rows read in place, other tiles converted once into kt, a short last tile
+    // padded); returns how many, and in `few` the rows after them left to few_scores (a last tile that would be
+    // mostly padding). `fetch`: the rows `ahead` slots on are fetched first where that is this machine's choice
     const int64_t ahead = yggtree::attention_ahead();
-    for (int64_t u0 = 0; u0 < n1max; u0 += LANES) {
-      for (int64_t u = u0 + ahead; ahead && u < std::min<int64_t>(u0 + ahead + LANES, n1max); ++u)
-        fetch_row(kb + sh.slots[u] * ks1, D);
-      score_tile(sh.slots.data() + u0, std::min<int64_t>(LANES, n1max - u0), 0, nq,
-                 [&](int64_t i) { return sh.n1[row[i]] > u0; }, [&](int64_t i) { return i * stride + u0; });
+    auto load_tiles = [&](const int64_t* sl, int64_t n, int64_t u0, bool fetch, const float** tp, int64_t* ts,
+                          int64_t& few) {
+      int t = 0;
+      few = 0;
+      for (; t < BLOCK_TILES && u0 + t * LANES < n; ++t) {
+        const int64_t v0 = u0 + t * LANES, m = std::min<int64_t>(LANES, n - v0);
+        for (int64_t u = v0 + ahead; fetch && ahead && u < std::min<int64_t>(v0 + ahead + LANES, n); ++u)
+          fetch_row(kb + sl[u] * ks1, D);
+        if (2 * m < LANES) {
+          few = m;
+          break;
+        }
+        if constexpr (std::is_same_v<K, float>) {
+          if (m == LANES && sl[v0 + LANES - 1] - sl[v0] == LANES - 1) {
+            tp[t] = kb + sl[v0] * ks1, ts[t] = ks1;
+            continue;
+          }
+        }
+        tp[t] = kt + t * LANES * D, ts[t] = D;
+        load_tile(kb, ks1, sl + v0, m, D, kt + t * LANES * D);
+      }
+      return t;
+    };
+    const float* tp[BLOCK_TILES];
+    int64_t ts[BLOCK_TILES], few;
+    // part 1: U's K rows a block of tiles at a time, each block loaded once and scored by every query that reads it
+    // (a query reads the block's tiles that start before its n1)
+    for (int64_t u0 = 0; u0 < n1max; u0 += BLOCK_TILES * LANES) {
+      const int nt = load_tiles(sh.slots.data(), n1max, u0, true, tp, ts, few);
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t n1 = sh.n1[row[i]], tail = u0 + nt * LANES;
+        if (n1 <= u0) continue;
+        score(qf + i * D, tp, ts, static_cast<int>(std::min<int64_t>(nt, (n1 - u0 + LANES - 1) / LANES)), scale,
+              sc + i * stride + u0);
+        if (few && n1 > tail) few_scores(qf + i * D, kb, ks1, sh.slots.data() + tail, few, D, scale, sc + i * stride + tail);
+      }
     }
     // part 2: each row's window against its heads, after its part 1
     for (int64_t i = 0, j; i < nq; i = j) {
       const int64_t r = row[i], n1 = sh.n1[r], n2 = sh.n2[r];
+      const int64_t* wl = sh.win.data() + r * T;
       for (j = i; j < nq && row[j] == r;) ++j;
-      for (int64_t t0 = 0; t0 < n2; t0 += LANES)
-        score_tile(sh.win.data() + r * T + t0, std::min<int64_t>(LANES, n2 - t0), i, j, [](int64_t) { return true; },
-                   [&](int64_t ii) { return ii * stride + n1 + t0; });
+      for (int64_t t0 = 0; t0 < n2; t0 += BLOCK_TILES * LANES) {
+        const int nt = load_tiles(wl, n2, t0, false, tp, ts, few);
+        const int64_t tail = t0 + nt * LANES;
+        for (int64_t ii = i; ii < j; ++ii) {
+          score(qf + ii * D, tp, ts, nt, scale, sc + ii * stride + n1 + t0);
+          if (few) few_scores(qf + ii * D, kb, ks1, wl + tail, few, D, scale, sc + ii * stride + n1 + tail);
+        }
+      }
     }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t n1 = sh.n1[row[i]], n = n1 + sh.n2[row[i]];
