@@ -359,37 +359,48 @@ constexpr std::array<ScoreFn, sizeof...(ND)> score_fns(std::integer_sequence<int
   return {&tile_scores<ND>...};
 }
 
+constexpr int WEIGH_SLOTS = 64;  // V rows the weighted sums take a block at a time (8 KB of float16 rows at D = 64)
+
 // NB queries' weighted sums over V's chunks [c0, c0 + CB) (LANES floats each), for every c0 < nc: query i adds
 // p[i][u] v(slots[u]) for u < n[i], slot by slot as head_group's weigh does, and stores the sums at out[i].
-// Each V chunk is loaded once for all NB queries up to the shortest n[i]; NB x CB sums stay in registers.
+// Each V chunk is loaded once for all NB queries up to the shortest n[i]; NB x CB sums stay in registers. The
+// slots go WEIGH_SLOTS at a time, every chunk of a block's rows before the next block (the sums kept in out
+// between blocks, exactly), so a row is read from memory once and its other chunks come from the first-level
+// cache (chunk by chunk over all the slots, each pass swept the cold rows again for their next cache line)
 template <typename K, int NB, int CB>
 void weigh(const K* vb, int64_t vs1, const int64_t* slots, const float* const* p, const int64_t* n, float* const* out,
            int nc) {
   int64_t common = n[0];
   for (int i = 1; i < NB; ++i) common = std::min(common, n[i]);
   const int64_t ahead = yggtree::attention_ahead();
-  for (int c0 = 0; c0 < nc; c0 += CB) {
-    F a[NB][CB];
-    for (int i = 0; i < NB; ++i)
-      for (int c = 0; c < CB; ++c) a[i][c] = zero();
-    for (int64_t u = 0; u < common; ++u) {
-      if (ahead && c0 == 0) fetch_row(vb + slots[std::min(u + ahead, common - 1)] * vs1, int64_t(nc) * LANES);
-      const K* vr = vb + slots[u] * vs1 + LANES * c0;
-      F vc[CB];
-      for (int c = 0; c < CB; ++c) vc[c] = load16(vr + LANES * c);
-      for (int i = 0; i < NB; ++i) {
-        const F pu = set1(p[i][u]);
-        for (int c = 0; c < CB; ++c) a[i][c] = fmadd(pu, vc[c], a[i][c]);
-      }
-    }
-    for (int i = 0; i < NB; ++i)
-      for (int64_t u = common; u < n[i]; ++u) {
+  for (int64_t u0 = 0; u0 == 0 || u0 < common; u0 += WEIGH_SLOTS) {
+    const int64_t u1 = std::min(common, u0 + WEIGH_SLOTS);
+    for (int64_t u = u1; u < std::min(common, u1 + WEIGH_SLOTS); ++u)
+      fetch_row(vb + slots[u] * vs1, int64_t(nc) * LANES);  // the next block's rows, while this one is summed
+    for (int c0 = 0; c0 < nc; c0 += CB) {
+      F a[NB][CB];
+      for (int i = 0; i < NB; ++i)
+        for (int c = 0; c < CB; ++c) a[i][c] = u0 == 0 ? zero() : load(out[i] + LANES * (c0 + c));
+      for (int64_t u = u0; u < u1; ++u) {
+        if (ahead && c0 == 0) fetch_row(vb + slots[std::min(u + ahead, common - 1)] * vs1, int64_t(nc) * LANES);
         const K* vr = vb + slots[u] * vs1 + LANES * c0;
-        const F pu = set1(p[i][u]);
-        for (int c = 0; c < CB; ++c) a[i][c] = fmadd(pu, load16(vr + LANES * c), a[i][c]);
+        F vc[CB];
+        for (int c = 0; c < CB; ++c) vc[c] = load16(vr + LANES * c);
+        for (int i = 0; i < NB; ++i) {
+          const F pu = set1(p[i][u]);
+          for (int c = 0; c < CB; ++c) a[i][c] = fmadd(pu, vc[c], a[i][c]);
+        }
       }
-    for (int i = 0; i < NB; ++i)
-      for (int c = 0; c < CB; ++c) store(out[i] + LANES * (c0 + c), a[i][c]);
+      if (u1 == common)  // the last block: each query's slots past the common ones
+        for (int i = 0; i < NB; ++i)
+          for (int64_t u = common; u < n[i]; ++u) {
+            const K* vr = vb + slots[u] * vs1 + LANES * c0;
+            const F pu = set1(p[i][u]);
+            for (int c = 0; c < CB; ++c) a[i][c] = fmadd(pu, load16(vr + LANES * c), a[i][c]);
+          }
+      for (int i = 0; i < NB; ++i)
+        for (int c = 0; c < CB; ++c) store(out[i] + LANES * (c0 + c), a[i][c]);
+    }
   }
 }
 
@@ -497,6 +508,8 @@ void run_tree(const yggtree::AttentionCall& a) {
     // (a query reads the block's tiles that start before its n1)
     for (int64_t u0 = 0; u0 < n1max; u0 += BLOCK_TILES * LANES) {
       const int nt = load_tiles(sh.slots.data(), n1max, u0, true, tp, ts, few);
+      for (int64_t u = u0 + BLOCK_TILES * LANES; u < std::min(n1max, u0 + 2 * BLOCK_TILES * LANES); ++u)
+        fetch_row(kb + sh.slots[u] * ks1, D);  // the next block's rows, while this one is scored
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t n1 = sh.n1[row[i]], tail = u0 + nt * LANES;
         if (n1 <= u0) continue;
