@@ -293,6 +293,36 @@ def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tm
         kernels.attention_kernel(heads, 1, where)
 
 
+def test_the_attention_is_chosen_on_the_cache_dtype_it_reads(monkeypatch, tmp_path):
+    """A 16-bit cache's choice is timed on 16-bit caches, a layer each as a step reads them, and kept
+    apart from a float32 cache's (their tiles are converted or read in place: the kernels rank
+    differently); an engine's model asks for its own cache's."""
+    from yggtree.runtime import attention_choice as choice
+
+    monkeypatch.delenv(choice.ATTENTION_ENV, raising=False)
+    asked = []
+
+    def call(kernel, heads, width, context, kv_dtype=torch.float32, layers=1):
+        asked.append((kv_dtype, layers))
+        return lambda: time.sleep(0.002 if (kernel == "tree") == (kv_dtype == torch.float32) else 0.001)
+
+    monkeypatch.setattr(choice, "attention_call", call)
+    monkeypatch.setattr(choice, "time_ahead", lambda heads, kv_dtype: {0: 1.0, 16: 1.0})
+    assert choice.attention_kernel((4, 2, 32), 1, tmp_path, torch.float16)["kernel"] == "tree"
+    assert set(asked) == {(torch.float16, choice.AHEAD_SHAPE[1])}
+    assert choice.attention_kernel((4, 2, 32), 1, tmp_path)["kernel"] == "rows"
+    assert sorted(p.name for p in tmp_path.glob("attention-*.json")) == [
+        "attention-t1-h4-2-32-kvfloat16.json", "attention-t1-h4-2-32.json"]
+    from test_w4a8 import gguf_like
+    from yggtree.runtime.model import set_kv_dtype
+
+    target = gguf_like(0)
+    set_kv_dtype(target, "float16")
+    assert kernels.kv_dtype(target) == torch.float16
+    set_kv_dtype(target, None)
+    assert kernels.kv_dtype(target) == torch.float32
+
+
 def test_the_attention_fetches_ahead_where_that_is_clearly_faster_here(monkeypatch, tmp_path):
     """The fetch ahead is this machine's choice beside the kernel's: the distance timed fastest where
     it beats none by ATTENTION_MARGIN, else none; an engine decodes with it set, restored after, and a
@@ -301,7 +331,7 @@ def test_the_attention_fetches_ahead_where_that_is_clearly_faster_here(monkeypat
 
     monkeypatch.delenv(choice.ATTENTION_ENV, raising=False)
     for i, (timed, want) in enumerate([({0: 1.0, 16: 0.9}, 16), ({0: 1.0, 16: 0.97}, 0), ({0: 0.9, 16: 1.0}, 0)]):
-        monkeypatch.setattr(choice, "time_ahead", lambda heads, timed=timed: timed)
+        monkeypatch.setattr(choice, "time_ahead", lambda heads, kv_dtype, timed=timed: timed)
         (tmp_path / str(i)).mkdir()
         assert choice.attention_kernel((4, 2, 32), 1, tmp_path / str(i))["ahead"] == want
 

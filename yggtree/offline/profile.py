@@ -285,10 +285,11 @@ def _attention_record(engine, threads: int) -> dict | None:
     if attn is None:
         return None
     from ..runtime.attention_choice import attention_kernel
-    from ..runtime.kernels import library_dir
+    from ..runtime.kernels import kv_dtype, library_dir
 
     cfg = engine.target.cfg
-    return attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads, library_dir()) | {"ran": attn}
+    return attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), threads, library_dir(),
+                            kv_dtype(engine.target)) | {"ran": attn}
 
 
 def measure_compiled_profile(plan, hw: str, threads: int, grid: ProfileGrid, command: str) -> dict:

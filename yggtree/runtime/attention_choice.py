@@ -5,8 +5,10 @@ how far ahead they fetch the cache's rows.
 bits from one pass over each KV head's cache for all of them (``runtime/csrc/rows_attention.cpp``).
 The shared pass wins where the query vectors fit the registers and loses where they spill; fetching
 a step's cold cache rows ahead of the reads wins where one core's stream of them stalls on its misses
-and loses where the hardware prefetchers already keep up. So both are timed per machine, thread count
-and head shape, and kept beside the library build they timed. Apart from the library (runtime/kernels.py), so that how it is measured can change without
+and loses where the hardware prefetchers already keep up. So both are timed per machine, thread count,
+head shape and KV cache dtype (a float32 cache's tiles are read in place, a 16-bit one's converted:
+the two rank the kernels differently), as a step runs them (every layer its own cache, read after a
+step's weight stream evicted it), and kept beside the library build they timed. Apart from the library (runtime/kernels.py), so that how it is measured can change without
 making compiled packages stale.
 """
 
@@ -25,21 +27,23 @@ from .model import Attention
 
 ATTENTION_KERNELS = ("rows", "tree")  # the library's attentions of a call's rows: one by one, or one pass
 ATTENTION_ENV = "YGGTREE_ATTENTION"  # one of ATTENTION_KERNELS: no measurement
-ATTENTION_SHAPE = (8, (256, 1024))  # what the choice is timed on: tree rows, contexts
+ATTENTION_SHAPE = (8, (256, 1024))  # what the choice is timed on: tree rows, contexts (AHEAD_SHAPE's layers)
 ATTENTION_MARGIN = 0.05  # the shared pass must beat the rows by this share to be chosen (and a fetch ahead none)
 ATTENTION_AHEAD = (0, 16)  # slots ahead the attentions may fetch K and V rows (csrc/prefetch.h), timed per machine
 AHEAD_SHAPE = (1024, 30)  # what the fetch is timed on: one row over this many slots of as many layers' own caches
 AHEAD_EVICT = 128 << 20  # bytes written before each timed pass: a step's weight stream, which evicts the caches
 
 
-def chain_inputs(heads: tuple[int, int, int], width: int, context: int, gen: torch.Generator) -> tuple:
+def chain_inputs(heads: tuple[int, int, int], width: int, context: int, gen: torch.Generator,
+                 kv_dtype: torch.dtype = torch.float32) -> tuple:
     """Random inputs of one layer's library attention for ``heads`` (query heads, KV heads, head
-    dim): q [1, W, H, D], k and v [1, C + W, Hkv, D] (head-major cache, runtime/kv_cache.py),
-    mask [1, W, C + W] bool (the ``context`` committed slots) and window [1, W, W] (a chain)."""
+    dim): q [1, W, H, D], k and v [1, C + W, Hkv, D] in ``kv_dtype`` (head-major cache,
+    runtime/kv_cache.py), mask [1, W, C + W] bool (the ``context`` committed slots) and window
+    [1, W, W] (a chain)."""
     h, hkv, d = heads
     q = torch.randn(1, width, h, d, generator=gen)
-    k = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
-    v = torch.randn(1, hkv, context + width, d, generator=gen).transpose(1, 2)
+    k = torch.randn(1, hkv, context + width, d, generator=gen).to(kv_dtype).transpose(1, 2)
+    v = torch.randn(1, hkv, context + width, d, generator=gen).to(kv_dtype).transpose(1, 2)
     mask = torch.zeros(1, width, context + width, dtype=torch.bool)
     mask[:, :, :context] = True
     ar = torch.arange(width)
@@ -47,21 +51,31 @@ def chain_inputs(heads: tuple[int, int, int], width: int, context: int, gen: tor
     return q, k, v, mask, window
 
 
-def attention_call(kernel: str, heads: tuple[int, int, int], width: int, context: int):
-    """One call of the library's ``kernel`` attention for a layer of ``heads``: ``width`` chained
-    tree rows over ``context`` cached slots, random values (:func:`chain_inputs`)."""
-    args = chain_inputs(heads, width, context, torch.Generator().manual_seed(0))
+def attention_call(kernel: str, heads: tuple[int, int, int], width: int, context: int,
+                   kv_dtype: torch.dtype = torch.float32, layers: int = 1):
+    """A call of the library's ``kernel`` attention for each of ``layers`` layers of ``heads``, each
+    over its own cache: ``width`` chained tree rows over ``context`` cached slots, random values
+    (:func:`chain_inputs`)."""
+    gen = torch.Generator().manual_seed(0)
+    calls = [chain_inputs(heads, width, context, gen, kv_dtype) for _ in range(layers)]
     op = getattr(torch.ops.yggtree, f"{kernel}_attention")
-    return lambda: op(*args)
+
+    def run():
+        for args in calls:
+            op(*args)
+    return run
 
 
-def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> dict:
+def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path,
+                     kv_dtype: torch.dtype = torch.float32) -> dict:
     """Which attention (:data:`ATTENTION_KERNELS`) runs a call of several rows for layers of
-    ``heads`` (query heads, KV heads, head dim) at ``threads`` threads on this machine, as
-    ``{"kernel": ..., "best_ms": {...}}``: ``$YGGTREE_ATTENTION`` where set, else timed (a fraction
-    of a second: both kernels alternately, :data:`ATTENTION_SHAPE`, the best of 25 calls each, as
-    other processes only ever add time) and kept in the library's build directory beside the code
-    it timed (``where``: the loaded library's build directory, ``kernels.library_dir``). ``tree`` is chosen where it is faster by :data:`ATTENTION_MARGIN`; a closer result
+    ``heads`` (query heads, KV heads, head dim) over a ``kv_dtype`` cache at ``threads`` threads on
+    this machine, as ``{"kernel": ..., "best_ms": {...}}``: ``$YGGTREE_ATTENTION`` where set, else
+    timed (a second or two: both kernels alternately at :data:`ATTENTION_SHAPE`, each pass over
+    :data:`AHEAD_SHAPE`'s layers' own caches after :data:`AHEAD_EVICT` bytes of other writes, as a
+    step reads them; the best of 15 passes each, as other processes only ever add time) and kept in
+    the library's build directory beside the code it timed (``where``: the loaded library's build
+    directory, ``kernels.library_dir``). ``tree`` is chosen where it is faster by :data:`ATTENTION_MARGIN`; a closer result
     (a tie, or a machine so busy that every call waited for a core) runs ``rows`` and is not
     kept: the next process times it again. The two compute the same bits: the choice is speed
     only."""
@@ -70,7 +84,8 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> 
         if named not in ATTENTION_KERNELS:
             raise YggError(f"{ATTENTION_ENV}={named} is not one of {', '.join(ATTENTION_KERNELS)}")
         return {"kernel": named, "best_ms": {}, "source": ATTENTION_ENV}
-    path = where / f"attention-t{threads}-h{'-'.join(map(str, heads))}.json"
+    cache = "" if kv_dtype == torch.float32 else f"-kv{str(kv_dtype).removeprefix('torch.')}"
+    path = where / f"attention-t{threads}-h{'-'.join(map(str, heads))}{cache}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -79,14 +94,17 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        calls = {(k, c): attention_call(k, heads, width, c) for k in ATTENTION_KERNELS for c in contexts}
+        calls = {(k, c): attention_call(k, heads, width, c, kv_dtype, AHEAD_SHAPE[1])
+                 for k in ATTENTION_KERNELS for c in contexts}
+        evict = torch.zeros(AHEAD_EVICT // 4)
         times: dict = {key: [] for key in calls}
-        for _ in range(25):
+        for _ in range(15):
             for key, call in calls.items():
+                evict.add_(1.0)
                 t = time.perf_counter()
                 call()
                 times[key].append(time.perf_counter() - t)
-        ahead = time_ahead(heads)
+        ahead = time_ahead(heads, kv_dtype)
     finally:
         torch.set_num_threads(before)
     best = {f"{k}@{c}": round(1e3 * min(v), 4) for (k, c), v in times.items()}
@@ -104,13 +122,13 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path) -> 
     return choice
 
 
-def time_ahead(heads: tuple[int, int, int]) -> dict[int, float]:
+def time_ahead(heads: tuple[int, int, int], kv_dtype: torch.dtype = torch.float32) -> dict[int, float]:
     """The best ms of a decode step's one-row attention (:data:`AHEAD_SHAPE`: every layer its own cache,
     read after :data:`AHEAD_EVICT` bytes of other writes, as in a step) at each :data:`ATTENTION_AHEAD`,
     alternating, at the calling thread's thread count."""
     context, layers = AHEAD_SHAPE
     gen = torch.Generator().manual_seed(0)
-    calls = [chain_inputs(heads, 1, context, gen) for _ in range(layers)]
+    calls = [chain_inputs(heads, 1, context, gen, kv_dtype) for _ in range(layers)]
     evict = torch.zeros(AHEAD_EVICT // 4)
     times: dict = {a: [] for a in ATTENTION_AHEAD}
     was = torch.ops.yggtree.attention_prefetch(-1)

@@ -48,7 +48,7 @@ from ..errors import YggError
 from ..files import write_text_atomic
 from ..shapes import PREFETCH_CHOICES, prefetch_name, prefetch_setting  # noqa: F401 (the library's settings)
 
-__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "library_built", "load_library", "aoti_shims", "runs_attention",
+__all__ = ["SOURCES", "SHIMS", "ISAS", "cpu_flags", "isa", "runnable_isas", "library_missing", "library_usable", "library_built", "load_library", "aoti_shims", "runs_attention", "kv_dtype",
            "use_library", "use_rows_attention", "use_library_norm", "attention_ahead", "loop_pool", "prefetch", "prefetch_now", "attention_prefetch", "prefetch_setting", "prefetch_name", "PREFETCH_CHOICES"]
 
 # the longest compiles first (ninja starts them in this order): the attention kernels' many instantiations,
@@ -363,7 +363,7 @@ def use_rows_attention(model, kernel: str | None = None) -> int:
 
         c = layers[0].cfg
         kernel = attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), torch.get_num_threads(),
-                                  library_dir())["kernel"]
+                                  library_dir(), kv_dtype(model))["kernel"]
     if layers and kernel not in ("rows", "tree"):
         raise YggError(f"no attention kernel {kernel!r} (rows or tree)")
     for m in layers:
@@ -403,7 +403,17 @@ def attention_ahead(model, threads: int) -> int | None:
     if native_attention(model) is None:
         return None
     c = model.cfg
-    return int(attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), threads, library_dir()).get("ahead", 0))
+    return int(attention_kernel((c.num_heads, c.num_kv_heads, c.head_dim), threads, library_dir(),
+                                kv_dtype(model)).get("ahead", 0))
+
+
+def kv_dtype(model) -> torch.dtype:
+    """The dtype ``model``'s attention layers keep their KV cache in (``model.set_kv_dtype``; unset:
+    the weights')."""
+    from .model import Attention
+
+    layer = next(m for m in model.modules() if isinstance(m, Attention))
+    return layer.kv_dtype or next(model.parameters()).dtype
 
 
 def _w4a8_mm_fake(x, blocks):
