@@ -312,7 +312,7 @@ def test_the_attention_is_chosen_on_the_cache_dtype_it_reads(monkeypatch, tmp_pa
     assert set(asked) == {(torch.float16, choice.AHEAD_SHAPE[1])}
     assert choice.attention_kernel((4, 2, 32), 1, tmp_path)["kernel"] == "rows"
     assert sorted(p.name for p in tmp_path.glob("attention-*.json")) == [
-        "attention-t1-h4-2-32-kvfloat16.json", "attention-t1-h4-2-32.json"]
+        "attention-t1-h4-2-32-kvfloat16.json", "attention-t1-h4-2-32-kvfloat32.json"]
     from test_w4a8 import gguf_like
     from yggtree.runtime.model import set_kv_dtype
 

@@ -64,3 +64,26 @@ def test_a_drafter_computes_row_by_row_where_the_library_attention_reads_only_vi
             a.native_rows = "rows"
     drafter_rows(library, 8)
     assert rows(library) == {attention_rows(8, native=True)} == {8}
+
+
+def test_the_drafter_runs_the_targets_attention_kernel():
+    """The attention kernel is chosen per KV cache dtype, and a compiled plan records one (the
+    target's) for both models' packages: a drafter whose own cache chose the other kernel runs the
+    target's; one on torch's attention is left so."""
+    from helpers import tiny_model
+    from yggtree.runtime.model import native_attention
+    from yggtree.runtime.prepare import drafter_attention
+
+    def on(kernel):
+        m = tiny_model(hidden=32, max_pos=64)
+        for a in m.modules():
+            if isinstance(a, Attention):
+                a.native_rows = kernel
+        return m
+
+    drafter = on("rows")
+    drafter_attention(drafter, on("tree"))
+    assert native_attention(drafter) == "tree"
+    drafter = on(None)
+    drafter_attention(drafter, on("tree"))
+    assert native_attention(drafter) is None

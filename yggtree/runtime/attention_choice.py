@@ -84,8 +84,8 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path,
         if named not in ATTENTION_KERNELS:
             raise YggError(f"{ATTENTION_ENV}={named} is not one of {', '.join(ATTENTION_KERNELS)}")
         return {"kernel": named, "best_ms": {}, "source": ATTENTION_ENV}
-    cache = "" if kv_dtype == torch.float32 else f"-kv{str(kv_dtype).removeprefix('torch.')}"
-    path = where / f"attention-t{threads}-h{'-'.join(map(str, heads))}{cache}.json"
+    cache = str(kv_dtype).removeprefix("torch.")  # (files without it were timed warm, on float32 caches only)
+    path = where / f"attention-t{threads}-h{'-'.join(map(str, heads))}-kv{cache}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

@@ -73,10 +73,23 @@ def prepare_models(spec, tokenizer: bool = True) -> Prepared:
         # built with it (a compiled plan's: its packages hold the padding, their keys name it)
         for layer in packed_layers(drafter.graphs.model):
             layer.min_rows = rows
+    if drafter is not None:
+        drafter_attention(drafter.graphs.model, target)
     set_attention_rows(target, spec.prefill_chunk)
     if drafter is not None:
         drafter_rows(drafter.graphs.model, spec.prefill_chunk)
     return Prepared(target, drafter, tok, rows)
+
+
+def drafter_attention(model, target) -> None:
+    """A drafter ``model`` whose layers run the library's attention runs the ``target``'s kernel for
+    tree rows: each was chosen on its own KV cache's dtype (runtime/attention_choice.py), and a
+    compiled plan records one kernel, the target's, with which its engine loads both models'
+    packages."""
+    if native_attention(target) and native_attention(model):
+        from .attention_choice import set_native_attention
+
+        set_native_attention([model], native_attention(target))
 
 
 def drafter_rows(model, prefill_chunk: int) -> None:
