@@ -264,8 +264,8 @@ def test_every_instruction_set_this_cpu_runs_is_checked(isa):
 
 
 def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tmp_path):
-    """attention_choice.attention_kernel: timed per library build, thread count and head shape, a
-    clear answer kept and read back after; ``YGGTREE_ATTENTION`` names one (no timing), a bad
+    """attention_choice.attention_kernel: timed per library build, thread count and head shape, every
+    answer kept and read back after; ``YGGTREE_ATTENTION`` names one (no timing), a bad
     name is one line."""
     from yggtree.runtime import attention_choice as kernels
     monkeypatch.delenv(kernels.ATTENTION_ENV, raising=False)
@@ -275,12 +275,9 @@ def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tm
         f"{k}@{c}" for k in kernels.ATTENTION_KERNELS for c in kernels.ATTENTION_SHAPE[1]} | {
         f"ahead{a}@{kernels.AHEAD_SHAPE[0]}" for a in kernels.ATTENTION_AHEAD}
     assert first["ahead"] in kernels.ATTENTION_AHEAD
-    kept = list(tmp_path.glob("attention-*.json"))
-    if kept:  # a clear answer is kept and read back
-        monkeypatch.setattr(kernels, "attention_call", lambda *a: pytest.fail("measured twice"))
-        assert kernels.attention_kernel(heads, 1, where) == first
-    else:  # a tie runs the rows and is timed again next time
-        assert first["kernel"] == "rows"
+    assert len(list(tmp_path.glob("attention-*.json"))) == 1  # every answer is kept (a tie: rows) and read back
+    monkeypatch.setattr(kernels, "attention_call", lambda *a: pytest.fail("measured twice"))
+    assert kernels.attention_kernel(heads, 1, where) == first
     monkeypatch.setattr(kernels, "attention_call", lambda k, *a: (lambda: time.sleep(0.002 if k == "tree" else 0.001)))
     where = tmp_path / "tie"
     where.mkdir()

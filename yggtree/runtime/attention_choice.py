@@ -75,10 +75,10 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path,
     :data:`AHEAD_SHAPE`'s layers' own caches after :data:`AHEAD_EVICT` bytes of other writes, as a
     step reads them; the best of 15 passes each, as other processes only ever add time) and kept in
     the library's build directory beside the code it timed (``where``: the loaded library's build
-    directory, ``kernels.library_dir``). ``tree`` is chosen where it is faster by :data:`ATTENTION_MARGIN`; a closer result
-    (a tie, or a machine so busy that every call waited for a core) runs ``rows`` and is not
-    kept: the next process times it again. The two compute the same bits: the choice is speed
-    only."""
+    directory, ``kernels.library_dir``). ``tree`` is chosen where it is faster by :data:`ATTENTION_MARGIN`, else ``rows``
+    (a tie too), and every answer is kept: each process of this build runs the same kernel (a plan's
+    packages hold the one they were built with) and pays for the timing once. The two compute the
+    same bits: the choice is speed only."""
     named = os.environ.get(ATTENTION_ENV, "")
     if named:
         if named not in ATTENTION_KERNELS:
@@ -114,11 +114,10 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path,
     fetch = min(ahead, key=ahead.get)
     choice = {"kernel": "tree" if wins else "rows", "best_ms": best, "width": width, "threads": threads,
               "ahead": fetch if ahead[fetch] < (1 - ATTENTION_MARGIN) * ahead[0] else 0}
-    if wins or total["rows"] < (1 - ATTENTION_MARGIN) * total["tree"]:  # a clear answer: kept
-        try:
-            write_text_atomic(path, json.dumps(choice) + "\n")
-        except OSError:
-            pass  # an unwritable cache: measured again next time
+    try:
+        write_text_atomic(path, json.dumps(choice) + "\n")
+    except OSError:
+        pass  # an unwritable cache: measured again next time
     return choice
 
 
