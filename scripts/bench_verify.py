@@ -8,8 +8,8 @@ then, at each width W of ``--widths``:
 - ``products``: every weight product of one decoder step (each block's fused q/k/v, o, gate/up, down
   and the LM head), called in order on W rows;
 - ``attention @C``: the library's row attention (``yggtree::rows_attention``: each row on its own) of
-  every layer, W tree rows over C committed tokens plus the W-token tree suffix (a chain), for each
-  ``--contexts`` C; ``tree attention @C`` the same rows by ``yggtree::tree_attention`` (the same bits
+  every layer, each over its own ``--kv-cache`` cache (the machine plans' float16 by default), W tree
+  rows over C committed tokens plus the W-token tree suffix (a chain), for each ``--contexts`` C; ``tree attention @C`` the same rows by ``yggtree::tree_attention`` (the same bits
   from one pass over each layer's cache for all the rows).
 
 Timing: one warm-up round, then ``--repeats`` rounds; in each round every (format, kernel, W) is timed
@@ -76,6 +76,7 @@ def run(args) -> int:
     if not systems:
         raise YggError("no format runs here on the kernels asked for")
     cfg = next(iter(systems.values()))[1]
+    heads, kv_dtype = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), getattr(torch, args.kv_cache)
     calls = {}
     for (fmt, kernel), (layers, _) in systems.items():
         for w in args.widths:
@@ -90,8 +91,8 @@ def run(args) -> int:
     for c in args.contexts:
         for w in args.widths:
             for kind in ATTENTIONS:
-                one = attention_call(kind.removesuffix("_attention"), (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), w, c)
-                calls[(kind, c, w)] = lambda one=one, n=cfg.num_layers: [one() for _ in range(n)]
+                calls[(kind, c, w)] = attention_call(kind.removesuffix("_attention"), heads, w, c, kv_dtype,
+                                                     cfg.num_layers)
     keys = list(calls)
     times = {k: [] for k in keys}
     with torch.no_grad():
@@ -109,7 +110,7 @@ def run(args) -> int:
     for c in args.contexts:
         head += f" {'attn@' + str(c):>9} {'tree@' + str(c):>9} {'step@' + str(c):>10} {'x W=1':>6} {'attn share':>10}"
     print(head)
-    chosen = attention_kernel((cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), args.threads, library_dir())["kernel"]
+    chosen = attention_kernel(heads, args.threads, library_dir(), kv_dtype)["kernel"]
     rows = []
     for fmt, kernel in systems:
         p1 = med[("products", fmt, kernel, args.widths[0])]
@@ -127,7 +128,7 @@ def run(args) -> int:
                 row[f"tree_attention_ms@{c}"] = round(tree_ms, 3)
             print(line)
             rows.append(row)
-    print(json.dumps({"command": "bench_verify", "isa": isa(), "attention": chosen, "threads": args.threads, "repeats": args.repeats,
+    print(json.dumps({"command": "bench_verify", "isa": isa(), "attention": chosen, "kv_cache": args.kv_cache, "threads": args.threads, "repeats": args.repeats,
                       "rows": rows, "torch": torch.__version__}))
     return 0
 
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=lambda t: [int(x) for x in t.split(",")], default=[256, 1024])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--kv-cache", choices=("float16", "bfloat16", "float32"), default="float16",
+                   help="the attention's cache dtype (default: the quantized machine plans')")
     args = p.parse_args(argv)
     return run_reporting("bench_verify", run, args)
 
