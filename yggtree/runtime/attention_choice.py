@@ -8,8 +8,9 @@ a step's cold cache rows ahead of the reads wins where one core's stream of them
 and loses where the hardware prefetchers already keep up. So both are timed per machine, thread count,
 head shape and KV cache dtype (a float32 cache's tiles are read in place, a 16-bit one's converted:
 the two rank the kernels differently), as a step runs them (every layer its own cache, read after a
-step's weight stream evicted it), and kept beside the library build they timed. Apart from the library (runtime/kernels.py), so that how it is measured can change without
-making compiled packages stale.
+step's weight stream evicted it), and kept beside the library build they timed. Apart from the
+library (runtime/kernels.py), so that how it is measured can change without making compiled
+packages stale.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path,
     :data:`AHEAD_SHAPE`'s layers' own caches after :data:`AHEAD_EVICT` bytes of other writes, as a
     step reads them; the best of 15 passes each, as other processes only ever add time) and kept in
     the library's build directory beside the code it timed (``where``: the loaded library's build
-    directory, ``kernels.library_dir``). ``tree`` is chosen where it is faster by :data:`ATTENTION_MARGIN`, else ``rows``
-    (a tie too), and every answer is kept: each process of this build runs the same kernel (a plan's
-    packages hold the one they were built with) and pays for the timing once. The two compute the
-    same bits: the choice is speed only."""
+    directory, ``kernels.library_dir``). ``tree`` is chosen where it is faster by
+    :data:`ATTENTION_MARGIN`, else ``rows`` (a tie too), and every answer is kept: each process of
+    this build runs the same kernel (a plan's packages hold the one they were built with) and pays
+    for the timing once. The two compute the same bits: the choice is speed only."""
     named = os.environ.get(ATTENTION_ENV, "")
     if named:
         if named not in ATTENTION_KERNELS:
@@ -96,18 +97,11 @@ def attention_kernel(heads: tuple[int, int, int], threads: int, where: Path,
     try:
         calls = {(k, c): attention_call(k, heads, width, c, kv_dtype, AHEAD_SHAPE[1])
                  for k in ATTENTION_KERNELS for c in contexts}
-        evict = torch.zeros(AHEAD_EVICT // 4)
-        times: dict = {key: [] for key in calls}
-        for _ in range(15):
-            for key, call in calls.items():
-                evict.add_(1.0)
-                t = time.perf_counter()
-                call()
-                times[key].append(time.perf_counter() - t)
+        times = cold_best_ms(calls, 15)
         ahead = time_ahead(heads, kv_dtype)
     finally:
         torch.set_num_threads(before)
-    best = {f"{k}@{c}": round(1e3 * min(v), 4) for (k, c), v in times.items()}
+    best = {f"{k}@{c}": round(ms, 4) for (k, c), ms in times.items()}
     total = {k: sum(best[f"{k}@{c}"] for c in contexts) for k in ATTENTION_KERNELS}
     wins = total["tree"] < (1 - ATTENTION_MARGIN) * total["rows"]
     best |= {f"ahead{a}@{AHEAD_SHAPE[0]}": round(ms, 4) for a, ms in ahead.items()}
@@ -126,23 +120,28 @@ def time_ahead(heads: tuple[int, int, int], kv_dtype: torch.dtype = torch.float3
     read after :data:`AHEAD_EVICT` bytes of other writes, as in a step) at each :data:`ATTENTION_AHEAD`,
     alternating, at the calling thread's thread count."""
     context, layers = AHEAD_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    calls = [chain_inputs(heads, 1, context, gen, kv_dtype) for _ in range(layers)]
-    evict = torch.zeros(AHEAD_EVICT // 4)
-    times: dict = {a: [] for a in ATTENTION_AHEAD}
+    step = attention_call("rows", heads, 1, context, kv_dtype, layers)
     was = torch.ops.yggtree.attention_prefetch(-1)
     try:
-        for _ in range(7):
-            for a in ATTENTION_AHEAD:
-                torch.ops.yggtree.attention_prefetch(a)
-                evict.add_(1.0)
-                t = time.perf_counter()
-                for args in calls:
-                    torch.ops.yggtree.rows_attention(*args)
-                times[a].append(time.perf_counter() - t)
+        return cold_best_ms({a: step for a in ATTENTION_AHEAD}, 7, before=torch.ops.yggtree.attention_prefetch)
     finally:
         torch.ops.yggtree.attention_prefetch(was)
-    return {a: 1e3 * min(v) for a, v in times.items()}
+
+
+def cold_best_ms(calls: dict, rounds: int, before=lambda key: None) -> dict:
+    """The best ms of each of ``calls`` (key -> thunk), timed alternately ``rounds`` times, each
+    after :data:`AHEAD_EVICT` bytes of other writes (a step's weight stream, which evicts the
+    caches); ``before(key)`` runs first, untimed."""
+    evict = torch.zeros(AHEAD_EVICT // 4)
+    times: dict = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            before(key)
+            evict.add_(1.0)
+            t = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - t)
+    return {key: 1e3 * min(v) for key, v in times.items()}
 
 
 def set_native_attention(models, kernel: str | None) -> None:
