@@ -269,6 +269,8 @@ def test_the_attention_of_several_rows_is_measured_once_and_kept(monkeypatch, tm
     name is one line."""
     from yggtree.runtime import attention_choice as kernels
     monkeypatch.delenv(kernels.ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(kernels, "AHEAD_SHAPE", (256, 4))  # a few small layers: the path, not a machine's answer
+    monkeypatch.setattr(kernels, "AHEAD_EVICT", 1 << 20)
     heads, where = (4, 2, 32), tmp_path
     first = kernels.attention_kernel(heads, 1, where)
     assert first["kernel"] in kernels.ATTENTION_KERNELS and set(first["best_ms"]) == {
@@ -305,6 +307,7 @@ def test_the_attention_is_chosen_on_the_cache_dtype_it_reads(monkeypatch, tmp_pa
 
     monkeypatch.setattr(choice, "attention_call", call)
     monkeypatch.setattr(choice, "time_ahead", lambda heads, kv_dtype: {0: 1.0, 16: 1.0})
+    monkeypatch.setattr(choice, "AHEAD_EVICT", 1 << 16)
     assert choice.attention_kernel((4, 2, 32), 1, tmp_path, torch.float16)["kernel"] == "tree"
     assert set(asked) == {(torch.float16, choice.AHEAD_SHAPE[1])}
     assert choice.attention_kernel((4, 2, 32), 1, tmp_path)["kernel"] == "rows"
@@ -327,6 +330,8 @@ def test_the_attention_fetches_ahead_where_that_is_clearly_faster_here(monkeypat
     from yggtree.runtime import attention_choice as choice
 
     monkeypatch.delenv(choice.ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(choice, "AHEAD_EVICT", 1 << 16)  # the kernels' timing is not what this test checks
+    monkeypatch.setattr(choice, "attention_call", lambda *a: (lambda: None))
     for i, (timed, want) in enumerate([({0: 1.0, 16: 0.9}, 16), ({0: 1.0, 16: 0.97}, 0), ({0: 0.9, 16: 1.0}, 0)]):
         monkeypatch.setattr(choice, "time_ahead", lambda heads, kv_dtype, timed=timed: timed)
         (tmp_path / str(i)).mkdir()
