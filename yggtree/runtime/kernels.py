@@ -409,11 +409,11 @@ def attention_ahead(model, threads: int) -> int | None:
 
 def kv_dtype(model) -> torch.dtype:
     """The dtype ``model``'s attention layers keep their KV cache in (``model.set_kv_dtype``; unset:
-    the weights')."""
+    the float weights', whatever its quantized layers hold)."""
     from .model import Attention
 
     layer = next(m for m in model.modules() if isinstance(m, Attention))
-    return layer.kv_dtype or next(model.parameters()).dtype
+    return layer.kv_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 def _w4a8_mm_fake(x, blocks):
