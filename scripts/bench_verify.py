@@ -9,8 +9,9 @@ then, at each width W of ``--widths``:
   and the LM head), called in order on W rows;
 - ``attention @C``: the library's row attention (``yggtree::rows_attention``: each row on its own) of
   every layer, each over its own ``--kv-cache`` cache (the machine plans' float16 by default), W tree
-  rows over C committed tokens plus the W-token tree suffix (a chain), for each ``--contexts`` C; ``tree attention @C`` the same rows by ``yggtree::tree_attention`` (the same bits
-  from one pass over each layer's cache for all the rows).
+  rows over C committed tokens plus the W-token tree suffix (a chain), for each ``--contexts`` C;
+  ``tree attention @C`` the same rows by ``yggtree::tree_attention`` (the same bits from one pass over
+  each layer's cache for all the rows).
 
 Timing: one warm-up round, then ``--repeats`` rounds; in each round every (format, kernel, W) is timed
 once, in rotating order, so a slow stretch of a shared host hits all of them. Medians are printed with
@@ -128,8 +129,8 @@ def run(args) -> int:
                 row[f"tree_attention_ms@{c}"] = round(tree_ms, 3)
             print(line)
             rows.append(row)
-    print(json.dumps({"command": "bench_verify", "isa": isa(), "attention": chosen, "kv_cache": args.kv_cache, "threads": args.threads, "repeats": args.repeats,
-                      "rows": rows, "torch": torch.__version__}))
+    print(json.dumps({"command": "bench_verify", "isa": isa(), "attention": chosen, "kv_cache": args.kv_cache,
+                      "threads": args.threads, "repeats": args.repeats, "rows": rows, "torch": torch.__version__}))
     return 0
 
 
