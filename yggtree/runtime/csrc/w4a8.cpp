@@ -243,13 +243,15 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
   yggtree::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* c = bp + t * B * STRIDE<BITS>;
-      // rows in groups of 8 (where the registers hold them), 4, 2, 1: a group shares every code block it unpacks
+      // rows in groups of 8 (where the registers hold them), 4, 3, 2, 1: a group shares every code block it
+      // unpacks (three rows as one group, not two and one: a verify step of a chain of two)
       int64_t r = 0;
       if constexpr (WIDE >= 8)
         for (; r + 8 <= M; r += 8)
           rows<8, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
       for (; r + 4 <= M; r += 4)
         rows<4, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
+      if (r + 3 == M) rows<3, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf), r = M;
       for (; r + 2 <= M; r += 2)
         rows<2, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
       for (; r < M; ++r)
