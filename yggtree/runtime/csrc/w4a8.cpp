@@ -251,7 +251,10 @@ void run(const uint8_t* bp, const int8_t* q, const float* dap, const float* sap,
           rows<8, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
       for (; r + 4 <= M; r += 4)
         rows<4, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
-      if (r + 3 == M) rows<3, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf), r = M;
+      if (r + 3 == M) {
+        rows<3, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
+        r = M;
+      }
       for (; r + 2 <= M; r += 2)
         rows<2, BITS>(c, q + r * 32, dap + r, sap + r, qsp + r, M, B, op + r * N + 16 * t, N, pf);
       for (; r < M; ++r)
