@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -59,16 +59,49 @@ def everything(layers, xs, att):
 
 
 def test_every_kernel_on_the_pool_is_bitwise_openmps():
-    """w4a8 (4- and 8-bit), tiled and attention results on a pool of 2 and 3 threads equal those on
-    OpenMP at 2 threads, bit for bit (every kernel's rows and columns are independent of the split)."""
+    """w4a8 (4- and 8-bit), tiled and attention results on a pool of 2 and 3 threads, its loops split
+    by the threads' speeds or equally, equal those on OpenMP at 2 threads, bit for bit (every
+    kernel's rows and columns are independent of the split)."""
     gen = torch.Generator().manual_seed(0)
     layers, xs, att = *products(gen), attention_inputs(gen)
     torch.set_num_threads(2)
     want = everything(layers, xs, att)
     for n in (2, 3):
-        with loop_pool(n):
-            got = everything(layers, xs, att)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+        for balance in (True, False):
+            with loop_pool(n, balance):
+                got = everything(layers, xs, att)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (n, balance)
+
+
+@given(st.lists(st.tuples(st.integers(1, 70), st.integers(1, 12), st.integers(1, 9)), min_size=1, max_size=6),
+       st.integers(2, 4))
+@settings(max_examples=25, deadline=None)
+def test_any_split_the_speeds_choose_covers_every_column_once(shapes, threads):
+    """On a pool whose split follows the threads' speeds (which change from loop to loop), products
+    of any number of 16-column tiles (1..70, down to fewer tiles than threads), inputs of 32..384
+    and 1..9 rows, called back to back, give OpenMP's results bit for bit: every column computed,
+    none twice."""
+    gen = torch.Generator().manual_seed(len(shapes) * 10 + threads)
+    calls = [(W4A8Linear(random_blocks(16 * t, 32 * b, 4, gen), None, torch.float32),
+              torch.randn(m, 32 * b, generator=gen)) for t, b, m in shapes]
+    torch.set_num_threads(2)
+    with torch.no_grad():
+        want = [layer(x) for layer, x in calls]
+        with loop_pool(threads):
+            got = [layer(x) for _ in range(3) for layer, x in calls]
+    assert all(torch.equal(a, b) for a, b in zip(got, want * 3))
+
+
+def test_loop_pool_restores_the_split_it_found():
+    """A pool of the same size with the other split replaces the one in use inside the block, and
+    the one before is back after (the op returns the setting it replaced: [threads, balance])."""
+    with loop_pool(2, balance=False):
+        assert list(torch.ops.yggtree.loop_pool(2, True)) == [2, 0]  # in use: 2 threads, equal
+        assert list(torch.ops.yggtree.loop_pool(2, False)) == [2, 1]  # put back
+        with loop_pool(2, balance=True):
+            assert list(torch.ops.yggtree.loop_pool(2, True)) == [2, 1]
+        assert list(torch.ops.yggtree.loop_pool(2, False)) == [2, 0]
+    assert list(torch.ops.yggtree.loop_pool(0, True)) == [0, 1]  # OpenMP: nothing to restore
 
 
 def test_callers_at_once_are_served_and_equal():
@@ -262,15 +295,17 @@ def test_the_measurement_stops_only_where_the_rest_cannot_change_the_choice(pair
 
 
 def spy_on(monkeypatch, name: str) -> list:
-    """The arguments ``kernels.<name>`` is called with during the test (it still runs)."""
+    """The arguments ``kernels.<name>`` is called with during the test (it still runs): each call's
+    one argument, or the tuple of its arguments."""
     seen, real = [], getattr(kernels, name)
-    monkeypatch.setattr(kernels, name, lambda arg: seen.append(arg) or real(arg))
+    monkeypatch.setattr(kernels, name, lambda *args: seen.append(args[0] if len(args) == 1 else args) or real(*args))
     return seen
 
 
 def test_engines_on_the_pool_decode_plain_decodings_tokens(monkeypatch):
     """A w4a8 target (plain and speculating with a w4a8 drafter) decoding with its kernels' loops
-    on the pool at 2 threads emits the tokens plain decoding on OpenMP emits."""
+    on the pool at 2 threads, split by the threads' speeds (the default) or equally, emits the
+    tokens plain decoding on OpenMP emits."""
     from test_w4a8 import gguf_like
     from yggtree.runtime.drafters import LMDrafter
     from yggtree.runtime.engine import Engine, EngineConfig, SamplingParams, TreeParams
@@ -279,6 +314,7 @@ def test_engines_on_the_pool_decode_plain_decodings_tokens(monkeypatch):
     cfg = dict(mode="reference", max_context=80, prefill_chunk=8, threads=2)
     plain = Engine(target, EngineConfig(**cfg))
     pooled = Engine(target, EngineConfig(**cfg, loop_pool=True))
+    equal = Engine(target, EngineConfig(**cfg, loop_pool=True, loop_balance=False))
     tree = TreeParams(draft_width=2, draft_depth=3, verify_width=6, top_k=2)
     spec = Engine(target, EngineConfig(**cfg, tree=tree, loop_pool=True), LMDrafter(gguf_like(1), "reference"))
     seen = spy_on(monkeypatch, "loop_pool")
@@ -286,8 +322,10 @@ def test_engines_on_the_pool_decode_plain_decodings_tokens(monkeypatch):
     for prompt in ([5, 6, 7, 8, 9], [(7 * i) % 90 + 3 for i in range(23)]):
         want = plain.generate(prompt, params).token_ids
         assert pooled.generate(prompt, params).token_ids == want, prompt
+        assert equal.generate(prompt, params).token_ids == want, prompt
         assert spec.generate(prompt, params).token_ids == want, prompt
-    assert seen == [2] * 4  # the pooled engines decoded on the pool, the plain one did not
+    # the pooled engines decoded on the pool (each at its split), the plain one did not
+    assert seen == [(2, True), (2, False), (2, True)] * 2
     assert torch.ops.yggtree.w4a8_threads(torch.zeros(1)) == torch.get_num_threads()  # the pool off again
 
 

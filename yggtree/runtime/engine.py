@@ -62,6 +62,8 @@ class EngineConfig:
     # decodes, the decoding thread at one OpenMP thread (kernels.loop_pool): for compiled packages
     # whose only parallel loops are the library's (``yggtree compile`` measures and records it)
     loop_pool: bool = False
+    # the pool splits each loop by its threads' measured speeds (False: equally; csrc/loops.cpp)
+    loop_balance: bool = True
     # (near, far) bytes the kernel library's products prefetch their weights ahead into the first-
     # and second-level cache while this engine decodes (kernels.prefetch; None: the library's
     # default); measured per machine with the product kernel
@@ -291,7 +293,8 @@ class Engine:
         if threads not in self._ahead:
             self._ahead[threads] = attention_ahead(self.target, threads)
         with prefetch(self.cfg.prefetch), attention_prefetch(self._ahead[threads]), \
-                (loop_pool(threads) if self.cfg.loop_pool and self.worker is None else contextlib.nullcontext()):
+                (loop_pool(threads, self.cfg.loop_balance) if self.cfg.loop_pool and self.worker is None
+                 else contextlib.nullcontext()):
             yield
 
     def _build(self, plan: ExecutionPlan) -> None:

@@ -269,24 +269,25 @@ def library_usable() -> bool:
 
 
 @contextlib.contextmanager
-def loop_pool(threads: int):
+def loop_pool(threads: int, balance: bool = True):
     """The library's parallel loops on its own pool of ``threads`` threads inside the block, the
     calling thread at one OpenMP thread (restored after). A pool's worker spins between tasks, and
     a spinning OpenMP worker on the same core would take its time slices: use it only where the
     kernels' loops are the step's only parallel regions (packages compiled with inductor's loops
-    serial: aoti.loops_serial). ``threads`` <= 1 changes nothing. Loads the library."""
+    serial: aoti.loops_serial). ``balance``: each loop split by the threads' measured speeds (else
+    equally; csrc/loops.cpp). ``threads`` <= 1 changes nothing. Loads the library."""
     if threads <= 1:
         yield
         return
     load_library()
     before = torch.get_num_threads()
-    was = torch.ops.yggtree.loop_pool(threads)
+    was = torch.ops.yggtree.loop_pool(threads, balance)
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-        torch.ops.yggtree.loop_pool(was)
+        torch.ops.yggtree.loop_pool(int(was[0]), bool(was[1]))
 
 
 def prefetch_now() -> tuple[int, int]:

@@ -4,6 +4,7 @@
 // these calls, checks them, and registers the ops and their AOTInductor shims.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace yggtree {
 
@@ -53,7 +54,8 @@ void tiled_q4_mm(const uint8_t* blocks, int64_t S, bool f16_scales, const float*
 // rms_norm (csrc/rms_norm.cpp): x [M, K] float32 contiguous, weight [K] float32, out [M, K] float32
 void rms_norm(const float* x, int64_t M, int64_t K, const float* weight, float eps, float* out);
 
-// loop_pool (csrc/loops.cpp): the loops on a pool of n threads (n <= 1: on OpenMP); returns the previous setting
-int64_t loop_pool(int64_t n);
+// loop_pool (csrc/loops.cpp): the loops on a pool of n threads (n <= 1: on OpenMP), each loop split by the threads'
+// speeds (balance) or equally; returns the previous setting {n, balance}
+std::vector<int64_t> loop_pool(int64_t n, bool balance);
 
 }  // namespace yggtree

@@ -13,12 +13,20 @@
 // another caller, and the split never changes a result (every kernel's rows and columns are independent).
 // The pool is the process's: of two threads switching it on at once (kernels.loop_pool), the first to switch it
 // off leaves the other's loops serial: correct, slower.
+//
+// The split follows the threads' speeds (balance on, the default): a loop's range is cut into one contiguous
+// range a thread, in proportion to each thread's items a tick over the loops before (an average, LEARN a loop),
+// from time stamps around each thread's range. A thread on a CPU that runs slower for a while -- another tenant
+// on its core, a frequency step, an efficiency core -- gets less, so the caller does not wait at every loop's
+// end for the slowest range; on CPUs alike the cut stays near equal. Balance off: equal ranges. Which thread
+// runs which items never changes a result.
 #include "loops.h"
 
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <x86intrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -36,17 +44,20 @@ namespace yggtree {
 namespace {
 
 using Body = std::function<void(int64_t, int64_t)>;
-constexpr double SPIN_US = 2000;  // a worker's spin before it sleeps: longer than a decode step's serial stretches
+constexpr double SPIN_US = 2000;
+constexpr double LEARN = 0.25;  // a loop's weight in the threads' speeds
+constexpr double SPREAD = 2;   // a thread's speed is within this factor of the threads' mean  // a worker's spin before it sleeps: longer than a decode step's serial stretches
 
 struct alignas(64) Task {  // written by the caller, read by every worker: one line
   std::atomic<uint32_t> gen{0};
   std::atomic<uint32_t> sleepers{0};
   const Body* body = nullptr;
-  int64_t begin = 0, chunk = 0, end = 0;
+  const int64_t* bounds = nullptr;  // worker i runs [bounds[i], bounds[i + 1])
   bool stop = false;
 };
 struct alignas(64) Done {  // written by one worker
   std::atomic<uint32_t> gen{0};
+  uint64_t ticks = 0;  // its last chunk's time stamp counter ticks
 };
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value) {
@@ -55,7 +66,8 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value) {
 
 class Pool {
  public:
-  explicit Pool(int threads) : n_(threads), done_(threads) {
+  Pool(int threads, bool balance)
+      : n_(threads), balance_(balance), done_(threads), bounds_(threads + 1), speed_(threads, 1.0) {
     for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i] { work(i); });
   }
   ~Pool() {
@@ -64,6 +76,7 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
   int threads() const { return n_; }
+  bool balance() const { return balance_; }
 
   // false: busy (the caller runs the loop itself)
   bool run(int64_t b, int64_t e, int64_t grain, const Body& body) {
@@ -79,16 +92,45 @@ class Pool {
       body(b, e);
       return true;
     }
-    const int64_t chunk = (n + parts - 1) / parts;
-    task_.body = &body, task_.begin = b, task_.chunk = chunk, task_.end = e;
+    split(b, e, parts);
+    task_.body = &body, task_.bounds = bounds_.data();
     const uint32_t g = post();
-    body(b, std::min(e, b + chunk));
+    const uint64_t t0 = __rdtsc();
+    body(bounds_[0], bounds_[1]);
+    const uint64_t mine = __rdtsc() - t0;
     for (int i = 1; i < n_; ++i)
       while (done_[i].gen.load(std::memory_order_acquire) != g) _mm_pause();
+    if (balance_) learn(parts, mine);
     return true;
   }
 
  private:
+  // [b, e) into `parts` contiguous ranges, bounds_[i] .. bounds_[i + 1] thread i's, each at least one item and
+  // in proportion to the threads' speeds (balance off: equal); the threads past `parts` get none
+  void split(int64_t b, int64_t e, int64_t parts) {
+    double total = 0, upto = 0;
+    for (int64_t i = 0; i < parts; ++i) total += speed_[i];
+    bounds_[0] = b;
+    for (int64_t i = 0; i < parts; ++i) {
+      upto += speed_[i];
+      const int64_t at = i + 1 == parts ? e : b + static_cast<int64_t>(static_cast<double>(e - b) * upto / total + 0.5);
+      bounds_[i + 1] = std::min(std::max(at, bounds_[i] + 1), e - (parts - 1 - i));
+    }
+    for (int64_t i = parts; i < n_; ++i) bounds_[i + 1] = e;
+  }
+  // Each running thread's items a tick in this loop, over their mean, into its speed (speeds stay within
+  // [1 / SPREAD, SPREAD] of each other's mean: one stalled range must not starve a thread of work)
+  void learn(int64_t parts, uint64_t mine) {
+    double mean = 0;
+    for (int64_t i = 0; i < parts; ++i) {
+      const uint64_t t = std::max<uint64_t>(i == 0 ? mine : done_[i].ticks, 1);
+      rate_[i] = static_cast<double>(bounds_[i + 1] - bounds_[i]) / static_cast<double>(t);
+      mean += rate_[i] / static_cast<double>(parts);
+    }
+    for (int64_t i = 0; i < parts; ++i)
+      speed_[i] = std::min(SPREAD, std::max(1 / SPREAD, (1 - LEARN) * speed_[i] + LEARN * rate_[i] / mean));
+  }
+
   uint32_t post() {
     const uint32_t g = task_.gen.load(std::memory_order_relaxed) + 1;
     task_.gen.store(g, std::memory_order_seq_cst);
@@ -112,17 +154,23 @@ class Pool {
       }
       seen = g;
       if (task_.stop) return;
-      const int64_t b = task_.begin + i * task_.chunk;
-      if (b < task_.end) (*task_.body)(b, std::min(task_.end, b + task_.chunk));
+      const int64_t b = task_.bounds[i], e = task_.bounds[i + 1];
+      const uint64_t t0 = __rdtsc();
+      if (b < e) (*task_.body)(b, e);
+      done_[i].ticks = __rdtsc() - t0;
       done_[i].gen.store(g, std::memory_order_release);
     }
   }
 
   const int n_;
+  const bool balance_;  // ranges by the threads' speeds (else equal)
   Task task_;
   std::vector<Done> done_;
   std::vector<std::thread> workers_;
   std::atomic<bool> busy_{false};
+  std::vector<int64_t> bounds_;  // [n_ + 1] the loop under way's ranges (the caller's)
+  std::vector<double> speed_;    // [n_] each thread's items a tick, relative to the others' (1: all alike)
+  std::vector<double> rate_ = std::vector<double>(n_);  // [n_] learn's scratch
 };
 
 // The pool in use (null: OpenMP). A loop holds its own reference, so switching never pulls a pool from under
@@ -134,18 +182,20 @@ std::shared_ptr<Pool> in_use() { return std::atomic_load_explicit(&current, std:
 
 }  // namespace
 
-// loop_pool(n): the loops on a pool of n threads (the caller and n - 1 workers); n <= 1: on OpenMP. Returns the
-// previous setting (0: OpenMP), so a caller can restore it.
-int64_t loop_pool(int64_t n) {
+// loop_pool(n, balance): the loops on a pool of n threads (the caller and n - 1 workers) splitting each loop by
+// the threads' speeds or equally; n <= 1: on OpenMP. Returns the previous setting {n (0: OpenMP), balance}, so a
+// caller can restore it.
+std::vector<int64_t> loop_pool(int64_t n, bool balance) {
   // a forked child has none of the pool's workers: it forgets the pool without joining them (leaked, not
   // destroyed) and its loops run on OpenMP
   static std::once_flag at_fork;
   std::call_once(at_fork, [] { pthread_atfork(nullptr, nullptr, [] { new std::shared_ptr<Pool>(std::move(current)); }); });
   std::lock_guard<std::mutex> held(switching);
   auto before = in_use();
-  const int64_t was = before ? before->threads() : 0;
-  if ((n <= 1 && !before) || (before && before->threads() == n)) return was;
-  std::atomic_store_explicit(&current, n <= 1 ? std::shared_ptr<Pool>() : std::make_shared<Pool>(static_cast<int>(n)),
+  const std::vector<int64_t> was{before ? before->threads() : 0, before ? before->balance() : true};
+  if ((n <= 1 && !before) || (before && before->threads() == n && before->balance() == balance)) return was;
+  std::atomic_store_explicit(&current,
+                             n <= 1 ? std::shared_ptr<Pool>() : std::make_shared<Pool>(static_cast<int>(n), balance),
                              std::memory_order_release);
   return was;
 }

@@ -247,7 +247,7 @@ TORCH_LIBRARY_FRAGMENT(yggtree, lib) {
   lib.def("tiled_mm(Tensor x, Tensor w, Tensor scale) -> Tensor");
   lib.def("tiled_q4_mm(Tensor x, Tensor blocks) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  lib.def("loop_pool(int threads) -> int", &yggtree::loop_pool);
+  lib.def("loop_pool(int threads, bool balance=True) -> int[]", &yggtree::loop_pool);
   lib.def("prefetch(int near, int far) -> int[]", &prefetch);
   lib.def("attention_prefetch(int slots) -> int", &attention_prefetch);
 }
