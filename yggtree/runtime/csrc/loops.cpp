@@ -44,9 +44,9 @@ namespace yggtree {
 namespace {
 
 using Body = std::function<void(int64_t, int64_t)>;
-constexpr double SPIN_US = 2000;
-constexpr double LEARN = 0.25;  // a loop's weight in the threads' speeds
-constexpr double SPREAD = 2;   // a thread's speed is within this factor of the threads' mean  // a worker's spin before it sleeps: longer than a decode step's serial stretches
+constexpr double SPIN_US = 2000;  // a worker's spin before it sleeps: longer than a decode step's serial stretches
+constexpr double LEARN = 0.25;    // a loop's weight in the threads' speeds
+constexpr double SPREAD = 2;      // a thread's speed stays within this factor of the threads' mean
 
 struct alignas(64) Task {  // written by the caller, read by every worker: one line
   std::atomic<uint32_t> gen{0};
