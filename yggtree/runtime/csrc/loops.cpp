@@ -57,7 +57,7 @@ struct alignas(64) Task {  // written by the caller, read by every worker: one l
 };
 struct alignas(64) Done {  // written by one worker
   std::atomic<uint32_t> gen{0};
-  uint64_t ticks = 0;  // its last chunk's time stamp counter ticks
+  uint64_t ticks = 0;  // its range's time in its last loop (time stamp counter ticks)
 };
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value) {
@@ -67,7 +67,7 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value) {
 class Pool {
  public:
   Pool(int threads, bool balance)
-      : n_(threads), balance_(balance), done_(threads), bounds_(threads + 1), speed_(threads, 1.0) {
+      : n_(threads), balance_(balance), done_(threads), bounds_(threads + 1), speed_(threads, 1.0), rate_(threads) {
     for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i] { work(i); });
   }
   ~Pool() {
@@ -170,7 +170,7 @@ class Pool {
   std::atomic<bool> busy_{false};
   std::vector<int64_t> bounds_;  // [n_ + 1] the loop under way's ranges (the caller's)
   std::vector<double> speed_;    // [n_] each thread's items a tick, relative to the others' (1: all alike)
-  std::vector<double> rate_ = std::vector<double>(n_);  // [n_] learn's scratch
+  std::vector<double> rate_;     // [n_] learn's scratch
 };
 
 // The pool in use (null: OpenMP). A loop holds its own reference, so switching never pulls a pool from under
