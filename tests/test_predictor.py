@@ -30,7 +30,7 @@ from yggtree.runtime.cost import CostModel, Curve
 from yggtree.runtime.policy import StepChoice
 from yggtree.runtime.predictor import (
     LOGP_FLOOR, MANIFEST_FILE, MODEL_FILES, DepthFn, features, DepthPredictor, LinearDepthPredictor, choose_depth,
-    depth_fn_for, expected_aal, load_predictor, policy_with_predictor, verify_width_for,
+    depth_fn_for, expected_aal, load_predictor, numpy_features, numpy_forward, policy_with_predictor, verify_width_for,
 )
 
 
@@ -66,6 +66,27 @@ def test_outputs_are_probabilities_non_increasing_in_depth(kind, seed):
     one = model(h[7])  # a single hidden state, as at run time
     assert torch.allclose(one, p[7])
     assert torch.allclose(expected_aal(p), 1 + torch.cumsum(p, -1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "logistic"])
+@pytest.mark.parametrize("seed", range(5))
+def test_the_numpy_forward_is_the_modules(kind, seed):
+    """The numpy forward a decode step consults (and its features, the head's top log-probs sorted
+    and floored) gives the module's P(len >= d) to float32 rounding, monotone as the module's."""
+    model = DepthPredictor(16, 6, units=8, head_k=2) if kind == "mlp" else LinearDepthPredictor(16, 6, head_k=2)
+    model = randomised(model, seed)
+    f = numpy_forward(model)
+    g = torch.Generator().manual_seed(200 + seed)
+    for _ in range(20):
+        h, head = torch.randn(16, generator=g) * 4, torch.randn(4, generator=g) * 3
+        head[int(torch.randint(0, 4, (1,), generator=g))] = float("-inf")  # a missing child
+        x = numpy_features(h, head, 2)
+        assert x.dtype == np.float32 and np.array_equal(x, features(h, head, 2).numpy())
+        got, want = f(x), model(features(h, head, 2)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert bool((np.diff(got) <= 0).all())
+    with pytest.raises(YggError, match="top 2 log-probs, got none"):
+        numpy_features(torch.zeros(16), None, 2)
 
 
 # ----------------------------------------------------------------------------- the depth choice
@@ -363,9 +384,10 @@ def test_a_head_reading_predictor_picks_the_depth_after_the_head(tmp_path, plan)
         h = torch.randn(16, generator=g)
         head = -torch.rand(3, generator=g) * 4
         scale = fn.aal_scale(h, cal, head)
-        expect = np.cumsum(fn.predictor(features(h, head, 2)).double().numpy()) / np.array(
-            [cal.expected_aal(2, dd, wv) - 1 for dd, wv in ((1, 4), (2, 8), (3, 8))])
-        np.testing.assert_array_equal(scale, expect)
+        base = np.array([cal.expected_aal(2, dd, wv) - 1 for dd, wv in ((1, 4), (2, 8), (3, 8))])
+        np.testing.assert_array_equal(scale, np.cumsum(fn.p_ge(h, head).double().numpy()) / base)
+        module = np.cumsum(fn.predictor(features(h, head, 2)).double().numpy()) / base  # its forward, in torch
+        np.testing.assert_allclose(scale, module, rtol=1e-5)
         best = brute_choice(pol, cal, scale, fn.overhead_ms, allow_plain=False)  # the head has run
         assert got.after_head(h, head, StepChoice(1, 1), 100) == StepChoice(*best)
     # a policy without a head-reading predictor keeps the choice made before the head

@@ -27,6 +27,7 @@ refused with one line naming the file. Nothing here imports the offline package 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -246,6 +247,55 @@ def load_predictor(
 # ----------------------------------------------------------------------------- run time
 
 
+def matvec(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [F] @ w [F, U] by numpy's own loops: a BLAS call would wake BLAS's worker threads, which
+    spin after it on the cores the kernel library's pool works on."""
+    return np.einsum("i,ij->j", x, w)
+
+
+def numpy_forward(model: nn.Module) -> Callable[[np.ndarray], np.ndarray]:
+    """``model``'s forward (a :class:`DepthPredictor` or :class:`LinearDepthPredictor`: [F] float32
+    features -> [D_max] P(len >= d)) in numpy on copies of its weights: the same function without
+    torch's dispatch per operation (a decode step consults it once, where the module's ten
+    operations on one row took ~0.2 ms and this takes a tenth). Its float32 sums run in another
+    order, so the values agree with the module's to float32 rounding (tested), not bit for bit."""
+    mean, std = model.mean.detach().numpy().copy(), model.std.detach().numpy().copy()
+    if isinstance(model, LinearDepthPredictor):
+        w, b = model.weight.detach().numpy().T.copy(), model.bias.detach().numpy().copy()
+
+        def linear(f: np.ndarray) -> np.ndarray:
+            return np.minimum.accumulate(1.0 / (1.0 + np.exp(-(matvec((f - mean) / std, w) + b))))
+        return linear
+    layers = [(m.weight.detach().numpy().T.copy(), m.bias.detach().numpy().copy())
+              for m in (model.fc1, model.fc2, model.heads)]
+
+    def gelu(x: np.ndarray) -> np.ndarray:  # torch's exact GELU (a unit's erf by math: numpy has none)
+        erf = np.fromiter((math.erf(v) for v in (x * np.float32(1 / math.sqrt(2.0))).tolist()), np.float32, len(x))
+        return 0.5 * x * (1.0 + erf)
+
+    def mlp(f: np.ndarray) -> np.ndarray:
+        x = (f - mean) / std
+        for w, b in layers[:2]:
+            x = gelu(matvec(x, w) + b)
+        z = matvec(x, layers[2][0]) + layers[2][1]
+        log_sigmoid = np.minimum(z, 0) - np.log1p(np.exp(-np.abs(z)))
+        return np.exp(np.cumsum(log_sigmoid))
+    return mlp
+
+
+def numpy_features(h: torch.Tensor, head_logp: torch.Tensor | None, head_k: int) -> np.ndarray:
+    """:func:`features` of one step as a numpy float32 vector [H + head_k] (the same values)."""
+    x = h.detach().to(torch.float32).numpy()
+    if head_k == 0:
+        return x
+    if head_logp is None or head_logp.shape[-1] < head_k:
+        have = "none" if head_logp is None else head_logp.shape[-1]
+        raise YggError(f"the depth predictor reads the drafter head's top {head_k} log-probs, got {have}")
+    top = np.sort(head_logp.detach().to(torch.float32).numpy())[::-1][:head_k]
+    return np.concatenate([x, np.maximum(top, np.float32(LOGP_FLOOR))])
+
+
+
 @dataclass(frozen=True)
 class DepthFn:
     """A predictor ready for an :class:`~yggtree.runtime.objective.ObjectivePolicy`: P(len >= d)
@@ -259,6 +309,7 @@ class DepthFn:
     verify_widths: tuple[int, ...]  # [d_max] W_v assumed for D = 1..d_max
     overhead_ms: float = 0.0  # the predictor's own cost per step, added to every tree step
     _base: dict = field(default_factory=dict, compare=False, repr=False)  # id(calib) -> (calib, [d_max])
+    _numpy: dict = field(default_factory=dict, compare=False, repr=False)  # "forward": numpy_forward(predictor)
 
     @property
     def d_max(self) -> int:
@@ -276,9 +327,10 @@ class DepthFn:
         if h_root.shape[-1] != h:
             raise YggError(f"the depth predictor was trained on hidden size {h}, the target's "
                            f"hidden state has {h_root.shape[-1]}")
-        with torch.inference_mode():
-            x = features(h_root, head_logp, self.predictor.head_k)
-            return self.predictor(x)[: self.d_max]
+        if "forward" not in self._numpy:  # the module's forward in numpy, made once
+            self._numpy["forward"] = numpy_forward(self.predictor)
+        x = numpy_features(h_root, head_logp, self.predictor.head_k)
+        return torch.from_numpy(np.ascontiguousarray(self._numpy["forward"](x)[: self.d_max], dtype=np.float32))
 
     def __call__(self, h_root: torch.Tensor, committed: int, head_logp: torch.Tensor | None = None) -> int:
         return choose_depth(self.p_ge(h_root, head_logp).tolist(), self.cost, committed,
@@ -315,7 +367,8 @@ def depth_fn_for(
     width ``wd`` (default: the W_d the predictor was trained with when it is one of the plan's,
     else the plan's median width), verify widths from :func:`verify_width_for`. ``overhead_ms``,
     the predictor's own cost included in the objective, is measured here when None (median of
-    30 calls of the whole choice)."""
+    30 calls of its forward, :meth:`DepthFn.p_ge`: the choice it feeds is priced as the objective's
+    own choices are, not charged to it)."""
     d_max = min(predictor.d_max, plan.d_max)
     widths = sorted(plan.draft_widths)
     if wd is None:
@@ -324,7 +377,7 @@ def depth_fn_for(
     fn = DepthFn(predictor, cost, wd, wvs, 0.0)
     if overhead_ms is None:
         z, q = torch.zeros(predictor.hidden_size), torch.full((max(predictor.head_k, 1),), -1.0)
-        overhead_ms = measure_ms(lambda: fn(z, 64, q))
+        overhead_ms = measure_ms(lambda: fn.p_ge(z, q))
     return replace(fn, overhead_ms=float(overhead_ms))
 
 
