@@ -28,13 +28,13 @@ from yggtree.errors import YggError, run_reporting
 
 
 def setting(text: str) -> dict:
-    """``field=value,field=value`` -> {field: value}: each value as JSON (true, 8, null, [1024, 0]),
+    """``field=value;field=value`` -> {field: value}: each value as JSON (true, 8, null, [1024, 0]),
     else as a string; a field EngineConfig lacks is an error in one line."""
     from yggtree.runtime.engine import EngineConfig
 
     known = {f.name for f in fields(EngineConfig)}
     out = {}
-    for part in filter(None, text.split(";") if ";" in text else [text]):
+    for part in filter(None, text.split(";")):
         key, sep, value = part.partition("=")
         if not sep or key not in known:
             raise YggError(f"{part!r} is not FIELD=VALUE of an EngineConfig field ({', '.join(sorted(known))})")

@@ -56,15 +56,20 @@ FEATURE_LAYER = "final_norm"  # StepRecord.h_root: the target's final-norm outpu
 LOGP_FLOOR = -20.0  # head log-probs below this (or missing children, -inf) enter as this
 
 
+def check_head(head_logp: torch.Tensor | None, head_k: int) -> None:
+    """YggError in one line unless ``head_logp`` [..., k] holds the ``head_k`` log-probs a predictor reads."""
+    if head_logp is None or head_logp.shape[-1] < head_k:
+        have = "none" if head_logp is None else head_logp.shape[-1]
+        raise YggError(f"the depth predictor reads the drafter head's top {head_k} log-probs, got {have}")
+
+
 def features(h: torch.Tensor, head_logp: torch.Tensor | None, head_k: int) -> torch.Tensor:
     """A predictor's input: ``h`` [..., H] and the ``head_k`` largest of ``head_logp`` [..., k]
     (sorted, floored at LOGP_FLOOR) -> [..., H + head_k] float32. ``head_k = 0``: ``h`` alone."""
     h = h.to(torch.float32)
     if head_k == 0:
         return h
-    if head_logp is None or head_logp.shape[-1] < head_k:
-        have = "none" if head_logp is None else head_logp.shape[-1]
-        raise YggError(f"the depth predictor reads the drafter head's top {head_k} log-probs, got {have}")
+    check_head(head_logp, head_k)
     top = head_logp.to(torch.float32).sort(dim=-1, descending=True).values[..., :head_k]
     return torch.cat([h, top.clamp_min(LOGP_FLOOR)], dim=-1)
 
@@ -288,12 +293,9 @@ def numpy_features(h: torch.Tensor, head_logp: torch.Tensor | None, head_k: int)
     x = h.detach().to(torch.float32).numpy()
     if head_k == 0:
         return x
-    if head_logp is None or head_logp.shape[-1] < head_k:
-        have = "none" if head_logp is None else head_logp.shape[-1]
-        raise YggError(f"the depth predictor reads the drafter head's top {head_k} log-probs, got {have}")
+    check_head(head_logp, head_k)
     top = np.sort(head_logp.detach().to(torch.float32).numpy())[::-1][:head_k]
     return np.concatenate([x, np.maximum(top, np.float32(LOGP_FLOOR))])
-
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,10 @@ class DepthFn:
     verify_widths: tuple[int, ...]  # [d_max] W_v assumed for D = 1..d_max
     overhead_ms: float = 0.0  # the predictor's own cost per step, added to every tree step
     _base: dict = field(default_factory=dict, compare=False, repr=False)  # id(calib) -> (calib, [d_max])
-    _numpy: dict = field(default_factory=dict, compare=False, repr=False)  # "forward": numpy_forward(predictor)
+    _forward: Callable = field(init=False, compare=False, repr=False)  # numpy_forward(predictor)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_forward", numpy_forward(self.predictor))
 
     @property
     def d_max(self) -> int:
@@ -327,10 +332,8 @@ class DepthFn:
         if h_root.shape[-1] != h:
             raise YggError(f"the depth predictor was trained on hidden size {h}, the target's "
                            f"hidden state has {h_root.shape[-1]}")
-        if "forward" not in self._numpy:  # the module's forward in numpy, made once
-            self._numpy["forward"] = numpy_forward(self.predictor)
         x = numpy_features(h_root, head_logp, self.predictor.head_k)
-        return torch.from_numpy(np.ascontiguousarray(self._numpy["forward"](x)[: self.d_max], dtype=np.float32))
+        return torch.from_numpy(np.ascontiguousarray(self._forward(x)[: self.d_max], dtype=np.float32))
 
     def __call__(self, h_root: torch.Tensor, committed: int, head_logp: torch.Tensor | None = None) -> int:
         return choose_depth(self.p_ge(h_root, head_logp).tolist(), self.cost, committed,
