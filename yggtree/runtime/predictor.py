@@ -261,8 +261,8 @@ def matvec(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def numpy_forward(model: nn.Module) -> Callable[[np.ndarray], np.ndarray]:
     """``model``'s forward (a :class:`DepthPredictor` or :class:`LinearDepthPredictor`: [F] float32
     features -> [D_max] P(len >= d)) in numpy on copies of its weights: the same function without
-    torch's dispatch per operation (a decode step consults it once, where the module's ten
-    operations on one row took ~0.2 ms and this takes a tenth). Its float32 sums run in another
+    torch's dispatch per operation (a decode step consults it once, on one row, where the module's
+    ten operations cost mostly their dispatch: docs/results.md section 5). Its float32 sums run in another
     order, so the values agree with the module's to float32 rounding (tested), not bit for bit."""
     mean, std = model.mean.detach().numpy().copy(), model.std.detach().numpy().copy()
     if isinstance(model, LinearDepthPredictor):
